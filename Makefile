@@ -1,0 +1,29 @@
+# The two first commands of the README: `make demo` and `make test`. Both set up .venv first.
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint protos bench clean
+setup:
+	@DELTAD_VENV=$(VENV) bash scripts/install.sh
+
+demo: setup
+	$(BIN)/deltad demo
+
+test: setup
+	$(BIN)/python scripts/gen_protos.py --check
+	$(BIN)/ruff check deltad trainer consumers bench tests
+	$(BIN)/mypy
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check deltad trainer consumers bench tests
+	$(BIN)/mypy
+
+protos: setup
+	$(BIN)/python scripts/gen_protos.py
+
+bench: setup
+	$(BIN)/deltad bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The predictor side: appliers that write deltas into inference tables; the reference predictor."""

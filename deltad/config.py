@@ -1,0 +1,150 @@
+"""Configuration dataclasses for every deltad component, in one place.
+
+Each component takes its config object; the CLI builds them from flags and env vars.
+Validation happens in ``__post_init__`` and raises :class:`deltad.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltad.errors import ConfigError
+from deltad.types import Form, TrainLoop, WireDtype
+
+#: Model and consumer names: what may appear in Redis keys, file names and metric labels.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Return ``value`` if it is a valid model/consumer name, else raise ConfigError."""
+    if not isinstance(value, str) or not NAME_PATTERN.match(value):
+        raise ConfigError(
+            f"invalid {kind} name {value!r}: 1-128 chars of [A-Za-z0-9_.-], starting alphanumeric"
+        )
+    return value
+
+
+@dataclass
+class TrackerConfig:
+    """How the trainer-side tracker records touched rows."""
+
+    #: Module FQNs (or parts of them) not to track.
+    fqns_to_skip: tuple[str, ...] = ()
+    #: The train loop; decides how many lookups run ahead of the optimizer (see TrainLoop).
+    train_loop: TrainLoop = TrainLoop.PLAIN
+
+
+@dataclass
+class PublisherConfig:
+    """When and where the trainer publishes segments."""
+
+    spool_dir: Path
+    model: str = "model"
+    #: Publish every N steps (0 = off). At least one of every_steps / every_seconds is set.
+    every_steps: int = 0
+    #: Publish when this many seconds have passed since the last segment (0 = off).
+    every_seconds: float = 0.0
+    #: Generation id; None = chosen by rank 0 at start (time-based) and broadcast.
+    generation: int | None = None
+    #: Segments copied but not yet written before the training loop blocks (backpressure).
+    max_pending_writes: int = 2
+    #: fsync segment files and their directory (off only for benchmarks on tmpfs).
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        self.spool_dir = Path(self.spool_dir)
+        check_name("model", self.model)
+        if self.every_steps < 0 or self.every_seconds < 0:
+            raise ConfigError("publish intervals must be >= 0")
+        if self.every_steps == 0 and self.every_seconds == 0:
+            raise ConfigError("set every_steps or every_seconds (or both)")
+        if self.max_pending_writes < 1:
+            raise ConfigError("max_pending_writes must be >= 1")
+
+
+@dataclass
+class ServerConfig:
+    """`deltad serve`: one sidecar per trainer rank."""
+
+    spool_dir: Path
+    model: str = "model"
+    rank: int = 0
+    listen: str = "127.0.0.1:50051"
+    #: redis:// or rediss:// URL; None starts an embedded Redis with its data in the spool.
+    redis_url: str | None = None
+    #: Endpoint other processes should use to reach this sidecar (registered in Redis).
+    advertise: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    #: Allowed bearer tokens (empty = no auth). Sent as metadata ``authorization: Bearer <t>``.
+    tokens: tuple[str, ...] = ()
+    max_concurrent_streams: int = 64
+    max_message_bytes: int = 16 * 1024 * 1024
+    chunk_bytes: int = 2 * 1024 * 1024
+    #: Longest a single GetDelta stream may run before the server aborts it.
+    stream_deadline_s: float = 300.0
+    lease_ttl_s: float = 30.0
+    poll_interval_s: float = 0.05
+    grace_period_s: float = 10.0
+    metrics_port: int | None = None
+    #: Merged windows kept for reuse by consumers at the same cursor.
+    window_cache_entries: int = 8
+
+    def __post_init__(self) -> None:
+        self.spool_dir = Path(self.spool_dir)
+        check_name("model", self.model)
+        if self.rank < 0:
+            raise ConfigError("rank must be >= 0")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+
+
+@dataclass
+class PullOptions:
+    """What a consumer asks of GetDelta."""
+
+    form: Form = Form.ROWS
+    #: top-k: the k rows per table (0 = use ``fraction``).
+    k: int = 0
+    #: top-k: fraction of the window's candidate rows per table, in (0, 1].
+    fraction: float = 0.0
+    tables: tuple[str, ...] = ()
+    wire_dtype: WireDtype = WireDtype.FP32
+    #: Cap on rows returned per pull (0 = none); the rest stays in the window.
+    max_rows: int = 0
+    #: Highest trainer step to include (None = up to the head). Used for multi-rank alignment.
+    max_step: int | None = None
+    auto_commit: bool = False
+
+
+@dataclass
+class ConsumerConfig:
+    """The predictor-side consumer library."""
+
+    consumer: str
+    model: str = "model"
+    #: Static list of sidecar endpoints, one per rank (index = rank). Empty = discover in Redis.
+    sidecars: tuple[str, ...] = ()
+    redis_url: str | None = None
+    pull: PullOptions = field(default_factory=PullOptions)
+    #: Apply only up to the highest trainer step every rank has published.
+    align_steps: bool = True
+    rpc_deadline_s: float = 30.0
+    max_retries: int = 5
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+    lease_ttl_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
+    token: str | None = None
+    tls_ca: Path | None = None
+
+    def __post_init__(self) -> None:
+        check_name("consumer", self.consumer)
+        check_name("model", self.model)
+        if self.max_retries < 0 or self.rpc_deadline_s <= 0:
+            raise ConfigError("max_retries must be >= 0 and rpc_deadline_s > 0")

@@ -1,0 +1,43 @@
+"""The exception hierarchy: one root, one subclass per kind of failure callers handle."""
+
+from __future__ import annotations
+
+
+class DeltadError(Exception):
+    """Root of every exception deltad raises on purpose."""
+
+
+class ConfigError(DeltadError):
+    """A flag, config value or argument is invalid."""
+
+
+class UnsupportedModelError(DeltadError):
+    """The model has no sharded embedding module deltad can track, or a table it cannot map."""
+
+
+class SpoolError(DeltadError):
+    """The spool directory cannot be read or written."""
+
+
+class SegmentCorruptError(DeltadError):
+    """A segment file is truncated, has a bad header or fails its checksum."""
+
+
+class GenerationChangedError(DeltadError):
+    """The trainer started a new generation; the reader must resync from its base."""
+
+
+class OffsetStoreError(DeltadError):
+    """Redis (the offset store) is unreachable or refused an operation after bounded retries."""
+
+
+class StaleCursorError(DeltadError):
+    """A commit names a cursor that is behind, foreign, or of another generation."""
+
+
+class ConsumerError(DeltadError):
+    """Raised by the consumer library; gRPC errors are translated into it at the boundary."""
+
+
+class SidecarUnavailableError(ConsumerError):
+    """A sidecar did not answer within the deadline after bounded retries."""

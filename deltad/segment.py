@@ -1,0 +1,408 @@
+"""The segment file format (version 1): what one rank publishes at one step boundary.
+
+A segment is a set of "latest value" rows per table shard, in one file::
+
+    offset 0   magic  b"DLTSEG01"                      8 bytes
+           8   header length H (uint32 LE)             4 bytes
+          12   reserved (0)                            4 bytes
+          16   header: UTF-8 JSON, H bytes             (see SegmentHeader / ChunkMeta)
+               zero padding to a multiple of 64
+           P   payload: per chunk, ids then values, each 64-byte aligned; offsets in the
+               header are relative to P. ids are int64 LE global row ids, unique, ascending;
+               values are row-major [count, col_end - col_start] in the chunk's dtype.
+        end-16 crc32 (uint32 LE) of every byte before the trailer
+        end-12 reserved (0)                            4 bytes
+        end-8  magic  b"DLTEND01"                      8 bytes
+
+Files are written to a hidden temp name in the destination directory, fsynced, renamed into
+place and the directory fsynced, so a reader never sees half a segment. A segment that merges
+the original segments ``first_seq..seq`` carries both numbers (a base has ``first_seq == 0``).
+See docs/segment-format.md for the rules readers follow.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import tempfile
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from deltad.errors import SegmentCorruptError, SpoolError
+from deltad.types import ColumnRange, SegmentKind
+
+FORMAT_VERSION = 1
+MAGIC = b"DLTSEG01"
+END_MAGIC = b"DLTEND01"
+ALIGN = 64
+_PREFIX = struct.Struct("<8sII")
+_TRAILER = struct.Struct("<II8s")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The on-disk name of a value dtype; raises SpoolError for unsupported ones."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise SpoolError(f"unsupported segment value dtype {dtype}") from None
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """Where one table shard's rows sit in a segment, and what they are."""
+
+    table: str
+    num_rows: int  # rows of the whole (global) table
+    dim: int  # columns of the whole table
+    row_start: int  # global row range of the shard these rows come from
+    row_end: int
+    col_start: int  # column range covered by the values
+    col_end: int
+    dtype: str
+    count: int  # number of rows in this chunk
+    ids_offset: int = 0
+    values_offset: int = 0
+
+    @property
+    def columns(self) -> ColumnRange:
+        return ColumnRange(self.col_start, self.col_end)
+
+    @property
+    def width(self) -> int:
+        return self.col_end - self.col_start
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """Identifies a shard's column slice of a table across segments."""
+        return (self.table, self.col_start, self.col_end)
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """Everything about a segment except its rows."""
+
+    model: str
+    generation: int
+    rank: int
+    world_size: int
+    seq: int
+    first_seq: int
+    step: int
+    kind: SegmentKind
+    created_unix: float
+    chunks: tuple[ChunkMeta, ...]
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["kind"] = self.kind.value
+        return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> SegmentHeader:
+        try:
+            d = json.loads(raw)
+            if d.get("format_version") != FORMAT_VERSION:
+                raise SegmentCorruptError(
+                    f"segment format version {d.get('format_version')} is not {FORMAT_VERSION}"
+                )
+            d["kind"] = SegmentKind(d["kind"])
+            d["chunks"] = tuple(ChunkMeta(**c) for c in d["chunks"])
+            return cls(**d)
+        except SegmentCorruptError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise SegmentCorruptError(f"bad segment header: {e}") from e
+
+
+@dataclass
+class SegmentChunk:
+    """One table shard's rows: global ids (int64, unique, ascending) and their values."""
+
+    table: str
+    num_rows: int
+    dim: int
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.dtype != torch.int64 or self.ids.dim() != 1:
+            raise SpoolError(f"chunk {self.table}: ids must be a 1-D int64 tensor")
+        width = self.col_end - self.col_start
+        if self.values.dim() != 2 or self.values.shape != (self.ids.numel(), width):
+            raise SpoolError(
+                f"chunk {self.table}: values shape {tuple(self.values.shape)} != "
+                f"({self.ids.numel()}, {width})"
+            )
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.table, self.col_start, self.col_end)
+
+
+@dataclass
+class Segment:
+    """A segment in memory: its header and its chunks (views into the file when read)."""
+
+    header: SegmentHeader
+    chunks: list[SegmentChunk] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(c.ids.numel() for c in self.chunks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.ids.nbytes + c.values.nbytes for c in self.chunks)
+
+
+def _as_bytes_view(t: torch.Tensor) -> memoryview:
+    arr = t.detach().contiguous().cpu()
+    if arr.dtype == torch.bfloat16:
+        arr = arr.view(torch.int16)
+    flat: Any = arr.numpy().reshape(-1).view(np.uint8)
+    return memoryview(flat)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _CrcWriter:
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.crc = 0
+        self.pos = 0
+
+    def write(self, b: bytes | memoryview) -> None:
+        self.f.write(b)
+        self.crc = zlib.crc32(b, self.crc)
+        self.pos += len(b)
+
+    def pad_to(self, pos: int) -> None:
+        if pos > self.pos:
+            self.write(b"\0" * (pos - self.pos))
+
+
+def write_segment(
+    path: Path,
+    *,
+    model: str,
+    generation: int,
+    rank: int,
+    world_size: int,
+    seq: int,
+    step: int,
+    kind: SegmentKind,
+    chunks: Sequence[SegmentChunk],
+    first_seq: int | None = None,
+    fsync: bool = True,
+) -> SegmentHeader:
+    """Write a segment atomically (temp file, fsync, rename, fsync dir); return its header."""
+    path = Path(path)
+    metas: list[ChunkMeta] = []
+    off = 0
+    for c in chunks:
+        ids_off = off
+        off = _align(off + c.ids.numel() * 8)
+        vals_off = off
+        off = _align(off + c.values.numel() * c.values.element_size())
+        metas.append(
+            ChunkMeta(
+                table=c.table,
+                num_rows=c.num_rows,
+                dim=c.dim,
+                row_start=c.row_start,
+                row_end=c.row_end,
+                col_start=c.col_start,
+                col_end=c.col_end,
+                dtype=dtype_name(c.values.dtype),
+                count=c.ids.numel(),
+                ids_offset=ids_off,
+                values_offset=vals_off,
+            )
+        )
+    header = SegmentHeader(
+        model=model,
+        generation=generation,
+        rank=rank,
+        world_size=world_size,
+        seq=seq,
+        first_seq=seq if first_seq is None else first_seq,
+        step=step,
+        kind=kind,
+        created_unix=time.time(),
+        chunks=tuple(metas),
+    )
+    raw = header.to_json()
+    payload_start = _align(_PREFIX.size + len(raw))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".dseg", dir=path.parent)
+    except OSError as e:
+        raise SpoolError(f"cannot write to spool directory {path.parent}: {e}") from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            w = _CrcWriter(f)
+            w.write(_PREFIX.pack(MAGIC, len(raw), 0))
+            w.write(raw)
+            w.pad_to(payload_start)
+            for c, m in zip(chunks, metas, strict=True):
+                w.pad_to(payload_start + m.ids_offset)
+                w.write(_as_bytes_view(c.ids))
+                w.pad_to(payload_start + m.values_offset)
+                w.write(_as_bytes_view(c.values))
+            w.pad_to(payload_start + off)
+            f.write(_TRAILER.pack(w.crc, 0, END_MAGIC))
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if fsync:
+            _fsync_dir(path.parent)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise SpoolError(f"cannot write segment {path}: {e}") from e
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return header
+
+
+def _parse_prefix(buf: Any, path: Path) -> tuple[int, SegmentHeader]:
+    size = len(buf)
+    if size < _PREFIX.size + _TRAILER.size:
+        raise SegmentCorruptError(f"{path}: truncated ({size} bytes)")
+    magic, hlen, _ = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise SegmentCorruptError(f"{path}: not a deltad segment (magic {magic!r})")
+    if _PREFIX.size + hlen > size - _TRAILER.size:
+        raise SegmentCorruptError(f"{path}: header length {hlen} past end of file")
+    header = SegmentHeader.from_json(bytes(buf[_PREFIX.size : _PREFIX.size + hlen]))
+    return _align(_PREFIX.size + hlen), header
+
+
+def read_header(path: Path) -> SegmentHeader:
+    """Read only a segment's header (no checksum verification)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_PREFIX.size)
+            if len(head) < _PREFIX.size:
+                raise SegmentCorruptError(f"{path}: truncated")
+            magic, hlen, _ = _PREFIX.unpack(head)
+            if magic != MAGIC:
+                raise SegmentCorruptError(f"{path}: not a deltad segment (magic {magic!r})")
+            if hlen > 64 * 1024 * 1024:
+                raise SegmentCorruptError(f"{path}: absurd header length {hlen}")
+            raw = f.read(hlen)
+            if len(raw) != hlen:
+                raise SegmentCorruptError(f"{path}: truncated header")
+    except OSError as e:
+        raise SpoolError(f"cannot read segment {path}: {e}") from e
+    return SegmentHeader.from_json(raw)
+
+
+def read_segment(path: Path, *, verify: bool = True) -> Segment:
+    """Map a segment file and return it with zero-copy tensor views of its rows.
+
+    With ``verify`` (the default) the crc32 of the whole file is checked first and a
+    mismatch raises :class:`SegmentCorruptError`. The views stay valid while referenced.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise SegmentCorruptError(f"{path}: empty file")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise SpoolError(f"cannot read segment {path}: {e}") from e
+    payload_start, header = _parse_prefix(mm, path)
+    crc, _, end_magic = _TRAILER.unpack_from(mm, size - _TRAILER.size)
+    if end_magic != END_MAGIC:
+        raise SegmentCorruptError(f"{path}: missing end marker (truncated?)")
+    if verify and zlib.crc32(memoryview(mm)[: size - _TRAILER.size]) != crc:
+        raise SegmentCorruptError(f"{path}: checksum mismatch")
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    chunks: list[SegmentChunk] = []
+    limit = size - _TRAILER.size
+    for m in header.chunks:
+        width = m.col_end - m.col_start
+        dtype = _DTYPES.get(m.dtype)
+        if dtype is None:
+            raise SegmentCorruptError(f"{path}: unknown dtype {m.dtype!r}")
+        esize = torch.empty((), dtype=dtype).element_size()
+        i0 = payload_start + m.ids_offset
+        v0 = payload_start + m.values_offset
+        i1, v1 = i0 + m.count * 8, v0 + m.count * width * esize
+        if i1 > limit or v1 > limit or m.count < 0 or width < 0:
+            raise SegmentCorruptError(f"{path}: chunk {m.table} points past the payload")
+        ids = torch.from_numpy(arr[i0:i1]).view(torch.int64)
+        values = torch.from_numpy(arr[v0:v1]).view(dtype).view(m.count, width)
+        chunks.append(
+            SegmentChunk(
+                table=m.table,
+                num_rows=m.num_rows,
+                dim=m.dim,
+                row_start=m.row_start,
+                row_end=m.row_end,
+                col_start=m.col_start,
+                col_end=m.col_end,
+                ids=ids,
+                values=values,
+            )
+        )
+    return Segment(header=header, chunks=chunks)
+
+
+def apply_segments(
+    tables: dict[str, torch.Tensor], segments: Iterable[Segment]
+) -> dict[str, torch.Tensor]:
+    """Apply segments in order onto full tables (allocated on first sight); return them.
+
+    The reference rebuild used by tests and tools: ``tables[name][ids, cols] = values``.
+    """
+    for seg in segments:
+        for c in seg.chunks:
+            t = tables.get(c.table)
+            if t is None:
+                t = torch.zeros(c.num_rows, c.dim, dtype=c.values.dtype)
+                tables[c.table] = t
+            if c.ids.numel():
+                t[c.ids, c.col_start : c.col_end] = c.values.to(t.dtype)
+    return tables

@@ -1,0 +1,190 @@
+"""The spool directory layout shared by the trainer's publisher and the sidecar.
+
+::
+
+    <spool>/<model>/
+        gen-<generation:020d>/
+            generation.json              manifest written by rank 0 (tables, world size)
+            rank-<rank:05d>/
+                seg-<seq:012d>.dseg      segments (see deltad.segment); .tmp-* are in flight
+        quarantine/                      segments whose checksum failed (moved by the sidecar)
+        sidecar/                         sidecar-private state (owed rows of top-k consumers)
+        redis/                           data dir of the embedded Redis server
+
+Generations are integers; a larger one is newer. Only the trainer creates segment files and
+only the sidecar rewrites (merges) or deletes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from deltad.config import check_name
+from deltad.errors import SpoolError
+
+SEGMENT_RE = re.compile(r"^seg-(\d{12})\.dseg$")
+GENERATION_RE = re.compile(r"^gen-(\d{20})$")
+MANIFEST_NAME = "generation.json"
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """A table as the trainer declared it (global shape, owning module, sharding)."""
+
+    name: str
+    num_rows: int
+    dim: int
+    dtype: str
+    module: str  # fqn of the (sharded) EC / EBC that owns it
+    kind: str  # "ec" or "ebc"
+    sharding_type: str  # torchrec sharding type value, e.g. "row_wise"
+
+
+@dataclass(frozen=True)
+class GenerationManifest:
+    """Written once per generation by rank 0 before any segment of that generation."""
+
+    model: str
+    generation: int
+    world_size: int
+    start_step: int
+    created_unix: float
+    tables: tuple[TableInfo, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str) -> GenerationManifest:
+        d = json.loads(raw)
+        d["tables"] = tuple(TableInfo(**t) for t in d["tables"])
+        return cls(**d)
+
+
+def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically (temp file in the same dir, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if fsync:
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class SpoolLayout:
+    """Paths of one model's spool, and listing of what is in it."""
+
+    def __init__(self, root: Path | str, model: str) -> None:
+        self.root = Path(root)
+        self.model = check_name("model", model)
+        self.model_dir = self.root / model
+
+    def generation_dir(self, generation: int) -> Path:
+        return self.model_dir / f"gen-{generation:020d}"
+
+    def rank_dir(self, generation: int, rank: int) -> Path:
+        return self.generation_dir(generation) / f"rank-{rank:05d}"
+
+    def segment_path(self, generation: int, rank: int, seq: int) -> Path:
+        return self.rank_dir(generation, rank) / f"seg-{seq:012d}.dseg"
+
+    def manifest_path(self, generation: int) -> Path:
+        return self.generation_dir(generation) / MANIFEST_NAME
+
+    @property
+    def quarantine_dir(self) -> Path:
+        return self.model_dir / "quarantine"
+
+    @property
+    def sidecar_dir(self) -> Path:
+        return self.model_dir / "sidecar"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.model_dir / "redis"
+
+    def ensure_writable(self) -> None:
+        """Create the model dir and prove it is writable, or raise SpoolError."""
+        try:
+            self.model_dir.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=self.model_dir)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise SpoolError(f"spool directory {self.model_dir} is not writable: {e}") from e
+
+    def generations(self) -> list[int]:
+        """Generations present, oldest first."""
+        try:
+            names = os.listdir(self.model_dir)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise SpoolError(f"cannot list {self.model_dir}: {e}") from e
+        return sorted(int(m.group(1)) for n in names if (m := GENERATION_RE.match(n)))
+
+    def latest_generation(self) -> int | None:
+        """The newest generation that has a manifest, or None."""
+        for g in reversed(self.generations()):
+            if self.manifest_path(g).exists():
+                return g
+        return None
+
+    def segments(self, generation: int, rank: int) -> list[tuple[int, Path]]:
+        """(seq, path) of the complete segment files of a rank, by seq."""
+        d = self.rank_dir(generation, rank)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise SpoolError(f"cannot list {d}: {e}") from e
+        out = [(int(m.group(1)), d / n) for n in names if (m := SEGMENT_RE.match(n))]
+        out.sort()
+        return out
+
+    def write_manifest(self, manifest: GenerationManifest, *, fsync: bool = True) -> None:
+        try:
+            write_atomic(
+                self.manifest_path(manifest.generation), manifest.to_json().encode(), fsync=fsync
+            )
+        except OSError as e:
+            raise SpoolError(f"cannot write generation manifest: {e}") from e
+
+    def read_manifest(self, generation: int) -> GenerationManifest:
+        p = self.manifest_path(generation)
+        try:
+            return GenerationManifest.from_json(p.read_text())
+        except FileNotFoundError:
+            raise SpoolError(f"no manifest for generation {generation} at {p}") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SpoolError(f"bad manifest {p}: {e}") from e
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file; SpoolError if it is unreadable or malformed."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpoolError(f"cannot read {path}: {e}") from e
