@@ -1,0 +1,68 @@
+"""What a consumer receives from one rank's GetDelta stream, decoded into tensors.
+
+:mod:`deltad.wire` builds these from the wire messages; the consumer library hands them to
+appliers. This is the contract between the two sides of the stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltad.types import Form, WireDtype
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a consumer stands on one rank (mirrors deltad.v1.Cursor)."""
+
+    consumer: str
+    rank: int
+    generation: int
+    seq: int  # last segment applied; -1 = nothing yet
+    step: int  # trainer step of that segment
+    pull_id: str = ""
+
+
+@dataclass
+class SliceUpdate:
+    """Rows of one table shard's column slice: write ``values`` at ``[ids, col_start:col_end]``."""
+
+    table: str
+    num_rows: int  # rows of the whole table
+    dim: int  # columns of the whole table
+    col_start: int
+    col_end: int
+    ids: torch.Tensor  # int64 global row ids
+    values: (
+        torch.Tensor | None
+    )  # [len(ids), col_end - col_start] float32 (dequantized); None for IDS
+    owed: int = 0  # top-k: candidate rows not sent, still owed
+
+    @property
+    def width(self) -> int:
+        return self.col_end - self.col_start
+
+
+@dataclass
+class RankDelta:
+    """One rank's merged window: apply every slice, then commit ``cursor``."""
+
+    rank: int
+    generation: int
+    resync: bool  # replace the tables: the window starts from a base segment
+    from_seq: int
+    to_seq: int
+    to_step: int
+    form: Form
+    wire_dtype: WireDtype
+    cursor: Cursor
+    slices: list[SliceUpdate] = field(default_factory=list)
+    committed: bool = False  # auto_commit already committed the cursor
+    rows: int = 0
+    bytes: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.rows == 0 and not self.resync
