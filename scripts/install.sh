@@ -21,6 +21,7 @@ case "$variant" in
         "${pip[@]}" "fbgemm-gpu==1.8.0" --index-url "$DELTAD_TORCH_INDEX" ;;
   *) echo "install.sh: DELTAD_VARIANT must be cpu or cuda, not '$variant'" >&2; exit 2 ;;
 esac
-"${pip[@]}" --no-deps "torchrec==1.8.0"
 "${pip[@]}" -e ".[dev]"
+# Last, so no later resolver run trips over its fbgemm-gpu requirement.
+"${pip[@]}" --no-deps "torchrec==1.8.0"
 touch "$stamp"
