@@ -1,0 +1,320 @@
+"""The trainer-side publisher: turns the tracker's touched rows into segments in the spool.
+
+Call :meth:`SegmentPublisher.start` once before training (writes the generation manifest and
+the **base** segment), :meth:`SegmentPublisher.maybe_publish` right after every optimizer
+step, and :meth:`SegmentPublisher.close` at the end. Every rank runs the same calls; the
+publish decision is identical on all ranks (step-based needs no collective, time-based
+all-reduces one flag). The training loop only pays for the drain and an ``index_select`` copy
+of the touched rows; a background thread writes the file (bounded queue, backpressure).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deltad.config import PublisherConfig
+from deltad.errors import SpoolError
+from deltad.segment import SegmentChunk, write_segment
+from deltad.spool import GenerationManifest, SpoolLayout
+from deltad.tracker import DeltaTracker, TrackedShard
+from deltad.types import SegmentKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SegmentStats:
+    """What one segment cost. ``stall_s`` is time the training loop spent; ``write_s`` not."""
+
+    seq: int
+    step: int
+    kind: SegmentKind
+    rows: int
+    nbytes: int
+    stall_s: float  # drain + copy + waiting for a free write slot
+    write_s: float = 0.0  # in the writer thread (filled in when written)
+    path: Path | None = None
+
+
+@dataclass
+class PublisherStats:
+    """Totals over a publisher's life, for benchmarks."""
+
+    segments: list[SegmentStats] = field(default_factory=list)
+    #: Time spent deciding whether to publish (the all-reduce of the time-based flag).
+    decide_s: float = 0.0
+    calls: int = 0
+
+    @property
+    def stall_s(self) -> float:
+        return self.decide_s + sum(s.stall_s for s in self.segments)
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    @property
+    def write_s(self) -> float:
+        return sum(s.write_s for s in self.segments)
+
+
+@dataclass
+class _Job:
+    path: Path
+    seq: int
+    step: int
+    kind: SegmentKind
+    chunks: list[SegmentChunk]
+    stats: SegmentStats
+    ready: Any = None  # a CUDA event to wait for before reading device-to-host copies
+
+
+class SegmentPublisher:
+    """Publishes one rank's segments: base at :meth:`start`, deltas, a final one at close.
+
+    ``tracker`` defaults to a :class:`DeltaTracker` attached to ``model``. ``process_group``
+    is the group the ranks agree in (default: the world group, if torch.distributed is up).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tracker: DeltaTracker | None,
+        config: PublisherConfig,
+        *,
+        process_group: Any = None,
+    ) -> None:
+        self.config = config
+        self.tracker = tracker if tracker is not None else DeltaTracker(model)
+        self.layout = SpoolLayout(config.spool_dir, config.model)
+        self._pg = process_group
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if self._distributed else 0
+        self.world_size = dist.get_world_size(process_group) if self._distributed else 1
+        self._device = torch.device("cpu")
+        if self._distributed and dist.get_backend(process_group) == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self.generation: int | None = None
+        self.stats = PublisherStats()
+        self._seq = 0
+        self._last_step = 0
+        self._last_time = 0.0
+        self._closed = False
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_pending_writes)
+        self._thread: threading.Thread | None = None
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def _all_reduce_max(self, value: int) -> int:
+        if not self._distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
+        return int(t.item())
+
+    def _broadcast(self, value: int) -> int:
+        if not self._distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        dist.broadcast(t, src=dist.get_global_rank(self._pg, 0) if self._pg else 0, group=self._pg)
+        return int(t.item())
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if any rank failed (so no rank hangs in a later collective)."""
+        if self._all_reduce_max(1 if error else 0):
+            if error is not None:
+                raise error
+            raise SpoolError(f"{what} failed on another rank")
+
+    # -- public API -------------------------------------------------------------------------
+
+    def start(self, step: int = 0) -> int:
+        """Choose the generation, write its manifest (rank 0) and this rank's base segment."""
+        if self.generation is not None:
+            raise SpoolError("publisher already started")
+        error: BaseException | None = None
+        try:
+            self.layout.ensure_writable()
+        except SpoolError as e:
+            error = e
+        self._agree(error, "preparing the spool")
+        gen = self.config.generation if self.config.generation is not None else time.time_ns()
+        gen = self._broadcast(gen)
+        if self.rank == 0:
+            try:
+                self.layout.write_manifest(
+                    GenerationManifest(
+                        model=self.config.model,
+                        generation=gen,
+                        world_size=self.world_size,
+                        start_step=step,
+                        created_unix=time.time(),
+                        tables=tuple(self.tracker.tables),
+                    ),
+                    fsync=self.config.fsync,
+                )
+            except SpoolError as e:
+                error = e
+        self._agree(error, "writing the generation manifest")  # also: manifest before segments
+        self.generation = gen
+        self._thread = threading.Thread(target=self._writer, name="deltad-writer", daemon=True)
+        self._thread.start()
+        self.tracker.drain()  # the base holds every row; earlier lookups are covered
+        t0 = time.perf_counter()
+        shards = self.tracker.shards
+        ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
+        values = [s.weight.detach().clone() for s in shards]
+        self._enqueue(step, SegmentKind.BASE, shards, ids, values, t0)
+        return gen
+
+    def maybe_publish(self, step: int) -> SegmentStats | None:
+        """Publish a delta segment if one is due at this step; call after every optimizer step."""
+        self._check()
+        t0 = time.perf_counter()
+        self.stats.calls += 1
+        cfg = self.config
+        due = cfg.every_steps > 0 and step - self._last_step >= cfg.every_steps
+        if cfg.every_seconds > 0:
+            mine = int(due or time.monotonic() - self._last_time >= cfg.every_seconds)
+            due = bool(self._all_reduce_max(mine))
+        self.stats.decide_s += time.perf_counter() - t0
+        return self.publish(step) if due else None
+
+    def publish(self, step: int) -> SegmentStats:
+        """Drain the tracker and publish the touched rows as the next delta segment now.
+
+        Every rank must call it at the same step (each writes its own segment).
+        """
+        self._check()
+        t0 = time.perf_counter()
+        drained = self.tracker.drain()
+        shards = [s for s, _ in drained]
+        ids = [local + s.row_start for s, local in drained]
+        values = [s.weight.detach().index_select(0, local) for s, local in drained]
+        return self._enqueue(step, SegmentKind.DELTA, shards, ids, values, t0)
+
+    def close(self, step: int) -> None:
+        """Publish a final segment at ``step``, wait for every write, stop the writer."""
+        if self._closed or self.generation is None:
+            self._closed = True
+            return
+        try:
+            self.publish(step)
+        finally:
+            self._closed = True
+            self._queue.put(None)
+            if self._thread is not None:
+                self._thread.join()
+        self._check_error()
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next segment of this rank will get."""
+        return self._seq
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self.generation is None:
+            raise SpoolError("publisher not started: call start(step) first")
+        if self._closed:
+            raise SpoolError("publisher is closed")
+        self._check_error()
+
+    def _check_error(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise SpoolError(f"writing a segment failed: {err}") from err
+
+    def _enqueue(
+        self,
+        step: int,
+        kind: SegmentKind,
+        shards: list[TrackedShard],
+        ids: list[torch.Tensor],
+        values: list[torch.Tensor],
+        t0: float,
+    ) -> SegmentStats:
+        assert self.generation is not None
+        ready = None
+        if any(v.device.type == "cuda" for v in values):
+            values = [v.to("cpu", non_blocking=True) for v in values]
+            ids = [i.to("cpu", non_blocking=True) for i in ids]
+            ready = torch.cuda.Event()
+            ready.record()
+        chunks = [
+            SegmentChunk(
+                table=s.table,
+                num_rows=s.num_rows,
+                dim=s.dim,
+                row_start=s.row_start,
+                row_end=s.row_end,
+                col_start=s.col_start,
+                col_end=s.col_end,
+                ids=i,
+                values=v,
+            )
+            for s, i, v in zip(shards, ids, values, strict=True)
+        ]
+        seq = self._seq
+        path = self.layout.segment_path(self.generation, self.rank, seq)
+        stats = SegmentStats(
+            seq=seq,
+            step=step,
+            kind=kind,
+            rows=sum(i.numel() for i in ids),
+            nbytes=sum(i.nbytes + v.nbytes for i, v in zip(ids, values, strict=True)),
+            stall_s=0.0,
+            path=path,
+        )
+        self._queue.put(_Job(path, seq, step, kind, chunks, stats, ready))
+        self._seq += 1
+        self._last_step = step
+        self._last_time = time.monotonic()
+        stats.stall_s = time.perf_counter() - t0
+        self.stats.segments.append(stats)
+        return stats
+
+    def _writer(self) -> None:
+        assert self.generation is not None
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._error is not None:
+                continue  # a gap would break the log: write nothing after a failure
+            try:
+                if job.ready is not None:
+                    job.ready.synchronize()
+                t0 = time.perf_counter()
+                write_segment(
+                    job.path,
+                    model=self.config.model,
+                    generation=self.generation,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    seq=job.seq,
+                    step=job.step,
+                    kind=job.kind,
+                    chunks=job.chunks,
+                    fsync=self.config.fsync,
+                )
+                job.stats.write_s = time.perf_counter() - t0
+            except BaseException as e:
+                log.error("segment %s: %s", job.path, e)
+                self._error = e

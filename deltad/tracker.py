@@ -1,0 +1,362 @@
+"""The trainer-side delta tracker: which rows of each local embedding shard were touched.
+
+:class:`DeltaTracker` attaches to every sharded ``EmbeddingCollection`` /
+``EmbeddingBagCollection`` of a ``DistributedModelParallel`` model through TorchRec 1.8's
+hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``):
+
+* The post-lookup hook runs once per sharding type per forward with the features that this
+  rank's lookup consumed. It only stashes their id tensors (integers, no autograd state).
+* The post-odist hook ("auto-compaction during the output dist") folds the stash into a
+  **bool bitmap per local shard** on the weights' device: ``mask[ids] = True``. This costs a
+  scatter per lookup instead of the per-step ``torch.unique`` of TorchRec's own tracker.
+* :meth:`DeltaTracker.drain` folds what is left, returns the sorted unique local row ids of
+  each shard (``nonzero()``) and clears the bitmaps.
+
+What the hook sees (TorchRec 1.8, measured): the ids after the input dist, i.e. the ids this
+rank's shards are looked up with. Table-wise and column-wise shards see global row ids (they
+hold every row); row-wise and table-row-wise shards see **shard-local** ids (rank 1 of a
+100-row table split 50/50 reports global row 95 as 45). Each key of the lookup's features
+belongs, in order, to one table shard of the lookup's grouped configs (a rank holding two
+column shards of one table sees that feature twice); the tracker records local ids per shard
+and :class:`TrackedShard` carries the shard's global row and column range.
+
+Where to drain, and lookahead
+-----------------------------
+Drain at a step boundary: after the (fused) optimizer has applied step N and before anything
+of step N+1 updates a row. Every row step N updated was looked up by batch N, so its id is in
+the bitmap; reading the rows right after the drain gives a consistent cut.
+
+* Plain loop, ``TrainPipelineBase`` and ``TrainPipelineSparseDist``: ``progress()`` of step N
+  may already start the *input* dist of batch N+1, but the lookup of N+1 only runs inside the
+  forward of ``progress()`` N+1, so nothing past N is in the bitmap (lookahead 0).
+* ``TrainPipelineFusedSparseDist`` / ``TrainPipelineSemiSync`` (lookahead 1, GPU only): the
+  lookup of batch N+1 runs before step N's update is applied. Its ids are in the bitmap at
+  drain N (a harmless early copy), but the update of those rows happens in step N+1 and no
+  new lookup will mark them again. So after clearing, :meth:`drain` re-marks the ids of the
+  last ``lookahead`` lookups of every lookup module: those rows are owed to the next segment
+  too (a duplicate now, never a lost row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltad.config import TrackerConfig
+from deltad.errors import UnsupportedModelError
+from deltad.spool import TableInfo
+
+_DMP_PREFIXES = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.", "module.")
+
+
+@dataclass(frozen=True, eq=False)
+class TrackedShard:
+    """One local shard (a row range and column range of a table) and its weight view."""
+
+    module: str  # fqn of the sharded EC / EBC, DMP / DDP prefixes stripped
+    kind: str  # "ec" or "ebc"
+    table: str
+    sharding_type: str
+    num_rows: int  # of the whole table
+    dim: int
+    row_start: int  # global row range held here
+    row_end: int
+    col_start: int  # column range held here
+    col_end: int
+    #: [row_end - row_start, col_end - col_start] view of the TBE weights (not a copy).
+    weight: torch.Tensor = field(repr=False)
+
+
+@dataclass(eq=False)
+class _Lookup:
+    """One lookup (sharding type) of a sharded module: its keys and a flat bitmap."""
+
+    keys: tuple[str, ...]
+    shards: list[TrackedShard]
+    flat: torch.Tensor  # bool, concatenation of the shards' bitmaps
+    masks: list[torch.Tensor]  # views of ``flat``, one per shard
+    key_base: torch.Tensor  # per key: offset of its shard in ``flat``
+    single: bool  # every key maps to a shard at offset 0
+    history: deque[torch.Tensor]  # flat indices of the last ``lookahead`` lookups
+
+    def indices(self, values: torch.Tensor, lengths: torch.Tensor, strides: list[int]) -> Any:
+        values = values.to(device=self.flat.device, dtype=torch.int64)
+        if self.single:
+            return values
+        per_bag = torch.repeat_interleave(
+            self.key_base, torch.tensor(strides, device=self.key_base.device)
+        )
+        return values + torch.repeat_interleave(
+            per_bag, lengths.to(per_bag.device, torch.int64), output_size=values.numel()
+        )
+
+
+def _clean_fqn(fqn: str) -> str:
+    for prefix in _DMP_PREFIXES:
+        if fqn.startswith(prefix):
+            return _clean_fqn(fqn[len(prefix) :])
+    return fqn
+
+
+def _sharded_types() -> tuple[type, type]:
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    return ShardedEmbeddingCollection, ShardedEmbeddingBagCollection
+
+
+def _dtype_name(data_type: Any) -> str:
+    from torchrec.modules.embedding_configs import data_type_to_dtype
+
+    return str(data_type_to_dtype(data_type)).removeprefix("torch.")
+
+
+class DeltaTracker:
+    """Records, per local shard, the rows touched since the last :meth:`drain`.
+
+    ``model`` is a ``DistributedModelParallel`` (or any module containing sharded EC / EBC
+    modules), with or without DDP around its dense part.
+    """
+
+    def __init__(self, model: nn.Module, config: TrackerConfig | None = None) -> None:
+        self.config = config or TrackerConfig()
+        self._lookahead = self.config.train_loop.lookahead
+        self._paused = False
+        self._pending: list[tuple[_Lookup, torch.Tensor, torch.Tensor, list[int]]] = []
+        self._modules: dict[str, Any] = {}  # fqn -> sharded EC / EBC
+        self._lookups: dict[tuple[int, tuple[str, ...]], _Lookup] = {}
+        self._tables: list[TableInfo] = []
+        ec_type, ebc_type = _sharded_types()
+        for fqn, mod in model.named_modules():
+            if not isinstance(mod, (ec_type, ebc_type)):
+                continue
+            name = _clean_fqn(fqn)
+            if any(s in name.split(".") or s == name for s in self.config.fqns_to_skip):
+                continue
+            kind = "ebc" if isinstance(mod, ebc_type) else "ec"
+            self._add_module(name, kind, mod)
+        if not self._modules:
+            raise UnsupportedModelError(
+                "no sharded EmbeddingCollection / EmbeddingBagCollection to track: wrap the "
+                "model with DistributedModelParallel (and check TrackerConfig.fqns_to_skip)"
+            )
+        for mod in self._modules.values():
+            mod.register_post_lookup_tracker_fn(self._make_lookup_hook(id(mod)))
+            mod.register_post_odist_tracker_fn(self._fold)
+
+    # -- construction -----------------------------------------------------------------------
+
+    def _add_module(self, name: str, kind: str, mod: Any) -> None:
+        if not hasattr(mod, "register_post_lookup_tracker_fn"):
+            raise UnsupportedModelError(
+                f"{name}: this TorchRec has no post-lookup tracker hooks (need torchrec>=1.8)"
+            )
+        plan: dict[str, Any] = dict(mod.module_sharding_plan)
+        configs: dict[str, Any] = dict(mod._table_name_to_config)
+        for table, cfg in configs.items():
+            st = plan[table].sharding_type
+            if st == "data_parallel":
+                raise UnsupportedModelError(
+                    f"table {table} of {name} is data-parallel: every rank updates every "
+                    "replica, so no rank owns its rows; shard it (TW, RW, CW, TWRW) instead"
+                )
+            self._tables.append(
+                TableInfo(
+                    name=table,
+                    num_rows=cfg.num_embeddings,
+                    dim=cfg.embedding_dim,
+                    dtype=_dtype_name(cfg.data_type),
+                    module=name,
+                    kind=kind,
+                    sharding_type=st,
+                )
+            )
+        local = self._local_shards(name, mod, configs)
+        for lookup in mod._lookups:
+            while isinstance(lookup, nn.parallel.DistributedDataParallel):
+                lookup = lookup.module
+            keys: list[str] = []
+            shards: list[TrackedShard] = []
+            key_shard: list[int] = []
+            for emb in getattr(lookup, "_emb_modules", []):
+                weights = emb.split_embedding_weights()
+                for t, w in zip(emb._config.embedding_tables, weights, strict=True):
+                    shard = self._shard(name, kind, t, w, plan, configs, local)
+                    for feature in t.feature_names:
+                        keys.append(feature)
+                        key_shard.append(len(shards))
+                    shards.append(shard)
+            if not shards:
+                continue
+            self._lookups[(id(mod), tuple(keys))] = self._new_lookup(tuple(keys), shards, key_shard)
+        self._modules[name] = mod
+
+    def _local_shards(
+        self, name: str, mod: Any, configs: dict[str, Any]
+    ) -> dict[tuple[str, int, int], torch.Tensor]:
+        """(table, row offset, col offset) -> local shard tensor, from the state_dict."""
+        out: dict[tuple[str, int, int], torch.Tensor] = {}
+        for key, value in mod.state_dict().items():
+            parts = key.split(".")
+            if len(parts) < 2 or parts[-1] != "weight" or parts[-2] not in configs:
+                continue
+            if not hasattr(value, "local_shards"):
+                raise UnsupportedModelError(f"{name}.{key} is not a ShardedTensor")
+            for s in value.local_shards():
+                r, c = s.metadata.shard_offsets
+                out[(parts[-2], int(r), int(c))] = s.tensor
+        return out
+
+    def _shard(
+        self,
+        name: str,
+        kind: str,
+        t: Any,
+        w: torch.Tensor,
+        plan: dict[str, Any],
+        configs: dict[str, Any],
+        local: dict[tuple[str, int, int], torch.Tensor],
+    ) -> TrackedShard:
+        cfg = configs[t.name]
+        meta = t.local_metadata
+        r0, c0 = (
+            (0, 0) if meta is None else (int(meta.shard_offsets[0]), int(meta.shard_offsets[1]))
+        )
+        rows, cols = int(t.local_rows), int(t.local_cols)
+        view = local.get((t.name, r0, c0))
+        if (
+            view is None
+            or tuple(view.shape) != (rows, cols)
+            or tuple(w.shape) != (rows, cols)
+            or view.data_ptr() != w.data_ptr()
+        ):
+            raise UnsupportedModelError(
+                f"cannot map table {t.name} of {name} (rows {r0}+{rows}, cols {c0}+{cols}) to a "
+                "local shard whose state_dict tensor is a view of the embedding kernel's weights"
+            )
+        return TrackedShard(
+            module=name,
+            kind=kind,
+            table=t.name,
+            sharding_type=plan[t.name].sharding_type,
+            num_rows=cfg.num_embeddings,
+            dim=cfg.embedding_dim,
+            row_start=r0,
+            row_end=r0 + rows,
+            col_start=c0,
+            col_end=c0 + cols,
+            weight=w,
+        )
+
+    def _new_lookup(
+        self, keys: tuple[str, ...], shards: list[TrackedShard], key_shard: list[int]
+    ) -> _Lookup:
+        device = shards[0].weight.device
+        sizes = [s.row_end - s.row_start for s in shards]
+        bases = [sum(sizes[:i]) for i in range(len(sizes))]
+        flat = torch.zeros(sum(sizes), dtype=torch.bool, device=device)
+        masks = list(flat.split(sizes))
+        key_base = torch.tensor([bases[i] for i in key_shard], dtype=torch.int64, device=device)
+        return _Lookup(
+            keys=keys,
+            shards=shards,
+            flat=flat,
+            masks=masks,
+            key_base=key_base,
+            single=all(bases[i] == 0 for i in key_shard),
+            history=deque(maxlen=self._lookahead),
+        )
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _make_lookup_hook(self, mod_id: int) -> Any:
+        def record(features: Any, embs: Any, module: Any, extra: Any) -> None:
+            if self._paused:
+                return
+            keys = tuple(features.keys())
+            if not keys:
+                return
+            lookup = self._lookups.get((mod_id, keys))
+            if lookup is None:
+                raise UnsupportedModelError(
+                    f"lookup features {list(keys)} match no local shard layout of the module"
+                )
+            self._pending.append(
+                (
+                    lookup,
+                    features.values().detach(),
+                    features.lengths().detach(),
+                    features.stride_per_key(),
+                )
+            )
+
+        return record
+
+    @torch.no_grad()
+    def _fold(self) -> None:
+        """Fold stashed ids into the bitmaps (runs in the output dist, and at drain)."""
+        pending, self._pending = self._pending, []
+        for lookup, values, lengths, strides in pending:
+            idx = lookup.indices(values, lengths, strides)
+            lookup.flat[idx] = True
+            if self._lookahead:
+                lookup.history.append(idx)
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def shards(self) -> list[TrackedShard]:
+        """Every local shard tracked on this rank."""
+        return [s for lk in self._lookups.values() for s in lk.shards]
+
+    @property
+    def tables(self) -> list[TableInfo]:
+        """Every table of the tracked modules (global shapes; also those with no local shard)."""
+        return list(self._tables)
+
+    @property
+    def lookahead(self) -> int:
+        return self._lookahead
+
+    @torch.no_grad()
+    def drain(self) -> list[tuple[TrackedShard, torch.Tensor]]:
+        """Return (shard, sorted unique local row ids) for every local shard, and reset.
+
+        Call at a step boundary (see the module docstring). With lookahead L > 0 the ids of
+        the last L lookups are marked again after the reset, so they are owed to the next
+        segment as well (again at every drain until newer lookups replace them: owed rows
+        are sent at least once). With lookahead 0, draining twice with no forward in between
+        returns empty ids.
+        """
+        self._fold()
+        out: list[tuple[TrackedShard, torch.Tensor]] = []
+        for lk in self._lookups.values():
+            for shard, mask in zip(lk.shards, lk.masks, strict=True):
+                out.append((shard, mask.nonzero().view(-1)))
+            lk.flat.zero_()
+            for idx in lk.history:
+                lk.flat[idx] = True
+        return out
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Do not record lookups inside this block (eval / warm-up forwards)."""
+        prev, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = prev
+
+    def detach(self) -> None:
+        """Remove the hooks from every tracked module; pending ids are dropped."""
+        for mod in self._modules.values():
+            mod.post_lookup_tracker_fn = None
+            mod.post_odist_tracker_fn = None
+        self._modules.clear()
+        self._pending.clear()
