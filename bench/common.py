@@ -1,0 +1,340 @@
+"""Shared plumbing of the benchmarks: statistics, the run context, child processes, memory.
+
+Every benchmark is a function ``run(ctx) -> dict`` registered in :mod:`bench.run`. It raises
+:class:`NotAvailable` when a deltad component it needs is missing, and reports samples through
+:func:`summarize` (median, min, max, spread) so ratios can be formed in the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import platform
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+#: The repository root (``bench/``'s parent): children get it on PYTHONPATH.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+GB = 1e9
+MB = 1 << 20
+
+
+class NotAvailable(Exception):
+    """A benchmark cannot run here: a deltad component it needs is missing or incomplete.
+
+    ``partial`` keeps what was measured anyway (the baselines), so it is still reported.
+    """
+
+    def __init__(self, why: str, partial: dict[str, Any] | None = None) -> None:
+        super().__init__(why)
+        self.partial = partial or {}
+
+
+def summarize(samples: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and spread ((max - min) / median, in %) of repeated measurements."""
+    xs = [float(x) for x in samples if x is not None and math.isfinite(float(x))]
+    if not xs:
+        return {"n": 0, "median": None, "min": None, "max": None, "spread_pct": None}
+    med = statistics.median(xs)
+    spread = (max(xs) - min(xs)) / med * 100.0 if med else 0.0
+    return {
+        "n": len(xs),
+        "median": med,
+        "min": min(xs),
+        "max": max(xs),
+        "spread_pct": spread,
+        "samples": xs,
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation, None for no values."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def med(d: dict[str, Any] | None) -> float | None:
+    """The median of a :func:`summarize` dict (None-safe)."""
+    return None if d is None else d.get("median")
+
+
+@dataclass
+class Context:
+    """What every benchmark gets: the size preset, repeats, where to write, progress output."""
+
+    quick: bool = False
+    tiny: bool = False  # smaller than --quick: the smoke test
+    repeats: int = 3
+    out_dir: Path = OUT_DIR
+    work_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
+    #: Advance an outer progress bar description (set by the runner).
+    status: Callable[[str], None] = lambda msg: None
+
+    def pick(self, full: Any, quick: Any, tiny: Any | None = None) -> Any:
+        """The value for the current size preset."""
+        if self.tiny:
+            return quick if tiny is None else tiny
+        return quick if self.quick else full
+
+    @contextlib.contextmanager
+    def tmpdir(self, prefix: str) -> Iterator[Path]:
+        """A scratch directory under the work dir, removed afterwards."""
+        with tempfile.TemporaryDirectory(prefix=f"deltad-bench-{prefix}-", dir=self.work_dir) as d:
+            yield Path(d)
+
+
+def machine_info() -> dict[str, Any]:
+    """Conditions of the run: load, cores, memory, versions (stored with the results)."""
+    import torch
+
+    try:
+        import grpc
+
+        grpc_version = grpc.__version__
+    except ImportError:  # pragma: no cover
+        grpc_version = None
+    vm = psutil.virtual_memory()
+    return {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "grpcio": grpc_version,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_start": os.getloadavg(),
+        "mem_total_gb": vm.total / GB,
+        "mem_available_gb": vm.available / GB,
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def self_peak_rss() -> int:
+    """Peak resident set size of this process, bytes."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def proc_peak_rss(pid: int) -> int | None:
+    """Peak RSS (VmHWM) of a live process, bytes; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class PeakRssMonitor:
+    """Samples the peak RSS (VmHWM, including children) of named processes until stopped.
+
+    VmHWM is the kernel's own high-water mark, so sampling every ``interval_s`` only risks
+    missing the last moments of a process; :meth:`stop` takes a final reading.
+    """
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.interval_s = interval_s
+        self.pids: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, name: str, pid: int) -> None:
+        self.pids[name] = pid
+
+    def _sample(self) -> None:
+        for name, pid in list(self.pids.items()):
+            total = 0
+            try:
+                procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+            except psutil.Error:
+                continue
+            for p in procs:
+                v = proc_peak_rss(p.pid)
+                total += v or 0
+            if total:
+                self.peak[name] = max(self.peak.get(name, 0), total)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def start(self) -> PeakRssMonitor:
+        self._thread = threading.Thread(target=self._loop, name="rss-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, int]:
+        self._sample()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        return dict(self.peak)
+
+
+class CpuMonitor:
+    """CPU seconds (user + system, including children) consumed by one process over a span."""
+
+    def __init__(self, pid: int) -> None:
+        self.proc = psutil.Process(pid)
+        self._t0 = self._cpu()
+
+    def _cpu(self) -> float:
+        try:
+            t = self.proc.cpu_times()
+            return float(t.user + t.system)
+        except psutil.Error:
+            return 0.0
+
+    def reset(self) -> None:
+        self._t0 = self._cpu()
+
+    def seconds(self) -> float:
+        return self._cpu() - self._t0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for child processes: the repo root importable, quiet logging."""
+    env = dict(os.environ)
+    pp = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + pp if pp else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def deltad_command() -> list[str]:
+    """How to run the ``deltad`` CLI as a child process (the console script's module)."""
+    return [sys.executable, "-m", "deltad.cli"]
+
+
+class Children:
+    """Owns the child processes a benchmark starts; stops every one of them on exit.
+
+    Stopping is SIGTERM, a bounded wait, then SIGKILL of that child (its own process group
+    when it was started with ``start_new_session``); nothing is ever killed by name.
+    """
+
+    def __init__(self) -> None:
+        self.popens: list[subprocess.Popen[bytes]] = []
+        self.procs: list[mp.process.BaseProcess] = []
+
+    def popen(
+        self, args: list[str], *, log_path: Path | None = None, **kw: Any
+    ) -> subprocess.Popen[bytes]:
+        out: Any = subprocess.DEVNULL
+        if log_path is not None:
+            out = open(log_path, "ab")  # noqa: SIM115 (closed with the child)
+        kw.setdefault("env", child_env())
+        kw.setdefault("cwd", str(REPO_ROOT))
+        p = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            **kw,
+        )
+        if log_path is not None:
+            out.close()
+        self.popens.append(p)
+        return p
+
+    def process(self, target: Callable[..., Any], *args: Any) -> mp.process.BaseProcess:
+        ctx = mp.get_context("spawn")
+        p = ctx.Process(target=target, args=args, daemon=True)
+        p.start()
+        self.procs.append(p)
+        return p
+
+    @staticmethod
+    def stop_popen(p: subprocess.Popen[bytes], timeout: float = 15.0) -> int | None:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=10)
+        return p.returncode
+
+    def stop_all(self) -> None:
+        for p in reversed(self.popens):
+            self.stop_popen(p)
+        for q in reversed(self.procs):
+            q.join(timeout=10)
+            if q.is_alive():
+                q.terminate()
+                q.join(timeout=5)
+            if q.is_alive():
+                q.kill()
+                q.join(timeout=5)
+        self.popens.clear()
+        self.procs.clear()
+
+    def __enter__(self) -> Children:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``pred`` until true or the timeout passes; return its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval_s)
+    return pred()
+
+
+def finite_positive(x: Any) -> bool:
+    """True for a finite number > 0 (used by the smoke test and sanity checks)."""
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0

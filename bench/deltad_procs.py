@@ -1,0 +1,139 @@
+"""Starting deltad's own processes for the benchmarks (sidecar, trainer), with clean stops.
+
+Every check for a component that may not have landed yet lives here and answers with the
+reason it is unavailable (or None), so a benchmark can report ``not available: <why>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import Children, Context, deltad_command, free_port, wait_until
+from bench.datagen import write_spool
+
+MODEL = "bench"
+
+
+def module_unavailable(*modules: str) -> str | None:
+    """None if every module imports, else why not."""
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:
+            return f"{m} cannot be imported ({type(e).__name__}: {e})"
+    return None
+
+
+def sidecar_unavailable() -> str | None:
+    """Why the sidecar (``deltad serve``) and the consumer library cannot be used, or None."""
+    return module_unavailable("deltad.server.cli", "deltad.client", "deltad.wire")
+
+
+def write_bench_spool(spool: Path, *, rows: int, tables: int, dim: int) -> dict[str, int]:
+    """A spool whose fresh-consumer window is ``rows`` rows over ``tables`` tables."""
+    return write_spool(
+        spool, model=MODEL, tables=tables, rows_per_table=rows // tables, dim=dim, deltas=2
+    )
+
+
+@dataclass
+class Sidecar:
+    """A running ``deltad serve`` child."""
+
+    proc: Any
+    endpoint: str
+    model: str
+    spool: Path
+    log_path: Path
+    children: Children
+
+    def stop(self) -> None:
+        self.children.stop_popen(self.proc)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _answers(endpoint: str) -> bool:
+    import grpc
+
+    from deltad.v1 import delta_pb2 as pb
+    from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+    ch = grpc.insecure_channel(endpoint)
+    try:
+        pb_grpc.DeltaServiceStub(ch).Status(pb.StatusRequest(), timeout=1.0)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        ch.close()
+
+
+def start_sidecar(
+    children: Children,
+    spool: Path,
+    ctx: Context,
+    *,
+    model: str = MODEL,
+    redis_url: str | None = None,
+    extra: list[str] | None = None,
+    timeout_s: float = 90.0,
+    require_head: bool = True,
+) -> Sidecar:
+    """Start ``deltad serve`` on a free port and wait until its Status answers."""
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    log_path = spool / f"sidecar-{port}.log"
+    args = [
+        *deltad_command(),
+        "serve",
+        "--spool",
+        str(spool),
+        "--model",
+        model,
+        "--listen",
+        endpoint,
+    ]
+    if redis_url:
+        args += ["--redis-url", redis_url]
+    args += extra or []
+    proc = children.popen(args, log_path=log_path)
+    side = Sidecar(proc, endpoint, model, spool, log_path, children)
+    ok = wait_until(lambda: proc.poll() is not None or _answers(endpoint), timeout_s, 0.2)
+    if not ok or proc.poll() is not None:
+        tail = side.log_tail()
+        side.stop()
+        raise RuntimeError(f"deltad serve did not come up on {endpoint}:\n{tail}")
+    if require_head:
+        _wait_head(endpoint, timeout_s)
+    return side
+
+
+def _wait_head(endpoint: str, timeout_s: float) -> None:
+    import grpc
+
+    from deltad.v1 import delta_pb2 as pb
+    from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+    ch = grpc.insecure_channel(endpoint)
+    try:
+        stub = pb_grpc.DeltaServiceStub(ch)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if stub.Status(pb.StatusRequest(), timeout=2.0).head_seq >= 0:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    finally:
+        ch.close()
+    raise RuntimeError(f"sidecar {endpoint} never indexed a segment")
