@@ -1,0 +1,108 @@
+"""`deltad consume`: the reference predictor (see :mod:`consumers.predictor`).
+
+Imports nothing heavy at module import time; torch comes in with the predictor in ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register the flags of `deltad consume`."""
+    p.add_argument("--consumer", required=True, help="consumer name (its cursor in Redis)")
+    p.add_argument("--model", default="model", help="model name (default: model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--sidecar",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="sidecar endpoint; repeat once per rank, in rank order",
+    )
+    src.add_argument("--redis-url", help="discover the sidecars in Redis (RedisKeys.ranks)")
+    p.add_argument("--form", choices=("ids", "rows", "topk"), default="rows")
+    p.add_argument("--k", type=int, default=0, help="topk: rows per table per pull")
+    p.add_argument(
+        "--fraction", type=float, default=0.0, help="topk: fraction of candidate rows (0, 1]"
+    )
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16", "int8"), default="fp32")
+    p.add_argument("--max-rows", type=int, default=0, help="cap on rows per pull (0: none)")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between pulls")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after N seconds (0: run)")
+    p.add_argument("--pulls", type=int, default=0, help="stop after N pulls (0: run)")
+    p.add_argument("--no-align", action="store_true", help="do not align ranks on one step")
+    p.add_argument("--auto-commit", action="store_true", help="let the server commit")
+    p.add_argument("--init-tables", type=Path, help="start from this {table: tensor} file")
+    p.add_argument("--final-tables", type=Path, help="torch.save the tables here at the end")
+    p.add_argument("--json-log", metavar="PATH", help='JSON line per pull ("-": stdout)')
+    p.add_argument("--rpc-deadline", type=float, default=30.0, help="seconds per RPC")
+    p.add_argument("--max-retries", type=int, default=5)
+    p.add_argument("--tls-ca", type=Path, help="CA bundle to verify TLS sidecars")
+    p.add_argument(
+        "--token-env",
+        default="DELTAD_TOKEN",
+        help="environment variable holding the bearer token (default: DELTAD_TOKEN)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the predictor until --duration / --pulls / SIGTERM; 0 on a clean stop."""
+    from consumers.predictor import Predictor, PredictorConfig
+    from deltad.config import ConsumerConfig, PullOptions
+    from deltad.types import Form, WireDtype
+
+    consumer = ConsumerConfig(
+        consumer=args.consumer,
+        model=args.model,
+        sidecars=tuple(args.sidecar),
+        redis_url=args.redis_url,
+        pull=PullOptions(
+            form=Form(args.form),
+            k=args.k,
+            fraction=args.fraction,
+            wire_dtype=WireDtype(args.dtype),
+            max_rows=args.max_rows,
+            auto_commit=args.auto_commit,
+        ),
+        align_steps=not args.no_align,
+        rpc_deadline_s=args.rpc_deadline,
+        max_retries=args.max_retries,
+        token=os.environ.get(args.token_env) or None,
+        tls_ca=args.tls_ca,
+    )
+    predictor = Predictor(
+        PredictorConfig(
+            consumer=consumer,
+            interval_s=args.interval,
+            duration_s=args.duration,
+            pulls=args.pulls,
+            init_tables=args.init_tables,
+            final_tables=args.final_tables,
+            json_log=args.json_log,
+        )
+    )
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        predictor.stop()
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        s = predictor.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(
+        f"consumer {s.consumer}: {s.pulls} pulls, {s.rows} rows, {s.bytes} bytes, "
+        f"step {s.step}, freshness p50 {_fmt(s.freshness_p50_s)} p99 {_fmt(s.freshness_p99_s)}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}s"

@@ -1,0 +1,242 @@
+"""The reference predictor: pull every rank's window on an interval, apply it, commit.
+
+It keeps its tables as a dict of tensors (:class:`~consumers.appliers.TensorDictApplier`),
+optionally starting from a ``{table: tensor}`` file, and logs per pull what it served:
+
+* ``step`` / ``head_step`` / ``step_lag``: the trainer step its tables serve vs the newest
+  step any rank has published;
+* ``freshness_s``: seconds from the creation of the newest segment of ``step`` (the last
+  rank to publish it) to the moment its rows were applied, sampled when a new step is served;
+* ``rows`` / ``bytes``: what the pull carried; ``owed``: top-k rows still owed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from consumers.appliers import TensorDictApplier
+from deltad.client import DeltaConsumer, PullResult
+from deltad.config import ConsumerConfig
+from deltad.errors import ConsumerError
+from deltad.types import Form
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PredictorConfig:
+    """What `deltad consume` runs."""
+
+    consumer: ConsumerConfig
+    interval_s: float = 0.5
+    #: Stop after this many seconds / pulls (0 = no limit; SIGTERM / stop() also stop it).
+    duration_s: float = 0.0
+    pulls: int = 0
+    init_tables: Path | None = None
+    final_tables: Path | None = None
+    #: JSON lines, one per pull and a summary ("-" = stdout).
+    json_log: str | None = None
+
+
+@dataclass
+class PullRecord:
+    """One line of the predictor's log."""
+
+    event: str
+    consumer: str
+    t: float
+    pull: int
+    step: int | None
+    head_step: int | None
+    step_lag: int | None
+    freshness_s: float | None
+    rows: int
+    bytes: int
+    owed: int
+    resync: bool
+    missing: dict[int, str] = field(default_factory=dict)
+    pull_s: float = 0.0
+    apply_s: float = 0.0
+
+
+@dataclass
+class PredictorSummary:
+    """Totals of a predictor run."""
+
+    event: str
+    consumer: str
+    pulls: int
+    rows: int
+    bytes: int
+    step: int | None
+    freshness_p50_s: float | None
+    freshness_p99_s: float | None
+    freshness_samples: int
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return float(statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1])
+
+
+class Predictor:
+    """Holds the tables and runs the pull / apply / commit loop."""
+
+    def __init__(self, config: PredictorConfig) -> None:
+        self.config = config
+        tables: dict[str, torch.Tensor] = {}
+        if config.init_tables is not None:
+            tables = load_tables(config.init_tables)
+        self.applier = TensorDictApplier(tables)
+        self.stop_event = threading.Event()
+        self.records: list[PullRecord] = []
+        self.freshness: list[float] = []
+        self.served_step: int | None = None
+        self._out: IO[str] | None = None
+
+    def stop(self) -> None:
+        """Ask the loop to finish after the current pull."""
+        self.stop_event.set()
+
+    def run(self) -> PredictorSummary:
+        """Pull until duration / pulls / stop(); write the final tables; return totals."""
+        c = self.config
+        deadline = time.monotonic() + c.duration_s if c.duration_s > 0 else None
+        self._open_log()
+        try:
+            with DeltaConsumer(c.consumer) as consumer:
+                n = 0
+                while not self.stop_event.is_set():
+                    if c.pulls and n >= c.pulls:
+                        break
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                    started = time.monotonic()
+                    n += 1
+                    self._emit(self.pull_once(consumer, n))
+                    pause = c.interval_s - (time.monotonic() - started)
+                    if pause > 0:
+                        self.stop_event.wait(pause)
+            summary = self.summary()
+            self._emit(summary)
+            if c.final_tables is not None:
+                save_tables(self.applier.tables(), c.final_tables)
+            return summary
+        finally:
+            if self._out is not None and self._out is not sys.stdout:
+                self._out.close()
+
+    def pull_once(self, consumer: DeltaConsumer, n: int) -> PullRecord:
+        """One pull, apply (not for the ids form), commit; the record of what happened."""
+        t0 = time.monotonic()
+        result = consumer.pull()
+        t1 = time.monotonic()
+        if result.deltas and consumer.config.pull.form is not Form.IDS:
+            self.applier.apply(result.deltas)
+        applied_unix = time.time()
+        t2 = time.monotonic()
+        if result.deltas:
+            consumer.commit(result)
+        return self._record(result, n, applied_unix, t1 - t0, t2 - t1)
+
+    def _record(
+        self, r: PullResult, n: int, applied_unix: float, pull_s: float, apply_s: float
+    ) -> PullRecord:
+        fresh = None
+        if r.deltas and r.step is not None:
+            new_step = r.resync or self.served_step is None or r.step > self.served_step
+            if new_step and r.source_unix is not None:
+                fresh = max(0.0, applied_unix - r.source_unix)
+                self.freshness.append(fresh)
+            self.served_step = r.step
+        rec = PullRecord(
+            event="pull",
+            consumer=self.config.consumer.consumer,
+            t=applied_unix,
+            pull=n,
+            step=self.served_step,
+            head_step=r.head_step,
+            step_lag=(r.head_step - self.served_step)
+            if r.head_step is not None and self.served_step is not None
+            else None,
+            freshness_s=fresh,
+            rows=r.rows,
+            bytes=r.bytes,
+            owed=sum(s.owed for d in r.deltas for s in d.slices),
+            resync=r.resync,
+            missing=r.missing,
+            pull_s=pull_s,
+            apply_s=apply_s,
+        )
+        self.records.append(rec)
+        return rec
+
+    def summary(self) -> PredictorSummary:
+        return PredictorSummary(
+            event="summary",
+            consumer=self.config.consumer.consumer,
+            pulls=len(self.records),
+            rows=sum(r.rows for r in self.records),
+            bytes=sum(r.bytes for r in self.records),
+            step=self.served_step,
+            freshness_p50_s=percentile(self.freshness, 50),
+            freshness_p99_s=percentile(self.freshness, 99),
+            freshness_samples=len(self.freshness),
+        )
+
+    def _open_log(self) -> None:
+        dest = self.config.json_log
+        if dest == "-":
+            self._out = sys.stdout
+        elif dest:
+            Path(dest).parent.mkdir(parents=True, exist_ok=True)
+            self._out = open(dest, "a", buffering=1)  # noqa: SIM115 - closed in run()
+
+    def _emit(self, rec: PullRecord | PredictorSummary) -> None:
+        d: dict[str, Any] = asdict(rec)
+        if self._out is not None:
+            self._out.write(json.dumps(d, separators=(",", ":")) + "\n")
+            self._out.flush()
+        if isinstance(rec, PullRecord) and (rec.rows or rec.missing):
+            log.info(
+                "pull %d: step %s (head %s) rows %d bytes %d fresh %s missing %s",
+                rec.pull, rec.step, rec.head_step, rec.rows, rec.bytes,
+                None if rec.freshness_s is None else f"{rec.freshness_s:.3f}s",
+                sorted(rec.missing),
+            )  # fmt: skip
+
+
+def load_tables(path: Path) -> dict[str, torch.Tensor]:
+    """``{table: 2-D tensor}`` from a torch.save file (the trainer's --init-tables output)."""
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise ConsumerError(f"cannot load tables from {path}: {e}") from e
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() == 2 for k, v in raw.items()
+    ):
+        raise ConsumerError(f"{path}: expected a dict of table name -> 2-D tensor")
+    return {k: v.clone() for k, v in raw.items()}
+
+
+def save_tables(tables: dict[str, torch.Tensor], path: Path) -> None:
+    """torch.save ``{table: tensor}`` atomically (temp file, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    torch.save({k: v.detach().clone() for k, v in tables.items()}, tmp)
+    tmp.replace(path)
