@@ -92,6 +92,13 @@ class ServerConfig:
     metrics_port: int | None = None
     #: Merged windows kept for reuse by consumers at the same cursor.
     window_cache_entries: int = 8
+    #: Byte budget of those cached (encoded) windows; bigger windows are not cached.
+    window_cache_bytes: int = 1 << 30
+    #: Retention: merge runs of at least this many segments between live cursors.
+    merge_min_segments: int = 4
+    #: Retention: most input bytes one background round may merge (bounded work per round).
+    merge_max_bytes_per_round: int = 1 << 30
+    retention_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
@@ -102,6 +109,12 @@ class ServerConfig:
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.max_concurrent_streams < 1 or self.max_message_bytes < 1024 * 1024:
+            raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
+        if self.stream_deadline_s <= 0 or self.lease_ttl_s <= 0 or self.grace_period_s < 0:
+            raise ConfigError("stream deadline and lease TTL must be > 0, grace period >= 0")
+        if self.merge_min_segments < 2:
+            raise ConfigError("merge_min_segments must be >= 2")
 
 
 @dataclass
@@ -142,6 +155,8 @@ class ConsumerConfig:
     heartbeat_interval_s: float = 5.0
     token: str | None = None
     tls_ca: Path | None = None
+    #: Redis discovery: how long connect() waits for every rank's sidecar to register.
+    discovery_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         check_name("consumer", self.consumer)

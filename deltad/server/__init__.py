@@ -1,0 +1,1 @@
+"""The deltad sidecar (`deltad serve`): segment log, window merge, offsets, gRPC service."""

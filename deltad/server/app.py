@@ -1,0 +1,253 @@
+"""SidecarServer: the gRPC server of one rank with its log, offset store and background loops.
+
+::
+
+    srv = SidecarServer(ServerConfig(spool_dir=..., model="m", rank=0, listen="127.0.0.1:0"))
+    srv.start()            # indexes the spool, connects Redis, binds, registers the endpoint
+    srv.port, srv.endpoint # bound port, advertised host:port
+    srv.stop(grace=5.0)    # or srv.wait() until stopped
+
+Besides deltad.v1.DeltaService it serves grpc.health.v1 (no token needed) and server
+reflection; TLS with ``tls_cert``/``tls_key`` (mTLS with ``tls_client_ca``); bearer tokens
+from ``tokens`` in ``authorization: Bearer <t>`` metadata.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from deltad.config import ServerConfig
+from deltad.errors import ConfigError, DeltadError, OffsetStoreError
+from deltad.redisutil import EmbeddedRedis
+from deltad.server.log import SegmentLog
+from deltad.server.metrics import SidecarMetrics
+from deltad.server.offsets import OffsetStore
+from deltad.server.owed import OwedStore
+from deltad.server.retention import Retention
+from deltad.server.service import SERVICE_NAME, DeltaServicer, handlers
+from deltad.spool import SpoolLayout
+
+log = logging.getLogger(__name__)
+
+#: Re-register the endpoint in Redis this often (and on every generation change).
+REGISTRY_REFRESH_S = 10.0
+_OPEN_METHODS = ("/grpc.health.v1.Health/",)
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+    """Rejects calls without an allowed bearer token (health checks are open)."""
+
+    def __init__(self, tokens: tuple[str, ...]) -> None:
+        self.tokens = [t.encode() for t in tokens]
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def _ok(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+                got = value[7:].encode()
+                return any(hmac.compare_digest(got, t) for t in self.tokens)
+        return False
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = details.method
+        if method.startswith(_OPEN_METHODS) or self._ok(details.invocation_metadata):
+            return continuation(details)
+        return self._deny_stream if method.endswith("/GetDelta") else self._deny_unary
+
+
+def _read(path: Any) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+
+
+class SidecarServer:
+    """One rank's sidecar; see the module docstring."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.layout = SpoolLayout(config.spool_dir, config.model)
+        self.metrics = SidecarMetrics(config.model, config.rank)
+        self.port = 0
+        self.endpoint = ""
+        self.metrics_port: int | None = None
+        self.redis_url = ""
+        self._embedded: EmbeddedRedis | None = None
+        self._server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._registered = 0.0
+        self.store: OffsetStore
+        self.log: SegmentLog
+        self.servicer: DeltaServicer
+        self.retention: Retention
+
+    def start(self) -> SidecarServer:
+        """Index the spool, connect Redis, bind and start serving; raises DeltadError."""
+        cfg = self.config
+        self.layout.ensure_writable()
+        if cfg.redis_url is None:
+            self._embedded = EmbeddedRedis(self.layout.redis_dir)
+            self.redis_url = self._embedded.start()
+        else:
+            self.redis_url = cfg.redis_url
+        try:
+            self._start(cfg)
+        except BaseException:
+            self.stop(0)
+            raise
+        return self
+
+    def _start(self, cfg: ServerConfig) -> None:
+        self.store = OffsetStore.from_url(self.redis_url, cfg.model)
+        self.log = SegmentLog(
+            self.layout, cfg.rank, on_quarantine=lambda p, r: self.metrics.quarantined.inc()
+        )
+        self.log.refresh()
+        snap = self.log.snapshot()
+        world = snap.manifest.world_size if snap is not None else 1
+        owed = OwedStore(self.layout.sidecar_dir, cfg.model, cfg.rank, world)
+        self.servicer = DeltaServicer(cfg, self.log, self.store, owed, self.metrics)
+        self.retention = Retention(
+            self.log,
+            self.store,
+            min_segments=cfg.merge_min_segments,
+            max_bytes=cfg.merge_max_bytes_per_round,
+        )
+        interceptors = [_TokenAuth(cfg.tokens)] if cfg.tokens else []
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=cfg.max_concurrent_streams + 8, thread_name_prefix="deltad-rpc"
+            ),
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        server.add_generic_rpc_handlers((handlers(self.servicer),))
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        try:
+            if cfg.tls_cert is not None and cfg.tls_key is not None:
+                creds = grpc.ssl_server_credentials(
+                    [(_read(cfg.tls_key), _read(cfg.tls_cert))],
+                    root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
+                    require_client_auth=cfg.tls_client_ca is not None,
+                )
+                self.port = server.add_secure_port(cfg.listen, creds)
+            else:
+                self.port = server.add_insecure_port(cfg.listen)
+        except RuntimeError as e:
+            raise ConfigError(f"cannot listen on {cfg.listen}: {e}") from e
+        if not self.port:
+            raise ConfigError(f"cannot listen on {cfg.listen}")
+        host = cfg.listen.rsplit(":", 1)[0]
+        self.endpoint = cfg.advertise or f"{host}:{self.port}"
+        self._server = server
+        server.start()
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(cfg.metrics_port)
+        self._register_endpoint()
+        self._spawn("deltad-poll", self._poll_loop, cfg.poll_interval_s)
+        self._spawn("deltad-retention", self._retention_loop, cfg.retention_interval_s)
+        log.info("serving %s rank %d on %s", cfg.model, cfg.rank, self.endpoint)
+
+    def _spawn(self, name: str, fn: Callable[[], None], interval: float) -> None:
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    fn()
+                except DeltadError as e:
+                    log.warning("%s: %s", name, e)
+                except Exception:
+                    log.exception("%s failed", name)
+
+        t = threading.Thread(target=loop, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _register_endpoint(self) -> None:
+        snap = self.log.snapshot()
+        self.store.register_rank(
+            self.config.rank, self.endpoint, snap.generation if snap is not None else None
+        )
+        self._registered = time.monotonic()
+
+    def _poll_loop(self) -> None:
+        before = self.log.snapshot()
+        self.log.refresh()
+        snap = self.log.snapshot()
+        if snap is not None:
+            self.metrics.head_seq.set(snap.head.seq)
+        generation_changed = (before is None) != (snap is None) or (
+            before is not None and snap is not None and before.generation != snap.generation
+        )
+        if generation_changed or time.monotonic() - self._registered > REGISTRY_REFRESH_S:
+            try:
+                self._register_endpoint()
+                self.servicer.consumer_infos()  # refreshes the lag gauges
+            except OffsetStoreError as e:
+                log.warning("cannot refresh registry: %s", e)
+                self._registered = time.monotonic()
+
+    def _retention_loop(self) -> None:
+        self.retention.run_once()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving: NOT_SERVING, let streams finish for ``grace`` seconds, then cancel."""
+        grace = self.config.grace_period_s if grace is None else grace
+        self._stop.set()
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace).wait(grace + 5)
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads.clear()
+        self.metrics.close()
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.client.close()
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stops (True) or ``timeout`` passes (False)."""
+        if self._server is None:
+            return True
+        return not self._server.wait_for_termination(timeout)

@@ -1,0 +1,249 @@
+"""The segment log of one rank: an index over its spool directory.
+
+:meth:`SegmentLog.refresh` lists the rank's directory, verifies each new file's checksum once
+(bad files are moved to the quarantine directory, counted and logged, never served), drops
+files made redundant by a merged file (``first_seq..seq`` covers them: a merge that crashed
+before deleting its inputs) and switches to a newer generation once that generation's base for
+this rank is present. Served entries form a contiguous run from the base: a file after a gap
+(a segment still being written, or one that was quarantined) is held back until the gap is
+filled or a new generation arrives, so a window never silently misses a segment.
+
+Readers take an immutable :class:`LogSnapshot`; retention swaps entries with :meth:`replace`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltad.errors import SegmentCorruptError, SpoolError
+from deltad.segment import Segment, SegmentChunk, read_segment
+from deltad.spool import GenerationManifest, SpoolLayout
+from deltad.types import SegmentKind
+
+log = logging.getLogger(__name__)
+
+ChunkKey = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One verified segment file (possibly a merge of ``first_seq..seq``)."""
+
+    first_seq: int
+    seq: int
+    step: int
+    kind: SegmentKind
+    path: Path
+    nbytes: int
+    created_unix: float
+    segment: Segment = field(repr=False, compare=False)
+    chunks: dict[ChunkKey, SegmentChunk] = field(repr=False, compare=False)
+
+    @classmethod
+    def load(cls, path: Path) -> LogEntry:
+        seg = read_segment(path, verify=True)
+        h = seg.header
+        return cls(
+            first_seq=h.first_seq,
+            seq=h.seq,
+            step=h.step,
+            kind=h.kind,
+            path=path,
+            nbytes=path.stat().st_size,
+            created_unix=h.created_unix,
+            segment=seg,
+            chunks={c.key: c for c in seg.chunks},
+        )
+
+
+@dataclass(frozen=True)
+class LogSnapshot:
+    """The served log at one instant: a base entry followed by contiguous deltas."""
+
+    generation: int
+    manifest: GenerationManifest
+    entries: tuple[LogEntry, ...]
+
+    @property
+    def base(self) -> LogEntry:
+        return self.entries[0]
+
+    @property
+    def head(self) -> LogEntry:
+        return self.entries[-1]
+
+    def last_at_or_before_step(self, max_step: int | None) -> LogEntry:
+        """The newest entry with step <= max_step (at least the base)."""
+        if max_step is None:
+            return self.head
+        best = self.base
+        for e in self.entries[1:]:
+            if e.step > max_step:
+                break
+            best = e
+        return best
+
+    def after(self, seq: int, to_seq: int) -> list[LogEntry]:
+        """Entries holding segments in (seq, to_seq]; an entry straddling ``seq`` is included
+        whole (a superset of latest values is still exact for ids and rows)."""
+        return [e for e in self.entries if e.seq > seq and e.seq <= to_seq]
+
+    def upto(self, seq: int) -> list[LogEntry]:
+        """Entries with seq <= ``seq``, oldest first (the state at ``seq``)."""
+        return [e for e in self.entries if e.seq <= seq]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+class SegmentLog:
+    """Index of one rank's segments in the spool; thread-safe."""
+
+    def __init__(
+        self,
+        layout: SpoolLayout,
+        rank: int,
+        *,
+        on_quarantine: Callable[[Path, str], None] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.on_quarantine = on_quarantine
+        self.quarantined = 0
+        self._lock = threading.Lock()
+        self._snapshot: LogSnapshot | None = None
+        self._known: dict[Path, LogEntry] = {}
+        self._generation: int | None = None
+
+    def snapshot(self) -> LogSnapshot | None:
+        """The current served log (None before any base segment of this rank exists)."""
+        with self._lock:
+            return self._snapshot
+
+    def refresh(self) -> bool:
+        """Index new files, maybe switch generation; True if the served log changed."""
+        with self._lock:
+            before = self._snapshot
+            newest = self.layout.latest_generation()
+            if newest is not None and (self._generation is None or newest > self._generation):
+                self._try_switch(newest)
+            if self._generation is not None:
+                self._scan(self._generation, self._known)
+                self._publish(self._generation)
+            return self._snapshot is not before
+
+    def _try_switch(self, generation: int) -> None:
+        known: dict[Path, LogEntry] = {}
+        self._scan(generation, known)
+        if not any(e.first_seq == 0 for e in known.values()):
+            return  # this rank's base of the new generation is not there yet
+        old = self._generation
+        self._generation, self._known = generation, known
+        if old is not None:
+            log.info("rank %d: generation %d -> %d", self.rank, old, generation)
+            self._drop_generation(old)
+
+    def _drop_generation(self, generation: int) -> None:
+        for _, path in self.layout.segments(generation, self.rank):
+            path.unlink(missing_ok=True)
+        try:
+            self.layout.rank_dir(generation, self.rank).rmdir()
+        except OSError:
+            pass
+
+    def _scan(self, generation: int, known: dict[Path, LogEntry]) -> None:
+        present = self.layout.segments(generation, self.rank)
+        names = {p for _, p in present}
+        for p in [p for p in known if p not in names]:
+            del known[p]
+        for seq, path in present:
+            if path in known:
+                continue
+            try:
+                entry = LogEntry.load(path)
+                h = entry.segment.header
+                if h.generation != generation or h.rank != self.rank or h.seq != seq:
+                    raise SegmentCorruptError(
+                        f"{path}: header says generation {h.generation} rank {h.rank} seq {h.seq}"
+                    )
+            except FileNotFoundError:
+                continue
+            except SegmentCorruptError as e:
+                self._quarantine(generation, path, str(e))
+                continue
+            except SpoolError as e:
+                if not path.exists():
+                    continue
+                log.warning("cannot index %s: %s", path, e)
+                continue
+            known[path] = entry
+        # a file whose range another file covers is the leftover of a merge: delete it
+        for old in list(known.values()):
+            if any(
+                o is not old and o.first_seq <= old.first_seq and old.seq <= o.seq
+                for o in known.values()
+            ):
+                log.info("deleting %s: covered by a merged segment", old.path)
+                old.path.unlink(missing_ok=True)
+                del known[old.path]
+
+    def _quarantine(self, generation: int, path: Path, reason: str) -> None:
+        qdir = self.layout.quarantine_dir
+        dest = qdir / f"gen-{generation}-rank-{self.rank:05d}-{path.name}.{time.time_ns()}"
+        try:
+            qdir.mkdir(parents=True, exist_ok=True)
+            os.replace(path, dest)
+        except OSError as e:
+            log.error("cannot quarantine %s (%s): %s", path, reason, e)
+            return
+        self.quarantined += 1
+        log.error("quarantined segment %s -> %s: %s", path, dest, reason)
+        if self.on_quarantine is not None:
+            self.on_quarantine(dest, reason)
+
+    def _publish(self, generation: int) -> None:
+        entries = sorted(self._known.values(), key=lambda e: e.seq)
+        bases = [e for e in entries if e.first_seq == 0]
+        if not bases:
+            self._snapshot = None
+            return
+        run = [bases[-1]]
+        for e in entries:
+            if e.seq <= run[-1].seq:
+                continue
+            if e.first_seq != run[-1].seq + 1:
+                log.debug("rank %d: holding back seq %d after a gap", self.rank, e.seq)
+                break
+            run.append(e)
+        cur = self._snapshot
+        if cur is not None and cur.generation == generation and cur.entries == tuple(run):
+            return
+        manifest = (
+            cur.manifest
+            if cur is not None and cur.generation == generation
+            else self.layout.read_manifest(generation)
+        )
+        self._snapshot = LogSnapshot(generation, manifest, tuple(run))
+
+    def replace(self, covered: Sequence[LogEntry], merged: LogEntry) -> bool:
+        """Swap ``covered`` (already replaced on disk by ``merged``) for ``merged``; delete
+        the covered files. False if the log moved on meanwhile (nothing is changed then)."""
+        with self._lock:
+            snap = self._snapshot
+            if snap is None or any(self._known.get(e.path) is not e for e in covered):
+                return False
+            for e in covered:
+                del self._known[e.path]
+            for e in covered:
+                if e.path != merged.path:
+                    e.path.unlink(missing_ok=True)
+            self._known[merged.path] = merged
+            self._publish(snap.generation)
+            return True

@@ -1,0 +1,289 @@
+"""Per-consumer cursors, pulls, leases and the rank registry in Redis (keys: deltad.keys).
+
+Every call retries connection failures a bounded number of times with exponential backoff and
+then raises :class:`~deltad.errors.OffsetStoreError`; nothing is ever reset on failure. Commit
+is one Lua script: forward-only, only for the pull this server issued to that consumer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+
+from deltad.errors import OffsetStoreError, StaleCursorError
+from deltad.keys import RedisKeys
+from deltad.redisutil import _redact, connect
+
+T = TypeVar("T")
+
+#: Pull records of consumers that never commit disappear after this.
+PULL_TTL_MS = 7 * 24 * 3600 * 1000
+
+_COMMIT = """
+local function gt(a, b)
+  if #a ~= #b then return #a > #b end
+  return a > b
+end
+if redis.call('HGET', KEYS[1], 'pull_id') == ARGV[1] then return 'same' end
+local p = redis.call('HMGET', KEYS[2], 'pull_id', 'generation', 'seq', 'step',
+                     'owed_token', 'owed_rows')
+if not p[1] then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return 'no_consumer' end
+  return 'unknown_pull'
+end
+if p[1] ~= ARGV[1] then return 'unknown_pull' end
+if p[2] ~= ARGV[2] or p[3] ~= ARGV[3] or p[4] ~= ARGV[4] then return 'mismatch' end
+local c = redis.call('HMGET', KEYS[1], 'generation', 'seq')
+if c[1] then
+  if gt(c[1], p[2]) then return 'old_generation' end
+  if c[1] == p[2] and tonumber(c[2]) > tonumber(p[3]) then return 'behind' end
+end
+redis.call('HSET', KEYS[1], 'generation', p[2], 'seq', p[3], 'step', p[4], 'pull_id', p[1],
+           'owed_token', p[5], 'owed_rows', p[6], 'updated_unix', ARGV[5])
+redis.call('DEL', KEYS[2])
+return 'ok'
+"""
+
+_HEARTBEAT = """
+if redis.call('SISMEMBER', KEYS[2], ARGV[2]) == 0 then return -1 end
+local ttl = redis.call('GET', KEYS[1]) or ARGV[1]
+redis.call('SET', KEYS[1], ttl, 'PX', ttl)
+return tonumber(ttl)
+"""
+
+
+class CommitRejected(StaleCursorError):
+    """A commit the store refused; ``reason`` is one of the Lua script's answers:
+    no_consumer, unknown_pull, mismatch, old_generation, behind."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class StoredCursor:
+    """A committed cursor as stored in ``cursor:<consumer>:<rank>``."""
+
+    generation: int
+    seq: int
+    step: int
+    pull_id: str = ""
+    owed_token: str = ""
+    owed_rows: int = 0
+    updated_unix: float = 0.0
+
+
+@dataclass(frozen=True)
+class PullRecord:
+    """A pull issued but not yet committed (``pull:<consumer>:<rank>``)."""
+
+    pull_id: str
+    generation: int
+    seq: int
+    step: int
+    owed_token: str = ""
+    owed_rows: int = 0
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class OffsetStore:
+    """Cursors, pulls and leases of one model's consumers."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        model: str,
+        *,
+        attempts: int = 5,
+        backoff_s: float = 0.05,
+        url: str = "",
+    ) -> None:
+        self.client = client
+        self.keys = RedisKeys(model)
+        self.attempts = max(1, attempts)
+        self.backoff_s = backoff_s
+        self.url = url
+        self._commit = client.register_script(_COMMIT)
+        self._heartbeat = client.register_script(_HEARTBEAT)
+
+    @classmethod
+    def from_url(cls, url: str, model: str, **kw: Any) -> OffsetStore:
+        """Connect (bounded retries) and wrap; OffsetStoreError if Redis does not answer."""
+        return cls(connect(url, socket_timeout_s=2.0), model, url=url, **kw)
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        delay = self.backoff_s
+        last: Exception | None = None
+        for attempt in range(self.attempts):
+            try:
+                return fn()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+                last = e
+                if attempt + 1 < self.attempts:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+        where = _redact(self.url) if self.url else "redis"
+        raise OffsetStoreError(
+            f"offset store ({where}) unavailable during {what} after {self.attempts} attempts: "
+            f"{last}"
+        )
+
+    # --- cursors and pulls ---------------------------------------------------------------
+
+    def get_cursor(self, consumer: str, rank: int) -> StoredCursor | None:
+        raw = self._retry(
+            "get_cursor", lambda: self.client.hgetall(self.keys.cursor(consumer, rank))
+        )
+        if not raw:
+            return None
+        d = {_s(k): _s(v) for k, v in raw.items()}
+        return StoredCursor(
+            generation=int(d["generation"]),
+            seq=int(d["seq"]),
+            step=int(d["step"]),
+            pull_id=d.get("pull_id", ""),
+            owed_token=d.get("owed_token", ""),
+            owed_rows=int(d.get("owed_rows", "0") or 0),
+            updated_unix=float(d.get("updated_unix", "0") or 0),
+        )
+
+    def record_pull(self, consumer: str, rank: int, pull: PullRecord) -> None:
+        """Remember the pull just issued (replacing any earlier uncommitted one)."""
+        key = self.keys.pull(consumer, rank)
+        mapping: dict[str | bytes | bytearray | memoryview | int | float, Any] = {
+            "pull_id": pull.pull_id,
+            "generation": str(pull.generation),
+            "seq": str(pull.seq),
+            "step": str(pull.step),
+            "owed_token": pull.owed_token,
+            "owed_rows": str(pull.owed_rows),
+        }
+
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.hset(key, mapping=mapping)
+            pipe.pexpire(key, PULL_TTL_MS)
+            pipe.sadd(self.keys.consumers(), consumer)
+            pipe.execute()
+
+        self._retry("record_pull", run)
+
+    def pending_pull(self, consumer: str, rank: int) -> PullRecord | None:
+        raw = self._retry(
+            "pending_pull", lambda: self.client.hgetall(self.keys.pull(consumer, rank))
+        )
+        if not raw:
+            return None
+        d = {_s(k): _s(v) for k, v in raw.items()}
+        return PullRecord(
+            d["pull_id"],
+            int(d["generation"]),
+            int(d["seq"]),
+            int(d["step"]),
+            d.get("owed_token", ""),
+            int(d.get("owed_rows", "0") or 0),
+        )
+
+    def commit(
+        self, consumer: str, rank: int, *, pull_id: str, generation: int, seq: int, step: int
+    ) -> StoredCursor:
+        """Atomically commit the pull ``pull_id``; CommitRejected if it may not be."""
+        keys = [self.keys.cursor(consumer, rank), self.keys.pull(consumer, rank)]
+        args = [pull_id, str(generation), str(seq), str(step), repr(time.time())]
+        answer = _s(self._retry("commit", lambda: self._commit(keys=keys, args=args)))
+        if answer not in ("ok", "same"):
+            raise CommitRejected(
+                answer,
+                _REJECT_MESSAGES[answer].format(consumer=consumer, rank=rank, pull_id=pull_id),
+            )
+        stored = self.get_cursor(consumer, rank)
+        assert stored is not None
+        return stored
+
+    # --- leases and consumers ------------------------------------------------------------
+
+    def register(self, consumer: str, ttl_s: float) -> None:
+        """Create or renew the lease of ``consumer`` with ``ttl_s``."""
+        ttl_ms = max(1, int(ttl_s * 1000))
+
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.sadd(self.keys.consumers(), consumer)
+            pipe.set(self.keys.lease(consumer), ttl_ms, px=ttl_ms)
+            pipe.execute()
+
+        self._retry("register", run)
+
+    def heartbeat(self, consumer: str, default_ttl_s: float) -> float | None:
+        """Renew the lease (with its registered TTL); None for an unknown consumer."""
+        keys = [self.keys.lease(consumer), self.keys.consumers()]
+        args = [str(max(1, int(default_ttl_s * 1000))), consumer]
+        ttl = int(self._retry("heartbeat", lambda: self._heartbeat(keys=keys, args=args)))
+        return None if ttl < 0 else ttl / 1000.0
+
+    def touch(self, consumer: str, default_ttl_s: float) -> None:
+        """Register ``consumer`` if unknown, else renew its lease (GetDelta does this)."""
+        if self.heartbeat(consumer, default_ttl_s) is None:
+            self.register(consumer, default_ttl_s)
+
+    def consumers(self) -> list[str]:
+        raw = self._retry("consumers", lambda: self.client.smembers(self.keys.consumers()))
+        return sorted(_s(c) for c in raw)
+
+    def lease_remaining(self, consumers: list[str]) -> dict[str, float]:
+        """Seconds left on each consumer's lease (0 when expired)."""
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for c in consumers:
+                pipe.pttl(self.keys.lease(c))
+            return list(pipe.execute())
+
+        ttls = self._retry("lease_remaining", run) if consumers else []
+        return {c: max(0, int(t)) / 1000.0 for c, t in zip(consumers, ttls, strict=True)}
+
+    def pins(self, rank: int, generation: int) -> list[int]:
+        """Seqs that live consumers of ``generation`` stand on: committed cursors and pending
+        pulls. An expired-lease consumer pins nothing."""
+        names = self.consumers()
+        live = [c for c, left in self.lease_remaining(names).items() if left > 0]
+        out: list[int] = []
+        for c in live:
+            for rec in (self.get_cursor(c, rank), self.pending_pull(c, rank)):
+                if rec is not None and rec.generation == generation:
+                    out.append(rec.seq)
+        return sorted(set(out))
+
+    # --- rank registry -------------------------------------------------------------------
+
+    def register_rank(self, rank: int, endpoint: str, generation: int | None) -> None:
+        value = json.dumps(
+            {"endpoint": endpoint, "generation": generation, "updated_unix": time.time()}
+        )
+        self._retry("register_rank", lambda: self.client.hset(self.keys.ranks(), str(rank), value))
+
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        """rank -> {endpoint, generation, updated_unix} of every registered sidecar."""
+        raw = self._retry("ranks", lambda: self.client.hgetall(self.keys.ranks()))
+        return {int(_s(k)): json.loads(_s(v)) for k, v in raw.items()}
+
+
+_REJECT_MESSAGES = {
+    "no_consumer": "consumer {consumer!r} has no cursor and no pull on rank {rank}",
+    "unknown_pull": "pull {pull_id!r} is not the last pull issued to {consumer!r} on rank "
+    "{rank} (superseded by a newer pull, or already replaced by a later commit)",
+    "mismatch": "cursor does not match pull {pull_id!r} of {consumer!r}: send the cursor "
+    "back exactly as received",
+    "old_generation": "cursor of {consumer!r} is of an older generation than the committed one",
+    "behind": "cursor of {consumer!r} is behind the committed one on rank {rank}",
+}

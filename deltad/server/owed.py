@@ -1,0 +1,73 @@
+"""Owed rows of top-k (or row-capped) consumers, one file per consumer, rank and pull.
+
+``<sidecar_dir>/owed/<consumer>/r<rank>-<token>.dseg`` is a segment file (same format and
+checksum as the log) whose chunks hold the owed ids and the values the consumer holds for
+them. A pull writes its file under the pull id as token; Commit makes that token current in
+the Redis cursor (``owed_token``), and files of other tokens are garbage.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from deltad.errors import SegmentCorruptError, SpoolError
+from deltad.segment import read_segment, write_segment
+from deltad.server.log import ChunkKey
+from deltad.server.merge import SliceRows
+from deltad.types import SegmentKind
+
+log = logging.getLogger(__name__)
+
+
+class OwedStore:
+    """Reads and writes owed-row files under ``root`` (SpoolLayout.sidecar_dir)."""
+
+    def __init__(self, root: Path, model: str, rank: int, world_size: int = 1) -> None:
+        self.root = Path(root) / "owed"
+        self.model = model
+        self.rank = rank
+        self.world_size = world_size
+
+    def path(self, consumer: str, token: str) -> Path:
+        return self.root / consumer / f"r{self.rank}-{token}.dseg"
+
+    def save(
+        self, consumer: str, token: str, generation: int, seq: int, rows: dict[ChunkKey, SliceRows]
+    ) -> None:
+        write_segment(
+            self.path(consumer, token),
+            model=self.model,
+            generation=generation,
+            rank=self.rank,
+            world_size=self.world_size,
+            seq=seq,
+            step=0,
+            kind=SegmentKind.DELTA,
+            chunks=[r.to_chunk() for r in rows.values()],
+        )
+
+    def load(self, consumer: str, token: str, generation: int) -> dict[ChunkKey, SliceRows]:
+        """The owed rows of ``token``; SpoolError if the file is missing or corrupt (a consumer
+        must never silently lose owed rows)."""
+        p = self.path(consumer, token)
+        try:
+            seg = read_segment(p, verify=True)
+        except SegmentCorruptError as e:
+            raise SpoolError(f"owed rows of {consumer!r} are corrupt: {e}") from e
+        if seg.header.generation != generation:
+            return {}
+        return {c.key: SliceRows.like(c, c.ids, c.values) for c in seg.chunks}
+
+    def gc(self, consumer: str, keep: set[str]) -> None:
+        """Delete this rank's owed files of ``consumer`` except the tokens in ``keep``."""
+        d = self.root / consumer
+        prefix = f"r{self.rank}-"
+        try:
+            names = [p for p in d.iterdir() if p.name.startswith(prefix)]
+        except FileNotFoundError:
+            return
+        for p in names:
+            token = p.name[len(prefix) :].removesuffix(".dseg")
+            if token not in keep and not p.name.startswith(".tmp"):
+                p.unlink(missing_ok=True)

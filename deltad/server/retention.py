@@ -1,0 +1,117 @@
+"""Retention: keep one rank's log bounded by merging segments no live consumer stands between.
+
+Each round (bounded: one merge of at most ``merge_max_bytes_per_round`` input bytes, plus the
+base it extends) does the first applicable of:
+
+1. **Base forward**: merge the base with the deltas up to the minimum *live* pin (a committed
+   cursor or a pending pull of a consumer whose lease is alive); with no live consumer, up to
+   the head.
+2. **Gaps**: between two neighbouring pins (and after the last one) merge a run of at least
+   ``merge_min_segments`` entries into one.
+
+Merging is lossless (union of ids, latest value wins): the merged file is written atomically
+under the last input's name with ``first_seq..seq``, then the inputs are deleted; a crash in
+between leaves files that :class:`~deltad.server.log.SegmentLog` deletes as covered.
+
+An expired-lease consumer pins nothing: if it comes back behind the merged base it gets a
+resync from that base (a full-table window); if its cursor falls inside a merged delta, the
+whole merged entry is served (a superset of rows, still exact for ids and rows; top-k held
+values are then approximate for the rows merged before its cursor).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from deltad.errors import OffsetStoreError, SegmentCorruptError, SpoolError
+from deltad.segment import write_segment
+from deltad.server.log import LogEntry, SegmentLog
+from deltad.server.merge import merge_entries
+from deltad.server.offsets import OffsetStore
+from deltad.types import SegmentKind
+
+log = logging.getLogger(__name__)
+
+
+class Retention:
+    """Merges one rank's log; call :meth:`run_once` from a background loop."""
+
+    def __init__(
+        self,
+        seglog: SegmentLog,
+        store: OffsetStore,
+        *,
+        min_segments: int = 4,
+        max_bytes: int = 1 << 30,
+    ) -> None:
+        self.seglog = seglog
+        self.store = store
+        self.min_segments = min_segments
+        self.max_bytes = max_bytes
+        self.merges = 0
+
+    def _bounded(self, run: Sequence[LogEntry], first: LogEntry | None = None) -> list[LogEntry]:
+        out = [first] if first is not None else []
+        total = 0
+        for e in run:
+            if len(out) >= 2 and total + e.nbytes > self.max_bytes:
+                break
+            out.append(e)
+            total += e.nbytes
+        return out
+
+    def plan(self) -> list[LogEntry] | None:
+        """The entries the next merge covers (oldest first), or None."""
+        snap = self.seglog.snapshot()
+        if snap is None or len(snap.entries) < 2:
+            return None
+        try:
+            pins = self.store.pins(self.seglog.rank, snap.generation)
+        except OffsetStoreError as e:
+            log.warning("retention skipped: %s", e)
+            return None
+        base, deltas = snap.base, snap.entries[1:]
+        floor = pins[0] if pins else snap.head.seq
+        forward = [e for e in deltas if e.seq <= floor]
+        if forward:
+            return self._bounded(forward, first=base)
+        bounds = [p for p in pins if p > base.seq]
+        lo = base.seq
+        for hi in [*bounds, snap.head.seq]:
+            run = [e for e in deltas if lo < e.first_seq and e.seq <= hi]
+            if len(run) >= self.min_segments:
+                return self._bounded(run)
+            lo = hi
+        return None
+
+    def run_once(self) -> bool:
+        """Do at most one merge; True if the log changed."""
+        covered = self.plan()
+        if not covered or len(covered) < 2:
+            return False
+        first, last = covered[0], covered[-1]
+        head = first.segment.header
+        merged = merge_entries(covered)
+        try:
+            write_segment(
+                last.path,
+                model=head.model,
+                generation=head.generation,
+                rank=head.rank,
+                world_size=head.world_size,
+                seq=last.seq,
+                first_seq=first.first_seq,
+                step=last.step,
+                kind=SegmentKind.BASE if first.first_seq == 0 else SegmentKind.DELTA,
+                chunks=[r.to_chunk() for r in merged.values()],
+            )
+            entry = LogEntry.load(last.path)
+        except (SpoolError, SegmentCorruptError) as e:
+            log.error("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
+            return False
+        if not self.seglog.replace(covered, entry):
+            return False
+        self.merges += 1
+        log.info("merged seq %d..%d into %s", first.first_seq, last.seq, last.path.name)
+        return True

@@ -1,0 +1,425 @@
+"""The DeltaService servicer of one sidecar (one rank).
+
+GetDelta streams pre-serialized messages (bytes) through an identity response serializer;
+:func:`handlers` registers the service that way. Every RPC is bounded: GetDelta by a
+concurrency limit and a deadline, Redis calls by bounded retries (then UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import grpc
+
+from deltad import wire
+from deltad.config import ServerConfig, check_name
+from deltad.errors import ConfigError, OffsetStoreError, SpoolError
+from deltad.server.log import LogSnapshot, SegmentLog
+from deltad.server.metrics import SidecarMetrics
+from deltad.server.offsets import CommitRejected, OffsetStore, PullRecord, StoredCursor
+from deltad.server.owed import OwedStore
+from deltad.server.pull import EncodedWindow, WindowCache, WindowSpec, build_window
+from deltad.types import Form
+from deltad.v1 import delta_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "deltad.v1.DeltaService"
+MIN_CHUNK_BYTES = 64 * 1024
+#: k, max_rows above this are rejected as absurd.
+MAX_COUNT = 1 << 40
+
+_REJECT_CODES = {
+    "no_consumer": grpc.StatusCode.NOT_FOUND,
+    "unknown_pull": grpc.StatusCode.FAILED_PRECONDITION,
+    "mismatch": grpc.StatusCode.FAILED_PRECONDITION,
+    "old_generation": grpc.StatusCode.FAILED_PRECONDITION,
+    "behind": grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
+    context.abort(code, msg)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class _StreamSlot:
+    """One unit of the GetDelta concurrency limit; release is idempotent."""
+
+    def __init__(self, owner: DeltaServicer) -> None:
+        self.owner = owner
+        self.held = True
+
+    def release(self) -> None:
+        with self.owner._streams_lock:
+            if self.held:
+                self.held = False
+                self.owner._streams -= 1
+                self.owner.metrics.active_streams.set(self.owner._streams)
+
+
+class DeltaServicer:
+    """Implements deltad.v1.DeltaService over a SegmentLog and an OffsetStore."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        seglog: SegmentLog,
+        store: OffsetStore,
+        owed: OwedStore,
+        metrics: SidecarMetrics,
+    ) -> None:
+        self.config = config
+        self.log = seglog
+        self.store = store
+        self.owed = owed
+        self.metrics = metrics
+        self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
+        self._streams = 0
+        self._streams_lock = threading.Lock()
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
+        snap = self.log.snapshot()
+        if snap is None:
+            _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"no base segment for model {self.config.model!r} rank {self.config.rank} "
+                f"in {self.config.spool_dir} yet",
+            )
+        return snap
+
+    def _name(self, context: grpc.ServicerContext, consumer: str) -> str:
+        try:
+            return check_name("consumer", consumer)
+        except ConfigError as e:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _acquire(self, context: grpc.ServicerContext) -> _StreamSlot:
+        with self._streams_lock:
+            if self._streams >= self.config.max_concurrent_streams:
+                _abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self._streams} GetDelta streams in flight "
+                    f"(max_concurrent_streams={self.config.max_concurrent_streams}); retry later",
+                )
+            self._streams += 1
+            self.metrics.active_streams.set(self._streams)
+        slot = _StreamSlot(self)
+        context.add_callback(slot.release)
+        return slot
+
+    def _spec(
+        self, req: pb.GetDeltaRequest, snap: LogSnapshot, context: grpc.ServicerContext
+    ) -> tuple[Form, Any, tuple[str, ...], int, float, int, int]:
+        """Validated (form, dtype, tables, k, fraction, max_rows, chunk_bytes)."""
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        try:
+            form = wire.form_from_pb(req.form)
+            dtype = wire.dtype_from_pb(req.dtype)
+        except ValueError as e:
+            _abort(context, bad, str(e))
+        frac = req.fraction
+        if math.isnan(frac) or frac < 0 or frac > 1:
+            _abort(context, bad, f"fraction must be in (0, 1], got {frac}")
+        if req.k > MAX_COUNT or req.max_rows > MAX_COUNT:
+            _abort(context, bad, f"k and max_rows must be <= {MAX_COUNT}")
+        if form is Form.TOPK and req.k == 0 and frac == 0:
+            _abort(context, bad, "FORM_TOPK needs k > 0 or a fraction in (0, 1]")
+        known = {t.name for t in snap.manifest.tables}
+        unknown = sorted(set(req.tables) - known)
+        if unknown:
+            _abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"unknown tables {unknown}; model {self.config.model!r} has {sorted(known)}",
+            )
+        cap = max(MIN_CHUNK_BYTES, self.config.max_message_bytes - 64 * 1024)
+        chunk = min(max(req.chunk_bytes or self.config.chunk_bytes, MIN_CHUNK_BYTES), cap)
+        tables = tuple(sorted(set(req.tables)))
+        return form, dtype, tables, int(req.k), float(frac), int(req.max_rows), chunk
+
+    # --- RPCs ----------------------------------------------------------------------------
+
+    def GetDelta(self, req: pb.GetDeltaRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        consumer = self._name(context, req.consumer)
+        snap = self._snapshot(context)
+        form, dtype, tables, k, frac, max_rows, chunk = self._spec(req, snap, context)
+        slot = self._acquire(context)
+        started = time.monotonic()
+        try:
+            rank, gen = self.config.rank, snap.generation
+            try:
+                stored = self.store.get_cursor(consumer, rank)
+                self.store.touch(consumer, self.config.lease_ttl_s)
+            except OffsetStoreError as e:
+                _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            if stored is not None and stored.generation > gen:
+                _abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"consumer {consumer!r} is at generation {stored.generation}, newer than "
+                    f"the served {gen}; this sidecar has not seen it yet",
+                )
+            # A cursor of an older generation, or behind a base merged past it (an expired
+            # consumer), restarts from the base.
+            resync = stored is None or stored.generation < gen or stored.seq < snap.base.seq
+            from_seq = -1 if resync or stored is None else stored.seq
+            to = snap.last_at_or_before_step(req.max_step if req.HasField("max_step") else None)
+            to_seq, to_step = to.seq, to.step
+            if not resync and stored is not None and to_seq <= stored.seq:
+                to_seq, to_step = stored.seq, stored.step
+            owed = {}
+            if not resync and stored is not None and stored.owed_token:
+                try:
+                    owed = self.owed.load(consumer, stored.owed_token, gen)
+                except SpoolError as e:
+                    _abort(context, grpc.StatusCode.INTERNAL, str(e))
+            spec = WindowSpec(
+                rank, gen, resync, from_seq, to_seq, form, dtype, tables, k, frac, max_rows, chunk
+            )
+            win: EncodedWindow
+            if owed:
+                win, hit = build_window(snap, spec, to_step, owed), False
+            else:
+                win, hit = self.cache.get(spec, lambda: build_window(snap, spec, to_step, {}))
+            pull_id = uuid.uuid4().hex
+            token = pull_id if win.owed else ""
+            try:
+                if win.owed:
+                    self.owed.save(consumer, token, gen, to_seq, win.owed)
+                self.store.record_pull(
+                    consumer, rank, PullRecord(pull_id, gen, to_seq, to_step, token, win.owed_rows)
+                )
+                self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
+            except OffsetStoreError as e:
+                _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            except SpoolError as e:
+                _abort(context, grpc.StatusCode.INTERNAL, str(e))
+            if hit:
+                self.metrics.cache_hits.inc()
+            else:
+                self.metrics.merge_seconds.observe(win.merge_seconds)
+            deadline = started + self.config.stream_deadline_s
+            yield win.header
+            for c in win.chunks:
+                if time.monotonic() > deadline:
+                    _abort(
+                        context,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"GetDelta stream exceeded stream_deadline_s="
+                        f"{self.config.stream_deadline_s}",
+                    )
+                yield c
+            cursor = pb.Cursor(
+                consumer=consumer, rank=rank, generation=gen, seq=to_seq, step=to_step,
+                pull_id=pull_id,
+            )  # fmt: skip
+            committed = False
+            if req.auto_commit:
+                try:
+                    self.store.commit(
+                        consumer, rank, pull_id=pull_id, generation=gen, seq=to_seq, step=to_step
+                    )
+                    committed = True
+                except CommitRejected as e:
+                    log.warning("auto-commit of %s refused: %s", consumer, e)
+                except OffsetStoreError as e:
+                    _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            self.metrics.rows_served.inc(win.rows)
+            self.metrics.bytes_served.inc(win.payload_bytes)
+            self.metrics.pulls.inc()
+            yield wire.encode_trailer(
+                pb.DeltaTrailer(
+                    cursor=cursor,
+                    rows=win.rows,
+                    bytes=win.payload_bytes,
+                    committed=committed,
+                    merge_seconds=0.0 if hit else win.merge_seconds,
+                )
+            )
+        finally:
+            slot.release()
+
+    def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        consumer = self._name(context, req.consumer)
+        c = req.cursor
+        if c.consumer != consumer:
+            _abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"cursor belongs to consumer {c.consumer!r}, not {consumer!r}",
+            )
+        if c.rank != self.config.rank:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cursor is for rank {c.rank}; this sidecar serves rank {self.config.rank}",
+            )
+        snap = self.log.snapshot()
+        if snap is not None and c.generation != snap.generation:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"cursor is of generation {c.generation}; the log is at generation "
+                f"{snap.generation}: pull again (resync)",
+            )
+        if not c.pull_id:
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "cursor has no pull_id")
+        try:
+            stored = self.store.commit(
+                consumer,
+                self.config.rank,
+                pull_id=c.pull_id,
+                generation=c.generation,
+                seq=c.seq,
+                step=c.step,
+            )
+        except CommitRejected as e:
+            _abort(context, _REJECT_CODES[e.reason], str(e))
+        except OffsetStoreError as e:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        self.owed.gc(consumer, {stored.owed_token})
+        return pb.CommitResponse(committed=self._cursor_pb(consumer, stored))
+
+    def _cursor_pb(self, consumer: str, s: StoredCursor | None) -> pb.Cursor:
+        if s is None:
+            return pb.Cursor(consumer=consumer, rank=self.config.rank, seq=-1, step=-1)
+        return pb.Cursor(
+            consumer=consumer,
+            rank=self.config.rank,
+            generation=s.generation,
+            seq=s.seq,
+            step=s.step,
+            pull_id=s.pull_id,
+        )
+
+    def Register(
+        self, req: pb.RegisterRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterResponse:
+        consumer = self._name(context, req.consumer)
+        ttl = req.lease_ttl_seconds or self.config.lease_ttl_s
+        if not 0 < ttl <= 86400:
+            _abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "lease_ttl_seconds must be in (0, 86400]"
+            )
+        try:
+            self.store.register(consumer, ttl)
+            stored = self.store.get_cursor(consumer, self.config.rank)
+        except OffsetStoreError as e:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.RegisterResponse(cursor=self._cursor_pb(consumer, stored), lease_ttl_seconds=ttl)
+
+    def Heartbeat(
+        self, req: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        consumer = self._name(context, req.consumer)
+        try:
+            left = self.store.heartbeat(consumer, self.config.lease_ttl_s)
+        except OffsetStoreError as e:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        if left is None:
+            _abort(
+                context, grpc.StatusCode.NOT_FOUND, f"unknown consumer {consumer!r}: Register first"
+            )
+        return pb.HeartbeatResponse(lease_expires_in_seconds=left)
+
+    def consumer_infos(self) -> list[pb.ConsumerInfo]:
+        """Every known consumer's standing on this rank (also feeds the lag metrics)."""
+        snap = self.log.snapshot()
+        names = self.store.consumers()
+        leases = self.store.lease_remaining(names)
+        now = time.time()
+        out = []
+        for name in names:
+            stored = self.store.get_cursor(name, self.config.rank)
+            info = pb.ConsumerInfo(
+                consumer=name,
+                cursor=self._cursor_pb(name, stored),
+                live=leases[name] > 0,
+                lease_expires_in_seconds=leases[name],
+                owed_rows=stored.owed_rows if stored else 0,
+            )
+            if snap is not None:
+                seq = -1 if stored is None or stored.generation != snap.generation else stored.seq
+                info.lag_segments = max(0, snap.head.seq - seq)
+                pending = [e for e in snap.entries if e.seq > seq]
+                info.lag_seconds = max(0.0, now - pending[0].created_unix) if pending else 0.0
+                self.metrics.set_lag(name, info.lag_segments, info.lag_seconds)
+            out.append(info)
+        return out
+
+    def ListConsumers(
+        self, req: pb.ListConsumersRequest, context: grpc.ServicerContext
+    ) -> pb.ListConsumersResponse:
+        try:
+            return pb.ListConsumersResponse(consumers=self.consumer_infos())
+        except OffsetStoreError as e:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+
+    def Status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        cfg = self.config
+        snap = self.log.snapshot()
+        resp = pb.StatusResponse(
+            model=cfg.model, rank=cfg.rank, quarantined=self.log.quarantined, head_seq=-1,
+            head_step=-1, base_seq=-1,
+        )  # fmt: skip
+        if snap is None:
+            return resp
+        m = snap.manifest
+        resp.generation = snap.generation
+        resp.world_size = m.world_size
+        resp.head_seq = snap.head.seq
+        resp.head_step = snap.head.step
+        resp.base_seq = snap.base.seq
+        resp.segments = len(snap.entries)
+        resp.log_bytes = snap.nbytes
+        resp.head_age_seconds = max(0.0, time.time() - snap.head.created_unix)
+        for t in m.tables:
+            ts = resp.tables.add(
+                table=t.name, num_rows=t.num_rows, dim=t.dim, dtype=t.dtype, kind=t.kind,
+                sharding_type=t.sharding_type,
+            )  # fmt: skip
+            for c in snap.base.segment.chunks:
+                if c.table == t.name:
+                    ts.local_slices.add(
+                        table=c.table, num_rows=c.num_rows, dim=c.dim, col_start=c.col_start,
+                        col_end=c.col_end, count=c.row_end - c.row_start,
+                    )  # fmt: skip
+        return resp
+
+
+def handlers(servicer: DeltaServicer) -> grpc.GenericRpcHandler:
+    """The service's method handlers; GetDelta's responses are already serialized bytes."""
+
+    def unary(fn: Any, req: Any, resp: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "GetDelta": grpc.unary_stream_rpc_method_handler(
+                servicer.GetDelta,
+                request_deserializer=pb.GetDeltaRequest.FromString,
+                response_serializer=lambda b: b,
+            ),
+            "Commit": unary(servicer.Commit, pb.CommitRequest, pb.CommitResponse),
+            "Register": unary(servicer.Register, pb.RegisterRequest, pb.RegisterResponse),
+            "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatResponse),
+            "ListConsumers": unary(
+                servicer.ListConsumers, pb.ListConsumersRequest, pb.ListConsumersResponse
+            ),
+            "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusResponse),
+        },
+    )

@@ -1,0 +1,497 @@
+"""The GetDelta wire: server-side encoding and client-side decoding into tensors.
+
+Server side: :func:`encode_header`, :func:`encode_trailer` and :func:`encode_slice_chunks`
+return *serialized* ``GetDeltaResponse`` messages (``bytes``). The servicer passes them
+through an identity response serializer, so each RowChunk costs exactly one copy: the field
+tags and varint lengths joined with memoryviews of the tensors (see PERF-NOTES.md).
+
+Client side (the consumer library calls these)::
+
+    delta = pull(channel, request, timeout=30, metadata=[("authorization", "Bearer t")])
+
+or, with any iterable of stream messages (parsed ``GetDeltaResponse`` protos *or* raw
+``bytes`` from :func:`raw_get_delta`)::
+
+    delta = decode_stream(messages)          # -> deltad.window.RankDelta
+
+:class:`WindowAssembler` is the incremental form (``add(msg)`` per message, ``result()``).
+Raw bytes take the fast path: RowChunk framing is parsed by hand and every row is copied
+once, straight from the received buffer into preallocated float32 / int64 tensors
+(dequantizing fp16 / bf16 / int8 on the way).
+
+Quantization (values on the wire): fp32, fp16, bf16 casts; int8 is row-wise affine:
+``value = code * scale + bias`` with a float32 ``(scale, bias)`` pair per row, ``code`` in
+[-128, 127] (error at most scale / 2 = (max - min) / 510 per row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from deltad.config import PullOptions
+from deltad.errors import ConsumerError
+from deltad.types import Form, WireDtype
+from deltad.v1 import delta_pb2 as pb
+from deltad.window import Cursor, RankDelta, SliceUpdate
+
+GET_DELTA_METHOD = "/deltad.v1.DeltaService/GetDelta"
+
+_FORM_TO_PB: dict[Form, pb.Form] = {
+    Form.IDS: pb.FORM_IDS,
+    Form.ROWS: pb.FORM_ROWS,
+    Form.TOPK: pb.FORM_TOPK,
+}
+_FORM_FROM_PB: dict[int, Form] = {int(v): k for k, v in _FORM_TO_PB.items()}
+_FORM_FROM_PB[pb.FORM_UNSPECIFIED] = Form.ROWS
+_DTYPE_TO_PB: dict[WireDtype, pb.WireDtype] = {
+    WireDtype.FP32: pb.WIRE_DTYPE_FP32,
+    WireDtype.FP16: pb.WIRE_DTYPE_FP16,
+    WireDtype.BF16: pb.WIRE_DTYPE_BF16,
+    WireDtype.INT8: pb.WIRE_DTYPE_INT8,
+}
+_DTYPE_FROM_PB: dict[int, WireDtype] = {int(v): k for k, v in _DTYPE_TO_PB.items()}
+_DTYPE_FROM_PB[pb.WIRE_DTYPE_UNSPECIFIED] = WireDtype.FP32
+#: bytes per value on the wire
+WIRE_ITEMSIZE = {WireDtype.FP32: 4, WireDtype.FP16: 2, WireDtype.BF16: 2, WireDtype.INT8: 1}
+
+
+class StreamDecodeError(ConsumerError):
+    """A GetDelta stream is malformed or incomplete."""
+
+
+def form_to_pb(form: Form) -> pb.Form:
+    return _FORM_TO_PB[form]
+
+
+def form_from_pb(value: int) -> Form:
+    """Form of a proto enum value; ValueError for unknown values."""
+    try:
+        return _FORM_FROM_PB[value]
+    except KeyError:
+        raise ValueError(f"unknown form {value}") from None
+
+
+def dtype_to_pb(dtype: WireDtype) -> pb.WireDtype:
+    return _DTYPE_TO_PB[dtype]
+
+
+def dtype_from_pb(value: int) -> WireDtype:
+    """WireDtype of a proto enum value; ValueError for unknown values."""
+    try:
+        return _DTYPE_FROM_PB[value]
+    except KeyError:
+        raise ValueError(f"unknown wire dtype {value}") from None
+
+
+def cursor_to_pb(c: Cursor) -> pb.Cursor:
+    return pb.Cursor(
+        consumer=c.consumer,
+        rank=c.rank,
+        generation=c.generation,
+        seq=c.seq,
+        step=c.step,
+        pull_id=c.pull_id,
+    )
+
+
+def cursor_from_pb(c: pb.Cursor) -> Cursor:
+    return Cursor(c.consumer, c.rank, c.generation, c.seq, c.step, c.pull_id)
+
+
+def request_from_options(
+    consumer: str, opts: PullOptions, *, chunk_bytes: int = 0
+) -> pb.GetDeltaRequest:
+    """The GetDeltaRequest for a consumer's PullOptions."""
+    req = pb.GetDeltaRequest(
+        consumer=consumer,
+        form=form_to_pb(opts.form),
+        k=opts.k,
+        fraction=opts.fraction,
+        tables=list(opts.tables),
+        max_rows=opts.max_rows,
+        dtype=dtype_to_pb(opts.wire_dtype),
+        auto_commit=opts.auto_commit,
+        chunk_bytes=chunk_bytes,
+    )
+    if opts.max_step is not None:
+        req.max_step = opts.max_step
+    return req
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding (server)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """A flat uint8 memoryview of a contiguous CPU tensor (no copy)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    arr: Any = t.numpy().reshape(-1).view(np.uint8)
+    return memoryview(arr)
+
+
+def quantize(values: torch.Tensor, dtype: WireDtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Values in the wire dtype (contiguous) and, for INT8, float32 [n, 2] (scale, bias)."""
+    if dtype is WireDtype.FP32:
+        return values.to(torch.float32).contiguous(), None
+    if dtype is WireDtype.FP16:
+        return values.to(torch.float16).contiguous(), None
+    if dtype is WireDtype.BF16:
+        return values.to(torch.bfloat16).contiguous(), None
+    v = values.to(torch.float32)
+    if v.numel() == 0:
+        return torch.empty(v.shape, dtype=torch.int8), torch.empty(v.shape[0], 2)
+    lo = v.amin(dim=1, keepdim=True)
+    hi = v.amax(dim=1, keepdim=True)
+    scale = (hi - lo) / 255.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((v - lo) / safe).clamp_(0, 255).sub_(128).to(torch.int8)
+    bias = lo + 128.0 * scale
+    return codes.contiguous(), torch.cat([scale, bias], dim=1).contiguous()
+
+
+def dequantize(
+    codes: torch.Tensor, scale_bias: torch.Tensor | None, dtype: WireDtype
+) -> torch.Tensor:
+    """float32 values from wire values (the inverse of :func:`quantize`, up to rounding)."""
+    if dtype is WireDtype.INT8:
+        assert scale_bias is not None
+        return codes.to(torch.float32) * scale_bias[:, :1] + scale_bias[:, 1:]
+    return codes.to(torch.float32)
+
+
+def encode_header(header: pb.DeltaHeader) -> bytes:
+    return pb.GetDeltaResponse(header=header).SerializeToString()
+
+
+def encode_trailer(trailer: pb.DeltaTrailer) -> bytes:
+    return pb.GetDeltaResponse(trailer=trailer).SerializeToString()
+
+
+def encode_chunk(
+    slice_index: int,
+    offset: int,
+    ids: torch.Tensor,
+    values: torch.Tensor | None,
+    scale_bias: torch.Tensor | None = None,
+) -> bytes:
+    """One serialized GetDeltaResponse{chunk}: tags and lengths joined with the tensor bytes.
+
+    ``ids`` int64 [n], ``values`` [n, w] already in the wire dtype (or None for FORM_IDS),
+    ``scale_bias`` float32 [n, 2] for INT8. Exactly one copy of the row bytes (the join).
+    """
+    count = ids.numel()
+    head = bytearray()
+    if slice_index:
+        head += b"\x08" + _varint(slice_index)
+    if offset:
+        head += b"\x10" + _varint(offset)
+    head += b"\x18" + _varint(count)
+    idv = _bytes_view(ids)
+    parts: list[bytes | memoryview] = [b"", bytes(head) + b"\x22" + _varint(len(idv)), idv]
+    for tag, t in ((b"\x2a", scale_bias), (b"\x32", values)):
+        if t is not None and t.numel():
+            mv = _bytes_view(t)
+            parts.append(tag + _varint(len(mv)))
+            parts.append(mv)
+    inner = sum(len(p) for p in parts)
+    parts[0] = b"\x12" + _varint(inner)
+    return b"".join(parts)
+
+
+def rows_per_chunk(width: int, dtype: WireDtype | None, chunk_bytes: int) -> int:
+    """Rows that fit a chunk of about ``chunk_bytes`` (ids, values and int8 scale/bias)."""
+    row = 8
+    if dtype is not None:
+        row += width * WIRE_ITEMSIZE[dtype] + (8 if dtype is WireDtype.INT8 else 0)
+    return max(1, chunk_bytes // row)
+
+
+def encode_slice_chunks(
+    slice_index: int,
+    ids: torch.Tensor,
+    values: torch.Tensor | None,
+    dtype: WireDtype,
+    chunk_bytes: int,
+) -> Iterator[bytes]:
+    """Serialized RowChunk messages of one slice (values None for FORM_IDS)."""
+    ids = ids.contiguous()
+    width = values.shape[1] if values is not None and values.dim() == 2 else 0
+    wire_vals, sb = quantize(values, dtype) if values is not None else (None, None)
+    step = rows_per_chunk(width, dtype if values is not None else None, chunk_bytes)
+    for off in range(0, ids.numel(), step):
+        end = off + step
+        yield encode_chunk(
+            slice_index,
+            off,
+            ids[off:end],
+            wire_vals[off:end] if wire_vals is not None else None,
+            sb[off:end] if sb is not None else None,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding (client)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= len(buf):
+            raise StreamDecodeError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise StreamDecodeError("varint too long")
+
+
+def _skip_field(buf: memoryview, pos: int, wire_type: int) -> int:
+    if wire_type == 0:
+        return _read_varint(buf, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 2:
+        n, pos = _read_varint(buf, pos)
+        return pos + n
+    if wire_type == 5:
+        return pos + 4
+    raise StreamDecodeError(f"unsupported wire type {wire_type}")
+
+
+class _Slot:
+    """A slice being filled: preallocated tensors and their numpy views."""
+
+    def __init__(self, s: pb.TableSlice, with_values: bool) -> None:
+        self.meta = s
+        self.count = s.count
+        self.width = s.col_end - s.col_start
+        self.ids = torch.empty(s.count, dtype=torch.int64)
+        self.ids_np: Any = self.ids.numpy()
+        self.values = torch.empty(s.count, self.width) if with_values else None
+        self.values_np: Any = self.values.numpy() if self.values is not None else None
+        self.filled = 0
+
+
+class WindowAssembler:
+    """Builds a :class:`~deltad.window.RankDelta` from one GetDelta stream, message by message.
+
+    Feed every message in order with :meth:`add` (a parsed ``GetDeltaResponse`` or its raw
+    serialized ``bytes``), then call :meth:`result`. Raises :class:`StreamDecodeError` on a
+    malformed or incomplete stream.
+    """
+
+    def __init__(self) -> None:
+        self.header: pb.DeltaHeader | None = None
+        self.trailer: pb.DeltaTrailer | None = None
+        self.form = Form.ROWS
+        self.dtype = WireDtype.FP32
+        self.slots: list[_Slot] = []
+        self.bytes = 0
+
+    def add(self, msg: pb.GetDeltaResponse | bytes) -> None:
+        if isinstance(msg, bytes | bytearray | memoryview):
+            self._add_raw(memoryview(msg))
+            return
+        which = msg.WhichOneof("msg")
+        if which == "header":
+            self._on_header(msg.header)
+        elif which == "chunk":
+            c = msg.chunk
+            self._on_chunk(
+                c.slice,
+                c.offset,
+                c.count,
+                memoryview(c.ids),
+                memoryview(c.scale_bias),
+                memoryview(c.values),
+            )
+        elif which == "trailer":
+            self._on_trailer(msg.trailer)
+        else:
+            raise StreamDecodeError("empty GetDeltaResponse")
+
+    def _add_raw(self, buf: memoryview) -> None:
+        if len(buf) < 2:
+            raise StreamDecodeError("empty GetDeltaResponse")
+        tag, pos = _read_varint(buf, 0)
+        n, pos = _read_varint(buf, pos)
+        body = buf[pos : pos + n]
+        if len(body) != n or pos + n != len(buf):
+            raise StreamDecodeError("bad GetDeltaResponse framing")
+        if tag == 0x0A:
+            self._on_header(pb.DeltaHeader.FromString(bytes(body)))
+        elif tag == 0x12:
+            self._parse_chunk(body)
+        elif tag == 0x1A:
+            self._on_trailer(pb.DeltaTrailer.FromString(bytes(body)))
+        else:
+            raise StreamDecodeError(f"unexpected field tag {tag:#x} in GetDeltaResponse")
+
+    def _parse_chunk(self, buf: memoryview) -> None:
+        fields = [0, 0, 0]
+        blobs = [memoryview(b""), memoryview(b""), memoryview(b"")]
+        pos = 0
+        while pos < len(buf):
+            key, pos = _read_varint(buf, pos)
+            num, wt = key >> 3, key & 7
+            if 1 <= num <= 3 and wt == 0:
+                fields[num - 1], pos = _read_varint(buf, pos)
+            elif 4 <= num <= 6 and wt == 2:
+                n, pos = _read_varint(buf, pos)
+                blobs[num - 4] = buf[pos : pos + n]
+                pos += n
+            else:
+                pos = _skip_field(buf, pos, wt)
+        if pos != len(buf):
+            raise StreamDecodeError("truncated RowChunk")
+        self._on_chunk(fields[0], fields[1], fields[2], blobs[0], blobs[1], blobs[2])
+
+    def _on_header(self, h: pb.DeltaHeader) -> None:
+        if self.header is not None:
+            raise StreamDecodeError("second header in one stream")
+        self.header = h
+        try:
+            self.form = form_from_pb(h.form)
+            self.dtype = dtype_from_pb(h.dtype)
+        except ValueError as e:
+            raise StreamDecodeError(str(e)) from e
+        self.slots = [_Slot(s, self.form is not Form.IDS) for s in h.slices]
+
+    def _on_chunk(
+        self,
+        index: int,
+        offset: int,
+        count: int,
+        ids: memoryview,
+        scale_bias: memoryview,
+        values: memoryview,
+    ) -> None:
+        if self.header is None or self.trailer is not None:
+            raise StreamDecodeError("row chunk outside header..trailer")
+        if index >= len(self.slots):
+            raise StreamDecodeError(f"chunk for slice {index} of {len(self.slots)}")
+        slot = self.slots[index]
+        end = offset + count
+        if end > slot.count or len(ids) != count * 8:
+            raise StreamDecodeError(f"chunk rows {offset}..{end} outside slice of {slot.count}")
+        slot.ids_np[offset:end] = np.frombuffer(ids, dtype=np.int64)
+        if slot.values_np is not None:
+            self._fill_values(slot, offset, count, scale_bias, values)
+        slot.filled += count
+        self.bytes += len(ids) + len(scale_bias) + len(values)
+
+    def _fill_values(
+        self, slot: _Slot, offset: int, count: int, scale_bias: memoryview, values: memoryview
+    ) -> None:
+        w = slot.width
+        out = slot.values_np[offset : offset + count]
+        if len(values) != count * w * WIRE_ITEMSIZE[self.dtype]:
+            raise StreamDecodeError(f"chunk values of {len(values)} bytes for {count}x{w}")
+        if self.dtype is WireDtype.FP32:
+            out[...] = np.frombuffer(values, dtype=np.float32).reshape(count, w)
+        elif self.dtype is WireDtype.FP16:
+            out[...] = np.frombuffer(values, dtype=np.float16).reshape(count, w)
+        elif self.dtype is WireDtype.BF16:
+            bits = np.frombuffer(values, dtype=np.uint16).reshape(count, w)
+            out.view(np.uint32)[...] = bits.astype(np.uint32) << 16
+        else:
+            if len(scale_bias) != count * 8:
+                raise StreamDecodeError("int8 chunk without a (scale, bias) per row")
+            sb = np.frombuffer(scale_bias, dtype=np.float32).reshape(count, 2)
+            np.multiply(np.frombuffer(values, dtype=np.int8).reshape(count, w), sb[:, :1], out=out)
+            out += sb[:, 1:]
+
+    def _on_trailer(self, t: pb.DeltaTrailer) -> None:
+        if self.header is None:
+            raise StreamDecodeError("trailer before header")
+        self.trailer = t
+
+    def result(self) -> RankDelta:
+        """The decoded window; StreamDecodeError if the stream was cut short."""
+        h, t = self.header, self.trailer
+        if h is None or t is None:
+            raise StreamDecodeError("stream ended before its trailer")
+        for s in self.slots:
+            if s.filled != s.count:
+                raise StreamDecodeError(
+                    f"slice {s.meta.table}: {s.filled} of {s.count} rows received"
+                )
+        slices = [
+            SliceUpdate(
+                table=s.meta.table,
+                num_rows=s.meta.num_rows,
+                dim=s.meta.dim,
+                col_start=s.meta.col_start,
+                col_end=s.meta.col_end,
+                ids=s.ids,
+                values=s.values,
+                owed=s.meta.owed,
+            )
+            for s in self.slots
+        ]
+        return RankDelta(
+            rank=h.rank,
+            generation=h.generation,
+            resync=h.resync,
+            from_seq=h.from_seq,
+            to_seq=h.to_seq,
+            to_step=h.to_step,
+            form=self.form,
+            wire_dtype=self.dtype,
+            cursor=cursor_from_pb(t.cursor),
+            slices=slices,
+            committed=t.committed,
+            rows=sum(s.count for s in self.slots),
+            bytes=self.bytes,
+        )
+
+
+def decode_stream(messages: Iterable[pb.GetDeltaResponse | bytes]) -> RankDelta:
+    """Decode a whole GetDelta stream (parsed messages or raw bytes) into a RankDelta."""
+    asm = WindowAssembler()
+    for m in messages:
+        asm.add(m)
+    return asm.result()
+
+
+def raw_get_delta(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
+    """GetDelta as a callable whose stream yields raw serialized messages (the fast path)."""
+    return channel.unary_stream(
+        GET_DELTA_METHOD,
+        request_serializer=pb.GetDeltaRequest.SerializeToString,
+        response_deserializer=None,
+    )
+
+
+def pull(
+    channel: grpc.Channel,
+    request: pb.GetDeltaRequest,
+    *,
+    timeout: float | None = None,
+    metadata: Sequence[tuple[str, str]] | None = None,
+) -> RankDelta:
+    """Run one GetDelta on ``channel`` over the raw fast path and decode it.
+
+    gRPC errors propagate as ``grpc.RpcError``; a malformed stream raises StreamDecodeError.
+    """
+    stream = raw_get_delta(channel)(request, timeout=timeout, metadata=metadata)
+    return decode_stream(stream)

@@ -1,0 +1,232 @@
+"""Helpers for the sidecar tests: a spool writer standing in for the trainer, a real Redis, a
+real sidecar on port 0, and a consumer-side table rebuild. No mocks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from deltad import wire
+from deltad.config import ServerConfig
+from deltad.redisutil import EmbeddedRedis
+from deltad.segment import SegmentChunk, write_segment
+from deltad.server.app import SidecarServer
+from deltad.spool import GenerationManifest, SpoolLayout, TableInfo
+from deltad.types import Form, SegmentKind, WireDtype
+from deltad.v1 import delta_pb2 as pb
+from deltad.v1 import delta_pb2_grpc
+from deltad.window import RankDelta
+
+MODEL = "m"
+
+
+class SpoolWriter:
+    """Writes a rank's segments like the trainer would, keeping the true tables in memory.
+
+    ``tables``: name -> (num_rows, dim); rank ``r`` of ``world_size`` owns the row range
+    ``[r * n // ws, (r + 1) * n // ws)``; ``col_split`` splits every table's columns into that
+    many column-wise slices (all on this rank).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        tables: dict[str, tuple[int, int]] | None = None,
+        generation: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        col_split: int = 1,
+        seed: int = 0,
+        fsync: bool = False,
+    ) -> None:
+        self.layout = SpoolLayout(root, MODEL)
+        self.specs = tables or {"t0": (1000, 8), "t1": (500, 4)}
+        self.rank, self.world_size, self.col_split, self.fsync = rank, world_size, col_split, fsync
+        self.gen = torch.Generator().manual_seed(seed)
+        self.generation = generation
+        self.start_generation(generation)
+
+    def rows(self, table: str) -> tuple[int, int]:
+        n = self.specs[table][0]
+        return self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size
+
+    def cols(self, table: str) -> list[tuple[int, int]]:
+        dim = self.specs[table][1]
+        step = dim // self.col_split
+        return [
+            (i * step, dim if i == self.col_split - 1 else (i + 1) * step)
+            for i in range(self.col_split)
+        ]
+
+    def start_generation(self, generation: int, start_step: int = 0) -> None:
+        """A new generation: fresh tables, manifest, base segment (seq 0)."""
+        self.generation = generation
+        self.truth = {t: torch.randn(n, d, generator=self.gen) for t, (n, d) in self.specs.items()}
+        self.seq, self.step = -1, start_step
+        self.layout.write_manifest(
+            GenerationManifest(
+                MODEL,
+                generation,
+                self.world_size,
+                start_step,
+                time.time(),
+                tuple(
+                    TableInfo(t, n, d, "float32", "ec", "ec", "row_wise")
+                    for t, (n, d) in self.specs.items()
+                ),
+            ),
+            fsync=self.fsync,
+        )
+        self._write({t: torch.arange(*self.rows(t)) for t in self.specs}, SegmentKind.BASE)
+
+    def delta(self, touched: dict[str, Any] | None = None, n: int = 50) -> int:
+        """Update rows (given ids, or ``n`` random ones per table) and publish; returns seq."""
+        ids: dict[str, torch.Tensor] = {}
+        for t in self.specs:
+            lo, hi = self.rows(t)
+            if touched is not None:
+                ids[t] = torch.as_tensor(touched.get(t, []), dtype=torch.int64).unique()
+            else:
+                ids[t] = (torch.randperm(hi - lo, generator=self.gen)[:n] + lo).sort().values
+            self.truth[t][ids[t]] += torch.randn(
+                ids[t].numel(), self.specs[t][1], generator=self.gen
+            )
+        self.step += 10
+        return self._write(ids, SegmentKind.DELTA)
+
+    def _write(self, ids: dict[str, torch.Tensor], kind: SegmentKind) -> int:
+        self.seq += 1
+        chunks = []
+        for t, i in ids.items():
+            lo, hi = self.rows(t)
+            n, d = self.specs[t]
+            for c0, c1 in self.cols(t):
+                chunks.append(
+                    SegmentChunk(t, n, d, lo, hi, c0, c1, i, self.truth[t][i, c0:c1].contiguous())
+                )
+        write_segment(
+            self.layout.segment_path(self.generation, self.rank, self.seq),
+            model=MODEL,
+            generation=self.generation,
+            rank=self.rank,
+            world_size=self.world_size,
+            seq=self.seq,
+            step=self.step,
+            kind=kind,
+            chunks=chunks,
+            fsync=self.fsync,
+        )
+        return self.seq
+
+    def shard(self, table: str) -> torch.Tensor:
+        lo, hi = self.rows(table)
+        return self.truth[table][lo:hi]
+
+
+class Replica:
+    """What a consumer holds: full tables rebuilt by applying RankDeltas."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, torch.Tensor] = {}
+
+    def apply(self, d: RankDelta) -> None:
+        if d.resync:
+            self.tables = {}
+        for s in d.slices:
+            t = self.tables.setdefault(s.table, torch.zeros(s.num_rows, s.dim))
+            if s.values is not None and s.ids.numel():
+                t[s.ids, s.col_start : s.col_end] = s.values
+
+
+class Client:
+    """A consumer's view of one sidecar: stub, raw pull, commit."""
+
+    def __init__(self, target: str, token: str | None = None) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = delta_pb2_grpc.DeltaServiceStub(self.channel)
+        self.md = [("authorization", f"Bearer {token}")] if token else None
+
+    def pull(
+        self,
+        consumer: str,
+        form: Form = Form.ROWS,
+        *,
+        dtype: WireDtype = WireDtype.FP32,
+        raw: bool = True,
+        **kw: Any,
+    ) -> RankDelta:
+        req = pb.GetDeltaRequest(
+            consumer=consumer, form=wire.form_to_pb(form), dtype=wire.dtype_to_pb(dtype), **kw
+        )
+        if raw:
+            return wire.pull(self.channel, req, timeout=30, metadata=self.md)
+        return wire.decode_stream(self.stub.GetDelta(req, timeout=30, metadata=self.md))
+
+    def commit(self, d: RankDelta) -> pb.CommitResponse:
+        return self.stub.Commit(
+            pb.CommitRequest(consumer=d.cursor.consumer, cursor=wire.cursor_to_pb(d.cursor)),
+            timeout=10,
+            metadata=self.md,
+        )
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def server_config(root: Path, redis_url: str | None, **kw: Any) -> ServerConfig:
+    opts: dict[str, Any] = {
+        "spool_dir": root,
+        "model": MODEL,
+        "listen": "127.0.0.1:0",
+        "redis_url": redis_url,
+        "poll_interval_s": 0.02,
+        "retention_interval_s": 3600.0,
+        "grace_period_s": 1.0,
+    }
+    opts.update(kw)
+    return ServerConfig(**opts)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    r = EmbeddedRedis(tmp_path / "redis-data")
+    r.start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> SpoolWriter:
+    return SpoolWriter(tmp_path / "spool")
+
+
+@pytest.fixture
+def sidecar(
+    tmp_path: Path, spool: SpoolWriter, redis_server: EmbeddedRedis
+) -> Iterator[SidecarServer]:
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
+    yield srv
+    srv.stop(0)
+
+
+@pytest.fixture
+def client(sidecar: SidecarServer) -> Iterator[Client]:
+    c = Client(f"127.0.0.1:{sidecar.port}")
+    yield c
+    c.close()
