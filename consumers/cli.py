@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-log", metavar="PATH", help='JSON line per pull ("-": stdout)')
     p.add_argument("--rpc-deadline", type=float, default=30.0, help="seconds per RPC")
     p.add_argument("--max-retries", type=int, default=5)
+    p.add_argument(
+        "--discovery-timeout", type=float, default=120.0, help="seconds to wait for all ranks"
+    )
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify TLS sidecars")
     p.add_argument(
         "--token-env",
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         align_steps=not args.no_align,
         rpc_deadline_s=args.rpc_deadline,
         max_retries=args.max_retries,
+        discovery_timeout_s=args.discovery_timeout,
         token=os.environ.get(args.token_env) or None,
         tls_ca=args.tls_ca,
     )

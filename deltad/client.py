@@ -494,7 +494,7 @@ class DeltaConsumer:
 
     def _discover_all(self) -> list[str]:
         """Every rank's endpoint; waits (bounded) until all ranks 0..world-1 registered."""
-        deadline = time.monotonic() + self.config.rpc_deadline_s
+        deadline = time.monotonic() + self.config.discovery_timeout_s
         delay = self.config.backoff_initial_s
         found: dict[int, str] = {}
         while True:
@@ -505,7 +505,7 @@ class DeltaConsumer:
             if time.monotonic() >= deadline:
                 raise SidecarUnavailableError(
                     f"model {self.config.model}: ranks {sorted(found)} registered in redis, "
-                    f"not all of 0..{max(world, 1) - 1} after {self.config.rpc_deadline_s}s"
+                    f"not all of 0..{max(world, 1) - 1} after {self.config.discovery_timeout_s}s"
                 )
             time.sleep(delay)
             delay = min(delay * 2, self.config.backoff_max_s)
