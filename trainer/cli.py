@@ -1,0 +1,131 @@
+"""`deltad train`: run the reference online trainer and publish segments to a spool.
+
+Kept free of torch imports at module level so that ``deltad --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from deltad.errors import ConfigError
+
+_SHARDINGS = ("tw", "rw", "cw", "twrw")  # also the cycle of --sharding mixed
+_LOOPS = ("plain", "pipeline-base", "pipeline-sparse-dist")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spool", type=Path, help="spool directory (required unless --no-publish)")
+    parser.add_argument("--model", default="model", help="model name (default: %(default)s)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default: %(default)s)")
+    parser.add_argument(
+        "--tables",
+        default="4",
+        help="pooled tables: a count (t0..tN-1) or NAME[:ROWS],... (default: %(default)s)",
+    )
+    parser.add_argument("--rows", type=int, default=10_000, help="rows per table (default)")
+    parser.add_argument("--seq-rows", type=int, help="rows of the sequence table (default --rows)")
+    parser.add_argument("--dim", type=int, default=16, help="embedding dim (default: %(default)s)")
+    parser.add_argument(
+        "--sharding",
+        default="mixed",
+        help="tw|rw|cw|twrw for every table, 'mixed' (cycle tw,rw,cw,twrw; seq rw) or "
+        "TABLE=TYPE,... (unlisted: tw) (default: %(default)s)",
+    )
+    limit = parser.add_mutually_exclusive_group()
+    limit.add_argument("--steps", type=int, help="train this many steps (default 100)")
+    limit.add_argument("--duration", type=float, help="train this many seconds")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument(
+        "--publish-every-steps", type=int, help="publish every N steps (default 10 if no seconds)"
+    )
+    parser.add_argument("--publish-every-seconds", type=float, default=0.0)
+    parser.add_argument("--no-publish", action="store_true", help="no tracker (baseline)")
+    parser.add_argument("--no-fsync", action="store_true", help="skip fsync (benchmarks)")
+    parser.add_argument("--generation", type=int, help="generation id (default: time-based)")
+    parser.add_argument("--loop", choices=_LOOPS, default="plain")
+    parser.add_argument("--input", choices=("kjt", "tensordict"), default="kjt")
+    parser.add_argument("--final-tables", type=Path, help="torch.save {table: tensor} here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--result-json", type=Path, help="write the run's stats here")
+
+
+def parse_tables(spec: str, rows: int) -> dict[str, int]:
+    """``"3"`` -> t0,t1,t2 with ``rows`` rows; ``"a,b:500"`` -> {a: rows, b: 500}."""
+    spec = spec.strip()
+    if spec.isdigit():
+        return {f"t{i}": rows for i in range(int(spec))}
+    out: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, n = item.partition(":")
+        try:
+            out[name] = int(n) if n else rows
+        except ValueError:
+            raise ConfigError(f"--tables: bad row count in {item!r}") from None
+        if not name:
+            raise ConfigError(f"--tables: empty table name in {spec!r}")
+    return out
+
+
+def parse_sharding(spec: str, tables: list[str]) -> dict[str, str]:
+    """Resolve ``--sharding`` into {table: short type}, the sequence table ``seq`` included."""
+    spec = spec.strip()
+    if spec == "mixed":
+        out = {t: _SHARDINGS[i % len(_SHARDINGS)] for i, t in enumerate(tables)}
+        out["seq"] = "rw"
+        return out
+    if spec in _SHARDINGS:
+        out = dict.fromkeys(tables, spec)
+        out["seq"] = "rw" if spec == "twrw" else spec
+        return out
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, eq, st = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--sharding: expected TABLE=TYPE, got {item!r}")
+        out[name] = st
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from deltad.types import TrainLoop
+    from trainer.train import TrainConfig, run_training
+
+    tables = parse_tables(args.tables, args.rows)
+    cfg = TrainConfig(
+        spool_dir=args.spool,
+        model=args.model,
+        world_size=args.world_size,
+        tables=tables,
+        seq_rows=args.seq_rows or args.rows,
+        dim=args.dim,
+        sharding=parse_sharding(args.sharding, list(tables)),
+        steps=args.steps if args.steps is not None else (0 if args.duration else 100),
+        duration_s=args.duration or 0.0,
+        batch_size=args.batch_size,
+        publish_every_steps=(
+            args.publish_every_steps
+            if args.publish_every_steps is not None
+            else (0 if args.publish_every_seconds else 10)
+        ),
+        publish_every_seconds=args.publish_every_seconds,
+        publish=not args.no_publish,
+        generation=args.generation,
+        loop=TrainLoop(args.loop),
+        input_format=args.input,
+        final_tables=args.final_tables,
+        seed=args.seed,
+        learning_rate=args.lr,
+        fsync=not args.no_fsync,
+        progress=not args.no_progress,
+    )
+    result = run_training(cfg)
+    text = json.dumps(asdict(result), indent=2)
+    if args.result_json:
+        args.result_json.write_text(text)
+    print(text)
+    return 0

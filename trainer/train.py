@@ -1,0 +1,375 @@
+"""The reference online trainer: multi-rank (gloo) DMP training that publishes segments.
+
+:func:`run_training` spawns ``world_size`` processes. Each builds the :class:`ClickModel`,
+shards it with a planner whose ``ParameterConstraints`` force each table's sharding type,
+trains with the fused EXACT_ROWWISE_ADAGRAD optimizer (dense part: Adagrad) in a plain loop
+or a TorchRec train pipeline, and publishes segments through :mod:`deltad.publisher`.
+
+TorchRec's ``EmbeddingBagCollectionSharder`` offers row-wise and table-row-wise sharding only
+on CUDA; both run on CPU with gloo, so the trainer's EBC sharder offers them on CPU too. On
+one host (every rank in one "node") table-row-wise places a table on all the host's ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tqdm import tqdm
+
+from deltad import errors
+from deltad.config import PublisherConfig, TrackerConfig, check_name
+from deltad.errors import ConfigError, DeltadError
+from deltad.publisher import SegmentPublisher
+from deltad.spool import SpoolLayout
+from deltad.tracker import DeltaTracker
+from deltad.types import TrainLoop
+from trainer.data import SEQ_FEATURE, Batch, ClickStream
+from trainer.model import ClickModel
+
+log = logging.getLogger(__name__)
+
+#: Short sharding names accepted by the trainer -> TorchRec ShardingType values.
+SHARDING_TYPES = {
+    "tw": "table_wise",
+    "rw": "row_wise",
+    "cw": "column_wise",
+    "twrw": "table_row_wise",
+}
+#: What TorchRec's EmbeddingCollectionSharder supports (the sequence table).
+EC_SHARDINGS = ("tw", "rw", "cw")
+CPU_LOOPS = (TrainLoop.PLAIN, TrainLoop.PIPELINE_BASE, TrainLoop.PIPELINE_SPARSE_DIST)
+INPUT_FORMATS = ("kjt", "tensordict")
+_WARMUP_STEPS = 3
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs. ``sharding`` maps each table (and ``seq``) to
+    ``tw`` / ``rw`` / ``cw`` / ``twrw``; tables missing from it are table-wise."""
+
+    spool_dir: Path | None = None
+    model: str = "model"
+    world_size: int = 1
+    #: Pooled (EBC) tables: name -> rows. The sequence (EC) table is always named ``seq``.
+    tables: dict[str, int] = field(default_factory=lambda: {"t0": 1000, "t1": 1000})
+    seq_rows: int = 1000
+    dim: int = 16
+    sharding: dict[str, str] = field(default_factory=dict)
+    #: Stop after this many steps (0 = no step limit) or this many seconds (0 = none).
+    steps: int = 100
+    duration_s: float = 0.0
+    batch_size: int = 128
+    publish_every_steps: int = 0
+    publish_every_seconds: float = 0.0
+    #: False: train without tracker and publisher (the overhead baseline).
+    publish: bool = True
+    generation: int | None = None
+    loop: TrainLoop = TrainLoop.PLAIN
+    input_format: str = "kjt"
+    #: Save {table: full tensor} at the end (torch.save, written by rank 0).
+    final_tables: Path | None = None
+    seed: int = 0
+    learning_rate: float = 0.05
+    fsync: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.spool_dir is not None:
+            self.spool_dir = Path(self.spool_dir)
+        if self.final_tables is not None:
+            self.final_tables = Path(self.final_tables)
+        check_name("model", self.model)
+        if self.world_size < 1:
+            raise ConfigError("world_size must be >= 1")
+        if not self.tables:
+            raise ConfigError("at least one pooled table is needed")
+        for name, rows in self.tables.items():
+            check_name("table", name)
+            if name == SEQ_FEATURE:
+                raise ConfigError(f"table name {SEQ_FEATURE!r} is reserved for the sequence table")
+            if rows < 1:
+                raise ConfigError(f"table {name}: rows must be >= 1")
+        if self.seq_rows < 1:
+            raise ConfigError("seq_rows must be >= 1")
+        if self.dim < 4 or self.dim % 4:
+            raise ConfigError("dim must be a positive multiple of 4 (TBE kernels)")
+        for name, st in self.sharding.items():
+            if name != SEQ_FEATURE and name not in self.tables:
+                raise ConfigError(f"sharding names unknown table {name!r}")
+            allowed = EC_SHARDINGS if name == SEQ_FEATURE else tuple(SHARDING_TYPES)
+            if st not in allowed:
+                raise ConfigError(f"table {name}: sharding {st!r} not in {', '.join(allowed)}")
+        if self.steps < 0 or self.duration_s < 0:
+            raise ConfigError("steps and duration must be >= 0")
+        if self.steps == 0 and self.duration_s == 0:
+            raise ConfigError("set steps or duration")
+        if self.batch_size < 1:
+            raise ConfigError("batch_size must be >= 1")
+        if self.loop not in CPU_LOOPS:
+            raise ConfigError(
+                f"loop {self.loop.value} needs CUDA; on CPU use one of "
+                + ", ".join(lp.value for lp in CPU_LOOPS)
+            )
+        if self.input_format not in INPUT_FORMATS:
+            raise ConfigError(f"input must be one of {', '.join(INPUT_FORMATS)}")
+        if self.publish:
+            if self.spool_dir is None:
+                raise ConfigError("publishing needs a spool directory")
+            self.publisher_config()  # validates the intervals
+
+    def publisher_config(self) -> PublisherConfig:
+        assert self.spool_dir is not None
+        return PublisherConfig(
+            spool_dir=self.spool_dir,
+            model=self.model,
+            every_steps=self.publish_every_steps,
+            every_seconds=self.publish_every_seconds,
+            generation=self.generation,
+            fsync=self.fsync,
+        )
+
+    def sharding_of(self, table: str) -> str:
+        return self.sharding.get(table, "tw")
+
+
+@dataclass
+class RankStats:
+    """One rank's publishing costs."""
+
+    rank: int
+    segments: int
+    rows: int
+    nbytes: int
+    stall_s: float  # training-loop time spent publishing (decide + drain + copy + enqueue)
+    write_s: float  # writer-thread time
+
+
+@dataclass
+class TrainResult:
+    """What a run did; ``step_s_*`` are rank 0's step times after a short warm-up."""
+
+    generation: int | None
+    steps: int
+    step_s_mean: float
+    step_s_median: float
+    ranks: list[RankStats]
+    final_tables: str | None
+
+
+def run_training(cfg: TrainConfig) -> TrainResult:
+    """Train with ``cfg.world_size`` spawned processes (gloo) and return what happened.
+
+    A DeltadError raised in a rank (e.g. an unwritable spool) is raised here with its type.
+    """
+    if cfg.publish:
+        assert cfg.spool_dir is not None
+        SpoolLayout(cfg.spool_dir, cfg.model).ensure_writable()
+    with tempfile.TemporaryDirectory(prefix="deltad-train-") as tmp:
+        work = Path(tmp)
+        try:
+            mp.start_processes(
+                _worker, args=(cfg, work), nprocs=cfg.world_size, join=True, start_method="spawn"
+            )
+        except mp.ProcessRaisedException:
+            _reraise_rank_error(work)
+            raise
+        raw = json.loads((work / "result.json").read_text())
+    raw["ranks"] = [RankStats(**r) for r in raw["ranks"]]
+    return TrainResult(**raw)
+
+
+def _reraise_rank_error(work: Path) -> None:
+    for p in sorted(work.glob("error-*.json")):
+        e = json.loads(p.read_text())
+        cls = getattr(errors, e["type"], None)
+        if isinstance(cls, type) and issubclass(cls, DeltadError):
+            raise cls(f"rank {e['rank']}: {e['message']}")
+
+
+def _worker(rank: int, cfg: TrainConfig, work: Path) -> None:
+    # Keep the console to the progress bar: TorchRec / torch deprecation chatter is not ours.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ["LOCAL_WORLD_SIZE"] = str(cfg.world_size)  # one host
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{work}/pg", rank=rank, world_size=cfg.world_size
+    )
+    try:
+        _train(rank, cfg, work)
+    except DeltadError as e:
+        (work / f"error-{rank}.json").write_text(
+            json.dumps({"rank": rank, "type": type(e).__name__, "message": str(e)})
+        )
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def build_model(cfg: TrainConfig) -> Any:
+    """The sharded model (a DistributedModelParallel); needs torch.distributed up."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+
+    class CpuEBCSharder(EmbeddingBagCollectionSharder):  # type: ignore[misc]
+        """Offers row-wise and table-row-wise on CPU as well (they run with gloo)."""
+
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            types: list[str] = super().sharding_types(compute_device_type)
+            return types + [t for t in ("row_wise", "table_row_wise") if t not in types]
+
+    ws = cfg.world_size
+    model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim, device=torch.device("meta"))
+    # Column-wise: ask for narrow enough shards that each rank gets some (two per rank).
+    min_partition = max(4, cfg.dim // (2 * ws) // 4 * 4)
+    constraints = {
+        t: ParameterConstraints(
+            sharding_types=[SHARDING_TYPES[cfg.sharding_of(t)]],
+            min_partition=min_partition if cfg.sharding_of(t) == "cw" else None,
+        )
+        for t in [*cfg.tables, SEQ_FEATURE]
+    }
+    fused = {
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "learning_rate": cfg.learning_rate,
+        "eps": 1e-8,
+    }
+    sharders = [CpuEBCSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=ws, compute_device="cpu", local_world_size=ws),
+        constraints=constraints,
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+
+
+def _optimizer(dmp: Any, lr: float) -> Any:
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=lr),
+    )
+    return CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)])
+
+
+def _step_fn(cfg: TrainConfig, dmp: Any, optimizer: Any, batches: Iterator[Batch]) -> Any:
+    """A callable running one training step; raises StopIteration when data runs out."""
+    if cfg.loop is TrainLoop.PLAIN:
+
+        def plain() -> None:
+            batch = next(batches)
+            loss, _ = dmp(batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return plain
+    from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+    cls = TrainPipelineBase if cfg.loop is TrainLoop.PIPELINE_BASE else TrainPipelineSparseDist
+    pipeline = cls(dmp, optimizer, torch.device("cpu"))
+    return lambda: pipeline.progress(batches)
+
+
+def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
+    torch.manual_seed(cfg.seed)
+    dmp = build_model(cfg)
+    optimizer = _optimizer(dmp, cfg.learning_rate)
+    stream = ClickStream(
+        cfg.tables,
+        cfg.seq_rows,
+        batch_size=cfg.batch_size,
+        input_format=cfg.input_format,
+        seed=cfg.seed,
+        rank=rank,
+    )
+    batches = stream.take(cfg.steps) if cfg.steps else iter(stream)
+    publisher = None
+    if cfg.publish:
+        tracker = DeltaTracker(dmp, TrackerConfig(train_loop=cfg.loop))
+        publisher = SegmentPublisher(dmp, tracker, cfg.publisher_config())
+        publisher.start(0)
+    step_fn = _step_fn(cfg, dmp, optimizer, batches)
+    deadline = time.monotonic() + cfg.duration_s if cfg.duration_s else math.inf
+    times: list[float] = []
+    step = 0
+    with tqdm(total=cfg.steps or None, disable=rank != 0 or not cfg.progress, unit="step") as bar:
+        while not cfg.steps or step < cfg.steps:
+            t0 = time.perf_counter()
+            try:
+                step_fn()
+            except StopIteration:
+                break
+            step += 1
+            if publisher is not None:
+                publisher.maybe_publish(step)
+            times.append(time.perf_counter() - t0)
+            bar.update()
+            if cfg.duration_s and _any_rank(time.monotonic() >= deadline):
+                break
+    if publisher is not None:
+        publisher.close(step)
+    tables = _full_tables(dmp, rank)
+    if rank == 0 and cfg.final_tables is not None:
+        cfg.final_tables.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(tables, cfg.final_tables)
+    mine = RankStats(rank, 0, 0, 0, 0.0, 0.0)
+    if publisher is not None:
+        s = publisher.stats
+        mine = RankStats(rank, len(s.segments), s.rows, s.nbytes, s.stall_s, s.write_s)
+    gathered: list[Any] = [None] * cfg.world_size if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    if rank == 0:
+        steady = times[_WARMUP_STEPS:] or times or [0.0]
+        result = TrainResult(
+            generation=publisher.generation if publisher is not None else None,
+            steps=step,
+            step_s_mean=statistics.fmean(steady),
+            step_s_median=statistics.median(steady),
+            ranks=list(gathered),
+            final_tables=str(cfg.final_tables) if cfg.final_tables else None,
+        )
+        (work / "result.json").write_text(json.dumps(asdict(result)))
+
+
+def _any_rank(flag: bool) -> bool:
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _full_tables(dmp: Any, rank: int) -> dict[str, torch.Tensor]:
+    """Assemble every table from all ranks' shards on rank 0 (collective; {} elsewhere)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in dmp.state_dict().items():
+        if not hasattr(value, "local_shards") or not key.endswith(".weight"):
+            continue
+        full = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
+        value.gather(dst=0, out=full)
+        if full is not None:
+            out[key.split(".")[-2]] = full
+    return out
