@@ -1,0 +1,146 @@
+"""`deltad serve`: run one rank's sidecar until SIGTERM / SIGINT (graceful, with a grace period).
+
+Every flag has an environment variable (``DELTAD_<FLAG>``, e.g. ``DELTAD_REDIS_URL``). When
+ready it prints exactly one line to stdout, ``serving <model> rank <r> on <host:port>``;
+errors go to stderr with exit code 2. torch is imported only when the server starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from deltad.errors import ConfigError
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(f"DELTAD_{name}", default)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a(
+        "--spool",
+        default=_env("SPOOL"),
+        help="spool directory shared with the trainer [DELTAD_SPOOL]",
+    )
+    a("--model", default=_env("MODEL", "model"), help="model name [DELTAD_MODEL]")
+    a("--rank", type=int, default=int(_env("RANK", "0")), help="trainer rank served [DELTAD_RANK]")
+    a(
+        "--listen",
+        default=_env("LISTEN", "127.0.0.1:50051"),
+        help="host:port (port 0: any) [DELTAD_LISTEN]",
+    )
+    a(
+        "--advertise",
+        default=_env("ADVERTISE"),
+        help="endpoint registered in Redis [DELTAD_ADVERTISE]",
+    )
+    a(
+        "--redis-url",
+        default=_env("REDIS_URL"),
+        help="redis:// or rediss://[user:password@]host:port/db; unset: embedded Redis in the "
+        "spool [DELTAD_REDIS_URL]",
+    )
+    a("--tls-cert", default=_env("TLS_CERT"), help="server certificate (PEM) [DELTAD_TLS_CERT]")
+    a("--tls-key", default=_env("TLS_KEY"), help="server private key (PEM) [DELTAD_TLS_KEY]")
+    a(
+        "--tls-client-ca",
+        default=_env("TLS_CLIENT_CA"),
+        help="require client certificates signed by this CA (mTLS) [DELTAD_TLS_CLIENT_CA]",
+    )
+    a(
+        "--tokens-file",
+        default=_env("TOKENS_FILE"),
+        help="file with one allowed bearer token per line [DELTAD_TOKENS_FILE]; "
+        "or DELTAD_TOKENS=comma,separated",
+    )
+    a("--max-concurrent-streams", type=int, default=int(_env("MAX_CONCURRENT_STREAMS", "64")))
+    a("--max-message-bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(16 << 20))))
+    a("--chunk-bytes", type=int, default=int(_env("CHUNK_BYTES", str(2 << 20))))
+    a("--stream-deadline", type=float, default=float(_env("STREAM_DEADLINE", "300")))
+    a("--lease-ttl", type=float, default=float(_env("LEASE_TTL", "30")))
+    a("--poll-interval", type=float, default=float(_env("POLL_INTERVAL", "0.05")))
+    a("--grace-period", type=float, default=float(_env("GRACE_PERIOD", "10")))
+    a("--window-cache-entries", type=int, default=int(_env("WINDOW_CACHE_ENTRIES", "8")))
+    a("--merge-min-segments", type=int, default=int(_env("MERGE_MIN_SEGMENTS", "4")))
+    a("--retention-interval", type=float, default=float(_env("RETENTION_INTERVAL", "1")))
+    metrics = _env("METRICS_PORT")
+    a(
+        "--metrics-port",
+        type=int,
+        default=int(metrics) if metrics else None,
+        help="serve Prometheus /metrics on this port [DELTAD_METRICS_PORT]",
+    )
+
+
+def _tokens(args: argparse.Namespace) -> tuple[str, ...]:
+    tokens = [t.strip() for t in (_env("TOKENS", "") or "").split(",") if t.strip()]
+    if args.tokens_file:
+        try:
+            lines = Path(args.tokens_file).read_text().splitlines()
+        except OSError as e:
+            raise ConfigError(f"cannot read --tokens-file: {e}") from e
+        tokens += [t.strip() for t in lines if t.strip() and not t.startswith("#")]
+    return tuple(tokens)
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """ServerConfig from parsed flags (ConfigError on bad values)."""
+    from deltad.config import ServerConfig
+
+    if not args.spool:
+        raise ConfigError("--spool (or DELTAD_SPOOL) is required")
+
+    def path(v: str | None) -> Path | None:
+        return Path(v) if v else None
+
+    return ServerConfig(
+        spool_dir=Path(args.spool),
+        model=args.model,
+        rank=args.rank,
+        listen=args.listen,
+        redis_url=args.redis_url or None,
+        advertise=args.advertise,
+        tls_cert=path(args.tls_cert),
+        tls_key=path(args.tls_key),
+        tls_client_ca=path(args.tls_client_ca),
+        tokens=_tokens(args),
+        max_concurrent_streams=args.max_concurrent_streams,
+        max_message_bytes=args.max_message_bytes,
+        chunk_bytes=args.chunk_bytes,
+        stream_deadline_s=args.stream_deadline,
+        lease_ttl_s=args.lease_ttl,
+        poll_interval_s=args.poll_interval,
+        grace_period_s=args.grace_period,
+        metrics_port=args.metrics_port,
+        window_cache_entries=args.window_cache_entries,
+        merge_min_segments=args.merge_min_segments,
+        retention_interval_s=args.retention_interval,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from deltad.server.app import SidecarServer
+
+    config = build_config(args)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = SidecarServer(config).start()
+    print(f"serving {config.model} rank {config.rank} on {server.endpoint}", flush=True)
+    while not stop.wait(0.5):
+        if server.wait(0):
+            break
+    print(f"deltad serve: stopping (grace {config.grace_period_s}s)", file=sys.stderr, flush=True)
+    server.stop(config.grace_period_s)
+    return 0

@@ -1,0 +1,95 @@
+"""`deltad status --target host:port [--json]`: a sidecar's head, tables and consumers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from deltad.errors import ConfigError, SidecarUnavailableError
+from deltad.v1 import delta_pb2 as pb
+from deltad.v1 import delta_pb2_grpc
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=os.environ.get("DELTAD_TARGET", "127.0.0.1:50051"))
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--token", default=os.environ.get("DELTAD_TOKEN"), help="bearer token")
+    p.add_argument("--tls-ca", default=os.environ.get("DELTAD_TLS_CA"), help="CA (PEM): use TLS")
+    p.add_argument("--timeout", type=float, default=10.0)
+
+
+def fetch(
+    target: str, *, token: str | None = None, tls_ca: Path | None = None, timeout: float = 10.0
+) -> tuple[pb.StatusResponse, pb.ListConsumersResponse]:
+    """Status and ListConsumers of the sidecar at ``target``."""
+    if tls_ca is not None:
+        try:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
+        except OSError as e:
+            raise ConfigError(f"cannot read --tls-ca: {e}") from e
+        channel = grpc.secure_channel(target, creds)
+    else:
+        channel = grpc.insecure_channel(target)
+    md = [("authorization", f"Bearer {token}")] if token else None
+    try:
+        stub = delta_pb2_grpc.DeltaServiceStub(channel)
+        status = stub.Status(pb.StatusRequest(), timeout=timeout, metadata=md)
+        consumers = stub.ListConsumers(pb.ListConsumersRequest(), timeout=timeout, metadata=md)
+        return status, consumers
+    except grpc.RpcError as e:
+        raise SidecarUnavailableError(f"{target}: {e.code().name}: {e.details()}") from e
+    finally:
+        channel.close()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> str:
+    s = status
+    lines = [
+        f"model {s.model}  rank {s.rank}/{s.world_size}  generation {s.generation}",
+        f"head seq {s.head_seq} step {s.head_step} (age {s.head_age_seconds:.1f}s)  "
+        f"base seq {s.base_seq}  segments {s.segments}  log {_mb(s.log_bytes)}  "
+        f"quarantined {s.quarantined}",
+        "tables:",
+    ]
+    for t in s.tables:
+        local = ", ".join(f"cols {c.col_start}:{c.col_end} rows {c.count}" for c in t.local_slices)
+        lines.append(
+            f"  {t.table:<20} {t.num_rows}x{t.dim} {t.dtype} {t.kind} {t.sharding_type}  "
+            f"[{local or 'none on this rank'}]"
+        )
+    lines.append("consumers:")
+    lines.append(f"  {'name':<24} {'live':<5} {'seq':>8} {'lag seg':>8} {'lag s':>8} {'owed':>8}")
+    for c in consumers.consumers:
+        lines.append(
+            f"  {c.consumer:<24} {'yes' if c.live else 'no':<5} {c.cursor.seq:>8} "
+            f"{c.lag_segments:>8} {c.lag_seconds:>8.1f} {c.owed_rows:>8}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    status, consumers = fetch(
+        args.target,
+        token=args.token,
+        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
+        timeout=args.timeout,
+    )
+    if args.json:
+        out: dict[str, Any] = MessageToDict(status, always_print_fields_with_no_presence=True)
+        out["consumers"] = MessageToDict(consumers, always_print_fields_with_no_presence=True).get(
+            "consumers", []
+        )
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        print(render(status, consumers))
+    return 0
