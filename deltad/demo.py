@@ -1,0 +1,476 @@
+"""`deltad demo`: the whole loop on this machine, with a report and checks.
+
+It starts an embedded Redis, the reference trainer (``deltad train``: gloo ranks, a small
+DLRM, Zipf traffic, mixed sharding types), one ``deltad serve`` per rank and two predictors
+(``deltad consume``: rows/fp32 and top-k/int8), all as subprocesses with logs in the work
+directory. When training ends, the predictors catch up with the final head, stop, and write
+their tables; the demo then checks
+
+* the rows/fp32 predictor's tables are bit-equal to the trainer's final tables;
+* the top-k/int8 predictor, once no rows are owed, is within the int8 row-wise rounding
+  bound of the trainer's final tables: ``|served - trained| <= (row max - row min) / 510``
+  per row (plus float32 rounding of code * scale + bias).
+
+Exit 0 only if both hold; otherwise one line on stderr and exit 1. Every child is stopped on
+exit or Ctrl-C (SIGTERM, a bounded wait, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+MODEL = "demo"
+#: relative slack on the int8 bound for float32 arithmetic in code * scale + bias
+BOUND_SLACK = 1e-5
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register the flags of `deltad demo`."""
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of training (60)")
+    p.add_argument("--rows", type=int, default=20_000, help="rows per table (20000)")
+    p.add_argument("--dim", type=int, default=16, help="embedding dim (16)")
+    p.add_argument("--world-size", type=int, default=2, help="trainer ranks (2)")
+    p.add_argument("--publish-every", type=float, default=0.5, help="seconds between segments")
+    p.add_argument("--pull-interval", type=float, default=0.1, help="predictor pull interval")
+    p.add_argument("--topk-fraction", type=float, default=0.5, help="top-k predictor fraction")
+    p.add_argument("--settle-timeout", type=float, default=60.0, help="catch-up limit (s)")
+    p.add_argument("--workdir", type=Path, help="spool, logs, tables (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+@dataclass
+class Child:
+    """A subprocess of the demo, its log file and what it printed so far."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class PredictorLog:
+    """What a predictor's JSON log says so far (read incrementally)."""
+
+    path: Path
+    offset: int = 0
+    pulls: int = 0
+    rows: int = 0
+    bytes: int = 0
+    step: int | None = None
+    owed: int = 0
+    last_rows: int = 0
+    steps_served: int = 0
+    freshness: list[float] = field(default_factory=list)
+
+    def refresh(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        for line in data[:end].splitlines():
+            rec = json.loads(line)
+            if rec.get("event") != "pull":
+                continue
+            self.pulls += 1
+            self.rows += rec["rows"]
+            self.bytes += rec["bytes"]
+            self.owed = rec["owed"]
+            self.last_rows = rec["rows"]
+            if rec["step"] is not None and rec["step"] != self.step:
+                self.steps_served += 1
+            self.step = rec["step"]
+            if rec["freshness_s"] is not None:
+                self.freshness.append(float(rec["freshness_s"]))
+
+
+class Demo:
+    """Runs the children, follows them, and writes the report."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.children: list[Child] = []
+        self.tmp = args.workdir is None
+        self.work = Path(args.workdir or tempfile.mkdtemp(prefix="deltad-demo-")).resolve()
+        self.spool = self.work / "spool"
+        self.logs = self.work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[1])
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH")) if p)
+        self.env.setdefault("MALLOC_MMAP_MAX_", "0")
+        self.env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
+
+    # ---- children --------------------------------------------------------------------------
+
+    def spawn(self, name: str, argv: Sequence[str]) -> Child:
+        log = self.logs / f"{name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "deltad.cli", *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.work,
+                start_new_session=True,
+            )
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def stop_all(self) -> None:
+        """SIGTERM every child (its process group), wait bounded, SIGKILL the rest."""
+        for c in reversed(self.children):
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + 15.0
+        for c in reversed(self.children):
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(c.proc, signal.SIGKILL)
+                c.proc.wait(timeout=10.0)
+        self.children.clear()
+
+    def wait_serving(self, child: Child, timeout_s: float = 120.0) -> str:
+        """Endpoint from the sidecar's ``serving <model> rank <r> on <host:port>`` line."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in child.log.read_text(errors="replace").splitlines():
+                parts = line.split()
+                if len(parts) >= 6 and parts[0] == "serving" and parts[4] == "on":
+                    return parts[5]
+            if child.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise DemoFailed(f"{child.name} did not start serving; see {child.log}")
+
+    # ---- the run ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        from deltad.redisutil import EmbeddedRedis
+
+        a = self.args
+        t_start = time.monotonic()
+        redis = EmbeddedRedis(self.work / "redis")
+        url = redis.start()
+        try:
+            trainer = self.spawn("trainer", self.trainer_argv())
+            sidecars = [
+                self.spawn(f"sidecar-{r}", self.serve_argv(r, url)) for r in range(a.world_size)
+            ]
+            endpoints = [self.wait_serving(s) for s in sidecars]
+            preds = {
+                "rows-fp32": ["--form", "rows", "--dtype", "fp32"],
+                "topk-int8": [
+                    "--form",
+                    "topk",
+                    "--fraction",
+                    str(a.topk_fraction),
+                    "--dtype",
+                    "int8",
+                ],
+            }
+            logs = {}
+            for name, extra in preds.items():
+                self.spawn(name, self.consume_argv(name, url, extra))
+                logs[name] = PredictorLog(self.logs / f"{name}.jsonl")
+            self.follow_training(trainer, endpoints, logs)
+            final_step = self.final_head_step(endpoints)
+            self.settle(logs, final_step)
+            self.stop_predictors()
+            for lg in logs.values():
+                lg.refresh()
+            report = self.report(logs, time.monotonic() - t_start, final_step)
+        finally:
+            self.stop_all()
+            redis.stop()
+        print(report.text)
+        if report.failures:
+            print(f"deltad demo: check failed: {'; '.join(report.failures)}", file=sys.stderr)
+            return 1
+        if self.tmp and not a.keep:
+            shutil.rmtree(self.work, ignore_errors=True)
+        return 0
+
+    def trainer_argv(self) -> list[str]:
+        a = self.args
+        return [
+            "train",
+            "--world-size", str(a.world_size),
+            "--model", MODEL,
+            "--spool", str(self.spool),
+            "--rows", str(a.rows),
+            "--dim", str(a.dim),
+            "--sharding", "mixed",
+            "--duration", str(a.duration),
+            "--publish-every-seconds", str(a.publish_every),
+            "--final-tables", str(self.work / "trainer-final.pt"),
+            "--result-json", str(self.work / "trainer-result.json"),
+            "--no-progress",
+        ]  # fmt: skip
+
+    def serve_argv(self, rank: int, redis_url: str) -> list[str]:
+        return [
+            "serve",
+            "--spool", str(self.spool),
+            "--model", MODEL,
+            "--rank", str(rank),
+            "--listen", "127.0.0.1:0",
+            "--redis-url", redis_url,
+        ]  # fmt: skip
+
+    def consume_argv(self, name: str, redis_url: str, extra: list[str]) -> list[str]:
+        return [
+            "consume",
+            "--consumer", name,
+            "--model", MODEL,
+            "--redis-url", redis_url,
+            "--interval", str(self.args.pull_interval),
+            "--json-log", str(self.logs / f"{name}.jsonl"),
+            "--final-tables", str(self.work / f"{name}-final.pt"),
+            *extra,
+        ]  # fmt: skip
+
+    def follow_training(
+        self, trainer: Child, endpoints: list[str], logs: dict[str, PredictorLog]
+    ) -> None:
+        """Progress bars until the trainer exits (bounded by its duration plus start-up)."""
+        from tqdm import tqdm
+
+        a = self.args
+        limit = time.monotonic() + a.duration + 240.0
+        off = a.no_progress or not sys.stderr.isatty()
+        bars = {"trainer": tqdm(desc="trainer step", unit="step", disable=off, position=0)}
+        for i, name in enumerate(logs, start=1):
+            bars[name] = tqdm(desc=f"{name} step", unit="step", disable=off, position=i)
+        try:
+            while trainer.proc.poll() is None:
+                if time.monotonic() > limit:
+                    raise DemoFailed(f"trainer still running after {a.duration + 240:.0f}s")
+                self.check_alive()
+                head = self.head_step(endpoints)
+                if head is not None:
+                    _set(bars["trainer"], head)
+                for name, lg in logs.items():
+                    lg.refresh()
+                    if lg.step is not None:
+                        _set(bars[name], lg.step, f"{lg.bytes / 1e6:.1f} MB")
+                time.sleep(0.25)
+        finally:
+            for b in bars.values():
+                b.close()
+        if trainer.proc.returncode != 0:
+            raise DemoFailed(f"trainer exited with {trainer.proc.returncode}; see {trainer.log}")
+
+    def check_alive(self) -> None:
+        for c in self.children:
+            if c.name != "trainer" and c.proc.poll() is not None:
+                raise DemoFailed(f"{c.name} exited with {c.proc.returncode}; see {c.log}")
+
+    def head_step(self, endpoints: list[str]) -> int | None:
+        """The lowest head step over ranks (what an aligned consumer can serve), or None."""
+        import grpc
+
+        from deltad.v1 import delta_pb2 as pb
+        from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+        steps = []
+        for ep in endpoints:
+            with grpc.insecure_channel(ep) as ch:
+                try:
+                    s = pb_grpc.DeltaServiceStub(ch).Status(pb.StatusRequest(), timeout=5.0)
+                except grpc.RpcError:
+                    return None
+                if s.head_seq < 0:
+                    return None
+                steps.append(int(s.head_step))
+        return min(steps) if steps else None
+
+    def final_head_step(self, endpoints: list[str]) -> int:
+        """The step of the trainer's final segment, once every sidecar has indexed it."""
+        result = json.loads((self.work / "trainer-result.json").read_text())
+        want = int(result["steps"])
+        step: int | None = None
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
+            step = self.head_step(endpoints)
+            if step == want:
+                return want
+            time.sleep(0.1)
+        raise DemoFailed(f"sidecars show head step {step}, trainer ended at step {want}")
+
+    def settle(self, logs: dict[str, PredictorLog], final_step: int) -> None:
+        """Wait (bounded) until both predictors serve the final step and owe nothing."""
+        deadline = time.monotonic() + self.args.settle_timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            for lg in logs.values():
+                lg.refresh()
+            if all(
+                lg.step == final_step and lg.owed == 0 and lg.last_rows == 0 for lg in logs.values()
+            ):
+                return
+            time.sleep(0.1)
+        state = {n: (lg.step, lg.owed) for n, lg in logs.items()}
+        raise DemoFailed(f"predictors (step, owed) {state} did not reach step {final_step}")
+
+    def stop_predictors(self) -> None:
+        for c in self.children:
+            if c.name in ("rows-fp32", "topk-int8"):
+                _signal_group(c.proc, signal.SIGTERM)
+        for c in self.children:
+            if c.name in ("rows-fp32", "topk-int8"):
+                try:
+                    rc = c.proc.wait(timeout=30.0)
+                except subprocess.TimeoutExpired:
+                    raise DemoFailed(f"{c.name} did not stop; see {c.log}") from None
+                if rc != 0:
+                    raise DemoFailed(f"{c.name} exited with {rc}; see {c.log}")
+
+    # ---- report ----------------------------------------------------------------------------
+
+    def report(self, logs: dict[str, PredictorLog], elapsed: float, final_step: int) -> Report:
+        import torch
+
+        from consumers.predictor import percentile
+
+        a = self.args
+        result = json.loads((self.work / "trainer-result.json").read_text())
+        truth: dict[str, torch.Tensor] = torch.load(
+            self.work / "trainer-final.pt", map_location="cpu", weights_only=True
+        )
+        rows_total = sum(t.shape[0] for t in truth.values())
+        fp32_table_bytes = sum(t.numel() * 4 for t in truth.values())
+        int8_table_bytes = sum(t.shape[0] * (t.shape[1] + 8) for t in truth.values())
+        segs = [int(r["segments"]) for r in result["ranks"]]
+        out = [
+            "",
+            f"deltad demo: {a.world_size} ranks, {len(truth)} tables ({rows_total} rows, "
+            f"dim {a.dim}), trained {result['steps']} steps in {a.duration:.0f}s, "
+            f"{sum(segs)} segments ({', '.join(map(str, segs))} per rank), "
+            f"publish every {a.publish_every}s; run time {elapsed:.0f}s",
+            f"{'predictor':<10} {'pulls':>6} {'rows':>10} {'bytes':>12} "
+            f"{'full syncs':>12} {'ratio':>7} {'fresh p50':>9} {'p99':>7}",
+        ]
+        for name, lg in logs.items():
+            full = (int8_table_bytes if "int8" in name else fp32_table_bytes) * lg.steps_served
+            p50, p99 = percentile(lg.freshness, 50), percentile(lg.freshness, 99)
+            out.append(
+                f"{name:<10} {lg.pulls:>6} {lg.rows:>10} {_mb(lg.bytes):>12} {_mb(full):>12} "
+                f"{(lg.bytes / full if full else 0):>7.1%} {_sec(p50):>9} {_sec(p99):>7}"
+            )
+        out.append(
+            "  full syncs: a whole-table copy (same dtype) at every step the predictor served; "
+            "freshness: segment created -> rows applied (aim: p50 <= 0.5s, p99 <= 2s)"
+        )
+        failures = []
+        rows_tables = torch.load(
+            self.work / "rows-fp32-final.pt", map_location="cpu", weights_only=True
+        )
+        equal = set(rows_tables) == set(truth) and all(
+            torch.equal(rows_tables[n], truth[n].to(rows_tables[n].dtype)) for n in truth
+        )
+        out.append(
+            f"check rows-fp32: tables bit-equal to the trainer's final tables at step "
+            f"{final_step}: {'ok' if equal else 'FAILED'}"
+        )
+        if not equal:
+            failures.append("rows-fp32 tables differ from the trainer's final tables")
+        topk = torch.load(self.work / "topk-int8-final.pt", map_location="cpu", weights_only=True)
+        worst = 0.0
+        within = set(topk) == set(truth)
+        for n, t in truth.items():
+            if n not in topk:
+                continue
+            ref = t.to(torch.float32)
+            bound = (ref.amax(dim=1) - ref.amin(dim=1)) / 510.0
+            bound = bound * (1 + BOUND_SLACK) + ref.abs().amax(dim=1) * BOUND_SLACK
+            err = (topk[n].to(torch.float32) - ref).abs().amax(dim=1)
+            within = within and bool((err <= bound).all())
+            worst = max(worst, float((err / bound.clamp_min(1e-12)).max()))
+        out.append(
+            f"check topk-int8: every element within its row's int8 bound "
+            f"(row max - row min) / 510 once nothing is owed: {'ok' if within else 'FAILED'} "
+            f"(worst error = {worst:.2f} x bound)"
+        )
+        if not within:
+            failures.append("topk-int8 error exceeds the int8 bound")
+        return Report("\n".join(out), failures)
+
+
+@dataclass
+class Report:
+    text: str
+    failures: list[str]
+
+
+class DemoFailed(Exception):
+    """A child failed or a bounded wait ran out."""
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _set(bar: Any, n: int, postfix: str | None = None) -> None:
+    if n > bar.n:
+        bar.update(n - bar.n)
+    if postfix:
+        bar.set_postfix_str(postfix, refresh=False)
+
+
+def _sec(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}s"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so the children are cleaned up either way."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; 0 only if its checks hold."""
+    demo = Demo(args)
+    try:
+        with _terminate_as_interrupt():
+            return demo.run()
+    except DemoFailed as e:
+        print(f"deltad demo: {e} (work directory {demo.work})", file=sys.stderr)
+        return 1
