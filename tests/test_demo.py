@@ -1,0 +1,80 @@
+"""`deltad demo` end to end at reduced size: real multi-process trainer (gloo), one sidecar per
+rank, embedded Redis, two predictors, all as subprocesses."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from spoolkit import child_env, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def demo_argv(work: Path, duration: float) -> list[str]:
+    return [
+        sys.executable, "-m", "deltad.cli", "demo",
+        "--duration", str(duration), "--rows", "2000", "--dim", "8",
+        "--workdir", str(work), "--keep", "--no-progress",
+    ]  # fmt: skip
+
+
+def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    proc = subprocess.run(
+        demo_argv(work, 6), capture_output=True, text=True, timeout=280, env=child_env()
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check rows-fp32: tables bit-equal to the trainer's final tables" in proc.stdout
+    truth = torch.load(work / "trainer-final.pt", weights_only=True)
+    rows = torch.load(work / "rows-fp32-final.pt", weights_only=True)
+    assert set(truth) == set(rows) and len(truth) == 5  # 4 pooled tables + the sequence table
+    for name, t in truth.items():
+        assert torch.equal(rows[name], t), name
+    topk = torch.load(work / "topk-int8-final.pt", weights_only=True)
+    for name, t in truth.items():
+        bound = (t.amax(dim=1) - t.amin(dim=1)) / 510 * (1 + 1e-5) + t.abs().amax(dim=1) * 1e-5
+        assert bool(((topk[name] - t).abs().amax(dim=1) <= bound).all()), name
+    for line in ("rows-fp32", "topk-int8", "fresh p50"):
+        assert line in proc.stdout
+
+
+def test_demo_interrupted_leaves_no_children(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    proc = subprocess.Popen(
+        demo_argv(work, 120),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        logs = work / "logs"
+        wait_for(
+            lambda: all(
+                (logs / f"sidecar-{r}.log").exists()
+                and "serving" in (logs / f"sidecar-{r}.log").read_text()
+                for r in range(2)
+            ),
+            120.0,
+            "both sidecars serving",
+        )
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        assert len(kids) >= 5  # redis, trainer, two sidecars, two predictors (and trainer ranks)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        assert rc == 130, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() - t0 < 45
+        _, alive = psutil.wait_procs(kids, timeout=15)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
