@@ -10,6 +10,7 @@ key                             value
 ``pull:<consumer>:<rank>``      hash: the last issued, not yet committed pull
 ``lease:<consumer>``            string with a TTL (PX): alive while it exists
 ``consumers``                   set of consumer names ever registered
+``lease_ttl``                   hash: consumer -> lease TTL in ms (kept when a lease expires)
 ``ranks``                       hash: rank -> JSON {endpoint, generation, updated_unix}
 ==============================  =====================================================
 """
@@ -36,6 +37,9 @@ class RedisKeys:
 
     def lease(self, consumer: str) -> str:
         return f"{self.base}:lease:{consumer}"
+
+    def lease_ttl(self) -> str:
+        return f"{self.base}:lease_ttl"
 
     def consumers(self) -> str:
         return f"{self.base}:consumers"

@@ -51,7 +51,7 @@ return 'ok'
 
 _HEARTBEAT = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[2]) == 0 then return -1 end
-local ttl = redis.call('GET', KEYS[1]) or ARGV[1]
+local ttl = redis.call('HGET', KEYS[3], ARGV[2]) or ARGV[1]
 redis.call('SET', KEYS[1], ttl, 'PX', ttl)
 return tonumber(ttl)
 """
@@ -220,13 +220,14 @@ class OffsetStore:
             pipe = self.client.pipeline(transaction=True)
             pipe.sadd(self.keys.consumers(), consumer)
             pipe.set(self.keys.lease(consumer), ttl_ms, px=ttl_ms)
+            pipe.hset(self.keys.lease_ttl(), consumer, ttl_ms)
             pipe.execute()
 
         self._retry("register", run)
 
     def heartbeat(self, consumer: str, default_ttl_s: float) -> float | None:
         """Renew the lease (with its registered TTL); None for an unknown consumer."""
-        keys = [self.keys.lease(consumer), self.keys.consumers()]
+        keys = [self.keys.lease(consumer), self.keys.consumers(), self.keys.lease_ttl()]
         args = [str(max(1, int(default_ttl_s * 1000))), consumer]
         ttl = int(self._retry("heartbeat", lambda: self._heartbeat(keys=keys, args=args)))
         return None if ttl < 0 else ttl / 1000.0

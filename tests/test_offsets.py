@@ -1,0 +1,98 @@
+"""The Redis offset store on a real redis-server: commits, leases, pins, restarts, outages."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from serverkit import redis_server
+
+from deltad.errors import OffsetStoreError
+from deltad.redisutil import EmbeddedRedis
+from deltad.server.offsets import CommitRejected, OffsetStore, PullRecord
+
+__all__ = ["redis_server"]
+
+
+def _pull(store: OffsetStore, consumer: str, pid: str, seq: int, gen: int = 1) -> None:
+    store.record_pull(consumer, 0, PullRecord(pid, gen, seq, seq * 10, "", 0))
+
+
+def _commit(store: OffsetStore, consumer: str, pid: str, seq: int, gen: int = 1) -> int:
+    return store.commit(consumer, 0, pull_id=pid, generation=gen, seq=seq, step=seq * 10).seq
+
+
+def test_commit_rules(redis_server: EmbeddedRedis) -> None:
+    s = OffsetStore.from_url(redis_server.url, "m")
+    with pytest.raises(CommitRejected) as e:
+        _commit(s, "c", "p0", 0)
+    assert e.value.reason == "no_consumer"
+    _pull(s, "c", "p1", 3)
+    assert _commit(s, "c", "p1", 3) == 3
+    assert _commit(s, "c", "p1", 3) == 3  # idempotent re-commit
+    _pull(s, "c", "p2", 5)
+    with pytest.raises(CommitRejected) as e:
+        _commit(s, "c", "p2", 6)  # not what was issued
+    assert e.value.reason == "mismatch"
+    _pull(s, "c", "p3", 2)  # a pull behind the committed cursor (e.g. a confused server)
+    with pytest.raises(CommitRejected) as e:
+        _commit(s, "c", "p3", 2)
+    assert e.value.reason == "behind"
+    _pull(s, "c", "p4", 9, gen=0)
+    with pytest.raises(CommitRejected) as e:
+        _commit(s, "c", "p4", 9, gen=0)
+    assert e.value.reason == "old_generation"
+    with pytest.raises(CommitRejected) as e:
+        _commit(s, "c", "p2", 5)  # superseded by p4
+    assert e.value.reason == "unknown_pull"
+    # a huge (time-based) generation compares exactly, beyond float precision
+    big = 1_700_000_000_000_000_001
+    _pull(s, "c", "p5", 0, gen=big)
+    assert _commit(s, "c", "p5", 0, gen=big) == 0
+    _pull(s, "c", "p6", 7, gen=big - 1)
+    with pytest.raises(CommitRejected):
+        _commit(s, "c", "p6", 7, gen=big - 1)
+    cur = s.get_cursor("c", 0)
+    assert cur is not None and (cur.generation, cur.seq, cur.pull_id) == (big, 0, "p5")
+
+
+def test_leases_and_pins(redis_server: EmbeddedRedis) -> None:
+    s = OffsetStore.from_url(redis_server.url, "m")
+    assert s.heartbeat("x", 1.0) is None
+    s.register("live", 30.0)
+    s.register("dying", 0.2)
+    for c, seq in (("live", 4), ("dying", 1)):
+        _pull(s, c, f"p-{c}", seq)
+        _commit(s, c, f"p-{c}", seq)
+    _pull(s, "live", "next", 6)
+    assert s.pins(0, 1) == [1, 4, 6]
+    assert s.pins(0, 2) == []  # other generation
+    time.sleep(0.3)
+    assert s.pins(0, 1) == [4, 6]  # an expired lease pins nothing
+    assert s.lease_remaining(["dying"]) == {"dying": 0.0}
+    assert s.heartbeat("dying", 1.0) == pytest.approx(0.2)  # renewed with its own TTL
+    assert s.consumers() == ["dying", "live"]
+    s.register_rank(0, "host:1", 7)
+    assert s.ranks()[0]["endpoint"] == "host:1" and s.ranks()[0]["generation"] == 7
+
+
+def test_redis_restart_keeps_cursors_and_outage_is_bounded(tmp_path: Path) -> None:
+    r = EmbeddedRedis(tmp_path / "r")
+    r.start()
+    port = int(r.url.rsplit(":", 1)[1].split("/")[0])
+    s = OffsetStore.from_url(r.url, "m", attempts=3, backoff_s=0.05)
+    _pull(s, "c", "p", 11)
+    _commit(s, "c", "p", 11)
+    r.stop(kill=True)
+    t0 = time.monotonic()
+    with pytest.raises(OffsetStoreError, match="unavailable during get_cursor"):
+        s.get_cursor("c", 0)
+    assert time.monotonic() - t0 < 10
+    r2 = EmbeddedRedis(tmp_path / "r", port=port)
+    r2.start()
+    try:
+        cur = s.get_cursor("c", 0)  # same client reconnects; the AOF kept the commit
+        assert cur is not None and cur.seq == 11
+    finally:
+        r2.stop()
