@@ -35,7 +35,7 @@ def headline_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str
             rat = h.get("ratio")
             comp = ""
             if base is not None:
-                comp = f"{_fmt(base, h.get('unit', ''))}"
+                comp = f"{_fmt(base, h.get('baseline_unit', h.get('unit', '')))}"
             if rat is not None:
                 comp = f"{comp} (ratio {_fmt(rat)})" if comp else f"ratio {_fmt(rat)}"
             met = h.get("met")

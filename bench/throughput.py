@@ -93,9 +93,14 @@ def client_pull(
     dtype: str,
     form: str = "rows",
     k: int = 0,
-    chunk_bytes: int = 0,
+    max_step: int | None = None,
+    start_at: float | None = None,
 ) -> dict[str, Any]:
-    """Runs in the client worker: one fresh consumer pulls its whole window once."""
+    """Runs in the client worker: one fresh consumer pulls its whole window once.
+
+    With ``start_at`` (unix time) the pull starts then, after connecting: several workers
+    started together pull at the same moment.
+    """
     import time
 
     from deltad.client import DeltaConsumer
@@ -106,19 +111,38 @@ def client_pull(
         consumer=consumer,
         model=model,
         sidecars=(endpoint,),
-        pull=PullOptions(form=Form(form), k=k, wire_dtype=WireDtype(dtype)),
+        pull=PullOptions(form=Form(form), k=k, wire_dtype=WireDtype(dtype), max_step=max_step),
         align_steps=False,
         rpc_deadline_s=600.0,
     )
     with DeltaConsumer(cfg) as c:
+        if start_at is not None:
+            time.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
+        start_unix = time.time()
         res = c.pull()
         dt = time.perf_counter() - t0
+        end_unix = time.time()
         rows = res.rows
         nbytes = res.bytes
         vals = sum(s.values.numel() for d in res.deltas for s in d.slices if s.values is not None)
         del res
-    return {"seconds": dt, "bytes": nbytes, "rows": rows, "values": vals}
+    return {
+        "seconds": dt,
+        "bytes": nbytes,
+        "rows": rows,
+        "values": vals,
+        "start_unix": start_unix,
+        "end_unix": end_unix,
+    }
+
+
+def client_warm(state: dict[str, Any]) -> dict[str, Any]:
+    """Runs in the client worker: import the consumer library before any timing."""
+    import deltad.client
+    import deltad.wire  # noqa: F401
+
+    return {}
 
 
 # ----------------------------------------------------------------------- the benchmark
@@ -153,9 +177,13 @@ def run(ctx: Context) -> dict[str, Any]:
             ctx.status(f"spool {size / MB:.0f} MB")
             deltad_procs.write_bench_spool(spool, rows=rows, tables=TABLES, dim=DIM)
             mon = PeakRssMonitor().start()
-            side = deltad_procs.start_sidecar(kids, spool, ctx)
+            # Window cache off: every pull pays the merge + encode, as a new window does.
+            side = deltad_procs.start_sidecar(
+                kids, spool, ctx, extra=["--window-cache-entries", "0"]
+            )
             mon.watch("sidecar", side.proc.pid)
             worker = ClientWorker(kids)
+            worker.call("call", module="bench.throughput", func="client_warm", kwargs={})
             mon.watch("client", worker.proc.pid)
             try:
                 for dtype in dtypes:

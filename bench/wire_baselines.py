@@ -277,7 +277,15 @@ class ClientWorker:
         child.close()
 
     def call(self, name: str, timeout_s: float = 900.0, **kw: Any) -> Any:
+        self.send(name, **kw)
+        return self.recv(name, timeout_s)
+
+    def send(self, name: str, **kw: Any) -> None:
+        """Start a command without waiting (pair with :meth:`recv`)."""
         self.conn.send((name, kw))
+
+    def recv(self, name: str = "command", timeout_s: float = 900.0) -> Any:
+        """The result of the command started last."""
         if not self.conn.poll(timeout_s):
             raise TimeoutError(f"client worker: {name} took more than {timeout_s}s")
         status, result = self.conn.recv()

@@ -1,0 +1,232 @@
+"""Benchmark 4: fan-out, N consumers pulling at once from one sidecar.
+
+A spool holds a base (every row of 4 tables, dim 64) and 16 small deltas. Consumers are
+spawned worker processes (kept across runs); a fresh sidecar is started for every run so
+that no window is cached from an earlier one.
+
+* **same window**: N fresh consumers pull the same window (cursor -1 to one ``max_step``),
+  so the sidecar can merge and encode it once and stream it N times.
+* **different windows**: consumer i pulls up to a different ``max_step`` (seq ``i % 16 + 1``):
+  N windows of about the same size, each merged and encoded separately.
+
+Per run: every consumer's pull time (p50 / p99), aggregate throughput (bytes delivered by
+all / span from the first start to the last end) and the sidecar's CPU seconds (psutil,
+user + system, sidecar process and its children) over the run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    GB,
+    MB,
+    Children,
+    Context,
+    CpuMonitor,
+    NotAvailable,
+    PeakRssMonitor,
+    med,
+    percentile,
+    ratio,
+    summarize,
+)
+from bench.wire_baselines import ClientWorker
+
+DIM = 64
+TABLES = 4
+DELTAS = 16
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Every (mode, N) for ``ctx.repeats`` rounds."""
+    from bench import deltad_procs
+    from bench.datagen import write_spool
+
+    why = deltad_procs.sidecar_unavailable()
+    if why:
+        raise NotAvailable(why)
+    window = ctx.pick(128 * MB, 16 * MB, 1 * MB)
+    counts = ctx.pick([1, 4, 8, 16], [1, 2, 4], [1, 2])
+    rows = window // (8 + DIM * 4) // TABLES
+    runs: list[dict[str, Any]] = []
+    peaks: dict[str, int] = {}
+    with ctx.tmpdir("fanout") as spool, Children() as kids:
+        ctx.status("fanout: spool")
+        write_spool(
+            spool,
+            model=deltad_procs.MODEL,
+            tables=TABLES,
+            rows_per_table=rows,
+            dim=DIM,
+            deltas=DELTAS,
+            delta_fraction=0.01,
+        )
+        ctx.status("fanout: start consumers")
+        workers = [ClientWorker(kids) for _ in range(max(counts))]
+        for w in workers:
+            w.send("call", module="bench.throughput", func="client_warm", kwargs={})
+        for w in workers:
+            w.recv("client_warm", 300.0)
+        mon = PeakRssMonitor().start()
+        for i, w in enumerate(workers):
+            mon.watch(f"predictor{i}", w.proc.pid)
+        try:
+            for r in range(ctx.repeats):
+                for mode in ("same", "different"):
+                    for n in counts:
+                        ctx.status(f"fanout {mode} x{n} round {r + 1}")
+                        runs.append(_one(ctx, kids, spool, workers[:n], mode, n, r, mon))
+        finally:
+            for w in workers:
+                w.close()
+            peaks = mon.stop()
+    points: list[dict[str, Any]] = []
+    for mode in ("same", "different"):
+        for n in counts:
+            rs = [x for x in runs if x["mode"] == mode and x["consumers"] == n]
+            pulls = [s for x in rs for s in x["pull_s"]]
+            points.append(
+                {
+                    "mode": mode,
+                    "consumers": n,
+                    "aggregate_gbps": summarize([x["aggregate_gbps"] for x in rs]),
+                    "p50_s": percentile(pulls, 50),
+                    "p99_s": percentile(pulls, 99),
+                    "sidecar_cpu_s": summarize([x["sidecar_cpu_s"] for x in rs]),
+                    "bytes_per_consumer": rs[0]["bytes_per_consumer"],
+                }
+            )
+    result: dict[str, Any] = {
+        "window_bytes_fp32": window,
+        "points": points,
+        "runs": runs,
+        "peak_rss_bytes": {
+            "sidecar": max((x["sidecar_peak_rss"] for x in runs), default=0),
+            "predictor_max": max(peaks.values(), default=0),
+        },
+    }
+
+    def cpu(mode: str, n: int) -> float | None:
+        for p in points:
+            if p["mode"] == mode and p["consumers"] == n:
+                return med(p["sidecar_cpu_s"])
+        return None
+
+    n8 = 8 if 8 in counts else max(counts)
+    r_same = ratio(cpu("same", n8), cpu("same", 1))
+    r_diff = ratio(cpu("different", n8), cpu("different", 1))
+    top = [p for p in points if p["consumers"] == max(counts)]
+    result["headline"] = [
+        {
+            "metric": f"sidecar CPU, {n8} consumers same window / 1",
+            "value": r_same,
+            "unit": "x",
+            "target": "<= 1.5x",
+            "met": bool(r_same is not None and r_same <= 1.5),
+        },
+        {
+            "metric": f"sidecar CPU, {n8} consumers different windows / 1",
+            "value": r_diff,
+            "unit": "x",
+        },
+        *[
+            {
+                "metric": f"aggregate, {p['consumers']} consumers, {p['mode']} window",
+                "value": med(p["aggregate_gbps"]),
+                "unit": "GB/s",
+            }
+            for p in top
+        ],
+    ]
+    return result
+
+
+def _one(
+    ctx: Context,
+    kids: Children,
+    spool: Path,
+    workers: list[ClientWorker],
+    mode: str,
+    n: int,
+    round_: int,
+    mon: PeakRssMonitor,
+) -> dict[str, Any]:
+    from bench import deltad_procs
+
+    side = deltad_procs.start_sidecar(kids, spool, ctx)
+    try:
+        cpu = CpuMonitor(side.proc.pid)
+        head_step = DELTAS * 10
+        # Every consumer connects first, then all pull at the same moment.
+        start_at = time.time() + 1.0 + 0.05 * n
+        for i, w in enumerate(workers):
+            seq = DELTAS if mode == "same" else (i % DELTAS) + 1
+            w.send(
+                "call",
+                module="bench.throughput",
+                func="client_pull",
+                kwargs={
+                    "endpoint": side.endpoint,
+                    "model": side.model,
+                    "consumer": f"fan-{mode}-{n}-{round_}-{i}",
+                    "dtype": "fp32",
+                    "max_step": min(seq * 10, head_step),
+                    "start_at": start_at,
+                },
+            )
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu.reset()  # count the pulls, not the registrations
+        res = [w.recv("client_pull") for w in workers]
+        cpu_s = cpu.seconds()
+        from bench.common import proc_peak_rss
+
+        rss = proc_peak_rss(side.proc.pid) or 0
+    finally:
+        side.stop()
+    total = sum(x["bytes"] for x in res)
+    span = max(x["end_unix"] for x in res) - min(x["start_unix"] for x in res)
+    late = max(x["start_unix"] for x in res) - start_at
+    return {
+        "mode": mode,
+        "consumers": n,
+        "round": round_,
+        "pull_s": [x["seconds"] for x in res],
+        "bytes_per_consumer": [x["bytes"] for x in res],
+        "aggregate_gbps": total / span / GB if span > 0 else None,
+        "sidecar_cpu_s": cpu_s,
+        "sidecar_peak_rss": rss,
+        "latest_start_after_start_at_s": late,
+    }
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Aggregate GB/s, p99 pull time and sidecar CPU vs consumers, per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = result.get("points", [])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for mode in ("same", "different"):
+        ps = sorted((p for p in pts if p["mode"] == mode), key=lambda p: p["consumers"])
+        xs = [p["consumers"] for p in ps]
+        axes[0].plot(xs, [med(p["aggregate_gbps"]) for p in ps], "o-", label=f"{mode} window")
+        axes[1].plot(xs, [p["p50_s"] for p in ps], "o-", label=f"{mode} p50")
+        axes[1].plot(xs, [p["p99_s"] for p in ps], "x--", label=f"{mode} p99")
+        axes[2].plot(xs, [med(p["sidecar_cpu_s"]) for p in ps], "o-", label=f"{mode} window")
+    axes[0].set_ylabel("aggregate GB/s")
+    axes[1].set_ylabel("pull completion (s)")
+    axes[2].set_ylabel("sidecar CPU seconds per run")
+    for ax in axes:
+        ax.set_xlabel("consumers")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"fan-out, {result.get('window_bytes_fp32', 0) / MB:.0f} MB window")
+    fig.tight_layout()
+    path = out_dir / "fanout.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,319 @@
+"""Benchmark 1: training-step overhead of tracking (and publishing) touched rows.
+
+The reference DLRM (:mod:`bench.dlrm`, ~0.5 s/step on 2 cores at the full size) trains in a
+fresh spawned process per (variant, round); variants are interleaved round by round so that
+background load hits them alike. Per run: warm-up steps, then the wall time of each measured
+step (forward, backward, fused embedding update, dense step, plus whatever the variant does
+at that step). The figure is the median step time of a variant over the baseline's, both
+medians over rounds of per-run medians.
+
+Variants:
+
+* ``none``: no tracker.
+* ``deltad_tracker``: :class:`deltad.tracker.DeltaTracker`, drained every ``publish_every``.
+* ``deltad``: tracker + :class:`deltad.publisher.SegmentPublisher` publishing every step
+  (what a 0.5 s freshness needs at 0.5 s/step), fsync on, spool on local disk.
+* ``deltad_every10``: the same, publishing every 10 steps.
+* ``torchrec_id_only``: TorchRec's ModelDeltaTracker, ID_ONLY with auto_compact, its ids read
+  (``get_unique_ids``) every ``publish_every`` steps.
+* ``torchrec_embedding``: TorchRec's tracker in EMBEDDING mode, ``get_unique`` likewise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from bench.common import Children, Context, NotAvailable, med, ratio, summarize
+
+VARIANTS = (
+    "none",
+    "deltad_tracker",
+    "deltad",
+    "deltad_every10",
+    "torchrec_id_only",
+    "torchrec_embedding",
+)
+PUBLISH_EVERY = 10
+
+
+def _attach(
+    variant: str, dmp: Any, spool: Path, publish_every: int, publish_steps: int = 0
+) -> tuple[Any, Any, Any]:
+    """Set up the variant; return (per-step hook(step), close(), publisher or None)."""
+    if variant == "none":
+        return (lambda step: None), (lambda: None), None
+    if variant == "deltad_tracker":
+        from deltad.tracker import DeltaTracker
+
+        tracker = DeltaTracker(dmp)
+
+        def drain(step: int) -> None:
+            if step % publish_every == 0:
+                tracker.drain()
+
+        return drain, tracker.detach, None
+    if variant in ("deltad", "deltad_every10"):
+        from deltad.config import PublisherConfig
+        from deltad.publisher import SegmentPublisher
+
+        every = publish_steps or (1 if variant == "deltad" else 10)
+        pub = SegmentPublisher(
+            dmp, None, PublisherConfig(spool_dir=spool, model="bench", every_steps=every)
+        )
+        pub.start(0)
+        state = {"last": 0}
+
+        def publish(step: int) -> None:
+            state["last"] = step
+            pub.maybe_publish(step)
+
+        def close() -> None:
+            pub.close(state["last"])
+
+        return publish, close, pub
+    from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
+
+    mode = TrackingMode.ID_ONLY if variant == "torchrec_id_only" else TrackingMode.EMBEDDING
+    # TorchRec 1.8 refuses EMBEDDING mode on an EBC (pooled lookups): track the EC only there.
+    skip = ["ebc"] if mode == TrackingMode.EMBEDDING else []
+    tr = dmp.init_torchrec_delta_tracker(
+        DeltaTrackerConfig(
+            tracking_mode=mode, auto_compact=mode == TrackingMode.ID_ONLY, fqns_to_skip=skip
+        )
+    )
+
+    def read(step: int) -> None:
+        if step % publish_every == 0:
+            if mode == TrackingMode.ID_ONLY:
+                tr.get_unique_ids()
+            else:
+                tr.get_unique()
+
+    return read, (lambda: None), None
+
+
+def worker_main(conn: Any, specs: list[dict[str, Any]]) -> None:
+    """Spawned: per spec build the DLRM, attach the variant, time steps; send results back."""
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    try:
+        conn.send(("ok", [_worker(spec) for spec in specs]))
+    except Exception:
+        conn.send(("error", traceback.format_exc(limit=12)))
+    finally:
+        conn.close()
+
+
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from bench.common import self_peak_rss
+    from bench.dlrm import DlrmSize, build, train_step
+
+    torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
+    size = DlrmSize(**spec["size"])
+    dmp, dense, stream = build(size, seed=spec.get("seed", 0))
+    warmup, steps = spec["warmup"], spec["steps"]
+    batches = [stream.next_batch() for _ in range(warmup + steps)]
+    rss_before = self_peak_rss()
+    hook, close, pub = _attach(
+        spec["variant"],
+        dmp,
+        Path(spec["spool"]),
+        spec["publish_every"],
+        spec.get("publish_steps", 0),
+    )
+    times: list[float] = []
+    for i, b in enumerate(batches):
+        t0 = time.perf_counter()
+        train_step(dmp, dense, b)
+        hook(i + 1)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+    t0 = time.perf_counter()
+    close()
+    close_s = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "step_s": times,
+        "median_step_s": statistics.median(times),
+        "close_s": close_s,
+        "peak_rss_bytes": self_peak_rss(),
+        "peak_rss_before_tracking_bytes": rss_before,
+        "ids_per_step": int(batches[0].sparse.values().numel() + batches[0].seq.values().numel()),
+    }
+    if pub is not None:
+        segs = [s for s in pub.stats.segments if s.kind.value == "delta"]
+        out["segments"] = [
+            {
+                "rows": s.rows,
+                "nbytes": s.nbytes,
+                "stall_s": s.stall_s,
+                "write_s": s.write_s,
+            }
+            for s in segs
+        ]
+        out["decide_s"] = pub.stats.decide_s
+    return out
+
+
+def run_worker(
+    children: Children, specs: list[dict[str, Any]], timeout_s: float = 900.0
+) -> list[dict[str, Any]]:
+    """Run specs in one fresh spawned process and return their results."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = children.process(worker_main, child, specs)
+    child.close()
+    names = [s["variant"] for s in specs]
+    if not parent.poll(timeout_s):
+        proc.terminate()
+        raise TimeoutError(f"tracking worker {names} took more than {timeout_s}s")
+    status, res = parent.recv()
+    proc.join(timeout=30)
+    if status != "ok":
+        raise RuntimeError(f"tracking worker {names} failed:\n{res}")
+    return list(res)
+
+
+def _unavailable(variant: str) -> str | None:
+    from bench.deltad_procs import module_unavailable
+
+    if variant.startswith("deltad"):
+        mods = ["deltad.tracker"] + (["deltad.publisher"] if variant != "deltad_tracker" else [])
+        return module_unavailable(*mods)
+    if variant.startswith("torchrec"):
+        return module_unavailable("torchrec.distributed.model_tracker.types")
+    return None
+
+
+def size_for(ctx: Context) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from bench.dlrm import DlrmSize
+
+    full = DlrmSize(batch=16384, pooling=16, seq_len=32)
+    return asdict(ctx.pick(full, DlrmSize.small(), DlrmSize.tiny()))
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Every variant, ``ctx.repeats`` rounds, interleaved."""
+    from bench.deltad_procs import module_unavailable
+
+    why = module_unavailable("trainer.model", "trainer.data")
+    if why:
+        raise NotAvailable(f"the reference DLRM is missing: {why}")
+    size = size_for(ctx)
+    warmup, steps = ctx.pick((3, 12), (2, 6), (1, 3))
+    variants = [v for v in VARIANTS if not _unavailable(v)]
+    missing = {v: _unavailable(v) for v in VARIANTS if _unavailable(v)}
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    for r in range(ctx.repeats):
+        # One process per run (clean peak RSS); the smoke test shares one for speed.
+        groups = [variants] if ctx.tiny else [[v] for v in variants]
+        for group in groups:
+            ctx.status(f"tracking round {r + 1} {','.join(group)}")
+            with ctx.tmpdir("track") as spool, Children() as kids:
+                specs = [
+                    {
+                        "variant": v,
+                        "size": size,
+                        "warmup": warmup,
+                        "steps": steps,
+                        "spool": str(spool / v),
+                        "publish_every": PUBLISH_EVERY,
+                        "seed": r,
+                    }
+                    for v in group
+                ]
+                for v, res in zip(group, run_worker(kids, specs), strict=True):
+                    runs[v].append(res)
+    base = summarize([x["median_step_s"] for x in runs["none"]])
+    table: dict[str, Any] = {}
+    for v in variants:
+        s = summarize([x["median_step_s"] for x in runs[v]])
+        # Overhead per round (same round = same seed and closest in time), then the median.
+        per_round = [
+            (a["median_step_s"] / b["median_step_s"] - 1.0) * 100.0
+            for a, b in zip(runs[v], runs["none"], strict=True)
+        ]
+        table[v] = {
+            "step_s": s,
+            "overhead_pct": (ratio(med(s), med(base)) - 1.0) * 100.0 if med(base) else None,
+            "overhead_pct_per_round": summarize(per_round),
+            "peak_rss_bytes": max(x["peak_rss_bytes"] for x in runs[v]),
+            "close_s": summarize([x["close_s"] for x in runs[v]]),
+        }
+        segs = [s for x in runs[v] for s in x.get("segments", [])]
+        if segs:
+            table[v]["stall_per_segment_s"] = summarize([s["stall_s"] for s in segs])
+            table[v]["rows_per_segment"] = statistics.median([s["rows"] for s in segs])
+    result: dict[str, Any] = {
+        "size": size,
+        "warmup_steps": warmup,
+        "measured_steps": steps,
+        "publish_every_for_readers": PUBLISH_EVERY,
+        "ids_per_step": runs["none"][0]["ids_per_step"],
+        "variants": table,
+        "missing": missing,
+        "runs": runs,
+    }
+    head = []
+    for v in variants:
+        if v == "none":
+            head.append({"metric": "step time, no tracker", "value": med(base), "unit": "s"})
+            continue
+        ov = table[v]["overhead_pct"]
+        target = "<= 1.5%" if v.startswith("deltad") else ""
+        head.append(
+            {
+                "metric": f"step overhead {v}",
+                "value": ov,
+                "unit": "%",
+                "baseline": med(base),
+                "baseline_unit": "s/step",
+                "target": target,
+                "met": (ov is not None and ov <= 1.5) if target else None,
+            }
+        )
+    result["headline"] = head
+    if "deltad" not in variants:
+        raise NotAvailable(f"deltad tracker/publisher: {missing.get('deltad')}", result)
+    return result
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Bar chart of step time per variant (median, min-max whiskers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vs = result.get("variants", {})
+    names = list(vs)
+    meds = [med(vs[n]["step_s"]) * 1000 for n in names]
+    lo = [m - vs[n]["step_s"]["min"] * 1000 for m, n in zip(meds, names, strict=True)]
+    hi = [vs[n]["step_s"]["max"] * 1000 - m for m, n in zip(meds, names, strict=True)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(names, meds, yerr=[lo, hi], capsize=4, color="tab:blue")
+    for i, n in enumerate(names):
+        ov = vs[n].get("overhead_pct")
+        if ov is not None and n != "none":
+            ax.text(i, meds[i], f"{ov:+.1f}%", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("step time (ms, median of rounds)")
+    ax.set_title("training-step overhead of tracking")
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "tracking.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
