@@ -7,7 +7,7 @@
         applier.apply(result.deltas)  # your tables now serve result.step
         c.commit(result)              # only now do the cursors move (at-least-once)
 
-or ``c.sync(applier)`` for all three. Sidecars come from a static list (index = rank) or from
+or ``c.sync(applier.apply)`` for all three. Sidecars come from a static list (index = rank) or from
 Redis (``RedisKeys.ranks``). Every RPC has a deadline and bounded retries with exponential
 backoff; gRPC errors become :class:`deltad.errors.ConsumerError` at this boundary.
 
@@ -17,6 +17,10 @@ with the same generation and step, so a predictor never serves a mix of two mode
 Otherwise the whole pull is dropped uncommitted (``PullResult.missing`` says why) and the
 rows come again next time. A commit that fails (sidecar down) stays pending and is retried
 before that rank's next pull; commits only move forward, so none is lost or duplicated.
+
+``auto_commit`` (at-most-once, for simple readers): without alignment the server commits as
+each stream completes; with alignment the client commits right after every rank answered,
+so a pull it drops (ranks disagree) is never committed.
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ class DeltaConsumer:
                 raise ConsumerError(f"cannot read TLS CA {config.tls_ca}: {e}") from e
             self._credentials = grpc.ssl_channel_credentials(root_certificates=ca)
         self._redis: Any = None
+        self._redis_lock = threading.Lock()
         self._ranks: list[_Rank] = []
         self._pool: ThreadPoolExecutor | None = None
         self._closed = threading.Event()
@@ -303,12 +308,18 @@ class DeltaConsumer:
             return result
         result.deltas = deltas
         result.step = deltas[0].to_step
+        if self.config.pull.auto_commit:
+            self.commit(result)
+            for d in deltas:
+                d.committed = True
         at_step = [s.head_created_unix for s in statuses.values() if s.head_step == result.step]
         result.source_unix = max(at_step) if at_step else None
         return result
 
     def _request(self, max_step: int | None) -> pb.GetDeltaRequest:
         req = wire.request_from_options(self.config.consumer, self.config.pull)
+        if self.config.align_steps:
+            req.auto_commit = False  # committed by _pull_aligned once every rank agreed
         if max_step is not None:
             req.max_step = max_step
         return req
@@ -479,9 +490,13 @@ class DeltaConsumer:
 
         assert self.config.redis_url is not None
         try:
-            if self._redis is None:
-                self._redis = connect(self.config.redis_url, attempts=self.config.max_retries + 1)
-            raw = self._redis.hgetall(RedisKeys(self.config.model).ranks())
+            with self._redis_lock:
+                if self._redis is None:
+                    self._redis = connect(
+                        self.config.redis_url, attempts=self.config.max_retries + 1
+                    )
+                client = self._redis
+            raw = client.hgetall(RedisKeys(self.config.model).ranks())
         except Exception as e:  # redis errors and OffsetStoreError alike
             raise ConsumerError(f"sidecar discovery in redis failed: {e}") from e
         out: dict[int, str] = {}
