@@ -222,7 +222,30 @@ def _worker(rank: int, cfg: TrainConfig, work: Path) -> None:
 
 
 def build_model(cfg: TrainConfig) -> Any:
-    """The sharded model (a DistributedModelParallel); needs torch.distributed up."""
+    """The sharded :class:`ClickModel` (a DistributedModelParallel); needs torch.distributed."""
+    model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim, device=torch.device("meta"))
+    sharding = {t: cfg.sharding_of(t) for t in [*cfg.tables, SEQ_FEATURE]}
+    # Column-wise: ask for shards narrow enough that every rank gets some (two per rank).
+    min_partition = max(4, cfg.dim // (2 * cfg.world_size) // 4 * 4)
+    return shard_model(
+        model,
+        sharding,
+        world_size=cfg.world_size,
+        learning_rate=cfg.learning_rate,
+        cw_min_partition=min_partition,
+    )
+
+
+def shard_model(
+    model: torch.nn.Module,
+    sharding: dict[str, str],
+    *,
+    world_size: int,
+    learning_rate: float,
+    cw_min_partition: int = 4,
+) -> Any:
+    """Shard ``model``'s EC / EBC tables as ``sharding`` says (table -> tw/rw/cw/twrw) with
+    the planner, fused EXACT_ROWWISE_ADAGRAD, on CPU; return the DistributedModelParallel."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -240,25 +263,21 @@ def build_model(cfg: TrainConfig) -> Any:
             types: list[str] = super().sharding_types(compute_device_type)
             return types + [t for t in ("row_wise", "table_row_wise") if t not in types]
 
-    ws = cfg.world_size
-    model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim, device=torch.device("meta"))
-    # Column-wise: ask for narrow enough shards that each rank gets some (two per rank).
-    min_partition = max(4, cfg.dim // (2 * ws) // 4 * 4)
     constraints = {
         t: ParameterConstraints(
-            sharding_types=[SHARDING_TYPES[cfg.sharding_of(t)]],
-            min_partition=min_partition if cfg.sharding_of(t) == "cw" else None,
+            sharding_types=[SHARDING_TYPES.get(st, st)],
+            min_partition=cw_min_partition if st == "cw" else None,
         )
-        for t in [*cfg.tables, SEQ_FEATURE]
+        for t, st in sharding.items()
     }
     fused = {
         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        "learning_rate": cfg.learning_rate,
+        "learning_rate": learning_rate,
         "eps": 1e-8,
     }
     sharders = [CpuEBCSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=ws, compute_device="cpu", local_world_size=ws),
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
         constraints=constraints,
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)

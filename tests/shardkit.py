@@ -1,0 +1,139 @@
+"""Helpers for multi-process gloo tests of the tracker and publisher: a toy sharded model.
+
+The toy model has no dense parameters, so DistributedModelParallel wraps nothing in DDP.
+Its EBC holds one table per sharding type (the table-wise one looked up by two features);
+its EC a row-wise and a column-wise table. Batches are deterministic in (rank, index), so
+every rank can compute the ids every rank was fed.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tensordict import TensorDict
+from torch import nn
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
+
+from trainer.train import shard_model
+
+ROWS = 100
+DIM = 16
+#: EBC table -> (sharding, features)
+EBC_TABLES = {
+    "e_tw": ("tw", ["f_tw", "g_tw"]),
+    "e_rw": ("rw", ["f_rw"]),
+    "e_cw": ("cw", ["f_cw"]),
+    "e_twrw": ("twrw", ["f_twrw"]),
+}
+#: EC table -> (sharding, features)
+EC_TABLES = {"s_rw": ("rw", ["s_rw"]), "s_cw": ("cw", ["s_cw"])}
+EBC_FEATURES = [f for _, fs in EBC_TABLES.values() for f in fs]
+EC_FEATURES = [f for _, fs in EC_TABLES.values() for f in fs]
+FEATURE_TABLE = {f: t for t, (_, fs) in {**EBC_TABLES, **EC_TABLES}.items() for f in fs}
+
+
+class Toy(nn.Module):
+    """EBC + EC, no dense parameters; forward returns a scalar to backprop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        meta = torch.device("meta")
+        self.ebc = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=ROWS, feature_names=fs)
+                for t, (_, fs) in EBC_TABLES.items()
+            ],
+            device=meta,
+        )
+        self.ec = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(name=t, embedding_dim=DIM, num_embeddings=ROWS, feature_names=fs)
+                for t, (_, fs) in EC_TABLES.items()
+            ],
+            device=meta,
+        )
+
+    def forward(self, pooled: Any, seq: KeyedJaggedTensor) -> torch.Tensor:
+        out = self.ebc(pooled).values().sum()
+        for jt in self.ec(seq).values():
+            out = out + jt.values().sum()
+        return out
+
+
+def toy_dmp(world_size: int, sharding: dict[str, str] | None = None) -> Any:
+    """The toy model sharded as EBC_TABLES / EC_TABLES say (or ``sharding`` overrides)."""
+    plan = {t: st for t, (st, _) in {**EBC_TABLES, **EC_TABLES}.items()}
+    plan.update(sharding or {})
+    return shard_model(Toy(), plan, world_size=world_size, learning_rate=0.1, cw_min_partition=4)
+
+
+def batch(rank: int, index: int, *, tensordict: bool = False, size: int = 8) -> tuple[Any, Any]:
+    """(pooled features for the EBC, sequence KJT for the EC) of one rank's batch."""
+    g = torch.Generator().manual_seed(1000 * rank + index)
+
+    def jagged(keys: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        lengths = [torch.randint(0, 4, (size,), generator=g) for _ in keys]
+        values = [torch.randint(0, ROWS, (int(n.sum()),), generator=g) for n in lengths]
+        return values, lengths
+
+    pv, pl = jagged(EBC_FEATURES)
+    sv, sl = jagged(EC_FEATURES)
+    seq = KeyedJaggedTensor.from_lengths_sync(EC_FEATURES, torch.cat(sv), torch.cat(sl))
+    if not tensordict:
+        pooled: Any = KeyedJaggedTensor.from_lengths_sync(
+            EBC_FEATURES, torch.cat(pv), torch.cat(pl)
+        )
+        return pooled, seq
+    pooled = TensorDict(
+        {
+            k: torch.nested.nested_tensor_from_jagged(
+                v, offsets=torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)])
+            )
+            for k, v, n in zip(EBC_FEATURES, pv, pl, strict=True)
+        },
+        batch_size=[size],
+    )
+    return pooled, seq
+
+
+def fed_ids(batches: list[tuple[Any, Any]]) -> dict[str, set[int]]:
+    """Global ids each table was looked up with across ``batches``."""
+    out: dict[str, set[int]] = {t: set() for t in FEATURE_TABLE.values()}
+    for pooled, seq in batches:
+        for k in pooled.keys():  # noqa: SIM118 (a KJT's JaggedTensor or a TensorDict's nested tensor)
+            out[FEATURE_TABLE[k]].update(pooled[k].values().tolist())
+        for k in seq.keys():  # noqa: SIM118
+            out[FEATURE_TABLE[k]].update(seq[k].values().tolist())
+    return out
+
+
+def _entry(rank: int, fn: Callable[..., None], world_size: int, init: str, args: tuple) -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., None], world_size: int, tmp_path: Path, *args: Any) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; re-raise failures."""
+    init = f"file://{tmp_path}/pg-{uuid.uuid4().hex}"
+    mp.start_processes(
+        _entry, args=(fn, world_size, init, args), nprocs=world_size, start_method="spawn"
+    )

@@ -1,0 +1,129 @@
+"""DeltaTracker on a real 2-rank gloo DMP: which ids the hooks deliver, per sharding type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from shardkit import EBC_TABLES, EC_TABLES, fed_ids, spawn, toy_dmp
+from shardkit import batch as kjt_batch
+from torch import nn
+
+from deltad.config import TrackerConfig
+from deltad.errors import UnsupportedModelError
+from deltad.tracker import DeltaTracker
+from deltad.types import TrainLoop
+
+
+def _ids(drained: list) -> dict[tuple[str, int], list[int]]:
+    """(table, col_start) -> global ids, from a drain."""
+    return {(s.table, s.col_start): (ids + s.row_start).tolist() for s, ids in drained}
+
+
+def _expected(tracker: DeltaTracker, fed: dict[str, set[int]]) -> dict[tuple[str, int], list]:
+    return {
+        (s.table, s.col_start): sorted(i for i in fed[s.table] if s.row_start <= i < s.row_end)
+        for s in tracker.shards
+    }
+
+
+def batch(rank: int, index: int) -> tuple[Any, Any]:
+    """Pooled features as a TensorDict (a sharded EBC must see one input type throughout:
+    after a TensorDict it no longer permutes a KJT's keys). The trainer tests feed KJTs."""
+    return kjt_batch(rank, index, tensordict=True)
+
+
+def _tracker_worker(rank: int, world_size: int) -> None:
+    dmp = toy_dmp(world_size)
+    assert not isinstance(dmp.module, nn.parallel.DistributedDataParallel)
+    tracker = DeltaTracker(dmp)
+
+    # Shards: every table with a local shard, CW shards with their column ranges, and weight
+    # views that are the state_dict's local shards (the live TBE weights, not copies).
+    shards = tracker.shards
+    assert {s.table for s in shards} >= {"e_rw", "e_cw", "e_twrw", "s_rw", "s_cw"}
+    assert [s.col_end - s.col_start for s in shards if s.table == "e_cw"] == [4, 4]
+    assert {t.name: t.sharding_type for t in tracker.tables} == {
+        "e_tw": "table_wise",
+        "e_rw": "row_wise",
+        "e_cw": "column_wise",
+        "e_twrw": "table_row_wise",
+        "s_rw": "row_wise",
+        "s_cw": "column_wise",
+    }
+    sd = dmp.state_dict()
+    for s in shards:
+        key = f"{'ebc.embedding_bags' if s.kind == 'ebc' else 'ec.embeddings'}.{s.table}.weight"
+        (local,) = [
+            x.tensor for x in sd[key].local_shards() if x.metadata.shard_offsets[1] == s.col_start
+        ]
+        assert local.data_ptr() == s.weight.data_ptr()
+    before = {id(s): s.weight.clone() for s in shards}
+
+    # Train two steps; the drained ids are exactly the ids fed
+    # by all ranks that fall into each local shard, as global ids, and exactly the rows whose
+    # values changed.
+    fed = [batch(r, i) for r in range(world_size) for i in range(2)]
+    for i in range(2):
+        dmp(*batch(rank, i)).backward()
+    drained = tracker.drain()
+    assert _ids(drained) == _expected(tracker, fed_ids(fed))
+    for s, local in drained:
+        changed = (s.weight != before[id(s)]).any(dim=1).nonzero().view(-1)
+        assert torch.equal(changed, local), s.table
+
+    # Drained twice with no new batch: empty, no error.
+    assert all(ids.numel() == 0 for _, ids in tracker.drain())
+
+    # Paused (eval) forwards leave nothing; unpaused they would.
+    dmp.eval()
+    with tracker.paused():
+        dmp(*batch(rank, 5))
+    assert all(ids.numel() == 0 for _, ids in tracker.drain())
+    dmp(*batch(rank, 5))
+    assert any(ids.numel() for _, ids in tracker.drain())
+    dmp.train()
+
+    # Detach removes the hooks.
+    tracker.detach()
+    for mod in (dmp.module.ebc, dmp.module.ec):
+        assert mod.post_lookup_tracker_fn is None and mod.post_odist_tracker_fn is None
+
+    # Lookahead 1: ids of the last lookup stay owed after a drain.
+    ahead = DeltaTracker(dmp, TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST))
+    assert ahead.lookahead == 1
+    ids_a = _expected(ahead, fed_ids([batch(r, 10) for r in range(world_size)]))
+    ids_b = _expected(ahead, fed_ids([batch(r, 11) for r in range(world_size)]))
+    both = {k: sorted(set(ids_a[k]) | set(ids_b[k])) for k in ids_a}
+    with torch.no_grad():
+        dmp(*batch(rank, 10))  # lookup of A (its update would come in the next step)
+        assert _ids(ahead.drain()) == ids_a
+        assert _ids(ahead.drain()) == ids_a  # still owed: no newer lookup yet
+        dmp(*batch(rank, 11))
+        assert _ids(ahead.drain()) == both
+        assert _ids(ahead.drain()) == ids_b
+    ahead.detach()
+
+    # fqns_to_skip leaves a module out.
+    only_ebc = DeltaTracker(dmp, TrackerConfig(fqns_to_skip=("ec",)))
+    assert {s.kind for s in only_ebc.shards} == {"ebc"}
+    assert {t.name for t in only_ebc.tables} == set(EBC_TABLES)
+    only_ebc.detach()
+
+    # A data-parallel table: every rank updates its own replica, nobody owns the rows.
+    dp = toy_dmp(world_size, {"e_tw": "data_parallel"})
+    with pytest.raises(UnsupportedModelError, match="data-parallel"):
+        DeltaTracker(dp)
+    assert set(EC_TABLES) <= {t.name for t in tracker.tables}
+
+
+@pytest.mark.slow
+def test_tracker_ids_per_sharding_type(tmp_path: Path) -> None:
+    spawn(_tracker_worker, 2, tmp_path)
+
+
+def test_model_without_sharded_embeddings_is_unsupported() -> None:
+    with pytest.raises(UnsupportedModelError, match="no sharded"):
+        DeltaTracker(nn.Sequential(nn.Linear(4, 4)))
