@@ -1,0 +1,186 @@
+"""Tokens, TLS/mTLS, health, reflection, metrics, stream limits and the shared window cache."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from serverkit import Client, SpoolWriter, redis_server, server_config
+
+from deltad import wire
+from deltad.redisutil import EmbeddedRedis
+from deltad.server.app import SidecarServer
+from deltad.types import Form
+from deltad.v1 import delta_pb2 as pb
+from deltad.v1 import delta_pb2_grpc
+
+__all__ = ["redis_server"]
+
+
+def _serve(tmp_path: Path, url: str, **kw: object) -> SidecarServer:
+    return SidecarServer(server_config(tmp_path / "spool", url, **kw)).start()
+
+
+def test_tokens_health_reflection_metrics(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+    SpoolWriter(tmp_path / "spool")
+    srv = _serve(tmp_path, redis_server.url, tokens=("s3cret", "other"), metrics_port=0)
+    target = f"127.0.0.1:{srv.port}"
+    try:
+        for token in (None, "wrong"):
+            c = Client(target, token)
+            with pytest.raises(grpc.RpcError) as e:
+                c.pull("t")
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                c.stub.Status(pb.StatusRequest(), metadata=c.md)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            c.close()
+        c = Client(target, "other")
+        assert c.pull("t").rows == 1500
+        health = health_pb2_grpc.HealthStub(c.channel)  # open without a token
+        for service in ("", "deltad.v1.DeltaService"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(c.channel)
+        answers = refl.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+            metadata=c.md,
+            timeout=5,
+        )
+        names = {s.name for a in answers for s in a.list_services_response.service}
+        assert "deltad.v1.DeltaService" in names
+        assert srv.metrics_port
+        body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics").read()
+        text = body.decode()
+        for metric in (
+            "deltad_bytes_served_total",
+            "deltad_rows_served_total",
+            "deltad_window_merge_seconds_count",
+            "deltad_quarantined_segments_total",
+        ):
+            assert metric in text
+        c.stub.ListConsumers(pb.ListConsumersRequest(), metadata=c.md)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics").read()
+        assert b'deltad_consumer_lag_segments{consumer="t"' in text
+        c.close()
+    finally:
+        srv.stop(0)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_tls_and_mutual_tls(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+    d = tmp_path / "pki"
+    d.mkdir()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+             "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext",
+                 cwd=d)  # fmt: skip
+    SpoolWriter(tmp_path / "spool")
+    srv = _serve(
+        tmp_path,
+        redis_server.url,
+        tls_cert=d / "server.pem",
+        tls_key=d / "server.key",
+        tls_client_ca=d / "ca.pem",
+        listen="localhost:0",
+    )
+    ca = (d / "ca.pem").read_bytes()
+    target = f"localhost:{srv.port}"
+    req = pb.GetDeltaRequest(consumer="tls", form=pb.FORM_IDS)
+    try:
+        anon = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca))
+        with pytest.raises(grpc.RpcError) as e:
+            wire.pull(anon, req, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # handshake refused: no client cert
+        anon.close()
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ca,
+            private_key=(d / "client.key").read_bytes(),
+            certificate_chain=(d / "client.pem").read_bytes(),
+        )
+        ch = grpc.secure_channel(target, creds)
+        assert wire.pull(ch, req, timeout=10).rows == 1500
+        ch.close()
+    finally:
+        srv.stop(0)
+
+
+def test_concurrency_limit_and_stream_deadline(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+    SpoolWriter(tmp_path / "spool", tables={"big": (200_000, 32)})
+    srv = _serve(tmp_path, redis_server.url, max_concurrent_streams=1, stream_deadline_s=1.0)
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        req = pb.GetDeltaRequest(consumer="a", chunk_bytes=64 * 1024)
+        first = wire.raw_get_delta(c.channel)(req, timeout=30)
+        next(first)  # the stream holds its slot: 26 MB wait behind flow control
+        with pytest.raises(grpc.RpcError) as e:
+            c.pull("b")
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        time.sleep(1.2)  # a slow reader runs into the server's stream deadline
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in first:
+                pass
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "stream_deadline_s" in (e.value.details() or "")
+        assert c.pull("b", Form.IDS).rows == 200_000  # the slot was released
+    finally:
+        c.close()
+        srv.stop(0)
+
+
+def test_consumers_at_one_cursor_share_one_merge(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    spool = SpoolWriter(tmp_path / "spool", tables={"t": (50_000, 16)})
+    srv = _serve(tmp_path, redis_server.url)
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        names = [f"c{i}" for i in range(8)]
+        for n in names:
+            c.commit(c.pull(n))
+        for _ in range(10):
+            spool.delta(n=5000)
+        while srv.log.snapshot().head.seq != 10:  # type: ignore[union-attr]
+            time.sleep(0.02)
+        deltas = [c.pull(n) for n in names]
+        assert len({d.rows for d in deltas}) == 1 and deltas[0].rows > 5000
+        assert srv.servicer.cache.hits == 7 + 7  # base windows, then the delta windows
+        merges = srv.metrics.registry.get_sample_value(
+            "deltad_window_merge_seconds_count", {"model": "m", "rank": "0"}
+        )
+        assert merges == 2
+    finally:
+        c.close()
+        srv.stop(0)
+
+
+def test_stub_and_raw_paths_use_the_same_service(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    SpoolWriter(tmp_path / "spool")
+    srv = _serve(tmp_path, redis_server.url)
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    try:
+        stub = delta_pb2_grpc.DeltaServiceStub(ch)
+        msgs = list(stub.GetDelta(pb.GetDeltaRequest(consumer="p"), timeout=10))
+        assert msgs[0].WhichOneof("msg") == "header" and msgs[-1].WhichOneof("msg") == "trailer"
+        assert sum(m.chunk.count for m in msgs[1:-1]) == 1500
+    finally:
+        ch.close()
+        srv.stop(0)
