@@ -170,6 +170,11 @@ class Demo:
 
         a = self.args
         t_start = time.monotonic()
+        print(
+            f"deltad demo: {a.world_size} ranks, {a.duration:.0f}s of training; "
+            f"logs in {self.logs}",
+            file=sys.stderr,
+        )
         redis = EmbeddedRedis(self.work / "redis")
         url = redis.start()
         try:
