@@ -152,9 +152,21 @@ class DeltaConsumer:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def connect(self) -> DeltaConsumer:
-        """Resolve the sidecars, register the consumer on every rank, start heartbeats."""
+        """Resolve the sidecars, register the consumer on every rank, start heartbeats.
+
+        A sidecar that does not answer only delays its rank (the heartbeat thread registers
+        it later; pulls report it in ``missing``); any other failure raises ConsumerError.
+        """
         if self._connected:
             return self
+        try:
+            self._connect()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _connect(self) -> None:
         endpoints = list(self.config.sidecars) or self._discover_all()
         self._ranks = [_Rank(r, ep) for r, ep in enumerate(endpoints)]
         for r in self._ranks:
@@ -164,14 +176,16 @@ class DeltaConsumer:
         )
         self._connected = True
         for r, resp in zip(self._ranks, self._parallel(self._register), strict=True):
-            if isinstance(resp, Exception):
+            if isinstance(resp, SidecarUnavailableError):
+                log.warning("rank %d: not registered yet: %s", r.rank, resp)
+            elif isinstance(resp, Exception):
                 raise resp
-            r.committed = wire.cursor_from_pb(resp.cursor)
+            else:
+                r.committed = wire.cursor_from_pb(resp.cursor)
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop, name="deltad-heartbeat", daemon=True
         )
         self._heartbeat.start()
-        return self
 
     def close(self) -> None:
         """Stop heartbeats and close the channels (pending commits are not flushed)."""
