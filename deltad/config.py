@@ -163,3 +163,10 @@ class ConsumerConfig:
         check_name("model", self.model)
         if self.max_retries < 0 or self.rpc_deadline_s <= 0:
             raise ConfigError("max_retries must be >= 0 and rpc_deadline_s > 0")
+        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise ConfigError("backoff_initial_s must be > 0 and <= backoff_max_s")
+        if self.lease_ttl_s <= 0 or self.heartbeat_interval_s <= 0:
+            raise ConfigError("lease_ttl_s and heartbeat_interval_s must be > 0")
+        self.sidecars = tuple(self.sidecars)
+        if self.tls_ca is not None:
+            self.tls_ca = Path(self.tls_ca)
