@@ -101,6 +101,8 @@ def start_sidecar(
         model,
         "--listen",
         endpoint,
+        "--grace-period",
+        "1",
     ]
     if redis_url:
         args += ["--redis-url", redis_url]

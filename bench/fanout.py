@@ -73,13 +73,17 @@ def run(ctx: Context) -> dict[str, Any]:
         mon = PeakRssMonitor().start()
         for i, w in enumerate(workers):
             mon.watch(f"predictor{i}", w.proc.pid)
+        # The smoke test (tiny) shares one sidecar: numbers are meaningless there anyway.
+        shared = deltad_procs.start_sidecar(kids, spool, ctx) if ctx.tiny else None
         try:
             for r in range(ctx.repeats):
                 for mode in ("same", "different"):
                     for n in counts:
                         ctx.status(f"fanout {mode} x{n} round {r + 1}")
-                        runs.append(_one(ctx, kids, spool, workers[:n], mode, n, r, mon))
+                        runs.append(_one(ctx, kids, spool, workers[:n], mode, n, r, shared))
         finally:
+            if shared is not None:
+                shared.stop()
             for w in workers:
                 w.close()
             peaks = mon.stop()
@@ -152,11 +156,11 @@ def _one(
     mode: str,
     n: int,
     round_: int,
-    mon: PeakRssMonitor,
+    shared: Any = None,
 ) -> dict[str, Any]:
     from bench import deltad_procs
 
-    side = deltad_procs.start_sidecar(kids, spool, ctx)
+    side = shared or deltad_procs.start_sidecar(kids, spool, ctx)
     try:
         cpu = CpuMonitor(side.proc.pid)
         head_step = DELTAS * 10
@@ -185,7 +189,8 @@ def _one(
 
         rss = proc_peak_rss(side.proc.pid) or 0
     finally:
-        side.stop()
+        if shared is None:
+            side.stop()
     total = sum(x["bytes"] for x in res)
     span = max(x["end_unix"] for x in res) - min(x["start_unix"] for x in res)
     late = max(x["start_unix"] for x in res) - start_at

@@ -1,0 +1,215 @@
+"""A live deltad pipeline for the freshness and fidelity benchmarks.
+
+Starts the real processes (``deltad train`` with world size 1, ``deltad serve``, and any
+number of ``deltad consume`` predictors), lets them run for a bounded time, stops them all and
+returns what they logged: the predictors' JSON lines, the segment headers left in the spool
+(retention is switched off so every segment stays readable) and peak RSS of each role.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import Children, Context, PeakRssMonitor, deltad_command, wait_until
+from bench.deltad_procs import MODEL, start_sidecar
+
+
+@dataclass
+class TrainerSpec:
+    """The reference trainer's size and publishing for a live run."""
+
+    tables: int = 4
+    rows: int = 100_000
+    dim: int = 32
+    batch_size: int = 1024
+    publish_every_seconds: float = 1.0
+    duration_s: float = 20.0
+
+
+@dataclass
+class ConsumerSpec:
+    """One ``deltad consume`` predictor."""
+
+    name: str
+    args: list[str] = field(default_factory=list)  # e.g. ["--form", "topk", "--k", "100"]
+    interval_s: float = 0.1
+
+
+@dataclass
+class LiveResult:
+    """What a live run left behind."""
+
+    spool: Path
+    pulls: dict[str, list[dict[str, Any]]]
+    final_tables: dict[str, Path]
+    trainer_tables: Path
+    trainer_result: dict[str, Any]
+    segments: list[dict[str, Any]]  # rank 0 headers: seq, step, created_unix, kind, rows
+    peak_rss_bytes: dict[str, int]
+    started_unix: float
+    trainer_end_unix: float
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return out
+
+
+def segment_headers(spool: Path, model: str = MODEL) -> list[dict[str, Any]]:
+    """Headers of every rank-0 segment of the newest generation, by seq."""
+    from deltad.segment import read_header
+    from deltad.spool import SpoolLayout
+
+    layout = SpoolLayout(spool, model)
+    gen = layout.latest_generation()
+    if gen is None:
+        return []
+    out = []
+    for seq, path in layout.segments(gen, 0):
+        h = read_header(path)
+        out.append(
+            {
+                "seq": seq,
+                "first_seq": h.first_seq,
+                "step": h.step,
+                "created_unix": h.created_unix,
+                "kind": h.kind.value,
+                "rows": sum(c.count for c in h.chunks),
+                "path": str(path),
+            }
+        )
+    return out
+
+
+def tables_at_step(spool: Path, step: int, model: str = MODEL) -> dict[str, torch.Tensor]:
+    """The trainer's tables right after ``step``, rebuilt from the spool's segments."""
+    from deltad.segment import apply_segments, read_segment
+
+    tables: dict[str, torch.Tensor] = {}
+    for h in segment_headers(spool, model):
+        if h["step"] > step:
+            break
+        apply_segments(tables, [read_segment(Path(h["path"]), verify=False)])
+    return tables
+
+
+def run_live(
+    ctx: Context,
+    work: Path,
+    trainer: TrainerSpec,
+    consumers: list[ConsumerSpec],
+    *,
+    tail_s: float = 3.0,
+    startup_s: float = 10.0,
+) -> LiveResult:
+    """Trainer + sidecar + predictors; everything stopped after.
+
+    The trainer runs ``trainer.duration_s + startup_s``: the predictors need a few seconds to
+    start and apply the base, so ``duration_s`` is about the steady part of the run.
+    """
+    spool = work / "spool"
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    trainer_tables = work / "trainer-final.pt"
+    trainer_json = work / "trainer-result.json"
+    mon = PeakRssMonitor().start()
+    started = time.time()
+    with Children() as kids:
+        targs = [
+            *deltad_command(),
+            "train",
+            "--world-size", "1",
+            "--spool", str(spool),
+            "--model", MODEL,
+            "--tables", str(trainer.tables),
+            "--rows", str(trainer.rows),
+            "--dim", str(trainer.dim),
+            "--sharding", "tw",
+            "--batch-size", str(trainer.batch_size),
+            "--duration", str(trainer.duration_s + startup_s),
+            "--publish-every-seconds", str(trainer.publish_every_seconds),
+            "--final-tables", str(trainer_tables),
+            "--result-json", str(trainer_json),
+            "--no-progress",
+        ]  # fmt: skip
+        tproc = kids.popen(targs, log_path=logs / "trainer.log")
+        mon.watch("trainer", tproc.pid)
+        # The sidecar needs the generation manifest; wait for the base segment.
+        ok = wait_until(
+            lambda: tproc.poll() is not None or bool(segment_headers(spool)), 180.0, 0.2
+        )
+        if not ok or tproc.poll() is not None:
+            raise RuntimeError(
+                "deltad train did not publish a base segment:\n"
+                + (logs / "trainer.log").read_text(errors="replace")[-3000:]
+            )
+        side = start_sidecar(
+            kids,
+            spool,
+            ctx,
+            extra=["--retention-interval", "1000000", "--poll-interval", "0.02"],
+        )
+        mon.watch("sidecar", side.proc.pid)
+        cprocs = {}
+        finals = {}
+        for c in consumers:
+            finals[c.name] = work / f"{c.name}-final.pt"
+            cargs = [
+                *deltad_command(),
+                "consume",
+                "--consumer", c.name,
+                "--model", MODEL,
+                "--sidecar", side.endpoint,
+                "--interval", str(c.interval_s),
+                "--json-log", str(logs / f"{c.name}.jsonl"),
+                "--final-tables", str(finals[c.name]),
+                *c.args,
+            ]  # fmt: skip
+            cprocs[c.name] = kids.popen(cargs, log_path=logs / f"{c.name}.log")
+            mon.watch(f"predictor:{c.name}", cprocs[c.name].pid)
+        budget = trainer.duration_s + 240.0
+        wait_until(lambda: tproc.poll() is not None, budget, 0.2)
+        trainer_end = time.time()
+        if tproc.poll() is None:
+            kids.stop_popen(tproc)
+        # Let the predictors pick up the final segment, then stop them (SIGTERM: they save).
+        time.sleep(tail_s)
+        for p in cprocs.values():
+            kids.stop_popen(p, timeout=60)
+        side.stop()
+        peaks = mon.stop()
+    result: dict[str, Any] = {}
+    try:
+        result = json.loads(trainer_json.read_text())
+    except (OSError, ValueError):
+        result = {"error": (logs / "trainer.log").read_text(errors="replace")[-2000:]}
+    return LiveResult(
+        spool=spool,
+        pulls={
+            c.name: [r for r in _read_jsonl(logs / f"{c.name}.jsonl") if r.get("event") == "pull"]
+            for c in consumers
+        },
+        final_tables={k: v for k, v in finals.items() if v.exists()},
+        trainer_tables=trainer_tables,
+        trainer_result=result,
+        segments=segment_headers(spool),
+        peak_rss_bytes=peaks,
+        started_unix=started,
+        trainer_end_unix=trainer_end,
+    )
