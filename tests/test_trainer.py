@@ -1,0 +1,193 @@
+"""The reference trainer end to end: spool segments rebuild its final tables bit-exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltad.errors import ConfigError, SpoolError
+from deltad.segment import Segment, apply_segments, read_segment
+from deltad.spool import SEGMENT_RE, SpoolLayout
+from deltad.types import SegmentKind, TrainLoop
+from trainer import cli
+from trainer.data import SEQ_FEATURE, ClickStream, feature_name
+from trainer.train import TrainConfig, TrainResult, run_training
+
+
+def _segments(spool: Path, model: str, generation: int, world_size: int) -> list[Segment]:
+    """Every rank's segments (checksums verified), seqs contiguous from a base at 0."""
+    layout = SpoolLayout(spool, model)
+    assert layout.read_manifest(generation).world_size == world_size
+    out = []
+    for rank in range(world_size):
+        listed = layout.segments(generation, rank)
+        assert [seq for seq, _ in listed] == list(range(len(listed))) and listed
+        segs = [read_segment(p) for _, p in listed]
+        assert [s.header.kind for s in segs[:2]] == [SegmentKind.BASE, SegmentKind.DELTA]
+        out.extend(segs)
+    return sorted(out, key=lambda s: s.header.seq)
+
+
+def _fed_ids(cfg: TrainConfig, steps: int) -> dict[str, set[int]]:
+    """The global ids every table was looked up with, over all ranks' batches."""
+    fed: dict[str, set[int]] = {t: set() for t in [*cfg.tables, SEQ_FEATURE]}
+    for rank in range(cfg.world_size):
+        stream = ClickStream(
+            cfg.tables,
+            cfg.seq_rows,
+            batch_size=cfg.batch_size,
+            input_format=cfg.input_format,
+            seed=cfg.seed,
+            rank=rank,
+        )
+        for b in stream.take(steps):
+            kjt = b.sparse_kjt()
+            for t in cfg.tables:
+                fed[t].update(kjt[feature_name(t)].values().tolist())
+            fed[SEQ_FEATURE].update(b.seq[SEQ_FEATURE].values().tolist())
+    return fed
+
+
+def _check(cfg: TrainConfig, result: TrainResult) -> None:
+    assert result.steps == cfg.steps and result.generation is not None
+    assert cfg.spool_dir is not None and cfg.final_tables is not None
+    segments = _segments(cfg.spool_dir, cfg.model, result.generation, cfg.world_size)
+    final = torch.load(cfg.final_tables)
+    assert set(final) == {*cfg.tables, SEQ_FEATURE}
+    rebuilt = apply_segments({}, segments)
+    for name, table in final.items():
+        assert torch.equal(rebuilt[name], table), f"table {name} differs"
+    # Delta ids are global: each chunk's ids lie in its shard's rows, and per column slice
+    # the union over ranks and segments is exactly the set of ids the ranks were fed.
+    touched: dict[tuple[str, int], set[int]] = {}
+    for seg in segments[cfg.world_size :]:
+        for c in seg.chunks:
+            ids = c.ids.tolist()
+            assert ids == sorted(set(ids))
+            assert all(c.row_start <= i < c.row_end for i in ids)
+            touched.setdefault((c.table, c.col_start), set()).update(ids)
+    fed = _fed_ids(cfg, cfg.steps)
+    for (table, _), ids in touched.items():
+        assert ids == fed[table], table
+    assert {t for t, _ in touched} == set(fed)
+
+
+def _config(tmp_path: Path, **kw: object) -> TrainConfig:
+    base: dict[str, object] = {
+        "spool_dir": tmp_path / "spool",
+        "final_tables": tmp_path / "final.pt",
+        "dim": 16,
+        "batch_size": 32,
+        "progress": False,
+        "fsync": False,
+    }
+    base.update(kw)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_plain_loop_kjt_every_sharding_type_two_ranks(tmp_path: Path) -> None:
+    tables = {"t0": 400, "t1": 400, "t2": 400, "t3": 400}
+    sharding = cli.parse_sharding("mixed", list(tables))
+    assert sharding == {"t0": "tw", "t1": "rw", "t2": "cw", "t3": "twrw", "seq": "rw"}
+    cfg = _config(
+        tmp_path, world_size=2, tables=tables, seq_rows=300, sharding=sharding, steps=12,
+        publish_every_steps=4, loop=TrainLoop.PLAIN, input_format="kjt",
+    )  # fmt: skip
+    result = run_training(cfg)
+    _check(cfg, result)
+    assert [r.segments for r in result.ranks] == [5, 5]  # base, steps 4, 8, 12, final
+    assert all(r.rows > 0 and r.stall_s > 0 for r in result.ranks)
+
+
+@pytest.mark.slow
+def test_sparse_dist_pipeline_tensordict_two_ranks(tmp_path: Path) -> None:
+    cfg = _config(
+        tmp_path, world_size=2, tables={"a": 300, "b": 300}, seq_rows=200,
+        sharding={"a": "rw", "b": "cw", "seq": "cw"}, steps=10, publish_every_steps=3,
+        loop=TrainLoop.PIPELINE_SPARSE_DIST, input_format="tensordict",
+    )  # fmt: skip
+    _check(cfg, run_training(cfg))
+
+
+@pytest.mark.slow
+def test_pipeline_base_one_rank_time_based(tmp_path: Path) -> None:
+    # One rank: the column-wise table is split into two column shards on the same rank.
+    cfg = _config(
+        tmp_path, world_size=1, tables={"a": 200, "b": 200}, seq_rows=100,
+        sharding={"a": "cw", "b": "twrw", "seq": "tw"}, steps=6, publish_every_seconds=0.001,
+        loop=TrainLoop.PIPELINE_BASE, generation=42,
+    )  # fmt: skip
+    result = run_training(cfg)
+    assert result.generation == 42
+    _check(cfg, result)
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_only_complete_segments(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    cmd = [
+        sys.executable, "-m", "deltad.cli", "train", "--spool", str(spool), "--model", "k",
+        "--world-size", "2", "--duration", "300", "--tables", "2", "--rows", "2000",
+        "--publish-every-steps", "1", "--generation", "7", "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        cmd, start_new_session=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    layout = SpoolLayout(spool, "k")
+    try:
+        deadline = time.monotonic() + 180
+        while min(len(layout.segments(7, r)) for r in range(2)) < 6:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "trainer published too few segments"
+            time.sleep(0.05)  # polling the spool for progress, not synchronisation
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    segments = _segments(spool, "k", 7, 2)
+    assert len(segments) >= 12
+    for rank in range(2):
+        for name in os.listdir(layout.rank_dir(7, rank)):
+            assert SEGMENT_RE.match(name) or name.startswith(".tmp-"), name
+
+
+def test_bad_configs_raise_config_error(tmp_path: Path) -> None:
+    ok = {"spool_dir": tmp_path, "publish_every_steps": 1}
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        TrainConfig(**ok, loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="sharding 'twrw'"):
+        TrainConfig(**ok, sharding={"seq": "twrw"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown table"):
+        TrainConfig(**ok, sharding={"nope": "tw"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        TrainConfig(**ok, dim=6)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="every_steps or every_seconds"):
+        TrainConfig(spool_dir=tmp_path)
+    with pytest.raises(ConfigError, match="spool"):
+        TrainConfig(publish_every_steps=1)
+    with pytest.raises(ConfigError, match="TABLE=TYPE"):
+        cli.parse_sharding("t0:tw", ["t0"])
+    with pytest.raises(ConfigError, match="row count"):
+        cli.parse_tables("a:many", 10)
+    assert cli.parse_tables("2", 7) == {"t0": 7, "t1": 7}
+    assert cli.parse_tables("a,b:5", 7) == {"a": 7, "b": 5}
+
+
+def test_cli_reports_bad_flags_and_unwritable_spool(tmp_path: Path) -> None:
+    from deltad.cli import main
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert main(["train", "--spool", str(tmp_path), "--sharding", "seq=twrw"]) == 2
+    assert main(["train", "--spool", str(blocked / "spool"), "--world-size", "1"]) == 2
+    with pytest.raises(SpoolError, match="not writable"):
+        run_training(TrainConfig(spool_dir=blocked / "spool", publish_every_steps=1))
