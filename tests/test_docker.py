@@ -125,7 +125,7 @@ def test_k8s_pod_runs_existing_commands() -> None:
     side = containers["deltad"]
     secret = {e["name"]: e for e in side["env"]}["DELTAD_REDIS_URL"]["valueFrom"]
     assert "secretKeyRef" in secret
-    assert [p["name"] for p in side["ports"]] == ["grpc"]
+    assert [p["name"] for p in side["ports"]] == ["grpc", "metrics"]
     for probe in ("readinessProbe", "livenessProbe"):
         _check_healthcheck_argv(side[probe]["exec"]["command"])
 
