@@ -172,14 +172,18 @@ class SegmentPublisher:
                 error = e
         self._agree(error, "writing the generation manifest")  # also: manifest before segments
         self.generation = gen
-        self._thread = threading.Thread(target=self._writer, name="deltad-writer", daemon=True)
-        self._thread.start()
+        # The base is written synchronously, straight from the weights (training has not
+        # started, so no copy is needed); every rank agrees it succeeded before training.
         self.tracker.drain()  # the base holds every row; earlier lookups are covered
         t0 = time.perf_counter()
         shards = self.tracker.shards
         ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
-        values = [s.weight.detach().clone() for s in shards]
-        self._enqueue(step, SegmentKind.BASE, shards, ids, values, t0)
+        job = self._job(step, SegmentKind.BASE, shards, ids, [s.weight.detach() for s in shards])
+        job.stats.stall_s = time.perf_counter() - t0
+        self._write(job)
+        self._agree(self._error, "writing the base segment")
+        self._thread = threading.Thread(target=self._writer, name="deltad-writer", daemon=True)
+        self._thread.start()
         return gen
 
     def maybe_publish(self, step: int) -> SegmentStats | None:
@@ -206,7 +210,10 @@ class SegmentPublisher:
         shards = [s for s, _ in drained]
         ids = [local + s.row_start for s, local in drained]
         values = [s.weight.detach().index_select(0, local) for s, local in drained]
-        return self._enqueue(step, SegmentKind.DELTA, shards, ids, values, t0)
+        job = self._job(step, SegmentKind.DELTA, shards, ids, values)
+        self._queue.put(job)  # blocks while max_pending_writes segments wait (backpressure)
+        job.stats.stall_s = time.perf_counter() - t0
+        return job.stats
 
     def close(self, step: int) -> None:
         """Publish a final segment at ``step``, wait for every write, stop the writer."""
@@ -241,15 +248,15 @@ class SegmentPublisher:
             err = self._error
             raise SpoolError(f"writing a segment failed: {err}") from err
 
-    def _enqueue(
+    def _job(
         self,
         step: int,
         kind: SegmentKind,
         shards: list[TrackedShard],
         ids: list[torch.Tensor],
         values: list[torch.Tensor],
-        t0: float,
-    ) -> SegmentStats:
+    ) -> _Job:
+        """Package the next segment (assigning its seq); device rows start copying to host."""
         assert self.generation is not None
         ready = None
         if any(v.device.type == "cuda" for v in values):
@@ -282,39 +289,38 @@ class SegmentPublisher:
             stall_s=0.0,
             path=path,
         )
-        self._queue.put(_Job(path, seq, step, kind, chunks, stats, ready))
         self._seq += 1
         self._last_step = step
         self._last_time = time.monotonic()
-        stats.stall_s = time.perf_counter() - t0
         self.stats.segments.append(stats)
-        return stats
+        return _Job(path, seq, step, kind, chunks, stats, ready)
+
+    def _write(self, job: _Job) -> None:
+        """Write one segment; a failure is kept in ``_error`` and stops all later writes."""
+        assert self.generation is not None
+        if self._error is not None:
+            return  # a gap would break the log: write nothing after a failure
+        try:
+            if job.ready is not None:
+                job.ready.synchronize()
+            t0 = time.perf_counter()
+            write_segment(
+                job.path,
+                model=self.config.model,
+                generation=self.generation,
+                rank=self.rank,
+                world_size=self.world_size,
+                seq=job.seq,
+                step=job.step,
+                kind=job.kind,
+                chunks=job.chunks,
+                fsync=self.config.fsync,
+            )
+            job.stats.write_s = time.perf_counter() - t0
+        except BaseException as e:
+            log.error("segment %s: %s", job.path, e)
+            self._error = e
 
     def _writer(self) -> None:
-        assert self.generation is not None
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if self._error is not None:
-                continue  # a gap would break the log: write nothing after a failure
-            try:
-                if job.ready is not None:
-                    job.ready.synchronize()
-                t0 = time.perf_counter()
-                write_segment(
-                    job.path,
-                    model=self.config.model,
-                    generation=self.generation,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    seq=job.seq,
-                    step=job.step,
-                    kind=job.kind,
-                    chunks=job.chunks,
-                    fsync=self.config.fsync,
-                )
-                job.stats.write_s = time.perf_counter() - t0
-            except BaseException as e:
-                log.error("segment %s: %s", job.path, e)
-                self._error = e
+        while (job := self._queue.get()) is not None:
+            self._write(job)
