@@ -1,0 +1,161 @@
+"""Smoke test of the benchmark suite: every benchmark runs at the tiny size and reports.
+
+Timing targets are never asserted here (the machine may be loaded); only that every
+benchmark ran (``ok``) or said cleanly why it could not (``not available: ...``), that the JSON
+has the expected keys and that the measured values are positive and finite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.run import BENCHMARKS  # noqa: E402
+
+
+def _pos(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def _nonneg(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x >= 0
+
+
+def _med(d: dict[str, Any]) -> Any:
+    return d["median"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench-out")
+    work = tmp_path_factory.mktemp("bench-work")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "--tiny",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--work-dir",
+            str(work),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
+    path = out / "results.json"
+    assert path.exists(), (
+        f"no results.json\nstdout:{proc.stdout[-3000:]}\nstderr:{proc.stderr[-3000:]}"
+    )
+    data = json.loads(path.read_text())
+    data["_rc"] = proc.returncode
+    data["_stderr"] = proc.stderr[-5000:]
+    data["_out"] = str(out)
+    return data
+
+
+def test_every_benchmark_reports(results: dict[str, Any]) -> None:
+    assert set(results["benchmarks"]) == set(BENCHMARKS)
+    for name, res in results["benchmarks"].items():
+        status = res["status"]
+        assert status == "ok" or status.startswith("not available: "), (
+            f"{name}: {status}\n{res.get('traceback', '')}"
+        )
+        assert _nonneg(res["wall_seconds"])
+    assert results["_rc"] == 0, results["_stderr"]
+
+
+def test_meta(results: dict[str, Any]) -> None:
+    meta = results["meta"]
+    for key in ("cpus", "torch", "loadavg_start", "loadavg_end", "preset", "repeats"):
+        assert key in meta
+    assert meta["preset"] == "tiny"
+    assert _pos(meta["harness_peak_rss_bytes"])
+
+
+def test_headlines_are_well_formed(results: dict[str, Any]) -> None:
+    for name, res in results["benchmarks"].items():
+        if res["status"] != "ok":
+            continue
+        assert res["headline"], name
+        for h in res["headline"]:
+            assert "metric" in h and "value" in h, (name, h)
+            if isinstance(h["value"], float):
+                assert math.isfinite(h["value"]), (name, h)
+
+
+def _ok(results: dict[str, Any], name: str) -> dict[str, Any] | None:
+    res = results["benchmarks"][name]
+    return res if res["status"] == "ok" else None
+
+
+def test_baselines_always_measured(results: dict[str, Any]) -> None:
+    """Baselines need nothing from deltad: they are there even if GetDelta is not."""
+    tp = results["benchmarks"]["throughput"]
+    for kind in ("tcp", "grpc_best"):
+        assert tp["baselines"][kind], kind
+        for v in tp["baselines"][kind].values():
+            assert _pos(_med(v))
+    merge = results["benchmarks"]["merge"]
+    for p in merge["points"]:
+        assert _pos(p["ids"]) and _pos(_med(p["torch_unique_s"]))
+
+
+def test_values_are_sane(results: dict[str, Any]) -> None:
+    if r := _ok(results, "throughput"):
+        for p in r["points"]:
+            assert _pos(_med(p["gbps"])) and p["wire_bytes"] == p["expected_wire_bytes"]
+    if r := _ok(results, "merge"):
+        for p in r["points"]:
+            assert _pos(_med(p["merge_s"])) and _pos(p["ratio"])
+    if r := _ok(results, "tracking"):
+        assert set(r["variants"]) >= {"none", "deltad"}
+        for v in r["variants"].values():
+            assert _pos(_med(v["step_s"])) and _pos(v["peak_rss_bytes"])
+    if r := _ok(results, "stall"):
+        for p in r["points"]:
+            assert _pos(_med(p["stall_s"])) and _pos(_med(p["write_gbps"]))
+            assert _pos(p["rows_per_segment"])
+    if r := _ok(results, "fanout"):
+        for p in r["points"]:
+            assert _pos(_med(p["aggregate_gbps"])) and _pos(p["p50_s"]) and _pos(p["p99_s"])
+            assert _nonneg(_med(p["sidecar_cpu_s"]))
+    if r := _ok(results, "freshness"):
+        measured = [p for p in r["points"] if p["steps_measured"]]
+        assert measured
+        for p in measured:
+            assert _nonneg(p["lag_p50_s"]) and _nonneg(p["lag_p99_s"])
+            assert p["lag_p99_s"] >= p["lag_p50_s"]
+            assert _pos(p["peak_rss_bytes"].get("trainer"))
+    if r := _ok(results, "fidelity"):
+        for p in r["points"]:
+            assert _nonneg(p["bytes_per_hour"]) and _pos(p["full_sync_bytes_per_hour"])
+            assert _nonneg(p["rmse"]) and _nonneg(p["max_abs"])
+        exact = next(p for p in r["points"] if p["consumer"] == "rows-fp32")
+        assert exact["rmse"] == 0.0
+
+
+def test_plots_written(results: dict[str, Any]) -> None:
+    for name, res in results["benchmarks"].items():
+        if res["status"] == "ok":
+            assert "plot_error" not in res, (name, res.get("plot_error"))
+            for p in res.get("plots", []):
+                assert Path(p).stat().st_size > 0
