@@ -132,6 +132,7 @@ class Demo:
                 env=self.env,
                 cwd=self.work,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         child = Child(name, proc, log)
         self.children.append(child)
@@ -430,6 +431,15 @@ class Report:
 
 class DemoFailed(Exception):
     """A child failed or a bounded wait ran out."""
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the demo dies without cleaning up (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
