@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,6 +121,50 @@ def test_step_alignment_never_mixes_versions(tmp_path: Path, redis_url: str) -> 
         r = c.sync(applier.apply)
         assert r.step == 20
         assert_tables(applier, ft.history[20])
+
+
+def test_readers_only_ever_see_one_trainer_step(tmp_path: Path, redis_url: str) -> None:
+    """While ranks publish out of step, a reader under reading() always sees exactly the
+    tables of one trainer step (never rank 0 at step N with rank 1 at N-1)."""
+    ft = FakeTrainer(tmp_path, world_size=2)
+    ft.start(0)
+    with sidecars(tmp_path, redis_url, 2) as servers, consumer("reader", servers) as c:
+        applier = TensorDictApplier()
+        wait_head(c, [0, 0])
+        c.sync(applier.apply)
+        seen: set[int] = set()
+        mixed: list[int] = []
+        stop = threading.Event()
+
+        def reader() -> None:
+            while not stop.is_set():
+                with applier.reading():
+                    snap = {n: t.clone() for n, t in applier.tables().items()}
+                steps = [
+                    s
+                    for s, h in list(ft.history.items())
+                    if all(torch.equal(snap[n], h[n]) for n in h)
+                ]
+                if steps:
+                    seen.update(steps)
+                else:
+                    mixed.append(1)
+
+        th = threading.Thread(target=reader)
+        th.start()
+        try:
+            for step in range(1, 7):
+                ft.step(step, ranks=[0])  # rank 0 publishes first
+                wait_head(c, [step, step - 1])
+                assert c.sync(applier.apply).step == step - 1
+                ft.step(step, ranks=[1])
+                wait_head(c, [step, step])
+                assert c.sync(applier.apply).step == step
+        finally:
+            stop.set()
+            th.join(timeout=30)
+        assert not mixed and max(seen) == 6
+        assert_tables(applier, ft.history[6])
 
 
 def test_generation_change_resyncs(tmp_path: Path, redis_url: str) -> None:
