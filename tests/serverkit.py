@@ -137,8 +137,7 @@ class Replica:
         self.tables: dict[str, torch.Tensor] = {}
 
     def apply(self, d: RankDelta) -> None:
-        if d.resync:
-            self.tables = {}
+        # a resync window holds every row of the rank's shards: overwriting them is a replace
         for s in d.slices:
             t = self.tables.setdefault(s.table, torch.zeros(s.num_rows, s.dim))
             if s.values is not None and s.ids.numel():

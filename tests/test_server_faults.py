@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 import torch
 from serverkit import Client, Replica, SpoolWriter, redis_server, server_config, wait_for
 
@@ -177,3 +178,33 @@ def test_env_vars_configure_serve(tmp_path: Path, redis_server: EmbeddedRedis) -
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+def test_embedded_redis_survives_a_sidecar_kill_and_is_reused(tmp_path: Path) -> None:
+    SpoolWriter(tmp_path / "spool")
+    args = [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path / "spool"),
+            "--model", "m", "--listen", "127.0.0.1:0"]  # fmt: skip
+    url_file = tmp_path / "spool" / "m" / "redis" / "embedded.url"
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        c = Client(proc.stdout.readline().split()[-1])
+        c.commit(c.pull("e"))
+        c.close()
+        url = url_file.read_text().strip()
+        proc.kill()
+        proc.wait(10)
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        c = Client(proc.stdout.readline().split()[-1])
+        assert url_file.read_text().strip() == url  # the same server, reused
+        d = c.pull("e")
+        assert not d.resync and d.from_seq == 0
+        c.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        try:
+            redis.Redis.from_url(url_file.read_text().strip()).shutdown(nosave=True)
+        except (redis.RedisError, OSError):
+            pass

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
-import torch
-from serverkit import Client, Replica, SpoolWriter, client, redis_server, sidecar, spool, wait_for
+from pathlib import Path
 
+import grpc
+import pytest
+import torch
+from serverkit import (
+    Client,
+    Replica,
+    SpoolWriter,
+    client,
+    redis_server,
+    server_config,
+    sidecar,
+    spool,
+    wait_for,
+)
+
+from deltad.redisutil import EmbeddedRedis
 from deltad.server.app import SidecarServer
 from deltad.types import Form, WireDtype
+from deltad.v1 import delta_pb2 as pb
 
 __all__ = ["client", "redis_server", "sidecar", "spool"]
 
@@ -76,3 +92,73 @@ def test_wire_dtypes(spool: SpoolWriter, sidecar: SidecarServer, client: Client)
                 assert ((a.values - b.values).abs() <= span / 510 + 1e-6).all()
             else:
                 assert torch.allclose(a.values, b.values, rtol=tol, atol=tol)
+
+
+def test_max_step_bounds_the_window(
+    spool: SpoolWriter, sidecar: SidecarServer, client: Client
+) -> None:
+    client.commit(client.pull("s"))
+    for _ in range(3):
+        spool.delta()
+    _synced(sidecar, 3)
+    d = client.pull("s", max_step=25)  # steps are 10, 20, 30
+    assert (d.to_seq, d.to_step) == (2, 20)
+    client.commit(d)
+    d = client.pull("s", max_step=25)
+    assert (d.to_seq, d.rows) == (2, 0)
+    assert client.pull("s").to_seq == 3
+
+
+def test_two_ranks_with_column_slices_rebuild_the_tables(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    writers = [
+        SpoolWriter(tmp_path / "spool", rank=r, world_size=2, col_split=2, seed=r) for r in (0, 1)
+    ]
+    servers = [
+        SidecarServer(server_config(tmp_path / "spool", redis_server.url, rank=r)).start()
+        for r in (0, 1)
+    ]
+    rep = Replica()
+    try:
+        ranks = servers[0].store.ranks()
+        assert sorted(ranks) == [0, 1]
+        clients = [Client(ranks[r]["endpoint"]) for r in (0, 1)]
+        for w in writers:
+            w.delta()
+        for srv in servers:
+            wait_for(lambda s=srv: s.log.snapshot().head.seq == 1)  # type: ignore[misc]
+        for c in clients:
+            d = c.pull("multi")
+            assert len(d.slices) == 4  # 2 tables x 2 column slices
+            assert {(s.col_start, s.col_end) for s in d.slices} == {(0, 4), (4, 8), (0, 2), (2, 4)}
+            rep.apply(d)
+            c.commit(d)
+            c.close()
+        for t in writers[0].specs:
+            lo = writers[0].rows(t)[1]
+            assert torch.equal(rep.tables[t][:lo], writers[0].truth[t][:lo])
+            assert torch.equal(rep.tables[t][lo:], writers[1].truth[t][lo:])
+    finally:
+        for srv in servers:
+            srv.stop(0)
+
+
+def test_empty_spool_is_unavailable_until_the_base_arrives(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            c.pull("early")
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no base" in str(e.value.details())
+        assert c.stub.Status(pb.StatusRequest()).head_seq == -1
+        spool = SpoolWriter(tmp_path / "spool")
+        wait_for(lambda: srv.log.snapshot() is not None)
+        rep = Replica()
+        rep.apply(c.pull("early"))
+        assert all(torch.equal(rep.tables[t], spool.truth[t]) for t in spool.specs)
+    finally:
+        c.close()
+        srv.stop(0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -174,6 +175,8 @@ class SidecarServer:
         if not self.port:
             raise ConfigError(f"cannot listen on {cfg.listen}")
         host = cfg.listen.rsplit(":", 1)[0]
+        if host in ("", "0.0.0.0", "[::]"):
+            host = socket.getfqdn()
         self.endpoint = cfg.advertise or f"{host}:{self.port}"
         self._server = server
         server.start()
