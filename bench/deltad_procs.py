@@ -91,6 +91,7 @@ def start_sidecar(
     """Start ``deltad serve`` on a free port and wait until its Status answers."""
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
+    spool.mkdir(parents=True, exist_ok=True)
     log_path = spool / f"sidecar-{port}.log"
     args = [
         *deltad_command(),

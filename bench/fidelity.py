@@ -53,7 +53,7 @@ def run(ctx: Context) -> dict[str, Any]:
     trainer = ctx.pick(
         TrainerSpec(rows=500_000, dim=32, batch_size=1024, duration_s=40.0),
         TrainerSpec(rows=50_000, dim=16, batch_size=512, duration_s=15.0),
-        TrainerSpec(tables=2, rows=2_000, dim=8, batch_size=64, duration_s=4.0),
+        TrainerSpec(tables=2, rows=2_000, dim=8, batch_size=64, duration_s=3.0),
     )
     trainer.publish_every_seconds = interval
     ks = ctx.pick([100, 1000, 10000], [100, 1000], [16])
@@ -90,8 +90,8 @@ def run(ctx: Context) -> dict[str, Any]:
             work,
             trainer,
             [c for c, _ in specs],
-            tail_s=2.0,
-            startup_s=ctx.pick(15.0, 10.0, 5.0),
+            tail_s=ctx.pick(2.0, 2.0, 1.0),
+            startup_s=ctx.pick(15.0, 10.0, 4.0),
         )
         n_tables = trainer.tables + 1  # + the sequence table
         total_rows = n_tables * trainer.rows

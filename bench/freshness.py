@@ -78,7 +78,7 @@ def run(ctx: Context) -> dict[str, Any]:
     )
     points = []
     for p in intervals:
-        duration = ctx.pick(max(20.0, 6 * p), max(8.0, 4 * p), 5.0)
+        duration = ctx.pick(max(20.0, 6 * p), max(8.0, 4 * p), 3.0)
         ctx.status(f"freshness every {p}s ({duration:.0f}s run)")
         spec = TrainerSpec(
             **{**trainer.__dict__, "publish_every_seconds": p, "duration_s": duration}
@@ -86,10 +86,11 @@ def run(ctx: Context) -> dict[str, Any]:
         with ctx.tmpdir("fresh") as work:
             live = run_live(
                 ctx,
+                tail_s=ctx.pick(3.0, 2.0, 1.0),
                 work,
                 spec,
                 [ConsumerSpec("fresh", ["--form", "rows"], 0.1)],
-                startup_s=ctx.pick(10.0, 8.0, 4.0),
+                startup_s=ctx.pick(10.0, 8.0, 3.0),
             )
             pulls = live.pulls.get("fresh", [])
             lags = step_lags(live.segments, pulls)

@@ -150,20 +150,13 @@ def run_live(
         ]  # fmt: skip
         tproc = kids.popen(targs, log_path=logs / "trainer.log")
         mon.watch("trainer", tproc.pid)
-        # The sidecar needs the generation manifest; wait for the base segment.
-        ok = wait_until(
-            lambda: tproc.poll() is not None or bool(segment_headers(spool)), 180.0, 0.2
-        )
-        if not ok or tproc.poll() is not None:
-            raise RuntimeError(
-                "deltad train did not publish a base segment:\n"
-                + (logs / "trainer.log").read_text(errors="replace")[-3000:]
-            )
+        # The sidecar starts alongside the trainer and indexes the spool once it appears.
         side = start_sidecar(
             kids,
             spool,
             ctx,
             extra=["--retention-interval", "1000000", "--poll-interval", "0.02"],
+            require_head=False,
         )
         mon.watch("sidecar", side.proc.pid)
         cprocs = {}
@@ -183,6 +176,14 @@ def run_live(
             ]  # fmt: skip
             cprocs[c.name] = kids.popen(cargs, log_path=logs / f"{c.name}.log")
             mon.watch(f"predictor:{c.name}", cprocs[c.name].pid)
+        ok = wait_until(
+            lambda: tproc.poll() is not None or bool(segment_headers(spool)), 180.0, 0.2
+        )
+        if not ok or (tproc.poll() is not None and tproc.returncode != 0):
+            raise RuntimeError(
+                "deltad train did not publish a base segment:\n"
+                + (logs / "trainer.log").read_text(errors="replace")[-3000:]
+            )
         budget = trainer.duration_s + 240.0
         wait_until(lambda: tproc.poll() is not None, budget, 0.2)
         trainer_end = time.time()
@@ -199,6 +200,9 @@ def run_live(
         result = json.loads(trainer_json.read_text())
     except (OSError, ValueError):
         result = {"error": (logs / "trainer.log").read_text(errors="replace")[-2000:]}
+    segs = segment_headers(spool)
+    if segs:  # training ended at the last cut (the trainer process still gathers and saves)
+        trainer_end = min(trainer_end, max(h["created_unix"] for h in segs))
     return LiveResult(
         spool=spool,
         pulls={
@@ -208,7 +212,7 @@ def run_live(
         final_tables={k: v for k, v in finals.items() if v.exists()},
         trainer_tables=trainer_tables,
         trainer_result=result,
-        segments=segment_headers(spool),
+        segments=segs,
         peak_rss_bytes=peaks,
         started_unix=started,
         trainer_end_unix=trainer_end,
