@@ -86,10 +86,10 @@ def run(ctx: Context) -> dict[str, Any]:
         with ctx.tmpdir("fresh") as work:
             live = run_live(
                 ctx,
-                tail_s=ctx.pick(3.0, 2.0, 1.0),
                 work,
                 spec,
                 [ConsumerSpec("fresh", ["--form", "rows"], 0.1)],
+                tail_s=ctx.pick(3.0, 2.0, 1.0),
                 startup_s=ctx.pick(10.0, 8.0, 3.0),
             )
             pulls = live.pulls.get("fresh", [])
