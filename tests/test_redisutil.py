@@ -37,3 +37,41 @@ def test_second_start_reuses_running_server(tmp_path: Path) -> None:
 def test_unreachable_redis_is_a_clear_bounded_error() -> None:
     with pytest.raises(OffsetStoreError, match="unreachable after 2 attempts"):
         connect("redis://127.0.0.1:1/0", attempts=2, backoff_s=0.01, socket_timeout_s=0.2)
+
+
+def test_embedded_server_dies_with_its_parent(tmp_path: Path) -> None:
+    """A SIGKILLed owner leaves no orphaned redis-server (and the data is still there)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys, time\n"
+        "from deltad.redisutil import EmbeddedRedis, connect\n"
+        f"s = EmbeddedRedis({str(tmp_path / 'r')!r}); url = s.start()\n"
+        "connect(url).set('k', 'v')\n"
+        "print(s.proc.pid, url, flush=True); time.sleep(60)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    pid_s, _url = owner.stdout.readline().split()
+    owner.kill()
+    owner.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(pid_s), 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(int(pid_s), signal.SIGKILL)
+        raise AssertionError("redis-server outlived its owner")
+    again = EmbeddedRedis(tmp_path / "r")
+    try:
+        assert connect(again.start()).get("k") == b"v"
+        assert again.proc is not None  # the stale url file did not fool it
+    finally:
+        again.stop()
