@@ -7,8 +7,9 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
 * The post-lookup hook runs once per sharding type per forward with the features that this
   rank's lookup consumed. It only stashes their id tensors (integers, no autograd state).
 * The post-odist hook ("auto-compaction during the output dist") folds the stash into a
-  **bool bitmap per local shard** on the weights' device: ``mask[ids] = True``. This costs a
-  scatter per lookup instead of the per-step ``torch.unique`` of TorchRec's own tracker.
+  **bool bitmap per local shard** on the weights' device: ``mask.index_fill_(0, ids, True)``
+  (on CPU ~10x faster than ``mask[ids] = True``). One scatter per lookup instead of the
+  per-step ``torch.unique`` of TorchRec's own tracker; memory is one byte per local row.
 * :meth:`DeltaTracker.drain` folds what is left, returns the sorted unique local row ids of
   each shard (``nonzero()``) and clears the bitmaps.
 
@@ -40,6 +41,7 @@ the bitmap; reading the rows right after the drain gives a consistent cut.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -71,6 +73,21 @@ class TrackedShard:
     col_end: int
     #: [row_end - row_start, col_end - col_start] view of the TBE weights (not a copy).
     weight: torch.Tensor = field(repr=False)
+
+
+@dataclass
+class TrackerStats:
+    """Time the tracker spent inside the training loop (for overhead benchmarks)."""
+
+    lookups: int = 0  # post-lookup hook calls that recorded ids
+    record_s: float = 0.0  # in the post-lookup hook (stashing ids)
+    fold_s: float = 0.0  # in the post-odist hook (folding ids into the bitmaps)
+    drain_s: float = 0.0  # in drain() (last fold, nonzero, reset, re-mark)
+
+    @property
+    def forward_s(self) -> float:
+        """What the hooks added to forward passes."""
+        return self.record_s + self.fold_s
 
 
 @dataclass(eq=False)
@@ -128,6 +145,7 @@ class DeltaTracker:
         self.config = config or TrackerConfig()
         self._lookahead = self.config.train_loop.lookahead
         self._paused = False
+        self.stats = TrackerStats()
         self._pending: list[tuple[_Lookup, torch.Tensor, torch.Tensor, list[int]]] = []
         self._modules: dict[str, Any] = {}  # fqn -> sharded EC / EBC
         self._lookups: dict[tuple[int, tuple[str, ...]], _Lookup] = {}
@@ -148,7 +166,7 @@ class DeltaTracker:
             )
         for mod in self._modules.values():
             mod.register_post_lookup_tracker_fn(self._make_lookup_hook(id(mod)))
-            mod.register_post_odist_tracker_fn(self._fold)
+            mod.register_post_odist_tracker_fn(self._fold_hook)
 
     # -- construction -----------------------------------------------------------------------
 
@@ -165,6 +183,11 @@ class DeltaTracker:
                 raise UnsupportedModelError(
                     f"table {table} of {name} is data-parallel: every rank updates every "
                     "replica, so no rank owns its rows; shard it (TW, RW, CW, TWRW) instead"
+                )
+            if any(t.name == table for t in self._tables):
+                raise UnsupportedModelError(
+                    f"table name {table!r} is used by more than one tracked module; segments "
+                    "key rows by table name (rename it or skip a module via fqns_to_skip)"
                 )
             self._tables.append(
                 TableInfo(
@@ -279,6 +302,7 @@ class DeltaTracker:
         def record(features: Any, embs: Any, module: Any, extra: Any) -> None:
             if self._paused:
                 return
+            t0 = time.perf_counter()
             keys = tuple(features.keys())
             if not keys:
                 return
@@ -295,16 +319,23 @@ class DeltaTracker:
                     features.stride_per_key(),
                 )
             )
+            self.stats.lookups += 1
+            self.stats.record_s += time.perf_counter() - t0
 
         return record
 
+    def _fold_hook(self) -> None:
+        t0 = time.perf_counter()
+        self._fold()
+        self.stats.fold_s += time.perf_counter() - t0
+
     @torch.no_grad()
     def _fold(self) -> None:
-        """Fold stashed ids into the bitmaps (runs in the output dist, and at drain)."""
+        """Fold stashed ids into the bitmaps (in the output dist, and at drain)."""
         pending, self._pending = self._pending, []
         for lookup, values, lengths, strides in pending:
             idx = lookup.indices(values, lengths, strides)
-            lookup.flat[idx] = True
+            lookup.flat.index_fill_(0, idx, True)
             if self._lookahead:
                 lookup.history.append(idx)
 
@@ -334,6 +365,7 @@ class DeltaTracker:
         are sent at least once). With lookahead 0, draining twice with no forward in between
         returns empty ids.
         """
+        t0 = time.perf_counter()
         self._fold()
         out: list[tuple[TrackedShard, torch.Tensor]] = []
         for lk in self._lookups.values():
@@ -341,7 +373,8 @@ class DeltaTracker:
                 out.append((shard, mask.nonzero().view(-1)))
             lk.flat.zero_()
             for idx in lk.history:
-                lk.flat[idx] = True
+                lk.flat.index_fill_(0, idx, True)
+        self.stats.drain_s += time.perf_counter() - t0
         return out
 
     @contextlib.contextmanager

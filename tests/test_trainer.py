@@ -104,7 +104,7 @@ def test_plain_loop_kjt_every_sharding_type_two_ranks(tmp_path: Path) -> None:
     result = run_training(cfg)
     _check(cfg, result)
     assert [r.segments for r in result.ranks] == [5, 5]  # base, steps 4, 8, 12, final
-    assert all(r.rows > 0 and r.stall_s > 0 for r in result.ranks)
+    assert all(r.rows > 0 and r.stall_s > 0 and r.hooks_s > 0 for r in result.ranks)
 
 
 @pytest.mark.slow

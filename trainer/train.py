@@ -156,6 +156,7 @@ class RankStats:
     nbytes: int
     stall_s: float  # training-loop time spent publishing (decide + drain + copy + enqueue)
     write_s: float  # writer-thread time
+    hooks_s: float  # tracker hooks inside forward passes (record ids + fold into bitmaps)
 
 
 @dataclass
@@ -356,10 +357,11 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     if rank == 0 and cfg.final_tables is not None:
         cfg.final_tables.parent.mkdir(parents=True, exist_ok=True)
         torch.save(tables, cfg.final_tables)
-    mine = RankStats(rank, 0, 0, 0, 0.0, 0.0)
+    mine = RankStats(rank, 0, 0, 0, 0.0, 0.0, 0.0)
     if publisher is not None:
         s = publisher.stats
-        mine = RankStats(rank, len(s.segments), s.rows, s.nbytes, s.stall_s, s.write_s)
+        hooks = publisher.tracker.stats.forward_s
+        mine = RankStats(rank, len(s.segments), s.rows, s.nbytes, s.stall_s, s.write_s, hooks)
     gathered: list[Any] = [None] * cfg.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     if rank == 0:
