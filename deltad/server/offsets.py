@@ -95,6 +95,35 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _cursor(raw: dict[Any, Any]) -> StoredCursor | None:
+    if not raw:
+        return None
+    d = {_s(k): _s(v) for k, v in raw.items()}
+    return StoredCursor(
+        generation=int(d["generation"]),
+        seq=int(d["seq"]),
+        step=int(d["step"]),
+        pull_id=d.get("pull_id", ""),
+        owed_token=d.get("owed_token", ""),
+        owed_rows=int(d.get("owed_rows", "0") or 0),
+        updated_unix=float(d.get("updated_unix", "0") or 0),
+    )
+
+
+def _pull(raw: dict[Any, Any]) -> PullRecord | None:
+    if not raw:
+        return None
+    d = {_s(k): _s(v) for k, v in raw.items()}
+    return PullRecord(
+        d["pull_id"],
+        int(d["generation"]),
+        int(d["seq"]),
+        int(d["step"]),
+        d.get("owed_token", ""),
+        int(d.get("owed_rows", "0") or 0),
+    )
+
+
 class OffsetStore:
     """Cursors, pulls and leases of one model's consumers."""
 
@@ -140,21 +169,19 @@ class OffsetStore:
     # --- cursors and pulls ---------------------------------------------------------------
 
     def get_cursor(self, consumer: str, rank: int) -> StoredCursor | None:
-        raw = self._retry(
-            "get_cursor", lambda: self.client.hgetall(self.keys.cursor(consumer, rank))
-        )
-        if not raw:
-            return None
-        d = {_s(k): _s(v) for k, v in raw.items()}
-        return StoredCursor(
-            generation=int(d["generation"]),
-            seq=int(d["seq"]),
-            step=int(d["step"]),
-            pull_id=d.get("pull_id", ""),
-            owed_token=d.get("owed_token", ""),
-            owed_rows=int(d.get("owed_rows", "0") or 0),
-            updated_unix=float(d.get("updated_unix", "0") or 0),
-        )
+        return self.cursors([consumer], rank)[consumer]
+
+    def cursors(self, consumers: list[str], rank: int) -> dict[str, StoredCursor | None]:
+        """Committed cursors of ``consumers`` on ``rank`` (one round trip)."""
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for c in consumers:
+                pipe.hgetall(self.keys.cursor(c, rank))
+            return list(pipe.execute())
+
+        raws = self._retry("get_cursor", run) if consumers else []
+        return {c: _cursor(raw) for c, raw in zip(consumers, raws, strict=True)}
 
     def record_pull(self, consumer: str, rank: int, pull: PullRecord) -> None:
         """Remember the pull just issued (replacing any earlier uncommitted one)."""
@@ -178,21 +205,17 @@ class OffsetStore:
 
         self._retry("record_pull", run)
 
-    def pending_pull(self, consumer: str, rank: int) -> PullRecord | None:
-        raw = self._retry(
-            "pending_pull", lambda: self.client.hgetall(self.keys.pull(consumer, rank))
-        )
-        if not raw:
-            return None
-        d = {_s(k): _s(v) for k, v in raw.items()}
-        return PullRecord(
-            d["pull_id"],
-            int(d["generation"]),
-            int(d["seq"]),
-            int(d["step"]),
-            d.get("owed_token", ""),
-            int(d.get("owed_rows", "0") or 0),
-        )
+    def pending_pulls(self, consumers: list[str], rank: int) -> dict[str, PullRecord | None]:
+        """The uncommitted pulls of ``consumers`` on ``rank`` (one round trip)."""
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for c in consumers:
+                pipe.hgetall(self.keys.pull(c, rank))
+            return list(pipe.execute())
+
+        raws = self._retry("pending_pulls", run) if consumers else []
+        return {c: _pull(raw) for c, raw in zip(consumers, raws, strict=True)}
 
     def commit(
         self, consumer: str, rank: int, *, pull_id: str, generation: int, seq: int, step: int
@@ -258,12 +281,11 @@ class OffsetStore:
         pulls. An expired-lease consumer pins nothing."""
         names = self.consumers()
         live = [c for c, left in self.lease_remaining(names).items() if left > 0]
-        out: list[int] = []
-        for c in live:
-            for rec in (self.get_cursor(c, rank), self.pending_pull(c, rank)):
-                if rec is not None and rec.generation == generation:
-                    out.append(rec.seq)
-        return sorted(set(out))
+        recs: list[StoredCursor | PullRecord | None] = [
+            *self.cursors(live, rank).values(),
+            *self.pending_pulls(live, rank).values(),
+        ]
+        return sorted({r.seq for r in recs if r is not None and r.generation == generation})
 
     # --- rank registry -------------------------------------------------------------------
 

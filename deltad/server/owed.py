@@ -69,5 +69,5 @@ class OwedStore:
             return
         for p in names:
             token = p.name[len(prefix) :].removesuffix(".dseg")
-            if token not in keep and not p.name.startswith(".tmp"):
+            if token not in keep:
                 p.unlink(missing_ok=True)

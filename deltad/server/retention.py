@@ -4,8 +4,8 @@ Each round (bounded: one merge of at most ``merge_max_bytes_per_round`` input by
 base it extends) does the first applicable of:
 
 1. **Base forward**: merge the base with the deltas up to the minimum *live* pin (a committed
-   cursor or a pending pull of a consumer whose lease is alive); with no live consumer, up to
-   the head.
+   cursor or a pending pull of a consumer whose lease is alive; with no live consumer, up to
+   the head), once there are ``merge_min_segments`` of them or they reach 1/8 of the base.
 2. **Gaps**: between two neighbouring pins (and after the last one) merge a run of at least
    ``merge_min_segments`` entries into one.
 
@@ -74,7 +74,11 @@ class Retention:
         base, deltas = snap.base, snap.entries[1:]
         floor = pins[0] if pins else snap.head.seq
         forward = [e for e in deltas if e.seq <= floor]
-        if forward:
+        # Rewriting the base costs its size: do it once the deltas it absorbs are many or
+        # at least 1/8 of it (write amplification <= 8x), not for every new segment.
+        if forward and (
+            len(forward) >= self.min_segments or 8 * sum(e.nbytes for e in forward) >= base.nbytes
+        ):
             return self._bounded(forward, first=base)
         bounds = [p for p in pins if p > base.seq]
         lo = base.seq

@@ -338,10 +338,11 @@ class DeltaServicer:
         snap = self.log.snapshot()
         names = self.store.consumers()
         leases = self.store.lease_remaining(names)
+        cursors = self.store.cursors(names, self.config.rank)
         now = time.time()
         out = []
         for name in names:
-            stored = self.store.get_cursor(name, self.config.rank)
+            stored = cursors[name]
             info = pb.ConsumerInfo(
                 consumer=name,
                 cursor=self._cursor_pb(name, stored),
