@@ -97,3 +97,18 @@ def test_truncated_or_malformed_streams_raise() -> None:
         wire.decode_stream([msgs[0], msgs[1][:-3], *msgs[2:]])
     with pytest.raises(wire.StreamDecodeError, match="outside header"):
         wire.decode_stream(msgs[1:])
+
+
+@pytest.mark.parametrize("dtype", [WireDtype.FP32, WireDtype.INT8])
+def test_zero_copy_parts_match_the_copied_slice(dtype: WireDtype) -> None:
+    ids = torch.arange(3, 9000, 3)
+    vals = torch.randn(ids.numel(), 6)
+    msgs = _stream(ids, vals, dtype, 8192)
+    whole = wire.decode_stream(msgs)
+    parts = wire.decode_stream(msgs, zero_copy=True)
+    assert len(parts.slices) == len(msgs) - 2 > 1 and parts.rows == whole.rows
+    assert [s.owed for s in parts.slices][:2] == [4, 0]
+    cat_ids = torch.cat([s.ids for s in parts.slices])
+    cat_vals = torch.cat([s.values for s in parts.slices if s.values is not None])
+    assert torch.equal(cat_ids, whole.slices[0].ids)
+    assert torch.equal(cat_vals, whole.slices[0].values)  # type: ignore[arg-type]
