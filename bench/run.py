@@ -13,6 +13,7 @@ import importlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -96,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     names = _selected(args.only)
+
+    def on_term(signum: int, frame: Any) -> None:
+        # Unwind normally so that every benchmark's Children context stops its processes.
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     quick = bool(args.quick or args.tiny)
     repeats = args.repeats or (1 if args.tiny else 2 if quick else 3)
     out_dir: Path = args.out

@@ -137,6 +137,55 @@ def client_pull(
     }
 
 
+def client_decompose(
+    state: dict[str, Any], endpoint: str, consumer: str, dtype: str
+) -> dict[str, Any]:
+    """Runs in the client worker: one raw GetDelta, timed in phases.
+
+    ``first_s``: request to the first message (the server's merge + encode; the header goes
+    out after them); ``stream_s``: first to last message, with the client's per-chunk decode;
+    ``result_s``: building the RankDelta; ``merge_s``: the server's own figure (trailer).
+    """
+    import time
+
+    import grpc
+
+    from deltad import wire
+    from deltad.config import PullOptions
+    from deltad.types import WireDtype
+    from deltad.v1 import delta_pb2 as pb
+    from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+    opts = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+    with grpc.insecure_channel(endpoint, options=opts) as ch:
+        pb_grpc.DeltaServiceStub(ch).Register(pb.RegisterRequest(consumer=consumer), timeout=30)
+        req = wire.request_from_options(consumer, PullOptions(wire_dtype=WireDtype(dtype)))
+        asm = wire.WindowAssembler()
+        t0 = time.perf_counter()
+        first = None
+        nbytes = 0
+        for msg in wire.raw_get_delta(ch)(req, timeout=600):
+            if first is None:
+                first = time.perf_counter()
+            nbytes += len(msg)
+            asm.add(msg)
+        t1 = time.perf_counter()
+        delta = asm.result()
+        t2 = time.perf_counter()
+        merge_s = float(asm.trailer.merge_seconds) if asm.trailer is not None else None
+        rows = delta.rows
+        del delta, asm
+    return {
+        "first_s": (first or t1) - t0,
+        "stream_s": t1 - (first or t1),
+        "result_s": t2 - t1,
+        "total_s": t2 - t0,
+        "server_merge_s": merge_s,
+        "message_bytes": nbytes,
+        "rows": rows,
+    }
+
+
 def client_warm(state: dict[str, Any]) -> dict[str, Any]:
     """Runs in the client worker: import the consumer library before any timing."""
     import deltad.client
@@ -216,6 +265,15 @@ def run(ctx: Context) -> dict[str, Any]:
                             "expected_wire_bytes": expect,
                             "seconds": summarize([r["seconds"] for r in runs]),
                             "gbps": gbps,
+                            # Rows delivered, counted at their fp32 size: what the predictor
+                            # gets per second whatever the wire dtype.
+                            "fp32_equiv_gbps": summarize(
+                                [
+                                    wire_bytes(r["rows"], DIM, "fp32") / r["seconds"] / GB
+                                    for r in runs
+                                ]
+                            ),
+                            "rows_per_s": summarize([r["rows"] / r["seconds"] for r in runs]),
                             "bare_grpc_gbps": med(g),
                             "bare_grpc_chunk": g.get("chunk_bytes"),
                             "tcp_gbps": med(t),
@@ -223,6 +281,26 @@ def run(ctx: Context) -> dict[str, Any]:
                             "vs_tcp": ratio(med(gbps), med(t)),
                         }
                     )
+                if size == max(sizes):
+                    ctx.status("GetDelta phases")
+                    phases = [
+                        worker.call(
+                            "call",
+                            module="bench.throughput",
+                            func="client_decompose",
+                            kwargs={
+                                "endpoint": side.endpoint,
+                                "consumer": f"phases-{i}",
+                                "dtype": "fp32",
+                            },
+                        )
+                        for i in range(repeats)
+                    ]
+                    result["phases_fp32_largest"] = {
+                        k: summarize([p[k] for p in phases if p[k] is not None])
+                        for k in ("first_s", "stream_s", "result_s", "total_s", "server_merge_s")
+                    }
+                    result["phases_fp32_largest"]["message_bytes"] = phases[0]["message_bytes"]
             finally:
                 worker.close()
                 side.stop()
@@ -245,7 +323,10 @@ def _headline(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         gb = med(p["gbps"])
         out.append(
             {
-                "metric": f"GetDelta {largest / MB:.0f} MB window, {p['dtype']}",
+                "metric": (
+                    f"GetDelta {largest / MB:.0f} MB window, {p['dtype']} "
+                    f"(rows at fp32 size: {med(p['fp32_equiv_gbps']) or 0:.2f} GB/s)"
+                ),
                 "value": gb,
                 "unit": "GB/s",
                 "baseline": p["bare_grpc_gbps"],
