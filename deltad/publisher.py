@@ -229,11 +229,6 @@ class SegmentPublisher:
                 self._thread.join()
         self._check_error()
 
-    @property
-    def next_seq(self) -> int:
-        """The seq the next segment of this rank will get."""
-        return self._seq
-
     # -- internals --------------------------------------------------------------------------
 
     def _check(self) -> None:

@@ -7,8 +7,9 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
 * The post-lookup hook runs once per sharding type per forward with the features that this
   rank's lookup consumed. It only stashes their id tensors (integers, no autograd state).
 * The post-odist hook ("auto-compaction during the output dist") folds the stash into a
-  **bool bitmap per local shard** on the weights' device: ``mask.index_fill_(0, ids, True)``
-  (on CPU ~10x faster than ``mask[ids] = True``). One scatter per lookup instead of the
+  **bool bitmap per local shard** on the weights' device: per feature key, the slice of ids
+  it owns (``offset_per_key()``, cached by the input dist) goes ``mask.index_fill_(0, ids,
+  True)`` (on CPU ~10x faster than ``mask[ids] = True``). A scatter per key instead of the
   per-step ``torch.unique`` of TorchRec's own tracker; memory is one byte per local row.
 * :meth:`DeltaTracker.drain` folds what is left, returns the sorted unique local row ids of
   each shard (``nonzero()``) and clears the bitmaps.
@@ -98,20 +99,16 @@ class _Lookup:
     shards: list[TrackedShard]
     flat: torch.Tensor  # bool, concatenation of the shards' bitmaps
     masks: list[torch.Tensor]  # views of ``flat``, one per shard
-    key_base: torch.Tensor  # per key: offset of its shard in ``flat``
-    single: bool  # every key maps to a shard at offset 0
-    history: deque[torch.Tensor]  # flat indices of the last ``lookahead`` lookups
+    key_masks: list[torch.Tensor]  # per key of the features: its shard's bitmap
+    #: (ids, offset per key) of the last ``lookahead`` lookups
+    history: deque[tuple[torch.Tensor, list[int]]]
 
-    def indices(self, values: torch.Tensor, lengths: torch.Tensor, strides: list[int]) -> Any:
-        values = values.to(device=self.flat.device, dtype=torch.int64)
-        if self.single:
-            return values
-        per_bag = torch.repeat_interleave(
-            self.key_base, torch.tensor(strides, device=self.key_base.device)
-        )
-        return values + torch.repeat_interleave(
-            per_bag, lengths.to(per_bag.device, torch.int64), output_size=values.numel()
-        )
+    def mark(self, values: torch.Tensor, offsets: list[int]) -> None:
+        """Set the bits of the ids of one lookup (key ``i`` owns ``values[o[i]:o[i+1]]``)."""
+        for i, mask in enumerate(self.key_masks):
+            if offsets[i + 1] > offsets[i]:
+                ids = values[offsets[i] : offsets[i + 1]].to(torch.int64)
+                mask.index_fill_(0, ids, True)
 
 
 def _clean_fqn(fqn: str) -> str:
@@ -146,7 +143,7 @@ class DeltaTracker:
         self._lookahead = self.config.train_loop.lookahead
         self._paused = False
         self.stats = TrackerStats()
-        self._pending: list[tuple[_Lookup, torch.Tensor, torch.Tensor, list[int]]] = []
+        self._pending: list[tuple[_Lookup, torch.Tensor, list[int]]] = []
         self._modules: dict[str, Any] = {}  # fqn -> sharded EC / EBC
         self._lookups: dict[tuple[int, tuple[str, ...]], _Lookup] = {}
         self._tables: list[TableInfo] = []
@@ -281,18 +278,15 @@ class DeltaTracker:
         self, keys: tuple[str, ...], shards: list[TrackedShard], key_shard: list[int]
     ) -> _Lookup:
         device = shards[0].weight.device
-        sizes = [s.row_end - s.row_start for s in shards]
-        bases = [sum(sizes[:i]) for i in range(len(sizes))]
-        flat = torch.zeros(sum(sizes), dtype=torch.bool, device=device)
-        masks = list(flat.split(sizes))
-        key_base = torch.tensor([bases[i] for i in key_shard], dtype=torch.int64, device=device)
+        flat = torch.zeros(sum(s.row_end - s.row_start for s in shards), dtype=torch.bool)
+        flat = flat.to(device)
+        masks = list(flat.split([s.row_end - s.row_start for s in shards]))
         return _Lookup(
             keys=keys,
             shards=shards,
             flat=flat,
             masks=masks,
-            key_base=key_base,
-            single=all(bases[i] == 0 for i in key_shard),
+            key_masks=[masks[i] for i in key_shard],
             history=deque(maxlen=self._lookahead),
         )
 
@@ -311,14 +305,8 @@ class DeltaTracker:
                 raise UnsupportedModelError(
                     f"lookup features {list(keys)} match no local shard layout of the module"
                 )
-            self._pending.append(
-                (
-                    lookup,
-                    features.values().detach(),
-                    features.lengths().detach(),
-                    features.stride_per_key(),
-                )
-            )
+            # offset_per_key() is cached by the input dist (a host list: no device sync).
+            self._pending.append((lookup, features.values().detach(), features.offset_per_key()))
             self.stats.lookups += 1
             self.stats.record_s += time.perf_counter() - t0
 
@@ -333,11 +321,10 @@ class DeltaTracker:
     def _fold(self) -> None:
         """Fold stashed ids into the bitmaps (in the output dist, and at drain)."""
         pending, self._pending = self._pending, []
-        for lookup, values, lengths, strides in pending:
-            idx = lookup.indices(values, lengths, strides)
-            lookup.flat.index_fill_(0, idx, True)
+        for lookup, values, offsets in pending:
+            lookup.mark(values, offsets)
             if self._lookahead:
-                lookup.history.append(idx)
+                lookup.history.append((values, offsets))
 
     # -- public API -------------------------------------------------------------------------
 
@@ -372,8 +359,8 @@ class DeltaTracker:
             for shard, mask in zip(lk.shards, lk.masks, strict=True):
                 out.append((shard, mask.nonzero().view(-1)))
             lk.flat.zero_()
-            for idx in lk.history:
-                lk.flat.index_fill_(0, idx, True)
+            for values, offsets in lk.history:
+                lk.mark(values, offsets)
         self.stats.drain_s += time.perf_counter() - t0
         return out
 
