@@ -101,6 +101,10 @@ class Context:
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
     #: Advance an outer progress bar description (set by the runner).
     status: Callable[[str], None] = lambda msg: None
+    #: Results shared between benchmarks of one run (the tiny preset shares a live run).
+    cache: dict[str, Any] = field(default_factory=dict)
+    #: Called by the runner after the last benchmark (removes shared scratch dirs).
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
 
     def pick(self, full: Any, quick: Any, tiny: Any | None = None) -> Any:
         """The value for the current size preset."""

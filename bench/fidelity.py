@@ -15,6 +15,7 @@ One live run (:mod:`bench.live`): ``deltad train`` publishing every P seconds an
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,14 @@ from typing import Any
 import torch
 
 from bench.common import Context, NotAvailable
-from bench.live import ConsumerSpec, TrainerSpec, run_live, tables_at_step
+from bench.live import (
+    TINY_PUBLISH_S,
+    ConsumerSpec,
+    TrainerSpec,
+    run_live,
+    tables_at_step,
+    tiny_shared_run,
+)
 
 ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 
@@ -49,7 +57,7 @@ def run(ctx: Context) -> dict[str, Any]:
     why = module_unavailable("trainer.cli", "deltad.server.cli", "consumers.cli")
     if why:
         raise NotAvailable(why)
-    interval = 1.0
+    interval = TINY_PUBLISH_S if ctx.tiny else 1.0
     trainer = ctx.pick(
         TrainerSpec(rows=500_000, dim=32, batch_size=1024, duration_s=40.0),
         TrainerSpec(rows=50_000, dim=16, batch_size=512, duration_s=15.0),
@@ -84,15 +92,20 @@ def run(ctx: Context) -> dict[str, Any]:
             )
         )
     ctx.status(f"fidelity: live run {trainer.duration_s:.0f}s, {len(specs)} predictors")
-    with ctx.tmpdir("fidelity") as work:
-        live = run_live(
-            ctx,
-            work,
-            trainer,
-            [c for c, _ in specs],
-            tail_s=ctx.pick(2.0, 2.0, 1.0),
-            startup_s=ctx.pick(15.0, 10.0, 4.0),
-        )
+    with contextlib.ExitStack() as stack:
+        if ctx.tiny:  # the smoke test shares one live run with the freshness benchmark
+            live = tiny_shared_run(ctx)
+            trainer = ctx.cache["tiny_live_spec"]
+        else:
+            work = stack.enter_context(ctx.tmpdir("fidelity"))
+            live = run_live(
+                ctx,
+                work,
+                trainer,
+                [c for c, _ in specs],
+                tail_s=2.0,
+                startup_s=ctx.pick(15.0, 10.0, 4.0),
+            )
         n_tables = trainer.tables + 1  # + the sequence table
         total_rows = n_tables * trainer.rows
         points = []

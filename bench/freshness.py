@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import Context, NotAvailable, percentile
-from bench.live import ConsumerSpec, TrainerSpec, run_live
+from bench.live import ConsumerSpec, LiveResult, TrainerSpec, run_live, tiny_shared_run
 
 
 def step_lags(segments: list[dict[str, Any]], pulls: list[dict[str, Any]]) -> list[float]:
@@ -83,6 +83,10 @@ def run(ctx: Context) -> dict[str, Any]:
         spec = TrainerSpec(
             **{**trainer.__dict__, "publish_every_seconds": p, "duration_s": duration}
         )
+        if ctx.tiny:
+            live = tiny_shared_run(ctx)
+            points.append(_point(p, duration, live))
+            continue
         with ctx.tmpdir("fresh") as work:
             live = run_live(
                 ctx,
@@ -92,27 +96,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 tail_s=ctx.pick(3.0, 2.0, 1.0),
                 startup_s=ctx.pick(10.0, 8.0, 3.0),
             )
-            pulls = live.pulls.get("fresh", [])
-            lags = step_lags(live.segments, pulls)
-            own = [x["freshness_s"] for x in pulls if x.get("freshness_s") is not None]
-            deltas = [s for s in live.segments if s["kind"] == "delta"]
-            points.append(
-                {
-                    "publish_every_s": p,
-                    "duration_s": duration,
-                    "trainer_steps": live.trainer_result.get("steps"),
-                    "trainer_step_s_median": live.trainer_result.get("step_s_median"),
-                    "segments": len(deltas),
-                    "pulls": len(pulls),
-                    "steps_measured": len(lags),
-                    "lag_p50_s": percentile(lags, 50),
-                    "lag_p99_s": percentile(lags, 99),
-                    "lag_max_s": max(lags) if lags else None,
-                    "pipeline_p50_s": percentile(own, 50),
-                    "pipeline_p99_s": percentile(own, 99),
-                    "peak_rss_bytes": live.peak_rss_bytes,
-                }
-            )
+            points.append(_point(p, duration, live))
     if not any(p["steps_measured"] for p in points):
         raise NotAvailable("the predictor served no trainer step in time", {"points": points})
     head = []
@@ -135,6 +119,28 @@ def run(ctx: Context) -> dict[str, Any]:
             }
         )
     return {"trainer": trainer.__dict__, "points": points, "headline": head}
+
+
+def _point(p: float, duration: float, live: LiveResult) -> dict[str, Any]:
+    pulls = live.pulls.get("fresh", [])
+    lags = step_lags(live.segments, pulls)
+    own = [x["freshness_s"] for x in pulls if x.get("freshness_s") is not None]
+    deltas = [s for s in live.segments if s["kind"] == "delta"]
+    return {
+        "publish_every_s": p,
+        "duration_s": duration,
+        "trainer_steps": live.trainer_result.get("steps"),
+        "trainer_step_s_median": live.trainer_result.get("step_s_median"),
+        "segments": len(deltas),
+        "pulls": len(pulls),
+        "steps_measured": len(lags),
+        "lag_p50_s": percentile(lags, 50),
+        "lag_p99_s": percentile(lags, 99),
+        "lag_max_s": max(lags) if lags else None,
+        "pipeline_p50_s": percentile(own, 50),
+        "pipeline_p99_s": percentile(own, 99),
+        "peak_rss_bytes": live.peak_rss_bytes,
+    }
 
 
 def _f(x: float | None) -> str:

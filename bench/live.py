@@ -217,3 +217,38 @@ def run_live(
         started_unix=started,
         trainer_end_unix=trainer_end,
     )
+
+
+#: The smoke test's single live run, shared by the freshness and fidelity benchmarks.
+TINY_PUBLISH_S = 0.5
+
+
+def tiny_shared_run(ctx: Context) -> LiveResult:
+    """One small live run for both freshness and fidelity under ``--tiny`` (memoized)."""
+    import shutil
+    import tempfile
+
+    hit = ctx.cache.get("tiny_live")
+    if hit is not None:
+        return hit  # type: ignore[no-any-return]
+    work = Path(tempfile.mkdtemp(prefix="deltad-bench-tinylive-", dir=ctx.work_dir))
+    ctx.cleanups.append(lambda: shutil.rmtree(work, ignore_errors=True))
+    spec = TrainerSpec(
+        tables=2,
+        rows=2_000,
+        dim=8,
+        batch_size=64,
+        publish_every_seconds=TINY_PUBLISH_S,
+        duration_s=3.0,
+    )
+    consumers = [
+        ConsumerSpec("fresh", ["--form", "rows"], 0.1),
+        ConsumerSpec("rows-fp32", ["--form", "rows", "--dtype", "fp32"], TINY_PUBLISH_S),
+        ConsumerSpec("rows-int8", ["--form", "rows", "--dtype", "int8"], TINY_PUBLISH_S),
+        ConsumerSpec("topk16-fp32", ["--form", "topk", "--k", "16"], TINY_PUBLISH_S),
+    ]
+    ctx.status("tiny live run (shared by freshness and fidelity)")
+    live = run_live(ctx, work, spec, consumers, tail_s=1.0, startup_s=4.0)
+    ctx.cache["tiny_live"] = live
+    ctx.cache["tiny_live_spec"] = spec
+    return live

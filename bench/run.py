@@ -157,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
             except Exception as e:  # a plot must never lose the numbers
                 res["plot_error"] = f"{type(e).__name__}: {e}"
         _write(results, out_dir)
+    for cleanup in ctx.cleanups:
+        try:
+            cleanup()
+        except Exception as e:
+            log(f"cleanup failed: {e}")
     results["meta"]["loadavg_end"] = os.getloadavg()
     results["meta"]["harness_peak_rss_bytes"] = self_peak_rss()
     results["meta"]["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
