@@ -10,6 +10,11 @@
 Besides deltad.v1.DeltaService it serves grpc.health.v1 (no token needed) and server
 reflection; TLS with ``tls_cert``/``tls_key`` (mTLS with ``tls_client_ca``); bearer tokens
 from ``tokens`` in ``authorization: Bearer <t>`` metadata.
+
+Without ``redis_url`` it runs an EmbeddedRedis in the spool (reused if one is already
+running there); a server it started stops with it, and dies with the thread that called
+:meth:`SidecarServer.start` (PDEATHSIG), so call ``start`` from a long-lived thread. For
+several sidecars on one machine, share one ``redis_url``.
 """
 
 from __future__ import annotations

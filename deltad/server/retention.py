@@ -49,7 +49,6 @@ class Retention:
         self.store = store
         self.min_segments = min_segments
         self.max_bytes = max_bytes
-        self.merges = 0
 
     def _bounded(self, run: Sequence[LogEntry], first: LogEntry | None = None) -> list[LogEntry]:
         out = [first] if first is not None else []
@@ -116,6 +115,5 @@ class Retention:
             return False
         if not self.seglog.replace(covered, entry):
             return False
-        self.merges += 1
         log.info("merged seq %d..%d into %s", first.first_seq, last.seq, last.path.name)
         return True
