@@ -89,6 +89,12 @@ def med(d: dict[str, Any] | None) -> float | None:
     return None if d is None else d.get("median")
 
 
+def medf(d: dict[str, Any] | None) -> float:
+    """The median of a :func:`summarize` dict, NaN when there is none (for arithmetic)."""
+    m = med(d)
+    return math.nan if m is None else float(m)
+
+
 @dataclass
 class Context:
     """What every benchmark gets: the size preset, repeats, where to write, progress output."""

@@ -8,6 +8,7 @@ interleaved repeat by repeat so that load from other processes hits both alike.
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,10 @@ def merge_function() -> tuple[Callable[..., Any] | None, str]:
     return merge, "merge_chunks"
 
 
+def _unique(ids: list[torch.Tensor]) -> torch.Tensor:
+    return torch.unique(torch.cat(ids), sorted=True)
+
+
 def _time(fn: Callable[[], Any]) -> float:
     gc.collect()
     t0 = time.perf_counter()
@@ -66,10 +71,10 @@ def run(ctx: Context) -> dict[str, Any]:
         ids_only_t: list[float] = []
         unique_count = int(torch.unique(torch.cat(ids)).numel())
         for _ in range(ctx.repeats):
-            uniq_t.append(_time(lambda ids=ids: torch.unique(torch.cat(ids), sorted=True)))
+            uniq_t.append(_time(functools.partial(_unique, ids)))
             if merge is not None:
-                merge_t.append(_time(lambda segs=segs: merge(segs)))
-                ids_only_t.append(_time(lambda segs=segs: merge(segs, with_values=False)))
+                merge_t.append(_time(functools.partial(merge, segs)))
+                ids_only_t.append(_time(functools.partial(merge, segs, with_values=False)))
         p: dict[str, Any] = {
             "target_ids": n,
             "ids": total,

@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import GB, Children, Context, NotAvailable, med, summarize
+from bench.common import GB, Children, Context, NotAvailable, med, medf, summarize
 from bench.tracking import run_worker
 
 
@@ -75,8 +75,8 @@ def run(ctx: Context) -> dict[str, Any]:
                         "write_s": summarize([s["write_s"] for s in segs]),
                         "write_gbps": summarize(rates),
                         "step_s": step,
-                        "stall_pct_of_step": med(summarize(stalls)) / step * 100.0,
-                        "stall_pct_of_interval": med(summarize(stalls))
+                        "stall_pct_of_step": medf(summarize(stalls)) / step * 100.0,
+                        "stall_pct_of_interval": medf(summarize(stalls))
                         / (step * spec["publish_steps"])
                         * 100.0,
                         "peak_rss_bytes": res["peak_rss_bytes"],
@@ -91,11 +91,11 @@ def run(ctx: Context) -> dict[str, Any]:
                 f"stall per segment, largest ({biggest['rows_per_segment']:,.0f} rows x "
                 f"{biggest['dim']})"
             ),
-            "value": med(biggest["stall_s"]) * 1000.0,
+            "value": medf(biggest["stall_s"]) * 1000.0,
             "unit": "ms",
             "baseline": biggest["step_s"] * 1000.0,
             "baseline_unit": "ms/step",
-            "ratio": med(biggest["stall_s"]) / biggest["step_s"],
+            "ratio": medf(biggest["stall_s"]) / biggest["step_s"],
         },
         {
             "metric": "background write rate, largest segment",
@@ -118,7 +118,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     for d in sorted({p["dim"] for p in pts}):
         ps = [p for p in pts if p["dim"] == d]
         xs = [p["bytes_per_segment"] / 1e6 for p in ps]
-        a.plot(xs, [med(p["stall_s"]) * 1000 for p in ps], "o-", label=f"dim {d}")
+        a.plot(xs, [medf(p["stall_s"]) * 1000 for p in ps], "o-", label=f"dim {d}")
         b.plot(xs, [med(p["write_gbps"]) for p in ps], "o-", label=f"dim {d}")
     for ax in (a, b):
         ax.set_xscale("log")

@@ -313,7 +313,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
 
 def _headline(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     if not points:
         return out
     largest = max(p["window_bytes_fp32"] for p in points)

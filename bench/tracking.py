@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, NotAvailable, med, ratio, summarize
+from bench.common import Children, Context, NotAvailable, med, medf, summarize
 
 VARIANTS = (
     "none",
@@ -259,9 +259,9 @@ def run(ctx: Context) -> dict[str, Any]:
         cpu = summarize([x["cpu_per_step_s"] for x in runs[v]])
         table[v] = {
             "step_s": s,
-            "overhead_pct": (ratio(med(s), med(base)) - 1.0) * 100.0 if med(base) else None,
+            "overhead_pct": (medf(s) / medf(base) - 1.0) * 100.0 if med(base) else None,
             "cpu_per_step_s": cpu,
-            "cpu_overhead_pct": (ratio(med(cpu), med(base_cpu)) - 1.0) * 100.0
+            "cpu_overhead_pct": (medf(cpu) / medf(base_cpu) - 1.0) * 100.0
             if med(base_cpu)
             else None,
             "overhead_pct_per_round": summarize(per_round),
@@ -316,7 +316,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
 
     vs = result.get("variants", {})
     names = list(vs)
-    meds = [med(vs[n]["step_s"]) * 1000 for n in names]
+    meds = [medf(vs[n]["step_s"]) * 1000 for n in names]
     lo = [m - vs[n]["step_s"]["min"] * 1000 for m, n in zip(meds, names, strict=True)]
     hi = [vs[n]["step_s"]["max"] * 1000 - m for m, n in zip(meds, names, strict=True)]
     fig, ax = plt.subplots(figsize=(8, 4))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -76,7 +77,7 @@ def _source(nbytes: int) -> Any:
 
 def tcp_server_main(port_conn: Any, max_bytes: int) -> None:
     """Spawned: accept one client; for each request ``(nbytes, chunk)`` send nbytes; 0 ends."""
-    src = memoryview(_source(max_bytes))
+    src = _source(max_bytes).data
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     ls.bind(("127.0.0.1", 0))
@@ -119,7 +120,7 @@ def grpc_server_main(port_conn: Any, max_bytes: int) -> None:
     """Spawned: a bare gRPC server streaming pre-serialized chunks of a preallocated buffer."""
     import grpc
 
-    src = memoryview(_source(max_bytes))
+    src = _source(max_bytes).data
 
     def stream(request: bytes, context: Any) -> Any:
         nbytes, chunk = _REQ.unpack(request)
@@ -165,7 +166,7 @@ def client_worker_main(conn: Any) -> None:
     """
     import traceback
 
-    state: dict[str, Any] = {}
+    state: dict[Any, Any] = {}
     while True:
         try:
             name, kw = conn.recv()
@@ -185,7 +186,7 @@ def client_worker_main(conn: Any) -> None:
             pass
 
 
-def _cmd_tcp(state: dict[str, Any], port: int, nbytes: int, chunk: int) -> dict[str, Any]:
+def _cmd_tcp(state: dict[Any, Any], port: int, nbytes: int, chunk: int) -> dict[str, Any]:
     import numpy as np
 
     sock = state.get(("tcp", port))
@@ -199,7 +200,7 @@ def _cmd_tcp(state: dict[str, Any], port: int, nbytes: int, chunk: int) -> dict[
         buf = np.empty(nbytes, dtype=np.uint8)
         buf[:] = 0
         state["tcp_buf"] = buf
-    view = memoryview(buf)
+    view = buf.data
     t0 = time.perf_counter()
     sock.sendall(_REQ.pack(nbytes, chunk))
     got = 0
@@ -212,7 +213,7 @@ def _cmd_tcp(state: dict[str, Any], port: int, nbytes: int, chunk: int) -> dict[
     return {"seconds": dt, "bytes": got}
 
 
-def _cmd_tcp_close(state: dict[str, Any], port: int) -> dict[str, Any]:
+def _cmd_tcp_close(state: dict[Any, Any], port: int) -> dict[str, Any]:
     sock = state.pop(("tcp", port), None)
     if sock is not None:
         sock.sendall(_REQ.pack(0, 0))
@@ -220,7 +221,7 @@ def _cmd_tcp_close(state: dict[str, Any], port: int) -> dict[str, Any]:
     return {}
 
 
-def _cmd_grpc(state: dict[str, Any], port: int, nbytes: int, chunk: int) -> dict[str, Any]:
+def _cmd_grpc(state: dict[Any, Any], port: int, nbytes: int, chunk: int) -> dict[str, Any]:
     import grpc
     import torch
 
@@ -237,7 +238,7 @@ def _cmd_grpc(state: dict[str, Any], port: int, nbytes: int, chunk: int) -> dict
     call = ch.unary_stream(_METHOD, request_serializer=None, response_deserializer=None)
     t0 = time.perf_counter()
     out = torch.empty(nbytes, dtype=torch.uint8)
-    dst = memoryview(out.numpy())
+    dst = out.numpy().data
     got = 0
     for msg in call(_REQ.pack(nbytes, chunk), timeout=600):
         p = payload_offset(msg)
@@ -250,14 +251,14 @@ def _cmd_grpc(state: dict[str, Any], port: int, nbytes: int, chunk: int) -> dict
     return {"seconds": dt, "bytes": got}
 
 
-def _cmd_call(state: dict[str, Any], module: str, func: str, kwargs: dict[str, Any]) -> Any:
+def _cmd_call(state: dict[Any, Any], module: str, func: str, kwargs: dict[str, Any]) -> Any:
     """Run ``module.func(state, **kwargs)`` in the worker (deltad client measurements)."""
     import importlib
 
     return getattr(importlib.import_module(module), func)(state, **kwargs)
 
 
-_COMMANDS = {
+_COMMANDS: dict[str, Callable[..., Any]] = {
     "tcp": _cmd_tcp,
     "tcp_close": _cmd_tcp_close,
     "grpc": _cmd_grpc,
