@@ -1,4 +1,8 @@
-"""`deltad status --target host:port [--json]`: a sidecar's head, tables and consumers."""
+"""`deltad status --target host:port [--json]`: a sidecar's head, tables and consumers.
+
+``--json`` prints StatusResponse in the protobuf JSON mapping with the proto's field names
+(64-bit integers as strings), plus ``consumers``: the ListConsumersResponse entries.
+"""
 
 from __future__ import annotations
 
@@ -85,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
     )
     if args.json:
-        out: dict[str, Any] = MessageToDict(status, always_print_fields_with_no_presence=True)
+        out: dict[str, Any] = MessageToDict(
+            status, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+        )
         out["consumers"] = MessageToDict(consumers, always_print_fields_with_no_presence=True).get(
             "consumers", []
         )

@@ -99,7 +99,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
             capture_output=True, text=True, timeout=60, check=True,
         )  # fmt: skip
         st = json.loads(out.stdout)
-        assert st["headSeq"] == "3" and [c["consumer"] for c in st["consumers"]] == ["k", "tk"]
+        assert st["head_seq"] == "3" and [c["consumer"] for c in st["consumers"]] == ["k", "tk"]
         c.close()
     finally:
         proc.send_signal(signal.SIGTERM)
