@@ -28,6 +28,7 @@ from torchrec import (
     KeyedJaggedTensor,
 )
 
+from trainer.data import Batch
 from trainer.train import shard_model
 
 ROWS = 100
@@ -67,11 +68,13 @@ class Toy(nn.Module):
             device=meta,
         )
 
-    def forward(self, pooled: Any, seq: KeyedJaggedTensor) -> torch.Tensor:
-        out = self.ebc(pooled).values().sum()
-        for jt in self.ec(seq).values():
-            out = out + jt.values().sum()
-        return out
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, detached loss): the sum of every embedding, so every looked-up row moves."""
+        loss = self.ebc(batch.sparse).values().sum()
+        seq = self.ec(batch.seq)
+        for feature in EC_FEATURES:  # fx-traceable (the sparse-dist pipeline traces this)
+            loss = loss + seq[feature].values().sum()
+        return loss, loss.detach()
 
 
 def toy_dmp(world_size: int, sharding: dict[str, str] | None = None) -> Any:
@@ -81,8 +84,8 @@ def toy_dmp(world_size: int, sharding: dict[str, str] | None = None) -> Any:
     return shard_model(Toy(), plan, world_size=world_size, learning_rate=0.1, cw_min_partition=4)
 
 
-def batch(rank: int, index: int, *, tensordict: bool = False, size: int = 8) -> tuple[Any, Any]:
-    """(pooled features for the EBC, sequence KJT for the EC) of one rank's batch."""
+def batch(rank: int, index: int, *, tensordict: bool = False, size: int = 8) -> Batch:
+    """One rank's batch: pooled features for the EBC (KJT or TensorDict), a KJT for the EC."""
     g = torch.Generator().manual_seed(1000 * rank + index)
 
     def jagged(keys: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -93,31 +96,27 @@ def batch(rank: int, index: int, *, tensordict: bool = False, size: int = 8) -> 
     pv, pl = jagged(EBC_FEATURES)
     sv, sl = jagged(EC_FEATURES)
     seq = KeyedJaggedTensor.from_lengths_sync(EC_FEATURES, torch.cat(sv), torch.cat(sl))
-    if not tensordict:
-        pooled: Any = KeyedJaggedTensor.from_lengths_sync(
-            EBC_FEATURES, torch.cat(pv), torch.cat(pl)
+    pooled: Any = KeyedJaggedTensor.from_lengths_sync(EBC_FEATURES, torch.cat(pv), torch.cat(pl))
+    if tensordict:
+        pooled = TensorDict(
+            {
+                k: torch.nested.nested_tensor_from_jagged(
+                    v, offsets=torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)])
+                )
+                for k, v, n in zip(EBC_FEATURES, pv, pl, strict=True)
+            },
+            batch_size=[size],
         )
-        return pooled, seq
-    pooled = TensorDict(
-        {
-            k: torch.nested.nested_tensor_from_jagged(
-                v, offsets=torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)])
-            )
-            for k, v, n in zip(EBC_FEATURES, pv, pl, strict=True)
-        },
-        batch_size=[size],
-    )
-    return pooled, seq
+    return Batch(torch.zeros(size, 1), pooled, seq, torch.zeros(size))
 
 
-def fed_ids(batches: list[tuple[Any, Any]]) -> dict[str, set[int]]:
+def fed_ids(batches: list[Batch]) -> dict[str, set[int]]:
     """Global ids each table was looked up with across ``batches``."""
     out: dict[str, set[int]] = {t: set() for t in FEATURE_TABLE.values()}
-    for pooled, seq in batches:
-        for k in pooled.keys():  # noqa: SIM118 (a KJT's JaggedTensor or a TensorDict's nested tensor)
-            out[FEATURE_TABLE[k]].update(pooled[k].values().tolist())
-        for k in seq.keys():  # noqa: SIM118
-            out[FEATURE_TABLE[k]].update(seq[k].values().tolist())
+    for b in batches:
+        for kjt in (b.sparse_kjt(), b.seq):
+            for k in kjt.keys():  # noqa: SIM118 (a KJT, not a dict)
+                out[FEATURE_TABLE[k]].update(kjt[k].values().tolist())
     return out
 
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from shardkit import EBC_TABLES, EC_TABLES, fed_ids, spawn, toy_dmp
-from shardkit import batch as kjt_batch
+from shardkit import batch as make_batch
 from torch import nn
 
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
 from deltad.tracker import DeltaTracker
 from deltad.types import TrainLoop
+from trainer.data import Batch
 
 
 def _ids(drained: list) -> dict[tuple[str, int], list[int]]:
@@ -29,10 +29,10 @@ def _expected(tracker: DeltaTracker, fed: dict[str, set[int]]) -> dict[tuple[str
     }
 
 
-def batch(rank: int, index: int) -> tuple[Any, Any]:
+def batch(rank: int, index: int) -> Batch:
     """Pooled features as a TensorDict (a sharded EBC must see one input type throughout:
-    after a TensorDict it no longer permutes a KJT's keys). The trainer tests feed KJTs."""
-    return kjt_batch(rank, index, tensordict=True)
+    after a TensorDict it no longer permutes a KJT's keys); the pipeline test feeds KJTs."""
+    return make_batch(rank, index, tensordict=True)
 
 
 def _tracker_worker(rank: int, world_size: int) -> None:
@@ -67,7 +67,7 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     # values changed.
     fed = [batch(r, i) for r in range(world_size) for i in range(2)]
     for i in range(2):
-        dmp(*batch(rank, i)).backward()
+        dmp(batch(rank, i))[0].backward()
     drained = tracker.drain()
     assert _ids(drained) == _expected(tracker, fed_ids(fed))
     for s, local in drained:
@@ -80,9 +80,9 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     # Paused (eval) forwards leave nothing; unpaused they would.
     dmp.eval()
     with tracker.paused():
-        dmp(*batch(rank, 5))
+        dmp(batch(rank, 5))
     assert all(ids.numel() == 0 for _, ids in tracker.drain())
-    dmp(*batch(rank, 5))
+    dmp(batch(rank, 5))
     assert any(ids.numel() for _, ids in tracker.drain())
     dmp.train()
 
@@ -98,10 +98,10 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     ids_b = _expected(ahead, fed_ids([batch(r, 11) for r in range(world_size)]))
     both = {k: sorted(set(ids_a[k]) | set(ids_b[k])) for k in ids_a}
     with torch.no_grad():
-        dmp(*batch(rank, 10))  # lookup of A (its update would come in the next step)
+        dmp(batch(rank, 10))  # lookup of A (its update would come in the next step)
         assert _ids(ahead.drain()) == ids_a
         assert _ids(ahead.drain()) == ids_a  # still owed: no newer lookup yet
-        dmp(*batch(rank, 11))
+        dmp(batch(rank, 11))
         assert _ids(ahead.drain()) == both
         assert _ids(ahead.drain()) == ids_b
     ahead.detach()
@@ -119,9 +119,36 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     assert set(EC_TABLES) <= {t.name for t in tracker.tables}
 
 
+def _pipeline_worker(rank: int, world_size: int) -> None:
+    from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+    for cls in (TrainPipelineBase, TrainPipelineSparseDist):
+        dmp = toy_dmp(world_size)
+        tracker = DeltaTracker(dmp)  # lookahead 0 is right for these pipelines:
+        pipeline = cls(dmp, dmp.fused_optimizer, torch.device("cpu"))
+        batches = iter([make_batch(rank, i) for i in range(4)])
+        for step in range(4):
+            before = [s.weight.clone() for s in tracker.shards]
+            pipeline.progress(batches)
+            # The drain point after progress() is a consistent cut: the drained rows are
+            # exactly the rows the step changed (none of the next batch is looked up yet).
+            for (shard, ids), old in zip(tracker.drain(), before, strict=True):
+                changed = (shard.weight != old).any(dim=1).nonzero().view(-1)
+                assert torch.equal(changed, ids), (cls.__name__, step, shard.table)
+        with pytest.raises(StopIteration):
+            pipeline.progress(batches)
+        if cls is TrainPipelineSparseDist:  # the EBC and EC really ran pipelined
+            assert len(pipeline._pipelined_modules) == 2
+
+
 @pytest.mark.slow
 def test_tracker_ids_per_sharding_type(tmp_path: Path) -> None:
     spawn(_tracker_worker, 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_drain_after_progress_is_a_consistent_cut_in_train_pipelines(tmp_path: Path) -> None:
+    spawn(_pipeline_worker, 2, tmp_path)
 
 
 def test_model_without_sharded_embeddings_is_unsupported() -> None:
