@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from deltad.segment import SegmentChunk
@@ -87,15 +89,29 @@ def merge_chunks(chunks: Sequence[SegmentChunk], *, with_values: bool = True) ->
     if not with_values:
         return SliceRows.like(last, ids, last.values[:0])
     values = torch.empty(ids.numel(), last.col_end - last.col_start, dtype=last.values.dtype)
+    if values.numel() == 0:
+        return SliceRows.like(last, ids, values)
     if dests and total > 2 * ids.numel():
         _copy_last_writers(chunks, row_start, n, ids, values)
         return SliceRows.like(last, ids, values)
     # Oldest first, each chunk's rows straight from its (mapped) segment into place: later
     # writes win, no temporaries. Measured (1M x 64, 4 x 330k Zipf ids, 2 cores): 0.3 s vs
     # 0.6 s for gathering each row's last writer; heavier overlap takes _copy_last_writers.
+    out = _rows(values)
     for c, d in zip(chunks, dests, strict=True):
-        values.index_copy_(0, d, c.values)
+        if d.numel():
+            out[d.numpy()] = _rows(c.values)
     return SliceRows.like(last, ids, values)
+
+
+def _rows(t: torch.Tensor) -> Any:
+    """A contiguous [n, w] tensor as a numpy array of n opaque rows (a view, no copy).
+
+    Row copies by index on these are 3-4x faster than ``index_copy_`` for narrow rows
+    (measured: 16 x 125k rows of 16 floats, 60 ms vs 210-250 ms on 2 cores).
+    """
+    raw = t.contiguous().view(torch.uint8).numpy()
+    return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
 
 
 def _copy_last_writers(
@@ -110,10 +126,11 @@ def _copy_last_writers(
         pos[local] = torch.arange(c.ids.numel())
     local_ids = ids - row_start
     who, at = writer[local_ids], pos[local_ids]
+    dst = _rows(out)
     for i, c in enumerate(chunks):
         sel = (who == i + 1).nonzero().squeeze(1)
         if sel.numel():
-            out.index_copy_(0, sel, c.values.index_select(0, at[sel]))
+            dst[sel.numpy()] = _rows(c.values)[at[sel].numpy()]
 
 
 def merge_entries(

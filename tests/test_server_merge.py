@@ -1,0 +1,39 @@
+"""The window merge against a reference replay, on every path (sparse, dense, heavy overlap)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltad.segment import SegmentChunk
+from deltad.server.merge import merge_chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("per", "rows"), [(20, 100_000), (300, 1000), (900, 1000)])
+def test_merge_is_union_with_latest_values(dtype: torch.dtype, per: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(per + rows)
+    truth = torch.zeros(rows, 5, dtype=dtype)
+    touched = torch.zeros(rows, dtype=torch.bool)
+    chunks = []
+    for _ in range(6):
+        ids = torch.randint(0, rows, (per,), generator=gen).unique()
+        vals = torch.randn(ids.numel(), 5, generator=gen).to(dtype)
+        chunks.append(SegmentChunk("t", rows, 5, 0, rows, 0, 5, ids, vals))
+        truth[ids] = vals
+        touched[ids] = True
+    merged = merge_chunks(chunks)
+    expect = touched.nonzero().squeeze(1)
+    assert torch.equal(merged.ids, expect)
+    assert torch.equal(merged.values, truth[expect])
+    assert torch.equal(merge_chunks(chunks, with_values=False).ids, expect)
+
+
+def test_shard_offset_and_single_chunk_view() -> None:
+    ids = torch.tensor([1000, 1005])
+    a = SegmentChunk("t", 2000, 2, 1000, 2000, 0, 2, ids, torch.ones(2, 2))
+    assert merge_chunks([a]).values.data_ptr() == a.values.data_ptr()  # no copy
+    b = SegmentChunk("t", 2000, 2, 1000, 2000, 0, 2, torch.tensor([1005, 1999]), torch.zeros(2, 2))
+    m = merge_chunks([a, b])
+    assert m.ids.tolist() == [1000, 1005, 1999]
+    assert m.values.tolist() == [[1, 1], [0, 0], [0, 0]]
