@@ -130,34 +130,65 @@ def test_pipeline_base_one_rank_time_based(tmp_path: Path) -> None:
     _check(cfg, result)
 
 
-@pytest.mark.slow
-def test_sigkill_leaves_only_complete_segments(tmp_path: Path) -> None:
-    spool = tmp_path / "spool"
+def _launch(tmp_path: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """`deltad train` (2 ranks, publishing every step, generation 7) as a subprocess."""
     cmd = [
-        sys.executable, "-m", "deltad.cli", "train", "--spool", str(spool), "--model", "k",
-        "--world-size", "2", "--duration", "300", "--tables", "2", "--rows", "2000",
-        "--publish-every-steps", "1", "--generation", "7", "--no-progress",
+        sys.executable, "-m", "deltad.cli", "train", "--spool", str(tmp_path / "spool"),
+        "--model", "k", "--world-size", "2", "--duration", "300", "--tables", "2",
+        "--rows", "2000", "--publish-every-steps", "1", "--generation", "7", "--no-progress",
+        *flags,
     ]  # fmt: skip
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd, start_new_session=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    layout = SpoolLayout(spool, "k")
+
+
+def _wait_for_segments(proc: subprocess.Popen[bytes], layout: SpoolLayout, count: int) -> None:
+    deadline = time.monotonic() + 180
+    while min(len(layout.segments(7, r)) for r in range(2)) < count:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, "trainer published too few segments"
+        time.sleep(0.05)  # polling the spool for progress, not synchronisation
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_only_complete_segments(tmp_path: Path) -> None:
+    proc = _launch(tmp_path)
+    layout = SpoolLayout(tmp_path / "spool", "k")
     try:
-        deadline = time.monotonic() + 180
-        while min(len(layout.segments(7, r)) for r in range(2)) < 6:
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            assert time.monotonic() < deadline, "trainer published too few segments"
-            time.sleep(0.05)  # polling the spool for progress, not synchronisation
+        _wait_for_segments(proc, layout, 6)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    segments = _segments(spool, "k", 7, 2)
+    segments = _segments(tmp_path / "spool", "k", 7, 2)
     assert len(segments) >= 12
     for rank in range(2):
         for name in os.listdir(layout.rank_dir(7, rank)):
             assert SEGMENT_RE.match(name) or name.startswith(".tmp-"), name
+
+
+@pytest.mark.slow
+def test_sigterm_stops_gracefully_with_final_segments_and_tables(tmp_path: Path) -> None:
+    final = tmp_path / "final.pt"
+    proc = _launch(tmp_path, "--final-tables", str(final))
+    layout = SpoolLayout(tmp_path / "spool", "k")
+    try:
+        _wait_for_segments(proc, layout, 3)
+        proc.send_signal(signal.SIGTERM)  # to the parent only; it asks the ranks to stop
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    segments = _segments(tmp_path / "spool", "k", 7, 2)
+    last = [s.header.step for s in segments if s.header.seq == segments[-1].header.seq]
+    assert len(last) == 2 and len(set(last)) == 1  # both ranks stopped at the same step
+    rebuilt = apply_segments({}, segments)
+    for name, table in torch.load(final).items():
+        assert torch.equal(rebuilt[name], table), name
 
 
 def test_bad_configs_raise_config_error(tmp_path: Path) -> None:

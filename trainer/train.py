@@ -12,12 +12,15 @@ one host (every rank in one "node") table-row-wise places a table on all the hos
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -54,6 +57,8 @@ EC_SHARDINGS = ("tw", "rw", "cw")
 CPU_LOOPS = (TrainLoop.PLAIN, TrainLoop.PIPELINE_BASE, TrainLoop.PIPELINE_SPARSE_DIST)
 INPUT_FORMATS = ("kjt", "tensordict")
 _WARMUP_STEPS = 3
+#: Set in a rank by SIGTERM / SIGINT: finish the step, stop with the others, publish, save.
+_STOP = threading.Event()
 
 
 @dataclass
@@ -174,7 +179,9 @@ class TrainResult:
 def run_training(cfg: TrainConfig) -> TrainResult:
     """Train with ``cfg.world_size`` spawned processes (gloo) and return what happened.
 
-    A DeltadError raised in a rank (e.g. an unwritable spool) is raised here with its type.
+    SIGTERM or SIGINT stops training gracefully: every rank finishes the step it is in, stops
+    at the same step, publishes its final segment and the final tables are saved. A
+    DeltadError raised in a rank (e.g. an unwritable spool) is raised here with its type.
     """
     if cfg.publish:
         assert cfg.spool_dir is not None
@@ -182,15 +189,38 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     with tempfile.TemporaryDirectory(prefix="deltad-train-") as tmp:
         work = Path(tmp)
         try:
-            mp.start_processes(
-                _worker, args=(cfg, work), nprocs=cfg.world_size, join=True, start_method="spawn"
+            ctx = mp.start_processes(
+                _worker, args=(cfg, work), nprocs=cfg.world_size, join=False, start_method="spawn"
             )
+            with _forward_stop_signals(ctx.pids()):
+                while not ctx.join():
+                    pass
         except mp.ProcessRaisedException:
             _reraise_rank_error(work)
             raise
         raw = json.loads((work / "result.json").read_text())
     raw["ranks"] = [RankStats(**r) for r in raw["ranks"]]
     return TrainResult(**raw)
+
+
+@contextlib.contextmanager
+def _forward_stop_signals(pids: list[int]) -> Iterator[None]:
+    """While training runs, SIGTERM / SIGINT to this process ask the ranks to stop."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _reraise_rank_error(work: Path) -> None:
@@ -208,6 +238,8 @@ def _worker(rank: int, cfg: TrainConfig, work: Path) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ["LOCAL_WORLD_SIZE"] = str(cfg.world_size)  # one host
     os.environ["LOCAL_RANK"] = str(rank)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: _STOP.set())
     dist.init_process_group(
         "gloo", init_method=f"file://{work}/pg", rank=rank, world_size=cfg.world_size
     )
@@ -349,14 +381,18 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
                 publisher.maybe_publish(step)
             times.append(time.perf_counter() - t0)
             bar.update()
-            if cfg.duration_s and _any_rank(time.monotonic() >= deadline):
+            # Stop together: on a signal (any rank) or at the deadline (rank clocks differ).
+            if _any_rank(_STOP.is_set() or time.monotonic() >= deadline):
                 break
     if publisher is not None:
         publisher.close(step)
-    tables = _full_tables(dmp, rank)
-    if rank == 0 and cfg.final_tables is not None:
-        cfg.final_tables.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(tables, cfg.final_tables)
+    if cfg.final_tables is not None:
+        tables = _full_tables(dmp, rank)
+        if rank == 0:  # atomically: a reader polling for the file never sees half of it
+            cfg.final_tables.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cfg.final_tables.with_name(f".tmp-{cfg.final_tables.name}")
+            torch.save(tables, tmp)
+            os.replace(tmp, cfg.final_tables)
     mine = RankStats(rank, 0, 0, 0, 0.0, 0.0, 0.0)
     if publisher is not None:
         s = publisher.stats
