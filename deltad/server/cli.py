@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="spool directory shared with the trainer [DELTAD_SPOOL]",
     )
     a("--model", default=_env("MODEL", "model"), help="model name [DELTAD_MODEL]")
-    a("--rank", type=int, default=int(_env("RANK", "0")), help="trainer rank served [DELTAD_RANK]")
+    a("--rank", type=int, default=_env("RANK", 0), help="trainer rank served [DELTAD_RANK]")
     a(
         "--listen",
         default=_env("LISTEN", "127.0.0.1:50051"),
@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a(
         "--redis-url",
         default=_env("REDIS_URL"),
-        help="redis:// or rediss://[user:password@]host:port/db; unset: embedded Redis in the "
-        "spool [DELTAD_REDIS_URL]",
+        help="redis:// or rediss://[user:password@]host:port/db (a CA for rediss: append "
+        "?ssl_ca_certs=/path/ca.pem); unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
     )
     a("--tls-cert", default=_env("TLS_CERT"), help="server certificate (PEM) [DELTAD_TLS_CERT]")
     a("--tls-key", default=_env("TLS_KEY"), help="server private key (PEM) [DELTAD_TLS_KEY]")
@@ -60,21 +60,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="file with one allowed bearer token per line [DELTAD_TOKENS_FILE]; "
         "or DELTAD_TOKENS=comma,separated",
     )
-    a("--max-concurrent-streams", type=int, default=int(_env("MAX_CONCURRENT_STREAMS", "64")))
-    a("--max-message-bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(16 << 20))))
-    a("--chunk-bytes", type=int, default=int(_env("CHUNK_BYTES", str(2 << 20))))
-    a("--stream-deadline", type=float, default=float(_env("STREAM_DEADLINE", "300")))
-    a("--lease-ttl", type=float, default=float(_env("LEASE_TTL", "30")))
-    a("--poll-interval", type=float, default=float(_env("POLL_INTERVAL", "0.05")))
-    a("--grace-period", type=float, default=float(_env("GRACE_PERIOD", "10")))
-    a("--window-cache-entries", type=int, default=int(_env("WINDOW_CACHE_ENTRIES", "8")))
-    a("--merge-min-segments", type=int, default=int(_env("MERGE_MIN_SEGMENTS", "4")))
-    a("--retention-interval", type=float, default=float(_env("RETENTION_INTERVAL", "1")))
-    metrics = _env("METRICS_PORT")
+    for flag, kind, default, text in (
+        ("max-concurrent-streams", int, 64, "GetDelta streams at once (more: RESOURCE_EXHAUSTED)"),
+        ("max-message-bytes", int, 16 << 20, "largest request / message in bytes"),
+        ("chunk-bytes", int, 2 << 20, "default RowChunk size in bytes"),
+        ("stream-deadline", float, 300.0, "seconds one GetDelta stream may run"),
+        ("lease-ttl", float, 30.0, "default consumer lease in seconds"),
+        ("poll-interval", float, 0.05, "seconds between spool scans"),
+        ("grace-period", float, 10.0, "seconds streams may finish after SIGTERM"),
+        ("window-cache-entries", int, 8, "encoded windows kept for consumers at one cursor"),
+        ("window-cache-bytes", int, 1 << 30, "byte budget of those windows"),
+        ("merge-min-segments", int, 4, "retention: merge runs of at least this many segments"),
+        ("retention-interval", float, 1.0, "seconds between retention rounds"),
+    ):
+        env = flag.upper().replace("-", "_")
+        # a string default (from the environment) is converted, and checked, by argparse
+        a(f"--{flag}", type=kind, default=_env(env, default), help=f"{text} [DELTAD_{env}]")
     a(
         "--metrics-port",
         type=int,
-        default=int(metrics) if metrics else None,
+        default=_env("METRICS_PORT"),
         help="serve Prometheus /metrics on this port [DELTAD_METRICS_PORT]",
     )
 
@@ -120,6 +125,7 @@ def build_config(args: argparse.Namespace) -> Any:
         grace_period_s=args.grace_period,
         metrics_port=args.metrics_port,
         window_cache_entries=args.window_cache_entries,
+        window_cache_bytes=args.window_cache_bytes,
         merge_min_segments=args.merge_min_segments,
         retention_interval_s=args.retention_interval,
     )
