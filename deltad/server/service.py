@@ -151,6 +151,7 @@ class DeltaServicer:
     # --- RPCs ----------------------------------------------------------------------------
 
     def GetDelta(self, req: pb.GetDeltaRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The consumer's window after its committed cursor: header, chunks, trailer (bytes)."""
         consumer = self._name(context, req.consumer)
         snap = self._snapshot(context)
         form, dtype, tables, k, frac, max_rows, chunk = self._spec(req, snap, context)
@@ -251,6 +252,7 @@ class DeltaServicer:
             slot.release()
 
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        """Forward-only commit of a cursor this server issued to this consumer."""
         consumer = self._name(context, req.consumer)
         c = req.cursor
         if c.consumer != consumer:
@@ -306,6 +308,7 @@ class DeltaServicer:
     def Register(
         self, req: pb.RegisterRequest, context: grpc.ServicerContext
     ) -> pb.RegisterResponse:
+        """Create or renew the lease; answer the committed cursor (seq -1: none)."""
         consumer = self._name(context, req.consumer)
         ttl = req.lease_ttl_seconds or self.config.lease_ttl_s
         if not 0 < ttl <= 86400:
@@ -322,6 +325,7 @@ class DeltaServicer:
     def Heartbeat(
         self, req: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
+        """Renew a registered consumer's lease."""
         consumer = self._name(context, req.consumer)
         try:
             left = self.store.heartbeat(consumer, self.config.lease_ttl_s)
@@ -362,12 +366,14 @@ class DeltaServicer:
     def ListConsumers(
         self, req: pb.ListConsumersRequest, context: grpc.ServicerContext
     ) -> pb.ListConsumersResponse:
+        """Every known consumer with cursor, liveness, lag and owed rows on this rank."""
         try:
             return pb.ListConsumersResponse(consumers=self.consumer_infos())
         except OffsetStoreError as e:
             _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
 
     def Status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        """Model, generation, head, base, log size, quarantine count and local tables."""
         cfg = self.config
         snap = self.log.snapshot()
         resp = pb.StatusResponse(
