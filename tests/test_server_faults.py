@@ -75,6 +75,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
         assert d.to_seq == 1 and sum(s.owed for s in d.slices) == 90
         top.apply(d)
         c.commit(d)
+        late = c.pull("late")  # issued before the crash, committed after it
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         c.close()
@@ -82,6 +83,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
         spool.delta()
         proc, target = _serve(tmp_path / "spool", redis_server.url)
         c = Client(target)
+        assert c.commit(late).committed.seq == 1
         d = _pull_until(c, "k", 3)
         assert not d.resync and (d.from_seq, d.to_seq) == (1, 3)
         rep.apply(d)
@@ -99,7 +101,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
             capture_output=True, text=True, timeout=60, check=True,
         )  # fmt: skip
         st = json.loads(out.stdout)
-        assert st["head_seq"] == "3" and [c["consumer"] for c in st["consumers"]] == ["k", "tk"]
+        assert st["head_seq"] == "3" and [c["consumer"] for c in st["consumers"]] == ["k", "late", "tk"]
         c.close()
     finally:
         proc.send_signal(signal.SIGTERM)
