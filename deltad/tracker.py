@@ -93,9 +93,8 @@ class TrackerStats:
 
 @dataclass(eq=False)
 class _Lookup:
-    """One lookup (sharding type) of a sharded module: its keys and a flat bitmap."""
+    """One lookup (sharding type) of a sharded module: its shards and their bitmaps."""
 
-    keys: tuple[str, ...]
     shards: list[TrackedShard]
     flat: torch.Tensor  # bool, concatenation of the shards' bitmaps
     masks: list[torch.Tensor]  # views of ``flat``, one per shard
@@ -214,7 +213,7 @@ class DeltaTracker:
                     shards.append(shard)
             if not shards:
                 continue
-            self._lookups[(id(mod), tuple(keys))] = self._new_lookup(tuple(keys), shards, key_shard)
+            self._lookups[(id(mod), tuple(keys))] = self._new_lookup(shards, key_shard)
         self._modules[name] = mod
 
     def _local_shards(
@@ -274,15 +273,11 @@ class DeltaTracker:
             weight=w,
         )
 
-    def _new_lookup(
-        self, keys: tuple[str, ...], shards: list[TrackedShard], key_shard: list[int]
-    ) -> _Lookup:
-        device = shards[0].weight.device
-        flat = torch.zeros(sum(s.row_end - s.row_start for s in shards), dtype=torch.bool)
-        flat = flat.to(device)
-        masks = list(flat.split([s.row_end - s.row_start for s in shards]))
+    def _new_lookup(self, shards: list[TrackedShard], key_shard: list[int]) -> _Lookup:
+        sizes = [s.row_end - s.row_start for s in shards]
+        flat = torch.zeros(sum(sizes), dtype=torch.bool, device=shards[0].weight.device)
+        masks = list(flat.split(sizes))
         return _Lookup(
-            keys=keys,
             shards=shards,
             flat=flat,
             masks=masks,
