@@ -277,8 +277,9 @@ def shard_model(
     learning_rate: float,
     cw_min_partition: int = 4,
 ) -> Any:
-    """Shard ``model``'s EC / EBC tables as ``sharding`` says (table -> tw/rw/cw/twrw) with
-    the planner, fused EXACT_ROWWISE_ADAGRAD, on CPU; return the DistributedModelParallel."""
+    """Shard ``model``'s EC / EBC tables as ``sharding`` says (table -> tw / rw / cw / twrw,
+    or any TorchRec ShardingType value) with the planner and the fused EXACT_ROWWISE_ADAGRAD
+    optimizer, on CPU; return the DistributedModelParallel (torch.distributed must be up)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
