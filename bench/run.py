@@ -22,6 +22,8 @@ from typing import Any
 
 from bench.common import OUT_DIR, Context, NotAvailable, machine_info, self_peak_rss
 
+MALLOC_TUNING = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+
 #: name -> (module, one-line description). Order is the run order: baselines first.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "merge": ("bench.merge", "window merge time vs ids and segments, vs torch.unique"),
@@ -63,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="scratch dir for spools (default: $TMPDIR); needs ~3 GB free for the full run",
     )
+    parser.add_argument(
+        "--malloc-tuned",
+        action="store_true",
+        help="run every process with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4G "
+        "(the PERF-NOTES allocator setting for large buffers)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
@@ -103,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
+    if args.malloc_tuned:  # inherited by every child (spawned workers and deltad processes)
+        os.environ.update(MALLOC_TUNING)
     quick = bool(args.quick or args.tiny)
     repeats = args.repeats or (1 if args.tiny else 2 if quick else 3)
     out_dir: Path = args.out
@@ -129,7 +139,13 @@ def run(args: argparse.Namespace) -> int:
     )
     preset = "tiny" if args.tiny else "quick" if quick else "full"
     results: dict[str, Any] = {
-        "meta": {**machine_info(), "preset": preset, "repeats": repeats, "selected": names},
+        "meta": {
+            **machine_info(),
+            "preset": preset,
+            "repeats": repeats,
+            "selected": names,
+            "malloc_env": {k: os.environ[k] for k in MALLOC_TUNING if k in os.environ},
+        },
         "benchmarks": {},
     }
     failed = False
