@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -158,7 +159,8 @@ def test_consumers_at_one_cursor_share_one_merge(
             spool.delta(n=5000)
         while srv.log.snapshot().head.seq != 10:  # type: ignore[union-attr]
             time.sleep(0.02)
-        deltas = [c.pull(n) for n in names]
+        with ThreadPoolExecutor(8) as pool:  # at once: the first builds, the others wait
+            deltas = list(pool.map(c.pull, names))
         assert len({d.rows for d in deltas}) == 1 and deltas[0].rows > 5000
         assert srv.servicer.cache.hits == 7 + 7  # base windows, then the delta windows
         merges = srv.metrics.registry.get_sample_value(

@@ -181,14 +181,14 @@ class WindowCache:
                     return hit, True
             try:
                 win = build()
+                if win.nbytes <= self.max_bytes:
+                    with self._lock:
+                        self._lru[spec] = win
+                        total = sum(w.nbytes for w in self._lru.values())
+                        while len(self._lru) > self.entries or total > self.max_bytes:
+                            _, old = self._lru.popitem(last=False)
+                            total -= old.nbytes
             finally:
                 with self._lock:
                     self._building.pop(spec, None)
-            if win.nbytes <= self.max_bytes:
-                with self._lock:
-                    self._lru[spec] = win
-                    total = sum(w.nbytes for w in self._lru.values())
-                    while len(self._lru) > self.entries or total > self.max_bytes:
-                        _, old = self._lru.popitem(last=False)
-                        total -= old.nbytes
             return win, False
