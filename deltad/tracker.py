@@ -160,6 +160,12 @@ class DeltaTracker:
                 "no sharded EmbeddingCollection / EmbeddingBagCollection to track: wrap the "
                 "model with DistributedModelParallel (and check TrackerConfig.fqns_to_skip)"
             )
+        for name, mod in self._modules.items():
+            if mod.post_lookup_tracker_fn is not None or mod.post_odist_tracker_fn is not None:
+                raise UnsupportedModelError(
+                    f"{name} already has a tracker attached (a DeltaTracker or TorchRec's "
+                    "ModelDeltaTracker): one would silently miss lookups; detach it first"
+                )
         for mod in self._modules.values():
             mod.register_post_lookup_tracker_fn(self._make_lookup_hook(id(mod)))
             mod.register_post_odist_tracker_fn(self._fold_hook)

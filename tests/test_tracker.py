@@ -86,7 +86,9 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     assert any(ids.numel() for _, ids in tracker.drain())
     dmp.train()
 
-    # Detach removes the hooks.
+    # One tracker at a time (a second would silently steal the hooks); detach removes them.
+    with pytest.raises(UnsupportedModelError, match="already has a tracker"):
+        DeltaTracker(dmp)
     tracker.detach()
     for mod in (dmp.module.ebc, dmp.module.ec):
         assert mod.post_lookup_tracker_fn is None and mod.post_odist_tracker_fn is None
