@@ -101,7 +101,8 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
             capture_output=True, text=True, timeout=60, check=True,
         )  # fmt: skip
         st = json.loads(out.stdout)
-        assert st["head_seq"] == "3" and [c["consumer"] for c in st["consumers"]] == ["k", "late", "tk"]
+        assert st["head_seq"] == "3"
+        assert [c["consumer"] for c in st["consumers"]] == ["k", "late", "tk"]
         c.close()
     finally:
         proc.send_signal(signal.SIGTERM)
