@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from deltad.errors import SegmentCorruptError, SpoolError
+from deltad.spool import fsync_dir
 from deltad.types import ColumnRange, SegmentKind
 
 FORMAT_VERSION = 1
@@ -188,14 +189,6 @@ def _as_bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _CrcWriter:
     def __init__(self, f: BinaryIO) -> None:
         self.f = f
@@ -287,18 +280,14 @@ def write_segment(
                 os.fsync(f.fileno())
         os.replace(tmp, path)
         if fsync:
-            _fsync_dir(path.parent)
-    except OSError as e:
+            fsync_dir(path.parent)
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
-        raise SpoolError(f"cannot write segment {path}: {e}") from e
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if isinstance(e, OSError):
+            raise SpoolError(f"cannot write segment {path}: {e}") from e
         raise
     return header
 

@@ -67,6 +67,15 @@ class GenerationManifest:
         return cls(**d)
 
 
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so a rename inside it survives a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same dir, fsync, rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,11 +88,7 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
         if fsync:
-            dfd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            fsync_dir(path.parent)
     except BaseException:
         try:
             os.unlink(tmp)
