@@ -173,6 +173,88 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def paired_main(conn: Any, spec: dict[str, Any]) -> None:
+    """Spawned: one model, alternating blocks without / with deltad (tracker + publisher).
+
+    Each block replays the same batches; a ``deltad`` block attaches a fresh tracker and
+    publisher (its base segment is written before the block is timed), publishes every step,
+    then closes and detaches. Blocks of the two kinds seconds apart in one process see the
+    same background load, which separate processes minutes apart do not.
+    """
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    try:
+        conn.send(("ok", _paired(spec)))
+    except Exception:
+        conn.send(("error", traceback.format_exc(limit=12)))
+    finally:
+        conn.close()
+
+
+def _paired(spec: dict[str, Any]) -> dict[str, Any]:
+    from bench.dlrm import DlrmSize, build, train_step
+
+    size = DlrmSize(**spec["size"])
+    dmp, dense, stream = build(size, seed=0)
+    warmup, steps = spec["warmup"], spec["steps"]
+    batches = [stream.next_batch() for _ in range(warmup + steps)]
+    for b in batches[:warmup]:  # first-touch of everything before any block
+        train_step(dmp, dense, b)
+    blocks: list[dict[str, Any]] = []
+    step = 0
+    for r in range(spec["rounds"]):
+        for kind in ("none", "deltad") if r % 2 == 0 else ("deltad", "none"):
+            hook, close, pub = _attach(
+                "deltad" if kind == "deltad" else "none",
+                dmp,
+                Path(spec["spool"]) / f"r{r}",
+                spec["publish_every"],
+                1,
+            )
+            times = []
+            cpu0 = time.process_time()
+            for i, b in enumerate(batches):
+                t0 = time.perf_counter()
+                train_step(dmp, dense, b)
+                step += 1
+                hook(step)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+                if i == warmup - 1:
+                    cpu0 = time.process_time()
+            cpu = (time.process_time() - cpu0) / max(steps, 1)
+            close()
+            if pub is not None:
+                pub.tracker.detach()
+            blocks.append(
+                {"round": r, "kind": kind, "median_step_s": statistics.median(times), "cpu_s": cpu}
+            )
+    return {"blocks": blocks}
+
+
+def run_paired(
+    children: Children, spec: dict[str, Any], timeout_s: float = 1800.0
+) -> dict[str, Any]:
+    """Run :func:`paired_main` in a fresh process."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = children.process(paired_main, child, spec)
+    child.close()
+    if not parent.poll(timeout_s):
+        proc.terminate()
+        raise TimeoutError(f"paired tracking worker took more than {timeout_s}s")
+    status, res = parent.recv()
+    proc.join(timeout=30)
+    if status != "ok":
+        raise RuntimeError(f"paired tracking worker failed:\n{res}")
+    return dict(res)
+
+
 def run_worker(
     children: Children, specs: list[dict[str, Any]], timeout_s: float = 900.0
 ) -> list[dict[str, Any]]:
@@ -246,6 +328,38 @@ def run(ctx: Context) -> dict[str, Any]:
                 ]
                 for v, res in zip(group, run_worker(kids, specs), strict=True):
                     runs[v].append(res)
+    paired: dict[str, Any] | None = None
+    if "deltad" in variants:
+        ctx.status("tracking: paired blocks none/deltad in one process")
+        with ctx.tmpdir("paired") as spool, Children() as kids:
+            pres = run_paired(
+                kids,
+                {
+                    "size": size,
+                    "warmup": 2 if not ctx.tiny else 1,
+                    "steps": steps,
+                    "rounds": ctx.pick(2 * ctx.repeats, ctx.repeats, 1),
+                    "spool": str(spool),
+                    "publish_every": PUBLISH_EVERY,
+                },
+            )
+        blocks = pres["blocks"]
+        rounds = sorted({b["round"] for b in blocks})
+        by = {(b["round"], b["kind"]): b for b in blocks}
+        wall = [
+            (by[(r, "deltad")]["median_step_s"] / by[(r, "none")]["median_step_s"] - 1) * 100
+            for r in rounds
+        ]
+        cpu_ov = [(by[(r, "deltad")]["cpu_s"] / by[(r, "none")]["cpu_s"] - 1) * 100 for r in rounds]
+        paired = {
+            "blocks": blocks,
+            "overhead_pct": summarize(wall),
+            "cpu_overhead_pct": summarize(cpu_ov),
+            "none_step_s": summarize([b["median_step_s"] for b in blocks if b["kind"] == "none"]),
+            "deltad_step_s": summarize(
+                [b["median_step_s"] for b in blocks if b["kind"] == "deltad"]
+            ),
+        }
     base = summarize([x["median_step_s"] for x in runs["none"]])
     base_cpu = summarize([x["cpu_per_step_s"] for x in runs["none"]])
     table: dict[str, Any] = {}
@@ -279,6 +393,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "publish_every_for_readers": PUBLISH_EVERY,
         "ids_per_step": runs["none"][0]["ids_per_step"],
         "variants": table,
+        "paired": paired,
         "missing": missing,
         "runs": runs,
     }
@@ -300,6 +415,24 @@ def run(ctx: Context) -> dict[str, Any]:
                 "target": target,
                 "met": (ov is not None and ov <= 1.5) if target else None,
             }
+        )
+    if paired is not None:
+        ov = med(paired["overhead_pct"])
+        head.insert(
+            1,
+            {
+                "metric": (
+                    "step overhead deltad, paired blocks in one process (publish every step; "
+                    f"CPU-time {medf(paired['cpu_overhead_pct']):+.1f}%, "
+                    f"spread {paired['overhead_pct']['min']:+.1f}..{paired['overhead_pct']['max']:+.1f}%)"
+                ),
+                "value": ov,
+                "unit": "%",
+                "baseline": med(paired["none_step_s"]),
+                "baseline_unit": "s/step",
+                "target": "<= 1.5%",
+                "met": ov is not None and ov <= 1.5,
+            },
         )
     result["headline"] = head
     if "deltad" not in variants:
