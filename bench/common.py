@@ -151,7 +151,14 @@ def machine_info() -> dict[str, Any]:
 
 
 def self_peak_rss() -> int:
-    """Peak resident set size of this process, bytes."""
+    """Peak resident set size of this process, bytes.
+
+    VmHWM of this address space; ``ru_maxrss`` would be wrong in spawned children, because
+    Linux carries it across exec (a child would report the harness's peak).
+    """
+    hwm = proc_peak_rss(os.getpid())
+    if hwm:
+        return hwm
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
