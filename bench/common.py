@@ -147,7 +147,30 @@ def machine_info() -> dict[str, Any]:
         "mem_total_gb": vm.total / GB,
         "mem_available_gb": vm.available / GB,
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_commit": _git_commit(),
     }
+
+
+def _git_commit() -> str | None:
+    """The repository's HEAD (plus "-dirty" with uncommitted changes), or None."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if head and dirty else head or None
 
 
 def self_peak_rss() -> int:
