@@ -113,7 +113,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 "metric": f"step->served lag p50/p99, publish every {p['publish_every_s']}s",
                 "value": f"{_f(p['lag_p50_s'])} / {_f(p['lag_p99_s'])}",
                 "unit": "s",
-                "baseline": f"pipeline only {_f(p['pipeline_p50_s'])} / {_f(p['pipeline_p99_s'])} s",
+                "baseline": f"pipeline only {_f(p['pipeline_p50_s'])} / {_f(p['pipeline_p99_s'])}",
                 "target": "p50 <= 0.5 s, p99 <= 2 s" if at_target else "",
                 "met": ok if at_target else None,
             }
