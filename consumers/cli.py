@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the predictor until --duration / --pulls / SIGTERM; 0 on a clean stop."""
+    from deltad.perf import tune_malloc
+
+    tune_malloc()  # before torch loads (see deltad.perf)
     from consumers.predictor import Predictor, PredictorConfig
     from deltad.config import ConsumerConfig, PullOptions
     from deltad.types import Form, WireDtype

@@ -132,10 +132,11 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Transparent huge pages for torch's large buffers, set before torch loads: merged windows
-    # are fresh multi-MB tensors and page faults dominate otherwise (measured: 144 MB
-    # index_copy_ into a new tensor 161 ms -> 36 ms on 2 cores).
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    # Allocator settings and transparent huge pages, before torch loads: merged windows and
+    # encoded chunks are fresh multi-MB buffers and page faults dominate otherwise.
+    from deltad.perf import tune_malloc
+
+    tune_malloc()
     from deltad.server.app import SidecarServer
 
     config = build_config(args)

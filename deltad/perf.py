@@ -1,0 +1,77 @@
+"""Process-wide memory settings for moving large buffers fast (sidecar and consumers).
+
+:func:`tune_malloc` applies, at runtime, what ``MALLOC_MMAP_MAX_=0
+MALLOC_TRIM_THRESHOLD_=2G`` would at startup, through glibc's ``mallopt``:
+
+* ``M_MMAP_MAX = 0``: large allocations come from the heap instead of a fresh ``mmap`` each.
+  A fresh mapping is zero-filled page by page on first touch, so every new multi-MB buffer
+  (a merged window, an encoded 2 MB chunk, a received message, a tensor being rebuilt) pays
+  page faults: ``ndarray.tobytes()`` of 64 MB runs at ~2.2 GB/s vs 12-14 GB/s with the
+  setting (PERF-NOTES.md).
+* ``M_TRIM_THRESHOLD = 2 GiB - 1`` (``mallopt`` takes an ``int``; the environment form takes
+  ``4G``): freed heap memory is kept for the next window instead of being returned to the
+  kernel and faulted in again.
+
+Measured (2-core shared VM, loopback, 256 MB fp32 window, every process tuned): the bare
+Python gRPC stream 1.3-1.4 -> 2.05-2.3 GB/s, GetDelta 0.65 -> 1.46 GB/s (97 % of bare gRPC in
+that run). The price: freed memory stays in the process (RSS holds its high-water mark).
+
+It also sets ``THP_MEM_ALLOC_ENABLE=1`` (if unset): torch then backs its large CPU tensors with
+transparent huge pages. torch reads it once, at its first allocation, so it only helps when
+:func:`tune_malloc` runs before torch is imported (``deltad serve`` / ``deltad consume`` call
+it first thing; measured: a 144 MB ``index_copy_`` into a new tensor 161 ms -> 36 ms).
+
+glibc only; elsewhere (musl, macOS) it does nothing. It never raises and is idempotent.
+``DELTAD_MALLOC_TUNE=0`` in the environment leaves the allocator alone (``THP_MEM_ALLOC_ENABLE=0``
+turns the huge pages off).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+#: glibc <malloc.h> parameter numbers
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+#: the largest trim threshold ``mallopt`` accepts (an ``int``)
+TRIM_THRESHOLD = (1 << 31) - 1
+
+_lock = threading.Lock()
+_applied: bool | None = None
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None)
+        version = libc.gnu_get_libc_version  # glibc only (musl has a mallopt stub)
+        version.restype = ctypes.c_char_p
+        version()
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+def tune_malloc() -> bool:
+    """Apply the allocator settings above once per process; True if ``mallopt`` took them."""
+    global _applied
+    with _lock:
+        if _applied is not None:
+            return _applied
+        _applied = False
+        try:
+            os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+            if os.environ.get("DELTAD_MALLOC_TUNE", "1").strip().lower() in ("0", "false", "no"):
+                return False
+            libc = _glibc()
+            if libc is None:
+                return False
+            ok_mmap = libc.mallopt(M_MMAP_MAX, 0) == 1
+            ok_trim = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+            _applied = ok_mmap and ok_trim
+        except Exception:  # a tuning knob must never break startup
+            _applied = False
+        return _applied
