@@ -229,20 +229,18 @@ def encode_slice_chunks(
     dtype: WireDtype,
     chunk_bytes: int,
 ) -> Iterator[bytes]:
-    """Serialized RowChunk messages of one slice (values None for FORM_IDS)."""
+    """Serialized RowChunk messages of one slice (values None for FORM_IDS).
+
+    Values are quantized chunk by chunk (every wire dtype is row-wise), so the first chunk is
+    ready at once and no slice-sized temporary is allocated.
+    """
     ids = ids.contiguous()
     width = values.shape[1] if values is not None and values.dim() == 2 else 0
-    wire_vals, sb = quantize(values, dtype) if values is not None else (None, None)
     step = rows_per_chunk(width, dtype if values is not None else None, chunk_bytes)
     for off in range(0, ids.numel(), step):
         end = off + step
-        yield encode_chunk(
-            slice_index,
-            off,
-            ids[off:end],
-            wire_vals[off:end] if wire_vals is not None else None,
-            sb[off:end] if sb is not None else None,
-        )
+        wire_vals, sb = quantize(values[off:end], dtype) if values is not None else (None, None)
+        yield encode_chunk(slice_index, off, ids[off:end], wire_vals, sb)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from deltad import wire
+from deltad.segment import SegmentChunk
 from deltad.server.log import ChunkKey, LogSnapshot
-from deltad.server.merge import SliceRows, merge_entries, plan_slice
+from deltad.server.merge import SliceRows, merge_chunks, merge_entries, plan_slice
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -34,18 +35,44 @@ class WindowSpec:
     chunk_bytes: int
 
 
-@dataclass
 class EncodedWindow:
-    """A window ready to stream: serialized header and chunks, and what stays owed."""
+    """A window streaming out while it is merged and encoded.
 
-    header: bytes
-    chunks: list[bytes]
-    to_seq: int
-    to_step: int
-    rows: int
-    payload_bytes: int
-    merge_seconds: float
-    owed: dict[ChunkKey, SliceRows] = field(default_factory=dict)
+    The header, the row count and the owed rows are known when the window is returned (after
+    the plan); the RowChunks come from a producer thread, slice by slice, and are read with
+    :meth:`iter_chunks`. ``kept`` windows keep every chunk (several readers, the cache);
+    otherwise the one reader takes them from a queue at most ``ahead`` chunks long.
+    ``payload_bytes`` and ``merge_seconds`` are final once the last chunk has been read.
+    """
+
+    def __init__(
+        self,
+        header: bytes,
+        to_seq: int,
+        to_step: int,
+        rows: int,
+        owed: dict[ChunkKey, SliceRows],
+        merge_seconds: float,
+        *,
+        kept: bool = True,
+        ahead: int = 16,
+    ) -> None:
+        self.header = header
+        self.to_seq = to_seq
+        self.to_step = to_step
+        self.rows = rows
+        self.owed = owed
+        self.merge_seconds = merge_seconds
+        self.payload_bytes = 0
+        self.kept = kept
+        self.ahead = max(1, ahead)
+        self._cond = threading.Condition()
+        self._chunks: deque[bytes] = deque()
+        self._first = 0  # index of _chunks[0] in the window (queue mode drops read chunks)
+        self._done = False
+        self._cancelled = False
+        self._error: BaseException | None = None
+        self._on_done: list[Callable[[EncodedWindow], None]] = []
 
     @property
     def owed_rows(self) -> int:
@@ -53,13 +80,169 @@ class EncodedWindow:
 
     @property
     def nbytes(self) -> int:
-        return len(self.header) + sum(len(c) for c in self.chunks)
+        return len(self.header) + self.payload_bytes
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    @property
+    def chunks(self) -> list[bytes]:
+        """Every chunk (waits for the producer; kept windows only)."""
+        return list(self.iter_chunks())
+
+    def start(self, produce: Iterator[tuple[bytes | None, float]]) -> EncodedWindow:
+        """Run ``produce`` (chunks, or None, with the seconds spent merging) in a thread."""
+        threading.Thread(
+            target=self._run, args=(produce,), name="deltad-window", daemon=True
+        ).start()
+        return self
+
+    def finish_with(self, chunks: Iterable[bytes]) -> EncodedWindow:
+        """A window whose chunks are all known now (no thread)."""
+        for c in chunks:
+            self._chunks.append(c)
+            self.payload_bytes += len(c)
+        self._finish(None)
+        return self
+
+    def on_done(self, fn: Callable[[EncodedWindow], None]) -> None:
+        """Call ``fn(self)`` once the producer has finished (now if it has)."""
+        with self._cond:
+            if not self._done:
+                self._on_done.append(fn)
+                return
+        fn(self)
+
+    def cancel(self) -> None:
+        """Stop producing (the one reader of a queue-mode window went away)."""
+        with self._cond:
+            self._cancelled = True
+            self._chunks.clear()
+            self._cond.notify_all()
+
+    def _run(self, produce: Iterator[tuple[bytes | None, float]]) -> None:
+        error: BaseException | None = None
+        try:
+            for c, merge_s in produce:
+                with self._cond:
+                    self.merge_seconds += merge_s
+                    if c is None:
+                        continue
+                    while not self.kept and len(self._chunks) >= self.ahead and not self._cancelled:
+                        self._cond.wait()
+                    if self._cancelled:
+                        break
+                    self._chunks.append(c)
+                    self.payload_bytes += len(c)
+                    self._cond.notify_all()
+        except BaseException as e:  # handed to the readers
+            error = e
+        finally:
+            close = getattr(produce, "close", None)
+            if close is not None:
+                close()
+            self._finish(error)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._cond:
+            self._error = error
+            self._done = True
+            callbacks, self._on_done = self._on_done, []
+            self._cond.notify_all()
+        for fn in callbacks:
+            fn(self)
+
+    def iter_chunks(self) -> Iterator[bytes]:
+        """The chunks in order, waiting for the producer; re-raises its error."""
+        i = 0
+        finished = False
+        try:
+            while True:
+                with self._cond:
+                    while i >= self._first + len(self._chunks) and not self._done:
+                        self._cond.wait()
+                    if i < self._first + len(self._chunks):
+                        if self.kept:
+                            c = self._chunks[i - self._first]
+                        else:
+                            c = self._chunks.popleft()
+                            self._first += 1
+                            self._cond.notify_all()
+                    elif self._error is not None:
+                        raise self._error
+                    else:
+                        finished = True
+                        return
+                i += 1
+                yield c
+        finally:
+            if not finished and not self.kept:
+                self.cancel()
+
+
+def _header(
+    spec: WindowSpec, to_step: int, slices: list[tuple[SliceRows | None, SliceMeta]]
+) -> bytes:
+    header = pb.DeltaHeader(
+        rank=spec.rank,
+        generation=spec.generation,
+        resync=spec.resync,
+        from_seq=-1 if spec.resync else spec.from_seq,
+        to_seq=spec.to_seq,
+        to_step=to_step,
+        form=wire.form_to_pb(spec.form),
+        dtype=wire.dtype_to_pb(spec.dtype),
+    )
+    for _, m in slices:
+        header.slices.append(
+            pb.TableSlice(
+                table=m.table,
+                num_rows=m.num_rows,
+                dim=m.dim,
+                col_start=m.col_start,
+                col_end=m.col_end,
+                count=m.count,
+                owed=m.owed,
+            )
+        )
+    return wire.encode_header(header)
+
+
+@dataclass(frozen=True)
+class SliceMeta:
+    """A slice's line in the header."""
+
+    table: str
+    num_rows: int
+    dim: int
+    col_start: int
+    col_end: int
+    count: int
+    owed: int
+
+    @classmethod
+    def of(cls, r: SliceRows | SegmentChunk, count: int, owed: int = 0) -> SliceMeta:
+        return cls(r.table, r.num_rows, r.dim, r.col_start, r.col_end, count, owed)
 
 
 def build_window(
-    snap: LogSnapshot, spec: WindowSpec, to_step: int, owed: dict[ChunkKey, SliceRows]
+    snap: LogSnapshot,
+    spec: WindowSpec,
+    to_step: int,
+    owed: dict[ChunkKey, SliceRows],
+    *,
+    kept: bool = True,
+    background: bool = True,
 ) -> EncodedWindow:
-    """Merge and encode the window ``spec`` over ``snap`` for a consumer owed ``owed``.
+    """Plan the window ``spec`` over ``snap`` for a consumer owed ``owed``; merge and encode it.
+
+    Returns once the header (every slice's row count) and the owed rows are known. A complete
+    window (no top-k, row budget or owed rows) is planned from the union of its ids alone,
+    and each slice's values are merged just before it is encoded; otherwise every slice is
+    merged and planned first (top-k and owed rows need the values). With ``background`` the
+    values are merged and encoded in a thread while the caller streams the first chunks
+    (:meth:`EncodedWindow.iter_chunks`); otherwise everything is done before returning.
 
     ``to_seq`` may equal ``from_seq`` (nothing new): the owed rows are still served.
 
@@ -75,120 +258,150 @@ def build_window(
         window = snap.after(spec.from_seq, spec.to_seq)
     complete = spec.resync or (spec.form is not Form.TOPK and not spec.max_rows and not owed)
     with_values = spec.form is not Form.IDS or not complete
-    merged = merge_entries(window, keys, with_values=with_values)
-    head_state = snap.upto(spec.to_seq)
-    held_state = [] if spec.resync else snap.upto(spec.from_seq)
-    budget = spec.max_rows if spec.max_rows and not spec.resync else None
     new_owed = {k: v for k, v in owed.items() if k not in keys}
-    plan: list[tuple[SliceRows, int]] = []
-    for key in keys:
-        m, o = merged.get(key), owed.get(key)
-        if m is None and o is None:
-            continue
-        if complete:
-            assert m is not None
-            plan.append((m, 0))
-            continue
-        ws = plan_slice(
-            key,
-            m,
-            o,
-            head_state=head_state,
-            held_state=held_state,
-            form=spec.form,
-            k=spec.k,
-            fraction=spec.fraction,
-            budget=budget,
-        )
-        n_owed = 0 if ws.owed is None else ws.owed.ids.numel()
-        if ws.owed is not None and n_owed:
-            new_owed[key] = ws.owed
-        if budget is not None:
-            budget -= ws.rows.ids.numel()
-        plan.append((ws.rows, n_owed))
-    merge_seconds = time.perf_counter() - t0
-    header = pb.DeltaHeader(
-        rank=spec.rank,
-        generation=spec.generation,
-        resync=spec.resync,
-        from_seq=-1 if spec.resync else spec.from_seq,
-        to_seq=spec.to_seq,
-        to_step=to_step,
-        form=wire.form_to_pb(spec.form),
-        dtype=wire.dtype_to_pb(spec.dtype),
-    )
-    chunks: list[bytes] = []
-    payload = rows = 0
-    for i, (r, n_owed) in enumerate(plan):
-        header.slices.append(
-            pb.TableSlice(
-                table=r.table,
-                num_rows=r.num_rows,
-                dim=r.dim,
-                col_start=r.col_start,
-                col_end=r.col_end,
-                count=r.ids.numel(),
-                owed=n_owed,
+    # (rows, or None: merge its values later from ``by_key``), header line
+    plan: list[tuple[SliceRows | None, SliceMeta]] = []
+    by_key: dict[ChunkKey, list[SegmentChunk]] = {}
+    if complete:
+        wanted = set(keys)
+        for e in window:
+            for key, c in e.chunks.items():
+                if key in wanted:
+                    by_key.setdefault(key, []).append(c)
+        for key in keys:
+            cs = by_key.get(key)
+            if cs is None:
+                continue
+            if len(cs) == 1 or not with_values:
+                r = merge_chunks(cs, with_values=with_values)
+                plan.append((r, SliceMeta.of(r, r.ids.numel())))
+            else:  # only the count now; the values when this slice's turn comes
+                n = merge_chunks(cs, with_values=False).ids.numel()
+                plan.append((None, SliceMeta.of(cs[-1], n)))
+    else:
+        merged = merge_entries(window, keys, with_values=with_values)
+        head_state = snap.upto(spec.to_seq)
+        held_state = [] if spec.resync else snap.upto(spec.from_seq)
+        budget = spec.max_rows if spec.max_rows and not spec.resync else None
+        for key in keys:
+            m, o = merged.get(key), owed.get(key)
+            if m is None and o is None:
+                continue
+            ws = plan_slice(
+                key,
+                m,
+                o,
+                head_state=head_state,
+                held_state=held_state,
+                form=spec.form,
+                k=spec.k,
+                fraction=spec.fraction,
+                budget=budget,
             )
-        )
-        values = None if spec.form is Form.IDS else r.values
-        for c in wire.encode_slice_chunks(i, r.ids, values, spec.dtype, spec.chunk_bytes):
-            chunks.append(c)
-            payload += len(c)
-        rows += r.ids.numel()
-    return EncodedWindow(
-        header=wire.encode_header(header),
-        chunks=chunks,
-        to_seq=spec.to_seq,
-        to_step=to_step,
-        rows=rows,
-        payload_bytes=payload,
-        merge_seconds=merge_seconds,
-        owed=new_owed,
+            n_owed = 0 if ws.owed is None else ws.owed.ids.numel()
+            if ws.owed is not None and n_owed:
+                new_owed[key] = ws.owed
+            if budget is not None:
+                budget -= ws.rows.ids.numel()
+            plan.append((ws.rows, SliceMeta.of(ws.rows, ws.rows.ids.numel(), n_owed)))
+    win = EncodedWindow(
+        _header(spec, to_step, plan),
+        spec.to_seq,
+        to_step,
+        sum(m.count for _, m in plan),
+        new_owed,
+        time.perf_counter() - t0,
+        kept=kept,
     )
+
+    def produce() -> Iterator[tuple[bytes | None, float]]:
+        for i, (r, meta) in enumerate(plan):
+            if r is None:
+                t = time.perf_counter()
+                r = merge_chunks(by_key[(meta.table, meta.col_start, meta.col_end)])
+                yield None, time.perf_counter() - t
+                if r.ids.numel() != meta.count:
+                    raise RuntimeError(
+                        f"slice {meta.table}: merged {r.ids.numel()} rows, planned {meta.count}"
+                    )
+            values = None if spec.form is Form.IDS else r.values
+            for c in wire.encode_slice_chunks(i, r.ids, values, spec.dtype, spec.chunk_bytes):
+                yield c, 0.0
+
+    if background:
+        return win.start(produce())
+    t = time.perf_counter()
+    chunks = [c for c, _ in produce() if c is not None]
+    win.merge_seconds += time.perf_counter() - t
+    return win.finish_with(chunks)
 
 
 class WindowCache:
-    """LRU of encoded windows; concurrent requests for one window build it once."""
+    """LRU of encoded windows; concurrent requests for one window build it once.
+
+    A window being built is shared too: the first request plans it and streams it while the
+    producer fills it; requests arriving meanwhile read along (waiting for chunks not yet
+    produced). A finished window enters the LRU if it fits the byte budget.
+    """
 
     def __init__(self, entries: int, max_bytes: int) -> None:
         self.entries = entries
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._lru: OrderedDict[WindowSpec, EncodedWindow] = OrderedDict()
+        self._live: dict[WindowSpec, EncodedWindow] = {}
         self._building: dict[WindowSpec, threading.Lock] = {}
         self.hits = 0
 
+    def _lookup(self, spec: WindowSpec) -> EncodedWindow | None:
+        hit = self._lru.get(spec)
+        if hit is not None:
+            self._lru.move_to_end(spec)
+        else:
+            hit = self._live.get(spec)
+        if hit is not None:
+            self.hits += 1
+        return hit
+
     def get(
-        self, spec: WindowSpec, build: Callable[[], EncodedWindow]
+        self, spec: WindowSpec, build: Callable[[bool], EncodedWindow]
     ) -> tuple[EncodedWindow, bool]:
-        """The window for ``spec`` and whether it came from the cache."""
+        """The window for ``spec`` and whether it came from the cache.
+
+        ``build(kept)`` plans the window (see :func:`build_window`); ``kept`` is False when
+        the cache is off (the one reader may drop chunks as it streams them).
+        """
         if self.entries <= 0:
-            return build(), False
+            return build(False), False
         with self._lock:
-            hit = self._lru.get(spec)
+            hit = self._lookup(spec)
             if hit is not None:
-                self._lru.move_to_end(spec)
-                self.hits += 1
                 return hit, True
             gate = self._building.setdefault(spec, threading.Lock())
-        with gate:  # a second caller waits here for the first one's result
+        with gate:  # a second caller waits here while the first one plans
             with self._lock:
-                hit = self._lru.get(spec)
+                hit = self._lookup(spec)
                 if hit is not None:
-                    self._lru.move_to_end(spec)
-                    self.hits += 1
                     return hit, True
             try:
-                win = build()
-                if win.nbytes <= self.max_bytes:
-                    with self._lock:
-                        self._lru[spec] = win
-                        total = sum(w.nbytes for w in self._lru.values())
-                        while len(self._lru) > self.entries or total > self.max_bytes:
-                            _, old = self._lru.popitem(last=False)
-                            total -= old.nbytes
+                win = build(True)
+                with self._lock:
+                    self._live[spec] = win
             finally:
                 with self._lock:
                     self._building.pop(spec, None)
-            return win, False
+        win.on_done(lambda w: self._done(spec, w))
+        return win, False
+
+    def _done(self, spec: WindowSpec, win: EncodedWindow) -> None:
+        with self._lock:
+            if self._live.get(spec) is win:
+                del self._live[spec]
+            if win.failed or win.nbytes > self.max_bytes:
+                return
+            self._lru[spec] = win
+            self._lru.move_to_end(spec)
+            total = sum(w.nbytes for w in self._lru.values())
+            while len(self._lru) > self.entries or total > self.max_bytes:
+                _, old = self._lru.popitem(last=False)
+                total -= old.nbytes

@@ -188,11 +188,17 @@ class DeltaServicer:
             spec = WindowSpec(
                 rank, gen, resync, from_seq, to_seq, form, dtype, tables, k, frac, max_rows, chunk
             )
+            # The window is planned here (header, owed rows); its values are merged and
+            # encoded in a thread while the first chunks stream (see build_window).
             win: EncodedWindow
             if owed:
-                win, hit = build_window(snap, spec, to_step, owed), False
+                win, hit = build_window(snap, spec, to_step, owed, kept=False), False
             else:
-                win, hit = self.cache.get(spec, lambda: build_window(snap, spec, to_step, {}))
+                win, hit = self.cache.get(
+                    spec, lambda kept: build_window(snap, spec, to_step, {}, kept=kept)
+                )
+            if not win.kept:
+                context.add_callback(win.cancel)  # a dropped stream stops its producer
             pull_id = uuid.uuid4().hex
             token = pull_id if win.owed else ""
             try:
@@ -208,11 +214,9 @@ class DeltaServicer:
                 _abort(context, grpc.StatusCode.INTERNAL, str(e))
             if hit:
                 self.metrics.cache_hits.inc()
-            else:
-                self.metrics.merge_seconds.observe(win.merge_seconds)
             deadline = started + self.config.stream_deadline_s
             yield win.header
-            for c in win.chunks:
+            for c in win.iter_chunks():
                 if time.monotonic() > deadline:
                     _abort(
                         context,
@@ -221,6 +225,8 @@ class DeltaServicer:
                         f"{self.config.stream_deadline_s}",
                     )
                 yield c
+            if not hit:
+                self.metrics.merge_seconds.observe(win.merge_seconds)
             cursor = pb.Cursor(
                 consumer=consumer, rank=rank, generation=gen, seq=to_seq, step=to_step,
                 pull_id=pull_id,
