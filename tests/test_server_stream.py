@@ -1,0 +1,183 @@
+"""Windows stream while they are merged and encoded: same bytes as building them first, the
+cache shares a window being built, a dropped reader stops the producer; tune_malloc."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from serverkit import SpoolWriter
+
+from deltad import perf, wire
+from deltad.server.log import LogSnapshot, SegmentLog
+from deltad.server.pull import EncodedWindow, WindowCache, WindowSpec, build_window
+from deltad.types import Form, WireDtype
+
+
+def _snapshot(tmp_path: Path, deltas: int = 3) -> LogSnapshot:
+    spool = SpoolWriter(tmp_path / "spool", tables={"a": (20_000, 16), "b": (5_000, 8)})
+    for _ in range(deltas):
+        spool.delta(n=3000)
+    log = SegmentLog(spool.layout, 0)
+    log.refresh()
+    snap = log.snapshot()
+    assert snap is not None and snap.head.seq == deltas
+    return snap
+
+
+def _spec(snap: LogSnapshot, **kw: object) -> WindowSpec:
+    args: dict[str, object] = dict(
+        rank=0,
+        generation=snap.generation,
+        resync=False,
+        from_seq=0,
+        to_seq=snap.head.seq,
+        form=Form.ROWS,
+        dtype=WireDtype.FP32,
+        tables=(),
+        k=0,
+        fraction=0.0,
+        max_rows=0,
+        chunk_bytes=64 * 1024,
+    )
+    args.update(kw)
+    return WindowSpec(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"resync": True, "from_seq": -1},
+        {"form": Form.IDS},
+        {"form": Form.TOPK, "k": 500},
+        {"max_rows": 1000},
+        {"dtype": WireDtype.INT8},
+        {"dtype": WireDtype.BF16, "tables": ("b",)},
+    ],
+)
+def test_streamed_window_equals_the_window_built_first(tmp_path: Path, kw: dict) -> None:
+    snap = _snapshot(tmp_path)
+    spec = _spec(snap, **kw)
+    first = build_window(snap, spec, 7, {}, background=False)
+    for kept in (True, False):
+        win = build_window(snap, spec, 7, {}, kept=kept)
+        assert win.header == first.header and win.rows == first.rows
+        assert list(win.iter_chunks()) == first.chunks
+        assert win.payload_bytes == first.payload_bytes > 0
+        assert win.owed.keys() == first.owed.keys()
+    delta = wire.decode_stream([first.header, *first.chunks, _trailer()])
+    assert delta.rows == first.rows
+    for s in delta.slices:
+        assert bool((s.ids[1:] > s.ids[:-1]).all())
+
+
+def _trailer() -> bytes:
+    from deltad.v1 import delta_pb2 as pb
+
+    return wire.encode_trailer(pb.DeltaTrailer())
+
+
+def test_cache_shares_a_window_being_built(tmp_path: Path) -> None:
+    snap = _snapshot(tmp_path)
+    spec = _spec(snap)
+    cache = WindowCache(entries=4, max_bytes=1 << 30)
+    release = threading.Event()
+    builds = []
+
+    def build(kept: bool) -> EncodedWindow:
+        builds.append(kept)
+        win = build_window(snap, spec, 1, {}, background=False, kept=kept)
+        slow = EncodedWindow(win.header, win.to_seq, win.to_step, win.rows, win.owed, 0.0)
+
+        def produce():  # type: ignore[no-untyped-def]
+            for c in win.chunks:
+                release.wait(10)
+                yield c, 0.0
+
+        return slow.start(produce())
+
+    a, hit_a = cache.get(spec, build)
+    b, hit_b = cache.get(spec, build)  # still being produced: read along
+    assert (hit_a, hit_b) == (False, True) and a is b and builds == [True]
+    out: list[list[bytes]] = []
+    readers = [threading.Thread(target=lambda: out.append(list(a.iter_chunks()))) for _ in "xy"]
+    for t in readers:
+        t.start()
+    time.sleep(0.05)
+    release.set()
+    for t in readers:
+        t.join(10)
+    assert len(out) == 2 and out[0] == out[1] and out[0]
+    c, hit_c = cache.get(spec, build)  # finished: from the LRU
+    assert hit_c and c is a and builds == [True] and cache.hits == 2
+
+
+def test_failed_window_raises_in_readers_and_is_not_cached(tmp_path: Path) -> None:
+    snap = _snapshot(tmp_path)
+    spec = _spec(snap)
+    cache = WindowCache(entries=4, max_bytes=1 << 30)
+
+    def build(kept: bool) -> EncodedWindow:
+        def produce():  # type: ignore[no-untyped-def]
+            yield b"x", 0.0
+            raise OSError("segment vanished")
+
+        return EncodedWindow(b"h", 0, 0, 1, {}, 0.0, kept=kept).start(produce())
+
+    win, _ = cache.get(spec, build)
+    with pytest.raises(OSError, match="vanished"):
+        list(win.iter_chunks())
+    _, hit = cache.get(spec, build)
+    assert not hit
+
+
+def test_dropped_reader_stops_the_producer(tmp_path: Path) -> None:
+    produced = []
+    finished = threading.Event()
+
+    def produce():  # type: ignore[no-untyped-def]
+        try:
+            for i in range(1000):
+                produced.append(i)
+                yield bytes(10), 0.0
+        finally:
+            finished.set()
+
+    win = EncodedWindow(b"h", 0, 0, 1, {}, 0.0, kept=False, ahead=4).start(produce())
+    it = win.iter_chunks()
+    next(it)
+    time.sleep(0.05)
+    assert len(produced) <= 4 + 2  # bounded read-ahead
+    it.close()
+    assert finished.wait(5)
+    assert len(produced) < 1000
+
+
+def test_window_values_match_the_log(tmp_path: Path) -> None:
+    snap = _snapshot(tmp_path)
+    win = build_window(snap, _spec(snap, resync=True, from_seq=-1), 0, {})
+    delta = wire.decode_stream([win.header, *win.iter_chunks(), _trailer()])
+    for s in delta.slices:
+        latest = torch.zeros(s.ids.numel(), s.col_end - s.col_start)
+        for e in snap.entries:
+            c = e.chunks[(s.table, s.col_start, s.col_end)]
+            pos = torch.searchsorted(s.ids, c.ids)
+            latest[pos] = c.values.to(torch.float32)
+        assert s.values is not None and torch.equal(s.values, latest)
+
+
+def test_tune_malloc_is_idempotent_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = perf.tune_malloc()
+    assert isinstance(first, bool)
+    assert perf.tune_malloc() is first
+    monkeypatch.setattr(perf, "_applied", None)
+    monkeypatch.setenv("DELTAD_MALLOC_TUNE", "0")
+    assert perf.tune_malloc() is False
+    monkeypatch.setattr(perf, "_applied", None)
+    monkeypatch.setattr(perf, "_glibc", lambda: None)
+    monkeypatch.delenv("DELTAD_MALLOC_TUNE")
+    assert perf.tune_malloc() is False
