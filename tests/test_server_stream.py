@@ -12,8 +12,16 @@ import torch
 from serverkit import SpoolWriter
 
 from deltad import perf, wire
+from deltad.segment import SegmentChunk
 from deltad.server.log import LogSnapshot, SegmentLog
-from deltad.server.pull import EncodedWindow, WindowCache, WindowSpec, build_window
+from deltad.server.merge import merge_chunks
+from deltad.server.pull import (
+    EncodedWindow,
+    WindowCache,
+    WindowSpec,
+    _MergedSlice,
+    build_window,
+)
 from deltad.types import Form, WireDtype
 
 
@@ -181,3 +189,45 @@ def test_tune_malloc_is_idempotent_and_never_raises(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(perf, "_glibc", lambda: None)
     monkeypatch.delenv("DELTAD_MALLOC_TUNE")
     assert perf.tune_malloc() is False
+
+
+def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dtype) -> SegmentChunk:
+    values = torch.randn(ids.numel(), width, generator=gen).to(dtype)
+    return SegmentChunk("t", 10_000, width, 1000, 6000, 0, width, ids.sort().values, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "base+deltas",  # a chunk holding every row of the shard, then sparse deltas
+        "deltas",  # no full chunk: union of sparse chunks
+        "dense-overlap",  # heavy overlap, no full chunk
+        "full-last",  # the newest chunk holds every row (older ones never show)
+        "one-row-chunks",
+    ],
+)
+def test_range_merge_equals_merge_chunks(layout: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(len(layout))
+    rows = torch.arange(1000, 6000)
+
+    def pick(n: int) -> torch.Tensor:
+        return rows[torch.randperm(rows.numel(), generator=gen)[:n]]
+
+    w = 8
+    sizes = {
+        "base+deltas": [5000, 300, 700, 50],
+        "deltas": [300, 700, 50],
+        "dense-overlap": [3000, 3500, 4000, 2500],
+        "full-last": [300, 700, 5000],
+        "one-row-chunks": [1, 1, 5000, 1],
+    }[layout]
+    cs = [_chunk(rows if n == 5000 else pick(n), w, gen, dtype) for n in sizes]
+    for chunk_bytes in (64, 4096, 1 << 20):
+        want = merge_chunks(cs)
+        src = _MergedSlice(cs)
+        assert torch.equal(src.ids, want.ids)
+        for wdt in (WireDtype.FP32, WireDtype.BF16, WireDtype.INT8):
+            got = list(src.encode(2, wdt, chunk_bytes))
+            ref = list(wire.encode_slice_chunks(2, want.ids, want.values, wdt, chunk_bytes))
+            assert got == ref, (layout, chunk_bytes, wdt)
