@@ -52,6 +52,12 @@ class PublisherConfig:
     max_pending_writes: int = 2
     #: fsync segment files and their directory (off only for benchmarks on tmpfs).
     fsync: bool = True
+    #: Niceness added to the background writer thread (Linux: per thread; 0 = leave it), so
+    #: its checksum/write/fsync yields the cores to the training loop's intra-op threads.
+    writer_nice: int = 10
+    #: Copy touched rows into reused buffers (a small pool per shard, each buffer back in the
+    #: pool once its segment is written) instead of new ones, which page-fault on first write.
+    reuse_copy_buffers: bool = True
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
@@ -62,6 +68,8 @@ class PublisherConfig:
             raise ConfigError("set every_steps or every_seconds (or both)")
         if self.max_pending_writes < 1:
             raise ConfigError("max_pending_writes must be >= 1")
+        if not 0 <= self.writer_nice <= 19:
+            raise ConfigError("writer_nice must be in 0..19")
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +14,10 @@ import torch.distributed as dist
 from shardkit import batch, spawn, toy_dmp
 
 from deltad.config import PublisherConfig
-from deltad.errors import SpoolError
+from deltad.errors import ConfigError, SpoolError
 from deltad.publisher import SegmentPublisher
 from deltad.segment import apply_segments, read_segment
-from deltad.spool import SpoolLayout
+from deltad.spool import SpoolLayout, TableInfo
 from deltad.tracker import DeltaTracker
 from deltad.types import SegmentKind
 
@@ -100,3 +103,93 @@ def test_publisher_rebuilds_tables_bit_exactly(tmp_path: Path) -> None:
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
     spawn(_publisher_worker, 2, tmp_path, str(tmp_path / "spool"), str(blocked))
+
+
+class _FakeTracker:
+    """One CPU shard of a 64 x 4 table; ``drain`` returns the rows set by the test."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        from deltad.tracker import TrackedShard
+
+        rows, dim = weight.shape
+        self.shard = TrackedShard(
+            module="m", kind="ec", table="t", sharding_type="row_wise", num_rows=rows, dim=dim,
+            row_start=0, row_end=rows, col_start=0, col_end=dim, weight=weight,
+        )  # fmt: skip
+        self.shards = [self.shard]
+        self.tables = [TableInfo("t", rows, dim, "float32", "m", "ec", "row_wise")]
+        self.next: torch.Tensor = torch.empty(0, dtype=torch.int64)
+
+    def drain(self) -> list[tuple[Any, torch.Tensor]]:
+        return [(self.shard, self.next)]
+
+
+def test_pooled_copy_buffers_are_never_reused_while_queued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow writer with segments queued: every segment still holds its rows as published."""
+    import deltad.publisher as publisher_mod
+
+    real_write = publisher_mod.write_segment
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(publisher_mod, "write_segment", slow_write)
+    weight = torch.zeros(64, 4)
+    tracker = _FakeTracker(weight)
+    cfg = PublisherConfig(tmp_path, model="toy", every_steps=1, max_pending_writes=2, fsync=False)
+    pub = SegmentPublisher(torch.nn.Module(), tracker, cfg)  # type: ignore[arg-type]
+    monkeypatch.setattr(pub, "_all_reduce_max", lambda v: v)
+    monkeypatch.setattr(pub, "_broadcast", lambda v: v)
+    gen = pub.start(0)
+    gen_rows = torch.Generator().manual_seed(0)
+    expected: list[tuple[torch.Tensor, torch.Tensor]] = []
+    ptrs: set[int] = set()
+    for step in range(1, 25):
+        weight.add_(1.0)
+        n = int(torch.randint(1, 64, (1,), generator=gen_rows))
+        tracker.next = torch.randperm(64, generator=gen_rows)[:n].sort().values
+        expected.append((tracker.next.clone(), weight[tracker.next].clone()))
+        stats = pub.maybe_publish(step)
+        assert stats is not None
+        ptrs.update(b.data_ptr() for b in _pool_buffers(pub))
+    pub.close(25)
+    # Queued (2) + being written (1) + being filled (1), plus re-allocations as rows grew.
+    assert len(ptrs) < 24
+    layout = SpoolLayout(tmp_path, "toy")
+    listed = layout.segments(gen, 0)
+    assert len(listed) == 26  # base, 24 deltas, the final one
+    for (ids, values), (_, path) in zip(expected, listed[1:25], strict=True):
+        seg = read_segment(path)
+        assert torch.equal(seg.chunks[0].ids, ids)
+        assert torch.equal(seg.chunks[0].values, values)
+    assert pub._thread is not None and not pub._thread.is_alive()
+
+
+def _pool_buffers(pub: SegmentPublisher) -> list[torch.Tensor]:
+    with pub._pool._lock:
+        return [b for free in pub._pool._free.values() for b in free]
+
+
+def test_writer_thread_is_reniced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tracker = _FakeTracker(torch.zeros(8, 4))
+    cfg = PublisherConfig(tmp_path, model="toy", every_steps=1, fsync=False, writer_nice=7)
+    pub = SegmentPublisher(torch.nn.Module(), tracker, cfg)  # type: ignore[arg-type]
+    monkeypatch.setattr(pub, "_all_reduce_max", lambda v: v)
+    monkeypatch.setattr(pub, "_broadcast", lambda v: v)
+    pub.start(0)
+    tracker.next = torch.tensor([1, 3])
+    pub.publish(1)
+    assert pub._thread is not None and pub._thread.native_id is not None
+    deadline = time.monotonic() + 5
+    while pub.stats.segments[-1].write_s == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer_nice = os.getpriority(os.PRIO_PROCESS, pub._thread.native_id)
+    assert writer_nice == min(main_nice + 7, 19)
+    assert main_nice == os.getpriority(os.PRIO_PROCESS, 0)  # the loop's thread is untouched
+    pub.close(2)
+    with pytest.raises(ConfigError):
+        PublisherConfig(tmp_path, every_steps=1, writer_nice=20)
