@@ -1,5 +1,5 @@
 """Windows stream while they are merged and encoded: same bytes as building them first, the
-cache shares a window being built, a dropped reader stops the producer; tune_malloc."""
+cache shares a window being built, a dropped reader closes the producer; tune_malloc."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _spec(snap: LogSnapshot, **kw: object) -> WindowSpec:
 def test_streamed_window_equals_the_window_built_first(tmp_path: Path, kw: dict) -> None:
     snap = _snapshot(tmp_path)
     spec = _spec(snap, **kw)
-    first = build_window(snap, spec, 7, {}, background=False)
+    first = build_window(snap, spec, 7, {}, lazy=False)
     for kept in (True, False):
         win = build_window(snap, spec, 7, {}, kept=kept)
         assert win.header == first.header and win.rows == first.rows
@@ -98,7 +98,7 @@ def test_cache_shares_a_window_being_built(tmp_path: Path) -> None:
 
     def build(kept: bool) -> EncodedWindow:
         builds.append(kept)
-        win = build_window(snap, spec, 1, {}, background=False, kept=kept)
+        win = build_window(snap, spec, 1, {}, lazy=False, kept=kept)
         slow = EncodedWindow(win.header, win.to_seq, win.to_step, win.rows, win.owed, 0.0)
 
         def produce():  # type: ignore[no-untyped-def]
@@ -143,7 +143,7 @@ def test_failed_window_raises_in_readers_and_is_not_cached(tmp_path: Path) -> No
     assert not hit
 
 
-def test_dropped_reader_stops_the_producer(tmp_path: Path) -> None:
+def test_dropped_reader_closes_the_producer() -> None:
     produced = []
     finished = threading.Event()
 
@@ -155,14 +155,53 @@ def test_dropped_reader_stops_the_producer(tmp_path: Path) -> None:
         finally:
             finished.set()
 
-    win = EncodedWindow(b"h", 0, 0, 1, {}, 0.0, kept=False, ahead=4).start(produce())
+    win = EncodedWindow(b"h", 0, 0, 1, {}, 0.0, kept=False).start(produce())
     it = win.iter_chunks()
     next(it)
-    time.sleep(0.05)
-    assert len(produced) <= 4 + 2  # bounded read-ahead
+    next(it)
+    assert len(produced) == 2  # produced as read, nothing ahead
     it.close()
-    assert finished.wait(5)
-    assert len(produced) < 1000
+    assert finished.is_set() and win.done and len(produced) == 2
+
+
+def test_kept_window_left_half_read_is_finished_by_another_reader() -> None:
+    def produce():  # type: ignore[no-untyped-def]
+        for i in range(10):
+            yield None, 0.5  # merge time only
+            yield bytes([i]) * 3, 0.0
+
+    win = EncodedWindow(b"h", 0, 0, 1, {}, 0.0).start(produce())
+    done: list[EncodedWindow] = []
+    win.on_done(done.append)
+    it = win.iter_chunks()
+    assert [next(it) for _ in range(4)] == [bytes([i]) * 3 for i in range(4)]
+    it.close()  # this reader goes away; the chunks so far stay
+    assert not win.done
+    assert list(win.iter_chunks()) == [bytes([i]) * 3 for i in range(10)]
+    assert done == [win] and win.payload_bytes == 30 and win.merge_seconds == 5.0
+    assert win.chunks == [bytes([i]) * 3 for i in range(10)]
+
+
+def test_concurrent_readers_produce_each_chunk_once() -> None:
+    calls = []
+
+    def produce():  # type: ignore[no-untyped-def]
+        for i in range(200):
+            calls.append(threading.get_ident())
+            time.sleep(0.001)
+            yield i.to_bytes(2, "big"), 0.0
+
+    win = EncodedWindow(b"h", 0, 0, 1, {}, 0.0).start(produce())
+    out: list[list[bytes]] = []
+    readers = [
+        threading.Thread(target=lambda: out.append(list(win.iter_chunks()))) for _ in range(4)
+    ]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(10)
+    want = [i.to_bytes(2, "big") for i in range(200)]
+    assert len(out) == 4 and all(o == want for o in out) and len(calls) == 200
 
 
 def test_window_values_match_the_log(tmp_path: Path) -> None:

@@ -188,8 +188,8 @@ class DeltaServicer:
             spec = WindowSpec(
                 rank, gen, resync, from_seq, to_seq, form, dtype, tables, k, frac, max_rows, chunk
             )
-            # The window is planned here (header, owed rows); its values are merged and
-            # encoded in a thread while the first chunks stream (see build_window).
+            # The window is planned here (header, owed rows); its chunks are merged and
+            # encoded as the stream sends them (see build_window).
             win: EncodedWindow
             if owed:
                 win, hit = build_window(snap, spec, to_step, owed, kept=False), False
@@ -197,8 +197,6 @@ class DeltaServicer:
                 win, hit = self.cache.get(
                     spec, lambda kept: build_window(snap, spec, to_step, {}, kept=kept)
                 )
-            if not win.kept:
-                context.add_callback(win.cancel)  # a dropped stream stops its producer
             pull_id = uuid.uuid4().hex
             token = pull_id if win.owed else ""
             try:
