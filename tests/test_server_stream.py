@@ -175,11 +175,25 @@ def test_kept_window_left_half_read_is_finished_by_another_reader() -> None:
     win.on_done(done.append)
     it = win.iter_chunks()
     assert [next(it) for _ in range(4)] == [bytes([i]) * 3 for i in range(4)]
-    it.close()  # this reader goes away; the chunks so far stay
+    other = win.iter_chunks()
+    assert next(other) == b"\x00" * 3
+    it.close()  # this reader goes away; another one is still reading
     assert not win.done
-    assert list(win.iter_chunks()) == [bytes([i]) * 3 for i in range(10)]
+    assert list(other) == [bytes([i]) * 3 for i in range(1, 10)]
     assert done == [win] and win.payload_bytes == 30 and win.merge_seconds == 5.0
     assert win.chunks == [bytes([i]) * 3 for i in range(10)]
+
+
+def test_last_reader_leaving_a_kept_window_produces_the_rest() -> None:
+    def produce():  # type: ignore[no-untyped-def]
+        for i in range(10):
+            yield bytes([i]), 0.0
+
+    win = EncodedWindow(b"h", 0, 0, 1, {}, 0.0).start(produce())
+    it = win.iter_chunks()
+    next(it)
+    it.close()
+    assert win.done and not win.failed and win.payload_bytes == 10
 
 
 def test_concurrent_readers_produce_each_chunk_once() -> None:
