@@ -108,11 +108,13 @@ class _BufferPool:
         """A ``[>= rows, dim]`` buffer of ``dtype`` that nobody else uses until :meth:`give`."""
         with self._lock:
             free = self._free.get(key, [])
-            fits = [b for b in free if b.size(0) >= rows and b.size(1) == dim and b.dtype == dtype]
-            if fits:
-                buf = min(fits, key=lambda b: b.size(0))
-                free.remove(buf)
-                return buf
+            fits = [
+                i
+                for i, b in enumerate(free)
+                if b.size(0) >= rows and b.size(1) == dim and b.dtype == dtype
+            ]
+            if fits:  # the smallest that fits; by index (tensors compare elementwise)
+                return free.pop(min(fits, key=lambda i: free[i].size(0)))
             # None fits: drop the ones too small (rows grew) rather than keep them forever.
             self._free[key] = [b for b in free if b.size(0) >= rows]
         cap = max(rows + rows // 8, 1)

@@ -193,3 +193,20 @@ def test_writer_thread_is_reniced(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     pub.close(2)
     with pytest.raises(ConfigError):
         PublisherConfig(tmp_path, every_steps=1, writer_nice=20)
+
+
+def test_buffer_pool_hands_out_the_smallest_free_buffer_that_fits() -> None:
+    from deltad.publisher import _BufferPool
+
+    pool = _BufferPool()
+    key = ("t", 0, 0)
+    a, b, c = (pool.take(key, n, 4, torch.float32, False) for n in (80, 8, 40))
+    assert [x.size(0) for x in (a, b, c)] == [90, 9, 45]  # 1/8 headroom
+    for x in (a, b, c):
+        pool.give(key, x)
+    assert pool.take(key, 30, 4, torch.float32, False) is c  # not the first free one
+    assert pool.take(key, 9, 4, torch.float32, False) is b
+    assert pool.take(key, 9, 8, torch.float32, False) is not a  # other width: a new one
+    pool.give(key, b)
+    d = pool.take(key, 200, 4, torch.float32, False)  # rows grew: new, a and b dropped
+    assert d.size(0) == 225 and pool._free[key] == []
