@@ -416,12 +416,20 @@ class _MergedSlice:
             self.ids = torch.arange(self.row_start, self.row_start + n, dtype=torch.int64)
         else:
             self.ids = merge_chunks(chunks, with_values=False).ids
+        # Range by range writes every chunk's rows (oldest first) and loops over the chunks
+        # per range: heavy overlap or many segments take merge_chunks' one-writer-per-row path.
+        total = sum(c.ids.numel() for c in chunks)
+        self.ranged = len(chunks) <= 8 and total <= 2 * self.ids.numel()
 
     def encode(self, index: int, dtype: WireDtype, chunk_bytes: int) -> Iterator[bytes]:
         """The slice's RowChunk messages (``index`` in the header), in row order."""
         ids, cs = self.ids, self.chunks
         n = ids.numel()
         if n == 0:
+            return
+        if not self.ranged:
+            m = merge_chunks(cs)
+            yield from wire.encode_slice_chunks(index, m.ids, m.values, dtype, chunk_bytes)
             return
         last = cs[-1]
         width = last.col_end - last.col_start
