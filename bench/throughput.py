@@ -105,8 +105,10 @@ def client_pull(
 
     from deltad.client import DeltaConsumer
     from deltad.config import ConsumerConfig, PullOptions
+    from deltad.perf import tune_malloc
     from deltad.types import Form, WireDtype
 
+    tune_malloc()  # as `deltad consume` does at startup
     cfg = ConsumerConfig(
         consumer=consumer,
         model=model,

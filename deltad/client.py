@@ -41,7 +41,6 @@ from deltad import wire
 from deltad.config import ConsumerConfig
 from deltad.errors import ConsumerError, DeltadError, SidecarUnavailableError
 from deltad.keys import RedisKeys
-from deltad.perf import tune_malloc
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 from deltad.window import Cursor, RankDelta
@@ -126,11 +125,14 @@ class _Rank:
 
 
 class DeltaConsumer:
-    """A named consumer reading every rank of one model (see the module docstring)."""
+    """A named consumer reading every rank of one model (see the module docstring).
+
+    The library leaves the process's allocator alone; a predictor that rebuilds large windows
+    should call :func:`deltad.perf.tune_malloc` at startup, as ``deltad consume`` does.
+    """
 
     def __init__(self, config: ConsumerConfig) -> None:
         self.config = config
-        tune_malloc()  # windows are rebuilt in fresh multi-MB buffers (see deltad.perf)
         if not config.sidecars and not config.redis_url:
             raise ConsumerError("set sidecars (one per rank) or redis_url for discovery")
         self._metadata: tuple[tuple[str, str], ...] = (
