@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,6 +161,9 @@ def test_readers_only_ever_see_one_trainer_step(tmp_path: Path, redis_url: str) 
                 ft.step(step, ranks=[1])
                 wait_head(c, [step, step])
                 assert c.sync(applier.apply).step == step
+            deadline = time.monotonic() + 30  # let the reader look at the final tables
+            while 6 not in seen and th.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
         finally:
             stop.set()
             th.join(timeout=30)
