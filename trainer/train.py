@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -245,6 +246,7 @@ def _worker(rank: int, cfg: TrainConfig, work: Path) -> None:
     )
     try:
         _train(rank, cfg, work)
+        dist.barrier()  # no rank tears its process group down while another still talks
     except DeltadError as e:
         (work / f"error-{rank}.json").write_text(
             json.dumps({"rank": rank, "type": type(e).__name__, "message": str(e)})
@@ -252,6 +254,13 @@ def _worker(rank: int, cfg: TrainConfig, work: Path) -> None:
         raise
     finally:
         dist.destroy_process_group()
+    # Everything this rank owes is on disk (segments flushed by the publisher's close, the
+    # result and the final tables written). Leave without interpreter teardown: destroying
+    # gloo's / TorchRec's C++ state at exit intermittently aborted a rank with "terminate
+    # called without an active exception" after a clean SIGTERM stop.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build_model(cfg: TrainConfig) -> Any:
