@@ -265,6 +265,18 @@ class CpuMonitor:
         return self._cpu() - self._t0
 
 
+def save_figure(fig: Any, out_dir: Path, name: str, *, tight: bool = True) -> list[Path]:
+    """Write ``fig`` as ``out_dir/name.png`` (110 dpi), close it, return ``[path]``."""
+    import matplotlib.pyplot as plt
+
+    if tight:
+        fig.tight_layout()
+    path = out_dir / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

@@ -31,6 +31,7 @@ from bench.common import (
     med,
     percentile,
     ratio,
+    save_figure,
     summarize,
 )
 from bench.wire_baselines import ClientWorker
@@ -230,8 +231,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_xlabel("consumers")
         ax.legend(fontsize=8)
     fig.suptitle(f"fan-out, {result.get('window_bytes_fp32', 0) / MB:.0f} MB window")
-    fig.tight_layout()
-    path = out_dir / "fanout.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out_dir, "fanout")

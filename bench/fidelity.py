@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Context, NotAvailable
+from bench.common import Context, NotAvailable, save_figure
 from bench.live import (
     TINY_PUBLISH_S,
     ConsumerSpec,
@@ -213,7 +213,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("GB per predictor-hour")
     ax.set_title(f"bytes vs fidelity (publish every {result.get('publish_every_s')} s)")
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.92)
-    path = out_dir / "fidelity.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out_dir, "fidelity", tight=False)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import Context, NotAvailable, percentile
+from bench.common import Context, NotAvailable, percentile, save_figure
 from bench.live import ConsumerSpec, LiveResult, TrainerSpec, run_live, tiny_shared_run
 
 
@@ -167,8 +167,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("lag (s)")
     ax.set_title("freshness")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "freshness.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out_dir, "freshness")

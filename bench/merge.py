@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Context, NotAvailable, med, ratio, summarize
+from bench.common import Context, NotAvailable, med, ratio, save_figure, summarize
 from bench.datagen import make_segments
 
 DIM = 16
@@ -151,8 +151,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         b.set_xlabel(f"segments ({n_mid / 1e6:.1f}M ids)")
         b.legend()
     fig.suptitle("window merge cost")
-    fig.tight_layout()
-    path = out_dir / "merge.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out_dir, "merge")

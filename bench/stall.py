@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import GB, Children, Context, NotAvailable, med, medf, summarize
+from bench.common import GB, Children, Context, NotAvailable, med, medf, save_figure, summarize
 from bench.tracking import run_worker
 
 
@@ -127,8 +127,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     a.set_ylabel("stall per segment (ms, median)")
     b.set_ylabel("background write rate (GB/s)")
     fig.suptitle("publish stall and write rate")
-    fig.tight_layout()
-    path = out_dir / "stall.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out_dir, "stall")

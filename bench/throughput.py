@@ -24,6 +24,7 @@ from bench.common import (
     PeakRssMonitor,
     med,
     ratio,
+    save_figure,
     summarize,
 )
 from bench.wire_baselines import (
@@ -396,8 +397,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("GB/s (median)")
     ax.set_title("GetDelta throughput vs baselines")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "throughput.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out_dir, "throughput")

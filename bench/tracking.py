@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, NotAvailable, med, medf, summarize
+from bench.common import Children, Context, NotAvailable, med, medf, save_figure, summarize
 
 VARIANTS = (
     "none",
@@ -462,8 +462,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("step time (ms, median of rounds)")
     ax.set_title("training-step overhead of tracking")
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "tracking.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out_dir, "tracking")
