@@ -65,6 +65,13 @@ def test_demo_interrupted_leaves_no_children(tmp_path: Path) -> None:
             120.0,
             "both sidecars serving",
         )
+        # The demo spawns its predictors after the sidecars serve: interrupt it only once
+        # every child is up (a SIGINT in the middle of spawning tests something else).
+        wait_for(
+            lambda: all((logs / f"{n}.jsonl").exists() for n in ("rows-fp32", "topk-int8")),
+            120.0,
+            "both predictors pulling",
+        )
         kids = psutil.Process(proc.pid).children(recursive=True)
         assert len(kids) >= 5  # redis, trainer, two sidecars, two predictors (and trainer ranks)
         t0 = time.monotonic()
