@@ -37,3 +37,37 @@ def test_shard_offset_and_single_chunk_view() -> None:
     m = merge_chunks([a, b])
     assert m.ids.tolist() == [1000, 1005, 1999]
     assert m.values.tolist() == [[1, 1], [0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("segments", [3, 40])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_merge_of_a_row_wise_shard(segments: int, threads: int) -> None:
+    """Above PARALLEL_MIN_IDS the copies run in one part per thread; the latest value still
+    wins across part boundaries, on a shard that does not start at row 0."""
+    from deltad.server import merge
+
+    start, rows = 300_000, 200_000
+    gen = torch.Generator().manual_seed(segments)
+    truth = torch.zeros(rows, 3)
+    touched = torch.zeros(rows, dtype=torch.bool)
+    chunks = []
+    per = 2 * merge.PARALLEL_MIN_IDS // segments + 1
+    for _ in range(segments):
+        # Zipf-like: low rows in almost every segment, so parts see heavy overlap
+        local = (torch.rand(per, generator=gen) ** 3 * rows).long().unique()
+        vals = torch.randn(local.numel(), 3, generator=gen)
+        chunks.append(
+            SegmentChunk("t", start + rows, 3, start, start + rows, 0, 3, local + start, vals)
+        )
+        truth[local] = vals
+        touched[local] = True
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        merged = merge_chunks(chunks)
+    finally:
+        torch.set_num_threads(old)
+    expect = touched.nonzero().squeeze(1)
+    assert sum(c.ids.numel() for c in chunks) >= merge.PARALLEL_MIN_IDS
+    assert torch.equal(merged.ids, expect + start)
+    assert torch.equal(merged.values, truth[expect])

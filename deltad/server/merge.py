@@ -10,7 +10,9 @@ oldest first, so the latest value wins. Sparse windows (ids << shard rows) sort 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,38 +72,89 @@ def merge_chunks(chunks: Sequence[SegmentChunk], *, with_values: bool = True) ->
     row_start = min(c.row_start for c in chunks)
     n = max(c.row_end for c in chunks) - row_start
     total = sum(c.ids.numel() for c in chunks)
-    dests: list[torch.Tensor] = []
+    width = last.col_end - last.col_start
     if total * 4 < n or len(chunks) >= 32000:
         # sparse window: sorting its few ids beats a pass over the whole shard
         ids = torch.unique(torch.cat([c.ids for c in chunks]))
-        if with_values:
-            dests = [torch.searchsorted(ids, c.ids) for c in chunks]
-    else:
-        touched = torch.zeros(n, dtype=torch.bool)
+        if not with_values:
+            return SliceRows.like(last, ids, last.values[:0])
+        values = torch.empty(ids.numel(), width, dtype=last.values.dtype)
+        out = _rows(values)
         for c in chunks:
-            touched[c.ids - row_start] = True
-        local = touched.nonzero().squeeze(1)
-        ids = local + row_start
-        if with_values:
-            slot = torch.empty(n, dtype=torch.int64)
-            slot[local] = torch.arange(local.numel())
-            dests = [slot[c.ids - row_start] for c in chunks]
+            if c.ids.numel():
+                out[torch.searchsorted(ids, c.ids).numpy()] = _rows(c.values)
+        return SliceRows.like(last, ids, values)
+    touched = torch.zeros(n, dtype=torch.bool)
+    for c in chunks:
+        touched[c.ids - row_start if row_start else c.ids] = True
+    local = touched.nonzero().squeeze(1)
+    ids = local + row_start if row_start else local
     if not with_values:
         return SliceRows.like(last, ids, last.values[:0])
-    values = torch.empty(ids.numel(), last.col_end - last.col_start, dtype=last.values.dtype)
+    values = torch.empty(ids.numel(), width, dtype=last.values.dtype)
     if values.numel() == 0:
         return SliceRows.like(last, ids, values)
-    if dests and total > 2 * ids.numel():
-        _copy_last_writers(chunks, row_start, n, ids, values)
-        return SliceRows.like(last, ids, values)
-    # Oldest first, each chunk's rows straight from its (mapped) segment into place: later
-    # writes win, no temporaries. Measured (1M x 64, 4 x 330k Zipf ids, 2 cores): 0.3 s vs
-    # 0.6 s for gathering each row's last writer; heavier overlap takes _copy_last_writers.
-    out = _rows(values)
-    for c, d in zip(chunks, dests, strict=True):
-        if d.numel():
-            out[d.numpy()] = _rows(c.values)
+    # slot[row] = position of the row in ``ids``: a running count of the marks (one pass).
+    slot = torch.cumsum(touched, 0, dtype=torch.int64).sub_(1)
+    _copy_oldest_first(chunks, row_start, ids, slot, values)
     return SliceRows.like(last, ids, values)
+
+
+#: below this many ids a merge copies in the calling thread (a thread hop costs more)
+PARALLEL_MIN_IDS = 200_000
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _workers() -> int:
+    """Threads for a merge's row copies: torch's intra-op setting, at most 4."""
+    return max(1, min(4, torch.get_num_threads()))
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="deltad-merge")
+        return _pool
+
+
+def _copy_oldest_first(
+    chunks: Sequence[SegmentChunk],
+    row_start: int,
+    ids: torch.Tensor,
+    slot: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Copy every chunk's rows into ``values`` (row ``slot[id - row_start]``), oldest first.
+
+    Later chunks overwrite earlier ones, so the latest value wins. The id range is cut into
+    one part per worker thread (numpy's row copies and torch's gathers release the GIL); each
+    part walks the chunks oldest first on its own rows, so the order holds within every part.
+    Measured (10 M Zipf ids, 8 / 64 segments, dim 16, 2 cores): 0.58 / 0.85 s in one thread
+    (1.6-2.3x torch.unique) -> 0.33-0.38 / 0.45-0.5 s in two.
+    """
+    out = _rows(values)
+    parts = _workers() if sum(c.ids.numel() for c in chunks) >= PARALLEL_MIN_IDS else 1
+    # part boundaries as ids, so each chunk's (sorted) ids split with one searchsorted
+    cuts = [int(ids[ids.numel() * p // parts]) for p in range(1, parts)]
+
+    def part(p: int) -> None:
+        for c in chunks:
+            if c.ids.numel() == 0:
+                continue
+            lo = 0 if p == 0 else int(torch.searchsorted(c.ids, cuts[p - 1]))
+            hi = c.ids.numel() if p == parts - 1 else int(torch.searchsorted(c.ids, cuts[p]))
+            if hi <= lo:
+                continue
+            local = c.ids[lo:hi] - row_start if row_start else c.ids[lo:hi]
+            out[slot[local].numpy()] = _rows(c.values)[lo:hi]
+
+    if parts == 1:
+        part(0)
+        return
+    for f in [_executor().submit(part, p) for p in range(parts)]:
+        f.result()
 
 
 def _rows(t: torch.Tensor) -> Any:
@@ -112,25 +165,6 @@ def _rows(t: torch.Tensor) -> Any:
     """
     raw = t.contiguous().view(torch.uint8).numpy()
     return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
-
-
-def _copy_last_writers(
-    chunks: Sequence[SegmentChunk], row_start: int, n: int, ids: torch.Tensor, out: torch.Tensor
-) -> None:
-    """Fill ``out`` with each id's row from the last chunk holding it (writes each row once)."""
-    writer = torch.zeros(n, dtype=torch.int16 if len(chunks) < 32000 else torch.int32)
-    pos = torch.empty(n, dtype=torch.int64)
-    for i, c in enumerate(chunks):
-        local = c.ids - row_start
-        writer[local] = i + 1
-        pos[local] = torch.arange(c.ids.numel())
-    local_ids = ids - row_start
-    who, at = writer[local_ids], pos[local_ids]
-    dst = _rows(out)
-    for i, c in enumerate(chunks):
-        sel = (who == i + 1).nonzero().squeeze(1)
-        if sel.numel():
-            dst[sel.numpy()] = _rows(c.values)[at[sel].numpy()]
 
 
 def merge_entries(

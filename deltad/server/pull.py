@@ -417,7 +417,7 @@ class _MergedSlice:
         else:
             self.ids = merge_chunks(chunks, with_values=False).ids
         # Range by range writes every chunk's rows (oldest first) and loops over the chunks
-        # per range: heavy overlap or many segments take merge_chunks' one-writer-per-row path.
+        # per range: heavy overlap or many segments take merge_chunks (one merge, all threads).
         total = sum(c.ids.numel() for c in chunks)
         self.ranged = len(chunks) <= 8 and total <= 2 * self.ids.numel()
 
