@@ -22,7 +22,11 @@ from typing import Any
 
 from bench.common import OUT_DIR, Context, NotAvailable, machine_info, self_peak_rss
 
-MALLOC_TUNING = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+MALLOC_TUNING = {
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+    "MALLOC_ARENA_MAX": "1",
+}
 
 #: name -> (module, one-line description). Order is the run order: baselines first.
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -68,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--malloc-tuned",
         action="store_true",
-        help="run every process with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4G "
+        help="run every process with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4G MALLOC_ARENA_MAX=1 "
         "(the PERF-NOTES allocator setting for large buffers)",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

@@ -1,13 +1,19 @@
 """Benchmark 3: GetDelta throughput vs bare gRPC and raw loopback TCP.
 
 A spool holds a base segment (every row of 4 tables, dim 64) plus two skewed delta segments;
-a fresh consumer's window is therefore every row. For each window size and wire dtype a new
-consumer (in its own process) pulls the window from ``deltad serve`` (another process):
-server merge + stream + client rebuild into tensors. Delivered GB/s = payload bytes on the
-wire (ids + values [+ int8 scale/bias]) / wall time of the pull.
+a new consumer's window is therefore every row. For each window size and wire dtype one
+consumer per dtype (a :class:`~deltad.client.DeltaConsumer` in a client process, its channel
+kept open as a predictor's is) pulls that window from ``deltad serve`` (another process)
+again and again without committing, so every pull is the whole window: server merge (window
+cache off) + stream + client rebuild into tensors. Delivered GB/s = payload bytes on the wire
+(ids + values [+ int8 scale/bias]) / wall time of ``pull()``.
 
-Baselines, measured in the same run for the same byte counts: (a) the bare gRPC stream of
-:mod:`bench.wire_baselines` at its best chunk size, (b) raw loopback TCP.
+Baselines, measured in the same run for the same byte counts, interleaved with the GetDelta
+pulls repeat by repeat (so both see the same background load) and after the same untimed
+warm-up: (a) the bare gRPC stream of :mod:`bench.wire_baselines` at its best chunk size and channel
+kind (default, or single-threaded unary-stream as deltad's consumer uses),
+(b) raw loopback TCP. Every process (sidecar, client, baseline servers) runs with
+:func:`deltad.perf.tune_malloc`, as deployed.
 """
 
 from __future__ import annotations
@@ -45,49 +51,20 @@ def wire_bytes(rows: int, dim: int, dtype: str) -> int:
     return rows * per
 
 
-def measure_baselines(
-    ctx: Context, byte_counts: list[int], chunks: list[int], repeats: int
-) -> dict[str, Any]:
-    """Raw TCP and bare gRPC (every chunk size) for each byte count; best chunk chosen."""
-    out: dict[str, Any] = {"tcp": {}, "grpc": {}, "grpc_best": {}}
-    top = max(byte_counts)
-    with Children() as kids:
-        worker = ClientWorker(kids)
-        try:
-            tcp_conn, tcp_port = start_server(kids, tcp_server_main, top)
-            grpc_conn, grpc_port = start_server(kids, grpc_server_main, top)
-            for n in byte_counts:
-                ctx.status(f"baselines {n / MB:.0f} MB")
-                worker.call("tcp", port=tcp_port, nbytes=min(n, 16 * MB), chunk=MB)  # warm
-                tcp = [
-                    worker.call("tcp", port=tcp_port, nbytes=n, chunk=4 * MB)["seconds"]
-                    for _ in range(repeats)
-                ]
-                out["tcp"][n] = summarize([n / s / GB for s in tcp])
-                per_chunk: dict[int, Any] = {}
-                for c in chunks:
-                    worker.call("grpc", port=grpc_port, nbytes=min(n, 8 * c), chunk=c)  # warm
-                    secs = [
-                        worker.call("grpc", port=grpc_port, nbytes=n, chunk=c)["seconds"]
-                        for _ in range(repeats)
-                    ]
-                    per_chunk[c] = summarize([n / s / GB for s in secs])
-                out["grpc"][n] = per_chunk
-                best = max(per_chunk, key=lambda c: per_chunk[c]["median"] or 0.0)
-                out["grpc_best"][n] = {"chunk_bytes": best, **per_chunk[best]}
-            worker.call("tcp_close", port=tcp_port)
-            grpc_conn.close()
-            tcp_conn.close()
-        finally:
-            worker.close()
-    return out
+def _bare(worker: ClientWorker, port: int, nbytes: int, chunk: int, single: bool) -> float:
+    r = worker.call("grpc", port=port, nbytes=nbytes, chunk=chunk, single_thread=single)
+    return float(r["seconds"])
+
+
+def _tcp(worker: ClientWorker, port: int, nbytes: int) -> float:
+    return float(worker.call("tcp", port=port, nbytes=nbytes, chunk=4 * MB)["seconds"])
 
 
 # ----------------------------------------------------------------------- client side (worker)
 
 
 def client_pull(
-    state: dict[str, Any],
+    state: dict[Any, Any],
     endpoint: str,
     model: str,
     consumer: str,
@@ -96,11 +73,15 @@ def client_pull(
     k: int = 0,
     max_step: int | None = None,
     start_at: float | None = None,
+    keep: bool = False,
 ) -> dict[str, Any]:
-    """Runs in the client worker: one fresh consumer pulls its whole window once.
+    """Runs in the client worker: one consumer pulls its whole window once.
 
-    With ``start_at`` (unix time) the pull starts then, after connecting: several workers
-    started together pull at the same moment.
+    By default a fresh :class:`DeltaConsumer` (new channel) per call. With ``keep`` the
+    consumer and its channel stay in ``state`` and the call pulls again without committing,
+    so it gets the same whole window (at-least-once) over a warm connection, as a long-lived
+    predictor does. With ``start_at`` (unix time) the pull starts then, after connecting:
+    several workers started together pull at the same moment.
     """
     import time
 
@@ -110,15 +91,22 @@ def client_pull(
     from deltad.types import Form, WireDtype
 
     tune_malloc()  # as `deltad consume` does at startup
-    cfg = ConsumerConfig(
-        consumer=consumer,
-        model=model,
-        sidecars=(endpoint,),
-        pull=PullOptions(form=Form(form), k=k, wire_dtype=WireDtype(dtype), max_step=max_step),
-        align_steps=False,
-        rpc_deadline_s=600.0,
-    )
-    with DeltaConsumer(cfg) as c:
+    key = ("consumer", endpoint, consumer)
+    c = state.get(key) if keep else None
+    if c is None:
+        cfg = ConsumerConfig(
+            consumer=consumer,
+            model=model,
+            sidecars=(endpoint,),
+            pull=PullOptions(form=Form(form), k=k, wire_dtype=WireDtype(dtype), max_step=max_step),
+            align_steps=False,
+            rpc_deadline_s=600.0,
+        )
+        c = DeltaConsumer(cfg).connect()
+        if keep:
+            state[key] = c
+            state.setdefault("_close", []).append(c.close)
+    try:
         if start_at is not None:
             time.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
@@ -130,6 +118,9 @@ def client_pull(
         nbytes = res.bytes
         vals = sum(s.values.numel() for d in res.deltas for s in d.slices if s.values is not None)
         del res
+    finally:
+        if not keep:
+            c.close()
     return {
         "seconds": dt,
         "bytes": nbytes,
@@ -200,8 +191,83 @@ def client_warm(state: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------- the benchmark
 
 
+class _Probe:
+    """One window size's measurements: GetDelta from ``worker``, baselines from
+    ``base_worker`` (another process), interleaved."""
+
+    def __init__(
+        self,
+        worker: ClientWorker,
+        base_worker: ClientWorker,
+        tcp_port: int,
+        grpc_port: int,
+        side: Any,
+        counts: dict[str, int],
+        chunks: list[int],
+    ) -> None:
+        self.worker, self.base_worker = worker, base_worker
+        self.tcp_port, self.grpc_port, self.side = tcp_port, grpc_port, side
+        self.counts = counts
+        self.fp32 = counts["fp32"]
+        self.chunks = chunks
+        self.tcp_s: list[float] = []
+        self.bare_s: dict[tuple[int, int, bool], list[float]] = {}
+        self.runs: dict[str, list[dict[str, Any]]] = {d: [] for d in counts}
+
+    def pull(self, dtype: str, consumer: str) -> dict[str, Any]:
+        return dict(
+            self.worker.call(
+                "call",
+                module="bench.throughput",
+                func="client_pull",
+                kwargs={
+                    "endpoint": self.side.endpoint,
+                    "model": self.side.model,
+                    "consumer": consumer,
+                    "dtype": dtype,
+                    "keep": True,
+                },
+            )
+        )
+
+    def baselines(self, record: bool = True) -> None:
+        t = _tcp(self.base_worker, self.tcp_port, self.fp32)
+        if record:
+            self.tcp_s.append(t)
+        for n in sorted(set(self.counts.values())):
+            for c in self.chunks:
+                for single in (False, True):
+                    t = _bare(self.base_worker, self.grpc_port, n, c, single)
+                    if record:
+                        self.bare_s.setdefault((n, c, single), []).append(t)
+
+    def getdelta(self, record: bool = True) -> None:
+        if self.side is None:
+            return
+        for d in self.counts:
+            res = self.pull(d, f"tput-{d}")
+            if record:
+                self.runs[d].append(res)
+
+    def into(self, base: dict[str, Any]) -> None:
+        base["tcp"][self.fp32] = summarize([self.fp32 / t / GB for t in self.tcp_s])
+        for n in sorted(set(self.counts.values())):
+            per = {
+                f"{c}{'-st' if single else ''}": summarize([n / t / GB for t in times])
+                for (m, c, single), times in self.bare_s.items()
+                if m == n
+            }
+            base["grpc"][n] = per
+            best = max(per, key=lambda c: per[c]["median"] or 0.0)
+            base["grpc_best"][n] = {
+                "chunk_bytes": int(best.split("-")[0]),
+                "variant": best,
+                **per[best],
+            }
+
+
 def run(ctx: Context) -> dict[str, Any]:
-    """Measure baselines, then GetDelta for every window size and wire dtype."""
+    """Per window size: baselines and GetDelta pulls interleaved, repeat by repeat."""
     from bench import deltad_procs
 
     sizes = ctx.pick([64 * MB, 256 * MB, 1024 * MB], [16 * MB, 64 * MB], [4 * MB])
@@ -209,124 +275,138 @@ def run(ctx: Context) -> dict[str, Any]:
     chunks = ctx.pick([1 * MB, 2 * MB, 4 * MB], [1 * MB, 4 * MB], [1 * MB])
     repeats = ctx.repeats
     rows_for = {s: s // wire_bytes(1, DIM, "fp32") // TABLES * TABLES for s in sizes}
-    counts = sorted({wire_bytes(rows_for[s], DIM, d) for s in sizes for d in dtypes})
-    base = measure_baselines(ctx, counts, chunks, repeats)
+    top = max(wire_bytes(rows_for[s], DIM, "fp32") for s in sizes)
+    base: dict[str, Any] = {"tcp": {}, "grpc": {}, "grpc_best": {}}
     result: dict[str, Any] = {
         "dim": DIM,
         "tables": TABLES,
         "window_sizes_bytes": sizes,
         "dtypes": dtypes,
         "baselines": base,
+        "method": (
+            "per window size, one client process; every repeat measures raw TCP, bare gRPC at "
+            "every chunk size and a GetDelta per dtype back to back (order alternating), after "
+            "one untimed warm-up of each; every process with deltad.perf.tune_malloc"
+        ),
     }
     why = deltad_procs.sidecar_unavailable()
-    if why:
-        raise NotAvailable(why, result)
     points: list[dict[str, Any]] = []
     peaks: dict[str, int] = {}
-    for size in sizes:
-        rows = rows_for[size]
-        with ctx.tmpdir("tput") as spool, Children() as kids:
-            ctx.status(f"spool {size / MB:.0f} MB")
-            deltad_procs.write_bench_spool(spool, rows=rows, tables=TABLES, dim=DIM)
-            mon = PeakRssMonitor().start()
-            # Window cache off: every pull pays the merge + encode, as a new window does.
-            side = deltad_procs.start_sidecar(
-                kids, spool, ctx, extra=["--window-cache-entries", "0"]
-            )
-            mon.watch("sidecar", side.proc.pid)
-            worker = ClientWorker(kids)
-            worker.call("call", module="bench.throughput", func="client_warm", kwargs={})
-            mon.watch("client", worker.proc.pid)
-            try:
-                # One untimed pull first: the sidecar maps and faults in the fresh segment
-                # files once, as a long-running sidecar has done before any consumer comes.
-                ctx.status(f"GetDelta {size / MB:.0f} MB warm-up")
-                worker.call(
-                    "call",
-                    module="bench.throughput",
-                    func="client_pull",
-                    kwargs={
-                        "endpoint": side.endpoint,
-                        "model": side.model,
-                        "consumer": "tput-warmup",
-                        "dtype": "fp32",
-                    },
-                )
-                for dtype in dtypes:
-                    ctx.status(f"GetDelta {size / MB:.0f} MB {dtype}")
-                    runs = [
-                        worker.call(
-                            "call",
-                            module="bench.throughput",
-                            func="client_pull",
-                            kwargs={
-                                "endpoint": side.endpoint,
-                                "model": side.model,
-                                "consumer": f"tput-{dtype}-{i}",
-                                "dtype": dtype,
-                            },
+    with Children() as servers:
+        tcp_conn, tcp_port = start_server(servers, tcp_server_main, top)
+        grpc_conn, grpc_port = start_server(servers, grpc_server_main, top)
+        for size in sizes:
+            rows = rows_for[size]
+            counts = {d: wire_bytes(rows, DIM, d) for d in ["fp32", *dtypes]}
+            with ctx.tmpdir("tput") as spool, Children() as kids:
+                # Two client processes: the baselines' buffers and deltad's tensors would
+                # otherwise share (and fragment) one heap, each slowing the other.
+                worker = ClientWorker(kids)
+                base_worker = ClientWorker(kids)
+                side = None
+                mon = PeakRssMonitor().start()
+                try:
+                    if not why:
+                        ctx.status(f"spool {size / MB:.0f} MB")
+                        deltad_procs.write_bench_spool(spool, rows=rows, tables=TABLES, dim=DIM)
+                        # Window cache off: every pull pays merge + encode, as a new window does.
+                        side = deltad_procs.start_sidecar(
+                            kids, spool, ctx, extra=["--window-cache-entries", "0"]
                         )
-                        for i in range(repeats)
-                    ]
-                    nbytes = runs[0]["bytes"]
-                    gbps = summarize([r["bytes"] / r["seconds"] / GB for r in runs])
-                    expect = wire_bytes(rows, DIM, dtype)
-                    g = base["grpc_best"].get(expect) or {}
-                    t = base["tcp"].get(expect) or {}
-                    points.append(
-                        {
-                            "window_bytes_fp32": size,
-                            "dtype": dtype,
-                            "rows": runs[0]["rows"],
-                            "wire_bytes": nbytes,
-                            "expected_wire_bytes": expect,
-                            "seconds": summarize([r["seconds"] for r in runs]),
-                            "gbps": gbps,
-                            # Rows delivered, counted at their fp32 size: what the predictor
-                            # gets per second whatever the wire dtype.
-                            "fp32_equiv_gbps": summarize(
-                                [
-                                    wire_bytes(r["rows"], DIM, "fp32") / r["seconds"] / GB
-                                    for r in runs
-                                ]
-                            ),
-                            "rows_per_s": summarize([r["rows"] / r["seconds"] for r in runs]),
-                            "bare_grpc_gbps": med(g),
-                            "bare_grpc_chunk": g.get("chunk_bytes"),
-                            "tcp_gbps": med(t),
-                            "vs_bare_grpc": ratio(med(gbps), med(g)),
-                            "vs_tcp": ratio(med(gbps), med(t)),
-                        }
-                    )
-                if size == max(sizes):
-                    ctx.status("GetDelta phases")
-                    phases = [
-                        worker.call(
-                            "call",
-                            module="bench.throughput",
-                            func="client_decompose",
-                            kwargs={
-                                "endpoint": side.endpoint,
-                                "consumer": f"phases-{i}",
-                                "dtype": "fp32",
-                            },
-                        )
-                        for i in range(repeats)
-                    ]
-                    result["phases_fp32_largest"] = {
-                        k: summarize([p[k] for p in phases if p[k] is not None])
-                        for k in ("first_s", "stream_s", "result_s", "total_s", "server_merge_s")
-                    }
-                    result["phases_fp32_largest"]["message_bytes"] = phases[0]["message_bytes"]
-            finally:
-                worker.close()
-                side.stop()
-                for k, v in mon.stop().items():
-                    peaks[k] = max(peaks.get(k, 0), v)
+                        mon.watch("sidecar", side.proc.pid)
+                    mon.watch("client", worker.proc.pid)
+                    worker.call("call", module="bench.throughput", func="client_warm", kwargs={})
+                    probe = _Probe(worker, base_worker, tcp_port, grpc_port, side, counts, chunks)
+                    # Untimed warm-up of every path: the sidecar maps and faults in the fresh
+                    # segment files once (as a long-running sidecar has), and the client's
+                    # heap grows to its steady size (as a predictor's has after its base).
+                    ctx.status(f"{size / MB:.0f} MB warm-up")
+                    probe.baselines(record=False)
+                    probe.getdelta(record=False)
+                    for r in range(repeats):
+                        ctx.status(f"{size / MB:.0f} MB repeat {r + 1}/{repeats}")
+                        if r % 2 == 0:
+                            probe.baselines()
+                            probe.getdelta()
+                        else:
+                            probe.getdelta()
+                            probe.baselines()
+                    probe.into(base)
+                    if side is not None:
+                        points += [
+                            _point(size, rows, d, probe.runs[d], base, counts["fp32"])
+                            for d in dtypes
+                        ]
+                        if size == max(sizes):
+                            ctx.status("GetDelta phases")
+                            result["phases_fp32_largest"] = _phases(worker, side, repeats)
+                finally:
+                    worker.close()
+                    base_worker.close()
+                    if side is not None:
+                        side.stop()
+                    for k, v in mon.stop().items():
+                        peaks[k] = max(peaks.get(k, 0), v)
+        tcp_conn.close()
+        grpc_conn.close()
+    if why:
+        raise NotAvailable(why, result)
     result["points"] = points
     result["peak_rss_bytes"] = peaks
     result["headline"] = _headline(points)
     return result
+
+
+def _point(
+    size: int,
+    rows: int,
+    dtype: str,
+    runs: list[dict[str, Any]],
+    base: dict[str, Any],
+    tcp_key: int,
+) -> dict[str, Any]:
+    gbps = summarize([r["bytes"] / r["seconds"] / GB for r in runs])
+    expect = wire_bytes(rows, DIM, dtype)
+    g = base["grpc_best"].get(expect) or {}
+    t = base["tcp"].get(tcp_key) or {}
+    return {
+        "window_bytes_fp32": size,
+        "dtype": dtype,
+        "rows": runs[0]["rows"],
+        "wire_bytes": runs[0]["bytes"],
+        "expected_wire_bytes": expect,
+        "seconds": summarize([r["seconds"] for r in runs]),
+        "gbps": gbps,
+        # Rows delivered, counted at their fp32 size: what the predictor gets per second
+        # whatever the wire dtype.
+        "fp32_equiv_gbps": summarize(
+            [wire_bytes(r["rows"], DIM, "fp32") / r["seconds"] / GB for r in runs]
+        ),
+        "rows_per_s": summarize([r["rows"] / r["seconds"] for r in runs]),
+        "bare_grpc_gbps": med(g),
+        "bare_grpc_chunk": g.get("chunk_bytes"),
+        "tcp_gbps": med(t),
+        "vs_bare_grpc": ratio(med(gbps), med(g)),
+        "vs_tcp": ratio(med(gbps), med(t)),
+    }
+
+
+def _phases(worker: ClientWorker, side: Any, repeats: int) -> dict[str, Any]:
+    phases = [
+        worker.call(
+            "call",
+            module="bench.throughput",
+            func="client_decompose",
+            kwargs={"endpoint": side.endpoint, "consumer": f"phases-{i}", "dtype": "fp32"},
+        )
+        for i in range(repeats)
+    ]
+    out: dict[str, Any] = {
+        k: summarize([p[k] for p in phases if p[k] is not None])
+        for k in ("first_s", "stream_s", "result_s", "total_s", "server_merge_s")
+    }
+    out["message_bytes"] = phases[0]["message_bytes"]
+    return out
 
 
 def _headline(points: list[dict[str, Any]]) -> list[dict[str, Any]]:

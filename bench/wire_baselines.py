@@ -6,7 +6,10 @@
   hand in one copy (protobuf tag + varint length joined with a memoryview of the payload,
   shaped like ``GetDeltaResponse{chunk{values}}``) and passed through an identity serializer;
   the client takes raw bytes (no protobuf parsing) and copies each payload into a tensor
-  allocated for the stream.
+  allocated for the stream; its channel either default or with the SingleThreadedUnaryStream
+  option (the one deltad's consumer uses), whichever is faster.
+
+Every baseline process applies :func:`deltad.perf.tune_malloc`, as deltad's own do.
 
 Servers are started with :func:`start_tcp_server` / :func:`start_grpc_server` (spawned
 processes); clients run in a :class:`ClientWorker` process driven over a pipe so that no
@@ -75,31 +78,47 @@ def _source(nbytes: int) -> Any:
 # --------------------------------------------------------------------------- raw TCP
 
 
+def _tune() -> None:
+    """The allocator settings deltad's own processes use (`deltad serve` / `deltad consume`):
+    a baseline must not lose for want of a knob deltad turns (PERF-NOTES: 1.3 -> 2.1 GB/s)."""
+    from deltad.perf import tune_malloc
+
+    tune_malloc()
+
+
 def tcp_server_main(port_conn: Any, max_bytes: int) -> None:
-    """Spawned: accept one client; for each request ``(nbytes, chunk)`` send nbytes; 0 ends."""
+    """Spawned: serve clients one after another; per request ``(nbytes, chunk)`` send nbytes.
+
+    A client's EOF ends its connection (the next one is accepted); a request of 0 bytes ends
+    the server.
+    """
+    _tune()
     src = _source(max_bytes).data
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     ls.bind(("127.0.0.1", 0))
     ls.listen(1)
     port_conn.send(ls.getsockname()[1])
-    conn, _ = ls.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         while True:
-            req = _recv_exact(conn, _REQ.size)
-            if req is None:
-                return
-            nbytes, chunk = _REQ.unpack(req)
-            if nbytes == 0:
-                return
-            off = 0
-            while off < nbytes:
-                n = min(chunk, nbytes - off)
-                conn.sendall(src[off : off + n])
-                off += n
+            conn, _ = ls.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                while True:
+                    req = _recv_exact(conn, _REQ.size)
+                    if req is None:
+                        break
+                    nbytes, chunk = _REQ.unpack(req)
+                    if nbytes == 0:
+                        return
+                    off = 0
+                    while off < nbytes:
+                        n = min(chunk, nbytes - off)
+                        conn.sendall(src[off : off + n])
+                        off += n
+            finally:
+                conn.close()
     finally:
-        conn.close()
         ls.close()
 
 
@@ -119,6 +138,8 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
 def grpc_server_main(port_conn: Any, max_bytes: int) -> None:
     """Spawned: a bare gRPC server streaming pre-serialized chunks of a preallocated buffer."""
     import grpc
+
+    _tune()
 
     src = _source(max_bytes).data
 
@@ -166,6 +187,7 @@ def client_worker_main(conn: Any) -> None:
     """
     import traceback
 
+    _tune()
     state: dict[Any, Any] = {}
     while True:
         try:
@@ -221,19 +243,26 @@ def _cmd_tcp_close(state: dict[Any, Any], port: int) -> dict[str, Any]:
     return {}
 
 
-def _cmd_grpc(state: dict[Any, Any], port: int, nbytes: int, chunk: int) -> dict[str, Any]:
+def _cmd_grpc(
+    state: dict[Any, Any], port: int, nbytes: int, chunk: int, single_thread: bool = False
+) -> dict[str, Any]:
+    """One bare stream of ``nbytes``; ``single_thread``: the channel option that lets the
+    reading thread drive the stream (no channel thread handing messages over)."""
     import grpc
+    import grpc.experimental
     import torch
 
-    ch = state.get(("grpc", port))
+    ch = state.get(("grpc", port, single_thread))
     if ch is None:
-        opts = [
+        opts: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", MAX_MSG),
             ("grpc.max_receive_message_length", MAX_MSG),
         ]
+        if single_thread:
+            opts.append((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1))
         ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=opts)
         grpc.channel_ready_future(ch).result(timeout=30)
-        state[("grpc", port)] = ch
+        state[("grpc", port, single_thread)] = ch
         state.setdefault("_close", []).append(ch.close)
     call = ch.unary_stream(_METHOD, request_serializer=None, response_deserializer=None)
     t0 = time.perf_counter()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+import grpc.experimental
 
 from deltad import wire
 from deltad.config import ConsumerConfig
@@ -62,6 +63,10 @@ RETRYABLE = frozenset(
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    # The thread reading a GetDelta stream drives it itself, instead of a channel thread
+    # receiving every message and handing it over. Measured (1 GB fp32 window, decoded in a
+    # pull thread, steady state): 1.4-1.5 -> 1.65-2.1 GB/s, client CPU 0.7 -> 0.5-0.6 s.
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 ]
 
 

@@ -1,13 +1,19 @@
 """Process-wide memory settings for moving large buffers fast (sidecar and consumers).
 
 :func:`tune_malloc` applies, at runtime, what ``MALLOC_MMAP_MAX_=0
-MALLOC_TRIM_THRESHOLD_=2G`` would at startup, through glibc's ``mallopt``:
+MALLOC_TRIM_THRESHOLD_=2G MALLOC_ARENA_MAX=1`` would at startup, through glibc's ``mallopt``:
 
 * ``M_MMAP_MAX = 0``: large allocations come from the heap instead of a fresh ``mmap`` each.
   A fresh mapping is zero-filled page by page on first touch, so every new multi-MB buffer
   (a merged window, an encoded 2 MB chunk, a received message, a tensor being rebuilt) pays
   page faults: ``ndarray.tobytes()`` of 64 MB runs at ~2.2 GB/s vs 12-14 GB/s with the
   setting (PERF-NOTES.md).
+* ``M_ARENA_MAX = 1``: every thread allocates from the main heap, to which the two settings
+  here apply. Other threads otherwise get arenas of their own, built from 64 MB mmapped heaps
+  that are handed back to the kernel as they empty: a window decoded in a worker thread (as
+  ``DeltaConsumer`` does, one thread per rank) page-faulted its whole size again every pull.
+  Measured (1 GB fp32 window, loopback, steady state): decoding in a pool thread 1.0 GB/s
+  with 260 k page faults per pull, 2.1 GB/s and none with the setting.
 * ``M_TRIM_THRESHOLD = 2 GiB - 1`` (``mallopt`` takes an ``int``; the environment form takes
   ``4G``): freed heap memory is kept for the next window instead of being returned to the
   kernel and faulted in again.
@@ -16,14 +22,14 @@ Measured (2-core shared VM, loopback, 256 MB fp32 window, every process tuned): 
 Python gRPC stream 1.3-1.4 -> 2.05-2.3 GB/s, GetDelta 0.65 -> 1.46 GB/s (97 % of bare gRPC in
 that run). The price: freed memory stays in the process (RSS holds its high-water mark).
 
-It also sets ``THP_MEM_ALLOC_ENABLE=1`` (if unset): torch then backs its large CPU tensors with
-transparent huge pages. torch reads it once, at its first allocation, so it only helps when
-:func:`tune_malloc` runs before torch is imported (``deltad serve`` / ``deltad consume`` call
-it first thing; measured: a 144 MB ``index_copy_`` into a new tensor 161 ms -> 36 ms).
+It does **not** turn on torch's transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``): with the
+common kernel setting ``transparent_hugepage/defrag = madvise`` every huge-page fault may
+compact memory synchronously. Measured (1 GB fp32 window, client process): the first pull
+took 3.3-4.5 s with it (2.8 s of system time) against 1.2-1.3 s without; later pulls reuse
+the heap and gain nothing from it. Set it yourself where ``defrag`` is ``defer`` or ``never``.
 
 glibc only; elsewhere (musl, macOS) it does nothing. It never raises and is idempotent.
-``DELTAD_MALLOC_TUNE=0`` in the environment leaves the allocator alone (``THP_MEM_ALLOC_ENABLE=0``
-turns the huge pages off).
+``DELTAD_MALLOC_TUNE=0`` in the environment leaves the allocator alone.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import threading
 #: glibc <malloc.h> parameter numbers
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 #: the largest trim threshold ``mallopt`` accepts (an ``int``)
 TRIM_THRESHOLD = (1 << 31) - 1
 
@@ -63,7 +70,6 @@ def tune_malloc() -> bool:
             return _applied
         _applied = False
         try:
-            os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
             if os.environ.get("DELTAD_MALLOC_TUNE", "1").strip().lower() in ("0", "false", "no"):
                 return False
             libc = _glibc()
@@ -71,7 +77,8 @@ def tune_malloc() -> bool:
                 return False
             ok_mmap = libc.mallopt(M_MMAP_MAX, 0) == 1
             ok_trim = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-            _applied = ok_mmap and ok_trim
+            ok_arena = libc.mallopt(M_ARENA_MAX, 1) == 1
+            _applied = ok_mmap and ok_trim and ok_arena
         except Exception:  # a tuning knob must never break startup
             _applied = False
         return _applied
