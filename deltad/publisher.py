@@ -44,6 +44,7 @@ class SegmentStats:
     nbytes: int
     stall_s: float  # drain + copy + waiting for a free write slot
     write_s: float = 0.0  # in the writer thread (filled in when written)
+    write_cpu_s: float = 0.0  # CPU time of the writer thread on it (checksum, write, fsync)
     path: Path | None = None
 
 
@@ -71,6 +72,10 @@ class PublisherStats:
     @property
     def write_s(self) -> float:
         return sum(s.write_s for s in self.segments)
+
+    @property
+    def write_cpu_s(self) -> float:
+        return sum(s.write_cpu_s for s in self.segments)
 
 
 @dataclass
@@ -371,6 +376,7 @@ class SegmentPublisher:
             if job.ready is not None:
                 job.ready.synchronize()
             t0 = time.perf_counter()
+            c0 = time.thread_time()
             write_segment(
                 job.path,
                 model=self.config.model,
@@ -384,6 +390,7 @@ class SegmentPublisher:
                 fsync=self.config.fsync,
             )
             job.stats.write_s = time.perf_counter() - t0
+            job.stats.write_cpu_s = time.thread_time() - c0
         except BaseException as e:
             log.error("segment %s: %s", job.path, e)
             self._error = e
