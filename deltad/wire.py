@@ -159,8 +159,10 @@ def quantize(values: torch.Tensor, dtype: WireDtype) -> tuple[torch.Tensor, torc
     lo = v.amin(dim=1, keepdim=True)
     hi = v.amax(dim=1, keepdim=True)
     scale = (hi - lo) / 255.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((v - lo) / safe).clamp_(0, 255).sub_(128).to(torch.int8)
+    # One temporary, then in place; a reciprocal multiply instead of a broadcast divide.
+    # Measured (2 MB chunks of fp32 rows): 0.28 -> 7.4 GB/s.
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = v.sub(lo).mul_(inv).round_().clamp_(0, 255).sub_(128).to(torch.int8)
     bias = lo + 128.0 * scale
     return codes.contiguous(), torch.cat([scale, bias], dim=1).contiguous()
 
@@ -463,13 +465,15 @@ class WindowAssembler:
         """Write ``count`` rows of wire values, dequantized to float32, into ``out``."""
         if len(values) != count * w * WIRE_ITEMSIZE[self.dtype]:
             raise StreamDecodeError(f"chunk values of {len(values)} bytes for {count}x{w}")
+        if count == 0 or w == 0:
+            return
         if self.dtype is WireDtype.FP32:
             out[...] = np.frombuffer(values, dtype=np.float32).reshape(count, w)
-        elif self.dtype is WireDtype.FP16:
-            out[...] = np.frombuffer(values, dtype=np.float16).reshape(count, w)
-        elif self.dtype is WireDtype.BF16:
-            bits = np.frombuffer(values, dtype=np.uint16).reshape(count, w)
-            out.view(np.uint32)[...] = bits.astype(np.uint32) << 16
+        elif self.dtype in (WireDtype.FP16, WireDtype.BF16):
+            # torch's vectorized casts: numpy's float16 -> float32 ran at ~1.2 GB/s of wire
+            # bytes (the fp16 pull's bottleneck), bf16 bit shifts at ~6 GB/s.
+            half = torch.float16 if self.dtype is WireDtype.FP16 else torch.bfloat16
+            torch.from_numpy(out).copy_(_view(values, half).view(count, w))
         else:
             if len(scale_bias) != count * 8:
                 raise StreamDecodeError("int8 chunk without a (scale, bias) per row")
