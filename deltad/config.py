@@ -107,6 +107,11 @@ class ServerConfig:
     #: Retention: most input bytes one background round may merge (bounded work per round).
     merge_max_bytes_per_round: int = 1 << 30
     retention_interval_s: float = 1.0
+    #: Forget a consumer this long after its lease expired and it was last heard of: its
+    #: cursors, pending pulls and owed rows go (0 = keep forever). Back, it is a new consumer.
+    forget_after_s: float = 7 * 24 * 3600.0
+    #: Seconds between forget sweeps (Redis and owed files), bounded work each.
+    forget_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
@@ -123,6 +128,8 @@ class ServerConfig:
             raise ConfigError("stream deadline and lease TTL must be > 0, grace period >= 0")
         if self.merge_min_segments < 2:
             raise ConfigError("merge_min_segments must be >= 2")
+        if self.forget_after_s < 0 or self.forget_interval_s <= 0:
+            raise ConfigError("forget_after must be >= 0 (0 = never) and its interval > 0")
 
 
 @dataclass

@@ -11,6 +11,8 @@ key                             value
 ``lease:<consumer>``            string with a TTL (PX): alive while it exists
 ``consumers``                   set of consumer names ever registered
 ``lease_ttl``                   hash: consumer -> lease TTL in ms (kept when a lease expires)
+``seen``                        hash: consumer -> unix time last heard of (register, heartbeat,
+                                pull); a consumer silent past ``--forget-after`` is forgotten
 ``ranks``                       hash: rank -> JSON {endpoint, generation, updated_unix}
 ==============================  =====================================================
 """
@@ -40,6 +42,9 @@ class RedisKeys:
 
     def lease_ttl(self) -> str:
         return f"{self.base}:lease_ttl"
+
+    def seen(self) -> str:
+        return f"{self.base}:seen"
 
     def consumers(self) -> str:
         return f"{self.base}:consumers"

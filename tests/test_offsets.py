@@ -96,3 +96,44 @@ def test_redis_restart_keeps_cursors_and_outage_is_bounded(tmp_path: Path) -> No
         assert cur is not None and cur.seq == 11
     finally:
         r2.stop()
+
+
+def test_forget_idle_drops_every_rank_of_a_silent_consumer(redis_server: EmbeddedRedis) -> None:
+    s = OffsetStore.from_url(redis_server.url, "m")
+    for c in ("gone", "alive", "recent"):
+        s.register(c, 0.2 if c != "alive" else 60.0)
+        for rank in (0, 1):
+            s.record_pull(c, rank, PullRecord("p1", 1, 3, 30, "", 0))
+            s.commit(c, rank, pull_id="p1", generation=1, seq=3, step=30)
+        s.record_pull(c, 1, PullRecord("p2", 1, 4, 40, "", 0))  # pending on rank 1
+    time.sleep(1.0)  # "gone" and "recent" leases expire; "alive" holds its lease
+    s.heartbeat("recent", 0.2)  # heard of now, lease renewed ...
+    time.sleep(1.0)  # ... and expired again: "recent" silent ~1 s, "gone" ~2 s
+    assert s.forget_idle(2, idle_s=5.0) == []
+    assert s.forget_idle(2, idle_s=1.5) == ["gone"]
+    assert s.consumers() == ["alive", "recent"]
+    for rank in (0, 1):
+        assert s.get_cursor("gone", rank) is None
+        assert s.pending_pulls(["gone"], rank)["gone"] is None
+        assert s.get_cursor("alive", rank) is not None
+    assert not s.client.hexists(s.keys.lease_ttl(), "gone")
+    assert not s.client.hexists(s.keys.seen(), "gone")
+    # a live lease is never forgotten, however long ago it was last heard of
+    assert s.forget_idle(2, idle_s=0.0) == ["recent"]
+    assert s.consumers() == ["alive"]
+    # the forgotten consumer comes back as new: no cursor to commit against
+    with pytest.raises(CommitRejected) as e:
+        _commit(s, "gone", "p1", 3)
+    assert e.value.reason == "no_consumer"
+
+
+def test_forget_idle_starts_the_clock_of_a_consumer_never_seen(
+    redis_server: EmbeddedRedis,
+) -> None:
+    s = OffsetStore.from_url(redis_server.url, "m")
+    _pull(s, "old", "p1", 1)
+    s.client.hdel(s.keys.seen(), "old")  # as written before ``seen`` existed
+    assert s.forget_idle(1, idle_s=0.0) == []  # no time known: the clock starts now
+    assert s.client.hexists(s.keys.seen(), "old")
+    time.sleep(0.05)
+    assert s.forget_idle(1, idle_s=0.01) == ["old"]

@@ -108,3 +108,44 @@ def test_max_rows_caps_a_rows_pull_and_keeps_the_rest_owed(
         if d.rows == 0:
             break
     assert seen == 40 and _equal(rep, spool)
+
+
+def test_a_forgotten_consumer_loses_its_owed_rows_and_comes_back_new(
+    spool: SpoolWriter, sidecar: SidecarServer, client: Client
+) -> None:
+    import os
+    import time
+
+    from deltad.v1 import delta_pb2 as pb
+
+    client.stub.Register(pb.RegisterRequest(consumer="gone", lease_ttl_seconds=1))
+    client.stub.Register(pb.RegisterRequest(consumer="stays", lease_ttl_seconds=60))
+    for name in ("gone", "stays"):
+        client.commit(client.pull(name, Form.TOPK, k=10))
+    for _ in range(2):
+        spool.delta(n=60)
+    _synced(sidecar, 2)
+    for name in ("gone", "stays"):
+        d = client.pull(name, Form.TOPK, k=10)
+        assert all(s.owed > 0 for s in d.slices)
+        client.commit(d)
+    owed_dir = sidecar.owed.root
+    files = {n: list((owed_dir / n).iterdir()) for n in ("gone", "stays")}
+    assert all(files.values())
+    old = time.time() - 7200  # as if written long ago (young files are spared)
+    for f in (f for fs in files.values() for f in fs):
+        os.utime(f, (old, old))
+    sidecar.config.forget_after_s = 0.5
+    assert sidecar.forget_idle() == []  # "gone" still holds its lease
+    wait_for(lambda: sidecar.store.lease_remaining(["gone"])["gone"] == 0, what="lease expiry")
+    time.sleep(0.6)
+    assert sidecar.forget_idle() == ["gone"]
+    assert not (owed_dir / "gone").exists()
+    assert all(f.exists() for f in files["stays"])
+    assert [c.consumer for c in sidecar.servicer.consumer_infos()] == ["stays"]
+    # back again, "gone" is a new consumer: the whole current tables, nothing owed
+    rep = Replica()
+    d = client.pull("gone", Form.TOPK, k=10)
+    assert d.resync and d.rows == 1500 and all(s.owed == 0 for s in d.slices)
+    rep.apply(d)
+    assert _equal(rep, spool)

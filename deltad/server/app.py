@@ -135,6 +135,7 @@ class SidecarServer:
         snap = self.log.snapshot()
         world = snap.manifest.world_size if snap is not None else 1
         owed = OwedStore(self.layout.sidecar_dir, cfg.model, cfg.rank, world)
+        self.owed = owed
         self.servicer = DeltaServicer(cfg, self.log, self.store, owed, self.metrics)
         self.retention = Retention(
             self.log,
@@ -192,9 +193,11 @@ class SidecarServer:
         self._register_endpoint()
         self._spawn("deltad-poll", self._poll_loop, cfg.poll_interval_s)
         self._spawn("deltad-retention", self._retention_loop, cfg.retention_interval_s)
+        if cfg.forget_after_s > 0:
+            self._spawn("deltad-forget", self.forget_idle, cfg.forget_interval_s)
         log.info("serving %s rank %d on %s", cfg.model, cfg.rank, self.endpoint)
 
-    def _spawn(self, name: str, fn: Callable[[], None], interval: float) -> None:
+    def _spawn(self, name: str, fn: Callable[[], object], interval: float) -> None:
         def loop() -> None:
             while not self._stop.wait(interval):
                 try:
@@ -234,6 +237,30 @@ class SidecarServer:
 
     def _retention_loop(self) -> None:
         self.retention.run_once()
+
+    def forget_idle(self) -> list[str]:
+        """One forget sweep: consumers silent past ``forget_after_s`` (every rank's Redis
+        state), then this rank's owed files that no cursor or pull refers to any more."""
+        cfg = self.config
+        snap = self.log.snapshot()
+        world = max(
+            snap.manifest.world_size if snap is not None else 1,
+            max(self.store.ranks(), default=0) + 1,
+        )
+        gone = self.store.forget_idle(world, cfg.forget_after_s)
+        for name in gone:
+            log.info("forgot consumer %r: silent for %.0f s", name, cfg.forget_after_s)
+
+        def has_state(consumer: str) -> bool:
+            r = cfg.rank
+            return (
+                self.store.get_cursor(consumer, r) is not None
+                or self.store.pending_pulls([consumer], r)[consumer] is not None
+            )
+
+        # an owed file is written just before Redis records its pull: spare young files
+        self.owed.sweep(has_state, min_age_s=max(60.0, min(cfg.forget_after_s, 3600.0)))
+        return gone
 
     def stop(self, grace: float | None = None) -> None:
         """Stop serving: NOT_SERVING, let streams finish for ``grace`` seconds, then cancel."""

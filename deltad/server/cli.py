@@ -72,6 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("window-cache-bytes", int, 1 << 30, "byte budget of those windows"),
         ("merge-min-segments", int, 4, "retention: merge runs of at least this many segments"),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
+        (
+            "forget-after",
+            float,
+            7 * 24 * 3600.0,
+            "forget a consumer (cursors, owed rows) this many seconds after its lease "
+            "expired and it went silent; it comes back as new (0 = never)",
+        ),
     ):
         env = flag.upper().replace("-", "_")
         # a string default (from the environment) is converted, and checked, by argparse
@@ -128,12 +135,13 @@ def build_config(args: argparse.Namespace) -> Any:
         window_cache_bytes=args.window_cache_bytes,
         merge_min_segments=args.merge_min_segments,
         retention_interval_s=args.retention_interval,
+        forget_after_s=args.forget_after,
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    # Allocator settings and transparent huge pages, before torch loads: merged windows and
-    # encoded chunks are fresh multi-MB buffers and page faults dominate otherwise.
+    # Allocator settings, before torch loads: merged windows and encoded chunks are fresh
+    # multi-MB buffers and page faults dominate otherwise.
     from deltad.perf import tune_malloc
 
     tune_malloc()

@@ -7,6 +7,7 @@ is one Lua script: forward-only, only for the pull this server issued to that co
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -53,7 +54,22 @@ _HEARTBEAT = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[2]) == 0 then return -1 end
 local ttl = redis.call('HGET', KEYS[3], ARGV[2]) or ARGV[1]
 redis.call('SET', KEYS[1], ttl, 'PX', ttl)
+redis.call('HSET', KEYS[4], ARGV[2], ARGV[3])
 return tonumber(ttl)
+"""
+
+# KEYS: lease, consumers, lease_ttl, seen, then cursor:<c>:<r> and pull:<c>:<r> of every rank.
+# ARGV: consumer, cutoff (unix). Forget the consumer only if its lease is gone and it was last
+# heard of before the cutoff (checked here, atomically, not just by the caller).
+_FORGET = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local seen = redis.call('HGET', KEYS[4], ARGV[1])
+if seen and tonumber(seen) >= tonumber(ARGV[2]) then return 0 end
+for i = 5, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
 """
 
 
@@ -143,6 +159,7 @@ class OffsetStore:
         self.url = url
         self._commit = client.register_script(_COMMIT)
         self._heartbeat = client.register_script(_HEARTBEAT)
+        self._forget = client.register_script(_FORGET)
 
     @classmethod
     def from_url(cls, url: str, model: str, **kw: Any) -> OffsetStore:
@@ -201,6 +218,7 @@ class OffsetStore:
             pipe.hset(key, mapping=mapping)
             pipe.pexpire(key, PULL_TTL_MS)
             pipe.sadd(self.keys.consumers(), consumer)
+            pipe.hset(self.keys.seen(), consumer, repr(time.time()))
             pipe.execute()
 
         self._retry("record_pull", run)
@@ -244,14 +262,20 @@ class OffsetStore:
             pipe.sadd(self.keys.consumers(), consumer)
             pipe.set(self.keys.lease(consumer), ttl_ms, px=ttl_ms)
             pipe.hset(self.keys.lease_ttl(), consumer, ttl_ms)
+            pipe.hset(self.keys.seen(), consumer, repr(time.time()))
             pipe.execute()
 
         self._retry("register", run)
 
     def heartbeat(self, consumer: str, default_ttl_s: float) -> float | None:
         """Renew the lease (with its registered TTL); None for an unknown consumer."""
-        keys = [self.keys.lease(consumer), self.keys.consumers(), self.keys.lease_ttl()]
-        args = [str(max(1, int(default_ttl_s * 1000))), consumer]
+        keys = [
+            self.keys.lease(consumer),
+            self.keys.consumers(),
+            self.keys.lease_ttl(),
+            self.keys.seen(),
+        ]
+        args = [str(max(1, int(default_ttl_s * 1000))), consumer, repr(time.time())]
         ttl = int(self._retry("heartbeat", lambda: self._heartbeat(keys=keys, args=args)))
         return None if ttl < 0 else ttl / 1000.0
 
@@ -275,6 +299,37 @@ class OffsetStore:
 
         ttls = self._retry("lease_remaining", run) if consumers else []
         return {c: max(0, int(t)) / 1000.0 for c, t in zip(consumers, ttls, strict=True)}
+
+    def forget_idle(self, world_size: int, idle_s: float, *, limit: int = 100) -> list[str]:
+        """Forget consumers whose lease expired and who were last heard of ``idle_s`` ago or
+        more: their cursors and pulls on every rank, lease TTL and membership go. One that
+        comes back is a new consumer (a full-table resync), never fed deltas on a state it no
+        longer holds. At most ``limit`` per call; returns the names forgotten.
+
+        A consumer with no ``seen`` time (from before it was kept) starts its clock now.
+        """
+        names = self.consumers()
+        idle = [c for c, left in self.lease_remaining(names).items() if left <= 0]
+        if not idle:
+            return []
+        now = time.time()
+        seen_key = self.keys.seen()
+        raw = self._retry("seen", lambda: self.client.hmget(seen_key, idle))
+        due: list[str] = []
+        for c, v in zip(idle, raw, strict=True):
+            if v is None:
+                self._retry("seen", functools.partial(self.client.hsetnx, seen_key, c, repr(now)))
+            elif float(_s(v)) <= now - idle_s:
+                due.append(c)
+        forgotten: list[str] = []
+        ranks = range(max(1, world_size))
+        for c in due[:limit]:
+            keys = [self.keys.lease(c), self.keys.consumers(), self.keys.lease_ttl(), seen_key]
+            keys += [self.keys.cursor(c, r) for r in ranks] + [self.keys.pull(c, r) for r in ranks]
+            args = [c, repr(now - idle_s)]
+            if int(self._retry("forget", functools.partial(self._forget, keys=keys, args=args))):
+                forgotten.append(c)
+        return forgotten
 
     def pins(self, rank: int, generation: int) -> list[int]:
         """Seqs that live consumers of ``generation`` stand on: committed cursors and pending

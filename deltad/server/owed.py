@@ -9,6 +9,8 @@ the Redis cursor (``owed_token``), and files of other tokens are garbage.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
@@ -71,3 +73,37 @@ class OwedStore:
             token = p.name[len(prefix) :].removesuffix(".dseg")
             if token not in keep:
                 p.unlink(missing_ok=True)
+
+    def sweep(
+        self, has_state: Callable[[str], bool], *, min_age_s: float, limit: int = 100
+    ) -> int:
+        """Delete this rank's owed files of consumers with no state left (``has_state`` is
+        False: forgotten, or never committed), if older than ``min_age_s`` (a pull writes its
+        file before Redis records it). At most ``limit`` consumers per call; returns the number
+        of files deleted."""
+        try:
+            dirs = sorted(p for p in self.root.iterdir() if p.is_dir())
+        except FileNotFoundError:
+            return 0
+        prefix = f"r{self.rank}-"
+        cutoff = time.time() - min_age_s
+        deleted = 0
+        for d in dirs[:limit]:
+            try:
+                files = [p for p in d.iterdir() if p.name.startswith(prefix)]
+            except FileNotFoundError:
+                continue
+            if not files or has_state(d.name):
+                continue
+            for p in files:
+                try:
+                    if p.stat().st_mtime < cutoff:
+                        p.unlink()
+                        deleted += 1
+                except FileNotFoundError:
+                    pass
+            try:
+                d.rmdir()  # only once every rank's files are gone
+            except OSError:
+                pass
+        return deleted
