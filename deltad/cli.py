@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -53,7 +54,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Set by a parent that spawns ``deltad`` children (the demo) to its own pid: the child then
+#: asks for SIGTERM when that parent dies. Done here, after exec, instead of in a Popen
+#: ``preexec_fn``, which runs Python between fork and exec and is unsafe in a threaded parent.
+PARENT_PID_ENV = "DELTAD_PARENT_PID"
+
+
+def _die_with_parent() -> bool:
+    """PR_SET_PDEATHSIG from ``DELTAD_PARENT_PID``; False if that parent is already gone."""
+    want = os.environ.pop(PARENT_PID_ENV, None)  # not for this process's own children
+    if not want or not sys.platform.startswith("linux"):
+        return True
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    return str(os.getppid()) == want  # it died before the prctl: nobody would signal us
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if not _die_with_parent():
+        print("deltad: parent process already exited", file=sys.stderr)
+        return 1
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

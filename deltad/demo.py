@@ -33,6 +33,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from deltad.cli import PARENT_PID_ENV
+
 MODEL = "demo"
 #: relative slack on the int8 bound for float32 arithmetic in code * scale + bias
 BOUND_SLACK = 1e-5
@@ -129,10 +131,9 @@ class Demo:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=self.env,
+                env={**self.env, PARENT_PID_ENV: str(os.getpid())},
                 cwd=self.work,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         child = Child(name, proc, log)
         self.children.append(child)
@@ -431,15 +432,6 @@ class Report:
 
 class DemoFailed(Exception):
     """A child failed or a bounded wait ran out."""
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the demo dies without cleaning up (Linux only)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:

@@ -85,3 +85,22 @@ def test_demo_interrupted_leaves_no_children(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_a_child_follows_its_parent_pid_from_the_environment() -> None:
+    """The demo's children set PDEATHSIG themselves, after exec (no preexec_fn in a threaded
+    parent); one whose parent is already gone refuses to start."""
+    import os
+
+    cmd = [sys.executable, "-m", "deltad.cli", "--version"]
+    ok = subprocess.run(
+        cmd, env={**os.environ, "DELTAD_PARENT_PID": str(os.getpid())}, capture_output=True,
+        text=True, timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
+    orphan = subprocess.run(
+        cmd, env={**os.environ, "DELTAD_PARENT_PID": "1"}, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert orphan.returncode == 1
+    assert "parent process already exited" in orphan.stderr
