@@ -87,10 +87,11 @@ def client_pull(
 
     from deltad.client import DeltaConsumer
     from deltad.config import ConsumerConfig, PullOptions
-    from deltad.perf import tune_malloc
+    from deltad.perf import tune_malloc, tune_threads
     from deltad.types import Form, WireDtype
 
     tune_malloc()  # as `deltad consume` does at startup
+    tune_threads()
     key = ("consumer", endpoint, consumer)
     c = state.get(key) if keep else None
     if c is None:

@@ -56,9 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the predictor until --duration / --pulls / SIGTERM; 0 on a clean stop."""
-    from deltad.perf import tune_malloc
+    from deltad.perf import tune_malloc, tune_threads
 
     tune_malloc()  # before torch loads (see deltad.perf)
+    tune_threads()
     from consumers.predictor import Predictor, PredictorConfig
     from deltad.config import ConsumerConfig, PullOptions
     from deltad.types import Form, WireDtype

@@ -61,12 +61,12 @@ def test_parallel_merge_of_a_row_wise_shard(segments: int, threads: int) -> None
         )
         truth[local] = vals
         touched[local] = True
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    old = merge.MERGE_THREADS
+    merge.MERGE_THREADS = threads
     try:
         merged = merge_chunks(chunks)
     finally:
-        torch.set_num_threads(old)
+        merge.MERGE_THREADS = old
     expect = touched.nonzero().squeeze(1)
     assert sum(c.ids.numel() for c in chunks) >= merge.PARALLEL_MIN_IDS
     assert torch.equal(merged.ids, expect + start)

@@ -142,9 +142,10 @@ def build_config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     # Allocator settings, before torch loads: merged windows and encoded chunks are fresh
     # multi-MB buffers and page faults dominate otherwise.
-    from deltad.perf import tune_malloc
+    from deltad.perf import tune_malloc, tune_threads
 
     tune_malloc()
+    tune_threads()
     from deltad.server.app import SidecarServer
 
     config = build_config(args)

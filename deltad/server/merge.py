@@ -10,6 +10,7 @@ oldest first, so the latest value wins. Sparse windows (ids << shard rows) sort 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -102,13 +103,20 @@ def merge_chunks(chunks: Sequence[SegmentChunk], *, with_values: bool = True) ->
 
 #: below this many ids a merge copies in the calling thread (a thread hop costs more)
 PARALLEL_MIN_IDS = 200_000
+#: merge threads (0 = one per usable core, at most 4); tests set it
+MERGE_THREADS = int(os.environ.get("DELTAD_MERGE_THREADS", "0") or 0)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
 def _workers() -> int:
-    """Threads for a merge's row copies: torch's intra-op setting, at most 4."""
-    return max(1, min(4, torch.get_num_threads()))
+    """Threads for a merge's row copies: the cores this process may use, at most 4 (its own
+    threads, not torch's intra-op pool, which the sidecar keeps at one: deltad.perf)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, MERGE_THREADS or cores))
 
 
 def _executor() -> ThreadPoolExecutor:
