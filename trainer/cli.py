@@ -43,7 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--publish-every-seconds", type=float, default=0.0)
     parser.add_argument("--no-publish", action="store_true", help="no tracker (baseline)")
-    parser.add_argument("--no-fsync", action="store_true", help="skip fsync (benchmarks)")
+    parser.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="do not fsync segments (free on a tmpfs spool anyway; see docs/design-notes.md)",
+    )
     parser.add_argument("--generation", type=int, help="generation id (default: time-based)")
     parser.add_argument("--loop", choices=_LOOPS, default="plain")
     parser.add_argument("--input", choices=("kjt", "tensordict"), default="kjt")
