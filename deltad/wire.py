@@ -477,9 +477,12 @@ class WindowAssembler:
         else:
             if len(scale_bias) != count * 8:
                 raise StreamDecodeError("int8 chunk without a (scale, bias) per row")
-            sb = np.frombuffer(scale_bias, dtype=np.float32).reshape(count, 2)
-            np.multiply(np.frombuffer(values, dtype=np.int8).reshape(count, w), sb[:, :1], out=out)
-            out += sb[:, 1:]
+            # torch: a cast then two in-place passes, 3-6 GB/s of wire bytes against 1.2 for
+            # numpy's mixed int8 x float32 multiply
+            sb = _view(scale_bias, torch.float32).view(count, 2)
+            t = torch.from_numpy(out)
+            t.copy_(_view(values, torch.int8).view(count, w))
+            t.mul_(sb[:, :1]).add_(sb[:, 1:])
 
     def _on_trailer(self, t: pb.DeltaTrailer) -> None:
         if self.header is None:
