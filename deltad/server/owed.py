@@ -9,6 +9,7 @@ the Redis cursor (``owed_token``), and files of other tokens are garbage.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,16 +80,18 @@ class OwedStore:
     ) -> int:
         """Delete this rank's owed files of consumers with no state left (``has_state`` is
         False: forgotten, or never committed), if older than ``min_age_s`` (a pull writes its
-        file before Redis records it). At most ``limit`` consumers per call; returns the number
-        of files deleted."""
+        file before Redis records it). At most ``limit`` consumers per call, chosen at random;
+        returns the number of files deleted."""
         try:
-            dirs = sorted(p for p in self.root.iterdir() if p.is_dir())
+            dirs = [p for p in self.root.iterdir() if p.is_dir()]
         except FileNotFoundError:
             return 0
+        # a random ``limit`` of them: with more consumers than that, every one comes up in time
+        dirs = random.sample(dirs, min(limit, len(dirs)))
         prefix = f"r{self.rank}-"
         cutoff = time.time() - min_age_s
         deleted = 0
-        for d in dirs[:limit]:
+        for d in dirs:
             try:
                 files = [p for p in d.iterdir() if p.name.startswith(prefix)]
             except FileNotFoundError:
