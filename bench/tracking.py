@@ -259,45 +259,37 @@ def _paired(spec: dict[str, Any]) -> dict[str, Any]:
     return {"blocks": blocks}
 
 
-def run_paired(
-    children: Children, spec: dict[str, Any], timeout_s: float = 1800.0
-) -> dict[str, Any]:
-    """Run :func:`paired_main` in a fresh process."""
+def _run_spawned(children: Children, target: Any, arg: Any, what: str, timeout_s: float) -> Any:
+    """Run ``target(conn, arg)`` in a fresh spawned process; its ("ok", result) or raise."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = children.process(paired_main, child, spec)
+    proc = children.process(target, child, arg)
     child.close()
     if not parent.poll(timeout_s):
         proc.terminate()
-        raise TimeoutError(f"paired tracking worker took more than {timeout_s}s")
+        raise TimeoutError(f"{what} took more than {timeout_s}s")
     status, res = parent.recv()
     proc.join(timeout=30)
     if status != "ok":
-        raise RuntimeError(f"paired tracking worker failed:\n{res}")
-    return dict(res)
+        raise RuntimeError(f"{what} failed:\n{res}")
+    return res
+
+
+def run_paired(
+    children: Children, spec: dict[str, Any], timeout_s: float = 1800.0
+) -> dict[str, Any]:
+    """Run :func:`paired_main` in a fresh process."""
+    return dict(_run_spawned(children, paired_main, spec, "paired tracking worker", timeout_s))
 
 
 def run_worker(
     children: Children, specs: list[dict[str, Any]], timeout_s: float = 900.0
 ) -> list[dict[str, Any]]:
     """Run specs in one fresh spawned process and return their results."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = children.process(worker_main, child, specs)
-    child.close()
     names = [s["variant"] for s in specs]
-    if not parent.poll(timeout_s):
-        proc.terminate()
-        raise TimeoutError(f"tracking worker {names} took more than {timeout_s}s")
-    status, res = parent.recv()
-    proc.join(timeout=30)
-    if status != "ok":
-        raise RuntimeError(f"tracking worker {names} failed:\n{res}")
-    return list(res)
+    return list(_run_spawned(children, worker_main, specs, f"tracking worker {names}", timeout_s))
 
 
 def _unavailable(variant: str) -> str | None:
