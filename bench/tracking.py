@@ -47,10 +47,11 @@ TMPFS = "/dev/shm"
 
 def _attach(
     variant: str, dmp: Any, spool: Path, publish_every: int, publish_steps: int = 0
-) -> tuple[Any, Any, Any]:
-    """Set up the variant; return (per-step hook(step), close(), publisher or None)."""
+) -> tuple[Any, Any, Any, Any]:
+    """Set up the variant; return (per-step hook(step), close(), publisher or None, deltad
+    tracker or None)."""
     if variant == "none":
-        return (lambda step: None), (lambda: None), None
+        return (lambda step: None), (lambda: None), None, None
     if variant == "deltad_tracker":
         from deltad.tracker import DeltaTracker
 
@@ -60,8 +61,7 @@ def _attach(
             if step % publish_every == 0:
                 tracker.drain()
 
-        drain.tracker = tracker  # type: ignore[attr-defined]  # its hook times, for accounting
-        return drain, tracker.detach, None
+        return drain, tracker.detach, None, tracker
     if variant in ("deltad", "deltad_tmpfs", "deltad_every10"):
         import shutil
         import tempfile
@@ -89,7 +89,7 @@ def _attach(
                 if variant == "deltad_tmpfs":
                     shutil.rmtree(spool, ignore_errors=True)
 
-        return publish, close, pub
+        return publish, close, pub, pub.tracker
     from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
     mode = TrackingMode.ID_ONLY if variant == "torchrec_id_only" else TrackingMode.EMBEDDING
@@ -108,7 +108,7 @@ def _attach(
             else:
                 tr.get_unique()
 
-    return read, (lambda: None), None
+    return read, (lambda: None), None, None
 
 
 def worker_main(conn: Any, specs: list[dict[str, Any]]) -> None:
@@ -138,7 +138,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     warmup, steps = spec["warmup"], spec["steps"]
     batches = [stream.next_batch() for _ in range(warmup + steps)]
     rss_before = self_peak_rss()
-    hook, close, pub = _attach(
+    hook, close, pub, trk = _attach(
         spec["variant"],
         dmp,
         Path(spec["spool"]),
@@ -173,7 +173,6 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_before_tracking_bytes": rss_before,
         "ids_per_step": int(batches[0].sparse.values().numel() + batches[0].seq.values().numel()),
     }
-    trk = pub.tracker if pub is not None else getattr(hook, "tracker", None)
     if trk is not None:
         # Hooks in the forward (stash ids, fold them into the bitmaps) and drains outside a
         # publisher, per step over every step run (warm-up included); a publisher's drains
@@ -231,7 +230,7 @@ def _paired(spec: dict[str, Any]) -> dict[str, Any]:
     step = 0
     for r in range(spec["rounds"]):
         for kind in ("none", "deltad") if r % 2 == 0 else ("deltad", "none"):
-            hook, close, pub = _attach(
+            hook, close, pub, _ = _attach(
                 "deltad" if kind == "deltad" else "none",
                 dmp,
                 Path(spec["spool"]) / f"r{r}",

@@ -97,7 +97,7 @@ def merge_chunks(chunks: Sequence[SegmentChunk], *, with_values: bool = True) ->
         return SliceRows.like(last, ids, values)
     # slot[row] = position of the row in ``ids``: a running count of the marks (one pass).
     slot = torch.cumsum(touched, 0, dtype=torch.int64).sub_(1)
-    _copy_oldest_first(chunks, row_start, ids, slot, values)
+    _copy_oldest_first(chunks, row_start, ids, slot, values, parallel=total >= PARALLEL_MIN_IDS)
     return SliceRows.like(last, ids, values)
 
 
@@ -133,6 +133,8 @@ def _copy_oldest_first(
     ids: torch.Tensor,
     slot: torch.Tensor,
     values: torch.Tensor,
+    *,
+    parallel: bool,
 ) -> None:
     """Copy every chunk's rows into ``values`` (row ``slot[id - row_start]``), oldest first.
 
@@ -143,7 +145,7 @@ def _copy_oldest_first(
     (1.6-2.3x torch.unique) -> 0.33-0.38 / 0.45-0.5 s in two.
     """
     out = _rows(values)
-    parts = _workers() if sum(c.ids.numel() for c in chunks) >= PARALLEL_MIN_IDS else 1
+    parts = _workers() if parallel else 1
     # part boundaries as ids, so each chunk's (sorted) ids split with one searchsorted
     cuts = [int(ids[ids.numel() * p // parts]) for p in range(1, parts)]
 
