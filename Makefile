@@ -12,11 +12,13 @@ demo: setup
 test: setup
 	$(BIN)/python scripts/gen_protos.py --check
 	$(BIN)/ruff check deltad trainer consumers bench tests
+	$(BIN)/ruff format --check deltad trainer consumers bench tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 lint: setup
 	$(BIN)/ruff check deltad trainer consumers bench tests
+	$(BIN)/ruff format --check deltad trainer consumers bench tests
 	$(BIN)/mypy
 
 protos: setup

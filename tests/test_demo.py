@@ -94,12 +94,18 @@ def test_a_child_follows_its_parent_pid_from_the_environment() -> None:
 
     cmd = [sys.executable, "-m", "deltad.cli", "--version"]
     ok = subprocess.run(
-        cmd, env={**os.environ, "DELTAD_PARENT_PID": str(os.getpid())}, capture_output=True,
-        text=True, timeout=120,
+        cmd,
+        env={**os.environ, "DELTAD_PARENT_PID": str(os.getpid())},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert ok.returncode == 0, ok.stderr
     orphan = subprocess.run(
-        cmd, env={**os.environ, "DELTAD_PARENT_PID": "1"}, capture_output=True, text=True,
+        cmd,
+        env={**os.environ, "DELTAD_PARENT_PID": "1"},
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     assert orphan.returncode == 1

@@ -75,9 +75,7 @@ class OwedStore:
             if token not in keep:
                 p.unlink(missing_ok=True)
 
-    def sweep(
-        self, has_state: Callable[[str], bool], *, min_age_s: float, limit: int = 100
-    ) -> int:
+    def sweep(self, has_state: Callable[[str], bool], *, min_age_s: float, limit: int = 100) -> int:
         """Delete this rank's owed files of consumers with no state left (``has_state`` is
         False: forgotten, or never committed), if older than ``min_age_s`` (a pull writes its
         file before Redis records it). At most ``limit`` consumers per call, chosen at random;
