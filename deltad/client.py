@@ -39,6 +39,7 @@ import grpc
 import grpc.experimental
 
 from deltad import wire
+from deltad.buffers import BufferPool
 from deltad.config import ConsumerConfig
 from deltad.errors import ConsumerError, DeltadError, SidecarUnavailableError
 from deltad.keys import RedisKeys
@@ -119,9 +120,10 @@ class PullResult:
 class _Rank:
     """Connection and bookkeeping of one rank's sidecar."""
 
-    def __init__(self, rank: int, endpoint: str) -> None:
+    def __init__(self, rank: int, endpoint: str, buffers_bytes: int = 0) -> None:
         self.rank = rank
         self.endpoint = endpoint
+        self.buffers = BufferPool(max_bytes=buffers_bytes) if buffers_bytes > 0 else None
         self.channel: grpc.Channel | None = None
         self.stub: pb_grpc.DeltaServiceStub | None = None
         self.pending: Cursor | None = None  # applied, commit not acknowledged yet
@@ -177,7 +179,9 @@ class DeltaConsumer:
 
     def _connect(self) -> None:
         endpoints = list(self.config.sidecars) or self._discover_all()
-        self._ranks = [_Rank(r, ep) for r, ep in enumerate(endpoints)]
+        self._ranks = [
+            _Rank(r, ep, self.config.reuse_buffers_bytes) for r, ep in enumerate(endpoints)
+        ]
         for r in self._ranks:
             self._open(r)
         self._pool = ThreadPoolExecutor(
@@ -353,7 +357,9 @@ class DeltaConsumer:
         delta = self._retry(
             r,
             "GetDelta",
-            lambda ch, timeout: wire.pull(ch, req, timeout=timeout, metadata=self._metadata),
+            lambda ch, timeout: wire.pull(
+                ch, req, timeout=timeout, metadata=self._metadata, pool=r.buffers
+            ),
         )
         if delta.committed:
             r.committed = delta.cursor

@@ -172,9 +172,14 @@ class ConsumerConfig:
     tls_ca: Path | None = None
     #: Redis discovery: how long connect() waits for every rank's sidecar to register.
     discovery_timeout_s: float = 120.0
+    #: Rebuild each pull into the buffers of earlier pulls that nothing references any more
+    #: (:mod:`deltad.buffers`); at most this many bytes kept per rank, 0 = allocate afresh.
+    reuse_buffers_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         check_name("consumer", self.consumer)
+        if self.reuse_buffers_bytes < 0:
+            raise ConfigError("reuse_buffers_bytes must be >= 0")
         check_name("model", self.model)
         if self.max_retries < 0 or self.rpc_deadline_s <= 0:
             raise ConfigError("max_retries must be >= 0 and rpc_deadline_s > 0")

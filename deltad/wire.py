@@ -34,6 +34,7 @@ import grpc
 import numpy as np
 import torch
 
+from deltad.buffers import BufferPool
 from deltad.config import PullOptions
 from deltad.errors import ConsumerError
 from deltad.types import Form, WireDtype
@@ -288,7 +289,9 @@ def _view(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
 class _Slot:
     """A slice being filled: preallocated tensors (copy mode) or per-chunk parts (zero-copy)."""
 
-    def __init__(self, s: pb.TableSlice, with_values: bool, zero_copy: bool) -> None:
+    def __init__(
+        self, s: pb.TableSlice, with_values: bool, zero_copy: bool, pool: BufferPool | None
+    ) -> None:
         self.meta = s
         self.count = s.count
         self.width = s.col_end - s.col_start
@@ -300,10 +303,11 @@ class _Slot:
         if zero_copy:
             self.parts = []
         else:
-            self.ids = torch.empty(s.count, dtype=torch.int64)
+            empty = torch.empty if pool is None else pool.take
+            self.ids = empty((s.count,), dtype=torch.int64)
             self.ids_np = self.ids.numpy()
             if with_values:
-                self.values = torch.empty(s.count, self.width)
+                self.values = empty((s.count, self.width), dtype=torch.float32)
                 self.values_np = self.values.numpy()
         self.filled = 0
 
@@ -343,10 +347,14 @@ class WindowAssembler:
     :func:`deltad.perf.tune_malloc` the copy lands in reused heap pages while the received
     messages, which views keep alive, are fresh pages every pull; measured (1 GB fp32 window,
     loopback, 2 cores, steady state) the copy took 0.64-0.84 s per pull, views 0.79-1.05 s.
+
+    With a :class:`~deltad.buffers.BufferPool` the copy mode fills buffers of earlier pulls
+    that nothing references any more, so its pages are already mapped (see that module).
     """
 
-    def __init__(self, *, zero_copy: bool = False) -> None:
+    def __init__(self, *, zero_copy: bool = False, pool: BufferPool | None = None) -> None:
         self.zero_copy = zero_copy
+        self.pool = pool
         self.header: pb.DeltaHeader | None = None
         self.trailer: pb.DeltaTrailer | None = None
         self.form = Form.ROWS
@@ -422,7 +430,7 @@ class WindowAssembler:
         except ValueError as e:
             raise StreamDecodeError(str(e)) from e
         with_values = self.form is not Form.IDS
-        self.slots = [_Slot(s, with_values, self.zero_copy) for s in h.slices]
+        self.slots = [_Slot(s, with_values, self.zero_copy, self.pool) for s in h.slices]
 
     def _on_chunk(
         self,
@@ -500,6 +508,8 @@ class WindowAssembler:
                     f"slice {s.meta.table}: {s.filled} of {s.count} rows received"
                 )
         slices = [u for s in self.slots for u in s.updates()]
+        if self.pool is not None:
+            self.pool.end_round()
         return RankDelta(
             rank=h.rank,
             generation=h.generation,
@@ -518,11 +528,14 @@ class WindowAssembler:
 
 
 def decode_stream(
-    messages: Iterable[pb.GetDeltaResponse | bytes], *, zero_copy: bool = False
+    messages: Iterable[pb.GetDeltaResponse | bytes],
+    *,
+    zero_copy: bool = False,
+    pool: BufferPool | None = None,
 ) -> RankDelta:
     """Decode a whole GetDelta stream (parsed messages or raw bytes) into a RankDelta
-    (``zero_copy``: see :class:`WindowAssembler`)."""
-    asm = WindowAssembler(zero_copy=zero_copy)
+    (``zero_copy``, ``pool``: see :class:`WindowAssembler`)."""
+    asm = WindowAssembler(zero_copy=zero_copy, pool=pool)
     for m in messages:
         asm.add(m)
     return asm.result()
@@ -544,11 +557,12 @@ def pull(
     timeout: float | None = None,
     metadata: Sequence[tuple[str, str]] | None = None,
     zero_copy: bool = False,
+    pool: BufferPool | None = None,
 ) -> RankDelta:
     """Run one GetDelta on ``channel`` over the raw fast path and decode it.
 
     gRPC errors propagate as ``grpc.RpcError``; a malformed stream raises StreamDecodeError.
-    ``zero_copy``: see :class:`WindowAssembler` (the fastest path, for ``apply``-and-drop).
+    ``zero_copy``, ``pool``: see :class:`WindowAssembler`.
     """
     stream = raw_get_delta(channel)(request, timeout=timeout, metadata=metadata)
-    return decode_stream(stream, zero_copy=zero_copy)
+    return decode_stream(stream, zero_copy=zero_copy, pool=pool)

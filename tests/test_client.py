@@ -278,3 +278,33 @@ def test_down_sidecar_delays_its_rank_and_keeps_the_commit(tmp_path: Path, redis
         assert sorted(c.commit(r2)) == [0, 1]
         assert_tables(applier, ft.history[20])
     store.close()
+
+
+def test_rebuild_buffers_are_reused_only_once_released(tmp_path: Path, redis_url: str) -> None:
+    """Pulls rebuild into the buffers of earlier pulls (no fresh pages each time), but never
+    into the tensors of a result the caller still holds."""
+    ft = FakeTrainer(tmp_path, world_size=2)
+    ft.start(0)
+    ft.step(10)
+    with sidecars(tmp_path, redis_url, 2) as servers, consumer("pooled", servers) as c:
+        wait_head(c, [10, 10])
+        held = c.pull()  # not committed: every pull is the whole window again
+        snapshot = [
+            (s.ids.clone(), None if s.values is None else s.values.clone())
+            for d in held.deltas
+            for s in d.slices
+        ]
+        second = c.pull()
+        pools = [r.buffers for r in c._ranks]
+        assert all(p is not None and p.reused == 0 for p in pools)
+        for (ids, vals), s in zip(
+            snapshot, (s for d in held.deltas for s in d.slices), strict=True
+        ):
+            assert torch.equal(s.ids, ids) and (vals is None or torch.equal(s.values, vals))
+        del held, snapshot
+        third = c.pull()  # the first result's buffers are free now
+        assert all(p is not None and p.reused > 0 for p in pools)
+        for r in (second, third):
+            applier = TensorDictApplier()
+            applier.apply(r.deltas)
+            assert_tables(applier, ft.history[10])
