@@ -51,8 +51,12 @@ def wire_bytes(rows: int, dim: int, dtype: str) -> int:
     return rows * per
 
 
-def _bare(worker: ClientWorker, port: int, nbytes: int, chunk: int, single: bool) -> float:
-    r = worker.call("grpc", port=port, nbytes=nbytes, chunk=chunk, single_thread=single)
+def _bare(
+    worker: ClientWorker, port: int, nbytes: int, chunk: int, single: bool, reuse: bool
+) -> float:
+    r = worker.call(
+        "grpc", port=port, nbytes=nbytes, chunk=chunk, single_thread=single, reuse=reuse
+    )
     return float(r["seconds"])
 
 
@@ -212,7 +216,7 @@ class _Probe:
         self.fp32 = counts["fp32"]
         self.chunks = chunks
         self.tcp_s: list[float] = []
-        self.bare_s: dict[tuple[int, int, bool], list[float]] = {}
+        self.bare_s: dict[tuple[int, int, bool, bool], list[float]] = {}
         self.runs: dict[str, list[dict[str, Any]]] = {d: [] for d in counts}
 
     def pull(self, dtype: str, consumer: str) -> dict[str, Any]:
@@ -238,9 +242,10 @@ class _Probe:
         for n in sorted(set(self.counts.values())):
             for c in self.chunks:
                 for single in (False, True):
-                    t = _bare(self.base_worker, self.grpc_port, n, c, single)
-                    if record:
-                        self.bare_s.setdefault((n, c, single), []).append(t)
+                    for reuse in (False, True):
+                        t = _bare(self.base_worker, self.grpc_port, n, c, single, reuse)
+                        if record:
+                            self.bare_s.setdefault((n, c, single, reuse), []).append(t)
 
     def getdelta(self, record: bool = True) -> None:
         if self.side is None:
@@ -254,8 +259,10 @@ class _Probe:
         base["tcp"][self.fp32] = summarize([self.fp32 / t / GB for t in self.tcp_s])
         for n in sorted(set(self.counts.values())):
             per = {
-                f"{c}{'-st' if single else ''}": summarize([n / t / GB for t in times])
-                for (m, c, single), times in self.bare_s.items()
+                f"{c}{'-st' if single else ''}{'-reuse' if reuse else ''}": summarize(
+                    [n / t / GB for t in times]
+                )
+                for (m, c, single, reuse), times in self.bare_s.items()
                 if m == n
             }
             base["grpc"][n] = per

@@ -244,10 +244,17 @@ def _cmd_tcp_close(state: dict[Any, Any], port: int) -> dict[str, Any]:
 
 
 def _cmd_grpc(
-    state: dict[Any, Any], port: int, nbytes: int, chunk: int, single_thread: bool = False
+    state: dict[Any, Any],
+    port: int,
+    nbytes: int,
+    chunk: int,
+    single_thread: bool = False,
+    reuse: bool = False,
 ) -> dict[str, Any]:
     """One bare stream of ``nbytes``; ``single_thread``: the channel option that lets the
-    reading thread drive the stream (no channel thread handing messages over)."""
+    reading thread drive the stream (no channel thread handing messages over); ``reuse``:
+    copy into the destination tensor of the previous stream instead of a new one (as
+    deltad's consumer does with its buffer pool)."""
     import grpc
     import grpc.experimental
     import torch
@@ -266,7 +273,11 @@ def _cmd_grpc(
         state.setdefault("_close", []).append(ch.close)
     call = ch.unary_stream(_METHOD, request_serializer=None, response_deserializer=None)
     t0 = time.perf_counter()
-    out = torch.empty(nbytes, dtype=torch.uint8)
+    out = state.get(("grpc-out", nbytes)) if reuse else None
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        if reuse:
+            state[("grpc-out", nbytes)] = out
     dst = out.numpy().data
     got = 0
     for msg in call(_REQ.pack(nbytes, chunk), timeout=600):
