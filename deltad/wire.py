@@ -27,7 +27,7 @@ Quantization (values on the wire): fp32, fp16, bf16 casts; int8 is row-wise affi
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -146,8 +146,30 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(arr)
 
 
+def _fbgemm_rowwise_int8() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """fbgemm's fused row-wise 8-bit quantizer, or None where fbgemm is not installed."""
+    global _FBGEMM_Q8
+    if _FBGEMM_Q8 is None:
+        try:
+            import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+            _FBGEMM_Q8 = torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized
+        except (ImportError, OSError, AttributeError, RuntimeError):
+            _FBGEMM_Q8 = False
+    return _FBGEMM_Q8 or None
+
+
+_FBGEMM_Q8: Any = None
+
+
 def quantize(values: torch.Tensor, dtype: WireDtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Values in the wire dtype (contiguous) and, for INT8, float32 [n, 2] (scale, bias)."""
+    """Values in the wire dtype (contiguous) and, for INT8, float32 [n, 2] (scale, bias).
+
+    INT8 uses fbgemm's fused row-wise quantizer where fbgemm is installed (measured, 2 MB
+    chunks, one thread: 17.9 GB/s of fp32 rows against 5.2 for the torch ops below): its
+    ``u8 * scale + min`` is this wire's ``(u8 - 128) * scale + (min + 128 * scale)``, and
+    ``u8 - 128`` as int8 is ``u8`` with its top bit flipped.
+    """
     if dtype is WireDtype.FP32:
         return values.to(torch.float32).contiguous(), None
     if dtype is WireDtype.FP16:
@@ -155,10 +177,17 @@ def quantize(values: torch.Tensor, dtype: WireDtype) -> tuple[torch.Tensor, torc
     if dtype is WireDtype.BF16:
         return values.to(torch.bfloat16).contiguous(), None
     v = values.to(torch.float32)
+    n, w = v.shape
     if v.numel() == 0:
-        return torch.empty(v.shape, dtype=torch.int8), torch.empty(v.shape[0], 2)
-    lo = v.amin(dim=1, keepdim=True)
-    hi = v.amax(dim=1, keepdim=True)
+        return torch.empty(v.shape, dtype=torch.int8), torch.empty(n, 2)
+    fused = _fbgemm_rowwise_int8()
+    if fused is not None:
+        q = fused(v.contiguous())  # uint8 [n, w + 8]: codes, then float32 scale and min
+        codes = q[:, :w].view(torch.int8).bitwise_xor(-128)
+        sb = q[:, w:].contiguous().view(torch.float32)
+        sb[:, 1].add_(sb[:, 0], alpha=128.0)
+        return codes, sb
+    lo, hi = torch.aminmax(v, dim=1, keepdim=True)
     scale = (hi - lo) / 255.0
     # One temporary, then in place; a reciprocal multiply instead of a broadcast divide.
     # Measured (2 MB chunks of fp32 rows): 0.28 -> 7.4 GB/s.

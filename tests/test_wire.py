@@ -73,10 +73,32 @@ def test_raw_and_parsed_decoding_agree(dtype: WireDtype) -> None:
         assert ((a - vals).abs() <= span / 510 + 1e-5).all()
 
 
-def test_int8_constant_rows_are_exact() -> None:
+@pytest.fixture(params=["fbgemm", "torch"])
+def int8_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with fbgemm's fused quantizer, then with the plain torch ops."""
+    if request.param == "torch":
+        monkeypatch.setattr(wire, "_FBGEMM_Q8", False)
+    else:
+        assert wire._fbgemm_rowwise_int8() is not None, "fbgemm-gpu-cpu is a dependency"
+    return str(request.param)
+
+
+def test_int8_constant_rows_are_exact(int8_path: str) -> None:
     vals = torch.full((3, 4), 2.5)
+    vals[1] = -7.0
     codes, sb = wire.quantize(vals, WireDtype.INT8)
     assert torch.equal(wire.dequantize(codes, sb, WireDtype.INT8), vals)
+
+
+def test_int8_error_is_half_a_step_on_either_path(int8_path: str) -> None:
+    vals = torch.randn(3000, 48) * torch.logspace(-3, 3, 3000).unsqueeze(1)
+    codes, sb = wire.quantize(vals, WireDtype.INT8)
+    assert codes.dtype is torch.int8 and codes.shape == vals.shape and sb.shape == (3000, 2)
+    assert codes.is_contiguous() and sb.is_contiguous()
+    back = wire.dequantize(codes, sb, WireDtype.INT8)
+    span = vals.amax(1, keepdim=True) - vals.amin(1, keepdim=True)
+    assert ((back - vals).abs() <= span / 510 * 1.001 + 1e-6).all()
+    assert int(codes.min()) == -128 and int(codes.max()) == 127  # every row spans the range
 
 
 def test_ids_form_has_no_values() -> None:
