@@ -12,6 +12,13 @@ that no window is cached from an earlier one.
 Per run: every consumer's pull time (p50 / p99), aggregate throughput (bytes delivered by
 all / span from the first start to the last end) and the sidecar's CPU seconds (psutil,
 user + system, sidecar process and its children) over the run.
+
+**Floor** (baseline, same run): a bare gRPC server (:mod:`bench.wire_baselines`) streams
+the same number of bytes to N clients at once from messages built once and shared, so each
+stream costs only gRPC's send path and the kernel's loopback copy. Its CPU per extra stream
+is what any sidecar pays per consumer in this stack; ``floor_ratio`` is the ratio deltad
+would reach if its own per-consumer cost were exactly that floor:
+``(cpu_1 + (N - 1) * floor_per_stream) / cpu_1``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from bench.common import (
     save_figure,
     summarize,
 )
-from bench.wire_baselines import ClientWorker
+from bench.wire_baselines import ClientWorker, grpc_server_main, start_server
 
 DIM = 64
 TABLES = 4
@@ -76,13 +83,23 @@ def run(ctx: Context) -> dict[str, Any]:
             mon.watch(f"predictor{i}", w.proc.pid)
         # The smoke test (tiny) shares one sidecar: numbers are meaningless there anyway.
         shared = deltad_procs.start_sidecar(kids, spool, ctx) if ctx.tiny else None
+        floor: list[dict[str, Any]] = []
+        bare_conn = None
         try:
+            # (keep its pipe open: the server stops when the pipe closes)
+            bare_conn, bare_port, bare_pid = start_server(kids, grpc_server_main, window)
             for r in range(ctx.repeats):
                 for mode in ("same", "different"):
                     for n in counts:
                         ctx.status(f"fanout {mode} x{n} round {r + 1}")
                         runs.append(_one(ctx, kids, spool, workers[:n], mode, n, r, shared))
+                nbytes = min(max(runs[0]["bytes_per_consumer"]), window)
+                for n in counts:
+                    ctx.status(f"fanout floor x{n} round {r + 1}")
+                    floor.append(_floor(bare_pid, bare_port, workers[:n], nbytes, r))
         finally:
+            if bare_conn is not None:
+                bare_conn.close()
             if shared is not None:
                 shared.stop()
             for w in workers:
@@ -104,9 +121,21 @@ def run(ctx: Context) -> dict[str, Any]:
                     "bytes_per_consumer": rs[0]["bytes_per_consumer"],
                 }
             )
+    floor_points = [
+        {
+            "consumers": n,
+            "server_cpu_s": summarize([x["server_cpu_s"] for x in floor if x["consumers"] == n]),
+            "aggregate_gbps": summarize(
+                [x["aggregate_gbps"] for x in floor if x["consumers"] == n]
+            ),
+        }
+        for n in counts
+    ]
     result: dict[str, Any] = {
         "window_bytes_fp32": window,
         "points": points,
+        "floor": floor_points,
+        "floor_runs": floor,
         "runs": runs,
         "peak_rss_bytes": {
             "sidecar": max((x["sidecar_peak_rss"] for x in runs), default=0),
@@ -123,6 +152,15 @@ def run(ctx: Context) -> dict[str, Any]:
     n8 = 8 if 8 in counts else max(counts)
     r_same = ratio(cpu("same", n8), cpu("same", 1))
     r_diff = ratio(cpu("different", n8), cpu("different", 1))
+    f1, f8 = (
+        next((med(p["server_cpu_s"]) for p in floor_points if p["consumers"] == n), None)
+        for n in (1, n8)
+    )
+    c1, c8 = cpu("same", 1), cpu("same", n8)
+    floor_per = (f8 - f1) / (n8 - 1) if f1 is not None and f8 is not None and n8 > 1 else None
+    deltad_per = (c8 - c1) / (n8 - 1) if c1 is not None and c8 is not None and n8 > 1 else None
+    floor_ratio = ratio(c1 + (n8 - 1) * floor_per, c1) if c1 and floor_per is not None else None
+    result["per_extra_consumer_cpu_s"] = {"deltad": deltad_per, "bare_grpc_floor": floor_per}
     top = [p for p in points if p["consumers"] == max(counts)]
     result["headline"] = [
         {
@@ -131,6 +169,16 @@ def run(ctx: Context) -> dict[str, Any]:
             "unit": "x",
             "target": "<= 1.5x",
             "met": bool(r_same is not None and r_same <= 1.5),
+        },
+        {
+            "metric": f"least possible ratio with gRPC's own send cost (floor), {n8} / 1",
+            "value": floor_ratio,
+            "unit": "x",
+        },
+        {
+            "metric": "CPU per extra consumer, deltad / bare gRPC shared-message floor",
+            "value": ratio(deltad_per, floor_per),
+            "unit": "x",
         },
         {
             "metric": f"sidecar CPU, {n8} consumers different windows / 1",
@@ -205,6 +253,37 @@ def _one(
         "sidecar_cpu_s": cpu_s,
         "sidecar_peak_rss": rss,
         "latest_start_after_start_at_s": late,
+    }
+
+
+def _floor(
+    server_pid: int, port: int, workers: list[ClientWorker], nbytes: int, round_: int
+) -> dict[str, Any]:
+    """N bare gRPC streams of ``nbytes`` at once, from messages the server built once."""
+    cpu = CpuMonitor(server_pid)
+    for w in workers[:1]:  # build the shared messages (untimed), warm the channel
+        w.call("grpc", port=port, nbytes=nbytes, chunk=2 * MB, single_thread=True, shared=True)
+    start_at = time.time() + 0.5 + 0.05 * len(workers)
+    for w in workers:
+        w.send(
+            "grpc",
+            port=port,
+            nbytes=nbytes,
+            chunk=2 * MB,
+            single_thread=True,
+            shared=True,
+            start_at=start_at,
+        )
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu.reset()
+    res = [w.recv("grpc") for w in workers]
+    cpu_s = cpu.seconds()
+    span = max(x["end_unix"] for x in res) - min(x["start_unix"] for x in res)
+    return {
+        "consumers": len(workers),
+        "round": round_,
+        "server_cpu_s": cpu_s,
+        "aggregate_gbps": sum(x["bytes"] for x in res) / span / GB if span > 0 else None,
     }
 
 

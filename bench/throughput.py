@@ -301,8 +301,8 @@ def run(ctx: Context) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
     peaks: dict[str, int] = {}
     with Children() as servers:
-        tcp_conn, tcp_port = start_server(servers, tcp_server_main, top)
-        grpc_conn, grpc_port = start_server(servers, grpc_server_main, top)
+        tcp_conn, tcp_port, _ = start_server(servers, tcp_server_main, top)
+        grpc_conn, grpc_port, _ = start_server(servers, grpc_server_main, top)
         for size in sizes:
             rows = rows_for[size]
             counts = {d: wire_bytes(rows, DIM, d) for d in ["fp32", *dtypes]}

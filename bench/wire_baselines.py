@@ -27,6 +27,8 @@ from typing import Any
 
 _REQ = struct.Struct("<QQ")  # nbytes, chunk
 _METHOD = "/deltad.bench.Bare/Stream"
+#: the same stream from messages built once and shared by every call (the fan-out floor)
+_SHARED_METHOD = "/deltad.bench.Bare/StreamShared"
 MAX_MSG = 64 * 1024 * 1024
 
 
@@ -136,34 +138,54 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
 
 
 def grpc_server_main(port_conn: Any, max_bytes: int) -> None:
-    """Spawned: a bare gRPC server streaming pre-serialized chunks of a preallocated buffer."""
+    """Spawned: a bare gRPC server streaming pre-serialized chunks of a preallocated buffer.
+
+    ``Stream`` builds each message as it sends it (one copy, as deltad encodes a window);
+    ``StreamShared`` sends messages built once per ``(nbytes, chunk)`` and shared by every
+    call, so a call costs only gRPC's own send path: the floor of serving one window to many.
+    """
+    import threading
+
     import grpc
 
     _tune()
 
     src = _source(max_bytes).data
+    built: dict[tuple[int, int], list[bytes]] = {}
+    lock = threading.Lock()
 
-    def stream(request: bytes, context: Any) -> Any:
-        nbytes, chunk = _REQ.unpack(request)
+    def messages(nbytes: int, chunk: int) -> Any:
         off = 0
         while off < nbytes:
             n = min(chunk, nbytes - off)
             yield b"".join((chunk_prefix(n), src[off : off + n]))
             off += n
 
+    def stream(request: bytes, context: Any) -> Any:
+        return messages(*_REQ.unpack(request))
+
+    def stream_shared(request: bytes, context: Any) -> Any:
+        key = _REQ.unpack(request)
+        with lock:
+            if key not in built:
+                built[key] = list(messages(*key))
+            msgs = built[key]
+        yield from msgs
+
+    def method(fn: Any) -> Any:
+        return grpc.unary_stream_rpc_method_handler(
+            fn, request_deserializer=None, response_serializer=None
+        )
+
     handler = grpc.method_handlers_generic_handler(
-        "deltad.bench.Bare",
-        {
-            "Stream": grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=None, response_serializer=None
-            )
-        },
+        "deltad.bench.Bare", {"Stream": method(stream), "StreamShared": method(stream_shared)}
     )
     opts = [
         ("grpc.max_send_message_length", MAX_MSG),
         ("grpc.max_receive_message_length", MAX_MSG),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=opts)
+    # as many streams at once as the fan-out benchmark runs consumers
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=opts)
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -250,11 +272,14 @@ def _cmd_grpc(
     chunk: int,
     single_thread: bool = False,
     reuse: bool = False,
+    shared: bool = False,
+    start_at: float | None = None,
 ) -> dict[str, Any]:
     """One bare stream of ``nbytes``; ``single_thread``: the channel option that lets the
     reading thread drive the stream (no channel thread handing messages over); ``reuse``:
     copy into the destination tensor of the previous stream instead of a new one (as
-    deltad's consumer does with its buffer pool)."""
+    deltad's consumer does with its buffer pool); ``shared``: the server's messages built once
+    for every call; ``start_at`` (unix time): start then (several workers at one moment)."""
     import grpc
     import grpc.experimental
     import torch
@@ -271,7 +296,11 @@ def _cmd_grpc(
         grpc.channel_ready_future(ch).result(timeout=30)
         state[("grpc", port, single_thread)] = ch
         state.setdefault("_close", []).append(ch.close)
-    call = ch.unary_stream(_METHOD, request_serializer=None, response_deserializer=None)
+    method = _SHARED_METHOD if shared else _METHOD
+    call = ch.unary_stream(method, request_serializer=None, response_deserializer=None)
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
+    start_unix = time.time()
     t0 = time.perf_counter()
     out = state.get(("grpc-out", nbytes)) if reuse else None
     if out is None:
@@ -288,7 +317,7 @@ def _cmd_grpc(
     dt = time.perf_counter() - t0
     if got != nbytes:
         raise RuntimeError(f"bare grpc: got {got} of {nbytes} bytes")
-    return {"seconds": dt, "bytes": got}
+    return {"seconds": dt, "bytes": got, "start_unix": start_unix, "end_unix": time.time()}
 
 
 def _cmd_call(state: dict[Any, Any], module: str, func: str, kwargs: dict[str, Any]) -> Any:
@@ -344,15 +373,15 @@ class ClientWorker:
 
 def start_server(
     children: Any, target: Any, max_bytes: int, timeout_s: float = 60.0
-) -> tuple[Any, int]:
-    """Spawn a baseline server process; return (parent end of its pipe, port)."""
+) -> tuple[Any, int, int]:
+    """Spawn a baseline server process; return (parent end of its pipe, port, pid)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    children.process(target, child, max_bytes)
+    proc = children.process(target, child, max_bytes)
     child.close()
     if not parent.poll(timeout_s):
         raise TimeoutError("baseline server did not start")
     port = int(parent.recv())
-    return parent, port
+    return parent, port, int(proc.pid)
