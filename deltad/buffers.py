@@ -14,6 +14,7 @@ A pool is thread-safe; ``DeltaConsumer`` keeps one per rank.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -22,18 +23,15 @@ import torch
 GRANULE = 1 << 20
 
 
-def _use_count_fn() -> object:
-    return getattr(torch._C, "_storage_Use_Count", None)
-
-
-_USE_COUNT = _use_count_fn()
+#: torch's count of references to a storage (private API; without it nothing is reused)
+_USE_COUNT: Any = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def storage_refs(t: torch.Tensor) -> int | None:
     """How many references the storage under ``t`` has (None: this torch cannot tell)."""
     if _USE_COUNT is None:
         return None
-    return int(_USE_COUNT(t.untyped_storage()._cdata))  # type: ignore[operator]
+    return int(_USE_COUNT(t.untyped_storage()._cdata))
 
 
 class _Buffer:

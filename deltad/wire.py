@@ -26,6 +26,8 @@ Quantization (values on the wire): fp32, fp16, bf16 casts; int8 is row-wise affi
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -60,6 +62,12 @@ _DTYPE_FROM_PB: dict[int, WireDtype] = {int(v): k for k, v in _DTYPE_TO_PB.items
 _DTYPE_FROM_PB[pb.WIRE_DTYPE_UNSPECIFIED] = WireDtype.FP32
 #: bytes per value on the wire
 WIRE_ITEMSIZE = {WireDtype.FP32: 4, WireDtype.FP16: 2, WireDtype.BF16: 2, WireDtype.INT8: 1}
+#: the torch dtype of the values on the wire, where they are plain floats (not INT8)
+WIRE_TORCH_DTYPE = {
+    WireDtype.FP32: torch.float32,
+    WireDtype.FP16: torch.float16,
+    WireDtype.BF16: torch.bfloat16,
+}
 
 
 class StreamDecodeError(ConsumerError):
@@ -215,6 +223,66 @@ def encode_trailer(trailer: pb.DeltaTrailer) -> bytes:
     return pb.GetDeltaResponse(trailer=trailer).SerializeToString()
 
 
+def _new_bytes() -> Callable[[int], bytes]:
+    """``n -> bytes`` of ``n`` uninitialised bytes: CPython's ``PyBytes_FromStringAndSize(NULL,
+    n)``, the C API's way to build a bytes object in place before anyone else sees it."""
+    fn = ctypes.pythonapi.PyBytes_FromStringAndSize
+    fn.restype = ctypes.py_object
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+    return lambda n: fn(None, n)  # type: ignore[no-any-return]
+
+
+_NEW_BYTES = _new_bytes()
+#: offset of a bytes object's data from its address (``PyBytesObject.ob_sval``)
+_BYTES_DATA = sys.getsizeof(b"") - 1
+
+
+class ChunkMessage:
+    """One serialized GetDeltaResponse{chunk} built in place: the framing is written, and the
+    ids, scale/bias and values fields are writable numpy views into the message itself.
+
+    Fill every byte of :attr:`ids`, :attr:`scale_bias` (INT8) and :attr:`values` (uint8),
+    drop the views, then send :attr:`data`. Rows written straight into :attr:`values` (a merge's row
+    copies, a cast) cost one copy in all, where building a tensor first and then joining it
+    into a message costs two.
+    """
+
+    __slots__ = ("data", "ids", "scale_bias", "values")
+
+    def __init__(
+        self, slice_index: int, offset: int, count: int, values_nbytes: int, sb_nbytes: int = 0
+    ) -> None:
+        inner = bytearray()
+        if slice_index:
+            inner += b"\x08" + _varint(slice_index)
+        if offset:
+            inner += b"\x10" + _varint(offset)
+        inner += b"\x18" + _varint(count) + b"\x22" + _varint(count * 8)
+        fields = [(bytes(inner), count * 8)]
+        if sb_nbytes:
+            fields.append((b"\x2a" + _varint(sb_nbytes), sb_nbytes))
+        if values_nbytes:
+            fields.append((b"\x32" + _varint(values_nbytes), values_nbytes))
+        size = sum(len(h) + n for h, n in fields)
+        head = b"\x12" + _varint(size)
+        self.data = _NEW_BYTES(len(head) + size)
+        raw: Any = (ctypes.c_char * len(self.data)).from_address(id(self.data) + _BYTES_DATA)
+        raw.owner = self.data  # every view keeps the message alive
+        buf: Any = np.frombuffer(raw, dtype=np.uint8)
+        buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        pos = len(head)
+        views = []
+        for h, n in fields:
+            buf[pos : pos + len(h)] = np.frombuffer(h, dtype=np.uint8)
+            pos += len(h)
+            views.append(buf[pos : pos + n])
+            pos += n
+        self.ids: Any = views[0].view(np.int64)
+        #: float32 (scale, bias) pairs; empty unless ``sb_nbytes``
+        self.scale_bias: Any = views[1].view(np.float32) if sb_nbytes else buf[pos:pos]
+        self.values: Any = views[-1] if values_nbytes else buf[pos:pos]
+
+
 def encode_chunk(
     slice_index: int,
     offset: int,
@@ -222,28 +290,26 @@ def encode_chunk(
     values: torch.Tensor | None,
     scale_bias: torch.Tensor | None = None,
 ) -> bytes:
-    """One serialized GetDeltaResponse{chunk}: tags and lengths joined with the tensor bytes.
+    """One serialized GetDeltaResponse{chunk}.
 
     ``ids`` int64 [n], ``values`` [n, w] already in the wire dtype (or None for FORM_IDS),
-    ``scale_bias`` float32 [n, 2] for INT8. Exactly one copy of the row bytes (the join).
+    ``scale_bias`` float32 [n, 2] for INT8. Exactly one copy of the row bytes.
     """
-    count = ids.numel()
-    head = bytearray()
-    if slice_index:
-        head += b"\x08" + _varint(slice_index)
-    if offset:
-        head += b"\x10" + _varint(offset)
-    head += b"\x18" + _varint(count)
-    idv = _bytes_view(ids)
-    parts: list[bytes | memoryview] = [b"", bytes(head) + b"\x22" + _varint(len(idv)), idv]
-    for tag, t in ((b"\x2a", scale_bias), (b"\x32", values)):
-        if t is not None and t.numel():
-            mv = _bytes_view(t)
-            parts.append(tag + _varint(len(mv)))
-            parts.append(mv)
-    inner = sum(len(p) for p in parts)
-    parts[0] = b"\x12" + _varint(inner)
-    return b"".join(parts)
+    vals = _bytes_view(values) if values is not None and values.numel() else None
+    sb = _bytes_view(scale_bias) if scale_bias is not None and scale_bias.numel() else None
+    m = ChunkMessage(
+        slice_index,
+        offset,
+        ids.numel(),
+        0 if vals is None else len(vals),
+        0 if sb is None else len(sb),
+    )
+    m.ids[:] = ids.numpy()
+    if sb is not None:
+        m.scale_bias.view(np.uint8)[:] = np.frombuffer(sb, dtype=np.uint8)
+    if vals is not None:
+        m.values[:] = np.frombuffer(vals, dtype=np.uint8)
+    return m.data
 
 
 def rows_per_chunk(width: int, dtype: WireDtype | None, chunk_bytes: int) -> int:

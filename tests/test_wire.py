@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+
+import numpy as np
 import pytest
 import torch
 
@@ -47,6 +50,30 @@ def test_hand_built_chunks_parse_as_protobuf() -> None:
         offset += c.count
     assert offset == 300
     assert parsed[0].SerializeToString() == msgs[0]
+
+
+@pytest.mark.parametrize("sb_nbytes", [0, 16])
+def test_a_message_built_in_place_is_protobuf_and_outlives_its_builder(sb_nbytes: int) -> None:
+    m = wire.ChunkMessage(3, 70000, 2, 2 * 5 * 4, sb_nbytes)
+    ids, sb, values = m.ids, m.scale_bias, m.values
+    del m
+    gc.collect()  # the views alone keep the message alive
+    ids[:] = [11, 2**40]
+    values[:] = np.arange(40, dtype=np.uint8)
+    if sb_nbytes:
+        sb[:] = [0.5, -1.0, 2.0, 3.0]
+    base = values
+    while isinstance(base, np.ndarray):
+        base = base.base
+    data = base.owner
+    assert isinstance(data, bytes)
+    c = pb.GetDeltaResponse.FromString(data).chunk
+    assert (c.slice, c.offset, c.count) == (3, 70000, 2)
+    assert np.frombuffer(c.ids, dtype=np.int64).tolist() == [11, 2**40]
+    assert c.values == bytes(range(40))
+    assert np.frombuffer(c.scale_bias, dtype=np.float32).tolist() == (
+        [0.5, -1.0, 2.0, 3.0] if sb_nbytes else []
+    )
 
 
 @pytest.mark.parametrize("dtype", list(WireDtype))

@@ -401,9 +401,10 @@ class _MergedSlice:
 
     Same rows and values as :func:`~deltad.server.merge.merge_chunks` (union of ids, latest
     value wins), but the values are never merged into one slice-sized tensor: each RowChunk's
-    row range is assembled in a reused buffer (or taken as a view of the one chunk that holds
-    all of it) right before it is encoded. Measured (1 GB fp32 window, base + 2 deltas, 2
-    cores): the whole-slice merge costs 0.44 s before encoding; ranges cost <0.1 s.
+    row range is assembled right before it is encoded, in the message itself (fp32), in a
+    reused buffer (other wire dtypes), or taken as a view of the one chunk that holds all of
+    it. Measured (1 GB fp32 window, base + 2 deltas, 2 cores): the whole-slice merge costs
+    0.44 s before encoding; ranges cost <0.1 s.
     """
 
     def __init__(self, chunks: list[SegmentChunk]) -> None:
@@ -440,9 +441,15 @@ class _MergedSlice:
             d = c.ids - self.row_start if self.full else torch.searchsorted(ids, c.ids)
             dests.append(d.numpy())
             spans.append(torch.searchsorted(d, bounds).tolist())
-        buf = torch.empty(min(step, n), width, dtype=last.values.dtype)
-        buf_rows = _rows(buf)
+        # Messages are built in place (wire.ChunkMessage) for fp32 / fp16 / bf16: rows go
+        # straight into the message when the segment dtype is the wire dtype (one copy in
+        # all), else they are merged in ``buf`` and cast into it; int8 quantizes ``buf``.
+        wire_torch = wire.WIRE_TORCH_DTYPE.get(dtype)
+        direct = last.values.dtype == wire_torch
+        buf = torch.empty(0 if direct else min(step, n), width, dtype=last.values.dtype)
         src_rows = [_rows(c.values) for c in cs]
+        row_bytes = width * last.values.element_size()
+        wire_row_bytes = width * wire.WIRE_ITEMSIZE[dtype]
         for r in range(len(bounds) - 1):
             a, b = int(bounds[r]), int(bounds[r + 1])
             # the newest chunk holding every row of [a, b): older chunks are overwritten by it
@@ -454,22 +461,37 @@ class _MergedSlice:
                     break
             later = [j for j in range(first + 1, len(cs)) if spans[j][r + 1] > spans[j][r]]
             lo, hi = spans[first][r], spans[first][r + 1]
-            values: torch.Tensor
-            if hi - lo == b - a and not later:
-                values = cs[first].values[lo:hi]  # a view: nothing newer in this range
+            if hi - lo == b - a and not later:  # nothing newer in this range: a view
+                wire_vals, sb = wire.quantize(cs[first].values[lo:hi], dtype)
+                yield wire.encode_chunk(index, a, ids[a:b], wire_vals, sb)
+                continue
+            msg = None
+            if wire_torch is not None:
+                msg = wire.ChunkMessage(index, a, b - a, (b - a) * wire_row_bytes)
+                msg.ids[:] = ids[a:b].numpy()
+            if direct:
+                assert msg is not None
+                out = msg.values.view(np.dtype((np.void, row_bytes)))
             else:
-                values = buf[: b - a]
-                out = buf_rows[: b - a]
-                if hi - lo == b - a:
-                    out[:] = src_rows[first][lo:hi]
-                    todo = later
-                else:
-                    todo = [j for j in range(len(cs)) if spans[j][r + 1] > spans[j][r]]
-                for j in todo:
-                    lo, hi = spans[j][r], spans[j][r + 1]
-                    out[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
-            wire_vals, sb = wire.quantize(values, dtype)
-            yield wire.encode_chunk(index, a, ids[a:b], wire_vals, sb)
+                out = _rows(buf)[: b - a]
+            if hi - lo == b - a:
+                out[:] = src_rows[first][lo:hi]
+                todo = later
+            else:  # no one chunk covers the range; together they cover every row of it
+                todo = [j for j in range(len(cs)) if spans[j][r + 1] > spans[j][r]]
+            for j in todo:
+                lo, hi = spans[j][r], spans[j][r + 1]
+                out[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
+            del out
+            if msg is not None and wire_torch is not None:
+                if not direct:
+                    dst = torch.from_numpy(msg.values).view(wire_torch).view(b - a, width)
+                    dst.copy_(buf[: b - a])
+                    del dst
+                yield msg.data
+            else:
+                wire_vals, sb = wire.quantize(buf[: b - a], dtype)
+                yield wire.encode_chunk(index, a, ids[a:b], wire_vals, sb)
 
 
 class WindowCache:
