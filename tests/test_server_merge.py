@@ -41,11 +41,16 @@ def test_shard_offset_and_single_chunk_view() -> None:
 
 @pytest.mark.parametrize("segments", [3, 40])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_parallel_merge_of_a_row_wise_shard(segments: int, threads: int) -> None:
-    """Above PARALLEL_MIN_IDS the copies run in one part per thread; the latest value still
-    wins across part boundaries, on a shard that does not start at row 0."""
+@pytest.mark.parametrize("block_bytes", [4 << 20, 1000])
+def test_parallel_merge_of_a_row_wise_shard(
+    segments: int, threads: int, block_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above PARALLEL_MIN_IDS the copies run in a run of blocks per thread (one block per
+    thread here, or hundreds of small ones); the latest value still wins across block
+    boundaries, on a shard that does not start at row 0."""
     from deltad.server import merge
 
+    monkeypatch.setattr(merge, "BLOCK_BYTES", block_bytes)
     start, rows = 300_000, 200_000
     gen = torch.Generator().manual_seed(segments)
     truth = torch.zeros(rows, 3)

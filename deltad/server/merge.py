@@ -95,14 +95,17 @@ def merge_chunks(chunks: Sequence[SegmentChunk], *, with_values: bool = True) ->
     values = torch.empty(ids.numel(), width, dtype=last.values.dtype)
     if values.numel() == 0:
         return SliceRows.like(last, ids, values)
-    # slot[row] = position of the row in ``ids``: a running count of the marks (one pass).
-    slot = torch.cumsum(touched, 0, dtype=torch.int64).sub_(1)
+    # slot[row] = position of the row in ``ids``: a running count of the marks (one pass;
+    # int32 where it fits: half the bytes of int64, 0.065 -> 0.035 s over 10 M rows).
+    slot = torch.cumsum(touched, 0, dtype=torch.int32 if n < 2**31 else torch.int64).sub_(1)
     _copy_oldest_first(chunks, row_start, ids, slot, values, parallel=total >= PARALLEL_MIN_IDS)
     return SliceRows.like(last, ids, values)
 
 
 #: below this many ids a merge copies in the calling thread (a thread hop costs more)
 PARALLEL_MIN_IDS = 200_000
+#: output bytes per block of the row copies (a few blocks stay in a shared L3 cache)
+BLOCK_BYTES = 4 << 20
 #: merge threads (0 = one per usable core, at most 4); tests set it
 MERGE_THREADS = int(os.environ.get("DELTAD_MERGE_THREADS", "0") or 0)
 _pool: ThreadPoolExecutor | None = None
@@ -138,32 +141,41 @@ def _copy_oldest_first(
 ) -> None:
     """Copy every chunk's rows into ``values`` (row ``slot[id - row_start]``), oldest first.
 
-    Later chunks overwrite earlier ones, so the latest value wins. The id range is cut into
-    one part per worker thread (numpy's row copies and torch's gathers release the GIL); each
-    part walks the chunks oldest first on its own rows, so the order holds within every part.
-    Measured (10 M Zipf ids, 8 / 64 segments, dim 16, 2 cores): 0.58 / 0.85 s in one thread
-    (1.6-2.3x torch.unique) -> 0.33-0.38 / 0.45-0.5 s in two.
+    Later chunks overwrite earlier ones, so the latest value wins. The output is cut into
+    blocks of about :data:`BLOCK_BYTES` (at id boundaries), and each block takes every chunk's
+    rows for it, oldest first, so the order holds within every block; a run of blocks per
+    worker thread (numpy's row copies release the GIL). A block stays in cache while the
+    chunks overwrite its rows, instead of every chunk sweeping the whole output. Measured
+    (10 M Zipf ids, dim 16, 2 cores): 8 / 64 segments 0.58 / 0.85 s in one thread -> 0.33-0.38
+    / 0.45-0.5 s in two parts -> 64 segments 0.37-0.40 s in 4 MB blocks.
     """
     out = _rows(values)
-    parts = _workers() if parallel else 1
-    # part boundaries as ids, so each chunk's (sorted) ids split with one searchsorted
-    cuts = [int(ids[ids.numel() * p // parts]) for p in range(1, parts)]
+    workers = _workers() if parallel else 1
+    n = ids.numel()
+    blocks = max(workers, -(-n * out.itemsize // BLOCK_BYTES))
+    # block boundaries as ids, so each chunk's (sorted) ids split with one searchsorted
+    cuts = ids[torch.arange(1, blocks, dtype=torch.int64) * n // blocks]
+    dests, bounds, rows = [], [], []
+    for c in chunks:
+        if c.ids.numel() == 0:
+            continue
+        local = c.ids - row_start if row_start else c.ids
+        dests.append(slot[local].numpy())
+        bounds.append([0, *torch.searchsorted(c.ids, cuts).tolist(), c.ids.numel()])
+        rows.append(_rows(c.values))
 
-    def part(p: int) -> None:
-        for c in chunks:
-            if c.ids.numel() == 0:
-                continue
-            lo = 0 if p == 0 else int(torch.searchsorted(c.ids, cuts[p - 1]))
-            hi = c.ids.numel() if p == parts - 1 else int(torch.searchsorted(c.ids, cuts[p]))
-            if hi <= lo:
-                continue
-            local = c.ids[lo:hi] - row_start if row_start else c.ids[lo:hi]
-            out[slot[local].numpy()] = _rows(c.values)[lo:hi]
+    def run(first: int, last: int) -> None:
+        for b in range(first, last):
+            for d, bs, r in zip(dests, bounds, rows, strict=True):
+                lo, hi = bs[b], bs[b + 1]
+                if hi > lo:
+                    out[d[lo:hi]] = r[lo:hi]
 
-    if parts == 1:
-        part(0)
+    if workers == 1:
+        run(0, blocks)
         return
-    for f in [_executor().submit(part, p) for p in range(parts)]:
+    spans = [(blocks * w // workers, blocks * (w + 1) // workers) for w in range(workers)]
+    for f in [_executor().submit(run, a, b) for a, b in spans]:
         f.result()
 
 
