@@ -2,8 +2,10 @@
 
 Server side: :func:`encode_header`, :func:`encode_trailer` and :func:`encode_slice_chunks`
 return *serialized* ``GetDeltaResponse`` messages (``bytes``). The servicer passes them
-through an identity response serializer, so each RowChunk costs exactly one copy: the field
-tags and varint lengths joined with memoryviews of the tensors (see PERF-NOTES.md).
+through an identity response serializer, so each RowChunk costs exactly one copy (see
+PERF-NOTES.md): :class:`ChunkMessage` writes the field tags and varint lengths into a new
+``bytes`` object and exposes its ids / scale-bias / values fields as writable arrays, which a
+merge fills directly (no intermediate tensor) or :func:`encode_chunk` copies tensors into.
 
 Client side (the consumer library calls these)::
 
