@@ -21,6 +21,9 @@ import torch
 #: Buffers are rounded up to this many bytes, so windows of slightly different sizes reuse
 #: each other's buffers.
 GRANULE = 1 << 20
+#: Tensors smaller than this come from the allocator as usual: small blocks are recycled from
+#: its free lists anyway, and pooling them would pin a granule per small slice.
+MIN_POOLED_BYTES = 1 << 20
 
 
 #: torch's count of references to a storage (private API; without it nothing is reused)
@@ -57,13 +60,23 @@ class BufferPool:
 
     :meth:`take` returns an uninitialised tensor; :meth:`end_round` (call it once a pull is
     decoded) drops the free buffers that round did not use, so the pool holds about one
-    window plus whatever results the caller still keeps. ``max_bytes`` bounds what it keeps.
+    window plus whatever results the caller still keeps. ``max_bytes`` bounds what it keeps;
+    tensors under ``min_bytes`` (default :data:`MIN_POOLED_BYTES`) are plain allocations.
     """
 
-    def __init__(self, *, max_bytes: int = 8 << 30, device: torch.device | str = "cpu") -> None:
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    def __init__(
+        self,
+        *,
+        max_bytes: int = 8 << 30,
+        min_bytes: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if min_bytes is None:
+            min_bytes = MIN_POOLED_BYTES
+        if max_bytes < 0 or min_bytes < 0:
+            raise ValueError(f"max_bytes and min_bytes must be >= 0, got {max_bytes}, {min_bytes}")
         self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
         self.device = torch.device(device)
         self._buffers: list[_Buffer] = []
         self._lock = threading.Lock()
@@ -82,22 +95,23 @@ class BufferPool:
         for s in shape:
             n *= s
         nbytes = n * dtype.itemsize
+        if nbytes == 0 or nbytes < self.min_bytes:
+            return torch.empty(shape, dtype=dtype, device=self.device)
         with self._lock:
             return self._take(nbytes, dtype, shape)
 
     def _take(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         best: _Buffer | None = None
-        if nbytes > 0:
-            for b in self._buffers:
-                if (
-                    not b.used
-                    and b.nbytes >= nbytes
-                    and (best is None or b.nbytes < best.nbytes)
-                    and b.free()
-                ):
-                    best = b
+        for b in self._buffers:
+            if (
+                not b.used
+                and b.nbytes >= nbytes
+                and (best is None or b.nbytes < best.nbytes)
+                and b.free()
+            ):
+                best = b
         if best is None:
-            size = -(-max(nbytes, 1) // GRANULE) * GRANULE
+            size = -(-nbytes // GRANULE) * GRANULE
             if sum(b.nbytes for b in self._buffers) + size > self.max_bytes:
                 return torch.empty(shape, dtype=dtype, device=self.device)
             best = _Buffer(size, self.device)

@@ -19,7 +19,7 @@ def test_this_torch_can_count_storage_references() -> None:
 
 
 def test_a_held_tensor_is_never_handed_out_again() -> None:
-    pool = BufferPool()
+    pool = BufferPool(min_bytes=0)
     a = pool.take((100, 4), torch.float32)
     a.fill_(1.0)
     pool.end_round()
@@ -31,7 +31,7 @@ def test_a_held_tensor_is_never_handed_out_again() -> None:
 
 @pytest.mark.parametrize("keep", ["view", "numpy", "slice_of_view"])
 def test_any_alias_keeps_a_buffer_busy(keep: str) -> None:
-    pool = BufferPool()
+    pool = BufferPool(min_bytes=0)
     a = pool.take((64, 8), torch.float32)
     a.fill_(3.0)
     alias: object
@@ -54,7 +54,7 @@ def test_any_alias_keeps_a_buffer_busy(keep: str) -> None:
 
 
 def test_released_buffers_come_back_and_unused_ones_are_dropped() -> None:
-    pool = BufferPool()
+    pool = BufferPool(min_bytes=0)
     ids = pool.take((1000,), torch.int64)
     vals = pool.take((1000, 16), torch.float32)
     ptrs = {ids.data_ptr(), vals.data_ptr()}
@@ -67,10 +67,19 @@ def test_released_buffers_come_back_and_unused_ones_are_dropped() -> None:
 
 
 def test_max_bytes_bounds_what_the_pool_keeps() -> None:
-    pool = BufferPool(max_bytes=GRANULE)
+    pool = BufferPool(max_bytes=GRANULE, min_bytes=0)
     a = pool.take((GRANULE // 4,), torch.float32)
     b = pool.take((10,), torch.float32)  # over the bound: a plain tensor, not kept
     assert pool.nbytes == GRANULE and pool.allocated == 1
     assert a.numel() == GRANULE // 4 and b.numel() == 10
     with pytest.raises(ValueError):
         BufferPool(max_bytes=-1)
+
+
+def test_empty_and_small_tensors_take_no_buffer() -> None:
+    pool = BufferPool(min_bytes=1 << 16)
+    assert pool.take((0, 16), torch.float32).shape == (0, 16)
+    assert pool.take((100, 16), torch.float32).shape == (100, 16)  # 6.4 kB: plain
+    assert pool.nbytes == 0 and pool.allocated == 0
+    assert pool.take((1 << 12, 16), torch.float32).shape == (1 << 12, 16)  # 256 kB: pooled
+    assert pool.allocated == 1

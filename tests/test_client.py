@@ -280,9 +280,12 @@ def test_down_sidecar_delays_its_rank_and_keeps_the_commit(tmp_path: Path, redis
     store.close()
 
 
-def test_rebuild_buffers_are_reused_only_once_released(tmp_path: Path, redis_url: str) -> None:
+def test_rebuild_buffers_are_reused_only_once_released(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pulls rebuild into the buffers of earlier pulls (no fresh pages each time), but never
     into the tensors of a result the caller still holds."""
+    monkeypatch.setattr("deltad.buffers.MIN_POOLED_BYTES", 0)  # these tables are small
     ft = FakeTrainer(tmp_path, world_size=2)
     ft.start(0)
     ft.step(10)
