@@ -46,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--discovery-timeout", type=float, default=120.0, help="seconds to wait for all ranks"
     )
+    p.add_argument(
+        "--reuse-buffers-mb",
+        type=int,
+        default=8192,
+        help="rebuild pulls into released buffers of earlier pulls, at most this many MB "
+        "kept per rank (0: allocate afresh)",
+    )
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify TLS sidecars")
     p.add_argument(
         "--token-env",
@@ -83,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         discovery_timeout_s=args.discovery_timeout,
         token=os.environ.get(args.token_env) or None,
         tls_ca=args.tls_ca,
+        reuse_buffers_bytes=args.reuse_buffers_mb * (1 << 20),
     )
     predictor = Predictor(
         PredictorConfig(
