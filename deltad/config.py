@@ -178,9 +178,9 @@ class ConsumerConfig:
 
     def __post_init__(self) -> None:
         check_name("consumer", self.consumer)
+        check_name("model", self.model)
         if self.reuse_buffers_bytes < 0:
             raise ConfigError("reuse_buffers_bytes must be >= 0")
-        check_name("model", self.model)
         if self.max_retries < 0 or self.rpc_deadline_s <= 0:
             raise ConfigError("max_retries must be >= 0 and rpc_deadline_s > 0")
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:

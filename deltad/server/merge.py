@@ -106,6 +106,8 @@ def merge_chunks(chunks: Sequence[SegmentChunk], *, with_values: bool = True) ->
 PARALLEL_MIN_IDS = 200_000
 #: output bytes per block of the row copies (a few blocks stay in a shared L3 cache)
 BLOCK_BYTES = 4 << 20
+#: cap on blocks x chunks per merge (each visit is a Python step)
+MAX_BLOCK_VISITS = 100_000
 #: merge threads (0 = one per usable core, at most 4); tests set it
 MERGE_THREADS = int(os.environ.get("DELTAD_MERGE_THREADS", "0") or 0)
 _pool: ThreadPoolExecutor | None = None
@@ -152,7 +154,10 @@ def _copy_oldest_first(
     out = _rows(values)
     workers = _workers() if parallel else 1
     n = ids.numel()
-    blocks = max(workers, -(-n * out.itemsize // BLOCK_BYTES))
+    # (at most ~MAX_BLOCK_VISITS block x chunk visits: a window of thousands of small chunks
+    # would otherwise spend more on the Python loop than on the copies)
+    by_size = -(-n * out.itemsize // BLOCK_BYTES)
+    blocks = max(workers, min(by_size, MAX_BLOCK_VISITS // max(1, len(chunks))))
     # block boundaries as ids, so each chunk's (sorted) ids split with one searchsorted
     cuts = ids[torch.arange(1, blocks, dtype=torch.int64) * n // blocks]
     dests, bounds, rows = [], [], []

@@ -447,6 +447,7 @@ class _MergedSlice:
         wire_torch = wire.WIRE_TORCH_DTYPE.get(dtype)
         direct = last.values.dtype == wire_torch
         buf = torch.empty(0 if direct else min(step, n), width, dtype=last.values.dtype)
+        buf_rows = _rows(buf)
         src_rows = [_rows(c.values) for c in cs]
         row_bytes = width * last.values.element_size()
         wire_row_bytes = width * wire.WIRE_ITEMSIZE[dtype]
@@ -473,7 +474,7 @@ class _MergedSlice:
                 assert msg is not None
                 out = msg.values.view(np.dtype((np.void, row_bytes)))
             else:
-                out = _rows(buf)[: b - a]
+                out = buf_rows[: b - a]
             if hi - lo == b - a:
                 out[:] = src_rows[first][lo:hi]
                 todo = later
@@ -483,15 +484,16 @@ class _MergedSlice:
                 lo, hi = spans[j][r], spans[j][r + 1]
                 out[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
             del out
-            if msg is not None and wire_torch is not None:
-                if not direct:
-                    dst = torch.from_numpy(msg.values).view(wire_torch).view(b - a, width)
-                    dst.copy_(buf[: b - a])
-                    del dst
-                yield msg.data
-            else:
+            if msg is None:  # int8: quantize the merged rows
                 wire_vals, sb = wire.quantize(buf[: b - a], dtype)
                 yield wire.encode_chunk(index, a, ids[a:b], wire_vals, sb)
+                continue
+            if not direct:  # cast the merged rows into the message
+                assert wire_torch is not None
+                into = torch.from_numpy(msg.values).view(wire_torch).view(b - a, width)
+                into.copy_(buf[: b - a])
+                del into
+            yield msg.data
 
 
 class WindowCache:
