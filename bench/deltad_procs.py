@@ -40,6 +40,11 @@ def write_bench_spool(spool: Path, *, rows: int, tables: int, dim: int) -> dict[
     )
 
 
+#: ``deltad serve`` flags that keep the spool as written: no retention round merges its
+#: segments before the pulls, so a window is merged by the pull, as the benchmark states
+NO_RETENTION = ["--retention-interval", "86400"]
+
+
 @dataclass
 class Sidecar:
     """A running ``deltad serve`` child."""

@@ -317,9 +317,13 @@ def run(ctx: Context) -> dict[str, Any]:
                     if not why:
                         ctx.status(f"spool {size / MB:.0f} MB")
                         deltad_procs.write_bench_spool(spool, rows=rows, tables=TABLES, dim=DIM)
-                        # Window cache off: every pull pays merge + encode, as a new window does.
+                        # Window cache off and no retention (which would merge the deltas into
+                        # the base in the background): every pull pays merge + encode.
                         side = deltad_procs.start_sidecar(
-                            kids, spool, ctx, extra=["--window-cache-entries", "0"]
+                            kids,
+                            spool,
+                            ctx,
+                            extra=["--window-cache-entries", "0", *deltad_procs.NO_RETENTION],
                         )
                         mon.watch("sidecar", side.proc.pid)
                     mon.watch("client", worker.proc.pid)
