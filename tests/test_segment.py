@@ -79,6 +79,54 @@ def test_flipped_byte_fails_checksum(tmp_path: Path) -> None:
     read_segment(p, verify=False)  # still parseable when asked not to verify
 
 
+def _as_version_1(raw: bytes) -> bytes:
+    """The same segment in format 1: its magics, version and a zlib crc32 trailer."""
+    import struct
+    import zlib
+
+    body = bytearray(raw[:-16])
+    assert body[:8] == b"DLTSEG02"
+    body[:8] = b"DLTSEG01"
+    at = body.index(b'"format_version":2')
+    body[at : at + 18] = b'"format_version":1'
+    return bytes(body) + struct.pack("<II8s", zlib.crc32(body), 0, b"DLTEND01")
+
+
+def test_version_1_segments_are_still_read_and_verified(tmp_path: Path) -> None:
+    """A spool written before format 2 (crc32) is served as it was, and its corruption found."""
+    chunks = [_chunk("t0", [3, 5, 99]), _chunk("t1", [7], width=2, col_start=2)]
+    p2, p1 = tmp_path / "v2.dseg", tmp_path / "v1.dseg"
+    _write(p2, chunks)
+    assert p2.read_bytes()[:8] == b"DLTSEG02" and p2.read_bytes()[-8:] == b"DLTEND02"
+    p1.write_bytes(_as_version_1(p2.read_bytes()))
+    seg = read_segment(p1)
+    assert seg.header.format_version == 1 and read_header(p1).format_version == 1
+    for a, b in zip(chunks, seg.chunks, strict=True):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.values, b.values)
+    raw = bytearray(p1.read_bytes())
+    raw[-17] ^= 0x01  # the payload's last byte (the trailer is 16)
+    p1.write_bytes(bytes(raw))
+    with pytest.raises(SegmentCorruptError, match="checksum"):
+        read_segment(p1)
+
+
+def test_unknown_or_inconsistent_versions_are_refused(tmp_path: Path) -> None:
+    p = tmp_path / "seg.dseg"
+    _write(p, [_chunk("t0", [1, 2])])
+    good = p.read_bytes()
+    p.write_bytes(b"DLTSEG03" + good[8:])  # a newer writer's file
+    for read in (read_segment, read_header):
+        with pytest.raises(SegmentCorruptError, match="newer deltad"):
+            read(p)
+    p.write_bytes(b"DLTSEG01" + good[8:])  # magic and header disagree
+    for read in (read_segment, read_header):
+        with pytest.raises(SegmentCorruptError, match="header says format 2, magic says 1"):
+            read(p)
+    p.write_bytes(b"NOTASEG!" + good[8:])
+    with pytest.raises(SegmentCorruptError, match="not a deltad segment"):
+        read_segment(p)
+
+
 @pytest.mark.parametrize("cut", [0, 10, 200, -1])
 def test_truncated_file_is_corrupt(tmp_path: Path, cut: int) -> None:
     p = tmp_path / "seg.dseg"
