@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serverkit import Client, SpoolWriter, redis_server, server_config
+from serverkit import Client, SpoolWriter, redis_server, server_config, wait_for
 
 from deltad import wire
 from deltad.redisutil import EmbeddedRedis
@@ -183,4 +183,17 @@ def test_stub_and_raw_paths_use_the_same_service(
         assert sum(m.chunk.count for m in msgs[1:-1]) == 1500
     finally:
         ch.close()
+        srv.stop(0)
+
+
+def test_sidecar_loads_the_int8_kernel_at_start(
+    tmp_path: Path, redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first INT8 pull does not wait for fbgemm's import: the sidecar loads it at start."""
+    monkeypatch.setattr(wire, "_FBGEMM_Q8", None)
+    srv = _serve(tmp_path, redis_server.url)
+    try:
+        wait_for(lambda: wire._FBGEMM_Q8 is not None, what="the int8 kernel preloaded")
+        assert wire._FBGEMM_Q8 is not False, "fbgemm-gpu-cpu is installed: its kernel must load"
+    finally:
         srv.stop(0)

@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from deltad import wire
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
 from deltad.redisutil import EmbeddedRedis
@@ -191,6 +192,9 @@ class SidecarServer:
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(cfg.metrics_port)
         self._register_endpoint()
+        # The first INT8 pull would otherwise wait for fbgemm's import.
+        warm = threading.Thread(target=wire.preload_quantizer, name="deltad-warm", daemon=True)
+        warm.start()
         self._spawn("deltad-poll", self._poll_loop, cfg.poll_interval_s)
         self._spawn("deltad-retention", self._retention_loop, cfg.retention_interval_s)
         if cfg.forget_after_s > 0:
