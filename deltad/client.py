@@ -413,10 +413,12 @@ class DeltaConsumer:
             )
             stored: Cursor | None = wire.cursor_from_pb(resp.committed)
         except _Rejected as e:
-            # The server refuses this cursor for good (older generation, superseded pull):
-            # the next pull re-sends whatever is still owed, so dropping it loses nothing.
+            # The server refuses this cursor for good (older generation, superseded pull, or
+            # a consumer its Redis no longer knows: forgotten, or the keys were lost): the
+            # next pull re-sends whatever is still owed, or resyncs from the base, so
+            # dropping it loses nothing.
             log.warning("rank %d: commit of seq %d rejected: %s", r.rank, cursor.seq, e)
-            stored = r.committed
+            stored = None if e.code == grpc.StatusCode.NOT_FOUND else r.committed
         with r.lock:
             if r.pending == cursor:
                 r.pending = None
@@ -492,8 +494,8 @@ class DeltaConsumer:
             except grpc.RpcError as e:
                 code = e.code()
                 if code not in RETRYABLE:
-                    if code == grpc.StatusCode.FAILED_PRECONDITION and what == "Commit":
-                        raise _Rejected(e.details()) from None
+                    if code in _FINAL_COMMIT_CODES and what == "Commit":
+                        raise _Rejected(code, e.details()) from None
                     raise ConsumerError(
                         f"rank {r.rank} {what} at {r.endpoint}: {code.name}: {e.details()}"
                     ) from None
@@ -586,8 +588,16 @@ class DeltaConsumer:
             self._open(r)
 
 
+#: Commit answers that no retry can change: the cursor is refused for good.
+_FINAL_COMMIT_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
 class _Rejected(ConsumerError):
-    """The server refused a commit for good (FAILED_PRECONDITION)."""
+    """The server refused a commit for good (FAILED_PRECONDITION, NOT_FOUND)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
 
 
 def _worth(d: RankDelta) -> bool:

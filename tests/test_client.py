@@ -280,6 +280,33 @@ def test_down_sidecar_delays_its_rank_and_keeps_the_commit(tmp_path: Path, redis
     store.close()
 
 
+def test_commit_for_a_consumer_redis_lost_resyncs_instead_of_wedging(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Redis lost the consumer's keys (flushed, failed over, forgotten) between its pull and
+    its commit: the commit is refused for good (NOT_FOUND), the consumer drops it and its
+    next pull resyncs from the base, instead of keeping it pending and pulling nothing."""
+    ft = FakeTrainer(tmp_path, world_size=2)
+    ft.start(0)
+    ft.step(10)
+    store = redis.Redis.from_url(redis_url)
+    with sidecars(tmp_path, redis_url, 2) as servers, consumer("amnesiac", servers) as c:
+        wait_head(c, [10, 10])
+        applier = TensorDictApplier()
+        r = c.pull()
+        applier.apply(r.deltas)
+        store.flushdb()
+        c.commit(r)  # refused on both ranks (NOT_FOUND): dropped, not kept pending
+        ft.step(20)
+        wait_head(c, [20, 20])
+        again = c.pull()
+        assert not again.missing and again.resync and again.step == 20
+        applier.apply(again.deltas)
+        assert sorted(c.commit(again)) == [0, 1]
+        assert_tables(applier, ft.history[20])
+    store.close()
+
+
 def test_rebuild_buffers_are_reused_only_once_released(
     tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
