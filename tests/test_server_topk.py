@@ -149,3 +149,58 @@ def test_a_forgotten_consumer_loses_its_owed_rows_and_comes_back_new(
     assert d.resync and d.rows == 1500 and all(s.owed == 0 for s in d.slices)
     rep.apply(d)
     assert _equal(rep, spool)
+
+
+def test_a_repeated_commit_keeps_the_newer_pulls_owed_rows(
+    spool: SpoolWriter, sidecar: SidecarServer, client: Client
+) -> None:
+    """Commit A, pull B, commit A again (a retry), commit B: B's owed rows survive, pulls go
+    on and converge (the repeat once deleted B's owed file: every later pull failed)."""
+    rep = Replica()
+    d = client.pull("retry", Form.TOPK, k=10)
+    rep.apply(d)
+    client.commit(d)
+    spool.delta(n=60)
+    _synced(sidecar, 1)
+    a = client.pull("retry", Form.TOPK, k=10)
+    rep.apply(a)
+    client.commit(a)
+    spool.delta(n=60)
+    _synced(sidecar, 2)
+    b = client.pull("retry", Form.TOPK, k=10)
+    assert sum(s.owed for s in b.slices) > 0
+    client.commit(a)  # the retry of an acknowledged commit
+    rep.apply(b)
+    client.commit(b)
+    for _ in range(40):
+        d = client.pull("retry", Form.TOPK, k=10)
+        assert not d.resync
+        rep.apply(d)
+        client.commit(d)
+        if all(s.owed == 0 for s in d.slices):
+            break
+    assert _equal(rep, spool)
+
+
+def test_lost_owed_rows_resync_the_consumer(
+    spool: SpoolWriter, sidecar: SidecarServer, client: Client
+) -> None:
+    """The owed file of a committed top-k pull is gone: the next pull sends the full tables
+    (a resync), never a window without the owed rows, and never an error forever."""
+    rep = Replica()
+    d = client.pull("lost", Form.TOPK, k=10)
+    rep.apply(d)
+    client.commit(d)
+    spool.delta(n=60)
+    _synced(sidecar, 1)
+    d = client.pull("lost", Form.TOPK, k=10)
+    assert sum(s.owed for s in d.slices) > 0
+    rep.apply(d)
+    client.commit(d)
+    for f in (sidecar.layout.sidecar_dir / "owed" / "lost").iterdir():
+        f.unlink()
+    d = client.pull("lost", Form.TOPK, k=10)
+    assert d.resync and d.rows == 1500 and all(s.owed == 0 for s in d.slices)
+    rep.apply(d)
+    client.commit(d)
+    assert _equal(rep, spool)

@@ -63,7 +63,11 @@ class OwedStore:
         return {c.key: SliceRows.like(c, c.ids, c.values) for c in seg.chunks}
 
     def gc(self, consumer: str, keep: set[str]) -> None:
-        """Delete this rank's owed files of ``consumer`` except the tokens in ``keep``."""
+        """Delete this rank's owed files of ``consumer`` except the tokens in ``keep``.
+
+        A pull writes its file just before Redis records its token, so a concurrent gc can
+        take it for garbage; the consumer's next pull then finds its owed rows missing and
+        resyncs from the base (see ``DeltaServicer.GetDelta``): nothing is lost."""
         d = self.root / consumer
         prefix = f"r{self.rank}-"
         try:

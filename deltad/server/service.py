@@ -184,7 +184,10 @@ class DeltaServicer:
                 try:
                     owed = self.owed.load(consumer, stored.owed_token, gen)
                 except SpoolError as e:
-                    _abort(context, grpc.StatusCode.INTERNAL, str(e))
+                    # The rows owed to it are unknown (file lost or corrupt): the consumer
+                    # gets the full tables again, never a window missing them.
+                    log.warning("%s: resync from the base: %s", consumer, e)
+                    resync, from_seq = True, -1
             spec = WindowSpec(
                 rank, gen, resync, from_seq, to_seq, form, dtype, tables, k, frac, max_rows, chunk
             )
@@ -294,7 +297,14 @@ class DeltaServicer:
             _abort(context, _REJECT_CODES[e.reason], str(e))
         except OffsetStoreError as e:
             _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-        self.owed.gc(consumer, {stored.owed_token})
+        # Keep the committed rows and those of a pull made since (a commit of this cursor
+        # repeated after a newer pull must not delete that pull's owed rows).
+        try:
+            pending = self.store.pending_pulls([consumer], self.config.rank)[consumer]
+        except OffsetStoreError as e:
+            log.warning("%s: owed files not collected: %s", consumer, e)
+        else:
+            self.owed.gc(consumer, {stored.owed_token, pending.owed_token if pending else ""})
         return pb.CommitResponse(committed=self._cursor_pb(consumer, stored))
 
     def _cursor_pb(self, consumer: str, s: StoredCursor | None) -> pb.Cursor:
