@@ -197,3 +197,24 @@ def test_sidecar_loads_the_int8_kernel_at_start(
         assert wire._FBGEMM_Q8 is not False, "fbgemm-gpu-cpu is installed: its kernel must load"
     finally:
         srv.stop(0)
+
+
+def test_a_client_that_stops_reading_loses_its_slot_at_the_deadline(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """A stream blocked in a send (its client stopped reading, and never cancels) is cancelled
+    at stream_deadline_s: its slot goes to the next consumer instead of being held for good."""
+    SpoolWriter(tmp_path / "spool", tables={"big": (200_000, 64)})
+    srv = _serve(tmp_path, redis_server.url, max_concurrent_streams=1, stream_deadline_s=1.0)
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        req = pb.GetDeltaRequest(consumer="stuck", chunk_bytes=64 * 1024)
+        stuck = wire.raw_get_delta(c.channel)(req)  # no client deadline, and never read again
+        next(stuck)
+        assert srv.servicer._streams == 1
+        wait_for(lambda: srv.servicer._streams == 0, timeout=10.0, what="the stuck stream freed")
+        assert c.pull("b", Form.IDS).rows == 200_000
+        stuck.cancel()
+    finally:
+        c.close()
+        srv.stop(0)

@@ -196,6 +196,8 @@ class SidecarServer:
         warm = threading.Thread(target=wire.preload_quantizer, name="deltad-warm", daemon=True)
         warm.start()
         self._spawn("deltad-poll", self._poll_loop, cfg.poll_interval_s)
+        # Streams stuck in a send (a client that stopped reading) past their deadline.
+        self._spawn("deltad-deadlines", self.servicer.cancel_overdue, 0.5)
         self._spawn("deltad-retention", self._retention_loop, cfg.retention_interval_s)
         if cfg.forget_after_s > 0:
             self._spawn("deltad-forget", self.forget_idle, cfg.forget_interval_s)

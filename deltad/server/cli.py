@@ -64,7 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("max-concurrent-streams", int, 64, "GetDelta streams at once (more: RESOURCE_EXHAUSTED)"),
         ("max-message-bytes", int, 16 << 20, "largest request / message in bytes"),
         ("chunk-bytes", int, 2 << 20, "default RowChunk size in bytes"),
-        ("stream-deadline", float, 300.0, "seconds one GetDelta stream may run"),
+        (
+            "stream-deadline",
+            float,
+            300.0,
+            "seconds one GetDelta stream may run (then cancelled, even if its client stopped reading)",
+        ),
         ("lease-ttl", float, 30.0, "default consumer lease in seconds"),
         ("poll-interval", float, 0.05, "seconds between spool scans"),
         ("grace-period", float, 10.0, "seconds streams may finish after SIGTERM"),

@@ -50,10 +50,16 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> No
 
 
 class _StreamSlot:
-    """One unit of the GetDelta concurrency limit; release is idempotent."""
+    """One unit of the GetDelta concurrency limit, with its stream's deadline; release is
+    idempotent."""
 
-    def __init__(self, owner: DeltaServicer) -> None:
+    def __init__(
+        self, owner: DeltaServicer, context: grpc.ServicerContext, consumer: str, deadline: float
+    ) -> None:
         self.owner = owner
+        self.context = context
+        self.consumer = consumer
+        self.deadline = deadline
         self.held = True
 
     def release(self) -> None:
@@ -61,6 +67,7 @@ class _StreamSlot:
             if self.held:
                 self.held = False
                 self.owner._streams -= 1
+                self.owner._slots.discard(self)
                 self.owner.metrics.active_streams.set(self.owner._streams)
 
 
@@ -83,6 +90,7 @@ class DeltaServicer:
         self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
         self._streams = 0
         self._streams_lock = threading.Lock()
+        self._slots: set[_StreamSlot] = set()
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -103,7 +111,8 @@ class DeltaServicer:
         except ConfigError as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def _acquire(self, context: grpc.ServicerContext) -> _StreamSlot:
+    def _acquire(self, context: grpc.ServicerContext, consumer: str) -> _StreamSlot:
+        deadline = time.monotonic() + self.config.stream_deadline_s
         with self._streams_lock:
             if self._streams >= self.config.max_concurrent_streams:
                 _abort(
@@ -113,10 +122,31 @@ class DeltaServicer:
                     f"(max_concurrent_streams={self.config.max_concurrent_streams}); retry later",
                 )
             self._streams += 1
+            slot = _StreamSlot(self, context, consumer, deadline)
+            self._slots.add(slot)
             self.metrics.active_streams.set(self._streams)
-        slot = _StreamSlot(self)
         context.add_callback(slot.release)
         return slot
+
+    def cancel_overdue(self) -> int:
+        """Cancel GetDelta streams past ``stream_deadline_s``; return how many.
+
+        The stream checks its deadline between messages; one whose client stopped reading
+        waits in a send for flow control and never gets there, holding its slot (and with
+        ``max_concurrent_streams`` of them, every other consumer out). The sidecar calls this
+        periodically (``SidecarServer``)."""
+        now = time.monotonic()
+        with self._streams_lock:
+            overdue = [s for s in self._slots if s.held and s.deadline < now]
+        for s in overdue:
+            log.warning(
+                "GetDelta of %s cancelled: past stream_deadline_s=%s (client not reading?)",
+                s.consumer,
+                self.config.stream_deadline_s,
+            )
+            s.context.cancel()
+            s.release()
+        return len(overdue)
 
     def _spec(
         self, req: pb.GetDeltaRequest, snap: LogSnapshot, context: grpc.ServicerContext
@@ -155,8 +185,7 @@ class DeltaServicer:
         consumer = self._name(context, req.consumer)
         snap = self._snapshot(context)
         form, dtype, tables, k, frac, max_rows, chunk = self._spec(req, snap, context)
-        slot = self._acquire(context)
-        started = time.monotonic()
+        slot = self._acquire(context, consumer)
         try:
             rank, gen = self.config.rank, snap.generation
             try:
@@ -215,10 +244,9 @@ class DeltaServicer:
                 _abort(context, grpc.StatusCode.INTERNAL, str(e))
             if hit:
                 self.metrics.cache_hits.inc()
-            deadline = started + self.config.stream_deadline_s
             yield win.header
             for c in win.iter_chunks():
-                if time.monotonic() > deadline:
+                if time.monotonic() > slot.deadline:
                     _abort(
                         context,
                         grpc.StatusCode.DEADLINE_EXCEEDED,
