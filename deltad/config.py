@@ -14,16 +14,26 @@ from deltad.errors import ConfigError
 from deltad.types import Form, TrainLoop, WireDtype
 
 #: Model and consumer names: what may appear in Redis keys, file names and metric labels.
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 
 
 def check_name(kind: str, value: str) -> str:
     """Return ``value`` if it is a valid model/consumer name, else raise ConfigError."""
-    if not isinstance(value, str) or not NAME_PATTERN.match(value):
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
         raise ConfigError(
-            f"invalid {kind} name {value!r}: 1-128 chars of [A-Za-z0-9_.-], starting alphanumeric"
+            f"invalid {kind} name {clip(value)}: 1-128 chars of [A-Za-z0-9_.-], starting "
+            "alphanumeric"
         )
     return value
+
+
+def clip(value: object, limit: int = 64) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, for error messages that echo input
+    (a status message must stay far below gRPC's metadata limit, whatever a client sent)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"
 
 
 @dataclass
@@ -126,6 +136,8 @@ class ServerConfig:
             raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
         if self.stream_deadline_s <= 0 or self.lease_ttl_s <= 0 or self.grace_period_s < 0:
             raise ConfigError("stream deadline and lease TTL must be > 0, grace period >= 0")
+        if self.poll_interval_s <= 0 or self.retention_interval_s <= 0:
+            raise ConfigError("poll and retention intervals must be > 0 (seconds)")
         if self.merge_min_segments < 2:
             raise ConfigError("merge_min_segments must be >= 2")
         if self.forget_after_s < 0 or self.forget_interval_s <= 0:

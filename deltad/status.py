@@ -92,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
         out: dict[str, Any] = MessageToDict(
             status, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
         )
-        out["consumers"] = MessageToDict(consumers, always_print_fields_with_no_presence=True).get(
-            "consumers", []
-        )
+        out["consumers"] = MessageToDict(
+            consumers, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+        ).get("consumers", [])
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
         print(render(status, consumers))

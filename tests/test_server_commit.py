@@ -126,6 +126,9 @@ def test_new_generation_means_resync_never_cross_generation_deltas(
     [
         ({"consumer": "bad name!"}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"consumer": ""}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"consumer": "ok\n"}, grpc.StatusCode.INVALID_ARGUMENT),  # no trailing newline
+        ({"consumer": "x" * 1_000_000}, grpc.StatusCode.INVALID_ARGUMENT),  # echo is clipped
+        ({"tables": [f"t{i}" for i in range(20_000)]}, grpc.StatusCode.NOT_FOUND),
         ({"form": pb.FORM_TOPK}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"form": pb.FORM_TOPK, "fraction": 1.5}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"form": pb.FORM_TOPK, "fraction": -0.1}, grpc.StatusCode.INVALID_ARGUMENT),
@@ -140,7 +143,10 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(
     sidecar: SidecarServer, client: Client, kwargs: dict[str, object], code: grpc.StatusCode
 ) -> None:
     req = pb.GetDeltaRequest(**{"consumer": "ok", **kwargs})  # type: ignore[arg-type]
-    assert _code(lambda: wire.pull(client.channel, req, timeout=10)) == code
+    with pytest.raises(grpc.RpcError) as e:
+        wire.pull(client.channel, req, timeout=10)
+    assert e.value.code() == code, e.value.details()
+    assert 0 < len(e.value.details() or "") < 2000  # a message, never the whole input back
     assert client.pull("ok", Form.IDS).rows == 1500
 
 
@@ -151,6 +157,11 @@ def test_oversized_request_and_bad_commit_input(sidecar: SidecarServer, client: 
     )
     bad = pb.CommitRequest(consumer="no way", cursor=pb.Cursor(consumer="no way"))
     assert _code(client.stub.Commit, bad) == grpc.StatusCode.INVALID_ARGUMENT
+    foreign = pb.CommitRequest(consumer="c", cursor=pb.Cursor(consumer="y" * 1_000_000))
+    with pytest.raises(grpc.RpcError) as e:
+        client.stub.Commit(foreign, timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert len(e.value.details() or "") < 2000
     other_rank = pb.CommitRequest(consumer="c", cursor=pb.Cursor(consumer="c", rank=3))
     assert _code(client.stub.Commit, other_rank) == grpc.StatusCode.INVALID_ARGUMENT
     assert client.pull("ok", Form.IDS).rows == 1500

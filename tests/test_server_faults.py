@@ -103,6 +103,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
         st = json.loads(out.stdout)
         assert st["head_seq"] == "3"
         assert [c["consumer"] for c in st["consumers"]] == ["k", "late", "tk"]
+        assert {"lag_segments", "lag_seconds", "owed_rows"} <= set(st["consumers"][0])
         c.close()
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -116,6 +117,12 @@ def test_bad_flags_exit_2_with_a_message(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "tls" in out.stderr and out.stdout == ""
+    for flag in ("--poll-interval", "--retention-interval"):  # 0 would spin a core
+        out = subprocess.run(
+            [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path), flag, "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 2 and "intervals must be > 0" in out.stderr, out.stderr
     out = subprocess.run(
         [sys.executable, "-m", "deltad.cli", "status", "--target", "127.0.0.1:1", "--timeout", "1"],
         capture_output=True, text=True, timeout=60,

@@ -135,6 +135,10 @@ def test_a_forgotten_consumer_loses_its_owed_rows_and_comes_back_new(
     old = time.time() - 7200  # as if written long ago (young files are spared)
     for f in (f for fs in files.values() for f in fs):
         os.utime(f, (old, old))
+    sidecar.servicer.consumer_infos()  # sets the lag gauges of both
+    lag = sidecar.metrics.registry.get_sample_value
+    labels = {"model": "m", "rank": "0"}
+    assert lag("deltad_consumer_lag_segments", {**labels, "consumer": "gone"}) == 0
     sidecar.config.forget_after_s = 0.5
     assert sidecar.forget_idle() == []  # "gone" still holds its lease
     wait_for(lambda: sidecar.store.lease_remaining(["gone"])["gone"] == 0, what="lease expiry")
@@ -143,6 +147,10 @@ def test_a_forgotten_consumer_loses_its_owed_rows_and_comes_back_new(
     assert not (owed_dir / "gone").exists()
     assert all(f.exists() for f in files["stays"])
     assert [c.consumer for c in sidecar.servicer.consumer_infos()] == ["stays"]
+    # no lag series left for a forgotten consumer (alerts on it would never clear)
+    assert lag("deltad_consumer_lag_segments", {**labels, "consumer": "gone"}) is None
+    assert lag("deltad_consumer_lag_seconds", {**labels, "consumer": "gone"}) is None
+    assert lag("deltad_consumer_lag_segments", {**labels, "consumer": "stays"}) == 0
     # back again, "gone" is a new consumer: the whole current tables, nothing owed
     rep = Replica()
     d = client.pull("gone", Form.TOPK, k=10)

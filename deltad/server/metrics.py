@@ -51,11 +51,24 @@ class SidecarMetrics:
             registry=r,
         )
         self._labels = labels
+        self._lagging: set[str] = set()
         self._http: Any = None
 
     def set_lag(self, consumer: str, segments: int, seconds: float) -> None:
         self.lag_segments.labels(**self._labels, consumer=consumer).set(segments)
         self.lag_seconds.labels(**self._labels, consumer=consumer).set(seconds)
+        self._lagging.add(consumer)
+
+    def keep_lag_of(self, consumers: set[str]) -> None:
+        """Drop the lag series of consumers not in ``consumers`` (forgotten ones), so that no
+        alert fires on a consumer that no longer exists."""
+        for gone in self._lagging - consumers:
+            for gauge in (self.lag_segments, self.lag_seconds):
+                try:
+                    gauge.remove(*self._labels.values(), gone)
+                except KeyError:
+                    pass
+        self._lagging &= consumers
 
     def serve_http(self, port: int, addr: str = "0.0.0.0") -> int:
         """Expose /metrics on ``port`` (0: any free port); returns the port."""

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import grpc
 
 from deltad import wire
-from deltad.config import ServerConfig, check_name
+from deltad.config import ServerConfig, check_name, clip
 from deltad.errors import ConfigError, OffsetStoreError, SpoolError
 from deltad.server.log import LogSnapshot, SegmentLog
 from deltad.server.metrics import SidecarMetrics
@@ -171,7 +171,8 @@ class DeltaServicer:
             _abort(
                 context,
                 grpc.StatusCode.NOT_FOUND,
-                f"unknown tables {unknown}; model {self.config.model!r} has {sorted(known)}",
+                f"{len(unknown)} unknown table(s) {clip(unknown, 256)}; model "
+                f"{self.config.model!r} has {clip(sorted(known), 512)}",
             )
         cap = max(MIN_CHUNK_BYTES, self.config.max_message_bytes - 64 * 1024)
         chunk = min(max(req.chunk_bytes or self.config.chunk_bytes, MIN_CHUNK_BYTES), cap)
@@ -294,7 +295,7 @@ class DeltaServicer:
             _abort(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"cursor belongs to consumer {c.consumer!r}, not {consumer!r}",
+                f"cursor belongs to consumer {clip(c.consumer)}, not {consumer!r}",
             )
         if c.rank != self.config.rank:
             _abort(
@@ -403,6 +404,7 @@ class DeltaServicer:
                 info.lag_seconds = max(0.0, now - pending[0].created_unix) if pending else 0.0
                 self.metrics.set_lag(name, info.lag_segments, info.lag_seconds)
             out.append(info)
+        self.metrics.keep_lag_of(set(names))
         return out
 
     def ListConsumers(
