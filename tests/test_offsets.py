@@ -98,6 +98,28 @@ def test_redis_restart_keeps_cursors_and_outage_is_bounded(tmp_path: Path) -> No
         r2.stop()
 
 
+def test_a_refusing_redis_is_a_clear_error_not_a_crash(tmp_path: Path) -> None:
+    """Redis answers but refuses (here: out of memory): OffsetStoreError with Redis' reason
+    at once (the handlers turn it into UNAVAILABLE), no retries, nothing written."""
+    r = EmbeddedRedis(tmp_path / "r")
+    r.start()
+    try:
+        s = OffsetStore.from_url(r.url, "m", attempts=3, backoff_s=5.0)
+        _pull(s, "c", "p", 1)
+        _commit(s, "c", "p", 1)
+        s.client.config_set("maxmemory-policy", "noeviction")
+        s.client.config_set("maxmemory", 1)
+        t0 = time.monotonic()
+        with pytest.raises(OffsetStoreError, match=r"refused record_pull: .*maxmemory"):
+            _pull(s, "c", "q", 2)
+        assert time.monotonic() - t0 < 4.0  # not retried (a retry would wait 5 s first)
+        s.client.config_set("maxmemory", 0)
+        cur = s.get_cursor("c", 0)
+        assert cur is not None and cur.seq == 1
+    finally:
+        r.stop()
+
+
 def test_forget_idle_drops_every_rank_of_a_silent_consumer(redis_server: EmbeddedRedis) -> None:
     s = OffsetStore.from_url(redis_server.url, "m")
     for c in ("gone", "alive", "recent"):

@@ -172,11 +172,15 @@ class OffsetStore:
         for attempt in range(self.attempts):
             try:
                 return fn()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError) as e:
+                # down, loading its data after a restart, or a replica after a failover
                 last = e
                 if attempt + 1 < self.attempts:
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
+            except redis.RedisError as e:  # an answer no retry changes (OOM, MISCONF, ...)
+                where = _redact(self.url) if self.url else "redis"
+                raise OffsetStoreError(f"offset store ({where}) refused {what}: {e}") from e
         where = _redact(self.url) if self.url else "redis"
         raise OffsetStoreError(
             f"offset store ({where}) unavailable during {what} after {self.attempts} attempts: "
