@@ -162,3 +162,31 @@ def test_restart_deletes_files_covered_by_a_merged_segment(tmp_path: Path) -> No
     assert snap is not None
     assert [(e.first_seq, e.seq) for e in snap.entries] == [(0, 0), (1, 3)]
     assert [s for s, _ in spool.layout.segments(1, 0)] == [0, 3]
+
+
+def test_a_merge_overtaken_by_a_new_generation_leaves_no_file_behind(
+    setup, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The trainer restarts (new generation) while a merge of the old one runs: the merged
+    file, written into the dropped generation's directory, is deleted, not leaked."""
+    import deltad.server.retention as retention
+
+    spool, srv, c = setup
+    for _ in range(4):
+        spool.delta()
+    _head(srv, 4)
+
+    def merge_then_restart(entries):  # type: ignore[no-untyped-def]
+        merged = merge_entries(entries)
+        spool.start_generation(2)
+        srv.log.refresh()
+        assert srv.log.snapshot().generation == 2  # type: ignore[union-attr]
+        return merged
+
+    monkeypatch.setattr(retention, "merge_entries", merge_then_restart)
+    assert srv.retention.run_once() is False
+    old = spool.layout.rank_dir(1, 0)
+    assert not old.exists() or not list(old.iterdir())
+    rep = Replica()
+    _sync(c, "fresh", rep)
+    assert _equal(rep, spool)

@@ -234,9 +234,15 @@ class SegmentLog:
 
     def replace(self, covered: Sequence[LogEntry], merged: LogEntry) -> bool:
         """Swap ``covered`` (already replaced on disk by ``merged``) for ``merged``; delete
-        the covered files. False if the log moved on meanwhile (nothing is changed then)."""
+        the covered files. False if the log moved on meanwhile (nothing is changed then,
+        except that a merge of a generation dropped meanwhile is deleted with it)."""
         with self._lock:
             snap = self._snapshot
+            if merged.segment.header.generation != self._generation:
+                # the merge wrote into a generation dropped while it ran (re-creating its
+                # directory): nothing will ever read or delete it but this
+                self._drop_generation(merged.segment.header.generation)
+                return False
             if snap is None or any(self._known.get(e.path) is not e for e in covered):
                 return False
             for e in covered:
