@@ -39,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-align", action="store_true", help="do not align ranks on one step")
     p.add_argument("--auto-commit", action="store_true", help="let the server commit")
     p.add_argument("--init-tables", type=Path, help="start from this {table: tensor} file")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the committed cursors instead of asking for the full tables; only "
+        "with --init-tables holding the state of those cursors (e.g. this consumer's own "
+        "--final-tables from a clean stop)",
+    )
     p.add_argument("--final-tables", type=Path, help="torch.save the tables here at the end")
     p.add_argument("--json-log", metavar="PATH", help='JSON line per pull ("-": stdout)')
     p.add_argument("--rpc-deadline", type=float, default=30.0, help="seconds per RPC")
@@ -69,7 +76,11 @@ def run(args: argparse.Namespace) -> int:
     tune_threads()
     from consumers.predictor import Predictor, PredictorConfig
     from deltad.config import ConsumerConfig, PullOptions
+    from deltad.errors import ConfigError
     from deltad.types import Form, WireDtype
+
+    if args.resume and args.init_tables is None:
+        raise ConfigError("--resume needs --init-tables: the tables its committed cursors describe")
 
     consumer = ConsumerConfig(
         consumer=args.consumer,
@@ -91,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         token=os.environ.get(args.token_env) or None,
         tls_ca=args.tls_ca,
         reuse_buffers_bytes=args.reuse_buffers_mb * (1 << 20),
+        resume=args.resume,
     )
     predictor = Predictor(
         PredictorConfig(

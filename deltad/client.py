@@ -128,6 +128,8 @@ class _Rank:
         self.stub: pb_grpc.DeltaServiceStub | None = None
         self.pending: Cursor | None = None  # applied, commit not acknowledged yet
         self.committed: Cursor | None = None
+        #: The caller's tables hold nothing of this rank yet: ask for the full tables.
+        self.needs_base = True
         self.lock = threading.Lock()
 
 
@@ -182,6 +184,8 @@ class DeltaConsumer:
         self._ranks = [
             _Rank(r, ep, self.config.reuse_buffers_bytes) for r, ep in enumerate(endpoints)
         ]
+        for r in self._ranks:
+            r.needs_base = not self.config.resume
         for r in self._ranks:
             self._open(r)
         self._pool = ThreadPoolExecutor(
@@ -249,7 +253,7 @@ class DeltaConsumer:
             if isinstance(res, Exception):
                 result.missing[r.rank] = f"pending commit: {res}"
         if self.config.align_steps:
-            return self._pull_aligned(result)
+            return self._handed(self._pull_aligned(result))
         # A rank whose commit is still pending is not pulled: a new pull would supersede it.
         ready = [r for r in self._ranks if r.rank not in result.missing]
         deltas = self._parallel(lambda r: self._get_delta(r, self.config.pull.max_step), ready)
@@ -261,6 +265,14 @@ class DeltaConsumer:
         if result.deltas:
             result.step = min(d.to_step for d in result.deltas)
             result.head_step = max(d.to_step for d in result.deltas)
+        return self._handed(result)
+
+    def _handed(self, result: PullResult) -> PullResult:
+        """``result`` goes to the caller: a rank whose full tables it carries no longer needs
+        them (a pull dropped before this point, e.g. by step alignment, still does)."""
+        for d in result.deltas:
+            if d.resync:
+                self._ranks[d.rank].needs_base = False
         return result
 
     def commit(self, result: PullResult) -> list[int]:
@@ -343,8 +355,9 @@ class DeltaConsumer:
         result.source_unix = max(at_step) if at_step else None
         return result
 
-    def _request(self, max_step: int | None) -> pb.GetDeltaRequest:
+    def _request(self, r: _Rank, max_step: int | None) -> pb.GetDeltaRequest:
         req = wire.request_from_options(self.config.consumer, self.config.pull)
+        req.from_base = r.needs_base
         if self.config.align_steps:
             req.auto_commit = False  # committed by _pull_aligned once every rank agreed
         if max_step is not None:
@@ -352,7 +365,7 @@ class DeltaConsumer:
         return req
 
     def _get_delta(self, r: _Rank, max_step: int | None) -> RankDelta:
-        req = self._request(max_step)
+        req = self._request(r, max_step)
 
         delta = self._retry(
             r,

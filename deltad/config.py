@@ -187,6 +187,12 @@ class ConsumerConfig:
     #: Rebuild each pull into the buffers of earlier pulls that nothing references any more
     #: (:mod:`deltad.buffers`); at most this many bytes kept per rank, 0 = allocate afresh.
     reuse_buffers_bytes: int = 8 << 30
+    #: Continue from the committed cursors: only for a consumer whose tables already hold
+    #: the state those cursors describe (restored from disk). Off (default), each rank's
+    #: first pull of this process asks for the full tables (a resync), whatever its cursor:
+    #: a restarted predictor that kept its tables in memory must not get only the rows
+    #: changed since its last commit.
+    resume: bool = False
 
     def __post_init__(self) -> None:
         check_name("consumer", self.consumer)

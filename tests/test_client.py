@@ -307,6 +307,42 @@ def test_commit_for_a_consumer_redis_lost_resyncs_instead_of_wedging(
     store.close()
 
 
+def test_a_restarted_consumer_gets_the_full_tables_unless_it_resumes(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A predictor process that restarts under its name has lost its in-memory tables: its
+    first pull is the full tables (from_base), not the rows changed since its last commit.
+    One that restored its tables (resume=True) continues from its committed cursors."""
+    ft = FakeTrainer(tmp_path, world_size=2)
+    ft.start(0)
+    ft.step(10)
+    with sidecars(tmp_path, redis_url, 2) as servers:
+        with consumer("phoenix", servers) as c:
+            wait_head(c, [10, 10])
+            first = TensorDictApplier()
+            c.sync(first.apply)
+            assert_tables(first, ft.history[10])
+        ft.step(20)
+        with consumer("phoenix", servers) as c:  # restarted, tables lost
+            wait_head(c, [20, 20])
+            fresh = TensorDictApplier()
+            r = c.sync(fresh.apply)
+            assert r.resync and r.step == 20
+            assert_tables(fresh, ft.history[20])
+            ft.step(30)
+            wait_head(c, [30, 30])
+            r = c.sync(fresh.apply)  # later pulls of the same process: only changes
+            assert not r.resync and r.rows == sum(len(i) for i in ft.touched[30].values())
+            assert_tables(fresh, ft.history[30])
+        ft.step(40)
+        with consumer("phoenix", servers, resume=True) as c:  # tables restored from disk
+            wait_head(c, [40, 40])
+            restored = TensorDictApplier({n: t.clone() for n, t in fresh.tables().items()})
+            r = c.sync(restored.apply)
+            assert not r.resync and r.rows == sum(len(i) for i in ft.touched[40].values())
+            assert_tables(restored, ft.history[40])
+
+
 def test_rebuild_buffers_are_reused_only_once_released(
     tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

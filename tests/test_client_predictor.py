@@ -70,3 +70,15 @@ def test_percentile() -> None:
     values = [float(i) for i in range(1, 101)]
     assert percentile(values, 50) == pytest.approx(50.5)
     assert percentile(values, 99) == pytest.approx(99.01)
+
+
+def test_consume_resume_needs_init_tables(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "p", "--resume",
+         "--sidecar", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--resume needs --init-tables" in out.stderr, out.stderr

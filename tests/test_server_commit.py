@@ -165,3 +165,24 @@ def test_oversized_request_and_bad_commit_input(sidecar: SidecarServer, client: 
     other_rank = pb.CommitRequest(consumer="c", cursor=pb.Cursor(consumer="c", rank=3))
     assert _code(client.stub.Commit, other_rank) == grpc.StatusCode.INVALID_ARGUMENT
     assert client.pull("ok", Form.IDS).rows == 1500
+
+
+def test_from_base_resyncs_and_never_ends_behind_the_cursor(
+    spool: SpoolWriter, sidecar: SidecarServer, client: Client
+) -> None:
+    """GetDelta(from_base): the full tables whatever the cursor says, and never a window
+    ending before the committed cursor (its commit would be refused, leaving old tables)."""
+    client.commit(client.pull("fb"))
+    spool.delta()
+    spool.delta()
+    wait_for(lambda: sidecar.log.snapshot().head.seq == 2)  # type: ignore[union-attr]
+    d = client.pull("fb")
+    client.commit(d)
+    assert d.to_seq == 2
+    rep = Replica()
+    again = client.pull("fb", from_base=True, max_step=10)  # asks for less than it holds
+    assert again.resync and again.from_seq == -1 and again.to_seq == 2
+    rep.apply(again)
+    assert client.commit(again).committed.seq == 2
+    assert all(torch.equal(rep.tables[t], spool.truth[t]) for t in spool.specs)
+    assert client.pull("fb").rows == 0  # and then only what changes

@@ -202,10 +202,16 @@ class DeltaServicer:
                     f"the served {gen}; this sidecar has not seen it yet",
                 )
             # A cursor of an older generation, or behind a base merged past it (an expired
-            # consumer), restarts from the base.
+            # consumer), restarts from the base; so does a consumer that asks to.
             resync = stored is None or stored.generation < gen or stored.seq < snap.base.seq
+            resync = resync or req.from_base
             from_seq = -1 if resync or stored is None else stored.seq
             to = snap.last_at_or_before_step(req.max_step if req.HasField("max_step") else None)
+            same_gen = stored is not None and stored.generation == gen
+            if resync and same_gen and stored is not None and to.seq < stored.seq:
+                # a resync (asked for) never ends behind the committed cursor: its commit
+                # would be refused, leaving tables older than the cursor says
+                to = snap.head
             to_seq, to_step = to.seq, to.step
             if not resync and stored is not None and to_seq <= stored.seq:
                 to_seq, to_step = stored.seq, stored.step

@@ -49,7 +49,7 @@ class Cursor(_message.Message):
     def __init__(self, consumer: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., step: _Optional[int] = ..., pull_id: _Optional[str] = ...) -> None: ...
 
 class GetDeltaRequest(_message.Message):
-    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes")
+    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     FORM_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class GetDeltaRequest(_message.Message):
     AUTO_COMMIT_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FROM_BASE_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     form: Form
     k: int
@@ -70,7 +71,8 @@ class GetDeltaRequest(_message.Message):
     auto_commit: bool
     max_step: int
     chunk_bytes: int
-    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    from_base: bool
+    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
     __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices")
