@@ -5,8 +5,11 @@ tensors afresh each time makes every pull depend on the allocator still holding 
 of the last one: when it gives them back to the kernel, the next pull page-faults its whole
 size again (a 1 GB window is 262 k faults, 0.3-1.6 s of system time measured here).
 :class:`BufferPool` keeps the buffers of earlier pulls and hands one out again **only once
-nothing outside the pool refers to its memory** (no tensor, view or numpy array of it is
-alive), so a result the caller still holds is never overwritten.
+nothing outside the pool refers to its memory** (no tensor, view, numpy array or DLPack
+capsule of it is alive), so a result the caller still holds is never overwritten. One way to
+hold the memory escapes it: a Python ``UntypedStorage`` object kept alone (``t.untyped_storage()``
+with every tensor over it dropped) does not count; keep a tensor or view instead, or copy, or
+turn the pool off (``ConsumerConfig.reuse_buffers_bytes = 0``).
 
 A pool is thread-safe; ``DeltaConsumer`` keeps one per rank.
 """
