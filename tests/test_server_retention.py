@@ -134,6 +134,8 @@ def test_corrupt_segment_is_quarantined_and_never_served(setup) -> None:  # type
         "deltad_quarantined_segments_total", {"model": "m", "rank": "0"}
     )
     assert body == 1.0
+    assert SegmentLog(spool.layout, 0).quarantined == 1  # a restarted sidecar still reports it
+    assert SegmentLog(spool.layout, 1).quarantined == 0
     # the trainer's next generation repairs it
     spool.start_generation(2)
     wait_for(lambda: srv.log.snapshot().generation == 2)  # type: ignore[union-attr]

@@ -116,7 +116,8 @@ class SegmentLog:
         self.layout = layout
         self.rank = rank
         self.on_quarantine = on_quarantine
-        self.quarantined = 0
+        #: Segments of this rank in the quarantine directory (kept there across restarts).
+        self.quarantined = self._count_quarantined()
         self._lock = threading.Lock()
         self._snapshot: LogSnapshot | None = None
         self._known: dict[Path, LogEntry] = {}
@@ -193,6 +194,14 @@ class SegmentLog:
                 log.info("deleting %s: covered by a merged segment", old.path)
                 old.path.unlink(missing_ok=True)
                 del known[old.path]
+
+    def _count_quarantined(self) -> int:
+        try:
+            return sum(
+                f"-rank-{self.rank:05d}-" in p.name for p in self.layout.quarantine_dir.iterdir()
+            )
+        except OSError:
+            return 0
 
     def _quarantine(self, generation: int, path: Path, reason: str) -> None:
         qdir = self.layout.quarantine_dir
