@@ -192,3 +192,23 @@ def test_a_merge_overtaken_by_a_new_generation_leaves_no_file_behind(
     rep = Replica()
     _sync(c, "fresh", rep)
     assert _equal(rep, spool)
+
+
+def test_an_unreadable_segment_holds_the_log_back_and_is_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spool = SpoolWriter(tmp_path / "spool")
+    path = spool.layout.segment_path(1, 0, 1)
+    path.mkdir()  # unreadable as a segment (an OSError, not corruption: not quarantined)
+    seglog = SegmentLog(spool.layout, 0)
+    with caplog.at_level("WARNING", logger="deltad.server.log"):
+        for _ in range(5):
+            seglog.refresh()
+    assert [r.message for r in caplog.records].count(
+        next(r.message for r in caplog.records if "cannot index" in r.message)
+    ) == 1
+    assert seglog.snapshot().head.seq == 0 and seglog.quarantined == 0  # type: ignore[union-attr]
+    path.rmdir()
+    spool.delta()
+    seglog.refresh()
+    assert seglog.snapshot().head.seq == 1  # type: ignore[union-attr]

@@ -118,6 +118,7 @@ class SegmentLog:
         self.on_quarantine = on_quarantine
         #: Segments of this rank in the quarantine directory (kept there across restarts).
         self.quarantined = self._count_quarantined()
+        self._unreadable: dict[Path, str] = {}  # path -> the error last logged for it
         self._lock = threading.Lock()
         self._snapshot: LogSnapshot | None = None
         self._known: dict[Path, LogEntry] = {}
@@ -182,8 +183,11 @@ class SegmentLog:
             except SpoolError as e:
                 if not path.exists():
                     continue
-                log.warning("cannot index %s: %s", path, e)
+                if self._unreadable.get(path) != str(e):  # once, not at every poll
+                    log.warning("cannot index %s (holding the log back until it can): %s", path, e)
+                    self._unreadable[path] = str(e)
                 continue
+            self._unreadable.pop(path, None)
             known[path] = entry
         # a file whose range another file covers is the leftover of a merge: delete it
         for old in list(known.values()):
