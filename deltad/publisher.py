@@ -32,6 +32,9 @@ from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)
 
+#: The largest generation id: generations travel as int64 (collectives, segment headers).
+_MAX_GENERATION = 2**63 - 1
+
 
 @dataclass
 class SegmentStats:
@@ -196,7 +199,12 @@ class SegmentPublisher:
     # -- public API -------------------------------------------------------------------------
 
     def start(self, step: int = 0) -> int:
-        """Choose the generation, write its manifest (rank 0) and this rank's base segment."""
+        """Choose the generation, write its manifest (rank 0) and this rank's base segment.
+
+        The generation is larger than every one already in the spool: ``config.generation``
+        if it is (else SpoolError on every rank, the spool untouched), or by default a
+        time-based id (``time.time_ns()``, or the newest + 1 if that is larger).
+        """
         if self.generation is not None:
             raise SpoolError("publisher already started")
         error: BaseException | None = None
@@ -205,8 +213,7 @@ class SegmentPublisher:
         except SpoolError as e:
             error = e
         self._agree(error, "preparing the spool")
-        gen = self.config.generation if self.config.generation is not None else time.time_ns()
-        gen = self._broadcast(gen)
+        gen = self._choose_generation()
         if self.rank == 0:
             try:
                 self.layout.write_manifest(
@@ -236,6 +243,46 @@ class SegmentPublisher:
         self._agree(self._error, "writing the base segment")
         self._thread = threading.Thread(target=self._writer, name="deltad-writer", daemon=True)
         self._thread.start()
+        return gen
+
+    def _choose_generation(self) -> int:
+        """The new run's generation, the same on every rank, or SpoolError on every rank.
+
+        It must be larger than every generation already in the spool: a reused id would
+        overwrite that run's manifest and first segments while its later segments stay
+        (two runs mixed in one log), and a smaller one is never served (the sidecar only
+        switches to a larger generation). Every rank reports the largest it sees (one
+        shared spool, or one per host) and all of them agree on the maximum; rank 0's
+        choice (the requested id, or the clock but past that maximum) is broadcast; then
+        every rank checks it against the maximum alike, so a refusal is raised on all ranks
+        with the same message and none is left waiting in a collective.
+        """
+        requested = self.config.generation
+        newest: int | None = None
+        error: BaseException | None = None
+        try:
+            if requested is not None and not 0 <= requested <= _MAX_GENERATION:
+                raise SpoolError(f"generation {requested} is out of range 0..{_MAX_GENERATION}")
+            newest = max(self.layout.generations(), default=None)
+            if newest is not None and newest >= _MAX_GENERATION:
+                raise SpoolError(
+                    f"generation {newest} in {self.layout.model_dir} leaves no larger id: "
+                    "move that generation out of the spool"
+                )
+        except SpoolError as e:
+            error = e
+        self._agree(error, "choosing the generation")
+        newest = self._all_reduce_max(-1 if newest is None else newest)
+        gen = requested if requested is not None else max(time.time_ns(), newest + 1)
+        gen = self._broadcast(gen)
+        if gen <= newest:  # only a requested id can be; the same on every rank
+            raise SpoolError(
+                f"generation {gen} is not newer than generation {newest}, which already "
+                f"exists in {self.layout.model_dir}: a restart is a new generation (reusing "
+                f"an id would mix two runs in one log, a smaller one is never served); pass "
+                f"generation {newest + 1} or larger (--generation), or none for a time-based "
+                f"one past it"
+            )
         return gen
 
     def maybe_publish(self, step: int) -> SegmentStats | None:

@@ -210,3 +210,108 @@ def test_buffer_pool_hands_out_the_smallest_free_buffer_that_fits() -> None:
     pool.give(key, b)
     d = pool.take(key, 200, 4, torch.float32, False)  # rows grew: new, a and b dropped
     assert d.size(0) == 225 and pool._free[key] == []
+
+
+def _fake_publisher(spool: Path, generation: int | None) -> tuple[SegmentPublisher, _FakeTracker]:
+    """A publisher of one 64 x 4 shard; no process group unless torch.distributed is up."""
+    tracker = _FakeTracker(torch.zeros(64, 4))
+    cfg = PublisherConfig(spool, model="toy", every_steps=1, fsync=False, generation=generation)
+    return SegmentPublisher(torch.nn.Module(), tracker, cfg), tracker  # type: ignore[arg-type]
+
+
+def _run(pub: SegmentPublisher, tracker: _FakeTracker, steps: int) -> int:
+    """start, ``steps`` delta segments, close; the generation."""
+    gen = pub.start(0)
+    for step in range(1, steps + 1):
+        tracker.shard.weight.add_(1.0)
+        tracker.next = torch.arange(step, step + 4)
+        pub.publish(step)
+    pub.close(steps + 1)
+    return gen
+
+
+def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _refusal_worker(rank: int, world_size: int, spool: str) -> None:
+    for requested in (5, 3):  # the existing generation, and a smaller one
+        pub, _ = _fake_publisher(Path(spool), requested)
+        with pytest.raises(SpoolError) as info:
+            pub.start(0)
+        # The same clear message on every rank: what exists, and what to pass instead.
+        assert str(info.value).startswith(
+            f"generation {requested} is not newer than generation 5, which already exists in"
+        ), info.value
+        assert "pass generation 6 or larger (--generation), or none" in str(info.value)
+        assert pub.generation is None
+        with pytest.raises(SpoolError, match="not started"):
+            pub.publish(1)
+    # No rank is left in a collective: the ranks go on together, and the default (time-based)
+    # generation starts one newer than 5 on every rank.
+    pub, tracker = _fake_publisher(Path(spool), None)
+    gen = _run(pub, tracker, 2)
+    assert gen > 5 and len(set(_gather(gen, world_size))) == 1
+
+
+@pytest.mark.slow
+def test_reused_or_smaller_generation_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """A restart with an existing generation id would overwrite that run's manifest and first
+    segments and leave its later ones: refused on both ranks, the old files untouched."""
+    spool = tmp_path / "spool"
+    gen = _run(*_fake_publisher(spool, 5), 3)
+    assert gen == 5
+    layout = SpoolLayout(spool, "toy")
+    before = _snapshot(layout.generation_dir(5))
+    assert len(before) == 1 + 5  # manifest, base, 3 deltas, final
+    spawn(_refusal_worker, 2, tmp_path, str(spool))
+    assert _snapshot(layout.generation_dir(5)) == before
+    assert layout.read_manifest(5).world_size == 1
+    newest = layout.latest_generation()
+    assert newest is not None and newest > 5
+    assert [len(layout.segments(newest, r)) for r in range(2)] == [4, 4]
+
+
+def test_default_generation_is_newer_than_the_spools_newest(tmp_path: Path) -> None:
+    """A clock behind the spool's newest generation (a clock that went back, or a newest one
+    that was given explicitly) still gives a new run a larger generation, or the sidecar,
+    which only switches to a larger one, would never serve it."""
+    spool = tmp_path / "spool"
+    ahead = time.time_ns() + 10**15  # ~11.6 days ahead of the clock
+    assert _run(*_fake_publisher(spool, ahead), 1) == ahead
+    gen = _run(*_fake_publisher(spool, None), 1)
+    assert gen == ahead + 1
+    layout = SpoolLayout(spool, "toy")
+    assert layout.latest_generation() == gen
+    assert [s for s, _ in layout.segments(gen, 0)] == [0, 1, 2]
+    assert [s for s, _ in layout.segments(ahead, 0)] == [0, 1, 2]
+    # A generation directory without a manifest (a run that died before writing it) counts.
+    layout.generation_dir(gen + 10).mkdir()
+    assert _run(*_fake_publisher(spool, None), 0) == gen + 11
+
+
+def test_new_generations_start_normally(tmp_path: Path) -> None:
+    """An empty spool takes any requested generation; a larger one after it is accepted, the
+    default one is time-based; each is a complete log of its own."""
+    spool = tmp_path / "spool"
+    layout = SpoolLayout(spool, "toy")
+    assert _run(*_fake_publisher(spool, 7), 2) == 7
+    assert _run(*_fake_publisher(spool, 8), 1) == 8
+    t0 = time.time_ns()
+    gen = _run(*_fake_publisher(spool, None), 1)
+    assert t0 <= gen <= time.time_ns()
+    assert layout.generations() == [7, 8, gen]
+    for g, n in ((7, 4), (8, 3), (gen, 3)):
+        assert layout.read_manifest(g).generation == g
+        segs = [read_segment(p) for _, p in layout.segments(g, 0)]
+        assert [s.header.seq for s in segs] == list(range(n))
+        assert all(s.header.generation == g for s in segs)
+    with pytest.raises(SpoolError, match=f"generation 9 is not newer than generation {gen}"):
+        _fake_publisher(spool, 9)[0].start(0)
+    with pytest.raises(SpoolError, match="out of range"):
+        _fake_publisher(spool, -1)[0].start(0)
+    assert layout.generations() == [7, 8, gen]

@@ -48,7 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not fsync segments (free on a tmpfs spool anyway; see docs/design-notes.md)",
     )
-    parser.add_argument("--generation", type=int, help="generation id (default: time-based)")
+    parser.add_argument(
+        "--generation",
+        type=int,
+        help="generation id, larger than every one in the spool (refused otherwise; "
+        "default: time-based, past the newest)",
+    )
     parser.add_argument("--loop", choices=_LOOPS, default="plain")
     parser.add_argument("--input", choices=("kjt", "tensordict"), default="kjt")
     parser.add_argument("--final-tables", type=Path, help="torch.save {table: tensor} here")
