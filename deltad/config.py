@@ -56,7 +56,8 @@ class PublisherConfig:
     every_steps: int = 0
     #: Publish when this many seconds have passed since the last segment (0 = off).
     every_seconds: float = 0.0
-    #: Generation id; None = chosen by rank 0 at start (time-based) and broadcast.
+    #: Generation id, larger than every generation already in the spool (a smaller or equal
+    #: one is refused at start); None = max(time_ns, newest + 1), chosen by rank 0.
     generation: int | None = None
     #: Segments copied but not yet written before the training loop blocks (backpressure).
     max_pending_writes: int = 2
