@@ -287,7 +287,7 @@ class SegmentPublisher:
 
     def maybe_publish(self, step: int) -> SegmentStats | None:
         """Publish a delta segment if one is due at this step; call after every optimizer step."""
-        self._check()
+        self._check_open()
         t0 = time.perf_counter()
         self.stats.calls += 1
         cfg = self.config
@@ -301,9 +301,17 @@ class SegmentPublisher:
     def publish(self, step: int) -> SegmentStats:
         """Drain the tracker and publish the touched rows as the next delta segment now.
 
-        Every rank must call it at the same step (each writes its own segment).
+        Every rank must call it at the same step (each writes its own segment). A segment
+        that failed to write on any rank (the log now has a gap that only a new generation
+        closes) raises SpoolError here on every rank at once: one all-reduce per segment, so
+        that no rank is left waiting in the trainer's next collective.
         """
-        self._check()
+        self._check_open()
+        error = None
+        if self._error is not None:
+            error = SpoolError(f"writing a segment failed: {self._error}")
+            error.__cause__ = self._error
+        self._agree(error, "writing a segment")
         t0 = time.perf_counter()
         drained = self.tracker.drain()
         shards = [s for s, _ in drained]
@@ -355,12 +363,11 @@ class SegmentPublisher:
             out.copy_(weight.index_select(0, local), non_blocking=True)
         return out
 
-    def _check(self) -> None:
+    def _check_open(self) -> None:
         if self.generation is None:
             raise SpoolError("publisher not started: call start(step) first")
         if self._closed:
             raise SpoolError("publisher is closed")
-        self._check_error()
 
     def _check_error(self) -> None:
         if self._error is not None:

@@ -105,6 +105,38 @@ def test_publisher_rebuilds_tables_bit_exactly(tmp_path: Path) -> None:
     spawn(_publisher_worker, 2, tmp_path, str(tmp_path / "spool"), str(blocked))
 
 
+def _write_failure_worker(rank: int, world_size: int, spool: str) -> None:
+    dmp = toy_dmp(world_size)
+    tracker = DeltaTracker(dmp)
+    cfg = PublisherConfig(Path(spool), model="toy", every_steps=1, max_pending_writes=1)
+    pub = SegmentPublisher(dmp, tracker, cfg)
+    gen = pub.start(0)
+    if rank == 1:  # rank 1's directory becomes unusable: its next segment cannot be written
+        d = pub.layout.rank_dir(gen, 1)
+        d.rename(d.with_name(d.name + ".moved"))
+        d.write_text("not a directory")
+    dist.barrier()
+    dmp(batch(rank, 1))[0].backward()
+    pub.maybe_publish(1)  # rank 1's write fails in its writer thread
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while pub._error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub._error is not None
+    dist.barrier()
+    dmp(batch(rank, 2))[0].backward()
+    # every rank learns it at the same publish, so none waits in the next collective alone
+    expected = "writing a segment failed: " if rank == 1 else "failed on another rank"
+    with pytest.raises(SpoolError, match=expected):
+        pub.maybe_publish(2)
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_a_failed_write_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    spawn(_write_failure_worker, 2, tmp_path, str(tmp_path / "spool"))
+
+
 class _FakeTracker:
     """One CPU shard of a 64 x 4 table; ``drain`` returns the rows set by the test."""
 
