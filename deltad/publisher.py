@@ -4,8 +4,10 @@ Call :meth:`SegmentPublisher.start` once before training (writes the generation 
 the **base** segment), :meth:`SegmentPublisher.maybe_publish` right after every optimizer
 step, and :meth:`SegmentPublisher.close` at the end. Every rank runs the same calls; the
 publish decision is identical on all ranks (step-based needs no collective, time-based
-all-reduces one flag). The training loop only pays for the drain and an ``index_select`` copy
-of the touched rows; a background thread writes the file (bounded queue, backpressure).
+all-reduces one flag per step), and each publish all-reduces one more, so that a segment that
+failed to write on any rank raises on all of them together. The training loop only pays for
+the drain and an ``index_select`` copy of the touched rows; a background thread writes the
+file (bounded queue, backpressure).
 """
 
 from __future__ import annotations
