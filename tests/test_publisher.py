@@ -129,6 +129,9 @@ def _write_failure_worker(rank: int, world_size: int, spool: str) -> None:
     expected = "writing a segment failed: " if rank == 1 else "failed on another rank"
     with pytest.raises(SpoolError, match=expected):
         pub.maybe_publish(2)
+    with pytest.raises(SpoolError, match=expected):  # and again at close, which stops the writer
+        pub.close(2)
+    assert pub._thread is not None and not pub._thread.is_alive()
     dist.barrier()
 
 
