@@ -236,6 +236,7 @@ class SegmentPublisher:
         # The base is written synchronously, straight from the weights (training has not
         # started, so no copy is needed); every rank agrees it succeeded before training.
         self.tracker.drain()  # the base holds every row; earlier lookups are covered
+        self.tracker.flush_caches()  # rows a device cache holds, into the weights read below
         t0 = time.perf_counter()
         shards = self.tracker.shards
         ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
@@ -316,6 +317,7 @@ class SegmentPublisher:
         self._agree(error, "writing a segment")
         t0 = time.perf_counter()
         drained = self.tracker.drain()
+        self.tracker.flush_caches()  # UVM-caching kernels: cached rows into the weights first
         shards = [s for s, _ in drained]
         ids = [local + s.row_start for s, local in drained]
         buffers: list[tuple[tuple[Any, ...], torch.Tensor]] = []

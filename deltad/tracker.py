@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,25 @@ class TrackedShard:
     col_end: int
     #: [row_end - row_start, col_end - col_start] view of the TBE weights (not a copy).
     weight: torch.Tensor = field(repr=False)
+    #: Writes a device cache's rows back into ``weight`` (UVM-caching kernels, see
+    #: :func:`cache_flush`); None where ``weight`` is always current.
+    flush: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+
+def cache_flush(emb: Any) -> Callable[[], None] | None:
+    """The write-back of an embedding kernel that keeps rows in a device cache, else None.
+
+    fbgemm's UVM-caching TBEs (``EmbeddingComputeKernel.FUSED_UVM_CACHING``) update the rows
+    cached in HBM; ``split_embedding_weights()`` views the UVM backing store, which holds a
+    cached row's value only after ``flush()``. Such rows must be flushed before they are read
+    (the publisher does, at each step boundary). CPU and plain fused kernels have no cache.
+    """
+    tbe = getattr(emb, "_emb_module", emb)
+    cache = getattr(tbe, "lxu_cache_weights", None)
+    flush = getattr(tbe, "flush", None)
+    if isinstance(cache, torch.Tensor) and cache.numel() > 0 and callable(flush):
+        return flush  # type: ignore[no-any-return]
+    return None
 
 
 @dataclass
@@ -211,8 +230,9 @@ class DeltaTracker:
             key_shard: list[int] = []
             for emb in getattr(lookup, "_emb_modules", []):
                 weights = emb.split_embedding_weights()
+                flush = cache_flush(emb)
                 for t, w in zip(emb._config.embedding_tables, weights, strict=True):
-                    shard = self._shard(name, kind, t, w, plan, configs, local)
+                    shard = self._shard(name, kind, t, w, plan, configs, local, flush)
                     for feature in t.feature_names:
                         keys.append(feature)
                         key_shard.append(len(shards))
@@ -247,6 +267,7 @@ class DeltaTracker:
         plan: dict[str, Any],
         configs: dict[str, Any],
         local: dict[tuple[str, int, int], torch.Tensor],
+        flush: Callable[[], None] | None = None,
     ) -> TrackedShard:
         cfg = configs[t.name]
         meta = t.local_metadata
@@ -277,6 +298,7 @@ class DeltaTracker:
             col_start=c0,
             col_end=c0 + cols,
             weight=w,
+            flush=flush,
         )
 
     def _new_lookup(self, shards: list[TrackedShard], key_shard: list[int]) -> _Lookup:
@@ -333,6 +355,19 @@ class DeltaTracker:
     def shards(self) -> list[TrackedShard]:
         """Every local shard tracked on this rank."""
         return [s for lk in self._lookups.values() for s in lk.shards]
+
+    @torch.no_grad()
+    def flush_caches(self) -> int:
+        """Write device-cached rows back into the shards' weights (each kernel once), so that
+        ``weight`` holds every row's current value; returns the kernels flushed (0 on CPU).
+        Call at a step boundary, before reading rows (the publisher does)."""
+        done: set[int] = set()
+        for s in self.shards:
+            owner = getattr(s.flush, "__self__", s.flush)
+            if s.flush is not None and id(owner) not in done:
+                done.add(id(owner))
+                s.flush()
+        return len(done)
 
     @property
     def tables(self) -> list[TableInfo]:

@@ -154,9 +154,17 @@ class _FakeTracker:
         self.shards = [self.shard]
         self.tables = [TableInfo("t", rows, dim, "float32", "m", "ec", "row_wise")]
         self.next: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        #: rows a device cache (UVM caching) holds newer than ``weight``: {row: values}
+        self.cached: dict[int, torch.Tensor] = {}
 
     def drain(self) -> list[tuple[Any, torch.Tensor]]:
         return [(self.shard, self.next)]
+
+    def flush_caches(self) -> int:
+        for row, values in self.cached.items():
+            self.shard.weight[row] = values
+        self.cached.clear()
+        return 1
 
 
 def test_pooled_copy_buffers_are_never_reused_while_queued(
@@ -245,6 +253,49 @@ def test_buffer_pool_hands_out_the_smallest_free_buffer_that_fits() -> None:
     pool.give(key, b)
     d = pool.take(key, 200, 4, torch.float32, False)  # rows grew: new, a and b dropped
     assert d.size(0) == 225 and pool._free[key] == []
+
+
+def test_rows_a_device_cache_holds_are_flushed_before_they_are_read(tmp_path: Path) -> None:
+    """UVM-caching kernels keep updated rows in a device cache; the weights deltad reads see
+    them only after a flush. The base and every delta are read after one."""
+    weight = torch.zeros(64, 4)
+    tracker = _FakeTracker(weight)
+    pub = SegmentPublisher(None, tracker, PublisherConfig(tmp_path / "spool", every_steps=1))  # type: ignore[arg-type]
+    tracker.cached = {5: torch.full((4,), 5.0)}
+    gen = pub.start(0)
+    tracker.cached = {3: torch.full((4,), 3.0)}
+    tracker.next = torch.tensor([3])
+    pub.maybe_publish(1)
+    pub.close(1)
+    layout = SpoolLayout(tmp_path / "spool", "model")
+    base = read_segment(layout.segment_path(gen, 0, 0)).chunks[0]
+    delta = read_segment(layout.segment_path(gen, 0, 1)).chunks[0]
+    assert torch.equal(base.values[5], torch.full((4,), 5.0))
+    assert delta.ids.tolist() == [3] and torch.equal(delta.values[0], torch.full((4,), 3.0))
+
+
+def test_cache_flush_is_found_only_on_kernels_with_a_cache() -> None:
+    from deltad.tracker import cache_flush
+
+    class Tbe:  # the attributes of fbgemm's SplitTableBatchedEmbeddingBagsCodegen used
+        def __init__(self, cache_rows: int) -> None:
+            self.lxu_cache_weights = torch.zeros(cache_rows, 4)
+            self.flushed = 0
+
+        def flush(self) -> None:
+            self.flushed += 1
+
+    class Fused:  # torchrec's BatchedFusedEmbedding(Bag) wraps the TBE
+        def __init__(self, tbe: Tbe) -> None:
+            self._emb_module = tbe
+
+    assert cache_flush(Fused(Tbe(0))) is None  # CPU / HBM kernels: no cache
+    cached = Tbe(16)
+    flush = cache_flush(Fused(cached))
+    assert flush is not None
+    flush()
+    assert cached.flushed == 1
+    assert cache_flush(object()) is None
 
 
 def _fake_publisher(spool: Path, generation: int | None) -> tuple[SegmentPublisher, _FakeTracker]:
