@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from deltad.buffers import BufferPool
 from deltad.config import PullOptions
@@ -46,6 +47,9 @@ from deltad.v1 import delta_pb2 as pb
 from deltad.window import Cursor, RankDelta, SliceUpdate
 
 GET_DELTA_METHOD = "/deltad.v1.DeltaService/GetDelta"
+#: A header announcing a slice of more values than this (rows x columns) is refused before
+#: anything is allocated (2**36 float32 values: 256 GiB).
+MAX_SLICE_ELEMENTS = 1 << 36
 
 _FORM_TO_PB: dict[Form, pb.Form] = {
     Form.IDS: pb.FORM_IDS,
@@ -384,6 +388,8 @@ def _skip_field(buf: memoryview, pos: int, wire_type: int) -> int:
 
 def _view(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
     """A read-only tensor over received bytes (no copy; keeps the bytes alive)."""
+    if len(buf) == 0:
+        return torch.empty(0, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
         return torch.frombuffer(buf, dtype=dtype)
@@ -493,16 +499,27 @@ class WindowAssembler:
         tag, pos = _read_varint(buf, 0)
         n, pos = _read_varint(buf, pos)
         body = buf[pos : pos + n]
-        if len(body) != n or pos + n != len(buf):
+        if len(body) != n:
             raise StreamDecodeError("bad GetDeltaResponse framing")
-        if tag == 0x0A:
-            self._on_header(pb.DeltaHeader.FromString(bytes(body)))
-        elif tag == 0x12:
-            self._parse_chunk(body)
-        elif tag == 0x1A:
-            self._on_trailer(pb.DeltaTrailer.FromString(bytes(body)))
-        else:
-            raise StreamDecodeError(f"unexpected field tag {tag:#x} in GetDeltaResponse")
+        if pos + n != len(buf):
+            # fields after the first (a newer server's additions): decode the whole message
+            try:
+                msg = pb.GetDeltaResponse.FromString(bytes(buf))
+            except DecodeError as e:
+                raise StreamDecodeError(f"bad GetDeltaResponse: {e}") from e
+            self.add(msg)
+            return
+        try:
+            if tag == 0x0A:
+                self._on_header(pb.DeltaHeader.FromString(bytes(body)))
+            elif tag == 0x12:
+                self._parse_chunk(body)
+            elif tag == 0x1A:
+                self._on_trailer(pb.DeltaTrailer.FromString(bytes(body)))
+            else:
+                raise StreamDecodeError(f"unexpected field tag {tag:#x} in GetDeltaResponse")
+        except DecodeError as e:
+            raise StreamDecodeError(f"bad GetDeltaResponse: {e}") from e
 
     def _parse_chunk(self, buf: memoryview) -> None:
         fields = [0, 0, 0]
@@ -533,6 +550,16 @@ class WindowAssembler:
         except ValueError as e:
             raise StreamDecodeError(str(e)) from e
         with_values = self.form is not Form.IDS
+        for s in h.slices:
+            if not 0 <= s.col_start <= s.col_end <= s.dim or s.count > s.num_rows:
+                raise StreamDecodeError(
+                    f"slice {s.table[:64]!r}: columns {s.col_start}..{s.col_end} of {s.dim}, "
+                    f"{s.count} rows of {s.num_rows}: not a slice of its table"
+                )
+            if s.count * max(1, s.col_end - s.col_start) > MAX_SLICE_ELEMENTS:
+                raise StreamDecodeError(
+                    f"slice {s.table[:64]!r} of {s.count} x {s.col_end - s.col_start}: too large"
+                )
         self.slots = [_Slot(s, with_values, self.zero_copy, self.pool) for s in h.slices]
 
     def _on_chunk(
@@ -552,6 +579,10 @@ class WindowAssembler:
         end = offset + count
         if end > slot.count or len(ids) != count * 8:
             raise StreamDecodeError(f"chunk rows {offset}..{end} outside slice of {slot.count}")
+        if offset != slot.filled:  # each slice's rows come in order, once: no gap, no overlap
+            raise StreamDecodeError(
+                f"chunk rows {offset}..{end} of slice {index}: expected row {slot.filled} next"
+            )
         if slot.parts is not None:
             vals = None
             if slot.with_values:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deltad import wire
+from deltad.buffers import BufferPool
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -140,12 +141,63 @@ def test_truncated_or_malformed_streams_raise() -> None:
     msgs = _stream(torch.arange(100), torch.randn(100, 3), WireDtype.FP32, 512)
     with pytest.raises(wire.StreamDecodeError, match="before its trailer"):
         wire.decode_stream(msgs[:-1])
-    with pytest.raises(wire.StreamDecodeError, match="rows received"):
+    with pytest.raises(wire.StreamDecodeError, match="expected row 0 next"):  # a gap
         wire.decode_stream([msgs[0], *msgs[2:]])
+    with pytest.raises(wire.StreamDecodeError, match="rows received"):  # one chunk short
+        wire.decode_stream([*msgs[:-2], msgs[-1]])
     with pytest.raises(wire.StreamDecodeError):
         wire.decode_stream([msgs[0], msgs[1][:-3], *msgs[2:]])
     with pytest.raises(wire.StreamDecodeError, match="outside header"):
         wire.decode_stream(msgs[1:])
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_duplicated_or_reordered_chunks_are_refused(zero_copy: bool) -> None:
+    """Chunk counts alone would add up with a chunk sent twice and another missing: the
+    window must be refused, never returned with stale or uninitialised rows."""
+    msgs = _stream(torch.arange(100), torch.randn(100, 3), WireDtype.FP32, 512)
+    assert len(msgs) > 4
+    pool = BufferPool(max_bytes=1 << 30) if not zero_copy else None
+    twice = [msgs[0], msgs[1], msgs[1], *msgs[3:]]
+    swapped = [msgs[0], msgs[2], msgs[1], *msgs[3:]]
+    for bad in (twice, swapped):
+        with pytest.raises(wire.StreamDecodeError, match="expected row"):
+            wire.decode_stream(bad, zero_copy=zero_copy, pool=pool)
+
+
+def test_malformed_headers_and_messages_are_stream_errors() -> None:
+    """Whatever a buggy or mismatched server sends raises StreamDecodeError (a per-rank
+    failure the consumer reports), not a protobuf, torch or numpy error."""
+    msgs = _stream(torch.arange(10), torch.randn(10, 3), WireDtype.FP32, 512)
+    header = pb.GetDeltaResponse.FromString(msgs[0]).header
+
+    def with_slice(**kw: int) -> bytes:
+        h = pb.DeltaHeader()
+        h.CopyFrom(header)
+        for k, v in kw.items():
+            setattr(h.slices[0], k, v)
+        return pb.GetDeltaResponse(header=h).SerializeToString()
+
+    for bad in (
+        with_slice(col_start=3, col_end=1),
+        with_slice(col_end=99),
+        with_slice(count=2**62, num_rows=2**63 - 1),
+        with_slice(count=11),
+    ):
+        for zero_copy in (False, True):
+            with pytest.raises(wire.StreamDecodeError, match="slice"):
+                wire.decode_stream([bad, *msgs[1:]], zero_copy=zero_copy)
+    with pytest.raises(wire.StreamDecodeError, match="bad GetDeltaResponse"):
+        wire.decode_stream([b"\x0a\x03\xff\xff\xff", *msgs[1:]])  # a header of garbage
+
+
+def test_fields_a_newer_server_adds_are_skipped() -> None:
+    """A response carrying a field this client does not know decodes as the same window."""
+    ids, vals = torch.arange(40), torch.randn(40, 3)
+    msgs = _stream(ids, vals, WireDtype.FP32, 512)
+    extra = b"\xa0\x06\x01"  # field 100, varint 1: unknown to this version
+    d = wire.decode_stream([m + extra for m in msgs])
+    assert torch.equal(d.slices[0].ids, ids) and torch.equal(d.slices[0].values, vals)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [WireDtype.FP32, WireDtype.INT8])
