@@ -45,19 +45,38 @@ class Applier(abc.ABC):
         with self.lock:
             yield
 
+    def _begin(self) -> None:
+        """A window's checks start: tables ``table`` allocates now are staged, not held."""
+        return None  # tables that are never replaced (TorchRecApplier) stage nothing
+
+    def _install(self) -> None:
+        """Every slice passed its checks: the staged tables replace the held ones."""
+        return None  # tables that are never replaced (TorchRecApplier) stage nothing
+
+    def _discard(self) -> None:
+        """A slice failed its checks: the staged tables are dropped, the held ones stay."""
+        return None  # tables that are never replaced (TorchRecApplier) stage nothing
+
     def apply(self, deltas: Sequence[RankDelta]) -> int:
         """Write every slice of ``deltas`` atomically; return the number of rows written."""
         with self.lock:
             plan: list[tuple[torch.Tensor, SliceUpdate]] = []
-            for d in deltas:
-                for s in d.slices:
-                    if s.values is None:
-                        raise ConsumerError(
-                            f"rank {d.rank}: table {s.table} has no values (form {d.form.value})"
-                        )
-                    t = self.table(s.table, s.num_rows, s.dim, resync=d.resync)
-                    _check(t, s)
-                    plan.append((t, s))
+            self._begin()
+            try:
+                for d in deltas:
+                    for s in d.slices:
+                        if s.values is None:
+                            raise ConsumerError(
+                                f"rank {d.rank}: table {s.table} has no values "
+                                f"(form {d.form.value})"
+                            )
+                        t = self.table(s.table, s.num_rows, s.dim, resync=d.resync)
+                        _check(t, s)
+                        plan.append((t, s))
+            except BaseException:
+                self._discard()
+                raise
+            self._install()
             rows = 0
             with torch.no_grad():
                 for t, s in plan:
@@ -97,7 +116,8 @@ class TensorDictApplier(Applier):
     """Tables kept as a plain ``{name: 2-D tensor}`` dict.
 
     Tables missing from the dict are allocated (zeros, ``dtype``) on first sight; a resync
-    whose shape differs from the held table replaces it with a new one.
+    whose shape differs from the held table replaces it with a new one. Either takes effect
+    only with the window: one that fails its checks leaves the held tables as they were.
     """
 
     def __init__(
@@ -105,15 +125,29 @@ class TensorDictApplier(Applier):
     ) -> None:
         super().__init__()
         self._tables: dict[str, torch.Tensor] = tables if tables is not None else {}
+        self._staged: dict[str, torch.Tensor] = {}
         self.dtype = dtype
 
     def table(self, name: str, num_rows: int, dim: int, *, resync: bool) -> torch.Tensor:
+        t = self._staged.get(name)
+        if t is not None:
+            return t
         t = self._tables.get(name)
         if t is None or (resync and tuple(t.shape) != (num_rows, dim)):
             dtype = self.dtype if t is None else t.dtype
             t = torch.zeros(num_rows, dim, dtype=dtype)
-            self._tables[name] = t
+            self._staged[name] = t  # held only once the whole window passed its checks
         return t
+
+    def _begin(self) -> None:
+        self._staged = {}
+
+    def _install(self) -> None:
+        self._tables.update(self._staged)
+        self._staged = {}
+
+    def _discard(self) -> None:
+        self._staged = {}
 
     def tables(self) -> dict[str, torch.Tensor]:
         return self._tables

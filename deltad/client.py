@@ -268,10 +268,11 @@ class DeltaConsumer:
         return self._handed(result)
 
     def _handed(self, result: PullResult) -> PullResult:
-        """``result`` goes to the caller: a rank whose full tables it carries no longer needs
-        them (a pull dropped before this point, e.g. by step alignment, still does)."""
+        """``result`` goes to the caller. A rank whose full tables it carries no longer needs
+        them once they are applied, which :meth:`commit` says; an auto-committed window
+        counts as delivered now (a pull dropped before this point still needs them)."""
         for d in result.deltas:
-            if d.resync:
+            if d.resync and d.committed:
                 self._ranks[d.rank].needs_base = False
         return result
 
@@ -284,6 +285,8 @@ class DeltaConsumer:
         self._require_connected()
         todo = {d.rank: d.cursor for d in result.deltas if not d.committed and _worth(d)}
         for d in result.deltas:
+            if d.resync:  # applied: the caller's tables now hold this rank's full tables
+                self._ranks[d.rank].needs_base = False
             if d.committed:
                 self._ranks[d.rank].committed = d.cursor
         for rank, cursor in todo.items():

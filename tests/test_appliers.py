@@ -85,6 +85,18 @@ def test_bad_slice_writes_nothing() -> None:
     no_values.values = None
     with pytest.raises(ConsumerError):
         applier.apply([_delta([no_values])])
+    # a resync to a new shape whose second rank is bad: the held table stays, not a blank one
+    grown = _slice("t", [0, 1], 0, 8, rows=12)
+    bad_grown = _slice("t", [12], 0, 8, rows=12)
+    with pytest.raises(ConsumerError):
+        applier.apply([_delta([grown], resync=True), _delta([bad_grown], rank=1, resync=True)])
+    assert applier.tables()["t"] is not None and torch.equal(applier.tables()["t"], base)
+    # and a good one replaces it, both ranks' rows in the one new table
+    other = _slice("t", [11], 0, 8, rows=12)
+    applier.apply([_delta([grown], resync=True), _delta([other], rank=1, resync=True)])
+    t = applier.tables()["t"]
+    assert t.shape == (12, 8) and torch.equal(t[11], other.values[0])  # type: ignore[index]
+    assert torch.equal(t[0], grown.values[0])  # type: ignore[index]
 
 
 def test_torchrec_applier_writes_ec_and_ebc_weights_in_place() -> None:

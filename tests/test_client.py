@@ -325,6 +325,7 @@ def test_a_restarted_consumer_gets_the_full_tables_unless_it_resumes(
         ft.step(20)
         with consumer("phoenix", servers) as c:  # restarted, tables lost
             wait_head(c, [20, 20])
+            assert c.pull().resync  # full tables, but never applied (say the apply failed)
             fresh = TensorDictApplier()
             r = c.sync(fresh.apply)
             assert r.resync and r.step == 20
