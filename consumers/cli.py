@@ -119,11 +119,14 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         predictor.stop()
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    # Both finish the pull in flight, commit, write --final-tables, exit 0: tables saved by a
+    # Ctrl-C are then the state of the committed cursors (what --resume relies on).
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         s = predictor.run()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(
         f"consumer {s.consumer}: {s.pulls} pulls, {s.rows} rows, {s.bytes} bytes, "
         f"step {s.step}, freshness p50 {_fmt(s.freshness_p50_s)} p99 {_fmt(s.freshness_p99_s)}",

@@ -41,7 +41,7 @@ import grpc.experimental
 from deltad import wire
 from deltad.buffers import BufferPool
 from deltad.config import ConsumerConfig
-from deltad.errors import ConsumerError, DeltadError, SidecarUnavailableError
+from deltad.errors import ConfigError, ConsumerError, DeltadError, SidecarUnavailableError
 from deltad.keys import RedisKeys
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
@@ -197,6 +197,11 @@ class DeltaConsumer:
                 log.warning("rank %d: not registered yet: %s", r.rank, resp)
             elif isinstance(resp, Exception):
                 raise resp
+            elif resp.cursor.rank != r.rank:
+                raise ConfigError(
+                    f"sidecar {r.endpoint} serves rank {resp.cursor.rank}, but it is listed as "
+                    f"rank {r.rank}: list the sidecars in rank order (one per rank)"
+                )
             else:
                 r.committed = wire.cursor_from_pb(resp.cursor)
         self._heartbeat = threading.Thread(

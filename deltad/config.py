@@ -137,6 +137,8 @@ class ServerConfig:
             raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
         if self.stream_deadline_s <= 0 or self.lease_ttl_s <= 0 or self.grace_period_s < 0:
             raise ConfigError("stream deadline and lease TTL must be > 0, grace period >= 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics port {self.metrics_port} is not in 0..65535")
         if self.poll_interval_s <= 0 or self.retention_interval_s <= 0:
             raise ConfigError("poll and retention intervals must be > 0 (seconds)")
         if self.merge_min_segments < 2:
@@ -161,6 +163,17 @@ class PullOptions:
     #: Highest trainer step to include (None = up to the head). Used for multi-rank alignment.
     max_step: int | None = None
     auto_commit: bool = False
+
+    def __post_init__(self) -> None:
+        self.form = Form(self.form)
+        self.wire_dtype = WireDtype(self.wire_dtype)
+        self.tables = tuple(self.tables)
+        if self.k < 0 or self.max_rows < 0:
+            raise ConfigError("k and max_rows must be >= 0")
+        if not 0.0 <= self.fraction <= 1.0:  # (NaN fails too)
+            raise ConfigError(f"fraction must be in (0, 1], not {self.fraction}")
+        if self.form is Form.TOPK and self.k == 0 and self.fraction == 0.0:
+            raise ConfigError("top-k needs k > 0 or a fraction in (0, 1]")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from spoolkit import FakeTrainer, child_env, wait_for
 from consumers.appliers import TensorDictApplier
 from deltad.client import DeltaConsumer
 from deltad.config import ConsumerConfig, PullOptions, ServerConfig
+from deltad.errors import ConfigError
 from deltad.keys import RedisKeys
 from deltad.server.app import SidecarServer
 
@@ -342,6 +343,17 @@ def test_a_restarted_consumer_gets_the_full_tables_unless_it_resumes(
             r = c.sync(restored.apply)
             assert not r.resync and r.rows == sum(len(i) for i in ft.touched[40].values())
             assert_tables(restored, ft.history[40])
+
+
+def test_sidecars_listed_out_of_rank_order_are_refused(tmp_path: Path, redis_url: str) -> None:
+    ft = FakeTrainer(tmp_path, world_size=2)
+    ft.start(0)
+    with sidecars(tmp_path, redis_url, 2) as servers:
+        swapped = ConsumerConfig(
+            consumer="mixed", model="m", sidecars=(servers[1].endpoint, servers[0].endpoint)
+        )
+        with pytest.raises(ConfigError, match="serves rank 1, but it is listed as rank 0"):
+            DeltaConsumer(swapped).connect()
 
 
 def test_rebuild_buffers_are_reused_only_once_released(

@@ -82,3 +82,56 @@ def test_consume_resume_needs_init_tables(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "--resume needs --init-tables" in out.stderr, out.stderr
+    for bad, why in (
+        (["--form", "topk"], "top-k needs k > 0 or a fraction"),
+        (["--form", "topk", "--fraction", "2"], "fraction must be in"),
+        (["--k", "-1"], "k and max_rows must be >= 0"),
+        (["--max-rows", "-5"], "k and max_rows must be >= 0"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "p",
+             "--sidecar", "127.0.0.1:1", *bad],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 2 and why in out.stderr, (bad, out.stderr)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_consume_stops_cleanly_and_saves_its_tables_on_a_signal(
+    tmp_path: Path, redis_url: str, sig: str
+) -> None:
+    """SIGTERM (an orchestrator) and SIGINT (Ctrl-C) alike: finish the pull, commit, write
+    --final-tables, exit 0 (tables a later --resume can start from)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from spoolkit import child_env, wait_for
+
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    ft.step(10)
+    srv = SidecarServer(
+        ServerConfig(
+            spool_dir=tmp_path / "spool", model="m", listen="127.0.0.1:0",
+            redis_url=redis_url, poll_interval_s=0.02, grace_period_s=0.5,
+        )
+    ).start()  # fmt: skip
+    log = tmp_path / "log.jsonl"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "sig", "--model", "m",
+             "--sidecar", srv.endpoint, "--interval", "0.05", "--json-log", str(log),
+             "--final-tables", str(tmp_path / "final.pt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(),
+        )  # fmt: skip
+        wait_for(lambda: log.exists() and log.read_text().count("\n") >= 1, 60.0, "a pull")
+        time.sleep(0.1)
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        srv.stop(0.5)
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for n, t in ft.history[10].items():
+        assert torch.equal(final[n], t), n

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -117,6 +118,16 @@ def test_bad_flags_exit_2_with_a_message(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "tls" in out.stderr and out.stdout == ""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        for port, why in ((70000, "not in 0..65535"), (taken.getsockname()[1], "cannot serve")):
+            out = subprocess.run(
+                [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path),
+                 "--listen", "127.0.0.1:0", "--metrics-port", str(port)],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert out.returncode == 2 and why in out.stderr, out.stderr
     for flag in ("--poll-interval", "--retention-interval"):  # 0 would spin a core
         out = subprocess.run(
             [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path), flag, "0"],

@@ -220,5 +220,8 @@ def test_cli_reports_bad_flags_and_unwritable_spool(tmp_path: Path) -> None:
     blocked.write_text("")
     assert main(["train", "--spool", str(tmp_path), "--sharding", "seq=twrw"]) == 2
     assert main(["train", "--spool", str(blocked / "spool"), "--world-size", "1"]) == 2
+    # checked before the run, not after it (the result was lost with a traceback)
+    nowhere = str(tmp_path / "no-such-dir" / "r.json")
+    assert main(["train", "--spool", str(tmp_path), "--result-json", nowhere]) == 2
     with pytest.raises(SpoolError, match="not writable"):
         run_training(TrainConfig(spool_dir=blocked / "spool", publish_every_steps=1))

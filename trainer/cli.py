@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     from deltad.types import TrainLoop
     from trainer.train import TrainConfig, run_training
 
+    if args.result_json is not None and not args.result_json.parent.is_dir():
+        raise ConfigError(f"--result-json {args.result_json}: no such directory")
     tables = parse_tables(args.tables, args.rows)
     cfg = TrainConfig(
         spool_dir=args.spool,
@@ -134,7 +136,10 @@ def run(args: argparse.Namespace) -> int:
     )
     result = run_training(cfg)
     text = json.dumps(asdict(result), indent=2)
-    if args.result_json:
-        args.result_json.write_text(text)
     print(text)
+    if args.result_json:
+        try:
+            args.result_json.write_text(text)
+        except OSError as e:
+            raise ConfigError(f"--result-json {args.result_json}: {e}") from e
     return 0

@@ -190,7 +190,10 @@ class SidecarServer:
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(cfg.metrics_port)
+            try:
+                self.metrics_port = self.metrics.serve_http(cfg.metrics_port)
+            except OSError as e:
+                raise ConfigError(f"cannot serve metrics on port {cfg.metrics_port}: {e}") from e
         self._register_endpoint()
         # The first INT8 pull would otherwise wait for fbgemm's import.
         warm = threading.Thread(target=wire.preload_quantizer, name="deltad-warm", daemon=True)
