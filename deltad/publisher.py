@@ -201,7 +201,7 @@ class SegmentPublisher:
     # -- public API -------------------------------------------------------------------------
 
     def start(self, step: int = 0) -> int:
-        """Choose the generation, write its manifest (rank 0) and this rank's base segment.
+        """Choose the generation, write its manifest and this rank's base segment.
 
         The generation is larger than every one already in the spool: ``config.generation``
         if it is (else SpoolError on every rank, the spool untouched), or by default a
@@ -216,21 +216,24 @@ class SegmentPublisher:
             error = e
         self._agree(error, "preparing the spool")
         gen = self._choose_generation()
-        if self.rank == 0:
-            try:
-                self.layout.write_manifest(
-                    GenerationManifest(
-                        model=self.config.model,
-                        generation=gen,
-                        world_size=self.world_size,
-                        start_step=step,
-                        created_unix=time.time(),
-                        tables=tuple(self.tracker.tables),
-                    ),
-                    fsync=self.config.fsync,
-                )
-            except SpoolError as e:
-                error = e
+        # Every rank writes the manifest, the same bytes: a spool shared by all ranks gets one
+        # file (atomic renames of identical content), and a spool per host (a pod per rank,
+        # each with its own sidecar) gets the manifest its sidecar needs to serve the rank.
+        created_ns = self._broadcast(time.time_ns())
+        try:
+            self.layout.write_manifest(
+                GenerationManifest(
+                    model=self.config.model,
+                    generation=gen,
+                    world_size=self.world_size,
+                    start_step=step,
+                    created_unix=created_ns / 1e9,
+                    tables=tuple(self.tracker.tables),
+                ),
+                fsync=self.config.fsync,
+            )
+        except SpoolError as e:
+            error = e
         self._agree(error, "writing the generation manifest")  # also: manifest before segments
         self.generation = gen
         # The base is written synchronously, straight from the weights (training has not

@@ -4,7 +4,7 @@
 
     <spool>/<model>/
         gen-<generation:020d>/
-            generation.json              manifest written by rank 0 (tables, world size)
+            generation.json              manifest, by every rank (same bytes: tables, world size)
             rank-<rank:05d>/
                 seg-<seq:012d>.dseg      segments (see deltad.segment); .tmp-* are in flight
         quarantine/                      segments whose checksum failed (moved by the sidecar)
@@ -48,7 +48,8 @@ class TableInfo:
 
 @dataclass(frozen=True)
 class GenerationManifest:
-    """Written once per generation by rank 0 before any segment of that generation."""
+    """Written per generation by every rank (the same bytes) before any of its segments: a
+    spool shared by all ranks holds one, a spool per host holds its own."""
 
     model: str
     generation: int

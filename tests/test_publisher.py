@@ -401,3 +401,33 @@ def test_new_generations_start_normally(tmp_path: Path) -> None:
     with pytest.raises(SpoolError, match="out of range"):
         _fake_publisher(spool, -1)[0].start(0)
     assert layout.generations() == [7, 8, gen]
+
+
+def _per_host_worker(rank: int, world_size: int, root: str) -> None:
+    dmp = toy_dmp(world_size)
+    tracker = DeltaTracker(dmp)
+    spool = Path(root) / f"host-{rank}"  # a spool per host: one pod per rank, nothing shared
+    pub = SegmentPublisher(dmp, tracker, PublisherConfig(spool, model="toy", every_steps=1))
+    pub.start(0)
+    dmp(batch(rank, 1))[0].backward()
+    pub.maybe_publish(1)
+    pub.close(1)
+
+
+@pytest.mark.slow
+def test_a_spool_per_host_gets_everything_its_sidecar_needs(tmp_path: Path) -> None:
+    """With a spool per rank's host, rank 1's sidecar sees its generation (the manifest was
+    rank 0's alone, so that sidecar never served) and serves base and deltas."""
+    from deltad.server.log import SegmentLog
+
+    spawn(_per_host_worker, 2, tmp_path, str(tmp_path))
+    manifests = []
+    for rank in (0, 1):
+        layout = SpoolLayout(tmp_path / f"host-{rank}", "toy")
+        seglog = SegmentLog(layout, rank)
+        seglog.refresh()
+        snap = seglog.snapshot()
+        assert snap is not None and snap.manifest.world_size == 2, rank
+        assert [e.seq for e in snap.entries] == [0, 1, 2]
+        manifests.append(layout.manifest_path(snap.generation).read_bytes())
+    assert manifests[0] == manifests[1]
