@@ -62,7 +62,7 @@ RETRYABLE = frozenset(
 )
 
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", wire.CONSUMER_MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
     # The thread reading a GetDelta stream drives it itself, instead of a channel thread
     # receiving every message and handing it over. Measured (1 GB fp32 window, decoded in a

@@ -47,6 +47,9 @@ from deltad.v1 import delta_pb2 as pb
 from deltad.window import Cursor, RankDelta, SliceUpdate
 
 GET_DELTA_METHOD = "/deltad.v1.DeltaService/GetDelta"
+#: The largest GetDelta message a consumer accepts (its channel's receive limit); the
+#: sidecar never sends a larger one, whatever its --chunk-bytes / --max-message-bytes.
+CONSUMER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: A header announcing a slice of more values than this (rows x columns) is refused before
 #: anything is allocated (2**36 float32 values: 256 GiB).
 MAX_SLICE_ELEMENTS = 1 << 36

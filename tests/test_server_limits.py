@@ -10,9 +10,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serverkit import Client, SpoolWriter, redis_server, server_config, wait_for
+from serverkit import MODEL, Client, SpoolWriter, redis_server, server_config, wait_for
 
 from deltad import wire
 from deltad.redisutil import EmbeddedRedis
@@ -217,4 +218,25 @@ def test_a_client_that_stops_reading_loses_its_slot_at_the_deadline(
         stuck.cancel()
     finally:
         c.close()
+        srv.stop(0)
+
+
+def test_large_server_chunks_still_fit_the_consumers_receive_limit(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """A sidecar configured for 128 MB chunks (and 256 MB messages) sends none larger than a
+    consumer accepts: pulls work instead of failing RESOURCE_EXHAUSTED."""
+    from deltad.client import DeltaConsumer
+    from deltad.config import ConsumerConfig
+
+    spool = SpoolWriter(tmp_path / "spool", tables={"big": (300_000, 64)})  # 77 MB of rows
+    srv = _serve(tmp_path, redis_server.url, max_message_bytes=256 << 20, chunk_bytes=128 << 20)
+    try:
+        cfg = ConsumerConfig("wide", model=MODEL, sidecars=(f"127.0.0.1:{srv.port}",))
+        with DeltaConsumer(cfg) as c:
+            r = c.pull()
+        assert not r.missing and r.rows == 300_000
+        got = r.deltas[0].slices[0]
+        assert torch.equal(got.values, spool.truth["big"][got.ids])  # type: ignore[index]
+    finally:
         srv.stop(0)

@@ -174,7 +174,10 @@ class DeltaServicer:
                 f"{len(unknown)} unknown table(s) {clip(unknown, 256)}; model "
                 f"{self.config.model!r} has {clip(sorted(known), 512)}",
             )
-        cap = max(MIN_CHUNK_BYTES, self.config.max_message_bytes - 64 * 1024)
+        # a chunk and its framing fit in the server's send limit and in every consumer's
+        # receive limit (a larger --max-message-bytes must not make pulls fail)
+        limit = min(self.config.max_message_bytes, wire.CONSUMER_MAX_MESSAGE_BYTES)
+        cap = max(MIN_CHUNK_BYTES, limit - 64 * 1024)
         chunk = min(max(req.chunk_bytes or self.config.chunk_bytes, MIN_CHUNK_BYTES), cap)
         tables = tuple(sorted(set(req.tables)))
         return form, dtype, tables, int(req.k), float(frac), int(req.max_rows), chunk
