@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from deltad.errors import ConfigError
     from deltad.types import Form, WireDtype
 
+    if args.pulls < 0 or args.duration < 0 or args.interval < 0:
+        raise ConfigError("--pulls, --duration and --interval must be >= 0 (0: no limit)")
     if args.resume and args.init_tables is None:
         raise ConfigError("--resume needs --init-tables: the tables its committed cursors describe")
 

@@ -632,6 +632,8 @@ class WindowAssembler:
     def _on_trailer(self, t: pb.DeltaTrailer) -> None:
         if self.header is None:
             raise StreamDecodeError("trailer before header")
+        if self.trailer is not None:
+            raise StreamDecodeError("second trailer in one stream")
         self.trailer = t
 
     def result(self) -> RankDelta:

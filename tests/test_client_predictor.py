@@ -87,6 +87,7 @@ def test_consume_resume_needs_init_tables(tmp_path: Path) -> None:
         (["--form", "topk", "--fraction", "2"], "fraction must be in"),
         (["--k", "-1"], "k and max_rows must be >= 0"),
         (["--max-rows", "-5"], "k and max_rows must be >= 0"),
+        (["--pulls", "-1"], "must be >= 0"),
     ):
         out = subprocess.run(
             [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "p",

@@ -223,5 +223,6 @@ def test_cli_reports_bad_flags_and_unwritable_spool(tmp_path: Path) -> None:
     # checked before the run, not after it (the result was lost with a traceback)
     nowhere = str(tmp_path / "no-such-dir" / "r.json")
     assert main(["train", "--spool", str(tmp_path), "--result-json", nowhere]) == 2
+    assert main(["train", "--spool", str(tmp_path), "--duration", "0"]) == 2  # not 100 steps
     with pytest.raises(SpoolError, match="not writable"):
         run_training(TrainConfig(spool_dir=blocked / "spool", publish_every_steps=1))

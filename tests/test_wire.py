@@ -149,6 +149,8 @@ def test_truncated_or_malformed_streams_raise() -> None:
         wire.decode_stream([msgs[0], msgs[1][:-3], *msgs[2:]])
     with pytest.raises(wire.StreamDecodeError, match="outside header"):
         wire.decode_stream(msgs[1:])
+    with pytest.raises(wire.StreamDecodeError, match="second trailer"):
+        wire.decode_stream([*msgs, msgs[-1]])
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])

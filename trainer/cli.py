@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     from deltad.types import TrainLoop
     from trainer.train import TrainConfig, run_training
 
+    if args.duration is not None and args.duration <= 0:
+        raise ConfigError("--duration must be > 0 seconds")
     if args.result_json is not None and not args.result_json.parent.is_dir():
         raise ConfigError(f"--result-json {args.result_json}: no such directory")
     tables = parse_tables(args.tables, args.rows)
