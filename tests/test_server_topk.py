@@ -7,6 +7,7 @@ from serverkit import Client, Replica, SpoolWriter, client, redis_server, sideca
 
 from deltad.server.app import SidecarServer
 from deltad.types import Form
+from deltad.window import RankDelta
 
 __all__ = ["client", "redis_server", "sidecar", "spool"]
 
@@ -17,6 +18,14 @@ def _synced(srv: SidecarServer, seq: int) -> None:
 
 def _equal(rep: Replica, spool: SpoolWriter) -> bool:
     return all(torch.equal(rep.tables[t], spool.truth[t]) for t in spool.specs)
+
+
+def _topk_sync(client: Client, consumer: str, rep: Replica) -> RankDelta:
+    """One top-k pull (k = 10), applied and committed."""
+    d = client.pull(consumer, Form.TOPK, k=10)
+    rep.apply(d)
+    client.commit(d)
+    return d
 
 
 def test_topk_converges_bit_exact_when_training_pauses(
@@ -165,14 +174,10 @@ def test_a_repeated_commit_keeps_the_newer_pulls_owed_rows(
     """Commit A, pull B, commit A again (a retry), commit B: B's owed rows survive, pulls go
     on and converge (the repeat once deleted B's owed file: every later pull failed)."""
     rep = Replica()
-    d = client.pull("retry", Form.TOPK, k=10)
-    rep.apply(d)
-    client.commit(d)
+    _topk_sync(client, "retry", rep)
     spool.delta(n=60)
     _synced(sidecar, 1)
-    a = client.pull("retry", Form.TOPK, k=10)
-    rep.apply(a)
-    client.commit(a)
+    a = _topk_sync(client, "retry", rep)
     spool.delta(n=60)
     _synced(sidecar, 2)
     b = client.pull("retry", Form.TOPK, k=10)
@@ -181,10 +186,8 @@ def test_a_repeated_commit_keeps_the_newer_pulls_owed_rows(
     rep.apply(b)
     client.commit(b)
     for _ in range(40):
-        d = client.pull("retry", Form.TOPK, k=10)
+        d = _topk_sync(client, "retry", rep)
         assert not d.resync
-        rep.apply(d)
-        client.commit(d)
         if all(s.owed == 0 for s in d.slices):
             break
     assert _equal(rep, spool)
@@ -196,15 +199,11 @@ def test_lost_owed_rows_resync_the_consumer(
     """The owed file of a committed top-k pull is gone: the next pull sends the full tables
     (a resync), never a window without the owed rows, and never an error forever."""
     rep = Replica()
-    d = client.pull("lost", Form.TOPK, k=10)
-    rep.apply(d)
-    client.commit(d)
+    _topk_sync(client, "lost", rep)
     spool.delta(n=60)
     _synced(sidecar, 1)
-    d = client.pull("lost", Form.TOPK, k=10)
+    d = _topk_sync(client, "lost", rep)
     assert sum(s.owed for s in d.slices) > 0
-    rep.apply(d)
-    client.commit(d)
     for f in (sidecar.layout.sidecar_dir / "owed" / "lost").iterdir():
         f.unlink()
     d = client.pull("lost", Form.TOPK, k=10)
