@@ -210,8 +210,7 @@ class DeltaServicer:
             resync = resync or req.from_base
             from_seq = -1 if resync or stored is None else stored.seq
             to = snap.last_at_or_before_step(req.max_step if req.HasField("max_step") else None)
-            same_gen = stored is not None and stored.generation == gen
-            if resync and same_gen and stored is not None and to.seq < stored.seq:
+            if resync and stored is not None and stored.generation == gen and to.seq < stored.seq:
                 # a resync (asked for) never ends behind the committed cursor: its commit
                 # would be refused, leaving tables older than the cursor says
                 to = snap.head
