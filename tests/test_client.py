@@ -21,7 +21,7 @@ import torch
 from spoolkit import FakeTrainer, child_env, wait_for
 
 from consumers.appliers import TensorDictApplier
-from deltad.client import DeltaConsumer
+from deltad.client import DeltaConsumer, PullResult
 from deltad.config import ConsumerConfig, PullOptions, ServerConfig
 from deltad.errors import ConfigError
 from deltad.keys import RedisKeys
@@ -82,6 +82,15 @@ def assert_tables(applier: TensorDictApplier, truth: dict[str, torch.Tensor]) ->
     assert set(got) == set(truth)
     for n, t in truth.items():
         assert torch.equal(got[n], t), n
+
+
+def apply_commit_check(
+    c: DeltaConsumer, applier: TensorDictApplier, r: PullResult, truth: dict[str, torch.Tensor]
+) -> None:
+    """Apply a two-rank pull, see both ranks acknowledge its commit, check the tables."""
+    applier.apply(r.deltas)
+    assert sorted(c.commit(r)) == [0, 1]
+    assert_tables(applier, truth)
 
 
 def test_rows_from_every_rank_then_only_changes(tmp_path: Path, redis_url: str) -> None:
@@ -275,9 +284,7 @@ def test_down_sidecar_delays_its_rank_and_keeps_the_commit(tmp_path: Path, redis
         assert store.hget(keys.cursor("steady", 1), "seq") == b"1"
         assert r2.step == 20 and not r2.resync
         assert r2.rows == sum(len(ids) for ids in ft.touched[20].values())
-        applier.apply(r2.deltas)
-        assert sorted(c.commit(r2)) == [0, 1]
-        assert_tables(applier, ft.history[20])
+        apply_commit_check(c, applier, r2, ft.history[20])
     store.close()
 
 
@@ -302,9 +309,7 @@ def test_commit_for_a_consumer_redis_lost_resyncs_instead_of_wedging(
         wait_head(c, [20, 20])
         again = c.pull()
         assert not again.missing and again.resync and again.step == 20
-        applier.apply(again.deltas)
-        assert sorted(c.commit(again)) == [0, 1]
-        assert_tables(applier, ft.history[20])
+        apply_commit_check(c, applier, again, ft.history[20])
     store.close()
 
 
