@@ -69,6 +69,12 @@ class PublisherConfig:
     #: Copy touched rows into reused buffers (a small pool per shard, each buffer back in the
     #: pool once its segment is written) instead of new ones, which page-fault on first write.
     reuse_copy_buffers: bool = True
+    #: CPU weights: read the drained ids and copy the rows on a background thread while the
+    #: next forward runs; the next backward waits for it before any row is updated (see
+    #: deltad.publisher). Off: the loop copies at the boundary. Device weights always copy
+    #: in the loop (asynchronously on the device). Turn it off if something writes tracked
+    #: weights outside the backward pass between publishes, or call wait_copied() first.
+    copy_in_background: bool = True
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)

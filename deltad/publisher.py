@@ -5,9 +5,30 @@ the **base** segment), :meth:`SegmentPublisher.maybe_publish` right after every 
 step, and :meth:`SegmentPublisher.close` at the end. Every rank runs the same calls; the
 publish decision is identical on all ranks (step-based needs no collective, time-based
 all-reduces one flag per step), and each publish all-reduces one more, so that a segment that
-failed to write on any rank raises on all of them together. The training loop only pays for
-the drain and an ``index_select`` copy of the touched rows; a background thread writes the
-file (bounded queue, backpressure).
+failed to write on any rank raises on all of them together.
+
+What the training loop pays, per segment
+----------------------------------------
+* **CPU weights** (``PublisherConfig.copy_in_background``, the default): only the drain, a
+  swap of the tracker's bitmaps. A *copier* thread then reads the ids out of the drained
+  bitmaps and copies the rows (``index_select`` into pooled buffers) while the next step's
+  forward runs. The cut stays consistent because nothing may update a tracked row before
+  that copy is done: the tracker runs :meth:`SegmentPublisher.wait_copied` as an update
+  barrier in every backward, when the gradient of a lookup's output is ready, which is
+  before the embedding kernel's backward (where the fused optimizer writes the rows) and
+  before any optimizer step. In the plain loop and TrainPipelineBase/SparseDist the next
+  forward runs first, so the barrier rarely waits. TrainPipelineFusedSparseDist and
+  TrainPipelineSemiSync run the *lookup* of batch N+1 before step N's update, but the
+  writes of step N+1 still happen in a backward after this publish: a lookup's hook is
+  registered at lookup time and checks for a pending copy when its backward runs, so the
+  barrier holds there too (those pipelines need a GPU, where the copy is asynchronous on
+  the device stream anyway).
+* **Device weights**, or a tracker without update barriers: the drain and an
+  ``index_select`` copy in the loop (on a GPU: a gather on the device and an asynchronous
+  copy into pinned buffers).
+
+Either way a background *writer* thread checksums and writes the file (bounded queue, so a
+slow disk blocks the loop instead of piling up copies).
 """
 
 from __future__ import annotations
@@ -29,7 +50,7 @@ from deltad.config import PublisherConfig
 from deltad.errors import SpoolError
 from deltad.segment import SegmentChunk, write_segment
 from deltad.spool import GenerationManifest, SpoolLayout
-from deltad.tracker import DeltaTracker, TrackedShard
+from deltad.tracker import DeltaTracker, DrainedRows, TrackedShard
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)
@@ -47,10 +68,15 @@ class SegmentStats:
     kind: SegmentKind
     rows: int
     nbytes: int
-    stall_s: float  # drain + copy + waiting for a free write slot
+    stall_s: float  # in the loop: drain (+ copy and waiting for a write slot if not copied
+    # in the background)
     write_s: float = 0.0  # in the writer thread (filled in when written)
     write_cpu_s: float = 0.0  # CPU time of the writer thread on it (checksum, write, fsync)
     path: Path | None = None
+    #: In the copier thread (background copies only; ``rows`` / ``nbytes`` are filled in
+    #: then too): reading the drained ids and copying the rows, wall and CPU seconds.
+    copy_s: float = 0.0
+    copy_cpu_s: float = 0.0
 
 
 @dataclass
@@ -61,10 +87,15 @@ class PublisherStats:
     #: Time spent deciding whether to publish (the all-reduce of the time-based flag).
     decide_s: float = 0.0
     calls: int = 0
+    #: Time backward passes waited at the update barrier for a background copy, and how
+    #: many of them had to wait.
+    barrier_wait_s: float = 0.0
+    barrier_waits: int = 0
 
     @property
     def stall_s(self) -> float:
-        return self.decide_s + sum(s.stall_s for s in self.segments)
+        """Everything the training loop spent on publishing."""
+        return self.decide_s + self.barrier_wait_s + sum(s.stall_s for s in self.segments)
 
     @property
     def rows(self) -> int:
@@ -81,6 +112,14 @@ class PublisherStats:
     @property
     def write_cpu_s(self) -> float:
         return sum(s.write_cpu_s for s in self.segments)
+
+
+@dataclass
+class _CopyRequest:
+    """A drain waiting for the copier thread: its rows are read out and copied there."""
+
+    drained: DrainedRows
+    stats: SegmentStats
 
 
 @dataclass
@@ -174,6 +213,13 @@ class SegmentPublisher:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_pending_writes)
         self._pool = _BufferPool()
         self._thread: threading.Thread | None = None
+        # Background copies (see the module docstring): requests go to the copier thread,
+        # which hands the jobs it packed to the writer, in order.
+        self._copy_queue: queue.Queue[_CopyRequest | None] = queue.Queue()
+        self._copier: threading.Thread | None = None
+        self._copies = threading.Condition()
+        self._copies_submitted = 0
+        self._copies_done = 0
 
     # -- collectives ------------------------------------------------------------------------
 
@@ -243,13 +289,52 @@ class SegmentPublisher:
         t0 = time.perf_counter()
         shards = self.tracker.shards
         ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
-        job = self._job(step, SegmentKind.BASE, shards, ids, [s.weight.detach() for s in shards])
+        stats = self._reserve(step, SegmentKind.BASE)
+        job = self._package(stats, shards, ids, [s.weight.detach() for s in shards])
         job.stats.stall_s = time.perf_counter() - t0
         self._write(job)
         self._agree(self._error, "writing the base segment")
         self._thread = threading.Thread(target=self._writer, name="deltad-writer", daemon=True)
         self._thread.start()
+        if self._copies_in_background():
+            self.tracker.add_update_barrier(self.wait_copied)
+            self._copier = threading.Thread(
+                target=self._copy_loop, name="deltad-copier", daemon=True
+            )
+            self._copier.start()
         return gen
+
+    def _copies_in_background(self) -> bool:
+        """Background copies need CPU weights (a device gather is asynchronous already) and a
+        tracker that can hold back weight updates until a copy is done."""
+        return (
+            self.config.copy_in_background
+            and hasattr(self.tracker, "add_update_barrier")
+            and hasattr(self.tracker, "drain_deferred")
+            and all(s.weight.device.type == "cpu" for s in self.tracker.shards)
+        )
+
+    def wait_copied(self) -> None:
+        """Block until every row copy started so far has read the weights.
+
+        The tracker calls it in each backward before any tracked row is updated. Call it
+        yourself before writing embedding weights outside a backward pass (a checkpoint
+        load, a manual edit) while the publisher runs; a no-op without background copies.
+        """
+        with self._copies:
+            if self._copies_done >= self._copies_submitted:
+                return
+            t0 = time.perf_counter()
+            target = self._copies_submitted
+            # Bounded: the copier counts every request done, even a failed one; and if it
+            # died anyway, stop waiting (the error is raised at the next publish).
+            while self._copies_done < target and self._copier_alive():
+                self._copies.wait(timeout=1.0)
+            self.stats.barrier_wait_s += time.perf_counter() - t0
+            self.stats.barrier_waits += 1
+
+    def _copier_alive(self) -> bool:
+        return self._copier is not None and self._copier.is_alive()
 
     def _choose_generation(self) -> int:
         """The new run's generation, the same on every rank, or SpoolError on every rank.
@@ -319,17 +404,22 @@ class SegmentPublisher:
             error.__cause__ = self._error
         self._agree(error, "writing a segment")
         t0 = time.perf_counter()
+        if self._copier is not None:
+            # The previous copy is long done unless the writer is behind (backpressure).
+            self.wait_copied()
+            stats = self._reserve(step, SegmentKind.DELTA)
+            with self._copies:
+                self._copies_submitted += 1
+            self._copy_queue.put(_CopyRequest(self.tracker.drain_deferred(), stats))
+            stats.stall_s = time.perf_counter() - t0
+            return stats
         drained = self.tracker.drain()
         self.tracker.flush_caches()  # UVM-caching kernels: cached rows into the weights first
-        shards = [s for s, _ in drained]
-        ids = [local + s.row_start for s, local in drained]
-        buffers: list[tuple[tuple[Any, ...], torch.Tensor]] = []
-        values = [self._copy_rows(s, local, buffers) for s, local in drained]
-        job = self._job(step, SegmentKind.DELTA, shards, ids, values)
-        job.buffers = buffers
+        stats = self._reserve(step, SegmentKind.DELTA)
+        job = self._copy_job(drained, stats)
         self._queue.put(job)  # blocks while max_pending_writes segments wait (backpressure)
-        job.stats.stall_s = time.perf_counter() - t0
-        return job.stats
+        stats.stall_s = time.perf_counter() - t0
+        return stats
 
     def close(self, step: int) -> None:
         """Publish a final segment at ``step``, wait for every write, stop the writer."""
@@ -340,6 +430,9 @@ class SegmentPublisher:
             self.publish(step)
         finally:
             self._closed = True
+            if self._copier is not None:  # its last jobs reach the writer before the None
+                self._copy_queue.put(None)
+                self._copier.join()
             self._queue.put(None)
             if self._thread is not None:
                 self._thread.join()
@@ -347,6 +440,39 @@ class SegmentPublisher:
         self._check_error()
 
     # -- internals --------------------------------------------------------------------------
+
+    def _copy_job(
+        self, drained: list[tuple[TrackedShard, torch.Tensor]], stats: SegmentStats
+    ) -> _Job:
+        """Copy the drained rows (local ids per shard) into a job for the writer."""
+        shards = [s for s, _ in drained]
+        ids = [local + s.row_start for s, local in drained]
+        buffers: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+        values = [self._copy_rows(s, local, buffers) for s, local in drained]
+        job = self._package(stats, shards, ids, values)
+        job.buffers = buffers
+        return job
+
+    def _copy_loop(self) -> None:
+        """The copier thread: read and copy each request's rows, then queue it for the writer."""
+        while (req := self._copy_queue.get()) is not None:
+            job = None
+            try:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                drained = req.drained.resolve()  # also returns the bitmaps to the tracker
+                if self._error is None:  # after a failure nothing more is written
+                    job = self._copy_job(drained, req.stats)
+                req.stats.copy_s = time.perf_counter() - t0
+                req.stats.copy_cpu_s = time.thread_time() - c0
+            except BaseException as e:
+                log.error("copying the rows of segment %s: %s", req.stats.seq, e)
+                self._error = e
+            finally:
+                with self._copies:  # the weights are read: updates may go on
+                    self._copies_done += 1
+                    self._copies.notify_all()
+            if job is not None:
+                self._queue.put(job)  # blocks while the writer is behind (backpressure)
 
     def _copy_rows(
         self,
@@ -381,16 +507,33 @@ class SegmentPublisher:
             err = self._error
             raise SpoolError(f"writing a segment failed: {err}") from err
 
-    def _job(
+    def _reserve(self, step: int, kind: SegmentKind) -> SegmentStats:
+        """Assign the next segment's seq and path (in the loop, so seqs follow publishes)."""
+        assert self.generation is not None
+        seq = self._seq
+        stats = SegmentStats(
+            seq=seq,
+            step=step,
+            kind=kind,
+            rows=0,
+            nbytes=0,
+            stall_s=0.0,
+            path=self.layout.segment_path(self.generation, self.rank, seq),
+        )
+        self._seq += 1
+        self._last_step = step
+        self._last_time = time.monotonic()
+        self.stats.segments.append(stats)
+        return stats
+
+    def _package(
         self,
-        step: int,
-        kind: SegmentKind,
+        stats: SegmentStats,
         shards: list[TrackedShard],
         ids: list[torch.Tensor],
         values: list[torch.Tensor],
     ) -> _Job:
-        """Package the next segment (assigning its seq); device rows start copying to host."""
-        assert self.generation is not None
+        """The writer's job for a reserved segment; device rows start copying to host."""
         ready = None
         if any(t.device.type == "cuda" for t in (*values, *ids)):
             values = [v.to("cpu", non_blocking=True) for v in values]
@@ -411,22 +554,10 @@ class SegmentPublisher:
             )
             for s, i, v in zip(shards, ids, values, strict=True)
         ]
-        seq = self._seq
-        path = self.layout.segment_path(self.generation, self.rank, seq)
-        stats = SegmentStats(
-            seq=seq,
-            step=step,
-            kind=kind,
-            rows=sum(i.numel() for i in ids),
-            nbytes=sum(i.nbytes + v.nbytes for i, v in zip(ids, values, strict=True)),
-            stall_s=0.0,
-            path=path,
-        )
-        self._seq += 1
-        self._last_step = step
-        self._last_time = time.monotonic()
-        self.stats.segments.append(stats)
-        return _Job(path, seq, step, kind, chunks, stats, ready)
+        stats.rows = sum(i.numel() for i in ids)
+        stats.nbytes = sum(i.nbytes + v.nbytes for i, v in zip(ids, values, strict=True))
+        assert stats.path is not None
+        return _Job(stats.path, stats.seq, stats.step, stats.kind, chunks, stats, ready)
 
     def _write(self, job: _Job) -> None:
         """Write one segment; a failure is kept in ``_error`` and stops all later writes."""

@@ -12,7 +12,13 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   True)`` (on CPU ~10x faster than ``mask[ids] = True``). A scatter per key instead of the
   per-step ``torch.unique`` of TorchRec's own tracker; memory is one byte per local row.
 * :meth:`DeltaTracker.drain` folds what is left, returns the sorted unique local row ids of
-  each shard (``nonzero()``) and clears the bitmaps.
+  each shard (``nonzero()``) and clears the bitmaps. :meth:`DeltaTracker.drain_deferred`
+  only swaps each bitmap for a clean spare (constant time) and leaves the ``nonzero()`` and
+  the clearing to a :class:`DrainedRows` that another thread resolves (the publisher's
+  copier): two bitmaps per lookup then, two bytes per local row.
+* :meth:`DeltaTracker.add_update_barrier`: a callback that every backward pass runs before a
+  tracked row can change (a hook on the gradient of each lookup's output), which lets the
+  publisher copy rows while the next forward runs.
 
 What the hook sees (TorchRec 1.8, measured): the ids after the input dist, i.e. the ids this
 rank's shards are looked up with. Table-wise and column-wise shards see global row ids (they
@@ -42,6 +48,7 @@ the bitmap; reading the rows right after the drain gives a consistent cut.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -111,22 +118,85 @@ class TrackerStats:
 
 
 @dataclass(eq=False)
-class _Lookup:
-    """One lookup (sharding type) of a sharded module: its shards and their bitmaps."""
+class _Bitmap:
+    """One bool bitmap per shard of a lookup, as views of one flat tensor."""
 
-    shards: list[TrackedShard]
     flat: torch.Tensor  # bool, concatenation of the shards' bitmaps
     masks: list[torch.Tensor]  # views of ``flat``, one per shard
     key_masks: list[torch.Tensor]  # per key of the features: its shard's bitmap
+
+
+@dataclass(eq=False)
+class _Lookup:
+    """One lookup (sharding type) of a sharded module: its shards and their bitmaps.
+
+    ``active`` takes the marks; a drain swaps in a clean spare and hands the marked one to a
+    :class:`DrainedRows`, whose ``resolve()`` (maybe on another thread) reads, clears and
+    returns it to ``spares``.
+    """
+
+    shards: list[TrackedShard]
+    key_shard: list[int]  # per key of the features: index of its shard
+    active: _Bitmap
     #: (ids, offset per key) of the last ``lookahead`` lookups
     history: deque[tuple[torch.Tensor, list[int]]]
+    spares: list[_Bitmap] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def new_bitmap(self) -> _Bitmap:
+        sizes = [s.row_end - s.row_start for s in self.shards]
+        flat = torch.zeros(sum(sizes), dtype=torch.bool, device=self.shards[0].weight.device)
+        masks = list(flat.split(sizes))
+        return _Bitmap(flat, masks, [masks[i] for i in self.key_shard])
+
+    def swap(self) -> _Bitmap:
+        """Make a clean bitmap active; return the one that was."""
+        with self.lock:
+            fresh = self.spares.pop() if self.spares else None
+        old, self.active = self.active, fresh if fresh is not None else self.new_bitmap()
+        return old
+
+    def give_back(self, bitmap: _Bitmap) -> None:
+        """A resolved (cleared) bitmap becomes a spare again."""
+        with self.lock:
+            self.spares.append(bitmap)
 
     def mark(self, values: torch.Tensor, offsets: list[int]) -> None:
         """Set the bits of the ids of one lookup (key ``i`` owns ``values[o[i]:o[i+1]]``)."""
-        for i, mask in enumerate(self.key_masks):
+        for i, mask in enumerate(self.active.key_masks):
             if offsets[i + 1] > offsets[i]:
                 ids = values[offsets[i] : offsets[i + 1]].to(torch.int64)
                 mask.index_fill_(0, ids, True)
+
+
+class DrainedRows:
+    """The rows one drain took, read out of their bitmaps only when :meth:`resolve` is called.
+
+    The drain itself only swaps bitmaps (constant time, on the training loop's clock); the
+    ``nonzero()`` over every local row and the clearing happen in :meth:`resolve`, which any
+    thread may call, exactly once.
+    """
+
+    def __init__(self, parts: list[tuple[_Lookup, _Bitmap]]) -> None:
+        self._parts: list[tuple[_Lookup, _Bitmap]] | None = parts
+        #: Seconds :meth:`resolve` took (0 until it ran).
+        self.resolve_s = 0.0
+
+    @torch.no_grad()
+    def resolve(self) -> list[tuple[TrackedShard, torch.Tensor]]:
+        """(shard, sorted unique local row ids) for every local shard; clears the bitmaps."""
+        if self._parts is None:
+            raise RuntimeError("DrainedRows.resolve() may be called only once")
+        t0 = time.perf_counter()
+        parts, self._parts = self._parts, None
+        out: list[tuple[TrackedShard, torch.Tensor]] = []
+        for lookup, bitmap in parts:
+            for shard, mask in zip(lookup.shards, bitmap.masks, strict=True):
+                out.append((shard, mask.nonzero().view(-1)))
+            bitmap.flat.zero_()
+            lookup.give_back(bitmap)
+        self.resolve_s = time.perf_counter() - t0
+        return out
 
 
 def _clean_fqn(fqn: str) -> str:
@@ -162,6 +232,7 @@ class DeltaTracker:
         self._paused = False
         self.stats = TrackerStats()
         self._pending: list[tuple[_Lookup, torch.Tensor, list[int]]] = []
+        self._barriers: list[Callable[[], None]] = []
         self._modules: dict[str, Any] = {}  # fqn -> sharded EC / EBC
         self._lookups: dict[tuple[int, tuple[str, ...]], _Lookup] = {}
         self._tables: list[TableInfo] = []
@@ -302,21 +373,22 @@ class DeltaTracker:
         )
 
     def _new_lookup(self, shards: list[TrackedShard], key_shard: list[int]) -> _Lookup:
-        sizes = [s.row_end - s.row_start for s in shards]
-        flat = torch.zeros(sum(sizes), dtype=torch.bool, device=shards[0].weight.device)
-        masks = list(flat.split(sizes))
-        return _Lookup(
+        lookup = _Lookup(
             shards=shards,
-            flat=flat,
-            masks=masks,
-            key_masks=[masks[i] for i in key_shard],
+            key_shard=key_shard,
+            active=_Bitmap(torch.empty(0), [], []),
             history=deque(maxlen=self._lookahead),
         )
+        lookup.active = lookup.new_bitmap()
+        return lookup
 
     # -- hooks ------------------------------------------------------------------------------
 
     def _make_lookup_hook(self, mod_id: int) -> Any:
         def record(features: Any, embs: Any, module: Any, extra: Any) -> None:
+            # Paused or not: whatever this lookup's backward updates waits for the barriers.
+            if self._barriers and isinstance(embs, torch.Tensor) and embs.requires_grad:
+                embs.register_hook(self._before_update)
             if self._paused:
                 return
             t0 = time.perf_counter()
@@ -388,17 +460,42 @@ class DeltaTracker:
         are sent at least once). With lookahead 0, draining twice with no forward in between
         returns empty ids.
         """
+        rows = self.drain_deferred()
+        out = rows.resolve()
+        self.stats.drain_s += rows.resolve_s
+        return out
+
+    @torch.no_grad()
+    def drain_deferred(self) -> DrainedRows:
+        """:meth:`drain`, but the ids are read later: ``drain_deferred().resolve()``.
+
+        Only the bitmaps are swapped here (lookups from now on mark clean ones), so the
+        training loop pays a constant time; the returned rows may be resolved on another
+        thread while training goes on.
+        """
         t0 = time.perf_counter()
         self._fold()
-        out: list[tuple[TrackedShard, torch.Tensor]] = []
+        parts: list[tuple[_Lookup, _Bitmap]] = []
         for lk in self._lookups.values():
-            for shard, mask in zip(lk.shards, lk.masks, strict=True):
-                out.append((shard, mask.nonzero().view(-1)))
-            lk.flat.zero_()
+            parts.append((lk, lk.swap()))
             for values, offsets in lk.history:
                 lk.mark(values, offsets)
         self.stats.drain_s += time.perf_counter() - t0
-        return out
+        return DrainedRows(parts)
+
+    def add_update_barrier(self, barrier: Callable[[], None]) -> None:
+        """Run ``barrier()`` in every backward pass before a tracked shard's weights change.
+
+        It runs when the gradient of a lookup's output is ready, which is before the
+        embedding kernel's backward (where fused optimizers update the rows) and before any
+        optimizer step. The publisher uses it to copy rows off the training loop's clock.
+        Weights written outside a backward (checkpoint loads, manual edits) get no barrier.
+        """
+        self._barriers.append(barrier)
+
+    def _before_update(self, grad: torch.Tensor) -> None:
+        for barrier in self._barriers:
+            barrier()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -416,3 +513,4 @@ class DeltaTracker:
             mod.post_odist_tracker_fn = None
         self._modules.clear()
         self._pending.clear()
+        self._barriers.clear()

@@ -105,6 +105,68 @@ def test_publisher_rebuilds_tables_bit_exactly(tmp_path: Path) -> None:
     spawn(_publisher_worker, 2, tmp_path, str(tmp_path / "spool"), str(blocked))
 
 
+def _background_copy_worker(rank: int, world_size: int, spool: str, barrier: bool) -> None:
+    """Train with publishes every step while the copier is slowed down: each segment must
+    still hold the rows as they were at its step (the next backward waits for the copy)."""
+    real_copy = SegmentPublisher._copy_rows
+
+    def slow_copy(self: SegmentPublisher, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if threading.current_thread().name == "deltad-copier":
+            time.sleep(0.2)  # far longer than the next step's forward
+        return real_copy(self, *args, **kwargs)
+
+    SegmentPublisher._copy_rows = slow_copy  # type: ignore[method-assign]
+    dmp = toy_dmp(world_size)
+    tracker = DeltaTracker(dmp)
+    if not barrier:  # the control: without the update barrier the copies read later rows
+        tracker.add_update_barrier = lambda fn: None  # type: ignore[method-assign]
+    cfg = PublisherConfig(Path(spool), model="toy", every_steps=1, fsync=False)
+    pub = SegmentPublisher(dmp, tracker, cfg)
+    gen = pub.start(0)
+    assert pub._copier is not None  # CPU weights and a real tracker: copies in the background
+    snapshots = {0: _full_tables(dmp, rank)}
+    for step in range(1, 6):
+        dmp(batch(rank, step))[0].backward()
+        stats = pub.maybe_publish(step)
+        assert stats is not None and stats.rows == 0  # the loop did not copy: the copier will
+        snapshots[step] = _full_tables(dmp, rank)
+    if barrier:  # an untracked training step (tracking paused) still waits for the copy
+        waits = pub.stats.barrier_waits
+        with tracker.paused():
+            dmp(batch(rank, 99))[0].backward()
+        assert pub.stats.barrier_waits == waits + 1
+    pub.close(5)  # no tracked lookup since step 5: the final segment is empty
+    if barrier:
+        assert pub.stats.barrier_waits >= 4  # every backward after a publish waited for it
+        assert pub.stats.barrier_wait_s > 0 and pub.stats.barrier_wait_s <= pub.stats.stall_s
+        assert all(s.rows > 0 and s.copy_s > 0 for s in pub.stats.segments[1:-1])
+    dist.barrier()
+    if rank != 0:
+        return
+    layout = SpoolLayout(Path(spool), "toy")
+    by_seq: dict[int, list[Any]] = {}
+    for r in range(world_size):
+        for seq, path in layout.segments(gen, r):
+            by_seq.setdefault(seq, []).append(read_segment(path))
+    rebuilt: dict[str, torch.Tensor] = {}
+    cuts_equal = []
+    for seq in sorted(by_seq):
+        rebuilt = apply_segments(rebuilt, by_seq[seq])
+        want = snapshots[by_seq[seq][0].header.step]
+        cuts_equal.append(all(torch.equal(rebuilt[n], t) for n, t in want.items()))
+    assert len(cuts_equal) == 7 and cuts_equal[0]  # base, 5 deltas, the final one
+    if barrier:
+        assert all(cuts_equal), cuts_equal
+    else:
+        assert not all(cuts_equal), "the slowed copy should have overlapped an update"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("barrier", [True, False], ids=["barrier", "control-without-barrier"])
+def test_background_copies_are_a_consistent_cut(tmp_path: Path, barrier: bool) -> None:
+    spawn(_background_copy_worker, 2, tmp_path, str(tmp_path / "spool"), barrier)
+
+
 def _write_failure_worker(rank: int, world_size: int, spool: str) -> None:
     dmp = toy_dmp(world_size)
     tracker = DeltaTracker(dmp)
