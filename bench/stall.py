@@ -4,9 +4,13 @@ The reference DLRM trains with deltad's tracker + publisher; segment size (rows 
 varied through the embedding dim and the publish interval in steps (more steps = more rows
 touched per segment). From :class:`deltad.publisher.PublisherStats` per delta segment:
 
-* ``stall_s``: what the training loop waited (drain + row copy + waiting for a write slot);
-* ``write_s``: the background writer's time (serialize, crc, write, fsync, rename), giving
-  the write rate ``nbytes / write_s``.
+* ``stall_s``: what ``publish()`` held the training loop (with background copies, the
+  default on CPU: a swap of the tracker's bitmaps);
+* ``barrier_wait_s``: what backward passes waited for a background copy (loop time too);
+* ``copy_s``: the copier thread's time per segment (read the drained ids, copy the rows),
+  overlapping the next forward;
+* ``write_s``: the background writer's time (serialize, checksum, write, fsync, rename),
+  giving the write rate ``nbytes / write_s``.
 
 The stall is also reported relative to the median step time of the same run.
 """
@@ -63,6 +67,8 @@ def run(ctx: Context) -> dict[str, Any]:
                     continue
                 step = res["median_step_s"]
                 stalls = [s["stall_s"] for s in segs]
+                copies = [s.get("copy_s", 0.0) for s in segs]
+                barrier = res.get("barrier_wait_s", 0.0) / len(segs)  # per segment
                 rates = [s["nbytes"] / s["write_s"] / GB for s in segs if s["write_s"] > 0]
                 points.append(
                     {
@@ -72,6 +78,8 @@ def run(ctx: Context) -> dict[str, Any]:
                         "rows_per_segment": statistics.median(s["rows"] for s in segs),
                         "bytes_per_segment": statistics.median(s["nbytes"] for s in segs),
                         "stall_s": summarize(stalls),
+                        "barrier_wait_s_per_segment": barrier,
+                        "copy_s": summarize(copies),
                         "write_s": summarize([s["write_s"] for s in segs]),
                         "write_gbps": summarize(rates),
                         "step_s": step,
@@ -96,6 +104,19 @@ def run(ctx: Context) -> dict[str, Any]:
             "baseline": biggest["step_s"] * 1000.0,
             "baseline_unit": "ms/step",
             "ratio": medf(biggest["stall_s"]) / biggest["step_s"],
+        },
+        {
+            "metric": "backward waits for the background copy, per segment, largest",
+            "value": biggest["barrier_wait_s_per_segment"] * 1000.0,
+            "unit": "ms",
+            "baseline": biggest["step_s"] * 1000.0,
+            "baseline_unit": "ms/step",
+            "ratio": biggest["barrier_wait_s_per_segment"] / biggest["step_s"],
+        },
+        {
+            "metric": "background copy per segment (copier thread, overlaps the forward), largest",
+            "value": medf(biggest["copy_s"]) * 1000.0,
+            "unit": "ms",
         },
         {
             "metric": "background write rate, largest segment",
