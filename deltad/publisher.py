@@ -321,17 +321,23 @@ class SegmentPublisher:
         yourself before writing embedding weights outside a backward pass (a checkpoint
         load, a manual edit) while the publisher runs; a no-op without background copies.
         """
+        waited = self._await_copies()
+        if waited:
+            self.stats.barrier_wait_s += waited
+            self.stats.barrier_waits += 1
+
+    def _await_copies(self) -> float:
+        """Wait for every copy submitted so far; return the seconds waited (0: none)."""
         with self._copies:
             if self._copies_done >= self._copies_submitted:
-                return
+                return 0.0
             t0 = time.perf_counter()
             target = self._copies_submitted
             # Bounded: the copier counts every request done, even a failed one; and if it
             # died anyway, stop waiting (the error is raised at the next publish).
             while self._copies_done < target and self._copier_alive():
                 self._copies.wait(timeout=1.0)
-            self.stats.barrier_wait_s += time.perf_counter() - t0
-            self.stats.barrier_waits += 1
+            return time.perf_counter() - t0 or 1e-9
 
     def _copier_alive(self) -> bool:
         return self._copier is not None and self._copier.is_alive()
@@ -405,8 +411,9 @@ class SegmentPublisher:
         self._agree(error, "writing a segment")
         t0 = time.perf_counter()
         if self._copier is not None:
-            # The previous copy is long done unless the writer is behind (backpressure).
-            self.wait_copied()
+            # The previous copy is long done unless the writer is behind (backpressure); a
+            # wait here is part of this publish's stall.
+            self._await_copies()
             stats = self._reserve(step, SegmentKind.DELTA)
             with self._copies:
                 self._copies_submitted += 1
