@@ -414,10 +414,11 @@ class SegmentPublisher:
             # The previous copy is long done unless the writer is behind (backpressure); a
             # wait here is part of this publish's stall.
             self._await_copies()
+            deferred = self.tracker.drain_deferred()
             stats = self._reserve(step, SegmentKind.DELTA)
-            with self._copies:
+            with self._copies:  # from here on, backward passes wait for this copy
                 self._copies_submitted += 1
-            self._copy_queue.put(_CopyRequest(self.tracker.drain_deferred(), stats))
+            self._copy_queue.put(_CopyRequest(deferred, stats))
             stats.stall_s = time.perf_counter() - t0
             return stats
         drained = self.tracker.drain()
@@ -440,6 +441,7 @@ class SegmentPublisher:
             if self._copier is not None:  # its last jobs reach the writer before the None
                 self._copy_queue.put(None)
                 self._copier.join()
+                self.tracker.remove_update_barrier(self.wait_copied)
             self._queue.put(None)
             if self._thread is not None:
                 self._thread.join()

@@ -493,6 +493,11 @@ class DeltaTracker:
         """
         self._barriers.append(barrier)
 
+    def remove_update_barrier(self, barrier: Callable[[], None]) -> None:
+        """Stop running ``barrier`` (no error if it is not registered)."""
+        if barrier in self._barriers:
+            self._barriers.remove(barrier)
+
     def _before_update(self, grad: torch.Tensor) -> None:
         for barrier in self._barriers:
             barrier()

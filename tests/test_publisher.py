@@ -136,6 +136,7 @@ def _background_copy_worker(rank: int, world_size: int, spool: str, barrier: boo
             dmp(batch(rank, 99))[0].backward()
         assert pub.stats.barrier_waits == waits + 1
     pub.close(5)  # no tracked lookup since step 5: the final segment is empty
+    assert not tracker._barriers  # a closed publisher holds no backward back
     if barrier:
         assert pub.stats.barrier_waits >= 4  # every backward after a publish waited for it
         assert pub.stats.barrier_wait_s > 0 and pub.stats.barrier_wait_s <= pub.stats.stall_s

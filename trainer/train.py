@@ -160,7 +160,7 @@ class RankStats:
     segments: int
     rows: int
     nbytes: int
-    stall_s: float  # training-loop time spent publishing (decide + drain + copy + enqueue)
+    stall_s: float  # training-loop time spent publishing (decide + drain + waits for copies)
     write_s: float  # writer-thread time
     hooks_s: float  # tracker hooks inside forward passes (record ids + fold into bitmaps)
 
