@@ -44,6 +44,16 @@ class TrackerConfig:
     fqns_to_skip: tuple[str, ...] = ()
     #: The train loop; decides how many lookups run ahead of the optimizer (see TrainLoop).
     train_loop: TrainLoop = TrainLoop.PLAIN
+    #: CPU weights: fold each lookup's ids into the bitmaps on a background thread (in
+    #: order, drains queued behind them) instead of in the output dist's hook. Off, or with
+    #: device weights, the hook folds them itself.
+    fold_in_background: bool = True
+    #: Lookups waiting for the fold thread before the training loop's hook blocks.
+    max_pending_folds: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_pending_folds < 1:
+            raise ConfigError("max_pending_folds must be >= 1")
 
 
 @dataclass

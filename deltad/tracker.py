@@ -11,6 +11,10 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   it owns (``offset_per_key()``, cached by the input dist) goes ``mask.index_fill_(0, ids,
   True)`` (on CPU ~10x faster than ``mask[ids] = True``). A scatter per key instead of the
   per-step ``torch.unique`` of TorchRec's own tracker; memory is one byte per local row.
+  With CPU weights (``TrackerConfig.fold_in_background``) the hook only hands the stash to a
+  **fold thread** that scatters while training goes on, in order, with drains queued behind
+  the lookups before them (bounded: the hook blocks when the thread is behind); a failed fold
+  is raised at the next lookup and by the drain that follows it.
 * :meth:`DeltaTracker.drain` folds what is left, returns the sorted unique local row ids of
   each shard (``nonzero()``) and clears the bitmaps. :meth:`DeltaTracker.drain_deferred`
   only swaps each bitmap for a clean spare (constant time) and leaves the ``nonzero()`` and
@@ -48,6 +52,9 @@ the bitmap; reading the rows right after the drain gives a consistent cut.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -61,6 +68,8 @@ from torch import nn
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
 from deltad.spool import TableInfo
+
+log = logging.getLogger(__name__)
 
 _DMP_PREFIXES = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.", "module.")
 
@@ -108,8 +117,10 @@ class TrackerStats:
 
     lookups: int = 0  # post-lookup hook calls that recorded ids
     record_s: float = 0.0  # in the post-lookup hook (stashing ids)
-    fold_s: float = 0.0  # in the post-odist hook (folding ids into the bitmaps)
+    fold_s: float = 0.0  # in the post-odist hook (folding ids, or handing them to the thread)
     drain_s: float = 0.0  # in drain() (last fold, nonzero, reset, re-mark)
+    #: CPU seconds of the fold thread (folds and swaps off the loop; 0 without one).
+    background_s: float = 0.0
 
     @property
     def forward_s(self) -> float:
@@ -172,23 +183,55 @@ class _Lookup:
 class DrainedRows:
     """The rows one drain took, read out of their bitmaps only when :meth:`resolve` is called.
 
-    The drain itself only swaps bitmaps (constant time, on the training loop's clock); the
+    The drain itself only swaps bitmaps (constant time; with a fold thread, not even that on
+    the training loop's clock: the swap is queued behind the lookups still being folded); the
     ``nonzero()`` over every local row and the clearing happen in :meth:`resolve`, which any
     thread may call, exactly once.
     """
 
-    def __init__(self, parts: list[tuple[_Lookup, _Bitmap]]) -> None:
-        self._parts: list[tuple[_Lookup, _Bitmap]] | None = parts
+    def __init__(
+        self,
+        parts: list[tuple[_Lookup, _Bitmap]] | None = None,
+        *,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
+        self._parts = parts
+        self._error: BaseException | None = None
+        self._alive = alive  # the fold thread that fills in ``parts``, if any
+        self._ready = threading.Event()
+        self._resolved = False
+        if parts is not None:
+            self._ready.set()
         #: Seconds :meth:`resolve` took (0 until it ran).
         self.resolve_s = 0.0
 
+    def _fill(self, parts: list[tuple[_Lookup, _Bitmap]]) -> None:
+        self._parts = parts
+        self._ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
     @torch.no_grad()
     def resolve(self) -> list[tuple[TrackedShard, torch.Tensor]]:
-        """(shard, sorted unique local row ids) for every local shard; clears the bitmaps."""
-        if self._parts is None:
+        """(shard, sorted unique local row ids) for every local shard; clears the bitmaps.
+
+        Waits for the fold thread to reach this drain; raises if folding failed (the drained
+        rows are then unknown) or the thread is gone.
+        """
+        if self._resolved:
             raise RuntimeError("DrainedRows.resolve() may be called only once")
+        self._resolved = True
         t0 = time.perf_counter()
+        # Bounded: the fold thread reaches every queued drain unless it stopped.
+        while not self._ready.wait(timeout=1.0):
+            if self._alive is not None and not self._alive():
+                raise RuntimeError("the tracker's fold thread stopped before this drain")
+        if self._error is not None:
+            raise RuntimeError(f"folding tracked ids failed: {self._error}") from self._error
         parts, self._parts = self._parts, None
+        assert parts is not None
         out: list[tuple[TrackedShard, torch.Tensor]] = []
         for lookup, bitmap in parts:
             for shard, mask in zip(lookup.shards, bitmap.masks, strict=True):
@@ -197,6 +240,45 @@ class DrainedRows:
             lookup.give_back(bitmap)
         self.resolve_s = time.perf_counter() - t0
         return out
+
+
+class _FoldThread:
+    """Runs the tracker's folds (and the bitmap swaps between them) in order, off the loop.
+
+    Bounded: at most ``max_pending`` calls wait; the training loop's hook blocks beyond that
+    (the thread is behind). The first failure is kept in ``error``; the calls after it still
+    run (a drain queued behind it reports it instead of rows missing the failed lookup's).
+    """
+
+    def __init__(self, max_pending: int, stats: TrackerStats) -> None:
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=max_pending)
+        self.error: BaseException | None = None
+        self._stats = stats  # background_s: this thread's CPU time
+        self._thread = threading.Thread(target=self._run, name="deltad-fold", daemon=True)
+        self._thread.start()
+
+    def submit(self, call: Callable[[], None]) -> None:
+        self._queue.put(call)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.alive():
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (call := self._queue.get()) is not None:
+            c0 = time.thread_time()
+            try:
+                with torch.no_grad():  # grad mode is per thread
+                    call()
+            except BaseException as e:
+                log.error("folding tracked ids: %s", e)
+                if self.error is None:
+                    self.error = e
+            self._stats.background_s += time.thread_time() - c0
 
 
 def _clean_fqn(fqn: str) -> str:
@@ -259,6 +341,11 @@ class DeltaTracker:
         for mod in self._modules.values():
             mod.register_post_lookup_tracker_fn(self._make_lookup_hook(id(mod)))
             mod.register_post_odist_tracker_fn(self._fold_hook)
+        self._folder: _FoldThread | None = None
+        if self.config.fold_in_background and all(
+            s.weight.device.type == "cpu" for s in self.shards
+        ):
+            self._folder = _FoldThread(self.config.max_pending_folds, self.stats)
 
     # -- construction -----------------------------------------------------------------------
 
@@ -389,6 +476,9 @@ class DeltaTracker:
             # Paused or not: whatever this lookup's backward updates waits for the barriers.
             if self._barriers and isinstance(embs, torch.Tensor) and embs.requires_grad:
                 embs.register_hook(self._before_update)
+            if self._folder is not None and self._folder.error is not None:
+                err = self._folder.error
+                raise RuntimeError(f"folding tracked ids failed: {err}") from err
             if self._paused:
                 return
             t0 = time.perf_counter()
@@ -414,12 +504,40 @@ class DeltaTracker:
 
     @torch.no_grad()
     def _fold(self) -> None:
-        """Fold stashed ids into the bitmaps (in the output dist, and at drain)."""
+        """Fold stashed ids into the bitmaps (in the output dist, and at drain), or hand
+        them to the fold thread, which folds them in the same order."""
         pending, self._pending = self._pending, []
         for lookup, values, offsets in pending:
-            lookup.mark(values, offsets)
-            if self._lookahead:
-                lookup.history.append((values, offsets))
+            if self._folder is not None:
+                self._folder.submit(functools.partial(self._mark, lookup, values, offsets))
+            else:
+                self._mark(lookup, values, offsets)
+
+    def _mark(self, lookup: _Lookup, values: torch.Tensor, offsets: list[int]) -> None:
+        lookup.mark(values, offsets)
+        if self._lookahead:
+            lookup.history.append((values, offsets))
+
+    def _swap_all(self) -> list[tuple[_Lookup, _Bitmap]]:
+        """Swap in clean bitmaps; re-mark the lookahead lookups into them (see drain)."""
+        parts: list[tuple[_Lookup, _Bitmap]] = []
+        for lk in self._lookups.values():
+            parts.append((lk, lk.swap()))
+            for values, offsets in lk.history:
+                lk.mark(values, offsets)
+        return parts
+
+    def _swap_into(self, rows: DrainedRows) -> None:
+        """In the fold thread, behind every lookup folded before the drain."""
+        assert self._folder is not None
+        if self._folder.error is not None:
+            rows._fail(self._folder.error)
+            return
+        try:
+            rows._fill(self._swap_all())
+        except BaseException as e:
+            rows._fail(e)
+            raise
 
     # -- public API -------------------------------------------------------------------------
 
@@ -470,18 +588,19 @@ class DeltaTracker:
         """:meth:`drain`, but the ids are read later: ``drain_deferred().resolve()``.
 
         Only the bitmaps are swapped here (lookups from now on mark clean ones), so the
-        training loop pays a constant time; the returned rows may be resolved on another
-        thread while training goes on.
+        training loop pays a constant time; with a fold thread, the swap is queued behind
+        the lookups it still folds. The returned rows may be resolved on another thread
+        while training goes on.
         """
         t0 = time.perf_counter()
         self._fold()
-        parts: list[tuple[_Lookup, _Bitmap]] = []
-        for lk in self._lookups.values():
-            parts.append((lk, lk.swap()))
-            for values, offsets in lk.history:
-                lk.mark(values, offsets)
+        if self._folder is not None:
+            rows = DrainedRows(alive=self._folder.alive)
+            self._folder.submit(functools.partial(self._swap_into, rows))
+        else:
+            rows = DrainedRows(self._swap_all())
         self.stats.drain_s += time.perf_counter() - t0
-        return DrainedRows(parts)
+        return rows
 
     def add_update_barrier(self, barrier: Callable[[], None]) -> None:
         """Run ``barrier()`` in every backward pass before a tracked shard's weights change.
@@ -512,10 +631,13 @@ class DeltaTracker:
             self._paused = prev
 
     def detach(self) -> None:
-        """Remove the hooks from every tracked module; pending ids are dropped."""
+        """Remove the hooks from every tracked module, stop the fold thread; pending ids are
+        dropped."""
         for mod in self._modules.values():
             mod.post_lookup_tracker_fn = None
             mod.post_odist_tracker_fn = None
         self._modules.clear()
         self._pending.clear()
         self._barriers.clear()
+        if self._folder is not None:
+            self._folder.stop()

@@ -12,7 +12,7 @@ from torch import nn
 
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
-from deltad.tracker import DeltaTracker
+from deltad.tracker import DeltaTracker, _Lookup
 from deltad.types import TrainLoop
 from trainer.data import Batch
 
@@ -93,20 +93,26 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     for mod in (dmp.module.ebc, dmp.module.ec):
         assert mod.post_lookup_tracker_fn is None and mod.post_odist_tracker_fn is None
 
-    # Lookahead 1: ids of the last lookup stay owed after a drain.
-    ahead = DeltaTracker(dmp, TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST))
-    assert ahead.lookahead == 1
-    ids_a = _expected(ahead, fed_ids([batch(r, 10) for r in range(world_size)]))
-    ids_b = _expected(ahead, fed_ids([batch(r, 11) for r in range(world_size)]))
-    both = {k: sorted(set(ids_a[k]) | set(ids_b[k])) for k in ids_a}
-    with torch.no_grad():
-        dmp(batch(rank, 10))  # lookup of A (its update would come in the next step)
-        assert _ids(ahead.drain()) == ids_a
-        assert _ids(ahead.drain()) == ids_a  # still owed: no newer lookup yet
-        dmp(batch(rank, 11))
-        assert _ids(ahead.drain()) == both
-        assert _ids(ahead.drain()) == ids_b
-    ahead.detach()
+    # Lookahead 1: ids of the last lookup stay owed after a drain; folded by the fold thread
+    # (the default on CPU) or in the output dist's hook, alike.
+    for background in (True, False):
+        cfg = TrackerConfig(
+            train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST, fold_in_background=background
+        )
+        ahead = DeltaTracker(dmp, cfg)
+        assert ahead.lookahead == 1 and (ahead._folder is not None) == background
+        ids_a = _expected(ahead, fed_ids([batch(r, 10) for r in range(world_size)]))
+        ids_b = _expected(ahead, fed_ids([batch(r, 11) for r in range(world_size)]))
+        both = {k: sorted(set(ids_a[k]) | set(ids_b[k])) for k in ids_a}
+        with torch.no_grad():
+            dmp(batch(rank, 10))  # lookup of A (its update would come in the next step)
+            assert _ids(ahead.drain()) == ids_a
+            assert _ids(ahead.drain()) == ids_a  # still owed: no newer lookup yet
+            dmp(batch(rank, 11))
+            assert _ids(ahead.drain()) == both
+            assert _ids(ahead.drain()) == ids_b
+        assert (ahead.stats.background_s > 0) == background
+        ahead.detach()
 
     # fqns_to_skip leaves a module out.
     only_ebc = DeltaTracker(dmp, TrackerConfig(fqns_to_skip=("ec",)))
@@ -119,6 +125,34 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     with pytest.raises(UnsupportedModelError, match="data-parallel"):
         DeltaTracker(dp)
     assert set(EC_TABLES) <= {t.name for t in tracker.tables}
+
+
+def _fold_failure_worker(rank: int, world_size: int) -> None:
+    """A fold that fails in the fold thread is raised at the next lookup (maybe in the same
+    forward) and by the drain behind it, never turned into rows missing that lookup's.
+    One rank: an error raised mid-forward on one rank only would leave the other waiting."""
+    dmp = toy_dmp(world_size)
+    flaky = DeltaTracker(dmp)
+    real_mark, calls = _Lookup.mark, [0]
+
+    def mark(self: _Lookup, values: torch.Tensor, offsets: list[int]) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise IndexError("boom")
+        real_mark(self, values, offsets)
+
+    _Lookup.mark = mark  # type: ignore[method-assign]
+    expected = "folding tracked ids failed: boom"
+    with torch.no_grad():
+        try:
+            dmp(batch(rank, 12))
+        except RuntimeError as e:  # the fold thread failed before this forward's last lookup
+            assert expected in str(e)
+        with pytest.raises(RuntimeError, match=expected):
+            flaky.drain()
+        with pytest.raises(RuntimeError, match=expected):
+            dmp(batch(rank, 13))
+    assert calls[0] >= 2
 
 
 def _pipeline_worker(rank: int, world_size: int) -> None:
@@ -146,6 +180,11 @@ def _pipeline_worker(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_tracker_ids_per_sharding_type(tmp_path: Path) -> None:
     spawn(_tracker_worker, 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_failed_fold_is_raised_not_dropped(tmp_path: Path) -> None:
+    spawn(_fold_failure_worker, 1, tmp_path)
 
 
 @pytest.mark.slow
