@@ -68,8 +68,8 @@ class SegmentStats:
     kind: SegmentKind
     rows: int
     nbytes: int
-    stall_s: float  # in the loop: drain (+ copy and waiting for a write slot if not copied
-    # in the background)
+    stall_s: float  # in the loop: the error all-reduce, drain (+ copy and waiting for a
+    # write slot if not copied in the background)
     write_s: float = 0.0  # in the writer thread (filled in when written)
     write_cpu_s: float = 0.0  # CPU time of the writer thread on it (checksum, write, fsync)
     path: Path | None = None
@@ -404,16 +404,18 @@ class SegmentPublisher:
         that no rank is left waiting in the trainer's next collective.
         """
         self._check_open()
+        t0 = time.perf_counter()
+        # The previous copy is long done unless the writer is behind (backpressure); a wait
+        # here is part of this publish's stall. Its failure is reported now, not one later.
+        self._await_copies()
         error = None
         if self._error is not None:
             error = SpoolError(f"writing a segment failed: {self._error}")
             error.__cause__ = self._error
+        elif self._copier is not None and not self._copier.is_alive():
+            error = SpoolError("the publisher's copier thread stopped")
         self._agree(error, "writing a segment")
-        t0 = time.perf_counter()
         if self._copier is not None:
-            # The previous copy is long done unless the writer is behind (backpressure); a
-            # wait here is part of this publish's stall.
-            self._await_copies()
             deferred = self.tracker.drain_deferred()
             stats = self._reserve(step, SegmentKind.DELTA)
             with self._copies:  # from here on, backward passes wait for this copy

@@ -19,7 +19,8 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   each shard (``nonzero()``) and clears the bitmaps. :meth:`DeltaTracker.drain_deferred`
   only swaps each bitmap for a clean spare (constant time) and leaves the ``nonzero()`` and
   the clearing to a :class:`DrainedRows` that another thread resolves (the publisher's
-  copier): two bitmaps per lookup then, two bytes per local row.
+  copier): two bitmaps per lookup then, two bytes per local row (with the fold thread, CPU
+  only; :meth:`DeltaTracker.drain` without it works in place).
 * :meth:`DeltaTracker.add_update_barrier`: a callback that every backward pass runs before a
   tracked row can change (a hook on the gradient of each lookup's output), which lets the
   publisher copy rows while the next forward runs.
@@ -116,6 +117,7 @@ class TrackerStats:
     """Time the tracker spent inside the training loop (for overhead benchmarks)."""
 
     lookups: int = 0  # post-lookup hook calls that recorded ids
+    update_hooks: int = 0  # update-barrier hooks registered on lookup outputs (all lookups)
     record_s: float = 0.0  # in the post-lookup hook (stashing ids)
     fold_s: float = 0.0  # in the post-odist hook (folding ids, or handing them to the thread)
     drain_s: float = 0.0  # in drain() (last fold, nonzero, reset, re-mark)
@@ -295,6 +297,14 @@ def _sharded_types() -> tuple[type, type]:
     return ShardedEmbeddingCollection, ShardedEmbeddingBagCollection
 
 
+def _managed_collision_type() -> type | None:
+    try:
+        from torchrec.distributed.mc_modules import ShardedManagedCollisionCollection
+    except ImportError:  # a TorchRec without managed collision
+        return None
+    return ShardedManagedCollisionCollection
+
+
 def _dtype_name(data_type: Any) -> str:
     from torchrec.modules.embedding_configs import data_type_to_dtype
 
@@ -319,7 +329,14 @@ class DeltaTracker:
         self._lookups: dict[tuple[int, tuple[str, ...]], _Lookup] = {}
         self._tables: list[TableInfo] = []
         ec_type, ebc_type = _sharded_types()
+        mc_type = _managed_collision_type()
         for fqn, mod in model.named_modules():
+            if mc_type is not None and isinstance(mod, mc_type):
+                raise UnsupportedModelError(
+                    f"{_clean_fqn(fqn)} is a managed-collision module: its EC / EBC is run "
+                    "through compute(), where TorchRec's tracker hooks never fire, and its "
+                    "eviction writes rows in the forward; deltad cannot track it"
+                )
             if not isinstance(mod, (ec_type, ebc_type)):
                 continue
             name = _clean_fqn(fqn)
@@ -473,9 +490,11 @@ class DeltaTracker:
 
     def _make_lookup_hook(self, mod_id: int) -> Any:
         def record(features: Any, embs: Any, module: Any, extra: Any) -> None:
-            # Paused or not: whatever this lookup's backward updates waits for the barriers.
-            if self._barriers and isinstance(embs, torch.Tensor) and embs.requires_grad:
+            # Paused or not, publisher or not yet: whatever this lookup's backward updates
+            # waits for the barriers registered by the time the backward runs.
+            if isinstance(embs, torch.Tensor) and embs.requires_grad:
                 embs.register_hook(self._before_update)
+                self.stats.update_hooks += 1
             if self._folder is not None and self._folder.error is not None:
                 err = self._folder.error
                 raise RuntimeError(f"folding tracked ids failed: {err}") from err
@@ -578,9 +597,21 @@ class DeltaTracker:
         are sent at least once). With lookahead 0, draining twice with no forward in between
         returns empty ids.
         """
-        rows = self.drain_deferred()
-        out = rows.resolve()
-        self.stats.drain_s += rows.resolve_s
+        if self._folder is not None:  # queued behind the folds; the thread swaps bitmaps
+            rows = self.drain_deferred()
+            out = rows.resolve()
+            self.stats.drain_s += rows.resolve_s
+            return out
+        t0 = time.perf_counter()
+        self._fold()
+        out = []
+        for lk in self._lookups.values():  # in place: no second bitmap (device memory)
+            for shard, mask in zip(lk.shards, lk.active.masks, strict=True):
+                out.append((shard, mask.nonzero().view(-1)))
+            lk.active.flat.zero_()
+            for values, offsets in lk.history:
+                lk.mark(values, offsets)
+        self.stats.drain_s += time.perf_counter() - t0
         return out
 
     @torch.no_grad()
@@ -618,7 +649,7 @@ class DeltaTracker:
             self._barriers.remove(barrier)
 
     def _before_update(self, grad: torch.Tensor) -> None:
-        for barrier in self._barriers:
+        for barrier in list(self._barriers):
             barrier()
 
     @contextlib.contextmanager
@@ -632,7 +663,10 @@ class DeltaTracker:
 
     def detach(self) -> None:
         """Remove the hooks from every tracked module, stop the fold thread; pending ids are
-        dropped."""
+        dropped. Waits for the update barriers once (a copy still reading rows finishes
+        before the hooks that would hold back the next update are gone)."""
+        for barrier in list(self._barriers):
+            barrier()
         for mod in self._modules.values():
             mod.post_lookup_tracker_fn = None
             mod.post_odist_tracker_fn = None

@@ -119,14 +119,28 @@ def _background_copy_worker(rank: int, world_size: int, spool: str, barrier: boo
     dmp = toy_dmp(world_size)
     tracker = DeltaTracker(dmp)
     if not barrier:  # the control: without the update barrier the copies read later rows
-        tracker.add_update_barrier = lambda fn: None  # type: ignore[method-assign]
+        tracker.add_update_barrier = lambda barrier: None  # type: ignore[method-assign]
     cfg = PublisherConfig(Path(spool), model="toy", every_steps=1, fsync=False)
     pub = SegmentPublisher(dmp, tracker, cfg)
     gen = pub.start(0)
     assert pub._copier is not None  # CPU weights and a real tracker: copies in the background
     snapshots = {0: _full_tables(dmp, rank)}
+    fired = [0]
+    real_before_update = tracker._before_update
+
+    def count_barrier(grad: torch.Tensor) -> None:
+        fired[0] += 1
+        real_before_update(grad)
+
+    tracker._before_update = count_barrier  # type: ignore[method-assign]
     for step in range(1, 6):
+        hooks, fired_before = tracker.stats.update_hooks, fired[0]
         dmp(batch(rank, step))[0].backward()
+        # Every lookup of the forward (EBC: TW, RW, CW, TWRW; EC: RW, CW) put the barrier on
+        # its output, and every one of them ran in the backward: no lookup's gradient reaches
+        # its kernel's update without passing the barrier (not just the first to run).
+        assert tracker.stats.update_hooks - hooks >= 4
+        assert fired[0] - fired_before == tracker.stats.update_hooks - hooks
         stats = pub.maybe_publish(step)
         assert stats is not None and stats.rows == 0  # the loop did not copy: the copier will
         snapshots[step] = _full_tables(dmp, rank)

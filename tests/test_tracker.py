@@ -155,6 +155,61 @@ def _fold_failure_worker(rank: int, world_size: int) -> None:
     assert calls[0] >= 2
 
 
+def _managed_collision_worker(rank: int, world_size: int) -> None:
+    """A sharded managed-collision EBC: TorchRec runs its EBC through compute(), where the
+    tracker hooks never fire, so deltad would track nothing; it refuses the model instead."""
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.mc_embeddingbag import (
+        ManagedCollisionEmbeddingBagCollectionSharder,
+    )
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        ManagedCollisionCollection,
+        MCHManagedCollisionModule,
+    )
+
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=64, feature_names=["f"])]
+    mch = MCHManagedCollisionModule(
+        zch_size=64,
+        device=torch.device("cpu"),
+        eviction_policy=DistanceLFU_EvictionPolicy(),
+        eviction_interval=2,
+        input_hash_size=1000,
+    )
+    model = nn.ModuleDict(
+        {
+            "mc": ManagedCollisionEmbeddingBagCollection(
+                EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+                ManagedCollisionCollection({"t": mch}, tables),
+            )
+        }
+    )
+
+    class CpuSharder(ManagedCollisionEmbeddingBagCollectionSharder):  # type: ignore[misc]
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            return ["row_wise"]
+
+    sharders = [CpuSharder()]
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        constraints={
+            "t": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"])
+        },
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    with pytest.raises(UnsupportedModelError, match="managed-collision"):
+        DeltaTracker(dmp)
+
+
 def _pipeline_worker(rank: int, world_size: int) -> None:
     from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
@@ -185,6 +240,11 @@ def test_tracker_ids_per_sharding_type(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_failed_fold_is_raised_not_dropped(tmp_path: Path) -> None:
     spawn(_fold_failure_worker, 1, tmp_path)
+
+
+@pytest.mark.slow
+def test_managed_collision_modules_are_refused(tmp_path: Path) -> None:
+    spawn(_managed_collision_worker, 1, tmp_path)
 
 
 @pytest.mark.slow
