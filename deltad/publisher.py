@@ -9,9 +9,9 @@ failed to write on any rank raises on all of them together.
 
 What the training loop pays, per segment
 ----------------------------------------
-* **CPU weights** (``PublisherConfig.copy_in_background``, the default): only the drain, a
-  swap of the tracker's bitmaps. A *copier* thread then reads the ids out of the drained
-  bitmaps and copies the rows (``index_select`` into pooled buffers) while the next step's
+* **CPU weights** (``PublisherConfig.copy_in_background``, the default): only the error
+  all-reduce and the drain, a swap of the tracker's bitmaps (queued behind the tracker's fold
+  thread). A *copier* thread then reads the ids out of the drained bitmaps and copies the rows (``index_select`` into pooled buffers) while the next step's
   forward runs. The cut stays consistent because nothing may update a tracked row before
   that copy is done: the tracker runs :meth:`SegmentPublisher.wait_copied` as an update
   barrier in every backward, when the gradient of a lookup's output is ready, which is
