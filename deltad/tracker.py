@@ -14,7 +14,9 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   With CPU weights (``TrackerConfig.fold_in_background``) the hook only hands the stash to a
   **fold thread** that scatters while training goes on, in order, with drains queued behind
   the lookups before them (bounded: the hook blocks when the thread is behind); a failed fold
-  is raised at the next lookup and by the drain that follows it.
+  is raised by the drain that follows it (never rows without that lookup's), which the
+  publisher turns into an error on every rank at its next publish. Raising in the hook would
+  stop one rank mid-forward and leave the others waiting in the output dist.
 * :meth:`DeltaTracker.drain` folds what is left, returns the sorted unique local row ids of
   each shard (``nonzero()``) and clears the bitmaps. :meth:`DeltaTracker.drain_deferred`
   only swaps each bitmap for a clean spare (constant time) and leaves the ``nonzero()`` and
@@ -58,6 +60,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -266,9 +269,11 @@ class _FoldThread:
         return self._thread.is_alive()
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Run what is queued, then end the thread (joined unless called from it)."""
         if self.alive():
             self._queue.put(None)
-            self._thread.join(timeout_s)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while (call := self._queue.get()) is not None:
@@ -280,6 +285,7 @@ class _FoldThread:
                 log.error("folding tracked ids: %s", e)
                 if self.error is None:
                     self.error = e
+            del call  # a queued call holds the tracker: let it go before the next get()
             self._stats.background_s += time.thread_time() - c0
 
 
@@ -363,6 +369,8 @@ class DeltaTracker:
             s.weight.device.type == "cpu" for s in self.shards
         ):
             self._folder = _FoldThread(self.config.max_pending_folds, self.stats)
+            # A tracker dropped without detach() does not leave its thread waiting forever.
+            weakref.finalize(self, self._folder.stop)
 
     # -- construction -----------------------------------------------------------------------
 
@@ -495,9 +503,6 @@ class DeltaTracker:
             if isinstance(embs, torch.Tensor) and embs.requires_grad:
                 embs.register_hook(self._before_update)
                 self.stats.update_hooks += 1
-            if self._folder is not None and self._folder.error is not None:
-                err = self._folder.error
-                raise RuntimeError(f"folding tracked ids failed: {err}") from err
             if self._paused:
                 return
             t0 = time.perf_counter()
@@ -621,7 +626,8 @@ class DeltaTracker:
         Only the bitmaps are swapped here (lookups from now on mark clean ones), so the
         training loop pays a constant time; with a fold thread, the swap is queued behind
         the lookups it still folds. The returned rows may be resolved on another thread
-        while training goes on.
+        while training goes on; resolve them (until then their bitmaps are not reused, and
+        each later drain allocates new ones).
         """
         t0 = time.perf_counter()
         self._fold()
@@ -673,5 +679,6 @@ class DeltaTracker:
         self._modules.clear()
         self._pending.clear()
         self._barriers.clear()
-        if self._folder is not None:
+        if self._folder is not None:  # drains still queued are swapped first
             self._folder.stop()
+            self._folder = None

@@ -128,9 +128,9 @@ def _tracker_worker(rank: int, world_size: int) -> None:
 
 
 def _fold_failure_worker(rank: int, world_size: int) -> None:
-    """A fold that fails in the fold thread is raised at the next lookup (maybe in the same
-    forward) and by the drain behind it, never turned into rows missing that lookup's.
-    One rank: an error raised mid-forward on one rank only would leave the other waiting."""
+    """A fold that fails in the fold thread is raised by the drain behind it (and every
+    later one), never turned into rows missing that lookup's; forwards go on (an error
+    raised mid-forward on one rank would leave the others waiting in the output dist)."""
     dmp = toy_dmp(world_size)
     flaky = DeltaTracker(dmp)
     real_mark, calls = _Lookup.mark, [0]
@@ -144,15 +144,70 @@ def _fold_failure_worker(rank: int, world_size: int) -> None:
     _Lookup.mark = mark  # type: ignore[method-assign]
     expected = "folding tracked ids failed: boom"
     with torch.no_grad():
-        try:
-            dmp(batch(rank, 12))
-        except RuntimeError as e:  # the fold thread failed before this forward's last lookup
-            assert expected in str(e)
+        dmp(batch(rank, 12))
         with pytest.raises(RuntimeError, match=expected):
             flaky.drain()
+        dmp(batch(rank, 13))
         with pytest.raises(RuntimeError, match=expected):
-            dmp(batch(rank, 13))
+            flaky.drain()
     assert calls[0] >= 2
+    flaky.detach()
+
+
+def _fold_order_worker(rank: int, world_size: int) -> None:
+    """Drains queued behind a fold thread that is held back hold exactly the lookups before
+    them, whatever the timing: the thread is blocked while the forwards and drains run."""
+    import threading
+
+    def hold(tracker: DeltaTracker) -> threading.Event:
+        go = threading.Event()
+        assert tracker._folder is not None
+        tracker._folder.submit(lambda: go.wait(60))
+        return go
+
+    def want(tracker: DeltaTracker, *indices: int) -> dict[tuple[str, int], list]:
+        return _expected(
+            tracker, fed_ids([batch(r, i) for r in range(world_size) for i in indices])
+        )
+
+    tracker = DeltaTracker(dmp := toy_dmp(world_size), TrackerConfig(max_pending_folds=64))
+    with torch.no_grad():
+        go = hold(tracker)
+        dmp(batch(rank, 10))
+        first = tracker.drain_deferred()
+        dmp(batch(rank, 11))
+        second = tracker.drain_deferred()
+        dmp(batch(rank, 12))
+        go.set()
+        assert _ids(second.resolve()) == want(tracker, 11)  # resolved out of order
+        assert _ids(first.resolve()) == want(tracker, 10)
+        assert _ids(tracker.drain()) == want(tracker, 12)
+        # A lookup whose output dist never ran (its ids still stashed) is folded by the drain.
+        hooks = [(m, m.post_odist_tracker_fn) for m in tracker._modules.values()]
+        for m, _ in hooks:
+            m.post_odist_tracker_fn = None
+        dmp(batch(rank, 13))
+        for m, fn in hooks:
+            m.post_odist_tracker_fn = fn
+        assert tracker._pending and _ids(tracker.drain()) == want(tracker, 13)
+    tracker.detach()
+    assert tracker._folder is None and _ids(tracker.drain()) == want(tracker)  # inline now
+
+    # Lookahead 1, held back: the history is re-marked behind each queued swap, in order.
+    ahead = DeltaTracker(
+        dmp, TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST, max_pending_folds=64)
+    )
+    with torch.no_grad():
+        go = hold(ahead)
+        dmp(batch(rank, 20))
+        d1 = ahead.drain_deferred()
+        dmp(batch(rank, 21))
+        d2, d3 = ahead.drain_deferred(), ahead.drain_deferred()
+        go.set()
+        assert _ids(d1.resolve()) == want(ahead, 20)
+        assert _ids(d2.resolve()) == want(ahead, 20, 21)
+        assert _ids(d3.resolve()) == want(ahead, 21)
+    ahead.detach()
 
 
 def _managed_collision_worker(rank: int, world_size: int) -> None:
@@ -240,6 +295,11 @@ def test_tracker_ids_per_sharding_type(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_failed_fold_is_raised_not_dropped(tmp_path: Path) -> None:
     spawn(_fold_failure_worker, 1, tmp_path)
+
+
+@pytest.mark.slow
+def test_drains_queued_behind_the_fold_thread_hold_their_own_lookups(tmp_path: Path) -> None:
+    spawn(_fold_order_worker, 2, tmp_path)
 
 
 @pytest.mark.slow
