@@ -124,12 +124,10 @@ class _CopyRequest:
 
 @dataclass
 class _Job:
-    path: Path
-    seq: int
-    step: int
-    kind: SegmentKind
-    chunks: list[SegmentChunk]
+    """A segment for the writer: its reserved stats (seq, step, kind, path) and its rows."""
+
     stats: SegmentStats
+    chunks: list[SegmentChunk]
     ready: Any = None  # a CUDA event to wait for before reading device-to-host copies
     #: Pooled copy buffers (pool key, buffer) holding ``chunks``' values; back to the pool
     #: once the segment is written, never before.
@@ -412,7 +410,7 @@ class SegmentPublisher:
         if self._error is not None:
             error = SpoolError(f"writing a segment failed: {self._error}")
             error.__cause__ = self._error
-        elif self._copier is not None and not self._copier.is_alive():
+        elif self._copier is not None and not self._copier_alive():
             error = SpoolError("the publisher's copier thread stopped")
         self._agree(error, "writing a segment")
         if self._copier is not None:
@@ -567,12 +565,11 @@ class SegmentPublisher:
         ]
         stats.rows = sum(i.numel() for i in ids)
         stats.nbytes = sum(i.nbytes + v.nbytes for i, v in zip(ids, values, strict=True))
-        assert stats.path is not None
-        return _Job(stats.path, stats.seq, stats.step, stats.kind, chunks, stats, ready)
+        return _Job(stats, chunks, ready)
 
     def _write(self, job: _Job) -> None:
         """Write one segment; a failure is kept in ``_error`` and stops all later writes."""
-        assert self.generation is not None
+        assert self.generation is not None and job.stats.path is not None
         if self._error is not None:
             return  # a gap would break the log: write nothing after a failure
         try:
@@ -581,21 +578,21 @@ class SegmentPublisher:
             t0 = time.perf_counter()
             c0 = time.thread_time()
             write_segment(
-                job.path,
+                job.stats.path,
                 model=self.config.model,
                 generation=self.generation,
                 rank=self.rank,
                 world_size=self.world_size,
-                seq=job.seq,
-                step=job.step,
-                kind=job.kind,
+                seq=job.stats.seq,
+                step=job.stats.step,
+                kind=job.stats.kind,
                 chunks=job.chunks,
                 fsync=self.config.fsync,
             )
             job.stats.write_s = time.perf_counter() - t0
             job.stats.write_cpu_s = time.thread_time() - c0
         except BaseException as e:
-            log.error("segment %s: %s", job.path, e)
+            log.error("segment %s: %s", job.stats.path, e)
             self._error = e
 
     def _writer(self) -> None:

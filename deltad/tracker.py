@@ -153,11 +153,14 @@ class _Lookup:
 
     shards: list[TrackedShard]
     key_shard: list[int]  # per key of the features: index of its shard
-    active: _Bitmap
     #: (ids, offset per key) of the last ``lookahead`` lookups
     history: deque[tuple[torch.Tensor, list[int]]]
+    active: _Bitmap = field(init=False)
     spares: list[_Bitmap] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.active = self.new_bitmap()
 
     def new_bitmap(self) -> _Bitmap:
         sizes = [s.row_end - s.row_start for s in self.shards]
@@ -176,6 +179,19 @@ class _Lookup:
         """A resolved (cleared) bitmap becomes a spare again."""
         with self.lock:
             self.spares.append(bitmap)
+
+    def read_and_clear(self, bitmap: _Bitmap) -> list[tuple[TrackedShard, torch.Tensor]]:
+        """(shard, sorted unique local row ids) of ``bitmap``, which is then all clear."""
+        out = [
+            (s, mask.nonzero().view(-1)) for s, mask in zip(self.shards, bitmap.masks, strict=True)
+        ]
+        bitmap.flat.zero_()
+        return out
+
+    def remark_history(self) -> None:
+        """Mark the last ``lookahead`` lookups again (they stay owed after a drain)."""
+        for values, offsets in self.history:
+            self.mark(values, offsets)
 
     def mark(self, values: torch.Tensor, offsets: list[int]) -> None:
         """Set the bits of the ids of one lookup (key ``i`` owns ``values[o[i]:o[i+1]]``)."""
@@ -239,9 +255,7 @@ class DrainedRows:
         assert parts is not None
         out: list[tuple[TrackedShard, torch.Tensor]] = []
         for lookup, bitmap in parts:
-            for shard, mask in zip(lookup.shards, bitmap.masks, strict=True):
-                out.append((shard, mask.nonzero().view(-1)))
-            bitmap.flat.zero_()
+            out += lookup.read_and_clear(bitmap)
             lookup.give_back(bitmap)
         self.resolve_s = time.perf_counter() - t0
         return out
@@ -485,14 +499,7 @@ class DeltaTracker:
         )
 
     def _new_lookup(self, shards: list[TrackedShard], key_shard: list[int]) -> _Lookup:
-        lookup = _Lookup(
-            shards=shards,
-            key_shard=key_shard,
-            active=_Bitmap(torch.empty(0), [], []),
-            history=deque(maxlen=self._lookahead),
-        )
-        lookup.active = lookup.new_bitmap()
-        return lookup
+        return _Lookup(shards=shards, key_shard=key_shard, history=deque(maxlen=self._lookahead))
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -547,8 +554,7 @@ class DeltaTracker:
         parts: list[tuple[_Lookup, _Bitmap]] = []
         for lk in self._lookups.values():
             parts.append((lk, lk.swap()))
-            for values, offsets in lk.history:
-                lk.mark(values, offsets)
+            lk.remark_history()
         return parts
 
     def _swap_into(self, rows: DrainedRows) -> None:
@@ -611,11 +617,8 @@ class DeltaTracker:
         self._fold()
         out = []
         for lk in self._lookups.values():  # in place: no second bitmap (device memory)
-            for shard, mask in zip(lk.shards, lk.active.masks, strict=True):
-                out.append((shard, mask.nonzero().view(-1)))
-            lk.active.flat.zero_()
-            for values, offsets in lk.history:
-                lk.mark(values, offsets)
+            out += lk.read_and_clear(lk.active)
+            lk.remark_history()
         self.stats.drain_s += time.perf_counter() - t0
         return out
 
