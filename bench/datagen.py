@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from deltad.segment import Segment, SegmentChunk, SegmentHeader, write_segment
-from deltad.spool import GenerationManifest, SpoolLayout, TableInfo
+from deltad.segment.format import Segment, SegmentChunk, SegmentHeader, write_segment
+from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.types import SegmentKind
 
 

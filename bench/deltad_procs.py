@@ -30,7 +30,7 @@ def module_unavailable(*modules: str) -> str | None:
 
 def sidecar_unavailable() -> str | None:
     """Why the sidecar (``deltad serve``) and the consumer library cannot be used, or None."""
-    return module_unavailable("deltad.server.cli", "deltad.client", "deltad.wire")
+    return module_unavailable("deltad.serve.cli", "deltad.consume.client", "deltad.wire")
 
 
 def write_bench_spool(spool: Path, *, rows: int, tables: int, dim: int) -> dict[str, int]:

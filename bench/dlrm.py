@@ -58,13 +58,12 @@ def init_single_process_group() -> None:
 def build(size: DlrmSize, *, lr: float = 0.05, seed: int = 0) -> tuple[Any, Any, Any]:
     """(dmp_model, dense_optimizer, click_stream) for ``size`` on CPU."""
     import torch.distributed as dist
+    from deltad.reference.trainer.data import ClickStream
+    from deltad.reference.trainer.model import ClickModel
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.keyed import KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    from trainer.data import ClickStream
-    from trainer.model import ClickModel
 
     init_single_process_group()
     torch.manual_seed(seed)

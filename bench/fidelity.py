@@ -54,7 +54,9 @@ def run(ctx: Context) -> dict[str, Any]:
     """One live run with a predictor per (form, k, dtype)."""
     from bench.deltad_procs import module_unavailable
 
-    why = module_unavailable("trainer.cli", "deltad.server.cli", "consumers.cli")
+    why = module_unavailable(
+        "deltad.reference.trainer.cli", "deltad.serve.cli", "deltad.reference.consumers.cli"
+    )
     if why:
         raise NotAvailable(why)
     interval = TINY_PUBLISH_S if ctx.tiny else 1.0

@@ -67,7 +67,9 @@ def run(ctx: Context) -> dict[str, Any]:
     """One live run per publish interval."""
     from bench.deltad_procs import module_unavailable
 
-    why = module_unavailable("trainer.cli", "deltad.server.cli", "consumers.cli")
+    why = module_unavailable(
+        "deltad.reference.trainer.cli", "deltad.serve.cli", "deltad.reference.consumers.cli"
+    )
     if why:
         raise NotAvailable(why)
     intervals = ctx.pick([0.5, 1.0, 5.0], [0.5, 1.0], [0.5])

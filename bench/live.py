@@ -73,8 +73,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def segment_headers(spool: Path, model: str = MODEL) -> list[dict[str, Any]]:
     """Headers of every rank-0 segment of the newest generation, by seq."""
-    from deltad.segment import read_header
-    from deltad.spool import SpoolLayout
+    from deltad.segment.format import read_header
+    from deltad.segment.spool import SpoolLayout
 
     layout = SpoolLayout(spool, model)
     gen = layout.latest_generation()
@@ -99,7 +99,7 @@ def segment_headers(spool: Path, model: str = MODEL) -> list[dict[str, Any]]:
 
 def tables_at_step(spool: Path, step: int, model: str = MODEL) -> dict[str, torch.Tensor]:
     """The trainer's tables right after ``step``, rebuilt from the spool's segments."""
-    from deltad.segment import apply_segments, read_segment
+    from deltad.segment.format import apply_segments, read_segment
 
     tables: dict[str, torch.Tensor] = {}
     for h in segment_headers(spool, model):
@@ -148,7 +148,7 @@ def run_live(
             "--result-json", str(trainer_json),
             "--no-progress",
         ]  # fmt: skip
-        tproc = kids.popen(targs, log_path=logs / "trainer.log")
+        tproc = kids.popen(targs, log_path=logs / "deltad.reference.trainer.log")
         mon.watch("trainer", tproc.pid)
         # The sidecar starts alongside the trainer and indexes the spool once it appears.
         side = start_sidecar(
@@ -182,7 +182,7 @@ def run_live(
         if not ok or (tproc.poll() is not None and tproc.returncode != 0):
             raise RuntimeError(
                 "deltad train did not publish a base segment:\n"
-                + (logs / "trainer.log").read_text(errors="replace")[-3000:]
+                + (logs / "deltad.reference.trainer.log").read_text(errors="replace")[-3000:]
             )
         budget = trainer.duration_s + 240.0
         wait_until(lambda: tproc.poll() is not None, budget, 0.2)
@@ -199,7 +199,9 @@ def run_live(
     try:
         result = json.loads(trainer_json.read_text())
     except (OSError, ValueError):
-        result = {"error": (logs / "trainer.log").read_text(errors="replace")[-2000:]}
+        result = {
+            "error": (logs / "deltad.reference.trainer.log").read_text(errors="replace")[-2000:]
+        }
     segs = segment_headers(spool)
     if segs:  # training ended at the last cut (the trainer process still gathers and saves)
         trainer_end = min(trainer_end, max(h["created_unix"] for h in segs))

@@ -2,7 +2,7 @@
 
 The reference DLRM trains with deltad's tracker + publisher; segment size (rows x dim) is
 varied through the embedding dim and the publish interval in steps (more steps = more rows
-touched per segment). From :class:`deltad.publisher.PublisherStats` per delta segment:
+touched per segment). From :class:`deltad.publish.publisher.PublisherStats` per delta segment:
 
 * ``stall_s``: what ``publish()`` held the training loop (with background copies, the
   default on CPU: a swap of the tracker's bitmaps);
@@ -31,7 +31,9 @@ def run(ctx: Context) -> dict[str, Any]:
     from bench.deltad_procs import module_unavailable
     from bench.dlrm import DlrmSize
 
-    why = module_unavailable("trainer.model", "deltad.tracker", "deltad.publisher")
+    why = module_unavailable(
+        "deltad.reference.trainer.model", "deltad.publish.tracker", "deltad.publish.publisher"
+    )
     if why:
         raise NotAvailable(why)
     base = ctx.pick(

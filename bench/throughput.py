@@ -2,7 +2,7 @@
 
 A spool holds a base segment (every row of 4 tables, dim 64) plus two skewed delta segments;
 a new consumer's window is therefore every row. For each window size and wire dtype one
-consumer per dtype (a :class:`~deltad.client.DeltaConsumer` in a client process, its channel
+consumer per dtype (a :class:`~deltad.consume.client.DeltaConsumer` in a client process, its channel
 kept open as a predictor's is) pulls that window from ``deltad serve`` (another process)
 again and again without committing, so every pull is the whole window: server merge (window
 cache off) + stream + client rebuild into tensors. Delivered GB/s = payload bytes on the wire
@@ -89,8 +89,8 @@ def client_pull(
     """
     import time
 
-    from deltad.client import DeltaConsumer
     from deltad.config import ConsumerConfig, PullOptions
+    from deltad.consume.client import DeltaConsumer
     from deltad.perf import tune_malloc, tune_threads
     from deltad.types import Form, WireDtype
 
@@ -151,6 +151,7 @@ def client_decompose(
 
     from deltad import wire
     from deltad.config import PullOptions
+    from deltad.consume import decode
     from deltad.types import WireDtype
     from deltad.v1 import delta_pb2 as pb
     from deltad.v1 import delta_pb2_grpc as pb_grpc
@@ -159,11 +160,11 @@ def client_decompose(
     with grpc.insecure_channel(endpoint, options=opts) as ch:
         pb_grpc.DeltaServiceStub(ch).Register(pb.RegisterRequest(consumer=consumer), timeout=30)
         req = wire.request_from_options(consumer, PullOptions(wire_dtype=WireDtype(dtype)))
-        asm = wire.WindowAssembler()
+        asm = decode.WindowAssembler()
         t0 = time.perf_counter()
         first = None
         nbytes = 0
-        for msg in wire.raw_get_delta(ch)(req, timeout=600):
+        for msg in decode.raw_get_delta(ch)(req, timeout=600):
             if first is None:
                 first = time.perf_counter()
             nbytes += len(msg)
@@ -187,7 +188,7 @@ def client_decompose(
 
 def client_warm(state: dict[str, Any]) -> dict[str, Any]:
     """Runs in the client worker: import the consumer library before any timing."""
-    import deltad.client
+    import deltad.consume.client
     import deltad.wire  # noqa: F401
 
     return {}

@@ -10,8 +10,8 @@ medians over rounds of per-run medians.
 Variants:
 
 * ``none``: no tracker.
-* ``deltad_tracker``: :class:`deltad.tracker.DeltaTracker`, drained every ``publish_every``.
-* ``deltad``: tracker + :class:`deltad.publisher.SegmentPublisher` publishing every step
+* ``deltad_tracker``: :class:`deltad.publish.tracker.DeltaTracker`, drained every ``publish_every``.
+* ``deltad``: tracker + :class:`deltad.publish.publisher.SegmentPublisher` publishing every step
   (what a 0.5 s freshness needs at 0.5 s/step), fsync on, spool on local disk.
 * ``deltad_tmpfs``: ``deltad`` with the spool on tmpfs (``/dev/shm``), as a pod's
   ``medium: Memory`` emptyDir would be: same fsync calls, no disk behind them.
@@ -53,7 +53,7 @@ def _attach(
     if variant == "none":
         return (lambda step: None), (lambda: None), None, None
     if variant == "deltad_tracker":
-        from deltad.tracker import DeltaTracker
+        from deltad.publish.tracker import DeltaTracker
 
         tracker = DeltaTracker(dmp)
 
@@ -67,7 +67,7 @@ def _attach(
         import tempfile
 
         from deltad.config import PublisherConfig
-        from deltad.publisher import SegmentPublisher
+        from deltad.publish.publisher import SegmentPublisher
 
         every = publish_steps or (10 if variant == "deltad_every10" else 1)
         if variant == "deltad_tmpfs":
@@ -313,7 +313,9 @@ def _unavailable(variant: str) -> str | None:
         except OSError:
             return f"no tmpfs at {TMPFS}"
     if variant.startswith("deltad"):
-        mods = ["deltad.tracker"] + (["deltad.publisher"] if variant != "deltad_tracker" else [])
+        mods = ["deltad.publish.tracker"] + (
+            ["deltad.publish.publisher"] if variant != "deltad_tracker" else []
+        )
         return module_unavailable(*mods)
     if variant.startswith("torchrec"):
         return module_unavailable("torchrec.distributed.model_tracker.types")
@@ -333,7 +335,7 @@ def run(ctx: Context) -> dict[str, Any]:
     """Every variant, ``ctx.repeats`` rounds, interleaved."""
     from bench.deltad_procs import module_unavailable
 
-    why = module_unavailable("trainer.model", "trainer.data")
+    why = module_unavailable("deltad.reference.trainer.model", "deltad.reference.trainer.data")
     if why:
         raise NotAvailable(f"the reference DLRM is missing: {why}")
     size = size_for(ctx)

@@ -74,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
 
     tune_malloc()  # before torch loads (see deltad.perf)
     tune_threads()
-    from consumers.predictor import Predictor, PredictorConfig
     from deltad.config import ConsumerConfig, PullOptions
     from deltad.errors import ConfigError
     from deltad.types import Form, WireDtype
+
+    from .predictor import Predictor, PredictorConfig
 
     if args.pulls < 0 or args.duration < 0 or args.interval < 0:
         raise ConfigError("--pulls, --duration and --interval must be >= 0 (0: no limit)")

@@ -1,6 +1,6 @@
 """The reference predictor: pull every rank's window on an interval, apply it, commit.
 
-It keeps its tables as a dict of tensors (:class:`~consumers.appliers.TensorDictApplier`),
+It keeps its tables as a dict of tensors (:class:`~deltad.consume.appliers.TensorDictApplier`),
 optionally starting from a ``{table: tensor}`` file, and logs per pull what it served:
 
 * ``step`` / ``head_step`` / ``step_lag``: the trainer step its tables serve vs the newest
@@ -24,9 +24,9 @@ from typing import IO, Any
 
 import torch
 
-from consumers.appliers import TensorDictApplier
-from deltad.client import DeltaConsumer, PullResult
 from deltad.config import ConsumerConfig
+from deltad.consume.appliers import TensorDictApplier
+from deltad.consume.client import DeltaConsumer, PullResult
 from deltad.errors import ConsumerError
 from deltad.types import Form
 

@@ -1,3 +1,103 @@
-"""deltad: streams fresh embedding rows from an online TorchRec trainer to many predictors."""
+"""deltad: streams fresh embedding rows from an online TorchRec trainer to many predictors.
+
+The public API is imported from here::
+
+    from deltad import SegmentPublisher, PublisherConfig          # trainer side
+    from deltad import DeltaConsumer, ConsumerConfig, PullOptions  # predictor side
+
+Names load on first use (PEP 562), so ``import deltad`` and ``deltad --help`` stay cheap and
+a predictor-only process never imports the trainer side.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # configuration and vocabulary
+    "TrackerConfig": "deltad.config",
+    "PublisherConfig": "deltad.config",
+    "ServerConfig": "deltad.config",
+    "ConsumerConfig": "deltad.config",
+    "PullOptions": "deltad.config",
+    "Form": "deltad.types",
+    "WireDtype": "deltad.types",
+    "TrainLoop": "deltad.types",
+    "Cursor": "deltad.types",
+    # errors
+    "DeltadError": "deltad.errors",
+    "ConfigError": "deltad.errors",
+    "ConsumerError": "deltad.errors",
+    "SidecarUnavailableError": "deltad.errors",
+    # publish side
+    "DeltaTracker": "deltad.publish.tracker",
+    "SegmentPublisher": "deltad.publish.publisher",
+    # consume side
+    "DeltaConsumer": "deltad.consume.client",
+    "PullResult": "deltad.consume.client",
+    "RankDelta": "deltad.consume.window",
+    "SliceUpdate": "deltad.consume.window",
+    "Applier": "deltad.consume.appliers",
+    "TensorDictApplier": "deltad.consume.appliers",
+    "TorchRecApplier": "deltad.consume.appliers",
+}
+
+__all__ = [
+    "Applier",
+    "ConfigError",
+    "ConsumerConfig",
+    "ConsumerError",
+    "Cursor",
+    "DeltaConsumer",
+    "DeltaTracker",
+    "DeltadError",
+    "Form",
+    "PublisherConfig",
+    "PullOptions",
+    "PullResult",
+    "RankDelta",
+    "SegmentPublisher",
+    "ServerConfig",
+    "SidecarUnavailableError",
+    "SliceUpdate",
+    "TensorDictApplier",
+    "TorchRecApplier",
+    "TrackerConfig",
+    "TrainLoop",
+    "WireDtype",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deltad' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from deltad.config import (
+        ConsumerConfig,
+        PublisherConfig,
+        PullOptions,
+        ServerConfig,
+        TrackerConfig,
+    )
+    from deltad.consume.appliers import Applier, TensorDictApplier, TorchRecApplier
+    from deltad.consume.client import DeltaConsumer, PullResult
+    from deltad.consume.window import RankDelta, SliceUpdate
+    from deltad.errors import ConfigError, ConsumerError, DeltadError, SidecarUnavailableError
+    from deltad.publish.publisher import SegmentPublisher
+    from deltad.publish.tracker import DeltaTracker
+    from deltad.types import Cursor, Form, TrainLoop, WireDtype

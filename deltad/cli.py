@@ -1,56 +1,83 @@
 """The `deltad` command line: one console script with a subcommand per role.
 
-Each subcommand lives in its own module and registers itself through ``add_parser`` /
-``run``; this module only dispatches, turns deltad errors into exit code 2 with one line on
+Each subcommand lives in its own module and registers itself through ``add_arguments`` /
+``run``; this module imports them, dispatches, turns deltad errors into exit code 2 with one line on
 stderr, and keeps ``--help`` listing every role.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 
 from deltad import __version__
 from deltad.errors import DeltadError
 
-#: subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": (
-        "trainer.cli",
-        "run the reference online trainer (multi-rank, gloo) and publish segments",
-    ),
-    "serve": ("deltad.server.cli", "run the sidecar: index the spool, serve GetDelta over gRPC"),
-    "consume": ("consumers.cli", "run the reference predictor: pull deltas, apply, commit"),
-    "status": ("deltad.status", "print consumers, lag, head and tables of a sidecar"),
-    "demo": (
-        "deltad.demo",
-        "trainer + sidecars + Redis + two predictors on this machine, with a report",
-    ),
-    "bench": ("bench.run", "run the benchmark suite (JSON + PNG under bench/out)"),
-}
+
+def _bench_commands() -> ModuleType | None:
+    """``bench/run.py`` of the source checkout this deltad runs from, or None when deltad was
+    installed from a wheel: the benchmarks are a checkout tool and are not installed."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "run.py").is_file():
+        return None
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench import run as bench_run
+
+    return bench_run
+
+
+def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
+    """subcommand -> (module with ``add_arguments(parser)`` and ``run(args) -> int``, help)."""
+    from deltad import demo, status
+    from deltad.reference.consumers import cli as consume_cli
+    from deltad.reference.trainer import cli as train_cli
+    from deltad.serve import cli as serve_cli
+
+    return {
+        "train": (
+            train_cli,
+            "run the reference online trainer (multi-rank, gloo) and publish segments",
+        ),
+        "serve": (serve_cli, "run the sidecar: index the spool, serve GetDelta over gRPC"),
+        "consume": (consume_cli, "run the reference predictor: pull deltas, apply, commit"),
+        "status": (status, "print consumers, lag, head and tables of a sidecar"),
+        "demo": (demo, "trainer + sidecars + Redis + predictors on this machine, with a report"),
+        "bench": (
+            _bench_commands(),
+            "run the benchmark suite (JSON + PNG under bench/out; from a source checkout)",
+        ),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltad",
         description="Stream fresh embedding rows from an online TorchRec trainer to predictors.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"deltad {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:  # a role whose module is not installed here
-            p.set_defaults(_unavailable=f"deltad {name} is not available: {e}")
+    for name, (module, help_text) in _subcommands().items():
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        if module is None:
+            p.set_defaults(
+                _unavailable=f"deltad {name} runs from a source checkout (bench/ is not installed)"
+            )
             continue
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
     return parser
 
 

@@ -81,7 +81,7 @@ class PublisherConfig:
     reuse_copy_buffers: bool = True
     #: CPU weights: read the drained ids and copy the rows on a background thread while the
     #: next forward runs; the next backward waits for it before any row is updated (see
-    #: deltad.publisher). Off: the loop copies at the boundary. Device weights always copy
+    #: deltad.publish.publisher). Off: the loop copies at the boundary. Device weights always copy
     #: in the loop (asynchronously on the device). Turn it off if something writes tracked
     #: weights outside the backward pass between publishes, or call wait_copied() first.
     copy_in_background: bool = True

@@ -358,7 +358,7 @@ class Demo:
     def report(self, logs: dict[str, PredictorLog], elapsed: float, final_step: int) -> Report:
         import torch
 
-        from consumers.predictor import percentile
+        from deltad.reference.consumers.predictor import percentile
 
         a = self.args
         result = json.loads((self.work / "trainer-result.json").read_text())

@@ -41,3 +41,7 @@ class ConsumerError(DeltadError):
 
 class SidecarUnavailableError(ConsumerError):
     """A sidecar did not answer within the deadline after bounded retries."""
+
+
+class StreamDecodeError(ConsumerError):
+    """A GetDelta stream is malformed or incomplete."""

@@ -38,7 +38,7 @@ class TrainLoop(enum.Enum):
 
     ``lookahead`` is the number of batches whose embedding lookup has already happened when a
     step boundary is reached but whose fused optimizer update has not. The publisher keeps the
-    ids of those lookups owed to the next segment as well (see :mod:`deltad.tracker`).
+    ids of those lookups owed to the next segment as well (see :mod:`deltad.publish.tracker`).
     """
 
     PLAIN = "plain"  # forward / backward / step of one batch at a time
@@ -65,3 +65,15 @@ class ColumnRange:
     @property
     def width(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a consumer stands on one rank (mirrors deltad.v1.Cursor)."""
+
+    consumer: str
+    rank: int
+    generation: int
+    seq: int  # last segment applied; -1 = nothing yet
+    step: int  # trainer step of that segment
+    pull_id: str = ""

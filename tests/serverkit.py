@@ -14,14 +14,15 @@ import torch
 
 from deltad import wire
 from deltad.config import ServerConfig
+from deltad.consume import decode
+from deltad.consume.window import RankDelta
 from deltad.redisutil import EmbeddedRedis
-from deltad.segment import SegmentChunk, write_segment
-from deltad.server.app import SidecarServer
-from deltad.spool import GenerationManifest, SpoolLayout, TableInfo
+from deltad.segment.format import SegmentChunk, write_segment
+from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
+from deltad.serve.app import SidecarServer
 from deltad.types import Form, SegmentKind, WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
-from deltad.window import RankDelta
 
 MODEL = "m"
 
@@ -165,8 +166,8 @@ class Client:
             consumer=consumer, form=wire.form_to_pb(form), dtype=wire.dtype_to_pb(dtype), **kw
         )
         if raw:
-            return wire.pull(self.channel, req, timeout=30, metadata=self.md)
-        return wire.decode_stream(self.stub.GetDelta(req, timeout=30, metadata=self.md))
+            return decode.pull(self.channel, req, timeout=30, metadata=self.md)
+        return decode.decode_stream(self.stub.GetDelta(req, timeout=30, metadata=self.md))
 
     def commit(self, d: RankDelta) -> pb.CommitResponse:
         return self.stub.Commit(

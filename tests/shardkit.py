@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from deltad.reference.trainer.data import Batch
+from deltad.reference.trainer.train import shard_model
 from tensordict import TensorDict
 from torch import nn
 from torchrec import (
@@ -28,9 +30,6 @@ from torchrec import (
     EmbeddingConfig,
     KeyedJaggedTensor,
 )
-
-from trainer.data import Batch
-from trainer.train import shard_model
 
 ROWS = 100
 DIM = 16

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from deltad.segment import SegmentChunk, write_segment
-from deltad.spool import GenerationManifest, SpoolLayout, TableInfo
+from deltad.segment.format import SegmentChunk, write_segment
+from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.types import SegmentKind
 
 ROOT = Path(__file__).resolve().parents[1]

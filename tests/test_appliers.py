@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from consumers.appliers import TensorDictApplier, TorchRecApplier
+from deltad.consume.appliers import TensorDictApplier, TorchRecApplier
+from deltad.consume.window import Cursor, RankDelta, SliceUpdate
 from deltad.errors import ConsumerError
 from deltad.types import Form, WireDtype
-from deltad.window import Cursor, RankDelta, SliceUpdate
 
 
 def _delta(slices: list[SliceUpdate], *, rank: int = 0, resync: bool = False) -> RankDelta:

@@ -20,12 +20,12 @@ import redis
 import torch
 from spoolkit import FakeTrainer, child_env, wait_for
 
-from consumers.appliers import TensorDictApplier
-from deltad.client import DeltaConsumer, PullResult
 from deltad.config import ConsumerConfig, PullOptions, ServerConfig
+from deltad.consume.appliers import TensorDictApplier
+from deltad.consume.client import DeltaConsumer, PullResult
 from deltad.errors import ConfigError
 from deltad.keys import RedisKeys
-from deltad.server.app import SidecarServer
+from deltad.serve.app import SidecarServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -209,7 +209,7 @@ def test_generation_change_resyncs(tmp_path: Path, redis_url: str) -> None:
 VICTIM = textwrap.dedent(
     """
     import json, os, signal, sys
-    from deltad.client import DeltaConsumer
+    from deltad.consume.client import DeltaConsumer
     from deltad.config import ConsumerConfig
     cfg = ConsumerConfig(consumer="victim", model="m", sidecars=tuple(sys.argv[1:]))
     c = DeltaConsumer(cfg).connect()

@@ -12,12 +12,12 @@ import redis
 import torch
 from spoolkit import FakeTrainer, wait_for
 
-from consumers.appliers import TensorDictApplier, TorchRecApplier
-from deltad.client import DeltaConsumer
 from deltad.config import ConsumerConfig, PullOptions, ServerConfig
+from deltad.consume.appliers import TensorDictApplier, TorchRecApplier
+from deltad.consume.client import DeltaConsumer
 from deltad.errors import ConsumerError, SidecarUnavailableError
 from deltad.keys import RedisKeys
-from deltad.server.app import SidecarServer
+from deltad.serve.app import SidecarServer
 from deltad.types import Form, WireDtype
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from deltad.reference.consumers.predictor import Predictor, PredictorConfig, percentile
 from spoolkit import FakeTrainer
 
-from consumers.predictor import Predictor, PredictorConfig, percentile
 from deltad.config import ConsumerConfig, ServerConfig
-from deltad.server.app import SidecarServer
+from deltad.serve.app import SidecarServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,7 @@ from serverkit import redis_server
 
 from deltad.errors import OffsetStoreError
 from deltad.redisutil import EmbeddedRedis
-from deltad.server.offsets import CommitRejected, OffsetStore, PullRecord
+from deltad.serve.offsets import CommitRejected, OffsetStore, PullRecord
 
 __all__ = ["redis_server"]
 

@@ -15,10 +15,10 @@ from shardkit import batch, spawn, toy_dmp
 
 from deltad.config import PublisherConfig
 from deltad.errors import ConfigError, SpoolError
-from deltad.publisher import SegmentPublisher
-from deltad.segment import apply_segments, read_segment
-from deltad.spool import SpoolLayout, TableInfo
-from deltad.tracker import DeltaTracker
+from deltad.publish.publisher import SegmentPublisher
+from deltad.publish.tracker import DeltaTracker
+from deltad.segment.format import apply_segments, read_segment
+from deltad.segment.spool import SpoolLayout, TableInfo
 from deltad.types import SegmentKind
 
 MAX_STEPS = 200
@@ -221,7 +221,7 @@ class _FakeTracker:
     """One CPU shard of a 64 x 4 table; ``drain`` returns the rows set by the test."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        from deltad.tracker import TrackedShard
+        from deltad.publish.tracker import TrackedShard
 
         rows, dim = weight.shape
         self.shard = TrackedShard(
@@ -248,7 +248,7 @@ def test_pooled_copy_buffers_are_never_reused_while_queued(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A slow writer with segments queued: every segment still holds its rows as published."""
-    import deltad.publisher as publisher_mod
+    import deltad.publish.publisher as publisher_mod
 
     real_write = publisher_mod.write_segment
 
@@ -316,7 +316,7 @@ def test_writer_thread_is_reniced(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_buffer_pool_hands_out_the_smallest_free_buffer_that_fits() -> None:
-    from deltad.publisher import _BufferPool
+    from deltad.publish.publisher import _BufferPool
 
     pool = _BufferPool()
     key = ("t", 0, 0)
@@ -352,7 +352,7 @@ def test_rows_a_device_cache_holds_are_flushed_before_they_are_read(tmp_path: Pa
 
 
 def test_cache_flush_is_found_only_on_kernels_with_a_cache() -> None:
-    from deltad.tracker import cache_flush
+    from deltad.publish.tracker import cache_flush
 
     class Tbe:  # the attributes of fbgemm's SplitTableBatchedEmbeddingBagsCodegen used
         def __init__(self, cache_rows: int) -> None:
@@ -495,7 +495,7 @@ def _per_host_worker(rank: int, world_size: int, root: str) -> None:
 def test_a_spool_per_host_gets_everything_its_sidecar_needs(tmp_path: Path) -> None:
     """With a spool per rank's host, rank 1's sidecar sees its generation (the manifest was
     rank 0's alone, so that sidecar never served) and serves base and deltas."""
-    from deltad.server.log import SegmentLog
+    from deltad.serve.log import SegmentLog
 
     spawn(_per_host_worker, 2, tmp_path, str(tmp_path))
     manifests = []

@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment import SegmentChunk, apply_segments, read_header, read_segment, write_segment
-from deltad.spool import GenerationManifest, SpoolLayout, TableInfo
+from deltad.segment.format import (
+    SegmentChunk,
+    apply_segments,
+    read_header,
+    read_segment,
+    write_segment,
+)
+from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.types import SegmentKind
 
 
@@ -185,8 +191,8 @@ def test_killed_writer_leaves_no_visible_partial_segment(tmp_path: Path) -> None
     code = textwrap.dedent(
         f"""
         import torch, sys
-        from deltad.segment import SegmentChunk, write_segment
-        from deltad.spool import SpoolLayout
+        from deltad.segment.format import SegmentChunk, write_segment
+        from deltad.segment.spool import SpoolLayout
         from deltad.types import SegmentKind
         lay = SpoolLayout({str(tmp_path)!r}, "m")
         ids = torch.arange(2_000_000)

@@ -11,7 +11,8 @@ import torch
 from serverkit import Client, Replica, SpoolWriter, client, redis_server, sidecar, spool, wait_for
 
 from deltad import wire
-from deltad.server.app import SidecarServer
+from deltad.consume import decode
+from deltad.serve.app import SidecarServer
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 
@@ -144,7 +145,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(
 ) -> None:
     req = pb.GetDeltaRequest(**{"consumer": "ok", **kwargs})  # type: ignore[arg-type]
     with pytest.raises(grpc.RpcError) as e:
-        wire.pull(client.channel, req, timeout=10)
+        decode.pull(client.channel, req, timeout=10)
     assert e.value.code() == code, e.value.details()
     assert 0 < len(e.value.details() or "") < 2000  # a message, never the whole input back
     assert client.pull("ok", Form.IDS).rows == 1500
@@ -152,7 +153,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(
 
 def test_oversized_request_and_bad_commit_input(sidecar: SidecarServer, client: Client) -> None:
     huge = pb.GetDeltaRequest(consumer="ok", tables=["x" * 1000] * 20000)  # ~20 MB
-    assert _code(lambda: wire.pull(client.channel, huge, timeout=10)) == (
+    assert _code(lambda: decode.pull(client.channel, huge, timeout=10)) == (
         grpc.StatusCode.RESOURCE_EXHAUSTED
     )
     bad = pb.CommitRequest(consumer="no way", cursor=pb.Cursor(consumer="no way"))

@@ -18,10 +18,10 @@ import redis
 import torch
 from serverkit import Client, Replica, SpoolWriter, redis_server, server_config, wait_for
 
-from deltad import wire
+from deltad.consume import decode, window
 from deltad.redisutil import EmbeddedRedis
-from deltad.server.app import SidecarServer
-from deltad.server.offsets import OffsetStore
+from deltad.serve.app import SidecarServer
+from deltad.serve.offsets import OffsetStore
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 
@@ -49,7 +49,7 @@ def _equal(rep: Replica, spool: SpoolWriter) -> bool:
     return all(torch.equal(rep.tables[t], spool.truth[t]) for t in spool.specs)
 
 
-def _pull_until(c: Client, consumer: str, seq: int) -> wire.RankDelta:
+def _pull_until(c: Client, consumer: str, seq: int) -> window.RankDelta:
     deadline = time.monotonic() + 10
     while True:
         d = c.pull(consumer)
@@ -177,8 +177,8 @@ def test_stop_lets_streams_in_flight_finish(tmp_path: Path, redis_server: Embedd
     c = Client(f"127.0.0.1:{srv.port}")
     try:
         req = pb.GetDeltaRequest(consumer="s", chunk_bytes=64 * 1024)
-        stream = wire.raw_get_delta(c.channel)(req, timeout=30)
-        asm = wire.WindowAssembler()
+        stream = decode.raw_get_delta(c.channel)(req, timeout=30)
+        asm = decode.WindowAssembler()
         asm.add(next(stream))
         stopper = threading.Thread(target=srv.stop, args=(10.0,))
         stopper.start()

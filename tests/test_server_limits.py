@@ -16,8 +16,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serverkit import MODEL, Client, SpoolWriter, redis_server, server_config, wait_for
 
 from deltad import wire
+from deltad.consume import decode
 from deltad.redisutil import EmbeddedRedis
-from deltad.server.app import SidecarServer
+from deltad.serve.app import SidecarServer
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
@@ -106,7 +107,7 @@ def test_tls_and_mutual_tls(tmp_path: Path, redis_server: EmbeddedRedis) -> None
     try:
         anon = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca))
         with pytest.raises(grpc.RpcError) as e:
-            wire.pull(anon, req, timeout=5)
+            decode.pull(anon, req, timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # handshake refused: no client cert
         anon.close()
         creds = grpc.ssl_channel_credentials(
@@ -115,7 +116,7 @@ def test_tls_and_mutual_tls(tmp_path: Path, redis_server: EmbeddedRedis) -> None
             certificate_chain=(d / "client.pem").read_bytes(),
         )
         ch = grpc.secure_channel(target, creds)
-        assert wire.pull(ch, req, timeout=10).rows == 1500
+        assert decode.pull(ch, req, timeout=10).rows == 1500
         ch.close()
     finally:
         srv.stop(0)
@@ -127,7 +128,7 @@ def test_concurrency_limit_and_stream_deadline(tmp_path: Path, redis_server: Emb
     c = Client(f"127.0.0.1:{srv.port}")
     try:
         req = pb.GetDeltaRequest(consumer="a", chunk_bytes=64 * 1024)
-        first = wire.raw_get_delta(c.channel)(req, timeout=30)
+        first = decode.raw_get_delta(c.channel)(req, timeout=30)
         next(first)  # the stream holds its slot: 26 MB wait behind flow control
         with pytest.raises(grpc.RpcError) as e:
             c.pull("b")
@@ -210,7 +211,7 @@ def test_a_client_that_stops_reading_loses_its_slot_at_the_deadline(
     c = Client(f"127.0.0.1:{srv.port}")
     try:
         req = pb.GetDeltaRequest(consumer="stuck", chunk_bytes=64 * 1024)
-        stuck = wire.raw_get_delta(c.channel)(req)  # no client deadline, and never read again
+        stuck = decode.raw_get_delta(c.channel)(req)  # no client deadline, and never read again
         next(stuck)
         assert srv.servicer._streams == 1
         wait_for(lambda: srv.servicer._streams == 0, timeout=10.0, what="the stuck stream freed")
@@ -226,8 +227,8 @@ def test_large_server_chunks_still_fit_the_consumers_receive_limit(
 ) -> None:
     """A sidecar configured for 128 MB chunks (and 256 MB messages) sends none larger than a
     consumer accepts: pulls work instead of failing RESOURCE_EXHAUSTED."""
-    from deltad.client import DeltaConsumer
     from deltad.config import ConsumerConfig
+    from deltad.consume.client import DeltaConsumer
 
     spool = SpoolWriter(tmp_path / "spool", tables={"big": (300_000, 64)})  # 77 MB of rows
     srv = _serve(tmp_path, redis_server.url, max_message_bytes=256 << 20, chunk_bytes=128 << 20)

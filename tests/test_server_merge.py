@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltad.segment import SegmentChunk
-from deltad.server.merge import merge_chunks
+from deltad.segment.format import SegmentChunk
+from deltad.serve.merge import merge_chunks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -48,7 +48,7 @@ def test_parallel_merge_of_a_row_wise_shard(
     """Above PARALLEL_MIN_IDS the copies run in a run of blocks per thread (one block per
     thread here, or hundreds of small ones); the latest value still wins across block
     boundaries, on a shard that does not start at row 0."""
-    from deltad.server import merge
+    from deltad.serve import merge
 
     monkeypatch.setattr(merge, "BLOCK_BYTES", block_bytes)
     start, rows = 300_000, 200_000

@@ -10,10 +10,10 @@ import torch
 from serverkit import Client, Replica, SpoolWriter, redis_server, server_config, wait_for
 
 from deltad.redisutil import EmbeddedRedis
-from deltad.segment import read_header, write_segment
-from deltad.server.app import SidecarServer
-from deltad.server.log import SegmentLog
-from deltad.server.merge import merge_entries
+from deltad.segment.format import read_header, write_segment
+from deltad.serve.app import SidecarServer
+from deltad.serve.log import SegmentLog
+from deltad.serve.merge import merge_entries
 from deltad.types import SegmentKind
 from deltad.v1 import delta_pb2 as pb
 
@@ -171,7 +171,7 @@ def test_a_merge_overtaken_by_a_new_generation_leaves_no_file_behind(
 ) -> None:  # type: ignore[no-untyped-def]
     """The trainer restarts (new generation) while a merge of the old one runs: the merged
     file, written into the dropped generation's directory, is deleted, not leaked."""
-    import deltad.server.retention as retention
+    import deltad.serve.retention as retention
 
     spool, srv, c = setup
     for _ in range(4):
@@ -201,7 +201,7 @@ def test_an_unreadable_segment_holds_the_log_back_and_is_reported_once(
     path = spool.layout.segment_path(1, 0, 1)
     path.mkdir()  # unreadable as a segment (an OSError, not corruption: not quarantined)
     seglog = SegmentLog(spool.layout, 0)
-    with caplog.at_level("WARNING", logger="deltad.server.log"):
+    with caplog.at_level("WARNING", logger="deltad.serve.log"):
         for _ in range(5):
             seglog.refresh()
     assert [r.message for r in caplog.records].count(

@@ -11,11 +11,13 @@ import pytest
 import torch
 from serverkit import SpoolWriter
 
-from deltad import perf, wire
-from deltad.segment import SegmentChunk
-from deltad.server.log import LogSnapshot, SegmentLog
-from deltad.server.merge import merge_chunks
-from deltad.server.pull import (
+from deltad import perf
+from deltad.consume import decode
+from deltad.segment.format import SegmentChunk
+from deltad.serve import encode
+from deltad.serve.log import LogSnapshot, SegmentLog
+from deltad.serve.merge import merge_chunks
+from deltad.serve.pull import (
     EncodedWindow,
     WindowCache,
     WindowSpec,
@@ -77,7 +79,7 @@ def test_streamed_window_equals_the_window_built_first(tmp_path: Path, kw: dict)
         assert list(win.iter_chunks()) == first.chunks
         assert win.payload_bytes == first.payload_bytes > 0
         assert win.owed.keys() == first.owed.keys()
-    delta = wire.decode_stream([first.header, *first.chunks, _trailer()])
+    delta = decode.decode_stream([first.header, *first.chunks, _trailer()])
     assert delta.rows == first.rows
     for s in delta.slices:
         assert bool((s.ids[1:] > s.ids[:-1]).all())
@@ -86,7 +88,7 @@ def test_streamed_window_equals_the_window_built_first(tmp_path: Path, kw: dict)
 def _trailer() -> bytes:
     from deltad.v1 import delta_pb2 as pb
 
-    return wire.encode_trailer(pb.DeltaTrailer())
+    return encode.encode_trailer(pb.DeltaTrailer())
 
 
 def test_cache_shares_a_window_being_built(tmp_path: Path) -> None:
@@ -221,7 +223,7 @@ def test_concurrent_readers_produce_each_chunk_once() -> None:
 def test_window_values_match_the_log(tmp_path: Path) -> None:
     snap = _snapshot(tmp_path)
     win = build_window(snap, _spec(snap, resync=True, from_seq=-1), 0, {})
-    delta = wire.decode_stream([win.header, *win.iter_chunks(), _trailer()])
+    delta = decode.decode_stream([win.header, *win.iter_chunks(), _trailer()])
     for s in delta.slices:
         latest = torch.zeros(s.ids.numel(), s.col_end - s.col_start)
         for e in snap.entries:
@@ -285,5 +287,5 @@ def test_range_merge_equals_merge_chunks(layout: str, dtype: torch.dtype) -> Non
             src.ranged = ranged
             for wdt in WireDtype:
                 got = list(src.encode(2, wdt, chunk_bytes))
-                ref = list(wire.encode_slice_chunks(2, want.ids, want.values, wdt, chunk_bytes))
+                ref = list(encode.encode_slice_chunks(2, want.ids, want.values, wdt, chunk_bytes))
                 assert got == ref, (layout, chunk_bytes, wdt, ranged)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from serverkit import Client, Replica, SpoolWriter, client, redis_server, sidecar, spool, wait_for
 
-from deltad.server.app import SidecarServer
+from deltad.consume.window import RankDelta
+from deltad.serve.app import SidecarServer
 from deltad.types import Form
-from deltad.window import RankDelta
 
 __all__ = ["client", "redis_server", "sidecar", "spool"]
 

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from deltad.reference.trainer.data import Batch
 from shardkit import EBC_TABLES, EC_TABLES, fed_ids, spawn, toy_dmp
 from shardkit import batch as make_batch
 from torch import nn
 
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
-from deltad.tracker import DeltaTracker, _Lookup
+from deltad.publish.tracker import DeltaTracker, _Lookup
 from deltad.types import TrainLoop
-from trainer.data import Batch
 
 
 def _ids(drained: list) -> dict[tuple[str, int], list[int]]:

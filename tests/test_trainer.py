@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from deltad.reference.trainer import cli
+from deltad.reference.trainer.data import SEQ_FEATURE, ClickStream, feature_name
+from deltad.reference.trainer.train import TrainConfig, TrainResult, run_training
 
 from deltad.errors import ConfigError, SpoolError
-from deltad.segment import Segment, apply_segments, read_segment
-from deltad.spool import SEGMENT_RE, SpoolLayout
+from deltad.segment.format import Segment, apply_segments, read_segment
+from deltad.segment.spool import SEGMENT_RE, SpoolLayout
 from deltad.types import SegmentKind, TrainLoop
-from trainer import cli
-from trainer.data import SEQ_FEATURE, ClickStream, feature_name
-from trainer.train import TrainConfig, TrainResult, run_training
 
 
 def _segments(spool: Path, model: str, generation: int, world_size: int) -> list[Segment]:

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from deltad import wire
+from deltad import errors, wire
 from deltad.buffers import BufferPool
+from deltad.consume import decode
+from deltad.serve import encode
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -29,10 +31,10 @@ def _stream(
     width = 0 if values is None else values.shape[1]
     header.slices.add(table="t", num_rows=10**6, dim=width + 2, col_start=2, col_end=2 + width,
                       count=ids.numel(), owed=4)  # fmt: skip
-    msgs = [wire.encode_header(header)]
-    msgs += wire.encode_slice_chunks(0, ids, values, dtype, chunk_bytes)
+    msgs = [encode.encode_header(header)]
+    msgs += encode.encode_slice_chunks(0, ids, values, dtype, chunk_bytes)
     cursor = pb.Cursor(consumer="c", rank=1, generation=9, seq=5, step=50, pull_id="p")
-    msgs.append(wire.encode_trailer(pb.DeltaTrailer(cursor=cursor, rows=ids.numel())))
+    msgs.append(encode.encode_trailer(pb.DeltaTrailer(cursor=cursor, rows=ids.numel())))
     return msgs
 
 
@@ -55,7 +57,7 @@ def test_hand_built_chunks_parse_as_protobuf() -> None:
 
 @pytest.mark.parametrize("sb_nbytes", [0, 16])
 def test_a_message_built_in_place_is_protobuf_and_outlives_its_builder(sb_nbytes: int) -> None:
-    m = wire.ChunkMessage(3, 70000, 2, 2 * 5 * 4, sb_nbytes)
+    m = encode.ChunkMessage(3, 70000, 2, 2 * 5 * 4, sb_nbytes)
     ids, sb, values = m.ids, m.scale_bias, m.values
     del m
     gc.collect()  # the views alone keep the message alive
@@ -82,8 +84,8 @@ def test_raw_and_parsed_decoding_agree(dtype: WireDtype) -> None:
     ids = torch.arange(0, 5000, 7)
     vals = torch.randn(ids.numel(), 5) * 3
     msgs = _stream(ids, vals, dtype, 1000)
-    raw = wire.decode_stream(msgs)
-    parsed = wire.decode_stream(pb.GetDeltaResponse.FromString(m) for m in msgs)
+    raw = decode.decode_stream(msgs)
+    parsed = decode.decode_stream(pb.GetDeltaResponse.FromString(m) for m in msgs)
     for d in (raw, parsed):
         assert (d.rank, d.generation, d.from_seq, d.to_seq, d.to_step) == (1, 9, 3, 5, 50)
         assert d.cursor.pull_id == "p" and d.rows == ids.numel() and d.wire_dtype is dtype
@@ -131,7 +133,7 @@ def test_int8_error_is_half_a_step_on_either_path(int8_path: str) -> None:
 
 def test_ids_form_has_no_values() -> None:
     ids = torch.tensor([5, 9, 11])
-    d = wire.decode_stream(_stream(ids, None, WireDtype.FP32, 1 << 20))
+    d = decode.decode_stream(_stream(ids, None, WireDtype.FP32, 1 << 20))
     assert (
         d.form is Form.IDS and d.slices[0].values is None and d.slices[0].ids.tolist() == [5, 9, 11]
     )
@@ -139,18 +141,18 @@ def test_ids_form_has_no_values() -> None:
 
 def test_truncated_or_malformed_streams_raise() -> None:
     msgs = _stream(torch.arange(100), torch.randn(100, 3), WireDtype.FP32, 512)
-    with pytest.raises(wire.StreamDecodeError, match="before its trailer"):
-        wire.decode_stream(msgs[:-1])
-    with pytest.raises(wire.StreamDecodeError, match="expected row 0 next"):  # a gap
-        wire.decode_stream([msgs[0], *msgs[2:]])
-    with pytest.raises(wire.StreamDecodeError, match="rows received"):  # one chunk short
-        wire.decode_stream([*msgs[:-2], msgs[-1]])
-    with pytest.raises(wire.StreamDecodeError):
-        wire.decode_stream([msgs[0], msgs[1][:-3], *msgs[2:]])
-    with pytest.raises(wire.StreamDecodeError, match="outside header"):
-        wire.decode_stream(msgs[1:])
-    with pytest.raises(wire.StreamDecodeError, match="second trailer"):
-        wire.decode_stream([*msgs, msgs[-1]])
+    with pytest.raises(errors.StreamDecodeError, match="before its trailer"):
+        decode.decode_stream(msgs[:-1])
+    with pytest.raises(errors.StreamDecodeError, match="expected row 0 next"):  # a gap
+        decode.decode_stream([msgs[0], *msgs[2:]])
+    with pytest.raises(errors.StreamDecodeError, match="rows received"):  # one chunk short
+        decode.decode_stream([*msgs[:-2], msgs[-1]])
+    with pytest.raises(errors.StreamDecodeError):
+        decode.decode_stream([msgs[0], msgs[1][:-3], *msgs[2:]])
+    with pytest.raises(errors.StreamDecodeError, match="outside header"):
+        decode.decode_stream(msgs[1:])
+    with pytest.raises(errors.StreamDecodeError, match="second trailer"):
+        decode.decode_stream([*msgs, msgs[-1]])
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
@@ -163,8 +165,8 @@ def test_duplicated_or_reordered_chunks_are_refused(zero_copy: bool) -> None:
     twice = [msgs[0], msgs[1], msgs[1], *msgs[3:]]
     swapped = [msgs[0], msgs[2], msgs[1], *msgs[3:]]
     for bad in (twice, swapped):
-        with pytest.raises(wire.StreamDecodeError, match="expected row"):
-            wire.decode_stream(bad, zero_copy=zero_copy, pool=pool)
+        with pytest.raises(errors.StreamDecodeError, match="expected row"):
+            decode.decode_stream(bad, zero_copy=zero_copy, pool=pool)
 
 
 def test_malformed_headers_and_messages_are_stream_errors() -> None:
@@ -187,10 +189,10 @@ def test_malformed_headers_and_messages_are_stream_errors() -> None:
         with_slice(count=11),
     ):
         for zero_copy in (False, True):
-            with pytest.raises(wire.StreamDecodeError, match="slice"):
-                wire.decode_stream([bad, *msgs[1:]], zero_copy=zero_copy)
-    with pytest.raises(wire.StreamDecodeError, match="bad GetDeltaResponse"):
-        wire.decode_stream([b"\x0a\x03\xff\xff\xff", *msgs[1:]])  # a header of garbage
+            with pytest.raises(errors.StreamDecodeError, match="slice"):
+                decode.decode_stream([bad, *msgs[1:]], zero_copy=zero_copy)
+    with pytest.raises(errors.StreamDecodeError, match="bad GetDeltaResponse"):
+        decode.decode_stream([b"\x0a\x03\xff\xff\xff", *msgs[1:]])  # a header of garbage
 
 
 def test_fields_a_newer_server_adds_are_skipped() -> None:
@@ -198,7 +200,7 @@ def test_fields_a_newer_server_adds_are_skipped() -> None:
     ids, vals = torch.arange(40), torch.randn(40, 3)
     msgs = _stream(ids, vals, WireDtype.FP32, 512)
     extra = b"\xa0\x06\x01"  # field 100, varint 1: unknown to this version
-    d = wire.decode_stream([m + extra for m in msgs])
+    d = decode.decode_stream([m + extra for m in msgs])
     assert torch.equal(d.slices[0].ids, ids) and torch.equal(d.slices[0].values, vals)  # type: ignore[arg-type]
 
 
@@ -207,8 +209,8 @@ def test_zero_copy_parts_match_the_copied_slice(dtype: WireDtype) -> None:
     ids = torch.arange(3, 9000, 3)
     vals = torch.randn(ids.numel(), 6)
     msgs = _stream(ids, vals, dtype, 8192)
-    whole = wire.decode_stream(msgs)
-    parts = wire.decode_stream(msgs, zero_copy=True)
+    whole = decode.decode_stream(msgs)
+    parts = decode.decode_stream(msgs, zero_copy=True)
     assert len(parts.slices) == len(msgs) - 2 > 1 and parts.rows == whole.rows
     assert [s.owed for s in parts.slices][:2] == [4, 0]
     cat_ids = torch.cat([s.ids for s in parts.slices])

@@ -102,7 +102,8 @@ def parse_sharding(spec: str, tables: list[str]) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     from deltad.types import TrainLoop
-    from trainer.train import TrainConfig, run_training
+
+    from .train import TrainConfig, run_training
 
     if args.duration is not None and args.duration <= 0:
         raise ConfigError("--duration must be > 0 seconds")

@@ -19,7 +19,7 @@ from torchrec import (
     EmbeddingConfig,
 )
 
-from trainer.data import SEQ_FEATURE, Batch, feature_name
+from .data import SEQ_FEATURE, Batch, feature_name
 
 
 def _mlp(sizes: list[int]) -> nn.Sequential:

@@ -3,7 +3,7 @@
 :func:`run_training` spawns ``world_size`` processes. Each builds the :class:`ClickModel`,
 shards it with a planner whose ``ParameterConstraints`` force each table's sharding type,
 trains with the fused EXACT_ROWWISE_ADAGRAD optimizer (dense part: Adagrad) in a plain loop
-or a TorchRec train pipeline, and publishes segments through :mod:`deltad.publisher`.
+or a TorchRec train pipeline, and publishes segments through :mod:`deltad.publish.publisher`.
 
 TorchRec's ``EmbeddingBagCollectionSharder`` offers row-wise and table-row-wise sharding only
 on CUDA; both run on CPU with gloo, so the trainer's EBC sharder offers them on CPU too. On
@@ -37,12 +37,13 @@ from tqdm import tqdm
 from deltad import errors
 from deltad.config import PublisherConfig, TrackerConfig, check_name
 from deltad.errors import ConfigError, DeltadError
-from deltad.publisher import SegmentPublisher
-from deltad.spool import SpoolLayout
-from deltad.tracker import DeltaTracker
+from deltad.publish.publisher import SegmentPublisher
+from deltad.publish.tracker import DeltaTracker
+from deltad.segment.spool import SpoolLayout
 from deltad.types import TrainLoop
-from trainer.data import SEQ_FEATURE, Batch, ClickStream
-from trainer.model import ClickModel
+
+from .data import SEQ_FEATURE, Batch, ClickStream
+from .model import ClickModel
 
 log = logging.getLogger(__name__)
 

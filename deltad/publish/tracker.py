@@ -71,7 +71,7 @@ from torch import nn
 
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
-from deltad.spool import TableInfo
+from deltad.segment.spool import TableInfo
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import torch
 import xxhash
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.spool import fsync_dir
+from deltad.segment.spool import fsync_dir
 from deltad.types import ColumnRange, SegmentKind
 
 FORMAT_VERSION = 2

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment import read_segment, write_segment
-from deltad.server.log import ChunkKey
-from deltad.server.merge import SliceRows
+from deltad.segment.format import read_segment, write_segment
+from deltad.serve.log import ChunkKey
+from deltad.serve.merge import SliceRows
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)

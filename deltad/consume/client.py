@@ -41,11 +41,12 @@ import grpc.experimental
 from deltad import wire
 from deltad.buffers import BufferPool
 from deltad.config import ConsumerConfig
+from deltad.consume import decode
+from deltad.consume.window import Cursor, RankDelta
 from deltad.errors import ConfigError, ConsumerError, DeltadError, SidecarUnavailableError
 from deltad.keys import RedisKeys
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
-from deltad.window import Cursor, RankDelta
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +379,7 @@ class DeltaConsumer:
         delta = self._retry(
             r,
             "GetDelta",
-            lambda ch, timeout: wire.pull(
+            lambda ch, timeout: decode.pull(
                 ch, req, timeout=timeout, metadata=self._metadata, pool=r.buffers
             ),
         )

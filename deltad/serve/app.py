@@ -36,13 +36,13 @@ from deltad import wire
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
 from deltad.redisutil import EmbeddedRedis
-from deltad.server.log import SegmentLog
-from deltad.server.metrics import SidecarMetrics
-from deltad.server.offsets import OffsetStore
-from deltad.server.owed import OwedStore
-from deltad.server.retention import Retention
-from deltad.server.service import SERVICE_NAME, DeltaServicer, handlers
-from deltad.spool import SpoolLayout
+from deltad.segment.spool import SpoolLayout
+from deltad.serve.log import SegmentLog
+from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.offsets import OffsetStore
+from deltad.serve.owed import OwedStore
+from deltad.serve.retention import Retention
+from deltad.serve.service import SERVICE_NAME, DeltaServicer, handlers
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
         gen-<generation:020d>/
             generation.json              manifest, by every rank (same bytes: tables, world size)
             rank-<rank:05d>/
-                seg-<seq:012d>.dseg      segments (see deltad.segment); .tmp-* are in flight
+                seg-<seq:012d>.dseg      segments (see deltad.segment.format); .tmp-* are in flight
         quarantine/                      segments whose checksum failed (moved by the sidecar)
         sidecar/                         sidecar-private state (owed rows of top-k consumers)
         redis/                           data dir of the embedded Redis server

@@ -20,11 +20,12 @@ import grpc
 from deltad import wire
 from deltad.config import ServerConfig, check_name, clip
 from deltad.errors import ConfigError, OffsetStoreError, SpoolError
-from deltad.server.log import LogSnapshot, SegmentLog
-from deltad.server.metrics import SidecarMetrics
-from deltad.server.offsets import CommitRejected, OffsetStore, PullRecord, StoredCursor
-from deltad.server.owed import OwedStore
-from deltad.server.pull import EncodedWindow, WindowCache, WindowSpec, build_window
+from deltad.serve import encode
+from deltad.serve.log import LogSnapshot, SegmentLog
+from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.offsets import CommitRejected, OffsetStore, PullRecord, StoredCursor
+from deltad.serve.owed import OwedStore
+from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 
@@ -283,7 +284,7 @@ class DeltaServicer:
             self.metrics.rows_served.inc(win.rows)
             self.metrics.bytes_served.inc(win.payload_bytes)
             self.metrics.pulls.inc()
-            yield wire.encode_trailer(
+            yield encode.encode_trailer(
                 pb.DeltaTrailer(
                     cursor=cursor,
                     rows=win.rows,

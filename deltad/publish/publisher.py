@@ -48,9 +48,9 @@ from torch import nn
 
 from deltad.config import PublisherConfig
 from deltad.errors import SpoolError
-from deltad.segment import SegmentChunk, write_segment
-from deltad.spool import GenerationManifest, SpoolLayout
-from deltad.tracker import DeltaTracker, DrainedRows, TrackedShard
+from deltad.publish.tracker import DeltaTracker, DrainedRows, TrackedShard
+from deltad.segment.format import SegmentChunk, write_segment
+from deltad.segment.spool import GenerationManifest, SpoolLayout
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from deltad import wire
-from deltad.segment import SegmentChunk
-from deltad.server.log import ChunkKey, LogSnapshot
-from deltad.server.merge import SliceRows, merge_chunks, merge_entries, plan_slice
+from deltad.segment.format import SegmentChunk
+from deltad.serve import encode
+from deltad.serve.log import ChunkKey, LogSnapshot
+from deltad.serve.merge import SliceRows, merge_chunks, merge_entries, plan_slice
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -256,7 +257,7 @@ def _header(
                 owed=m.owed,
             )
         )
-    return wire.encode_header(header)
+    return encode.encode_header(header)
 
 
 @dataclass(frozen=True)
@@ -375,7 +376,7 @@ def build_window(
                 chunks = sources[i].encode(i, spec.dtype, spec.chunk_bytes)
             else:
                 values = None if spec.form is Form.IDS else r.values
-                chunks = wire.encode_slice_chunks(i, r.ids, values, spec.dtype, spec.chunk_bytes)
+                chunks = encode.encode_slice_chunks(i, r.ids, values, spec.dtype, spec.chunk_bytes)
             for msg in chunks:
                 yield msg, time.perf_counter() - t
                 t = time.perf_counter()
@@ -399,7 +400,7 @@ def _rows(t: torch.Tensor) -> Any:
 class _MergedSlice:
     """A complete window's slice over several chunks (oldest first), merged chunk by chunk.
 
-    Same rows and values as :func:`~deltad.server.merge.merge_chunks` (union of ids, latest
+    Same rows and values as :func:`~deltad.serve.merge.merge_chunks` (union of ids, latest
     value wins), but the values are never merged into one slice-sized tensor: each RowChunk's
     row range is assembled right before it is encoded, in the message itself (fp32), in a
     reused buffer (other wire dtypes), or taken as a view of the one chunk that holds all of
@@ -430,18 +431,18 @@ class _MergedSlice:
             return
         if not self.ranged:
             m = merge_chunks(cs)
-            yield from wire.encode_slice_chunks(index, m.ids, m.values, dtype, chunk_bytes)
+            yield from encode.encode_slice_chunks(index, m.ids, m.values, dtype, chunk_bytes)
             return
         last = cs[-1]
         width = last.col_end - last.col_start
-        step = wire.rows_per_chunk(width, dtype, chunk_bytes)
+        step = encode.rows_per_chunk(width, dtype, chunk_bytes)
         bounds = torch.arange(0, n + step, step).clamp_(max=n)
         dests, spans = [], []
         for c in cs:
             d = c.ids - self.row_start if self.full else torch.searchsorted(ids, c.ids)
             dests.append(d.numpy())
             spans.append(torch.searchsorted(d, bounds).tolist())
-        # Messages are built in place (wire.ChunkMessage) for fp32 / fp16 / bf16: rows go
+        # Messages are built in place (encode.ChunkMessage) for fp32 / fp16 / bf16: rows go
         # straight into the message when the segment dtype is the wire dtype (one copy in
         # all), else they are merged in ``buf`` and cast into it; int8 quantizes ``buf``.
         wire_torch = wire.WIRE_TORCH_DTYPE.get(dtype)
@@ -464,11 +465,11 @@ class _MergedSlice:
             lo, hi = spans[first][r], spans[first][r + 1]
             if hi - lo == b - a and not later:  # nothing newer in this range: a view
                 wire_vals, sb = wire.quantize(cs[first].values[lo:hi], dtype)
-                yield wire.encode_chunk(index, a, ids[a:b], wire_vals, sb)
+                yield encode.encode_chunk(index, a, ids[a:b], wire_vals, sb)
                 continue
             msg = None
             if wire_torch is not None:
-                msg = wire.ChunkMessage(index, a, b - a, (b - a) * wire_row_bytes)
+                msg = encode.ChunkMessage(index, a, b - a, (b - a) * wire_row_bytes)
                 msg.ids[:] = ids[a:b].numpy()
             if direct:
                 assert msg is not None
@@ -486,7 +487,7 @@ class _MergedSlice:
             del out
             if msg is None:  # int8: quantize the merged rows
                 wire_vals, sb = wire.quantize(buf[: b - a], dtype)
-                yield wire.encode_chunk(index, a, ids[a:b], wire_vals, sb)
+                yield encode.encode_chunk(index, a, ids[a:b], wire_vals, sb)
                 continue
             if not direct:  # cast the merged rows into the message
                 assert wire_torch is not None

@@ -1,4 +1,4 @@
-"""Appliers: write decoded windows (:class:`deltad.window.RankDelta`) into inference tables.
+"""Appliers: write decoded windows (:class:`deltad.consume.window.RankDelta`) into inference tables.
 
 Every applier writes exactly the rows and columns it is given:
 ``table[ids, col_start:col_end] = values`` cast to the table's dtype, and nothing else.
@@ -21,8 +21,8 @@ from contextlib import contextmanager
 
 import torch
 
+from deltad.consume.window import RankDelta, SliceUpdate
 from deltad.errors import ConsumerError
-from deltad.window import RankDelta, SliceUpdate
 
 
 class Applier(abc.ABC):

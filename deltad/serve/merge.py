@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltad.segment import SegmentChunk
-from deltad.server.log import ChunkKey, LogEntry
+from deltad.segment.format import SegmentChunk
+from deltad.serve.log import ChunkKey, LogEntry
 from deltad.types import Form
 
 

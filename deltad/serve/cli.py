@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
     tune_malloc()
     tune_threads()
-    from deltad.server.app import SidecarServer
+    from deltad.serve.app import SidecarServer
 
     config = build_config(args)
     stop = threading.Event()

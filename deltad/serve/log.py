@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment import Segment, SegmentChunk, read_segment
-from deltad.spool import GenerationManifest, SpoolLayout
+from deltad.segment.format import Segment, SegmentChunk, read_segment
+from deltad.segment.spool import GenerationManifest, SpoolLayout
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)

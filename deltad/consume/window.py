@@ -1,6 +1,6 @@
 """What a consumer receives from one rank's GetDelta stream, decoded into tensors.
 
-:mod:`deltad.wire` builds these from the wire messages; the consumer library hands them to
+:mod:`deltad.consume.decode` builds these from the wire messages; the consumer library hands them to
 appliers. This is the contract between the two sides of the stream.
 """
 
@@ -10,19 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltad.types import Form, WireDtype
-
-
-@dataclass(frozen=True)
-class Cursor:
-    """Where a consumer stands on one rank (mirrors deltad.v1.Cursor)."""
-
-    consumer: str
-    rank: int
-    generation: int
-    seq: int  # last segment applied; -1 = nothing yet
-    step: int  # trainer step of that segment
-    pull_id: str = ""
+from deltad.types import Cursor, Form, WireDtype
 
 
 @dataclass
