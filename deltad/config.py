@@ -125,6 +125,8 @@ class ServerConfig:
     poll_interval_s: float = 0.05
     grace_period_s: float = 10.0
     metrics_port: int | None = None
+    #: host the /metrics endpoint binds to; None: the --listen host
+    metrics_listen: str | None = None
     #: Merged windows kept for reuse by consumers at the same cursor.
     window_cache_entries: int = 8
     #: Byte budget of those cached (encoded) windows; bigger windows are not cached.

@@ -62,8 +62,8 @@ def test_tokens_health_reflection_metrics(tmp_path: Path, redis_server: Embedded
         body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics").read()
         text = body.decode()
         for metric in (
-            "deltad_bytes_served_total",
-            "deltad_rows_served_total",
+            "deltad_served_bytes_total",
+            "deltad_served_rows_total",
             "deltad_window_merge_seconds_count",
             "deltad_quarantined_segments_total",
         ):
@@ -71,6 +71,10 @@ def test_tokens_health_reflection_metrics(tmp_path: Path, redis_server: Embedded
         c.stub.ListConsumers(pb.ListConsumersRequest(), metadata=c.md)
         text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics").read()
         assert b'deltad_consumer_lag_segments{consumer="t"' in text
+        assert b'deltad_build_info{model="m",rank="0",version="' in text
+        # every RPC is counted by method and code, refused ones included
+        assert b'deltad_rpc_requests_total{code="OK",method="ListConsumers"' in text
+        assert b'deltad_rpc_duration_seconds_count{method="GetDelta"' in text
         c.close()
     finally:
         srv.stop(0)

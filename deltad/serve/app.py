@@ -38,7 +38,7 @@ from deltad.errors import ConfigError, DeltadError, OffsetStoreError
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.log import SegmentLog
-from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.metrics import RpcMetricsInterceptor, SidecarMetrics
 from deltad.serve.offsets import OffsetStore
 from deltad.serve.owed import OwedStore
 from deltad.serve.retention import Retention
@@ -144,7 +144,9 @@ class SidecarServer:
             min_segments=cfg.merge_min_segments,
             max_bytes=cfg.merge_max_bytes_per_round,
         )
-        interceptors = [_TokenAuth(cfg.tokens)] if cfg.tokens else []
+        interceptors: list[grpc.ServerInterceptor] = [RpcMetricsInterceptor(self.metrics)]
+        if cfg.tokens:
+            interceptors.append(_TokenAuth(cfg.tokens))
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=cfg.max_concurrent_streams + 8, thread_name_prefix="deltad-rpc"
@@ -191,7 +193,9 @@ class SidecarServer:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port is not None:
             try:
-                self.metrics_port = self.metrics.serve_http(cfg.metrics_port)
+                self.metrics_port = self.metrics.serve_http(
+                    cfg.metrics_port, cfg.metrics_listen or cfg.listen.rsplit(":", 1)[0]
+                )
             except OSError as e:
                 raise ConfigError(f"cannot serve metrics on port {cfg.metrics_port}: {e}") from e
         self._register_endpoint()

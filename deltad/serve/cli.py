@@ -94,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_env("METRICS_PORT"),
         help="serve Prometheus /metrics on this port [DELTAD_METRICS_PORT]",
     )
+    a(
+        "--metrics-listen",
+        default=_env("METRICS_LISTEN"),
+        metavar="HOST",
+        help="host /metrics binds to (default: the --listen host) [DELTAD_METRICS_LISTEN]",
+    )
 
 
 def _tokens(args: argparse.Namespace) -> tuple[str, ...]:
@@ -136,6 +142,7 @@ def build_config(args: argparse.Namespace) -> Any:
         poll_interval_s=args.poll_interval,
         grace_period_s=args.grace_period,
         metrics_port=args.metrics_port,
+        metrics_listen=args.metrics_listen,
         window_cache_entries=args.window_cache_entries,
         window_cache_bytes=args.window_cache_bytes,
         merge_min_segments=args.merge_min_segments,

@@ -1,10 +1,21 @@
-"""Prometheus metrics of one sidecar (own registry, so several servers can share a process)."""
+"""Prometheus metrics of one sidecar (own registry, so several servers can share a process).
+
+Names follow Prometheus conventions: the unit is the suffix (``_bytes``, ``_seconds``), and
+counters are exposed with ``_total`` (prometheus_client appends it). Every RPC is counted and
+timed by :class:`RpcMetricsInterceptor` (``deltad_rpc_requests_total{method,code}``,
+``deltad_rpc_duration_seconds{method}``; a stream's duration runs until its last message).
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from deltad import __version__
 
 
 class SidecarMetrics:
@@ -18,10 +29,29 @@ class SidecarMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, list(labels), registry=r).labels(**labels)
 
-        self.bytes_served = counter("deltad_bytes_served", "Payload bytes sent by GetDelta")
-        self.rows_served = counter("deltad_rows_served", "Rows sent by GetDelta")
+        Gauge(
+            "deltad_build_info",
+            "deltad version of this sidecar (value 1)",
+            [*labels, "version"],
+            registry=r,
+        ).labels(**labels, version=__version__).set(1)
+        self.bytes_served = counter("deltad_served_bytes", "Payload bytes sent by GetDelta")
+        self.rows_served = counter("deltad_served_rows", "Rows sent by GetDelta")
         self.pulls = counter("deltad_pulls", "GetDelta streams completed")
         self.cache_hits = counter("deltad_window_cache_hits", "Windows served from the cache")
+        self.rpc_requests = Counter(
+            "deltad_rpc_requests",
+            "RPCs handled, by method and gRPC status code",
+            [*labels, "method", "code"],
+            registry=r,
+        )
+        self.rpc_seconds = Histogram(
+            "deltad_rpc_duration_seconds",
+            "RPC handling time, by method (streams: until the last message)",
+            [*labels, "method"],
+            registry=r,
+            buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0),
+        )
         self.quarantined = counter(
             "deltad_quarantined_segments", "Segments that failed their checksum"
         )
@@ -70,9 +100,14 @@ class SidecarMetrics:
                     pass
         self._lagging &= consumers
 
-    def serve_http(self, port: int, addr: str = "0.0.0.0") -> int:
+    def observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """Count one finished RPC and its duration."""
+        self.rpc_requests.labels(**self._labels, method=method, code=code.name).inc()
+        self.rpc_seconds.labels(**self._labels, method=method).observe(seconds)
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
         """Expose /metrics on ``port`` (0: any free port); returns the port."""
-        self._http, _ = start_http_server(port, addr=addr, registry=self.registry)
+        self._http, _ = start_http_server(port, addr=addr.strip("[]"), registry=self.registry)
         return int(self._http.server_port)
 
     def close(self) -> None:
@@ -81,3 +116,59 @@ class SidecarMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def _code_of(context: grpc.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
+    code = context.code() if hasattr(context, "code") else None
+    if isinstance(code, grpc.StatusCode):
+        return code
+    return grpc.StatusCode.UNKNOWN if error is not None else grpc.StatusCode.OK
+
+
+class RpcMetricsInterceptor(grpc.ServerInterceptor):
+    """Counts and times every RPC of the server it is installed in (see the module doc)."""
+
+    def __init__(self, metrics: SidecarMetrics) -> None:
+        self._metrics = metrics
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = str(handler_call_details.method).rsplit("/", 1)[-1]
+        observe = self._metrics.observe_rpc
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
+                start = time.perf_counter()
+                error: BaseException | None = None
+                try:
+                    return inner_uu(request, context)
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    observe(method, _code_of(context, error), time.perf_counter() - start)
+
+            return handler._replace(unary_unary=unary_unary)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                start = time.perf_counter()
+                error: BaseException | None = None
+                try:
+                    yield from inner_us(request, context)
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    observe(method, _code_of(context, error), time.perf_counter() - start)
+
+            return handler._replace(unary_stream=unary_stream)
+        return handler
