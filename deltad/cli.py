@@ -8,6 +8,7 @@ stderr, and keeps ``--help`` listing every role.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -62,7 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"deltad {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="deltad's own logging: -v INFO (a line per pull and commit), -vv DEBUG; "
+        "third-party loggers stay at WARNING",
+    )
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        default=os.environ.get("DELTAD_LOG_JSON", "") not in ("", "0"),
+        help="log one JSON object per line (ts, level, logger, msg) [DELTAD_LOG_JSON]",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _subcommands().items():
         p = sub.add_parser(
@@ -79,6 +93,38 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record: ``ts`` (epoch seconds), ``level``, ``logger``, ``msg``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"))
+
+
+def setup_logging(verbose: int, *, json_lines: bool = False) -> None:
+    """Logging to stderr: deltad's loggers at INFO (``-v``) or DEBUG (``-vv``); everything
+    else (fbgemm, torch, grpc) stays at WARNING whatever the verbosity."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonLogFormatter()
+        if json_lines
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    for name in ("deltad", "trainer", "consumers", "bench"):
+        logging.getLogger(name).setLevel(level)
 
 
 #: Set by a parent that spawns ``deltad`` children (the demo) to its own pid: the child then
@@ -106,14 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG
-        if args.verbose > 1
-        else logging.INFO
-        if args.verbose
-        else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.verbose, json_lines=args.log_json)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
