@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the flags of `deltad consume`."""
     p.add_argument("--consumer", required=True, help="consumer name (its cursor in Redis)")
     p.add_argument("--model", default="model", help="model name (default: model)")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--sidecar",
         action="append",
@@ -25,7 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="sidecar endpoint; repeat once per rank, in rank order",
     )
-    src.add_argument("--redis-url", help="discover the sidecars in Redis (RedisKeys.ranks)")
+    src.add_argument(
+        "--redis-url",
+        default=os.environ.get("DELTAD_REDIS_URL"),
+        help="discover the sidecars in Redis (RedisKeys.ranks) [DELTAD_REDIS_URL]",
+    )
     p.add_argument("--form", choices=("ids", "rows", "topk"), default="rows")
     p.add_argument("--k", type=int, default=0, help="topk: rows per table per pull")
     p.add_argument(
@@ -82,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.pulls < 0 or args.duration < 0 or args.interval < 0:
         raise ConfigError("--pulls, --duration and --interval must be >= 0 (0: no limit)")
+    if not args.sidecar and not args.redis_url:
+        raise ConfigError("give --sidecar HOST:PORT (once per rank) or --redis-url")
+    if args.sidecar and os.environ.get("DELTAD_REDIS_URL") == args.redis_url:
+        args.redis_url = None  # explicit --sidecar wins over the environment's Redis
     if args.resume and args.init_tables is None:
         raise ConfigError("--resume needs --init-tables: the tables its committed cursors describe")
 

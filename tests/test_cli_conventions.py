@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import deltad
 

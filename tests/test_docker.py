@@ -8,6 +8,7 @@ dead one.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -66,25 +67,54 @@ def _subst(argv: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in argv]
 
 
+def _stages() -> list[list[tuple[str, str]]]:
+    stages: list[list[tuple[str, str]]] = []
+    for k, a in _dockerfile_instructions():
+        if k == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((k, a))
+    return stages
+
+
 def test_dockerfile_runs_existing_commands() -> None:
     ins = _dockerfile_instructions()
-    kinds = [k for k, _ in ins]
-    assert kinds[0] == "FROM" and ins[0][1].startswith("python:3.11-slim")
-    assert "USER" in kinds and dict(ins)["USER"] not in ("root", "0")
+    build, runtime = _stages()
+    # a pinned base image, parametrised once
+    base = next(a for k, a in ins if k == "ARG" and a.startswith("PYTHON_IMAGE="))
+    assert re.fullmatch(r"PYTHON_IMAGE=python:3\.11\.\d+-slim-\w+", base), base
+    # dependencies are installed (from pinned constraints) before the source is copied
+    build_kinds = [(k, a) for k, a in build]
+    first_source_copy = next(
+        i for i, (k, a) in enumerate(build_kinds) if k == "COPY" and "deltad/" in a
+    )
+    deps_run = next(
+        i for i, (k, a) in enumerate(build_kinds) if k == "RUN" and "constraints.txt" in a
+    )
+    assert deps_run < first_source_copy
+    assert "torch==2.13.0" in build_kinds[deps_run][1]
+    # the runtime stage copies the virtualenv only: no pip install, no compilers, not root
+    runtime_kinds = dict(runtime)
+    assert not any(k == "RUN" and "pip" in a for k, a in runtime)
+    assert runtime_kinds["USER"] not in ("root", "0", "0:0")
+    assert any(k == "COPY" and a.startswith("--from=build /opt/deltad") for k, a in runtime)
     args = {a.split("=")[0] for k, a in ins if k == "ARG"}
     assert {"DELTAD_VARIANT", "DELTAD_TORCH_INDEX"} <= args
-    run = " ".join(a for k, a in ins if k == "RUN")
-    assert "scripts/install.sh" in run
-    for k, a in ins:
+    for k, a in build:
         if k == "COPY":
             for src in shlex.split(a)[:-1]:
                 assert (ROOT / src).exists(), f"COPY source {src} missing"
-    entry = _exec_form(dict(ins)["ENTRYPOINT"])
+    # EXPOSE only what listens by default: the gRPC port of DELTAD_LISTEN
+    env = dict(item.split("=", 1) for item in shlex.split(runtime_kinds["ENV"]) if "=" in item)
+    assert runtime_kinds["EXPOSE"].split() == [env["DELTAD_LISTEN"].rsplit(":", 1)[1]]
+    entry = _exec_form(runtime_kinds["ENTRYPOINT"])
     assert entry == ["deltad"]
-    _check_deltad_argv(_exec_form(dict(ins)["CMD"]))
-    health = dict(ins)["HEALTHCHECK"]
+    _check_deltad_argv(_exec_form(runtime_kinds["CMD"]))
+    health = runtime_kinds["HEALTHCHECK"]
     assert " CMD " in f" {health} "
     _check_healthcheck_argv(_exec_form(health.split(" CMD ", 1)[1]))
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "tests"} <= set(ignored)
 
 
 def test_compose_services_run_existing_commands() -> None:
@@ -98,6 +128,8 @@ def test_compose_services_run_existing_commands() -> None:
         assert svc["build"]["dockerfile"] == "docker/Dockerfile"
         _check_deltad_argv(svc["command"])
         subcommands[name] = svc["command"][0]
+        assert "REDIS_PASSWORD" in svc["environment"]["DELTAD_REDIS_URL"]
+        assert not any("redis://" in a for a in svc["command"]), "a secret in the args"
     assert subcommands == {
         "trainer": "train",
         "sidecar": "serve",
@@ -108,6 +140,12 @@ def test_compose_services_run_existing_commands() -> None:
     assert "spool:/spool" in services["trainer"]["volumes"]
     assert "spool:/spool" in services["sidecar"]["volumes"]
     assert "spool" in doc["volumes"]
+    # Redis: a password and a data volume; the plaintext sidecar port only on loopback
+    redis = services["redis"]
+    assert "--requirepass" in redis["command"]
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+    for port in services["sidecar"].get("ports", []):
+        assert str(port).startswith("127.0.0.1:"), port
 
 
 def test_k8s_pod_runs_existing_commands() -> None:
@@ -117,17 +155,51 @@ def test_k8s_pod_runs_existing_commands() -> None:
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert any("emptyDir" in v for v in spec["volumes"])
     containers = {c["name"]: c for c in spec["containers"]}
-    assert set(containers) == {"trainer", "deltad"}
-    env = {"POD_IP": "10.0.0.7", "DELTAD_REDIS_URL": "redis://redis:6379/0"}
-    for c in containers.values():
+    init = {c["name"]: c for c in spec["initContainers"]}
+    assert set(containers) == {"trainer"} and set(init) == {"deltad"}
+    side = init["deltad"]
+    assert side["restartPolicy"] == "Always"  # a native sidecar: outlives the trainer
+    env = {"POD_IP": "10.0.0.7"}
+    for c in (*containers.values(), side):
         _check_deltad_argv(_subst(c["args"], env))
         assert {"name": "spool", "mountPath": "/spool"} in c["volumeMounts"]
-    side = containers["deltad"]
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"] and sc["runAsNonRoot"] is True
+        assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+        assert c["resources"]["requests"] and c["resources"]["limits"]
+        assert not any("DELTAD_REDIS_URL" in a or "redis://" in a for a in c["args"])
     secret = {e["name"]: e for e in side["env"]}["DELTAD_REDIS_URL"]["valueFrom"]
     assert "secretKeyRef" in secret
     assert [p["name"] for p in side["ports"]] == ["grpc", "metrics"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        _check_healthcheck_argv(side[probe]["exec"]["command"])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert side[probe]["grpc"]["port"] == 50051
+
+
+def test_healthcheck_follows_the_sidecars_environment(tmp_path: Path, redis_url: str) -> None:
+    """With no target, the probe finds the sidecar through DELTAD_LISTEN, as the sidecar does."""
+    from spoolkit import running_serve
+
+    with running_serve(tmp_path / "spool", rank=0, redis_url=redis_url) as endpoint:
+        port = endpoint.rsplit(":", 1)[1]
+        env = {**os.environ, "DELTAD_LISTEN": f"0.0.0.0:{port}"}
+        ok = subprocess.run(
+            [sys.executable, "-m", "deltad.healthcheck", "--timeout", "5"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert ok.returncode == 0, ok.stderr
+        env["DELTAD_LISTEN"] = "0.0.0.0:1"  # nothing listens there
+        bad = subprocess.run(
+            [sys.executable, "-m", "deltad.healthcheck", "--timeout", "2"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert bad.returncode == 1 and "127.0.0.1:1" in bad.stderr
 
 
 @pytest.mark.timeout(120)

@@ -208,7 +208,9 @@ class SidecarServer:
         self._spawn("deltad-retention", self._retention_loop, cfg.retention_interval_s)
         if cfg.forget_after_s > 0:
             self._spawn("deltad-forget", self.forget_idle, cfg.forget_interval_s)
-        log.debug("serving %s rank %d on %s", cfg.model, cfg.rank, self.endpoint)  # printed by the CLI
+        log.debug(
+            "serving %s rank %d on %s", cfg.model, cfg.rank, self.endpoint
+        )  # printed by the CLI
 
     def _spawn(self, name: str, fn: Callable[[], object], interval: float) -> None:
         def loop() -> None:
