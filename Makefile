@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint protos bench clean
+.PHONY: setup demo test test-fast lint protos bench clean
 setup:
 	@DELTAD_VENV=$(VENV) bash scripts/install.sh
 
@@ -15,6 +15,10 @@ test: setup
 	$(BIN)/ruff format --check deltad trainer consumers bench tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
+
+# Day-to-day lane: everything but the multi-process training, subprocess and long tests.
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check deltad trainer consumers bench tests

@@ -1,8 +1,9 @@
 """Smoke test of the benchmark suite: every benchmark runs at the tiny size and reports.
 
 Timing targets are never asserted here (the machine may be loaded); only that every
-benchmark ran (``ok``) or said cleanly why it could not (``not available: ...``), that the JSON
-has the expected keys and that the measured values are positive and finite.
+benchmark ran (``ok``: here everything a benchmark needs is installed, so ``not available``
+is a failure too, e.g. a benchmark that no longer imports), that the JSON has the expected
+keys and that the measured values are positive and finite.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -76,9 +79,7 @@ def test_every_benchmark_reports(results: dict[str, Any]) -> None:
     assert set(results["benchmarks"]) == set(BENCHMARKS)
     for name, res in results["benchmarks"].items():
         status = res["status"]
-        assert status == "ok" or status.startswith("not available: "), (
-            f"{name}: {status}\n{res.get('traceback', '')}"
-        )
+        assert status == "ok", f"{name}: {status}\n{res.get('traceback', '')}"
         assert _nonneg(res["wall_seconds"])
     assert results["_rc"] == 0, results["_stderr"]
 

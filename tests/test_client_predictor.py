@@ -72,6 +72,7 @@ def test_percentile() -> None:
     assert percentile(values, 99) == pytest.approx(99.01)
 
 
+@pytest.mark.slow
 def test_consume_resume_needs_init_tables(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -202,6 +202,7 @@ def test_healthcheck_follows_the_sidecars_environment(tmp_path: Path, redis_url:
         assert bad.returncode == 1 and "127.0.0.1:1" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_healthcheck_against_live_sidecar(tmp_path: Path, redis_url: str) -> None:
     from spoolkit import running_serve

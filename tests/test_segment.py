@@ -186,6 +186,7 @@ def test_layout_lists_only_complete_segments(tmp_path: Path) -> None:
     assert lay.read_manifest(5).tables[0].name == "t0"
 
 
+@pytest.mark.slow
 def test_killed_writer_leaves_no_visible_partial_segment(tmp_path: Path) -> None:
     """SIGKILL a process in the middle of writing large segments: only complete files show."""
     code = textwrap.dedent(

@@ -58,6 +58,7 @@ def _pull_until(c: Client, consumer: str, seq: int) -> window.RankDelta:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
     spool = SpoolWriter(tmp_path / "spool")
     proc, target = _serve(tmp_path / "spool", redis_server.url)
@@ -112,6 +113,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
     assert proc.stderr is not None and "stopping" in proc.stderr.read()
 
 
+@pytest.mark.slow
 def test_bad_flags_exit_2_with_a_message(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path), "--tls-cert", "x"],
