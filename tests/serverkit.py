@@ -4,13 +4,14 @@ real sidecar on port 0, and a consumer-side table rebuild. No mocks."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
+from spoolkit import wait_for  # noqa: F401  (the one wait_for; re-exported for tests)
 
 from deltad import wire
 from deltad.config import ServerConfig
@@ -194,21 +195,15 @@ def server_config(root: Path, redis_url: str | None, **kw: Any) -> ServerConfig:
     return ServerConfig(**opts)
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """The one Redis fixture (conftest re-exports it): a real redis-server in tmp_path."""
     r = EmbeddedRedis(tmp_path / "redis-data")
     r.start()
-    yield r
-    r.stop()
+    try:
+        yield r
+    finally:
+        r.stop()
 
 
 @pytest.fixture

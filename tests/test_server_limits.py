@@ -218,7 +218,7 @@ def test_a_client_that_stops_reading_loses_its_slot_at_the_deadline(
         stuck = decode.raw_get_delta(c.channel)(req)  # no client deadline, and never read again
         next(stuck)
         assert srv.servicer._streams == 1
-        wait_for(lambda: srv.servicer._streams == 0, timeout=10.0, what="the stuck stream freed")
+        wait_for(lambda: srv.servicer._streams == 0, timeout_s=10.0, what="the stuck stream freed")
         assert c.pull("b", Form.IDS).rows == 200_000
         stuck.cancel()
     finally:
