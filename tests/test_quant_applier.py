@@ -133,6 +133,12 @@ def test_column_slices_complete_rows_across_ranks_and_windows(dtype: ServeDtype)
     applier.apply([delta([sl("seq", ids[2:], new[2:, 8:], 8, 16)], rank=1)])
     assert applier.pending_rows == 0
     assert_same(served, quantize_model(fm, dtype))
+    # window 3 (top-k: ranks pick rows independently): only rank 1 resends row 3's columns
+    later = torch.randn(1, 8)
+    with torch.no_grad():
+        w[3, 8:] = later[0]
+    applier.apply([delta([sl("seq", ids[:1], later, 8, 16)], rank=1)])
+    assert_same(served, quantize_model(fm, dtype))
 
 
 def test_dense_weights_and_rows_of_one_window() -> None:

@@ -19,12 +19,16 @@ arrive already packed (``SliceUpdate.packed``: uint8, the table's row layout abo
 without the padding) are copied as they are.
 
 Column slices (column-wise sharded tables, one slice per rank): an int8 / int4 row is
-quantized over the full row, so a column slice is merged into a float staging row, and the
-row is packed and written only once every column of it is known. Within one aligned pull the
-ranks' slices of a touched row normally complete it; columns still missing are *held*
-(:attr:`QuantApplier.pending_rows`) until a later window brings them, and until then the
-model serves that row's previous bytes. fp16 / fp32 rows are merged with the row's current
-(exactly decodable) values and written at once.
+quantized over the full row and cannot be decoded back exactly, so the applier keeps a float
+*shadow* of such a table (allocated on its first column slice: 4 bytes per element plus a
+1-byte "known" mask) holding the newest value of every column. A column slice updates the
+shadow; each row it touches is packed from the shadow and written once every column of it
+has been received at least once (until then, :attr:`QuantApplier.pending_rows`, the model
+serves that row's previous bytes). With rows, one aligned pull completes every touched row;
+with top-k, ranks pick their rows independently and the shadow lets a row be re-packed from
+its newest columns whichever rank sends next, so once nothing is owed every row is exact.
+fp16 / fp32 rows decode exactly: a column slice is merged with the row as served and
+written at once, no shadow.
 
 What a forward observes mid-apply (:class:`~deltad.types.ApplyConsistency`): a forward runs
 inside :meth:`QuantApplier.serving` (a shared read lock; several forwards run at once); the
@@ -314,12 +318,11 @@ class ServingLock:
 
 
 @dataclass
-class _Pending:
-    """Column slices of int rows not complete yet: ids sorted, float staging, known columns."""
+class _Shadow:
+    """Float copy of an int table fed by column slices: newest values, columns received."""
 
-    ids: torch.Tensor
-    values: torch.Tensor
-    known: torch.Tensor
+    values: torch.Tensor  # float32 [num_rows, dim]
+    known: torch.Tensor  # bool [num_rows, dim]
 
 
 @dataclass
@@ -362,7 +365,7 @@ class QuantApplier(Applier):
         if not self._tables:
             raise UnsupportedModelError("no torchrec.quant EmbeddingBagCollection / Collection")
         self._dense = _dense_state(model)
-        self._pending: dict[str, _Pending] = {}
+        self._shadows: dict[str, _Shadow] = {}
         self.stats = ApplyStats()
 
     # -- the Applier seam ---------------------------------------------------------------
@@ -385,7 +388,9 @@ class QuantApplier(Applier):
     @property
     def pending_rows(self) -> int:
         """Rows with some but not all columns received (int tables of column-wise shards)."""
-        return sum(int(p.ids.numel()) for p in self._pending.values())
+        return sum(
+            int((sh.known.any(dim=1) & ~sh.known.all(dim=1)).sum()) for sh in self._shadows.values()
+        )
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -416,13 +421,12 @@ class QuantApplier(Applier):
         """
         with self._apply_mutex:
             t0 = time.perf_counter()
-            plan, pending = self._plan(deltas)
+            plan = self._plan(deltas)
             dense: dict[str, torch.Tensor] = {}
             for d in deltas:
                 dense.update(getattr(d, "dense", None) or {})
             dense_plan = self._plan_dense(dense)
             t1 = time.perf_counter()
-            self._pending = pending
             stats = self._write(plan, dense_plan)
             stats.pack_s = t1 - t0
             self.stats = stats
@@ -475,8 +479,8 @@ class QuantApplier(Applier):
 
     def _plan(
         self, deltas: Sequence[RankDelta]
-    ) -> tuple[list[tuple[QuantTable, torch.Tensor, torch.Tensor]], dict[str, _Pending]]:
-        """Checked and packed ``(table, ids, rows)`` writes, and the pending rows after them."""
+    ) -> list[tuple[QuantTable, torch.Tensor, torch.Tensor]]:
+        """Checked and packed ``(table, ids, rows)`` writes (column slices merged)."""
         full: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         partial: dict[str, list[SliceUpdate]] = {}
         resynced: set[str] = set()
@@ -486,7 +490,8 @@ class QuantApplier(Applier):
                 checked.append((self._check(d, s), s))
                 if d.resync:
                     resynced.add(s.table)
-        pending = {n: p for n, p in self._pending.items() if n not in resynced}
+        for name in resynced:  # a base restarts the table: columns seen before are void
+            self._shadows.pop(name, None)
         for t, s in checked:
             if s.ids.numel() == 0:
                 continue
@@ -502,53 +507,51 @@ class QuantApplier(Applier):
             elif (s.col_start, s.col_end) == (0, s.dim):
                 assert s.values is not None
                 full.setdefault(t.name, []).append((ids, t.pack(s.values)))
+                sh = self._shadows.get(t.name)
+                if sh is not None:  # keep a shadow (column-sliced before) current
+                    sh.values[ids] = s.values.to(torch.float32)
+                    sh.known[ids] = True
             else:
                 partial.setdefault(t.name, []).append(s)
         for name, slices in partial.items():
             t = self._tables[name]
-            ids, values, left = self._merge_columns(t, slices, pending.get(name))
+            ids, values = self._merge_columns(t, slices)
             if ids.numel():
                 full.setdefault(name, []).append((ids, t.pack(values)))
-            if left is None:
-                pending.pop(name, None)
-            else:
-                pending[name] = left
         plan = []
         for name, parts in full.items():
             t = self._tables[name]
             ids = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
             rows = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
             plan.append((t, ids, rows))
-        return plan, pending
+        return plan
 
     def _merge_columns(
-        self, t: QuantTable, slices: list[SliceUpdate], held: _Pending | None
-    ) -> tuple[torch.Tensor, torch.Tensor, _Pending | None]:
-        """Complete rows ``(ids, float values)`` from column slices; the rest still pending."""
-        parts = [s.ids.to(torch.int64) for s in slices]
-        if held is not None:
-            parts.append(held.ids)
-        ids = torch.unique(torch.cat(parts))  # sorted
-        if t.quantized:
-            values = torch.zeros(ids.numel(), t.dim, dtype=torch.float32)
-            known = torch.zeros(ids.numel(), t.dim, dtype=torch.bool)
-            if held is not None:
-                pos = torch.searchsorted(ids, held.ids)
-                values[pos] = held.values
-                known[pos] = held.known
-        else:  # fp rows decode exactly: start from the row as served
+        self, t: QuantTable, slices: list[SliceUpdate]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``(ids, float values)`` of ``slices`` whose every column is known."""
+        ids = torch.unique(torch.cat([s.ids.to(torch.int64) for s in slices]))  # sorted
+        if not t.quantized:  # fp rows decode exactly: merge with the row as served
             values = t.decode(ids)
-            known = torch.ones(ids.numel(), t.dim, dtype=torch.bool)
+            for s in slices:
+                assert s.values is not None
+                pos = torch.searchsorted(ids, s.ids.to(torch.int64))
+                values[pos, s.col_start : s.col_end] = s.values.to(torch.float32)
+            return ids, values
+        sh = self._shadows.get(t.name)
+        if sh is None:
+            sh = _Shadow(
+                torch.zeros(t.num_rows, t.dim, dtype=torch.float32),
+                torch.zeros(t.num_rows, t.dim, dtype=torch.bool),
+            )
+            self._shadows[t.name] = sh
         for s in slices:
             assert s.values is not None
-            pos = torch.searchsorted(ids, s.ids.to(torch.int64))
-            values[pos, s.col_start : s.col_end] = s.values.to(torch.float32)
-            known[pos, s.col_start : s.col_end] = True
-        done = known.all(dim=1)
-        if bool(done.all()):
-            return ids, values, None
-        left = ~done
-        return ids[done], values[done], _Pending(ids[left], values[left], known[left])
+            rows = s.ids.to(torch.int64)
+            sh.values[rows, s.col_start : s.col_end] = s.values.to(torch.float32)
+            sh.known[rows, s.col_start : s.col_end] = True
+        ids = ids[sh.known[ids].all(dim=1)]
+        return ids, sh.values[ids]
 
     def _plan_dense(self, state: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
         plan: list[tuple[torch.Tensor, Any]] = []
