@@ -92,7 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--seed", type=int, default=0, help="model code / batch seed")
     serve.add_argument(
-        "--final-state", type=Path, help="torch.save the serving model's state_dict at exit"
+        "--final-state",
+        type=Path,
+        help="torch.save the serving model's state_dict at exit (and its logits on the fixed "
+        "batch to F's stem + '-forward')",
     )
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify TLS sidecars")
     p.add_argument(

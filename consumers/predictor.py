@@ -171,8 +171,8 @@ class Predictor:
             if c.final_tables is not None:
                 save_tables(self.applier.tables(), c.final_tables)
             if c.serving is not None and c.serving.final_state is not None:
-                assert self.model is not None
-                save_state(self.model, c.serving.final_state)
+                assert self.model is not None and self.forwards is not None
+                save_state(self.model, c.serving.final_state, self.forwards.output())
             return summary
         finally:
             if self.forwards is not None:

@@ -88,13 +88,24 @@ def serving_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_state(model: torch.nn.Module, path: Path) -> None:
-    """torch.save :func:`serving_state` atomically (temp file, rename)."""
+def forward_path(state: Path) -> Path:
+    """Where :func:`save_state` writes the fixed batch's logits next to ``state``."""
+    state = Path(state)
+    return state.with_name(f"{state.stem}-forward{state.suffix}")
+
+
+def save_state(model: torch.nn.Module, path: Path, logits: torch.Tensor | None = None) -> None:
+    """torch.save :func:`serving_state` atomically (temp file, rename); ``logits`` (the
+    served forward on the fixed batch) to :func:`forward_path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    torch.save(serving_state(model), tmp)
-    tmp.replace(path)
+    items: list[tuple[Path, Any]] = [(path, serving_state(model))]
+    if logits is not None:
+        items.insert(0, (forward_path(path), logits.detach().clone()))
+    for dest, obj in items:
+        tmp = dest.with_name(f".tmp-{dest.name}")
+        torch.save(obj, tmp)
+        tmp.replace(dest)
 
 
 class ForwardLoop:
