@@ -13,7 +13,7 @@ tables per TBE, each table a run of rows in the TBE's ``weights_host`` byte buff
 that buffer (``split_embedding_weights_with_scale_bias(0)``; the quant module's state_dict
 shares the same storage), packs float rows exactly as torchrec's quantization does
 (``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`` for int8 / int4, a cast for fp16 / fp32;
-see :func:`pack_rows`), and copies whole rows in with ``index_copy_``. Bytes and forward
+see :func:`pack_rows`), and copies whole rows in with ``index_copy_`` (as 4-byte words). Bytes and forward
 outputs are therefore equal to quantizing the updated float tables from scratch. Rows that
 arrive already packed (``SliceUpdate.packed``: uint8, the table's row layout above, with or
 without the padding) are copied as they are.
@@ -582,7 +582,7 @@ class QuantApplier(Applier):
         t0 = time.perf_counter()
 
         def copy_rows(t: QuantTable, ids: torch.Tensor, rows: torch.Tensor) -> None:
-            t.rows.index_copy_(0, ids, rows)
+            _copy_rows(t.rows, ids, rows)
             stats.rows += int(ids.numel())
             stats.chunks += 1
 
@@ -612,6 +612,20 @@ class QuantApplier(Applier):
                         stats.max_hold_s = max(stats.max_hold_s, time.perf_counter() - h)
         stats.copy_s = time.perf_counter() - t0
         return stats
+
+
+def _copy_rows(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """``target[ids] = rows`` for uint8 rows, as 4-byte words when both are aligned (about
+    8x faster than copying bytes: fbgemm rows are 16-byte aligned)."""
+    if (
+        target.shape[1] % 4 == 0
+        and target.data_ptr() % 4 == 0
+        and rows.is_contiguous()
+        and rows.data_ptr() % 4 == 0
+    ):
+        target.view(torch.int32).index_copy_(0, ids, rows.view(torch.int32))
+    else:
+        target.index_copy_(0, ids, rows)
 
 
 def _dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
