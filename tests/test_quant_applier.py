@@ -256,3 +256,33 @@ def test_concurrent_forwards_never_see_a_torn_row(mode: ApplyConsistency) -> Non
         assert all(len(s) == 1 for s in seen), "a forward saw two windows at once"
     assert applier.stats.chunks == 10 and applier.stats.rows == n
     assert torch.equal(rows, packed[-1])
+
+
+def test_consume_serve_dtype_flag_errors() -> None:
+    """`deltad consume`: bf16 and contradictory serving flags exit 2 with one clear line."""
+    import subprocess
+    import sys
+
+    from spoolkit import child_env
+
+    base = [
+        sys.executable,
+        "-m",
+        "deltad.cli",
+        "consume",
+        "--consumer",
+        "p",
+        "--sidecar",
+        "127.0.0.1:1",
+    ]
+    for extra, why in (
+        (["--serve-dtype", "bf16"], "bf16 is not supported"),
+        (["--final-state", "x.pt"], "--final-state needs --serve-dtype"),
+        (["--serve-dtype", "int8", "--init-tables", "x.pt"], "bootstraps from deltad"),
+        (["--serve-dtype", "int8", "--dim", "6"], "dim a multiple of 4"),
+    ):
+        out = subprocess.run(
+            [*base, *extra], capture_output=True, text=True, timeout=60, env=child_env()
+        )
+        lines = [x for x in out.stderr.splitlines() if x.startswith("deltad")]
+        assert out.returncode == 2 and why in out.stderr and len(lines) == 1, (extra, out.stderr)
