@@ -10,6 +10,7 @@ import pytest
 import torch
 from deltad.reference.trainer.data import ClickStream
 from deltad.reference.trainer.model import ClickModel
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from deltad.consume.quant import QuantApplier, pack_rows, quant_tables, quantize_model
 from deltad.consume.window import RankDelta, SliceUpdate
@@ -219,43 +220,88 @@ def test_shard_quant_model_needs_cuda() -> None:
         shard_quant_model(served, world_size=1, compute_device="cpu", sharding_device="cpu")
 
 
+class BigRows(torch.nn.Module):
+    """One EBC table of wide rows: copying a window takes long enough for a reader to land
+    in the middle of it (without the lock, WINDOW readers see mixed windows)."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        cfg = EmbeddingBagConfig(
+            name="big", embedding_dim=dim, num_embeddings=rows, feature_names=["f"]
+        )
+        self.ebc = EmbeddingBagCollection(tables=[cfg])
+
+
 @pytest.mark.parametrize("mode", list(ApplyConsistency), ids=lambda m: m.value)
-def test_concurrent_forwards_never_see_a_torn_row(mode: ApplyConsistency) -> None:
-    """Forwards in a thread during applies: every row they see is wholly one version (CHUNK);
-    with WINDOW, all rows they see are of one window."""
-    fm = float_model()
-    served = quantize_model(fm, ServeDtype.INT8)
-    applier = QuantApplier(served, consistency=mode, chunk_rows=5)
-    rows = applier.quant_tables["t0"].rows
-    n = rows.shape[0]
-    versions = [torch.full((n, DIM), float(v)) + torch.arange(DIM) * 0.01 for v in range(1, 30)]
-    packed = [pack_rows(v, ServeDtype.INT8, rows.shape[1]) for v in versions]
-    version_of = {bytes(r.tolist()): -1 for r in rows}  # the initial rows
-    version_of.update({bytes(p[0].tolist()): v for v, p in enumerate(packed)})
-    forward = applier.serve(lambda b: (rows.clone(), served(b)[1]))
-    b = batch()
+def test_concurrent_readers_never_see_a_torn_row(mode: ApplyConsistency) -> None:
+    """Readers in a thread during applies: every row they see is wholly one version (CHUNK);
+    with WINDOW, all rows they see are of one window. Rows are told apart by a checksum."""
+    n, dim = 64, 4096
+    served = quantize_model(BigRows(n, dim), ServeDtype.INT8)
+    applier = QuantApplier(served, consistency=mode, chunk_rows=4)
+    rows = applier.quant_tables["big"].rows
+    versions = [torch.full((n, dim), float(v)) + torch.arange(dim) * 1e-3 for v in range(1, 80)]
+    weights = torch.randint(
+        1, 1 << 20, (rows.shape[1] // 4,), generator=torch.Generator().manual_seed(0)
+    )
+
+    def checksum(x: torch.Tensor) -> torch.Tensor:
+        return (x.contiguous().view(torch.int32).to(torch.int64) * weights).sum(1)
+
+    version_of = dict.fromkeys(checksum(rows).tolist(), -1)  # the initial rows
+    for v, values in enumerate(versions):
+        version_of[int(checksum(pack_rows(values[:1], ServeDtype.INT8, rows.shape[1]))[0])] = v
     stop = threading.Event()
     seen: list[set[int]] = []
 
     def reader() -> None:
-        while not stop.is_set() and len(seen) < 10_000:
-            snap, _ = forward(b)
-            seen.append({version_of.get(bytes(r.tolist()), -2) for r in snap})
+        while not stop.is_set() and len(seen) < 20_000:
+            with applier.serving():
+                snap = rows.clone()
+            seen.append({version_of.get(c, -2) for c in checksum(snap).tolist()})
 
     th = threading.Thread(target=reader)
     th.start()
     try:
-        for v in versions:
-            applier.apply([delta([sl("t0", torch.arange(n), v)])])
+        for values in versions:
+            applier.apply([delta([SliceUpdate("big", n, dim, 0, dim, torch.arange(n), values)])])
     finally:
         stop.set()
         th.join(30)
-    assert seen and not th.is_alive()
-    assert all(-2 not in s for s in seen), "a forward saw a torn row"
+    assert len(seen) > 10 and not th.is_alive()
+    assert all(-2 not in s for s in seen), "a reader saw a torn row"
     if mode is ApplyConsistency.WINDOW:
-        assert all(len(s) == 1 for s in seen), "a forward saw two windows at once"
-    assert applier.stats.chunks == 10 and applier.stats.rows == n
-    assert torch.equal(rows, packed[-1])
+        assert all(len(s) == 1 for s in seen), "a reader saw two windows at once"
+    assert applier.stats.chunks == n // 4 and applier.stats.rows == n
+    assert applier.stats.max_hold_s > 0
+
+
+def test_forwards_run_during_applies() -> None:
+    """A real forward through serve() while windows are applied: it returns and at the end
+    equals the forward of torchrec's quantization of the final tables."""
+    fm = float_model()
+    served = quantize_model(fm, ServeDtype.INT8)
+    applier = QuantApplier(served, chunk_rows=3)
+    forward = applier.serve(lambda b: served(b)[1])
+    b = batch()
+    stop = threading.Event()
+    outputs: list[torch.Tensor] = []
+
+    def loop() -> None:
+        while not stop.is_set() and len(outputs) < 10_000:
+            outputs.append(forward(b))
+
+    th = threading.Thread(target=loop)
+    th.start()
+    gen = torch.Generator().manual_seed(4)
+    try:
+        for _ in range(20):
+            applier.apply([delta(random_updates(fm, gen))])
+    finally:
+        stop.set()
+        th.join(30)
+    assert outputs and not th.is_alive()
+    assert_same(served, quantize_model(fm, ServeDtype.INT8))
 
 
 def test_consume_serve_dtype_flag_errors() -> None:

@@ -18,6 +18,10 @@ outputs are therefore equal to quantizing the updated float tables from scratch.
 arrive already packed (``SliceUpdate.packed``: uint8, the table's row layout above, with or
 without the padding) are copied as they are.
 
+Bit-exactness needs the trainer's float values: pull with wire dtype ``fp32`` (or ``fp16``
+for fp16 tables, or packed rows). Rows that travelled as ``int8`` / ``bf16`` arrive
+already rounded, and re-quantizing them is close to, not equal to, torchrec's bytes.
+
 Column slices (column-wise sharded tables, one slice per rank): an int8 / int4 row is
 quantized over the full row and cannot be decoded back exactly, so the applier keeps a float
 *shadow* of such a table (allocated on its first column slice: 4 bytes per element plus a
