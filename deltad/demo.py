@@ -221,6 +221,8 @@ class Demo:
                     str(a.rows),
                     "--dim",
                     str(a.dim),
+                    "--serve-interval",
+                    "0.01",
                     "--final-state",
                     str(self.work / f"{SERVING}-state.pt"),
                 ],
