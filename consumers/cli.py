@@ -64,6 +64,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="rebuild pulls into released buffers of earlier pulls, at most this many MB "
         "kept per rank (0: allocate afresh)",
     )
+    serve = p.add_argument_group(
+        "serving model",
+        "hold a torchrec quantized reference model (the trainer's ClickModel architecture), "
+        "bootstrapped from deltad alone, and answer forwards while syncing",
+    )
+    serve.add_argument(
+        "--serve-dtype",
+        choices=("int8", "int4", "fp16", "fp32", "bf16"),
+        help="quantize the serving model's tables to this dtype (bf16: not supported)",
+    )
+    serve.add_argument(
+        "--tables",
+        default="4",
+        help="pooled tables: a count (t0..tN-1) or NAME[:ROWS],... as the trainer's (default 4)",
+    )
+    serve.add_argument("--rows", type=int, default=10_000, help="rows per table (default)")
+    serve.add_argument("--seq-rows", type=int, help="rows of the sequence table (default --rows)")
+    serve.add_argument("--dim", type=int, default=16, help="embedding dim (16)")
+    serve.add_argument(
+        "--consistency",
+        choices=("chunk", "window"),
+        default="chunk",
+        help="chunk: forwards wait at most one chunk's copy, rows of a window may mix; "
+        "window: forwards see whole windows and wait for the whole copy",
+    )
+    serve.add_argument("--chunk-rows", type=int, default=4096, help="rows per locked copy")
+    serve.add_argument("--serve-batch-size", type=int, default=64, help="fixed forward batch")
+    serve.add_argument(
+        "--serve-interval", type=float, default=0.002, help="seconds between forwards"
+    )
+    serve.add_argument("--seed", type=int, default=0, help="model code / batch seed")
+    serve.add_argument(
+        "--final-state",
+        type=Path,
+        help="torch.save the serving model's state_dict at exit (and its logits on the fixed "
+        "batch to F's stem + '-forward')",
+    )
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify TLS sidecars")
     p.add_argument(
         "--token-env",
@@ -92,6 +129,28 @@ def run(args: argparse.Namespace) -> int:
         args.redis_url = None  # explicit --sidecar wins over the environment's Redis
     if args.resume and args.init_tables is None:
         raise ConfigError("--resume needs --init-tables: the tables its committed cursors describe")
+    serving = None
+    if args.serve_dtype is not None:
+        from deltad.reference.trainer.cli import parse_tables
+
+        from .serving import ServingConfig
+
+        if args.init_tables is not None or args.resume:
+            raise ConfigError("--serve-dtype bootstraps from deltad: no --init-tables / --resume")
+        serving = ServingConfig(
+            dtype=args.serve_dtype,
+            tables=parse_tables(args.tables, args.rows),
+            seq_rows=args.seq_rows or args.rows,
+            dim=args.dim,
+            consistency=args.consistency,
+            chunk_rows=args.chunk_rows,
+            seed=args.seed,
+            batch_size=args.serve_batch_size,
+            interval_s=args.serve_interval,
+            final_state=args.final_state,
+        )
+    elif args.final_state is not None:
+        raise ConfigError("--final-state needs --serve-dtype")
 
     consumer = ConsumerConfig(
         consumer=args.consumer,
@@ -124,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             init_tables=args.init_tables,
             final_tables=args.final_tables,
             json_log=args.json_log,
+            serving=serving,
         )
     )
 
@@ -143,7 +203,19 @@ def run(args: argparse.Namespace) -> int:
         f"step {s.step}, freshness p50 {_fmt(s.freshness_p50_s)} p99 {_fmt(s.freshness_p99_s)}",
         file=sys.stderr,
     )
+    if serving is not None:
+        print(
+            f"consumer {s.consumer}: {s.forwards} forwards ({serving.dtype.value}), latency ms "
+            f"idle p50 {_ms(s.forward_idle_p50_ms)} p99 {_ms(s.forward_idle_p99_ms)}, during "
+            f"apply p50 {_ms(s.forward_apply_p50_ms)} p99 {_ms(s.forward_apply_p99_ms)} "
+            f"({s.forward_apply_samples}), longest lock hold {_ms(s.max_hold_ms)}",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def _fmt(v: float | None) -> str:

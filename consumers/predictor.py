@@ -8,6 +8,10 @@ optionally starting from a ``{table: tensor}`` file, and logs per pull what it s
 * ``freshness_s``: seconds from the creation of the newest segment of ``step`` (the last
   rank to publish it) to the moment its rows were applied, sampled when a new step is served;
 * ``rows`` / ``bytes``: what the pull carried; ``owed``: top-k rows still owed.
+
+With ``serving`` set it holds a torchrec quantized ClickModel instead
+(:mod:`consumers.serving`), bootstrapped from deltad alone, answers forwards on a fixed batch
+in a thread while it syncs, and reports their latency during apply and idle.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from typing import IO, Any
 import torch
 
 from deltad.config import ConsumerConfig
-from deltad.consume.appliers import TensorDictApplier
+from deltad.consume.appliers import Applier, TensorDictApplier
 from deltad.consume.client import DeltaConsumer, PullResult
-from deltad.errors import ConsumerError
+from deltad.consume.quant import QuantApplier
+from deltad.errors import ConfigError, ConsumerError
 from deltad.types import Form
+
+from .serving import ForwardLoop, ServingConfig, build_serving_model, save_state
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,8 @@ class PredictorConfig:
     final_tables: Path | None = None
     #: JSON lines, one per pull and a summary ("-" = stdout).
     json_log: str | None = None
+    #: Serve a quantized reference model (and write its state at exit) instead of a dict.
+    serving: ServingConfig | None = None
 
 
 @dataclass
@@ -82,6 +91,15 @@ class PredictorSummary:
     freshness_p50_s: float | None
     freshness_p99_s: float | None
     freshness_samples: int
+    #: serving model only: forward latency (ms) while an apply ran / while idle
+    forwards: int = 0
+    forward_idle_p50_ms: float | None = None
+    forward_idle_p99_ms: float | None = None
+    forward_apply_p50_ms: float | None = None
+    forward_apply_p99_ms: float | None = None
+    forward_apply_samples: int = 0
+    #: serving model only: the longest write-lock hold of an apply (ms)
+    max_hold_ms: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -98,10 +116,21 @@ class Predictor:
 
     def __init__(self, config: PredictorConfig) -> None:
         self.config = config
-        tables: dict[str, torch.Tensor] = {}
-        if config.init_tables is not None:
-            tables = load_tables(config.init_tables)
-        self.applier = TensorDictApplier(tables)
+        self.applier: Applier
+        self.model: torch.nn.Module | None = None
+        self.forwards: ForwardLoop | None = None
+        self.max_hold_s = 0.0
+        if config.serving is not None:
+            if config.init_tables is not None:
+                raise ConfigError("a serving model bootstraps from deltad: no --init-tables")
+            self.model, quant = build_serving_model(config.serving)
+            self.applier = quant
+            self.forwards = ForwardLoop(self.model, quant, config.serving)
+        else:
+            tables: dict[str, torch.Tensor] = {}
+            if config.init_tables is not None:
+                tables = load_tables(config.init_tables)
+            self.applier = TensorDictApplier(tables)
         self.stop_event = threading.Event()
         self.records: list[PullRecord] = []
         self.freshness: list[float] = []
@@ -117,6 +146,8 @@ class Predictor:
         c = self.config
         deadline = time.monotonic() + c.duration_s if c.duration_s > 0 else None
         self._open_log()
+        if self.forwards is not None:
+            self.forwards.start()
         try:
             with DeltaConsumer(c.consumer) as consumer:
                 n = 0
@@ -131,12 +162,21 @@ class Predictor:
                     pause = c.interval_s - (time.monotonic() - started)
                     if pause > 0:
                         self.stop_event.wait(pause)
+            if self.forwards is not None:
+                self.forwards.stop()
+                if self.forwards.error is not None:
+                    raise ConsumerError(f"serving forward failed: {self.forwards.error!r}")
             summary = self.summary()
             self._emit(summary)
             if c.final_tables is not None:
                 save_tables(self.applier.tables(), c.final_tables)
+            if c.serving is not None and c.serving.final_state is not None:
+                assert self.model is not None and self.forwards is not None
+                save_state(self.model, c.serving.final_state, self.forwards.output())
             return summary
         finally:
+            if self.forwards is not None:
+                self.forwards.stop()
             if self._out is not None and self._out is not sys.stdout:
                 self._out.close()
 
@@ -146,7 +186,15 @@ class Predictor:
         result = consumer.pull()
         t1 = time.monotonic()
         if result.deltas and consumer.config.pull.form is not Form.IDS:
-            self.applier.apply(result.deltas)
+            if self.forwards is not None:
+                self.forwards.applying.set()
+            try:
+                self.applier.apply(result.deltas)
+            finally:
+                if self.forwards is not None:
+                    self.forwards.applying.clear()
+            if isinstance(self.applier, QuantApplier):
+                self.max_hold_s = max(self.max_hold_s, self.applier.stats.max_hold_s)
         applied_unix = time.time()
         t2 = time.monotonic()
         if result.deltas:
@@ -186,6 +234,9 @@ class Predictor:
         return rec
 
     def summary(self) -> PredictorSummary:
+        f = self.forwards
+        idle = [x * 1e3 for x in f.idle_s] if f is not None else []
+        busy = [x * 1e3 for x in f.apply_s] if f is not None else []
         return PredictorSummary(
             event="summary",
             consumer=self.config.consumer.consumer,
@@ -196,6 +247,13 @@ class Predictor:
             freshness_p50_s=percentile(self.freshness, 50),
             freshness_p99_s=percentile(self.freshness, 99),
             freshness_samples=len(self.freshness),
+            forwards=f.forwards if f is not None else 0,
+            forward_idle_p50_ms=percentile(idle, 50),
+            forward_idle_p99_ms=percentile(idle, 99),
+            forward_apply_p50_ms=percentile(busy, 50),
+            forward_apply_p99_ms=percentile(busy, 99),
+            forward_apply_samples=len(busy),
+            max_hold_ms=self.max_hold_s * 1e3 if f is not None else None,
         )
 
     def _open_log(self) -> None:

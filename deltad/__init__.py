@@ -44,10 +44,15 @@ _EXPORTS: dict[str, str] = {
     "Applier": "deltad.consume.appliers",
     "TensorDictApplier": "deltad.consume.appliers",
     "TorchRecApplier": "deltad.consume.appliers",
+    "QuantApplier": "deltad.consume.quant",
+    "quantize_model": "deltad.consume.quant",
+    "ServeDtype": "deltad.types",
+    "ApplyConsistency": "deltad.types",
 }
 
 __all__ = [
     "Applier",
+    "ApplyConsistency",
     "ConfigError",
     "ConsumerConfig",
     "ConsumerError",
@@ -59,8 +64,10 @@ __all__ = [
     "PublisherConfig",
     "PullOptions",
     "PullResult",
+    "QuantApplier",
     "RankDelta",
     "SegmentPublisher",
+    "ServeDtype",
     "ServerConfig",
     "SidecarUnavailableError",
     "SliceUpdate",
@@ -70,6 +77,7 @@ __all__ = [
     "TrainLoop",
     "WireDtype",
     "__version__",
+    "quantize_model",
 ]
 
 
@@ -96,8 +104,9 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     )
     from deltad.consume.appliers import Applier, TensorDictApplier, TorchRecApplier
     from deltad.consume.client import DeltaConsumer, PullResult
+    from deltad.consume.quant import QuantApplier, quantize_model
     from deltad.consume.window import RankDelta, SliceUpdate
     from deltad.errors import ConfigError, ConsumerError, DeltadError, SidecarUnavailableError
     from deltad.publish.publisher import SegmentPublisher
     from deltad.publish.tracker import DeltaTracker
-    from deltad.types import Cursor, Form, TrainLoop, WireDtype
+    from deltad.types import ApplyConsistency, Cursor, Form, ServeDtype, TrainLoop, WireDtype

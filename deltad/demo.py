@@ -1,17 +1,22 @@
 """`deltad demo`: the whole loop on this machine, with a report and checks.
 
 It starts an embedded Redis, the reference trainer (``deltad train``: gloo ranks, a small
-DLRM, Zipf traffic, mixed sharding types), one ``deltad serve`` per rank and two predictors
-(``deltad consume``: rows/fp32 and top-k/int8), all as subprocesses with logs in the work
+DLRM, Zipf traffic, mixed sharding types), one ``deltad serve`` per rank and three predictors
+(``deltad consume``: rows/fp32, top-k/int8, and serving-int8: a torchrec int8-quantized
+ClickModel answering forwards while it syncs), all as subprocesses with logs in the work
 directory. When training ends, the predictors catch up with the final head, stop, and write
 their tables; the demo then checks
 
 * the rows/fp32 predictor's tables are bit-equal to the trainer's final tables;
 * the top-k/int8 predictor, once no rows are owed, is within the int8 row-wise rounding
   bound of the trainer's final tables: ``|served - trained| <= (row max - row min) / 510``
-  per row (plus float32 rounding of code * scale + bias).
+  per row (plus float32 rounding of code * scale + bias);
+* the serving-int8 predictor's weights and its forward output on a fixed batch are
+  bit-equal to the trainer's final model quantized by torchrec (``quantize_embeddings``).
+  The trainer does not publish its dense weights yet, so the reference takes the dense
+  weights the predictor's model code initialised (the embeddings are what is checked).
 
-Exit 0 only if both hold; otherwise one line on stderr and exit 1. Every child is stopped on
+Exit 0 only if all hold; otherwise one line on stderr and exit 1. Every child is stopped on
 exit or Ctrl-C (SIGTERM, a bounded wait, then SIGKILL).
 """
 
@@ -36,6 +41,10 @@ from typing import Any
 from deltad.cli import PARENT_PID_ENV
 
 MODEL = "demo"
+#: pooled tables of the trainer and of the serving predictor's model code
+TABLES = "4"
+#: the predictor serving a torchrec int8-quantized model
+SERVING = "serving-int8"
 #: relative slack on the int8 bound for float32 arithmetic in code * scale + bias
 BOUND_SLACK = 1e-5
 
@@ -78,6 +87,7 @@ class PredictorLog:
     last_rows: int = 0
     steps_served: int = 0
     freshness: list[float] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
 
     def refresh(self) -> None:
         try:
@@ -90,6 +100,8 @@ class PredictorLog:
         self.offset += end
         for line in data[:end].splitlines():
             rec = json.loads(line)
+            if rec.get("event") == "summary":
+                self.summary = rec
             if rec.get("event") != "pull":
                 continue
             self.pulls += 1
@@ -110,6 +122,7 @@ class Demo:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.children: list[Child] = []
+        self.predictors: list[str] = []
         self.tmp = args.workdir is None
         self.work = Path(args.workdir or tempfile.mkdtemp(prefix="deltad-demo-")).resolve()
         self.spool = self.work / "spool"
@@ -195,7 +208,26 @@ class Demo:
                     "--dtype",
                     "int8",
                 ],
+                SERVING: [
+                    "--form",
+                    "rows",
+                    "--dtype",
+                    "fp32",
+                    "--serve-dtype",
+                    "int8",
+                    "--tables",
+                    TABLES,
+                    "--rows",
+                    str(a.rows),
+                    "--dim",
+                    str(a.dim),
+                    "--serve-interval",
+                    "0.01",
+                    "--final-state",
+                    str(self.work / f"{SERVING}-state.pt"),
+                ],
             }
+            self.predictors = list(preds)
             logs = {}
             for name, extra in preds.items():
                 self.spawn(name, self.consume_argv(name, url, extra))
@@ -225,6 +257,7 @@ class Demo:
             "--world-size", str(a.world_size),
             "--model", MODEL,
             "--spool", str(self.spool),
+            "--tables", TABLES,
             "--rows", str(a.rows),
             "--dim", str(a.dim),
             "--sharding", "mixed",
@@ -253,7 +286,7 @@ class Demo:
             "--redis-url", redis_url,
             "--interval", str(self.args.pull_interval),
             "--json-log", str(self.logs / f"{name}.jsonl"),
-            "--final-tables", str(self.work / f"{name}-final.pt"),
+            *([] if name == SERVING else ["--final-tables", str(self.work / f"{name}-final.pt")]),
             *extra,
         ]  # fmt: skip
 
@@ -342,10 +375,10 @@ class Demo:
 
     def stop_predictors(self) -> None:
         for c in self.children:
-            if c.name in ("rows-fp32", "topk-int8"):
+            if c.name in self.predictors:
                 _signal_group(c.proc, signal.SIGTERM)
         for c in self.children:
-            if c.name in ("rows-fp32", "topk-int8"):
+            if c.name in self.predictors:
                 try:
                     rc = c.proc.wait(timeout=30.0)
                 except subprocess.TimeoutExpired:
@@ -375,14 +408,14 @@ class Demo:
             f"dim {a.dim}), trained {result['steps']} steps in {a.duration:.0f}s, "
             f"{sum(segs)} segments ({', '.join(map(str, segs))} per rank), "
             f"publish every {a.publish_every}s; run time {elapsed:.0f}s",
-            f"{'predictor':<10} {'pulls':>6} {'rows':>10} {'bytes':>12} "
+            f"{'predictor':<12} {'pulls':>6} {'rows':>10} {'bytes':>12} "
             f"{'full syncs':>12} {'ratio':>7} {'fresh p50':>9} {'p99':>7}",
         ]
         for name, lg in logs.items():
-            full = (int8_table_bytes if "int8" in name else fp32_table_bytes) * lg.steps_served
+            full = (int8_table_bytes if name == "topk-int8" else fp32_table_bytes) * lg.steps_served
             p50, p99 = percentile(lg.freshness, 50), percentile(lg.freshness, 99)
             out.append(
-                f"{name:<10} {lg.pulls:>6} {lg.rows:>10} {_mb(lg.bytes):>12} {_mb(full):>12} "
+                f"{name:<12} {lg.pulls:>6} {lg.rows:>10} {_mb(lg.bytes):>12} {_mb(full):>12} "
                 f"{(lg.bytes / full if full else 0):>7.1%} {_sec(p50):>9} {_sec(p99):>7}"
             )
         out.append(
@@ -421,7 +454,60 @@ class Demo:
         )
         if not within:
             failures.append("topk-int8 error exceeds the int8 bound")
+        line, ok = self.check_serving(truth, logs[SERVING])
+        out.append(line)
+        if not ok:
+            failures.append(f"{SERVING} weights or forward differ from torchrec's quantization")
         return Report("\n".join(out), failures)
+
+    def check_serving(self, truth: dict[str, Any], lg: PredictorLog) -> tuple[str, bool]:
+        """Compare the serving predictor with the trainer's final tables quantized by torchrec
+        in the same model code; its forward latency during apply and idle."""
+        import torch
+
+        from deltad.consume.quant import quantize_model
+        from deltad.reference.consumers.serving import (
+            ServingConfig,
+            fixed_batch,
+            forward_path,
+            serving_state,
+        )
+        from deltad.reference.trainer.cli import parse_tables
+        from deltad.reference.trainer.model import ClickModel
+        from deltad.types import ServeDtype
+
+        a = self.args
+        state_file = self.work / f"{SERVING}-state.pt"
+        got = torch.load(state_file, map_location="cpu", weights_only=True)
+        logits = torch.load(forward_path(state_file), map_location="cpu", weights_only=True)
+        cfg = ServingConfig(ServeDtype.INT8, parse_tables(TABLES, a.rows), a.rows, a.dim)
+        torch.manual_seed(cfg.seed)  # the predictor's model code, as it builds it
+        model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim).eval()
+        with torch.no_grad():
+            for name, t in truth.items():
+                bank = model.ec.embeddings if name == "seq" else model.ebc.embedding_bags
+                bank[name].weight.copy_(t)
+        ref = quantize_model(model, ServeDtype.INT8, inplace=True)
+        want = serving_state(ref)
+        tables = [k for k in want if k.startswith(("ebc.", "ec."))]
+        weights = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        with torch.inference_mode():
+            forward = torch.equal(logits, ref(fixed_batch(cfg))[1])
+        ok = weights and forward
+        s = lg.summary or {}
+        line = (
+            f"check {SERVING}: {len(tables)} int8 tables and forward output on a fixed batch "
+            f"bit-equal to the trainer's final model quantized by torchrec (dense weights: the "
+            f"predictor's own, not yet published): {'ok' if ok else 'FAILED'} "
+            f"(weights {'equal' if weights else 'DIFFER'}, forward "
+            f"{'equal' if forward else 'DIFFERS'})\n"
+            f"  {SERVING} serving: {s.get('forwards', 0)} forwards, latency p50/p99 idle "
+            f"{_ms(s.get('forward_idle_p50_ms'))}/{_ms(s.get('forward_idle_p99_ms'))}, during "
+            f"apply {_ms(s.get('forward_apply_p50_ms'))}/{_ms(s.get('forward_apply_p99_ms'))} "
+            f"({s.get('forward_apply_samples', 0)} forwards), longest lock hold "
+            f"{_ms(s.get('max_hold_ms'))}"
+        )
+        return line, ok
 
 
 @dataclass
@@ -448,6 +534,10 @@ def _set(bar: Any, n: int, postfix: str | None = None) -> None:
         bar.update(n - bar.n)
     if postfix:
         bar.set_postfix_str(postfix, refresh=False)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}ms"
 
 
 def _sec(v: float | None) -> str:

@@ -55,6 +55,32 @@ class TrainLoop(enum.Enum):
         return 0
 
 
+class ServeDtype(enum.Enum):
+    """How a predictor's quantized inference tables hold their rows (torchrec quantize_embeddings).
+
+    ``bf16`` is named so that asking for it gets a clear error: torchrec 1.8's
+    ``quantize_embeddings(dtype=torch.bfloat16)`` kills the process (SIGFPE).
+    """
+
+    INT8 = "int8"  # row-wise int8 codes + fp16 scale and bias per row
+    INT4 = "int4"  # row-wise packed 4-bit codes + fp16 scale and bias per row
+    FP16 = "fp16"
+    FP32 = "fp32"
+    BF16 = "bf16"  # not supported: rejected with ConfigError
+
+
+class ApplyConsistency(enum.Enum):
+    """What a forward may observe while a window is written into a serving model.
+
+    ``window``: a forward sees none or all of a window (it may wait for the whole copy);
+    ``chunk``: a forward waits at most one chunk's copy and sees each row either old or new,
+    but rows of one window may be mixed old and new.
+    """
+
+    WINDOW = "window"
+    CHUNK = "chunk"
+
+
 @dataclass(frozen=True)
 class ColumnRange:
     """Half-open column range ``[start, end)`` of a (column-wise) shard within its table."""

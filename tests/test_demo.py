@@ -43,6 +43,8 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
         assert bool(((topk[name] - t).abs().amax(dim=1) <= bound).all()), name
     for line in ("rows-fp32", "topk-int8", "fresh p50"):
         assert line in proc.stdout
+    assert "check serving-int8: 5 int8 tables and forward output" in proc.stdout
+    assert "(weights equal, forward equal)" in proc.stdout and "during apply" in proc.stdout
 
 
 def test_demo_interrupted_leaves_no_children(tmp_path: Path) -> None:
