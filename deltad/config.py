@@ -179,6 +179,9 @@ class PullOptions:
     #: Highest trainer step to include (None = up to the head). Used for multi-rank alignment.
     max_step: int | None = None
     auto_commit: bool = False
+    #: Packed wire dtypes: pad each row to a multiple of this many bytes (0: 16, TorchRec's
+    #: CPU inference tables; a power of two up to 4096).
+    row_alignment: int = 0
 
     def __post_init__(self) -> None:
         self.form = Form(self.form)
@@ -190,6 +193,9 @@ class PullOptions:
             raise ConfigError(f"fraction must be in (0, 1], not {self.fraction}")
         if self.form is Form.TOPK and self.k == 0 and self.fraction == 0.0:
             raise ConfigError("top-k needs k > 0 or a fraction in (0, 1]")
+        a = self.row_alignment
+        if not 0 <= a <= 4096 or a & (a - 1):
+            raise ConfigError(f"row_alignment must be 0 or a power of two <= 4096, not {a}")
 
 
 @dataclass

@@ -80,7 +80,7 @@ def test_a_message_built_in_place_is_protobuf_and_outlives_its_builder(sb_nbytes
     )
 
 
-@pytest.mark.parametrize("dtype", list(WireDtype))
+@pytest.mark.parametrize("dtype", [d for d in WireDtype if not d.packed])
 def test_raw_and_parsed_decoding_agree(dtype: WireDtype) -> None:
     ids = torch.arange(0, 5000, 7)
     vals = torch.randn(ids.numel(), 5) * 3

@@ -35,9 +35,12 @@ from deltad.wire import (
     GET_DELTA_METHOD,
     MAX_SLICE_ELEMENTS,
     WIRE_ITEMSIZE,
+    check_row_alignment,
     cursor_from_pb,
     dtype_from_pb,
     form_from_pb,
+    packed_refusal,
+    packed_row_bytes,
 )
 
 
@@ -83,12 +86,19 @@ class _Slot:
     """A slice being filled: preallocated tensors (copy mode) or per-chunk parts (zero-copy)."""
 
     def __init__(
-        self, s: pb.TableSlice, with_values: bool, zero_copy: bool, pool: BufferPool | None
+        self,
+        s: pb.TableSlice,
+        with_values: bool,
+        zero_copy: bool,
+        pool: BufferPool | None,
+        row_bytes: int = 0,
     ) -> None:
         self.meta = s
         self.count = s.count
         self.width = s.col_end - s.col_start
         self.with_values = with_values
+        #: packed dtypes: bytes per row; values are then uint8 [count, row_bytes], kept packed
+        self.row_bytes = row_bytes
         self.parts: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None = None
         self.ids = self.values = None
         self.ids_np: Any = None
@@ -99,7 +109,10 @@ class _Slot:
             empty = torch.empty if pool is None else pool.take
             self.ids = empty((s.count,), dtype=torch.int64)
             self.ids_np = self.ids.numpy()
-            if with_values:
+            if with_values and row_bytes:
+                self.values = empty((s.count, row_bytes), dtype=torch.uint8)
+                self.values_np = self.values.numpy()
+            elif with_values:
                 self.values = empty((s.count, self.width), dtype=torch.float32)
                 self.values_np = self.values.numpy()
         self.filled = 0
@@ -108,6 +121,10 @@ class _Slot:
         m = self.meta
 
         def update(ids: torch.Tensor, values: torch.Tensor | None, owed: int) -> SliceUpdate:
+            if self.row_bytes:  # packed rows: in ``packed``, no float values
+                return SliceUpdate(
+                    m.table, m.num_rows, m.dim, m.col_start, m.col_end, ids, None, owed, values
+                )
             return SliceUpdate(
                 m.table, m.num_rows, m.dim, m.col_start, m.col_end, ids, values, owed
             )
@@ -116,7 +133,13 @@ class _Slot:
             assert self.ids is not None
             return [update(self.ids, self.values, m.owed)]
         if not self.parts:
-            empty = torch.empty(0, self.width) if self.with_values else None
+            empty = None
+            if self.with_values:
+                empty = (
+                    torch.empty(0, self.row_bytes, dtype=torch.uint8)
+                    if self.row_bytes
+                    else torch.empty(0, self.width)
+                )
             return [update(torch.empty(0, dtype=torch.int64), empty, m.owed)]
         self.parts.sort(key=lambda p: p[0])
         return [
@@ -234,6 +257,13 @@ class WindowAssembler:
         except ValueError as e:
             raise StreamDecodeError(str(e)) from e
         with_values = self.form is not Form.IDS
+        packed = with_values and self.dtype.packed
+        if packed:
+            try:
+                align = check_row_alignment(h.row_alignment)
+            except ValueError as e:
+                raise StreamDecodeError(str(e)) from e
+        row_bytes = []
         for s in h.slices:
             if not 0 <= s.col_start <= s.col_end <= s.dim or s.count > s.num_rows:
                 raise StreamDecodeError(
@@ -244,7 +274,20 @@ class WindowAssembler:
                 raise StreamDecodeError(
                     f"slice {s.table[:64]!r} of {s.count} x {s.col_end - s.col_start}: too large"
                 )
-        self.slots = [_Slot(s, with_values, self.zero_copy, self.pool) for s in h.slices]
+            rb = 0
+            if packed:
+                why = packed_refusal(self.dtype, s.dim, s.col_start, s.col_end)
+                rb = packed_row_bytes(s.dim, self.dtype, align)
+                if why is not None or s.row_bytes != rb:
+                    raise StreamDecodeError(
+                        f"slice {s.table[:64]!r}: {why or ''} {s.row_bytes} bytes per "
+                        f"{self.dtype.value} row of dim {s.dim}, expected {rb}"
+                    )
+            row_bytes.append(rb)
+        self.slots = [
+            _Slot(s, with_values, self.zero_copy, self.pool, rb)
+            for s, rb in zip(h.slices, row_bytes, strict=True)
+        ]
 
     def _on_chunk(
         self,
@@ -269,7 +312,11 @@ class WindowAssembler:
             )
         if slot.parts is not None:
             vals = None
-            if slot.with_values:
+            if slot.with_values and slot.row_bytes:
+                if len(values) != count * slot.row_bytes:
+                    raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
+                vals = _view(values, torch.uint8).view(count, slot.row_bytes)
+            elif slot.with_values:
                 if self.dtype is WireDtype.FP32 and len(values) == count * slot.width * 4:
                     vals = _view(values, torch.float32).view(count, slot.width)
                 else:
@@ -279,7 +326,13 @@ class WindowAssembler:
             slot.parts.append((offset, _view(ids, torch.int64), vals))
         else:
             slot.ids_np[offset:end] = np.frombuffer(ids, dtype=np.int64)
-            if slot.values_np is not None:
+            if slot.values_np is not None and slot.row_bytes:
+                if len(values) != count * slot.row_bytes:
+                    raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
+                slot.values_np[offset:end] = np.frombuffer(values, dtype=np.uint8).reshape(
+                    count, slot.row_bytes
+                )
+            elif slot.values_np is not None:
                 out = slot.values_np[offset:end]
                 self._fill_values(out, slot.width, count, scale_bias, values)
         slot.filled += count

@@ -15,7 +15,13 @@ from deltad.types import Cursor, Form, WireDtype
 
 @dataclass
 class SliceUpdate:
-    """Rows of one table shard's column slice: write ``values`` at ``[ids, col_start:col_end]``."""
+    """Rows of one table shard's column slice: write ``values`` at ``[ids, col_start:col_end]``.
+
+    Packed wire dtypes (``WireDtype.PACKED_*``) deliver ``packed`` instead of ``values``: uint8
+    [len(ids), row_bytes], each row in the byte layout described in :mod:`deltad.wire`
+    (int8 / int4: codes, fp16 scale, fp16 bias, zero padding; fp16: values, zero padding), for
+    whole rows only (``col_start == 0``, ``col_end == dim``).
+    """
 
     table: str
     num_rows: int  # rows of the whole table
@@ -27,6 +33,8 @@ class SliceUpdate:
         torch.Tensor | None
     )  # [len(ids), col_end - col_start] float32 (dequantized); None for IDS
     owed: int = 0  # top-k: candidate rows not sent, still owed
+    #: packed wire dtypes: uint8 [len(ids), row_bytes] rows in the serving table's layout
+    packed: torch.Tensor | None = None
 
     @property
     def width(self) -> int:

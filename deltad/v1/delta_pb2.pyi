@@ -22,6 +22,9 @@ class WireDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WIRE_DTYPE_FP16: _ClassVar[WireDtype]
     WIRE_DTYPE_BF16: _ClassVar[WireDtype]
     WIRE_DTYPE_INT8: _ClassVar[WireDtype]
+    WIRE_DTYPE_PACKED_INT8: _ClassVar[WireDtype]
+    WIRE_DTYPE_PACKED_INT4: _ClassVar[WireDtype]
+    WIRE_DTYPE_PACKED_FP16: _ClassVar[WireDtype]
 FORM_UNSPECIFIED: Form
 FORM_IDS: Form
 FORM_ROWS: Form
@@ -31,6 +34,9 @@ WIRE_DTYPE_FP32: WireDtype
 WIRE_DTYPE_FP16: WireDtype
 WIRE_DTYPE_BF16: WireDtype
 WIRE_DTYPE_INT8: WireDtype
+WIRE_DTYPE_PACKED_INT8: WireDtype
+WIRE_DTYPE_PACKED_INT4: WireDtype
+WIRE_DTYPE_PACKED_FP16: WireDtype
 
 class Cursor(_message.Message):
     __slots__ = ("consumer", "rank", "generation", "seq", "step", "pull_id")
@@ -49,7 +55,7 @@ class Cursor(_message.Message):
     def __init__(self, consumer: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., step: _Optional[int] = ..., pull_id: _Optional[str] = ...) -> None: ...
 
 class GetDeltaRequest(_message.Message):
-    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base")
+    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     FORM_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +67,7 @@ class GetDeltaRequest(_message.Message):
     MAX_STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     FROM_BASE_FIELD_NUMBER: _ClassVar[int]
+    ROW_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     form: Form
     k: int
@@ -72,10 +79,11 @@ class GetDeltaRequest(_message.Message):
     max_step: int
     chunk_bytes: int
     from_base: bool
-    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ...) -> None: ...
+    row_alignment: int
+    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices")
+    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment")
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +93,7 @@ class DeltaHeader(_message.Message):
     FORM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
+    ROW_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     generation: int
     resync: bool
@@ -94,10 +103,11 @@ class DeltaHeader(_message.Message):
     form: Form
     dtype: WireDtype
     slices: _containers.RepeatedCompositeFieldContainer[TableSlice]
-    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ...) -> None: ...
+    row_alignment: int
+    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ...) -> None: ...
 
 class TableSlice(_message.Message):
-    __slots__ = ("table", "num_rows", "dim", "col_start", "col_end", "count", "owed")
+    __slots__ = ("table", "num_rows", "dim", "col_start", "col_end", "count", "owed", "row_bytes")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +115,7 @@ class TableSlice(_message.Message):
     COL_END_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     OWED_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     table: str
     num_rows: int
     dim: int
@@ -112,7 +123,8 @@ class TableSlice(_message.Message):
     col_end: int
     count: int
     owed: int
-    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., count: _Optional[int] = ..., owed: _Optional[int] = ...) -> None: ...
+    row_bytes: int
+    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., count: _Optional[int] = ..., owed: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
 
 class RowChunk(_message.Message):
     __slots__ = ("slice", "offset", "count", "ids", "scale_bias", "values")
