@@ -85,9 +85,20 @@ class PublisherConfig:
     #: in the loop (asynchronously on the device). Turn it off if something writes tracked
     #: weights outside the backward pass between publishes, or call wait_copied() first.
     copy_in_background: bool = True
+    #: Rank 0 also publishes the model's dense parameters and buffers (everything that is
+    #: not a sharded embedding table; replicated, so once) with a segment, taken at the same
+    #: drain point, so a predictor serves rows and dense weights of one step.
+    publish_dense: bool = True
+    #: Dense with a segment once this many steps / seconds passed since the last dense state
+    #: (both 0, the default: with every segment). The base and the final segment always
+    #: carry one. Consumers that want dense align on steps that have one.
+    dense_every_steps: int = 0
+    dense_every_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
+        if self.dense_every_steps < 0 or self.dense_every_seconds < 0:
+            raise ConfigError("dense intervals must be >= 0")
         check_name("model", self.model)
         if self.every_steps < 0 or self.every_seconds < 0:
             raise ConfigError("publish intervals must be >= 0")
