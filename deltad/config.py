@@ -193,6 +193,9 @@ class PullOptions:
     #: Packed wire dtypes: pad each row to a multiple of this many bytes (0: 16, TorchRec's
     #: CPU inference tables; a power of two up to 4096).
     row_alignment: int = 0
+    #: Also receive the trainer's dense state (``RankDelta.dense``) and, with aligned pulls,
+    #: move only to steps that have one, so rows and dense weights are of one step.
+    dense: bool = True
 
     def __post_init__(self) -> None:
         self.form = Form(self.form)

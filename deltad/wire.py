@@ -121,6 +121,7 @@ def request_from_options(
         auto_commit=opts.auto_commit,
         chunk_bytes=chunk_bytes,
         row_alignment=opts.row_alignment if opts.wire_dtype.packed else 0,
+        with_dense=opts.dense,
     )
     if opts.max_step is not None:
         req.max_step = opts.max_step

@@ -28,7 +28,8 @@ from google.protobuf.message import DecodeError
 
 from deltad.buffers import BufferPool
 from deltad.consume.window import RankDelta, SliceUpdate
-from deltad.errors import StreamDecodeError
+from deltad.errors import SegmentCorruptError, StreamDecodeError
+from deltad.segment.format import dense_dtype
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.wire import (
@@ -177,6 +178,9 @@ class WindowAssembler:
         self.dtype = WireDtype.FP32
         self.slots: list[_Slot] = []
         self.bytes = 0
+        #: dense state being received: (name, dtype, shape, buffer, filled) per tensor
+        self.dense: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor, list[int]]] = []
+        self.dense_bytes = 0
 
     def add(self, msg: pb.GetDeltaResponse | bytes) -> None:
         if isinstance(msg, bytes | bytearray | memoryview):
@@ -197,6 +201,8 @@ class WindowAssembler:
             )
         elif which == "trailer":
             self._on_trailer(msg.trailer)
+        elif which == "dense":
+            self._on_dense(msg.dense.tensor, msg.dense.offset, memoryview(msg.dense.data))
         else:
             raise StreamDecodeError("empty GetDeltaResponse")
 
@@ -223,6 +229,9 @@ class WindowAssembler:
                 self._parse_chunk(body)
             elif tag == 0x1A:
                 self._on_trailer(pb.DeltaTrailer.FromString(bytes(body)))
+            elif tag == 0x22:
+                c = pb.DenseChunk.FromString(bytes(body))
+                self._on_dense(c.tensor, c.offset, memoryview(c.data))
             else:
                 raise StreamDecodeError(f"unexpected field tag {tag:#x} in GetDeltaResponse")
         except DecodeError as e:
@@ -288,6 +297,46 @@ class WindowAssembler:
             _Slot(s, with_values, self.zero_copy, self.pool, rb)
             for s, rb in zip(h.slices, row_bytes, strict=True)
         ]
+        if h.HasField("dense"):
+            self._on_dense_info(h.dense)
+
+    def _on_dense_info(self, info: pb.DenseInfo) -> None:
+        total = 0
+        for t in info.tensors:
+            try:
+                dtype = dense_dtype(t.dtype)
+            except SegmentCorruptError as e:
+                raise StreamDecodeError(f"dense tensor {t.name[:64]!r}: {e}") from e
+            shape = tuple(int(x) for x in t.shape)
+            count = 1
+            for x in shape:
+                count *= x
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            total += t.nbytes
+            if t.nbytes != count * itemsize or total > MAX_SLICE_ELEMENTS:
+                raise StreamDecodeError(
+                    f"dense tensor {t.name[:64]!r}: {t.nbytes} bytes for {t.dtype} {list(shape)}"
+                )
+            buf = torch.empty(t.nbytes, dtype=torch.uint8)
+            self.dense.append((t.name, dtype, shape, buf, [0]))
+
+    def _on_dense(self, index: int, offset: int, data: memoryview) -> None:
+        if self.header is None or self.trailer is not None:
+            raise StreamDecodeError("dense chunk outside header..trailer")
+        if index >= len(self.dense):
+            raise StreamDecodeError(f"dense chunk for tensor {index} of {len(self.dense)}")
+        name, _, _, buf, filled = self.dense[index]
+        end = offset + len(data)
+        if offset != filled[0] or end > buf.numel():
+            raise StreamDecodeError(
+                f"dense chunk bytes {offset}..{end} of {name[:64]!r}: expected byte {filled[0]} "
+                f"next, of {buf.numel()}"
+            )
+        if len(data):
+            buf[offset:end] = _view(data, torch.uint8)
+        filled[0] = end
+        self.bytes += len(data)
+        self.dense_bytes += len(data)
 
     def _on_chunk(
         self,
@@ -380,6 +429,15 @@ class WindowAssembler:
                 raise StreamDecodeError(
                     f"slice {s.meta.table}: {s.filled} of {s.count} rows received"
                 )
+        dense: dict[str, torch.Tensor] = {}
+        for name, dtype, shape, buf, filled in self.dense:
+            if filled[0] != buf.numel():
+                raise StreamDecodeError(
+                    f"dense tensor {name[:64]!r}: {filled[0]} of {buf.numel()} bytes received"
+                )
+            dense[name] = (
+                buf.view(dtype).reshape(shape) if buf.numel() else torch.empty(shape, dtype=dtype)
+            )
         slices = [u for s in self.slots for u in s.updates()]
         if self.pool is not None:
             self.pool.end_round()
@@ -397,6 +455,9 @@ class WindowAssembler:
             committed=t.committed,
             rows=sum(s.count for s in self.slots),
             bytes=self.bytes,
+            dense=dense,
+            dense_step=h.dense.step if h.HasField("dense") else None,
+            dense_bytes=self.dense_bytes,
         )
 
 

@@ -57,7 +57,12 @@ class RankDelta:
     slices: list[SliceUpdate] = field(default_factory=list)
     committed: bool = False  # auto_commit already committed the cursor
     rows: int = 0
-    bytes: int = 0
+    bytes: int = 0  # payload bytes received (rows and dense)
+    #: The trainer's dense parameters and buffers (state_dict names) at ``dense_step``, if
+    #: this window carries a dense state (asked with ``PullOptions.dense``; rank 0 only).
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    dense_step: int | None = None
+    dense_bytes: int = 0
 
     @property
     def empty(self) -> bool:

@@ -605,8 +605,11 @@ class SegmentPublisher:
         if not due:
             return None
         t0 = time.perf_counter()
+        live = self.dense_tensors()
+        if not live:  # nothing but embedding tables: no dense states at all
+            return None
         with torch.no_grad():
-            dense = {n: t.detach().to("cpu", copy=True) for n, t in self.dense_tensors().items()}
+            dense = {n: t.detach().to("cpu", copy=True) for n, t in live.items()}
         assert self.generation is not None
         stats.dense_s = time.perf_counter() - t0
         stats.dense_bytes = sum(t.nbytes for t in dense.values())

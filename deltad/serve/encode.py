@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltad.segment.format import DenseState, tensor_bytes
 from deltad.types import WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.wire import (
@@ -201,3 +202,14 @@ def encode_slice_chunks(
         end = off + step
         vals = values[off:end] if values is not None else None
         yield encode_rows(slice_index, off, ids[off:end], vals, dtype, alignment)
+
+
+def encode_dense_chunks(state: DenseState, chunk_bytes: int) -> Iterator[bytes]:
+    """Serialized DenseChunk messages of a dense state: each tensor's bytes in runs of at
+    most ``chunk_bytes``, tensors in the order of its header (``DeltaHeader.dense``)."""
+    step = max(1, chunk_bytes)
+    for i, m in enumerate(state.header.tensors):
+        data = tensor_bytes(state.tensors[m.name])
+        for off in range(0, len(data), step):
+            chunk = pb.DenseChunk(tensor=i, offset=off, data=bytes(data[off : off + step]))
+            yield pb.GetDeltaResponse(dense=chunk).SerializeToString()

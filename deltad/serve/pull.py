@@ -17,7 +17,7 @@ import torch
 from deltad import wire
 from deltad.segment.format import SegmentChunk
 from deltad.serve import encode
-from deltad.serve.log import ChunkKey, LogSnapshot
+from deltad.serve.log import ChunkKey, DenseEntry, LogSnapshot
 from deltad.serve.merge import SliceRows, merge_chunks, merge_entries, plan_slice
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
@@ -42,6 +42,7 @@ class WindowSpec:
     max_rows: int
     chunk_bytes: int
     row_alignment: int = 0  # packed dtypes (else 0)
+    dense: bool = False  # with the newest dense state at or before the head, if newer
 
 
 class EncodedWindow:
@@ -234,7 +235,10 @@ class EncodedWindow:
 
 
 def _header(
-    spec: WindowSpec, to_step: int, slices: list[tuple[SliceRows | None, SliceMeta]]
+    spec: WindowSpec,
+    to_step: int,
+    slices: list[tuple[SliceRows | None, SliceMeta]],
+    dense: DenseEntry | None = None,
 ) -> bytes:
     header = pb.DeltaHeader(
         rank=spec.rank,
@@ -247,6 +251,10 @@ def _header(
         dtype=wire.dtype_to_pb(spec.dtype),
         row_alignment=spec.row_alignment if spec.dtype.packed else 0,
     )
+    if dense is not None:
+        header.dense.seq, header.dense.step = dense.seq, dense.step
+        for t in dense.state.header.tensors:
+            header.dense.tensors.add(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
     packed = spec.dtype.packed and spec.form is not Form.IDS
     for _, m in slices:
         header.slices.append(
@@ -377,8 +385,9 @@ def build_window(
             if budget is not None:
                 budget -= ws.rows.ids.numel()
             plan.append((ws.rows, SliceMeta.of(ws.rows, ws.rows.ids.numel(), n_owed)))
+    dense = window_dense(snap, spec)
     win = EncodedWindow(
-        _header(spec, to_step, plan),
+        _header(spec, to_step, plan, dense),
         spec.to_seq,
         to_step,
         sum(m.count for _, m in plan),
@@ -401,6 +410,10 @@ def build_window(
             for msg in chunks:
                 yield msg, time.perf_counter() - t
                 t = time.perf_counter()
+        if dense is not None:
+            for msg in encode.encode_dense_chunks(dense.state, spec.chunk_bytes):
+                yield msg, time.perf_counter() - t
+                t = time.perf_counter()
 
     if lazy:
         return win.start(produce())
@@ -410,6 +423,18 @@ def build_window(
         if msg is not None:
             out.append(msg)
     return win.finish_with(out)
+
+
+def window_dense(snap: LogSnapshot, spec: WindowSpec) -> DenseEntry | None:
+    """The dense state a window carries: with ``spec.dense``, the newest one taken at or before
+    the head's segment, if the consumer does not hold it yet (it is newer than the cursor, or
+    the window is a resync)."""
+    if not spec.dense:
+        return None
+    d = snap.dense_at(spec.to_seq)
+    if d is None or (not spec.resync and d.seq <= spec.from_seq):
+        return None
+    return d
 
 
 def _rows(t: torch.Tensor) -> Any:

@@ -257,7 +257,7 @@ class DeltaServicer:
                     resync, from_seq = True, -1
             spec = WindowSpec(
                 rank, gen, resync, from_seq, to_seq, form, dtype, tables, k, frac, max_rows, chunk,
-                align,
+                align, req.with_dense,
             )  # fmt: skip
             # The window is planned here (header, owed rows); its chunks are merged and
             # encoded as the stream sends them (see build_window).
@@ -473,6 +473,7 @@ class DeltaServicer:
         resp.segments = len(snap.entries)
         resp.log_bytes = snap.nbytes
         resp.head_age_seconds = max(0.0, time.time() - snap.head.created_unix)
+        resp.dense_steps.extend(d.step for d in snap.dense if d.seq <= snap.head.seq)
         for t in m.tables:
             ts = resp.tables.add(
                 table=t.name, num_rows=t.num_rows, dim=t.dim, dtype=t.dtype, kind=t.kind,

@@ -55,7 +55,7 @@ class Cursor(_message.Message):
     def __init__(self, consumer: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., step: _Optional[int] = ..., pull_id: _Optional[str] = ...) -> None: ...
 
 class GetDeltaRequest(_message.Message):
-    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment")
+    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment", "with_dense")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     FORM_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class GetDeltaRequest(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     FROM_BASE_FIELD_NUMBER: _ClassVar[int]
     ROW_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    WITH_DENSE_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     form: Form
     k: int
@@ -80,10 +81,11 @@ class GetDeltaRequest(_message.Message):
     chunk_bytes: int
     from_base: bool
     row_alignment: int
-    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ...) -> None: ...
+    with_dense: bool
+    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment")
+    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense")
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,7 @@ class DeltaHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
     ROW_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     generation: int
     resync: bool
@@ -104,7 +107,40 @@ class DeltaHeader(_message.Message):
     dtype: WireDtype
     slices: _containers.RepeatedCompositeFieldContainer[TableSlice]
     row_alignment: int
-    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ...) -> None: ...
+    dense: DenseInfo
+    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ...) -> None: ...
+
+class DenseInfo(_message.Message):
+    __slots__ = ("seq", "step", "tensors")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    step: int
+    tensors: _containers.RepeatedCompositeFieldContainer[DenseTensorInfo]
+    def __init__(self, seq: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[DenseTensorInfo, _Mapping]]] = ...) -> None: ...
+
+class DenseTensorInfo(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class DenseChunk(_message.Message):
+    __slots__ = ("tensor", "offset", "data")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    offset: int
+    data: bytes
+    def __init__(self, tensor: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TableSlice(_message.Message):
     __slots__ = ("table", "num_rows", "dim", "col_start", "col_end", "count", "owed", "row_bytes")
@@ -157,14 +193,16 @@ class DeltaTrailer(_message.Message):
     def __init__(self, cursor: _Optional[_Union[Cursor, _Mapping]] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., committed: _Optional[bool] = ..., merge_seconds: _Optional[float] = ...) -> None: ...
 
 class GetDeltaResponse(_message.Message):
-    __slots__ = ("header", "chunk", "trailer")
+    __slots__ = ("header", "chunk", "trailer", "dense")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
     header: DeltaHeader
     chunk: RowChunk
     trailer: DeltaTrailer
-    def __init__(self, header: _Optional[_Union[DeltaHeader, _Mapping]] = ..., chunk: _Optional[_Union[RowChunk, _Mapping]] = ..., trailer: _Optional[_Union[DeltaTrailer, _Mapping]] = ...) -> None: ...
+    dense: DenseChunk
+    def __init__(self, header: _Optional[_Union[DeltaHeader, _Mapping]] = ..., chunk: _Optional[_Union[RowChunk, _Mapping]] = ..., trailer: _Optional[_Union[DeltaTrailer, _Mapping]] = ..., dense: _Optional[_Union[DenseChunk, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("consumer", "cursor")
@@ -259,7 +297,7 @@ class TableStatus(_message.Message):
     def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., sharding_type: _Optional[str] = ..., local_slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds")
+    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +310,7 @@ class StatusResponse(_message.Message):
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     HEAD_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     generation: int
     rank: int
@@ -284,4 +323,5 @@ class StatusResponse(_message.Message):
     quarantined: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
     head_age_seconds: float
-    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ...) -> None: ...
+    dense_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ...) -> None: ...
