@@ -85,9 +85,20 @@ class PublisherConfig:
     #: in the loop (asynchronously on the device). Turn it off if something writes tracked
     #: weights outside the backward pass between publishes, or call wait_copied() first.
     copy_in_background: bool = True
+    #: Rank 0 also publishes the model's dense parameters and buffers (everything that is
+    #: not a sharded embedding table; replicated, so once) with a segment, taken at the same
+    #: drain point, so a predictor serves rows and dense weights of one step.
+    publish_dense: bool = True
+    #: Dense with a segment once this many steps / seconds passed since the last dense state
+    #: (both 0, the default: with every segment). The base and the final segment always
+    #: carry one. Consumers that want dense align on steps that have one.
+    dense_every_steps: int = 0
+    dense_every_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
+        if self.dense_every_steps < 0 or self.dense_every_seconds < 0:
+            raise ConfigError("dense intervals must be >= 0")
         check_name("model", self.model)
         if self.every_steps < 0 or self.every_seconds < 0:
             raise ConfigError("publish intervals must be >= 0")
@@ -181,6 +192,12 @@ class PullOptions:
     #: Highest trainer step to include (None = up to the head). Used for multi-rank alignment.
     max_step: int | None = None
     auto_commit: bool = False
+    #: Packed wire dtypes: pad each row to a multiple of this many bytes (0: 16, TorchRec's
+    #: CPU inference tables; a power of two up to 4096).
+    row_alignment: int = 0
+    #: Also receive the trainer's dense state (``RankDelta.dense``) and, with aligned pulls,
+    #: move only to steps that have one, so rows and dense weights are of one step.
+    dense: bool = True
 
     def __post_init__(self) -> None:
         self.form = Form(self.form)
@@ -192,6 +209,9 @@ class PullOptions:
             raise ConfigError(f"fraction must be in (0, 1], not {self.fraction}")
         if self.form is Form.TOPK and self.k == 0 and self.fraction == 0.0:
             raise ConfigError("top-k needs k > 0 or a fraction in (0, 1]")
+        a = self.row_alignment
+        if not 0 <= a <= 4096 or a & (a - 1):
+            raise ConfigError(f"row_alignment must be 0 or a power of two <= 4096, not {a}")
 
 
 @dataclass

@@ -6,7 +6,10 @@ The serving side's encoder is :mod:`deltad.serve.encode`; the consuming side's d
 
 Quantization (values on the wire): fp32, fp16, bf16 casts; int8 is row-wise affine:
 ``value = code * scale + bias`` with a float32 ``(scale, bias)`` pair per row, ``code`` in
-[-128, 127] (error at most scale / 2 = (max - min) / 510 per row).
+[-128, 127]. Its error bound, documented and checked (:func:`int8_error_bound`), is
+``(max - min + INT8_EPSILON) / 510`` per row (``INT8_EPSILON = 1e-8``, fbgemm's): fbgemm's
+quantizer computes codes with the step ``(max - min + 1e-8) / 255``, and :func:`quantize`
+sends that step as the scale, so the error is at most half of it (up to float32 rounding).
 """
 
 from __future__ import annotations
@@ -40,11 +43,22 @@ _DTYPE_TO_PB: dict[WireDtype, pb.WireDtype] = {
     WireDtype.FP16: pb.WIRE_DTYPE_FP16,
     WireDtype.BF16: pb.WIRE_DTYPE_BF16,
     WireDtype.INT8: pb.WIRE_DTYPE_INT8,
+    WireDtype.PACKED_INT8: pb.WIRE_DTYPE_PACKED_INT8,
+    WireDtype.PACKED_INT4: pb.WIRE_DTYPE_PACKED_INT4,
+    WireDtype.PACKED_FP16: pb.WIRE_DTYPE_PACKED_FP16,
 }
 _DTYPE_FROM_PB: dict[int, WireDtype] = {int(v): k for k, v in _DTYPE_TO_PB.items()}
 _DTYPE_FROM_PB[pb.WIRE_DTYPE_UNSPECIFIED] = WireDtype.FP32
-#: bytes per value on the wire
+#: bytes per value on the wire (not for packed dtypes: see :func:`packed_row_bytes`)
 WIRE_ITEMSIZE = {WireDtype.FP32: 4, WireDtype.FP16: 2, WireDtype.BF16: 2, WireDtype.INT8: 1}
+#: Packed dtypes: the row alignment when a request leaves it 0 (TorchRec's CPU inference
+#: tables: ``quantize_embeddings`` builds its TBEs with ``row_alignment=16``).
+DEFAULT_ROW_ALIGNMENT = 16
+MAX_ROW_ALIGNMENT = 4096
+#: bits per code of the packed row-wise dtypes
+PACKED_BITS = {WireDtype.PACKED_INT8: 8, WireDtype.PACKED_INT4: 4}
+#: fp16 scale + fp16 bias at the end of a packed int8 / int4 row
+PACKED_SCALE_BIAS_BYTES = 4
 #: the torch dtype of the values on the wire, where they are plain floats (not INT8)
 WIRE_TORCH_DTYPE = {
     WireDtype.FP32: torch.float32,
@@ -106,10 +120,100 @@ def request_from_options(
         dtype=dtype_to_pb(opts.wire_dtype),
         auto_commit=opts.auto_commit,
         chunk_bytes=chunk_bytes,
+        row_alignment=opts.row_alignment if opts.wire_dtype.packed else 0,
+        with_dense=opts.dense,
     )
     if opts.max_step is not None:
         req.max_step = opts.max_step
     return req
+
+
+#: fbgemm's epsilon in its row-wise quantizers' step: codes = round((x - min) * 255 / (range + eps))
+INT8_EPSILON = 1e-8
+
+
+def int8_error_bound(values: torch.Tensor) -> torch.Tensor:
+    """The INT8 wire's error bound per row of ``values`` [n, w] (float32 [n]):
+    ``(max - min + INT8_EPSILON) / 510``, before float32 rounding of the dequantized value
+    (checks add a relative slack of ~1e-5)."""
+    v = values.to(torch.float32)
+    return (v.amax(dim=1) - v.amin(dim=1) + INT8_EPSILON) / 510.0
+
+
+def check_row_alignment(alignment: int) -> int:
+    """The alignment a request asks for (0: the default); ValueError if it is not a power of
+    two in [1, MAX_ROW_ALIGNMENT]."""
+    a = alignment or DEFAULT_ROW_ALIGNMENT
+    if not 0 < a <= MAX_ROW_ALIGNMENT or a & (a - 1):
+        raise ValueError(
+            f"row_alignment must be a power of two in [1, {MAX_ROW_ALIGNMENT}], got {alignment}"
+        )
+    return a
+
+
+def packed_data_bytes(dim: int, dtype: WireDtype) -> int:
+    """Bytes of a packed row before padding (codes and scale/bias, or fp16 values); fbgemm's
+    ``unpadded_row_size_in_bytes``."""
+    if dtype is WireDtype.PACKED_INT8:
+        return dim + PACKED_SCALE_BIAS_BYTES
+    if dtype is WireDtype.PACKED_INT4:
+        return dim // 2 + PACKED_SCALE_BIAS_BYTES
+    if dtype is WireDtype.PACKED_FP16:
+        return 2 * dim
+    raise ValueError(f"{dtype.value} is not a packed wire dtype")
+
+
+def packed_row_bytes(dim: int, dtype: WireDtype, alignment: int) -> int:
+    """Bytes per packed row of a table of ``dim`` columns: the data padded to ``alignment``
+    (fbgemm's ``rounded_row_size_in_bytes``; e.g. int8 dim 16 -> 32, int4 dim 16 -> 16);
+    ``alignment`` 0 is the default, 16."""
+    alignment = alignment or DEFAULT_ROW_ALIGNMENT
+    n = packed_data_bytes(dim, dtype)
+    return (n + alignment - 1) // alignment * alignment
+
+
+def packed_refusal(dtype: WireDtype, dim: int, col_start: int, col_end: int) -> str | None:
+    """Why rows of a table slice cannot travel packed in ``dtype`` (None: they can)."""
+    if (col_start, col_end) != (0, dim):
+        return (
+            f"holds columns {col_start}..{col_end} of {dim} (column-wise): {dtype.value} packs "
+            f"whole rows only (scale and bias are per row); pull it in fp32 and pack the "
+            f"assembled rows"
+        )
+    # fbgemm's packer writes its fp16 scale / bias at an even offset: dim + 4 (int8) and
+    # dim / 2 + 4 (int4) bytes must be even
+    multiple = {WireDtype.PACKED_INT8: 2, WireDtype.PACKED_INT4: 4}.get(dtype, 1)
+    if dim % multiple:
+        return f"has dim {dim}: {dtype.value} rows need a dim that is a multiple of {multiple}"
+    return None
+
+
+def pack_rows(values: torch.Tensor, dtype: WireDtype, out: torch.Tensor) -> None:
+    """Write rows ``values`` [n, dim] packed in ``dtype`` into ``out`` uint8 [n, row_bytes]
+    (padding zeroed). int8 / int4 are the bytes of fbgemm's
+    ``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(values, bits)``, the op torchrec's
+    ``quantize_embeddings`` quantizes with, so they equal what the predictor would compute."""
+    n, dim = values.shape
+    data = packed_data_bytes(dim, dtype)
+    if n == 0:
+        return
+    if dtype is WireDtype.PACKED_FP16:
+        out[:, :data].view(torch.float16).copy_(values)
+    else:
+        v = values if values.dtype in (torch.float32, torch.float16) else values.float()
+        out[:, :data] = _fbgemm_nbit()(v.contiguous(), PACKED_BITS[dtype])
+    if data < out.shape[1]:
+        out[:, data:] = 0
+
+
+def _fbgemm_nbit() -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """fbgemm's fused N-bit row-wise quantizer with fp16 scale and bias."""
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+    op: Callable[[torch.Tensor, int], torch.Tensor] = (
+        torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf
+    )
+    return op
 
 
 def _fbgemm_rowwise_int8() -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -141,6 +245,12 @@ def quantize(values: torch.Tensor, dtype: WireDtype) -> tuple[torch.Tensor, torc
     chunks, one thread: 17.9 GB/s of fp32 rows against 5.2 for the torch ops below): its
     ``u8 * scale + min`` is this wire's ``(u8 - 128) * scale + (min + 128 * scale)``, and
     ``u8 - 128`` as int8 is ``u8`` with its top bit flipped.
+
+    fbgemm computes the codes with the step ``(range + 1e-8) / 255`` but stores
+    ``range / 255``; decoding with the stored one breaks ``range / 510`` on rows of range below
+    ~0.002 (by ``2 * 255e-8 / range``: 0.9 % at 0.0006). The scale sent is the step the codes
+    were computed with, so the error is at most :func:`int8_error_bound` (one extra pass over
+    [n] scales; no measurable cost).
     """
     if dtype is WireDtype.FP32:
         return values.to(torch.float32).contiguous(), None
@@ -157,7 +267,9 @@ def quantize(values: torch.Tensor, dtype: WireDtype) -> tuple[torch.Tensor, torc
         q = fused(v.contiguous())  # uint8 [n, w + 8]: codes, then float32 scale and min
         codes = q[:, :w].view(torch.int8).bitwise_xor(-128)
         sb = q[:, w:].contiguous().view(torch.float32)
-        sb[:, 1].add_(sb[:, 0], alpha=128.0)
+        scale = sb[:, 0]
+        scale.mul_(255.0).add_(INT8_EPSILON).div_(255.0)  # the step the codes were made with
+        sb[:, 1].add_(scale, alpha=128.0)
         return codes, sb
     lo, hi = torch.aminmax(v, dim=1, keepdim=True)
     scale = (hi - lo) / 255.0

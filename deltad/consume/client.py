@@ -12,7 +12,9 @@ Redis (``RedisKeys.ranks``). Every RPC has a deadline and bounded retries with e
 backoff; gRPC errors become :class:`deltad.errors.ConsumerError` at this boundary.
 
 Multi-rank alignment (``align_steps``): each pull first asks every sidecar's Status for its
-head step and requests ``max_step = min`` over ranks; it applies only if every rank answered
+head step and requests ``max_step = min`` over ranks (with ``PullOptions.dense``, when the
+trainer publishes dense states: the newest step at or below it that has one, so the rows and
+the dense weights applied are of that one step); it applies only if every rank answered
 with the same generation and step, so a predictor never serves a mix of two model versions.
 Otherwise the whole pull is dropped uncommitted (``PullResult.missing`` says why) and the
 rows come again next time. A commit that fails (sidecar down) stays pending and is retried
@@ -37,6 +39,7 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.experimental
+import torch
 
 from deltad import wire
 from deltad.buffers import BufferPool
@@ -83,6 +86,8 @@ class RankStatus:
     head_step: int
     head_age_s: float
     asked_unix: float
+    #: Steps of the dense states this rank serves (rank 0 of a trainer publishing them).
+    dense_steps: tuple[int, ...] = ()
 
     @property
     def head_created_unix(self) -> float:
@@ -95,7 +100,9 @@ class PullResult:
     """One pull: the windows to apply (one per rank) and what serving them means."""
 
     deltas: list[RankDelta] = field(default_factory=list)
-    #: Trainer step the tables serve once ``deltas`` are applied (None: nothing pulled).
+    #: Trainer step the tables serve once ``deltas`` are applied (None: nothing pulled). With
+    #: dense states asked for and published, the dense weights of that step come with it (in
+    #: the window of the rank that publishes them), unless the predictor holds them already.
     step: int | None = None
     #: Newest step any rank has published.
     head_step: int | None = None
@@ -116,6 +123,25 @@ class PullResult:
     @property
     def resync(self) -> bool:
         return any(d.resync for d in self.deltas)
+
+    @property
+    def served_step(self) -> int | None:
+        """The step the predictor serves once it applied this pull (= ``step``)."""
+        return self.step
+
+    @property
+    def dense(self) -> dict[str, torch.Tensor]:
+        """The dense state this pull carries (empty: none new)."""
+        return next((d.dense for d in self.deltas if d.dense_step is not None), {})
+
+    @property
+    def dense_step(self) -> int | None:
+        """The step of the dense state this pull carries (None: none new)."""
+        return next((d.dense_step for d in self.deltas if d.dense_step is not None), None)
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(d.dense_bytes for d in self.deltas)
 
 
 class _Rank:
@@ -337,6 +363,12 @@ class DeltaConsumer:
         target = min(s.head_step for s in statuses.values())
         if self.config.pull.max_step is not None:
             target = min(target, self.config.pull.max_step)
+        if self.config.pull.dense:
+            # rows and dense weights of one step: the newest step every rank has that also
+            # has a dense state (published with every segment by default: no freshness lost)
+            dense_steps = [t for s in statuses.values() for t in s.dense_steps if t <= target]
+            if dense_steps:
+                target = max(dense_steps)
         result.head_step = max(s.head_step for s in statuses.values())
         deltas: list[RankDelta] = []
         for r, got in zip(
@@ -402,6 +434,7 @@ class DeltaConsumer:
                 head_step=int(s.head_step),
                 head_age_s=float(s.head_age_seconds),
                 asked_unix=time.time(),
+                dense_steps=tuple(int(x) for x in s.dense_steps),
             )
 
         return self._retry(r, "Status", call)

@@ -28,16 +28,20 @@ from google.protobuf.message import DecodeError
 
 from deltad.buffers import BufferPool
 from deltad.consume.window import RankDelta, SliceUpdate
-from deltad.errors import StreamDecodeError
+from deltad.errors import SegmentCorruptError, StreamDecodeError
+from deltad.segment.format import dense_dtype
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.wire import (
     GET_DELTA_METHOD,
     MAX_SLICE_ELEMENTS,
     WIRE_ITEMSIZE,
+    check_row_alignment,
     cursor_from_pb,
     dtype_from_pb,
     form_from_pb,
+    packed_refusal,
+    packed_row_bytes,
 )
 
 
@@ -83,12 +87,19 @@ class _Slot:
     """A slice being filled: preallocated tensors (copy mode) or per-chunk parts (zero-copy)."""
 
     def __init__(
-        self, s: pb.TableSlice, with_values: bool, zero_copy: bool, pool: BufferPool | None
+        self,
+        s: pb.TableSlice,
+        with_values: bool,
+        zero_copy: bool,
+        pool: BufferPool | None,
+        row_bytes: int = 0,
     ) -> None:
         self.meta = s
         self.count = s.count
         self.width = s.col_end - s.col_start
         self.with_values = with_values
+        #: packed dtypes: bytes per row; values are then uint8 [count, row_bytes], kept packed
+        self.row_bytes = row_bytes
         self.parts: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None = None
         self.ids = self.values = None
         self.ids_np: Any = None
@@ -99,7 +110,10 @@ class _Slot:
             empty = torch.empty if pool is None else pool.take
             self.ids = empty((s.count,), dtype=torch.int64)
             self.ids_np = self.ids.numpy()
-            if with_values:
+            if with_values and row_bytes:
+                self.values = empty((s.count, row_bytes), dtype=torch.uint8)
+                self.values_np = self.values.numpy()
+            elif with_values:
                 self.values = empty((s.count, self.width), dtype=torch.float32)
                 self.values_np = self.values.numpy()
         self.filled = 0
@@ -108,6 +122,10 @@ class _Slot:
         m = self.meta
 
         def update(ids: torch.Tensor, values: torch.Tensor | None, owed: int) -> SliceUpdate:
+            if self.row_bytes:  # packed rows: in ``packed``, no float values
+                return SliceUpdate(
+                    m.table, m.num_rows, m.dim, m.col_start, m.col_end, ids, None, owed, values
+                )
             return SliceUpdate(
                 m.table, m.num_rows, m.dim, m.col_start, m.col_end, ids, values, owed
             )
@@ -116,7 +134,13 @@ class _Slot:
             assert self.ids is not None
             return [update(self.ids, self.values, m.owed)]
         if not self.parts:
-            empty = torch.empty(0, self.width) if self.with_values else None
+            empty = None
+            if self.with_values:
+                empty = (
+                    torch.empty(0, self.row_bytes, dtype=torch.uint8)
+                    if self.row_bytes
+                    else torch.empty(0, self.width)
+                )
             return [update(torch.empty(0, dtype=torch.int64), empty, m.owed)]
         self.parts.sort(key=lambda p: p[0])
         return [
@@ -154,6 +178,9 @@ class WindowAssembler:
         self.dtype = WireDtype.FP32
         self.slots: list[_Slot] = []
         self.bytes = 0
+        #: dense state being received: (name, dtype, shape, buffer, filled) per tensor
+        self.dense: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor, list[int]]] = []
+        self.dense_bytes = 0
 
     def add(self, msg: pb.GetDeltaResponse | bytes) -> None:
         if isinstance(msg, bytes | bytearray | memoryview):
@@ -174,6 +201,8 @@ class WindowAssembler:
             )
         elif which == "trailer":
             self._on_trailer(msg.trailer)
+        elif which == "dense":
+            self._on_dense(msg.dense.tensor, msg.dense.offset, memoryview(msg.dense.data))
         else:
             raise StreamDecodeError("empty GetDeltaResponse")
 
@@ -200,6 +229,9 @@ class WindowAssembler:
                 self._parse_chunk(body)
             elif tag == 0x1A:
                 self._on_trailer(pb.DeltaTrailer.FromString(bytes(body)))
+            elif tag == 0x22:
+                c = pb.DenseChunk.FromString(bytes(body))
+                self._on_dense(c.tensor, c.offset, memoryview(c.data))
             else:
                 raise StreamDecodeError(f"unexpected field tag {tag:#x} in GetDeltaResponse")
         except DecodeError as e:
@@ -234,6 +266,13 @@ class WindowAssembler:
         except ValueError as e:
             raise StreamDecodeError(str(e)) from e
         with_values = self.form is not Form.IDS
+        packed = with_values and self.dtype.packed
+        if packed:
+            try:
+                align = check_row_alignment(h.row_alignment)
+            except ValueError as e:
+                raise StreamDecodeError(str(e)) from e
+        row_bytes = []
         for s in h.slices:
             if not 0 <= s.col_start <= s.col_end <= s.dim or s.count > s.num_rows:
                 raise StreamDecodeError(
@@ -244,7 +283,60 @@ class WindowAssembler:
                 raise StreamDecodeError(
                     f"slice {s.table[:64]!r} of {s.count} x {s.col_end - s.col_start}: too large"
                 )
-        self.slots = [_Slot(s, with_values, self.zero_copy, self.pool) for s in h.slices]
+            rb = 0
+            if packed:
+                why = packed_refusal(self.dtype, s.dim, s.col_start, s.col_end)
+                rb = packed_row_bytes(s.dim, self.dtype, align)
+                if why is not None or s.row_bytes != rb:
+                    raise StreamDecodeError(
+                        f"slice {s.table[:64]!r}: {why or ''} {s.row_bytes} bytes per "
+                        f"{self.dtype.value} row of dim {s.dim}, expected {rb}"
+                    )
+            row_bytes.append(rb)
+        self.slots = [
+            _Slot(s, with_values, self.zero_copy, self.pool, rb)
+            for s, rb in zip(h.slices, row_bytes, strict=True)
+        ]
+        if h.HasField("dense"):
+            self._on_dense_info(h.dense)
+
+    def _on_dense_info(self, info: pb.DenseInfo) -> None:
+        total = 0
+        for t in info.tensors:
+            try:
+                dtype = dense_dtype(t.dtype)
+            except SegmentCorruptError as e:
+                raise StreamDecodeError(f"dense tensor {t.name[:64]!r}: {e}") from e
+            shape = tuple(int(x) for x in t.shape)
+            count = 1
+            for x in shape:
+                count *= x
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            total += t.nbytes
+            if t.nbytes != count * itemsize or total > MAX_SLICE_ELEMENTS:
+                raise StreamDecodeError(
+                    f"dense tensor {t.name[:64]!r}: {t.nbytes} bytes for {t.dtype} {list(shape)}"
+                )
+            buf = torch.empty(t.nbytes, dtype=torch.uint8)
+            self.dense.append((t.name, dtype, shape, buf, [0]))
+
+    def _on_dense(self, index: int, offset: int, data: memoryview) -> None:
+        if self.header is None or self.trailer is not None:
+            raise StreamDecodeError("dense chunk outside header..trailer")
+        if index >= len(self.dense):
+            raise StreamDecodeError(f"dense chunk for tensor {index} of {len(self.dense)}")
+        name, _, _, buf, filled = self.dense[index]
+        end = offset + len(data)
+        if offset != filled[0] or end > buf.numel():
+            raise StreamDecodeError(
+                f"dense chunk bytes {offset}..{end} of {name[:64]!r}: expected byte {filled[0]} "
+                f"next, of {buf.numel()}"
+            )
+        if len(data):
+            buf[offset:end] = _view(data, torch.uint8)
+        filled[0] = end
+        self.bytes += len(data)
+        self.dense_bytes += len(data)
 
     def _on_chunk(
         self,
@@ -269,7 +361,11 @@ class WindowAssembler:
             )
         if slot.parts is not None:
             vals = None
-            if slot.with_values:
+            if slot.with_values and slot.row_bytes:
+                if len(values) != count * slot.row_bytes:
+                    raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
+                vals = _view(values, torch.uint8).view(count, slot.row_bytes)
+            elif slot.with_values:
                 if self.dtype is WireDtype.FP32 and len(values) == count * slot.width * 4:
                     vals = _view(values, torch.float32).view(count, slot.width)
                 else:
@@ -279,7 +375,13 @@ class WindowAssembler:
             slot.parts.append((offset, _view(ids, torch.int64), vals))
         else:
             slot.ids_np[offset:end] = np.frombuffer(ids, dtype=np.int64)
-            if slot.values_np is not None:
+            if slot.values_np is not None and slot.row_bytes:
+                if len(values) != count * slot.row_bytes:
+                    raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
+                slot.values_np[offset:end] = np.frombuffer(values, dtype=np.uint8).reshape(
+                    count, slot.row_bytes
+                )
+            elif slot.values_np is not None:
                 out = slot.values_np[offset:end]
                 self._fill_values(out, slot.width, count, scale_bias, values)
         slot.filled += count
@@ -327,6 +429,15 @@ class WindowAssembler:
                 raise StreamDecodeError(
                     f"slice {s.meta.table}: {s.filled} of {s.count} rows received"
                 )
+        dense: dict[str, torch.Tensor] = {}
+        for name, dtype, shape, buf, filled in self.dense:
+            if filled[0] != buf.numel():
+                raise StreamDecodeError(
+                    f"dense tensor {name[:64]!r}: {filled[0]} of {buf.numel()} bytes received"
+                )
+            dense[name] = (
+                buf.view(dtype).reshape(shape) if buf.numel() else torch.empty(shape, dtype=dtype)
+            )
         slices = [u for s in self.slots for u in s.updates()]
         if self.pool is not None:
             self.pool.end_round()
@@ -344,6 +455,9 @@ class WindowAssembler:
             committed=t.committed,
             rows=sum(s.count for s in self.slots),
             bytes=self.bytes,
+            dense=dense,
+            dense_step=h.dense.step if h.HasField("dense") else None,
+            dense_bytes=self.dense_bytes,
         )
 
 

@@ -15,7 +15,13 @@ from deltad.types import Cursor, Form, WireDtype
 
 @dataclass
 class SliceUpdate:
-    """Rows of one table shard's column slice: write ``values`` at ``[ids, col_start:col_end]``."""
+    """Rows of one table shard's column slice: write ``values`` at ``[ids, col_start:col_end]``.
+
+    Packed wire dtypes (``WireDtype.PACKED_*``) deliver ``packed`` instead of ``values``: uint8
+    [len(ids), row_bytes], each row in the byte layout described in :mod:`deltad.wire`
+    (int8 / int4: codes, fp16 scale, fp16 bias, zero padding; fp16: values, zero padding), for
+    whole rows only (``col_start == 0``, ``col_end == dim``).
+    """
 
     table: str
     num_rows: int  # rows of the whole table
@@ -27,6 +33,8 @@ class SliceUpdate:
         torch.Tensor | None
     )  # [len(ids), col_end - col_start] float32 (dequantized); None for IDS
     owed: int = 0  # top-k: candidate rows not sent, still owed
+    #: packed wire dtypes: uint8 [len(ids), row_bytes] rows in the serving table's layout
+    packed: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -49,7 +57,12 @@ class RankDelta:
     slices: list[SliceUpdate] = field(default_factory=list)
     committed: bool = False  # auto_commit already committed the cursor
     rows: int = 0
-    bytes: int = 0
+    bytes: int = 0  # payload bytes received (rows and dense)
+    #: The trainer's dense parameters and buffers (state_dict names) at ``dense_step``, if
+    #: this window carries a dense state (asked with ``PullOptions.dense``; rank 0 only).
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    dense_step: int | None = None
+    dense_bytes: int = 0
 
     @property
     def empty(self) -> bool:

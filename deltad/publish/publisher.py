@@ -29,6 +29,22 @@ What the training loop pays, per segment
 
 Either way a background *writer* thread checksums and writes the file (bounded queue, so a
 slow disk blocks the loop instead of piling up copies).
+
+Dense state (``PublisherConfig.publish_dense``)
+-----------------------------------------------
+Rank 0 also writes the model's dense parameters and buffers (everything outside the tracked
+sharded EC / EBC modules, named as in the unwrapped model's ``state_dict``: DMP / DDP
+prefixes removed) as ``dense-<seq>`` next to its segment ``seq`` of the same step, *before*
+that segment (a sidecar that sees segment ``seq`` finds its dense state). They are cloned in
+the loop at the publish call, which is the segment's cut: ``maybe_publish(step)`` runs after
+step ``step``'s optimizer step (dense parameters are written there, synchronously, and the
+fused optimizer wrote the rows in that step's backward) and before step ``step + 1``'s
+forward. The clone cannot be left to the copier thread behind the update barrier: the
+barrier guards only the backward, and a forward may write dense state (BatchNorm running
+statistics are buffers updated in the forward). Replicated (DDP) parameters are equal on
+every rank after the step, so rank 0's copy is the model's. The cost is one memcpy of the
+dense state per dense publish (``SegmentStats.dense_s``); encoding and writing happen in the
+writer thread.
 """
 
 from __future__ import annotations
@@ -48,12 +64,37 @@ from torch import nn
 
 from deltad.config import PublisherConfig
 from deltad.errors import SpoolError
-from deltad.publish.tracker import DeltaTracker, DrainedRows, TrackedShard
-from deltad.segment.format import SegmentChunk, write_segment
+from deltad.publish.tracker import (
+    DeltaTracker,
+    DrainedRows,
+    TrackedShard,
+    _clean_fqn,
+    _sharded_types,
+)
+from deltad.segment.format import SegmentChunk, encode_dense, write_dense, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)
+
+
+def _sharded_tensor_types() -> tuple[type, ...]:
+    """Tensor types that hold one shard of a sharded tensor (never dense state)."""
+    types: list[type] = []
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        types.append(ShardedTensor)
+    except ImportError:
+        pass
+    try:
+        from torch.distributed.tensor import DTensor
+
+        types.append(DTensor)
+    except ImportError:
+        pass
+    return tuple(types)
+
 
 #: The largest generation id: generations travel as int64 (collectives, segment headers).
 _MAX_GENERATION = 2**63 - 1
@@ -77,6 +118,11 @@ class SegmentStats:
     #: then too): reading the drained ids and copying the rows, wall and CPU seconds.
     copy_s: float = 0.0
     copy_cpu_s: float = 0.0
+    #: Rank 0: the dense state taken with this segment (bytes of its tensors; 0 for none),
+    #: the loop's time cloning it (part of ``stall_s``) and its file.
+    dense_bytes: int = 0
+    dense_s: float = 0.0
+    dense_path: Path | None = None
 
 
 @dataclass
@@ -106,6 +152,10 @@ class PublisherStats:
         return sum(s.nbytes for s in self.segments)
 
     @property
+    def dense_bytes(self) -> int:
+        return sum(s.dense_bytes for s in self.segments)
+
+    @property
     def write_s(self) -> float:
         return sum(s.write_s for s in self.segments)
 
@@ -120,6 +170,7 @@ class _CopyRequest:
 
     drained: DrainedRows
     stats: SegmentStats
+    dense: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -132,6 +183,8 @@ class _Job:
     #: Pooled copy buffers (pool key, buffer) holding ``chunks``' values; back to the pool
     #: once the segment is written, never before.
     buffers: list[tuple[tuple[Any, ...], torch.Tensor]] = field(default_factory=list)
+    #: rank 0: the dense state cloned at this segment's cut, written before the segment
+    dense: dict[str, torch.Tensor] | None = None
 
 
 class _BufferPool:
@@ -192,6 +245,7 @@ class SegmentPublisher:
         process_group: Any = None,
     ) -> None:
         self.config = config
+        self.model = model
         self.tracker = tracker if tracker is not None else DeltaTracker(model)
         self.layout = SpoolLayout(config.spool_dir, config.model)
         self._pg = process_group
@@ -206,7 +260,10 @@ class SegmentPublisher:
         self._seq = 0
         self._last_step = 0
         self._last_time = 0.0
+        self._last_dense_step: int | None = None
+        self._last_dense_time = 0.0
         self._closed = False
+        self._final = False
         self._error: BaseException | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_pending_writes)
         self._pool = _BufferPool()
@@ -289,6 +346,7 @@ class SegmentPublisher:
         ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
         job = self._package(stats, shards, ids, [s.weight.detach() for s in shards])
+        job.dense = self._take_dense(stats, force=True)
         job.stats.stall_s = time.perf_counter() - t0
         self._write(job)
         self._agree(self._error, "writing the base segment")
@@ -416,15 +474,18 @@ class SegmentPublisher:
         if self._copier is not None:
             deferred = self.tracker.drain_deferred()
             stats = self._reserve(step, SegmentKind.DELTA)
+            dense = self._take_dense(stats, force=self._final)
             with self._copies:  # from here on, backward passes wait for this copy
                 self._copies_submitted += 1
-            self._copy_queue.put(_CopyRequest(deferred, stats))
+            self._copy_queue.put(_CopyRequest(deferred, stats, dense))
             stats.stall_s = time.perf_counter() - t0
             return stats
         drained = self.tracker.drain()
         self.tracker.flush_caches()  # UVM-caching kernels: cached rows into the weights first
         stats = self._reserve(step, SegmentKind.DELTA)
+        dense = self._take_dense(stats, force=self._final)
         job = self._copy_job(drained, stats)
+        job.dense = dense
         self._queue.put(job)  # blocks while max_pending_writes segments wait (backpressure)
         stats.stall_s = time.perf_counter() - t0
         return stats
@@ -435,6 +496,7 @@ class SegmentPublisher:
             self._closed = True
             return
         try:
+            self._final = True  # the last segment always carries the dense state
             self.publish(step)
         finally:
             self._closed = True
@@ -471,6 +533,7 @@ class SegmentPublisher:
                 drained = req.drained.resolve()  # also returns the bitmaps to the tracker
                 if self._error is None:  # after a failure nothing more is written
                     job = self._copy_job(drained, req.stats)
+                    job.dense = req.dense
                 req.stats.copy_s = time.perf_counter() - t0
                 req.stats.copy_cpu_s = time.thread_time() - c0
             except BaseException as e:
@@ -504,6 +567,55 @@ class SegmentPublisher:
         else:  # gather on the device, then an async copy into the pinned buffer (see _job)
             out.copy_(weight.index_select(0, local), non_blocking=True)
         return out
+
+    def dense_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's dense parameters and buffers (live, not copies), named as in the
+        unwrapped model's ``state_dict``: everything outside the tracked sharded EC / EBC
+        modules, and no ShardedTensor / DTensor (those are sharded, not replicated)."""
+        sharded_modules = _sharded_types()
+        skip = tuple(
+            f"{_clean_fqn(fqn)}."
+            for fqn, mod in self.model.named_modules()
+            if isinstance(mod, sharded_modules)
+        ) + tuple(f"{t.module}." for t in self.tracker.tables)
+        sharded = _sharded_tensor_types()
+        out: dict[str, torch.Tensor] = {}
+        named = [*self.model.named_parameters(), *self.model.named_buffers()]
+        for raw, t in named:
+            name = _clean_fqn(raw)
+            if name in out or name.startswith(skip) or isinstance(t, sharded):
+                continue
+            out[name] = t
+        return out
+
+    def _take_dense(self, stats: SegmentStats, *, force: bool) -> dict[str, torch.Tensor] | None:
+        """Rank 0: a copy of the dense state now (this segment's cut) if one is due."""
+        cfg = self.config
+        if not cfg.publish_dense or self.rank != 0:
+            return None
+        now = time.monotonic()
+        last = self._last_dense_step
+        due = force or last is None or (cfg.dense_every_steps == cfg.dense_every_seconds == 0)
+        due = due or (
+            cfg.dense_every_steps > 0 and stats.step - (last or 0) >= cfg.dense_every_steps
+        )
+        due = due or (
+            cfg.dense_every_seconds > 0 and now - self._last_dense_time >= cfg.dense_every_seconds
+        )
+        if not due:
+            return None
+        t0 = time.perf_counter()
+        live = self.dense_tensors()
+        if not live:  # nothing but embedding tables: no dense states at all
+            return None
+        with torch.no_grad():
+            dense = {n: t.detach().to("cpu", copy=True) for n, t in live.items()}
+        assert self.generation is not None
+        stats.dense_s = time.perf_counter() - t0
+        stats.dense_bytes = sum(t.nbytes for t in dense.values())
+        stats.dense_path = self.layout.dense_path(self.generation, self.rank, stats.seq)
+        self._last_dense_step, self._last_dense_time = stats.step, now
+        return dense
 
     def _check_open(self) -> None:
         if self.generation is None:
@@ -577,6 +689,17 @@ class SegmentPublisher:
                 job.ready.synchronize()
             t0 = time.perf_counter()
             c0 = time.thread_time()
+            if job.dense is not None and job.stats.dense_path is not None:
+                # before the segment: a sidecar that sees segment seq finds its dense state
+                data = encode_dense(
+                    model=self.config.model,
+                    generation=self.generation,
+                    rank=self.rank,
+                    seq=job.stats.seq,
+                    step=job.stats.step,
+                    tensors=job.dense,
+                )
+                write_dense(job.stats.dense_path, data, fsync=self.config.fsync)
             write_segment(
                 job.stats.path,
                 model=self.config.model,

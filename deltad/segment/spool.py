@@ -7,6 +7,7 @@
             generation.json              manifest, by every rank (same bytes: tables, world size)
             rank-<rank:05d>/
                 seg-<seq:012d>.dseg      segments (see deltad.segment.format); .tmp-* are in flight
+                dense-<seq:012d>.dseg    rank 0: dense parameters and buffers at segment seq
         quarantine/                      segments whose checksum failed (moved by the sidecar)
         sidecar/                         sidecar-private state (owed rows of top-k consumers)
         redis/                           data dir of the embedded Redis server
@@ -29,6 +30,7 @@ from deltad.config import check_name
 from deltad.errors import SpoolError
 
 SEGMENT_RE = re.compile(r"^seg-(\d{12})\.dseg$")
+DENSE_RE = re.compile(r"^dense-(\d{12})\.dseg$")
 GENERATION_RE = re.compile(r"^gen-(\d{20})$")
 MANIFEST_NAME = "generation.json"
 
@@ -114,6 +116,21 @@ class SpoolLayout:
 
     def segment_path(self, generation: int, rank: int, seq: int) -> Path:
         return self.rank_dir(generation, rank) / f"seg-{seq:012d}.dseg"
+
+    def dense_path(self, generation: int, rank: int, seq: int) -> Path:
+        """The dense state taken with the rank's segment ``seq`` (rank 0 writes them)."""
+        return self.rank_dir(generation, rank) / f"dense-{seq:012d}.dseg"
+
+    def dense_files(self, generation: int, rank: int) -> list[tuple[int, Path]]:
+        """(seq, path) of the complete dense state files of a rank, by seq."""
+        d = self.rank_dir(generation, rank)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise SpoolError(f"cannot list {d}: {e}") from e
+        return sorted((int(m.group(1)), d / n) for n in names if (m := DENSE_RE.match(n)))
 
     def manifest_path(self, generation: int) -> Path:
         return self.generation_dir(generation) / MANIFEST_NAME

@@ -18,9 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltad.segment.format import DenseState, tensor_bytes
 from deltad.types import WireDtype
 from deltad.v1 import delta_pb2 as pb
-from deltad.wire import WIRE_ITEMSIZE, quantize
+from deltad.wire import (
+    DEFAULT_ROW_ALIGNMENT,
+    WIRE_ITEMSIZE,
+    pack_rows,
+    packed_row_bytes,
+    quantize,
+)
 
 
 def _varint(n: int) -> bytes:
@@ -137,12 +144,42 @@ def encode_chunk(
     return m.data
 
 
-def rows_per_chunk(width: int, dtype: WireDtype | None, chunk_bytes: int) -> int:
-    """Rows that fit a chunk of about ``chunk_bytes`` (ids, values and int8 scale/bias)."""
+def rows_per_chunk(
+    width: int, dtype: WireDtype | None, chunk_bytes: int, alignment: int = DEFAULT_ROW_ALIGNMENT
+) -> int:
+    """Rows that fit a chunk of about ``chunk_bytes`` (ids, values and int8 scale/bias, or
+    packed rows of ``alignment``)."""
     row = 8
-    if dtype is not None:
+    if dtype is not None and dtype.packed:
+        row += packed_row_bytes(width, dtype, alignment)
+    elif dtype is not None:
         row += width * WIRE_ITEMSIZE[dtype] + (8 if dtype is WireDtype.INT8 else 0)
     return max(1, chunk_bytes // row)
+
+
+def encode_rows(
+    slice_index: int,
+    offset: int,
+    ids: torch.Tensor,
+    values: torch.Tensor | None,
+    dtype: WireDtype,
+    alignment: int = DEFAULT_ROW_ALIGNMENT,
+) -> bytes:
+    """One serialized RowChunk of float rows ``values`` (None: FORM_IDS) in ``dtype``: cast or
+    quantized (:func:`~deltad.wire.quantize`), or packed (:func:`~deltad.wire.pack_rows`,
+    straight into the message)."""
+    if values is None or not dtype.packed:
+        wire_vals, sb = quantize(values, dtype) if values is not None else (None, None)
+        return encode_chunk(slice_index, offset, ids, wire_vals, sb)
+    n, dim = values.shape
+    row_bytes = packed_row_bytes(dim, dtype, alignment)
+    m = ChunkMessage(slice_index, offset, n, n * row_bytes)
+    m.ids[:] = ids.numpy()
+    if n:
+        pack_rows(values, dtype, torch.from_numpy(m.values).view(n, row_bytes))
+    data = m.data
+    del m
+    return data
 
 
 def encode_slice_chunks(
@@ -151,16 +188,28 @@ def encode_slice_chunks(
     values: torch.Tensor | None,
     dtype: WireDtype,
     chunk_bytes: int,
+    alignment: int = DEFAULT_ROW_ALIGNMENT,
 ) -> Iterator[bytes]:
     """Serialized RowChunk messages of one slice (values None for FORM_IDS).
 
-    Values are quantized chunk by chunk (every wire dtype is row-wise), so the first chunk is
-    ready at once and no slice-sized temporary is allocated.
+    Values are quantized (or packed) chunk by chunk (every wire dtype is row-wise), so the
+    first chunk is ready at once and no slice-sized temporary is allocated.
     """
     ids = ids.contiguous()
     width = values.shape[1] if values is not None and values.dim() == 2 else 0
-    step = rows_per_chunk(width, dtype if values is not None else None, chunk_bytes)
+    step = rows_per_chunk(width, dtype if values is not None else None, chunk_bytes, alignment)
     for off in range(0, ids.numel(), step):
         end = off + step
-        wire_vals, sb = quantize(values[off:end], dtype) if values is not None else (None, None)
-        yield encode_chunk(slice_index, off, ids[off:end], wire_vals, sb)
+        vals = values[off:end] if values is not None else None
+        yield encode_rows(slice_index, off, ids[off:end], vals, dtype, alignment)
+
+
+def encode_dense_chunks(state: DenseState, chunk_bytes: int) -> Iterator[bytes]:
+    """Serialized DenseChunk messages of a dense state: each tensor's bytes in runs of at
+    most ``chunk_bytes``, tensors in the order of its header (``DeltaHeader.dense``)."""
+    step = max(1, chunk_bytes)
+    for i, m in enumerate(state.header.tensors):
+        data = tensor_bytes(state.tensors[m.name])
+        for off in range(0, len(data), step):
+            chunk = pb.DenseChunk(tensor=i, offset=off, data=bytes(data[off : off + step]))
+            yield pb.GetDeltaResponse(dense=chunk).SerializeToString()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.format import Segment, SegmentChunk, read_segment
+from deltad.segment.format import DenseState, Segment, SegmentChunk, read_dense, read_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout
 from deltad.types import SegmentKind
 
@@ -63,12 +63,39 @@ class LogEntry:
 
 
 @dataclass(frozen=True)
+class DenseEntry:
+    """One verified dense state file (rank 0): dense parameters and buffers at segment seq."""
+
+    seq: int
+    step: int
+    path: Path
+    nbytes: int
+    state: DenseState = field(repr=False, compare=False)
+
+    @classmethod
+    def load(cls, path: Path) -> DenseEntry:
+        d = read_dense(path, verify=True)
+        return cls(d.header.seq, d.header.step, path, path.stat().st_size, d)
+
+
+@dataclass(frozen=True)
 class LogSnapshot:
-    """The served log at one instant: a base entry followed by contiguous deltas."""
+    """The served log at one instant: a base entry followed by contiguous deltas, and the
+    dense states (rank 0 of a trainer that publishes them), oldest first."""
 
     generation: int
     manifest: GenerationManifest
     entries: tuple[LogEntry, ...]
+    dense: tuple[DenseEntry, ...] = ()
+
+    def dense_at(self, seq: int) -> DenseEntry | None:
+        """The newest dense state taken at or before segment ``seq`` (None: none)."""
+        best = None
+        for d in self.dense:
+            if d.seq > seq:
+                break
+            best = d
+        return best
 
     @property
     def base(self) -> LogEntry:
@@ -122,6 +149,7 @@ class SegmentLog:
         self._lock = threading.Lock()
         self._snapshot: LogSnapshot | None = None
         self._known: dict[Path, LogEntry] = {}
+        self._dense: dict[Path, DenseEntry] = {}
         self._generation: int | None = None
 
     def snapshot(self) -> LogSnapshot | None:
@@ -138,6 +166,7 @@ class SegmentLog:
                 self._try_switch(newest)
             if self._generation is not None:
                 self._scan(self._generation, self._known)
+                self._scan_dense(self._generation)
                 self._publish(self._generation)
             return self._snapshot is not before
 
@@ -147,13 +176,15 @@ class SegmentLog:
         if not any(e.first_seq == 0 for e in known.values()):
             return  # this rank's base of the new generation is not there yet
         old = self._generation
-        self._generation, self._known = generation, known
+        self._generation, self._known, self._dense = generation, known, {}
         if old is not None:
             log.info("rank %d: generation %d -> %d", self.rank, old, generation)
             self._drop_generation(old)
 
     def _drop_generation(self, generation: int) -> None:
         for _, path in self.layout.segments(generation, self.rank):
+            path.unlink(missing_ok=True)
+        for _, path in self.layout.dense_files(generation, self.rank):
             path.unlink(missing_ok=True)
         try:
             self.layout.rank_dir(generation, self.rank).rmdir()
@@ -199,6 +230,46 @@ class SegmentLog:
                 old.path.unlink(missing_ok=True)
                 del known[old.path]
 
+    def _scan_dense(self, generation: int) -> None:
+        """Index new dense state files (bad ones are quarantined like segments)."""
+        present = self.layout.dense_files(generation, self.rank)
+        names = {p for _, p in present}
+        for p in [p for p in self._dense if p not in names]:
+            del self._dense[p]
+        for seq, path in present:
+            if path in self._dense:
+                continue
+            try:
+                entry = DenseEntry.load(path)
+                if entry.seq != seq or entry.state.header.generation != generation:
+                    raise SegmentCorruptError(f"{path}: header says seq {entry.seq}")
+            except FileNotFoundError:
+                continue
+            except SegmentCorruptError as e:
+                self._quarantine(generation, path, str(e))
+                continue
+            except SpoolError as e:
+                log.warning("cannot index dense state %s: %s", path, e)
+                continue
+            self._dense[path] = entry
+
+    def prune_dense(self) -> int:
+        """Delete the dense states no window can need any more: those older than the newest
+        one at or before the base (every window ends at or after the base; a window serves
+        the newest dense state at or before its head). The newest one is always kept."""
+        with self._lock:
+            snap = self._snapshot
+            if snap is None:
+                return 0
+            keep = snap.dense_at(snap.base.seq)
+            old = [d for d in self._dense.values() if keep is not None and d.seq < keep.seq]
+            for d in old:
+                d.path.unlink(missing_ok=True)
+                del self._dense[d.path]
+            if old:
+                self._publish(snap.generation)
+            return len(old)
+
     def _count_quarantined(self) -> int:
         try:
             return sum(
@@ -235,15 +306,21 @@ class SegmentLog:
                 log.debug("rank %d: holding back seq %d after a gap", self.rank, e.seq)
                 break
             run.append(e)
+        dense = tuple(sorted(self._dense.values(), key=lambda d: d.seq))
         cur = self._snapshot
-        if cur is not None and cur.generation == generation and cur.entries == tuple(run):
+        if (
+            cur is not None
+            and cur.generation == generation
+            and cur.entries == tuple(run)
+            and cur.dense == dense
+        ):
             return
         manifest = (
             cur.manifest
             if cur is not None and cur.generation == generation
             else self.layout.read_manifest(generation)
         )
-        self._snapshot = LogSnapshot(generation, manifest, tuple(run))
+        self._snapshot = LogSnapshot(generation, manifest, tuple(run), dense)
 
     def replace(self, covered: Sequence[LogEntry], merged: LogEntry) -> bool:
         """Swap ``covered`` (already replaced on disk by ``merged``) for ``merged``; delete

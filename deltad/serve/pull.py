@@ -17,7 +17,7 @@ import torch
 from deltad import wire
 from deltad.segment.format import SegmentChunk
 from deltad.serve import encode
-from deltad.serve.log import ChunkKey, LogSnapshot
+from deltad.serve.log import ChunkKey, DenseEntry, LogSnapshot
 from deltad.serve.merge import SliceRows, merge_chunks, merge_entries, plan_slice
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
@@ -41,6 +41,8 @@ class WindowSpec:
     fraction: float
     max_rows: int
     chunk_bytes: int
+    row_alignment: int = 0  # packed dtypes (else 0)
+    dense: bool = False  # with the newest dense state at or before the head, if newer
 
 
 class EncodedWindow:
@@ -233,7 +235,10 @@ class EncodedWindow:
 
 
 def _header(
-    spec: WindowSpec, to_step: int, slices: list[tuple[SliceRows | None, SliceMeta]]
+    spec: WindowSpec,
+    to_step: int,
+    slices: list[tuple[SliceRows | None, SliceMeta]],
+    dense: DenseEntry | None = None,
 ) -> bytes:
     header = pb.DeltaHeader(
         rank=spec.rank,
@@ -244,7 +249,13 @@ def _header(
         to_step=to_step,
         form=wire.form_to_pb(spec.form),
         dtype=wire.dtype_to_pb(spec.dtype),
+        row_alignment=spec.row_alignment if spec.dtype.packed else 0,
     )
+    if dense is not None:
+        header.dense.seq, header.dense.step = dense.seq, dense.step
+        for t in dense.state.header.tensors:
+            header.dense.tensors.add(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
+    packed = spec.dtype.packed and spec.form is not Form.IDS
     for _, m in slices:
         header.slices.append(
             pb.TableSlice(
@@ -255,9 +266,25 @@ def _header(
                 col_end=m.col_end,
                 count=m.count,
                 owed=m.owed,
+                row_bytes=(
+                    wire.packed_row_bytes(m.dim, spec.dtype, spec.row_alignment) if packed else 0
+                ),
             )
         )
     return encode.encode_header(header)
+
+
+def packed_refusal(snap: LogSnapshot, tables: tuple[str, ...], dtype: WireDtype) -> str | None:
+    """Why this rank's slices of ``tables`` (empty: all) cannot be sent in the packed
+    ``dtype`` (None: they can). Column-wise shards are refused, not sent in fp32: one rank
+    holds part of each row, and scale / bias are per whole row (see the proto)."""
+    for key, c in snap.base.chunks.items():
+        if tables and key[0] not in tables:
+            continue
+        why = wire.packed_refusal(dtype, c.dim, c.col_start, c.col_end)
+        if why is not None:
+            return f"table {c.table!r} on this rank {why}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -358,8 +385,9 @@ def build_window(
             if budget is not None:
                 budget -= ws.rows.ids.numel()
             plan.append((ws.rows, SliceMeta.of(ws.rows, ws.rows.ids.numel(), n_owed)))
+    dense = window_dense(snap, spec)
     win = EncodedWindow(
-        _header(spec, to_step, plan),
+        _header(spec, to_step, plan, dense),
         spec.to_seq,
         to_step,
         sum(m.count for _, m in plan),
@@ -373,11 +401,17 @@ def build_window(
         t = time.perf_counter()
         for i, (r, _) in enumerate(plan):
             if r is None:
-                chunks = sources[i].encode(i, spec.dtype, spec.chunk_bytes)
+                chunks = sources[i].encode(i, spec.dtype, spec.chunk_bytes, spec.row_alignment)
             else:
                 values = None if spec.form is Form.IDS else r.values
-                chunks = encode.encode_slice_chunks(i, r.ids, values, spec.dtype, spec.chunk_bytes)
+                chunks = encode.encode_slice_chunks(
+                    i, r.ids, values, spec.dtype, spec.chunk_bytes, spec.row_alignment
+                )
             for msg in chunks:
+                yield msg, time.perf_counter() - t
+                t = time.perf_counter()
+        if dense is not None:
+            for msg in encode.encode_dense_chunks(dense.state, spec.chunk_bytes):
                 yield msg, time.perf_counter() - t
                 t = time.perf_counter()
 
@@ -389,6 +423,18 @@ def build_window(
         if msg is not None:
             out.append(msg)
     return win.finish_with(out)
+
+
+def window_dense(snap: LogSnapshot, spec: WindowSpec) -> DenseEntry | None:
+    """The dense state a window carries: with ``spec.dense``, the newest one taken at or before
+    the head's segment, if the consumer does not hold it yet (it is newer than the cursor, or
+    the window is a resync)."""
+    if not spec.dense:
+        return None
+    d = snap.dense_at(spec.to_seq)
+    if d is None or (not spec.resync and d.seq <= spec.from_seq):
+        return None
+    return d
 
 
 def _rows(t: torch.Tensor) -> Any:
@@ -423,19 +469,24 @@ class _MergedSlice:
         total = sum(c.ids.numel() for c in chunks)
         self.ranged = len(chunks) <= 8 and total <= 2 * self.ids.numel()
 
-    def encode(self, index: int, dtype: WireDtype, chunk_bytes: int) -> Iterator[bytes]:
-        """The slice's RowChunk messages (``index`` in the header), in row order."""
+    def encode(
+        self, index: int, dtype: WireDtype, chunk_bytes: int, alignment: int = 0
+    ) -> Iterator[bytes]:
+        """The slice's RowChunk messages (``index`` in the header), in row order
+        (``alignment``: of packed rows)."""
         ids, cs = self.ids, self.chunks
         n = ids.numel()
         if n == 0:
             return
         if not self.ranged:
             m = merge_chunks(cs)
-            yield from encode.encode_slice_chunks(index, m.ids, m.values, dtype, chunk_bytes)
+            yield from encode.encode_slice_chunks(
+                index, m.ids, m.values, dtype, chunk_bytes, alignment
+            )
             return
         last = cs[-1]
         width = last.col_end - last.col_start
-        step = encode.rows_per_chunk(width, dtype, chunk_bytes)
+        step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment)
         bounds = torch.arange(0, n + step, step).clamp_(max=n)
         dests, spans = [], []
         for c in cs:
@@ -444,14 +495,15 @@ class _MergedSlice:
             spans.append(torch.searchsorted(d, bounds).tolist())
         # Messages are built in place (encode.ChunkMessage) for fp32 / fp16 / bf16: rows go
         # straight into the message when the segment dtype is the wire dtype (one copy in
-        # all), else they are merged in ``buf`` and cast into it; int8 quantizes ``buf``.
+        # all), else they are merged in ``buf`` and cast into it; int8 quantizes ``buf`` and
+        # packed dtypes pack it.
         wire_torch = wire.WIRE_TORCH_DTYPE.get(dtype)
         direct = last.values.dtype == wire_torch
         buf = torch.empty(0 if direct else min(step, n), width, dtype=last.values.dtype)
         buf_rows = _rows(buf)
         src_rows = [_rows(c.values) for c in cs]
         row_bytes = width * last.values.element_size()
-        wire_row_bytes = width * wire.WIRE_ITEMSIZE[dtype]
+        wire_row_bytes = width * wire.WIRE_ITEMSIZE[dtype] if wire_torch is not None else 0
         for r in range(len(bounds) - 1):
             a, b = int(bounds[r]), int(bounds[r + 1])
             # the newest chunk holding every row of [a, b): older chunks are overwritten by it
@@ -464,8 +516,8 @@ class _MergedSlice:
             later = [j for j in range(first + 1, len(cs)) if spans[j][r + 1] > spans[j][r]]
             lo, hi = spans[first][r], spans[first][r + 1]
             if hi - lo == b - a and not later:  # nothing newer in this range: a view
-                wire_vals, sb = wire.quantize(cs[first].values[lo:hi], dtype)
-                yield encode.encode_chunk(index, a, ids[a:b], wire_vals, sb)
+                vals = cs[first].values[lo:hi]
+                yield encode.encode_rows(index, a, ids[a:b], vals, dtype, alignment)
                 continue
             msg = None
             if wire_torch is not None:
@@ -485,9 +537,8 @@ class _MergedSlice:
                 lo, hi = spans[j][r], spans[j][r + 1]
                 out[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
             del out
-            if msg is None:  # int8: quantize the merged rows
-                wire_vals, sb = wire.quantize(buf[: b - a], dtype)
-                yield encode.encode_chunk(index, a, ids[a:b], wire_vals, sb)
+            if msg is None:  # int8, packed: quantize / pack the merged rows
+                yield encode.encode_rows(index, a, ids[a:b], buf[: b - a], dtype, alignment)
                 continue
             if not direct:  # cast the merged rows into the message
                 assert wire_torch is not None

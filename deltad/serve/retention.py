@@ -89,7 +89,9 @@ class Retention:
         return None
 
     def run_once(self) -> bool:
-        """Do at most one merge; True if the log changed."""
+        """Do at most one merge; True if the log changed. Dense states older than the newest
+        one at or before the base are deleted (the newest dense state is always kept)."""
+        self.seglog.prune_dense()
         covered = self.plan()
         if not covered or len(covered) < 2:
             return False
@@ -116,4 +118,5 @@ class Retention:
         if not self.seglog.replace(covered, entry):
             return False
         log.info("merged seq %d..%d into %s", first.first_seq, last.seq, last.path.name)
+        self.seglog.prune_dense()  # the base moved: older dense states can go
         return True

@@ -25,7 +25,13 @@ from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.offsets import CommitRejected, OffsetStore, PullRecord, StoredCursor
 from deltad.serve.owed import OwedStore
-from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window
+from deltad.serve.pull import (
+    EncodedWindow,
+    WindowCache,
+    WindowSpec,
+    build_window,
+    packed_refusal,
+)
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 
@@ -183,13 +189,35 @@ class DeltaServicer:
         tables = tuple(sorted(set(req.tables)))
         return form, dtype, tables, int(req.k), float(frac), int(req.max_rows), chunk
 
+    def _row_alignment(
+        self,
+        req: pb.GetDeltaRequest,
+        snap: LogSnapshot,
+        spec: tuple[Form, Any, tuple[str, ...], int, float, int, int],
+        context: grpc.ServicerContext,
+    ) -> int:
+        """Packed dtypes: the validated row alignment (else 0); INVALID_ARGUMENT for a bad
+        alignment or a table whose rows cannot be packed here (column-wise shards)."""
+        form, dtype, tables = spec[0], spec[1], spec[2]
+        if not dtype.packed:
+            return 0
+        try:
+            align = wire.check_row_alignment(req.row_alignment)
+        except ValueError as e:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        why = None if form is Form.IDS else packed_refusal(snap, tables, dtype)
+        if why is not None:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, why)
+        return align
+
     # --- RPCs ----------------------------------------------------------------------------
 
     def GetDelta(self, req: pb.GetDeltaRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """The consumer's window after its committed cursor: header, chunks, trailer (bytes)."""
         consumer = self._name(context, req.consumer)
         snap = self._snapshot(context)
-        form, dtype, tables, k, frac, max_rows, chunk = self._spec(req, snap, context)
+        form, dtype, tables, k, frac, max_rows, chunk = parsed = self._spec(req, snap, context)
+        align = self._row_alignment(req, snap, parsed, context)
         slot = self._acquire(context, consumer)
         try:
             rank, gen = self.config.rank, snap.generation
@@ -228,8 +256,9 @@ class DeltaServicer:
                     log.warning("%s: resync from the base: %s", consumer, e)
                     resync, from_seq = True, -1
             spec = WindowSpec(
-                rank, gen, resync, from_seq, to_seq, form, dtype, tables, k, frac, max_rows, chunk
-            )
+                rank, gen, resync, from_seq, to_seq, form, dtype, tables, k, frac, max_rows, chunk,
+                align, req.with_dense,
+            )  # fmt: skip
             # The window is planned here (header, owed rows); its chunks are merged and
             # encoded as the stream sends them (see build_window).
             win: EncodedWindow
@@ -444,6 +473,7 @@ class DeltaServicer:
         resp.segments = len(snap.entries)
         resp.log_bytes = snap.nbytes
         resp.head_age_seconds = max(0.0, time.time() - snap.head.created_unix)
+        resp.dense_steps.extend(d.step for d in snap.dense if d.seq <= snap.head.seq)
         for t in m.tables:
             ts = resp.tables.add(
                 table=t.name, num_rows=t.num_rows, dim=t.dim, dtype=t.dtype, kind=t.kind,

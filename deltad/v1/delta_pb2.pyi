@@ -22,6 +22,9 @@ class WireDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WIRE_DTYPE_FP16: _ClassVar[WireDtype]
     WIRE_DTYPE_BF16: _ClassVar[WireDtype]
     WIRE_DTYPE_INT8: _ClassVar[WireDtype]
+    WIRE_DTYPE_PACKED_INT8: _ClassVar[WireDtype]
+    WIRE_DTYPE_PACKED_INT4: _ClassVar[WireDtype]
+    WIRE_DTYPE_PACKED_FP16: _ClassVar[WireDtype]
 FORM_UNSPECIFIED: Form
 FORM_IDS: Form
 FORM_ROWS: Form
@@ -31,6 +34,9 @@ WIRE_DTYPE_FP32: WireDtype
 WIRE_DTYPE_FP16: WireDtype
 WIRE_DTYPE_BF16: WireDtype
 WIRE_DTYPE_INT8: WireDtype
+WIRE_DTYPE_PACKED_INT8: WireDtype
+WIRE_DTYPE_PACKED_INT4: WireDtype
+WIRE_DTYPE_PACKED_FP16: WireDtype
 
 class Cursor(_message.Message):
     __slots__ = ("consumer", "rank", "generation", "seq", "step", "pull_id")
@@ -49,7 +55,7 @@ class Cursor(_message.Message):
     def __init__(self, consumer: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., step: _Optional[int] = ..., pull_id: _Optional[str] = ...) -> None: ...
 
 class GetDeltaRequest(_message.Message):
-    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base")
+    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment", "with_dense")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     FORM_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +67,8 @@ class GetDeltaRequest(_message.Message):
     MAX_STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     FROM_BASE_FIELD_NUMBER: _ClassVar[int]
+    ROW_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    WITH_DENSE_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     form: Form
     k: int
@@ -72,10 +80,12 @@ class GetDeltaRequest(_message.Message):
     max_step: int
     chunk_bytes: int
     from_base: bool
-    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ...) -> None: ...
+    row_alignment: int
+    with_dense: bool
+    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices")
+    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense")
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +95,8 @@ class DeltaHeader(_message.Message):
     FORM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
+    ROW_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     generation: int
     resync: bool
@@ -94,10 +106,44 @@ class DeltaHeader(_message.Message):
     form: Form
     dtype: WireDtype
     slices: _containers.RepeatedCompositeFieldContainer[TableSlice]
-    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ...) -> None: ...
+    row_alignment: int
+    dense: DenseInfo
+    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ...) -> None: ...
+
+class DenseInfo(_message.Message):
+    __slots__ = ("seq", "step", "tensors")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    step: int
+    tensors: _containers.RepeatedCompositeFieldContainer[DenseTensorInfo]
+    def __init__(self, seq: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[DenseTensorInfo, _Mapping]]] = ...) -> None: ...
+
+class DenseTensorInfo(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class DenseChunk(_message.Message):
+    __slots__ = ("tensor", "offset", "data")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    offset: int
+    data: bytes
+    def __init__(self, tensor: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TableSlice(_message.Message):
-    __slots__ = ("table", "num_rows", "dim", "col_start", "col_end", "count", "owed")
+    __slots__ = ("table", "num_rows", "dim", "col_start", "col_end", "count", "owed", "row_bytes")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +151,7 @@ class TableSlice(_message.Message):
     COL_END_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     OWED_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     table: str
     num_rows: int
     dim: int
@@ -112,7 +159,8 @@ class TableSlice(_message.Message):
     col_end: int
     count: int
     owed: int
-    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., count: _Optional[int] = ..., owed: _Optional[int] = ...) -> None: ...
+    row_bytes: int
+    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., count: _Optional[int] = ..., owed: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
 
 class RowChunk(_message.Message):
     __slots__ = ("slice", "offset", "count", "ids", "scale_bias", "values")
@@ -145,14 +193,16 @@ class DeltaTrailer(_message.Message):
     def __init__(self, cursor: _Optional[_Union[Cursor, _Mapping]] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., committed: _Optional[bool] = ..., merge_seconds: _Optional[float] = ...) -> None: ...
 
 class GetDeltaResponse(_message.Message):
-    __slots__ = ("header", "chunk", "trailer")
+    __slots__ = ("header", "chunk", "trailer", "dense")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
     header: DeltaHeader
     chunk: RowChunk
     trailer: DeltaTrailer
-    def __init__(self, header: _Optional[_Union[DeltaHeader, _Mapping]] = ..., chunk: _Optional[_Union[RowChunk, _Mapping]] = ..., trailer: _Optional[_Union[DeltaTrailer, _Mapping]] = ...) -> None: ...
+    dense: DenseChunk
+    def __init__(self, header: _Optional[_Union[DeltaHeader, _Mapping]] = ..., chunk: _Optional[_Union[RowChunk, _Mapping]] = ..., trailer: _Optional[_Union[DeltaTrailer, _Mapping]] = ..., dense: _Optional[_Union[DenseChunk, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("consumer", "cursor")
@@ -247,7 +297,7 @@ class TableStatus(_message.Message):
     def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., sharding_type: _Optional[str] = ..., local_slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds")
+    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +310,7 @@ class StatusResponse(_message.Message):
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     HEAD_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     generation: int
     rank: int
@@ -272,4 +323,5 @@ class StatusResponse(_message.Message):
     quarantined: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
     head_age_seconds: float
-    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ...) -> None: ...
+    dense_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ...) -> None: ...
