@@ -114,8 +114,15 @@ class ServerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
-    #: Allowed bearer tokens (empty = no auth). Sent as metadata ``authorization: Bearer <t>``.
+    #: Bearer tokens with full access (every consumer, consume and admin), for library use;
+    #: sent as metadata ``authorization: Bearer <t>``. Scoped credentials: ``tokens_file``.
     tokens: tuple[str, ...] = ()
+    #: Scoped credentials, ``TOKEN CONSUMERS ROLES`` per line (deltad.serve.auth); reloaded
+    #: on SIGHUP by `deltad serve`. Neither this nor ``tokens``: no authorization.
+    tokens_file: Path | None = None
+    #: Most consumer names the offset store knows (new ones beyond: RESOURCE_EXHAUSTED);
+    #: 0 = no limit.
+    max_consumers: int = 10000
     max_concurrent_streams: int = 64
     max_message_bytes: int = 16 * 1024 * 1024
     chunk_bytes: int = 2 * 1024 * 1024
@@ -161,6 +168,10 @@ class ServerConfig:
             raise ConfigError("merge_min_segments must be >= 2")
         if self.forget_after_s < 0 or self.forget_interval_s <= 0:
             raise ConfigError("forget_after must be >= 0 (0 = never) and its interval > 0")
+        if self.max_consumers < 0:
+            raise ConfigError("max_consumers must be >= 0 (0 = no limit)")
+        if self.tokens_file is not None:
+            self.tokens_file = Path(self.tokens_file)
 
 
 @dataclass
