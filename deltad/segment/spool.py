@@ -28,8 +28,9 @@ from typing import Any
 from deltad.config import check_name
 from deltad.errors import SpoolError
 
-SEGMENT_RE = re.compile(r"^seg-(\d{12})\.dseg$")
-GENERATION_RE = re.compile(r"^gen-(\d{20})$")
+#: Exact ASCII names only (no other digits, no trailing newline): use ``fullmatch``.
+SEGMENT_RE = re.compile(r"seg-([0-9]{12})\.dseg")
+GENERATION_RE = re.compile(r"gen-([0-9]{20})")
 MANIFEST_NAME = "generation.json"
 
 
@@ -148,7 +149,7 @@ class SpoolLayout:
             return []
         except OSError as e:
             raise SpoolError(f"cannot list {self.model_dir}: {e}") from e
-        return sorted(int(m.group(1)) for n in names if (m := GENERATION_RE.match(n)))
+        return sorted(int(m.group(1)) for n in names if (m := GENERATION_RE.fullmatch(n)))
 
     def latest_generation(self) -> int | None:
         """The newest generation that has a manifest, or None."""
@@ -166,7 +167,7 @@ class SpoolLayout:
             return []
         except OSError as e:
             raise SpoolError(f"cannot list {d}: {e}") from e
-        out = [(int(m.group(1)), d / n) for n in names if (m := SEGMENT_RE.match(n))]
+        out = [(int(m.group(1)), d / n) for n in names if (m := SEGMENT_RE.fullmatch(n))]
         out.sort()
         return out
 

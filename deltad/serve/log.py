@@ -1,7 +1,9 @@
 """The segment log of one rank: an index over its spool directory.
 
-:meth:`SegmentLog.refresh` lists the rank's directory, verifies each new file's checksum once
-(bad files are moved to the quarantine directory, counted and logged, never served), drops
+:meth:`SegmentLog.refresh` lists the rank's directory and loads each new file once through
+:func:`deltad.segment.validate.load_verified` (a private copy whose checksum and structure are
+verified: what is served and merged later is that copy). Bad files, and files named almost
+like a segment, are moved to the quarantine directory, counted and logged, never served. It drops
 files made redundant by a merged file (``first_seq..seq`` covers them: a merge that crashed
 before deleting its inputs) and switches to a newer generation once that generation's base for
 this rank is present. Served entries form a contiguous run from the base: a file after a gap
@@ -22,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.format import Segment, SegmentChunk, read_segment
-from deltad.segment.spool import GenerationManifest, SpoolLayout
+from deltad.segment.format import Segment, SegmentChunk
+from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout
+from deltad.segment.validate import load_verified
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)
@@ -46,8 +49,8 @@ class LogEntry:
     chunks: dict[ChunkKey, SegmentChunk] = field(repr=False, compare=False)
 
     @classmethod
-    def load(cls, path: Path) -> LogEntry:
-        seg = read_segment(path, verify=True)
+    def load(cls, path: Path, seg: Segment) -> LogEntry:
+        """The entry of ``seg``, loaded (and verified) from ``path``."""
         h = seg.header
         return cls(
             first_seq=h.first_seq,
@@ -55,7 +58,7 @@ class LogEntry:
             step=h.step,
             kind=h.kind,
             path=path,
-            nbytes=path.stat().st_size,
+            nbytes=sum(c.ids.nbytes + c.values.nbytes for c in seg.chunks),
             created_unix=h.created_unix,
             segment=seg,
             chunks={c.key: c for c in seg.chunks},
@@ -123,6 +126,46 @@ class SegmentLog:
         self._snapshot: LogSnapshot | None = None
         self._known: dict[Path, LogEntry] = {}
         self._generation: int | None = None
+        self._manifests: dict[int, GenerationManifest] = {}
+
+    def manifest(self, generation: int) -> GenerationManifest:
+        """The manifest of ``generation`` (read once); SpoolError if unreadable."""
+        m = self._manifests.get(generation)
+        if m is None:
+            m = self._manifests[generation] = self.layout.read_manifest(generation)
+        return m
+
+    def load_entry(self, generation: int, seq: int, path: Path) -> LogEntry:
+        """Load and verify one file of this rank (SegmentCorruptError / SpoolError)."""
+        seg = load_verified(
+            path,
+            self.layout.model_dir,
+            self.manifest(generation),
+            generation=generation,
+            rank=self.rank,
+            seq=seq,
+        )
+        return LogEntry.load(path, seg)
+
+    def _listing(self, generation: int) -> tuple[list[tuple[int, Path]], list[Path]]:
+        """(seq, path) of the segment files, by seq, and the strays: names that start like a
+        segment but are not exactly one (other digits, a trailing newline, ...)."""
+        d = self.layout.rank_dir(generation, self.rank)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return [], []
+        except OSError as e:
+            raise SpoolError(f"cannot list {d}: {e}") from e
+        present, strays = [], []
+        for n in names:
+            m = SEGMENT_RE.fullmatch(n)
+            if m is not None:
+                present.append((int(m.group(1)), d / n))
+            elif n.startswith("seg-"):
+                strays.append(d / n)
+        present.sort()
+        return present, strays
 
     def snapshot(self) -> LogSnapshot | None:
         """The current served log (None before any base segment of this rank exists)."""
@@ -161,7 +204,9 @@ class SegmentLog:
             pass
 
     def _scan(self, generation: int, known: dict[Path, LogEntry]) -> None:
-        present = self.layout.segments(generation, self.rank)
+        present, strays = self._listing(generation)
+        for p in strays:
+            self._quarantine(generation, p, "not an exact segment file name")
         names = {p for _, p in present}
         for p in [p for p in known if p not in names]:
             del known[p]
@@ -169,12 +214,7 @@ class SegmentLog:
             if path in known:
                 continue
             try:
-                entry = LogEntry.load(path)
-                h = entry.segment.header
-                if h.generation != generation or h.rank != self.rank or h.seq != seq:
-                    raise SegmentCorruptError(
-                        f"{path}: header says generation {h.generation} rank {h.rank} seq {h.seq}"
-                    )
+                entry = self.load_entry(generation, seq, path)
             except FileNotFoundError:
                 continue
             except SegmentCorruptError as e:
@@ -209,7 +249,8 @@ class SegmentLog:
 
     def _quarantine(self, generation: int, path: Path, reason: str) -> None:
         qdir = self.layout.quarantine_dir
-        dest = qdir / f"gen-{generation}-rank-{self.rank:05d}-{path.name}.{time.time_ns()}"
+        name = path.name.encode("ascii", "backslashreplace").decode()[:80].replace("\n", "_")
+        dest = qdir / f"gen-{generation}-rank-{self.rank:05d}-{name}.{time.time_ns()}"
         try:
             qdir.mkdir(parents=True, exist_ok=True)
             os.replace(path, dest)
@@ -241,7 +282,7 @@ class SegmentLog:
         manifest = (
             cur.manifest
             if cur is not None and cur.generation == generation
-            else self.layout.read_manifest(generation)
+            else self.manifest(generation)
         )
         self._snapshot = LogSnapshot(generation, manifest, tuple(run))
 
