@@ -85,10 +85,17 @@ class PublisherConfig:
     #: in the loop (asynchronously on the device). Turn it off if something writes tracked
     #: weights outside the backward pass between publishes, or call wait_copied() first.
     copy_in_background: bool = True
+    #: After a failed write (spool full, I/O error) or a sidecar's request for a fresh base
+    #: (a segment it quarantined or misses), the next publish writes a fresh base of the rank
+    #: instead of a delta; while that fails, retry at most this often (seconds). Training
+    #: never stops for it.
+    rebase_retry_s: float = 10.0
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
         check_name("model", self.model)
+        if self.rebase_retry_s < 0:
+            raise ConfigError("rebase_retry_s must be >= 0")
         if self.every_steps < 0 or self.every_seconds < 0:
             raise ConfigError("publish intervals must be >= 0")
         if self.every_steps == 0 and self.every_seconds == 0:

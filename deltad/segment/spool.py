@@ -7,6 +7,7 @@
             generation.json              manifest, by every rank (same bytes: tables, world size)
             rank-<rank:05d>/
                 seg-<seq:012d>.dseg      segments (see deltad.segment.format); .tmp-* are in flight
+                rebase.request           the sidecar asks for a fresh base (a segment is lost)
         quarantine/                      segments whose checksum failed (moved by the sidecar)
         sidecar/                         sidecar-private state (owed rows of top-k consumers)
         redis/                           data dir of the embedded Redis server
@@ -115,6 +116,11 @@ class SpoolLayout:
 
     def segment_path(self, generation: int, rank: int, seq: int) -> Path:
         return self.rank_dir(generation, rank) / f"seg-{seq:012d}.dseg"
+
+    def rebase_request_path(self, generation: int, rank: int) -> Path:
+        """Written by the sidecar when a segment of the rank was quarantined or is missing:
+        the publisher of that rank answers with a fresh base at its next publish."""
+        return self.rank_dir(generation, rank) / "rebase.request"
 
     def manifest_path(self, generation: int) -> Path:
         return self.generation_dir(generation) / MANIFEST_NAME

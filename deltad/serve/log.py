@@ -10,11 +10,19 @@ this rank is present. Served entries form a contiguous run from the base: a file
 (a segment still being written, or one that was quarantined) is held back until the gap is
 filled or a new generation arrives, so a window never silently misses a segment.
 
+A quarantined segment, or a gap that stays open for ``GAP_GRACE_S`` (a segment missing),
+makes the log ask the publisher beside it for a fresh base of its rank (the file
+``rebase.request`` in the rank's directory, see SpoolLayout); the publisher writes one at its
+next publish (first_seq 0, covering every earlier seq), the log serves from it and drops what
+it covers. Predictors stall for at most: ``GAP_GRACE_S`` (a missing segment only) + the
+trainer's publish interval + one base write + one poll.
+
 Readers take an immutable :class:`LogSnapshot`; retention swaps entries with :meth:`replace`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -25,11 +33,17 @@ from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
 from deltad.segment.format import Segment, SegmentChunk
-from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout
+from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout, write_atomic
 from deltad.segment.validate import load_verified
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)
+
+#: A gap with later segments behind it for this long is a missing segment (a segment being
+#: written fills its gap in well under this).
+GAP_GRACE_S = 2.0
+#: A fresh base is asked for again this long after the last request if the gap stays.
+REQUEST_EVERY_S = 10.0
 
 ChunkKey = tuple[str, int, int]
 
@@ -127,6 +141,10 @@ class SegmentLog:
         self._known: dict[Path, LogEntry] = {}
         self._generation: int | None = None
         self._manifests: dict[int, GenerationManifest] = {}
+        self._gap_since: float | None = None
+        self._requested: dict[int, float] = {}  # generation -> monotonic time of the request
+        #: Fresh bases asked of the publisher (rebase.request files written).
+        self.rebase_requests = 0
 
     def manifest(self, generation: int) -> GenerationManifest:
         """The manifest of ``generation`` (read once); SpoolError if unreadable."""
@@ -198,6 +216,7 @@ class SegmentLog:
     def _drop_generation(self, generation: int) -> None:
         for _, path in self.layout.segments(generation, self.rank):
             path.unlink(missing_ok=True)
+        self.layout.rebase_request_path(generation, self.rank).unlink(missing_ok=True)
         try:
             self.layout.rank_dir(generation, self.rank).rmdir()
         except OSError:
@@ -206,7 +225,7 @@ class SegmentLog:
     def _scan(self, generation: int, known: dict[Path, LogEntry]) -> None:
         present, strays = self._listing(generation)
         for p in strays:
-            self._quarantine(generation, p, "not an exact segment file name")
+            self._quarantine(generation, p, "not an exact segment file name", request=False)
         names = {p for _, p in present}
         for p in [p for p in known if p not in names]:
             del known[p]
@@ -247,7 +266,9 @@ class SegmentLog:
         except OSError:
             return 0
 
-    def _quarantine(self, generation: int, path: Path, reason: str) -> None:
+    def _quarantine(
+        self, generation: int, path: Path, reason: str, *, request: bool = True
+    ) -> None:
         qdir = self.layout.quarantine_dir
         name = path.name.encode("ascii", "backslashreplace").decode()[:80].replace("\n", "_")
         dest = qdir / f"gen-{generation}-rank-{self.rank:05d}-{name}.{time.time_ns()}"
@@ -261,6 +282,26 @@ class SegmentLog:
         log.error("quarantined segment %s -> %s: %s", path, dest, reason)
         if self.on_quarantine is not None:
             self.on_quarantine(dest, reason)
+        if request:
+            self.request_base(generation, f"quarantined {path.name}: {reason}")
+
+    def request_base(self, generation: int, reason: str, *, force: bool = False) -> bool:
+        """Ask the publisher of this rank for a fresh base of ``generation`` (at most every
+        ``REQUEST_EVERY_S`` unless ``force``); True if a request was written."""
+        last = self._requested.get(generation)
+        now = time.monotonic()
+        if not force and last is not None and now - last < REQUEST_EVERY_S:
+            return False
+        path = self.layout.rebase_request_path(generation, self.rank)
+        try:
+            write_atomic(path, json.dumps({"reason": reason[:500], "unix": time.time()}).encode())
+        except OSError as e:
+            log.error("cannot ask for a fresh base of rank %d (%s): %s", self.rank, reason, e)
+            return False
+        self._requested[generation] = now
+        self.rebase_requests += 1
+        log.warning("rank %d: asked the publisher for a fresh base: %s", self.rank, reason)
+        return True
 
     def _publish(self, generation: int) -> None:
         entries = sorted(self._known.values(), key=lambda e: e.seq)
@@ -269,13 +310,22 @@ class SegmentLog:
             self._snapshot = None
             return
         run = [bases[-1]]
+        gap = False
         for e in entries:
             if e.seq <= run[-1].seq:
                 continue
             if e.first_seq != run[-1].seq + 1:
                 log.debug("rank %d: holding back seq %d after a gap", self.rank, e.seq)
+                gap = True
                 break
             run.append(e)
+        now = time.monotonic()
+        if not gap:
+            self._gap_since = None
+        elif self._gap_since is None:
+            self._gap_since = now
+        elif now - self._gap_since > GAP_GRACE_S:
+            self.request_base(generation, f"segment {run[-1].seq + 1} is missing")
         cur = self._snapshot
         if cur is not None and cur.generation == generation and cur.entries == tuple(run):
             return
