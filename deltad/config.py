@@ -94,12 +94,19 @@ class PublisherConfig:
     #: carry one. Consumers that want dense align on steps that have one.
     dense_every_steps: int = 0
     dense_every_seconds: float = 0.0
+    #: After a failed write (spool full, I/O error) or a sidecar's request for a fresh base
+    #: (a segment it quarantined or misses), the next publish writes a fresh base of the rank
+    #: instead of a delta; while that fails, retry at most this often (seconds). Training
+    #: never stops for it.
+    rebase_retry_s: float = 10.0
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
         if self.dense_every_steps < 0 or self.dense_every_seconds < 0:
             raise ConfigError("dense intervals must be >= 0")
         check_name("model", self.model)
+        if self.rebase_retry_s < 0:
+            raise ConfigError("rebase_retry_s must be >= 0")
         if self.every_steps < 0 or self.every_seconds < 0:
             raise ConfigError("publish intervals must be >= 0")
         if self.every_steps == 0 and self.every_seconds == 0:
@@ -125,8 +132,15 @@ class ServerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
-    #: Allowed bearer tokens (empty = no auth). Sent as metadata ``authorization: Bearer <t>``.
+    #: Bearer tokens with full access (every consumer, consume and admin), for library use;
+    #: sent as metadata ``authorization: Bearer <t>``. Scoped credentials: ``tokens_file``.
     tokens: tuple[str, ...] = ()
+    #: Scoped credentials, ``TOKEN CONSUMERS ROLES`` per line (deltad.serve.auth); reloaded
+    #: on SIGHUP by `deltad serve`. Neither this nor ``tokens``: no authorization.
+    tokens_file: Path | None = None
+    #: Most consumer names the offset store knows (new ones beyond: RESOURCE_EXHAUSTED);
+    #: 0 = no limit.
+    max_consumers: int = 10000
     max_concurrent_streams: int = 64
     max_message_bytes: int = 16 * 1024 * 1024
     chunk_bytes: int = 2 * 1024 * 1024
@@ -174,6 +188,10 @@ class ServerConfig:
             raise ConfigError("merge_min_segments must be >= 2")
         if self.forget_after_s < 0 or self.forget_interval_s <= 0:
             raise ConfigError("forget_after must be >= 0 (0 = never) and its interval > 0")
+        if self.max_consumers < 0:
+            raise ConfigError("max_consumers must be >= 0 (0 = no limit)")
+        if self.tokens_file is not None:
+            self.tokens_file = Path(self.tokens_file)
 
 
 @dataclass

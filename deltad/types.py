@@ -43,6 +43,13 @@ class SegmentKind(enum.Enum):
     DELTA = "delta"
 
 
+class Role(enum.Enum):
+    """What a credential may do (a tokens-file line's ROLES field, see deltad.serve.auth)."""
+
+    CONSUME = "consume"  # GetDelta, Commit, Register, Heartbeat for its consumers; Status
+    ADMIN = "admin"  # also ListConsumers across every consumer
+
+
 class TrainLoop(enum.Enum):
     """How the trainer drives its steps; decides how far lookups run ahead of updates.
 

@@ -194,21 +194,20 @@ def test_a_merge_overtaken_by_a_new_generation_leaves_no_file_behind(
     assert _equal(rep, spool)
 
 
-def test_an_unreadable_segment_holds_the_log_back_and_is_reported_once(
+def test_a_directory_named_like_a_segment_is_quarantined_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     spool = SpoolWriter(tmp_path / "spool")
     path = spool.layout.segment_path(1, 0, 1)
-    path.mkdir()  # unreadable as a segment (an OSError, not corruption: not quarantined)
+    path.mkdir()  # not a regular file: quarantined (moved away), never opened as a segment
     seglog = SegmentLog(spool.layout, 0)
     with caplog.at_level("WARNING", logger="deltad.serve.log"):
         for _ in range(5):
             seglog.refresh()
-    assert [r.message for r in caplog.records].count(
-        next(r.message for r in caplog.records if "cannot index" in r.message)
-    ) == 1
-    assert seglog.snapshot().head.seq == 0 and seglog.quarantined == 0  # type: ignore[union-attr]
-    path.rmdir()
+    assert sum("not a regular file" in r.message for r in caplog.records) == 1
+    assert seglog.snapshot().head.seq == 0 and seglog.quarantined == 1  # type: ignore[union-attr]
+    assert not path.exists()
+    spool.seq = 0
     spool.delta()
     seglog.refresh()
     assert seglog.snapshot().head.seq == 1  # type: ignore[union-attr]

@@ -45,6 +45,8 @@ statistics are buffers updated in the forward). Replicated (DDP) parameters are 
 every rank after the step, so rank 0's copy is the model's. The cost is one memcpy of the
 dense state per dense publish (``SegmentStats.dense_s``); encoding and writing happen in the
 writer thread.
+slow disk blocks the loop instead of piling up copies). A write that fails never stops
+training: the rank publishes a fresh base once it can (see :meth:`SegmentPublisher.publish`).
 """
 
 from __future__ import annotations
@@ -137,6 +139,14 @@ class PublisherStats:
     #: many of them had to wait.
     barrier_wait_s: float = 0.0
     barrier_waits: int = 0
+    #: Segment writes that failed (spool full, I/O error); training went on, the rows stayed
+    #: owed to a fresh base. ``last_write_error`` says why.
+    write_errors: int = 0
+    last_write_error: str = ""
+    #: Deltas not written because an earlier write failed (a fresh base covers their rows).
+    skipped_segments: int = 0
+    #: Fresh bases published after a failed write or at a sidecar's request.
+    rebases: int = 0
 
     @property
     def stall_s(self) -> float:
@@ -168,9 +178,11 @@ class PublisherStats:
 class _CopyRequest:
     """A drain waiting for the copier thread: its rows are read out and copied there."""
 
-    drained: DrainedRows
+    drained: DrainedRows | None
     stats: SegmentStats
     dense: dict[str, torch.Tensor] | None = None
+    #: A job already packed (a fresh base): forwarded to the writer in order.
+    job: _Job | None = None
 
 
 @dataclass
@@ -265,6 +277,9 @@ class SegmentPublisher:
         self._closed = False
         self._final = False
         self._error: BaseException | None = None
+        # A write failed (set by the writer): deltas are skipped until a fresh base is written.
+        self._write_failed = False
+        self._last_rebase = -float("inf")
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_pending_writes)
         self._pool = _BufferPool()
         self._thread: threading.Thread | None = None
@@ -349,7 +364,10 @@ class SegmentPublisher:
         job.dense = self._take_dense(stats, force=True)
         job.stats.stall_s = time.perf_counter() - t0
         self._write(job)
-        self._agree(self._error, "writing the base segment")
+        failed = self._error
+        if failed is None and self._write_failed:
+            failed = SpoolError(f"writing the base segment failed: {self.stats.last_write_error}")
+        self._agree(failed, "writing the base segment")
         self._thread = threading.Thread(target=self._writer, name="deltad-writer", daemon=True)
         self._thread.start()
         if self._copies_in_background():
@@ -455,9 +473,13 @@ class SegmentPublisher:
         """Drain the tracker and publish the touched rows as the next delta segment now.
 
         Every rank must call it at the same step (each writes its own segment). A segment
-        that failed to write on any rank (the log now has a gap that only a new generation
-        closes) raises SpoolError here on every rank at once: one all-reduce per segment, so
-        that no rank is left waiting in the trainer's next collective.
+        that failed to write (spool full, I/O error) does not stop training: it is counted
+        (``stats.write_errors``) and logged, later deltas of the rank are dropped, and a
+        publish at most every ``rebase_retry_s`` writes a fresh base of the rank instead
+        (rank-local, no collective), which covers every row; so does a sidecar's
+        ``rebase.request``. Any other failure (the copier) raises SpoolError here on every
+        rank at once: one all-reduce per segment, so that no rank is left waiting in the
+        trainer's next collective.
         """
         self._check_open()
         t0 = time.perf_counter()
@@ -471,6 +493,8 @@ class SegmentPublisher:
         elif self._copier is not None and not self._copier_alive():
             error = SpoolError("the publisher's copier thread stopped")
         self._agree(error, "writing a segment")
+        if self._rebase_due():
+            return self._publish_base(step, t0)
         if self._copier is not None:
             deferred = self.tracker.drain_deferred()
             stats = self._reserve(step, SegmentKind.DELTA)
@@ -487,6 +511,50 @@ class SegmentPublisher:
         job = self._copy_job(drained, stats)
         job.dense = dense
         self._queue.put(job)  # blocks while max_pending_writes segments wait (backpressure)
+        stats.stall_s = time.perf_counter() - t0
+        return stats
+
+    def _rebase_due(self) -> bool:
+        """Whether this publish writes a fresh base: after a failed write, or when the
+        sidecar asked for one (``rebase.request``), at most every ``rebase_retry_s``."""
+        assert self.generation is not None
+        request = self.layout.rebase_request_path(self.generation, self.rank)
+        asked = request.exists()
+        if not (asked or self._write_failed):
+            return False
+        if time.monotonic() - self._last_rebase < self.config.rebase_retry_s:
+            return False
+        if asked:
+            log.warning("rank %d: the sidecar asked for a fresh base", self.rank)
+            try:
+                request.unlink()
+            except OSError:
+                pass
+        return True
+
+    def _publish_base(self, step: int, t0: float) -> SegmentStats:
+        """A fresh base of this rank's shards now (rank-local: no collective). It covers every
+        segment before it, so the sidecar serves from it and drops those."""
+        self._last_rebase = time.monotonic()
+        self.stats.rebases += 1
+        deferred = None
+        if self._copier is not None:
+            deferred = self.tracker.drain_deferred()  # resolved (and dropped) by the copier
+        else:
+            self.tracker.drain()
+            self.tracker.flush_caches()
+        shards = self.tracker.shards
+        ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
+        values = [s.weight.detach().clone() for s in shards]
+        stats = self._reserve(step, SegmentKind.BASE)
+        job = self._package(stats, shards, ids, values)
+        job.dense = self._take_dense(stats, force=True)  # a base carries the dense state too
+        if self._copier is not None:
+            with self._copies:
+                self._copies_submitted += 1
+            self._copy_queue.put(_CopyRequest(deferred, stats, job=job))
+        else:
+            self._queue.put(job)
         stats.stall_s = time.perf_counter() - t0
         return stats
 
@@ -509,6 +577,24 @@ class SegmentPublisher:
                 self._thread.join()
             self._pool.clear()
         self._check_error()
+        if self._write_failed:  # a last try, synchronously, in case there is room now
+            self._last_rebase = -float("inf")
+            self._closed = False
+            self._publish_base_now(step)
+            self._closed = True
+            if self._write_failed:
+                raise SpoolError(
+                    f"rank {self.rank}: the spool stayed unwritable, the rows since the last "
+                    f"written segment are not published: {self.stats.last_write_error}"
+                )
+
+    def _publish_base_now(self, step: int) -> None:
+        self.tracker.drain()
+        shards = self.tracker.shards
+        ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
+        stats = self._reserve(step, SegmentKind.BASE)
+        self.stats.rebases += 1
+        self._write(self._package(stats, shards, ids, [s.weight.detach() for s in shards]))
 
     # -- internals --------------------------------------------------------------------------
 
@@ -530,8 +616,11 @@ class SegmentPublisher:
             job = None
             try:
                 t0, c0 = time.perf_counter(), time.thread_time()
-                drained = req.drained.resolve()  # also returns the bitmaps to the tracker
-                if self._error is None:  # after a failure nothing more is written
+                # resolving also returns the bitmaps to the tracker
+                drained = req.drained.resolve() if req.drained is not None else []
+                if req.job is not None:
+                    job = req.job  # a fresh base: its rows are copied already
+                elif self._error is None:  # after a failure nothing more is written
                     job = self._copy_job(drained, req.stats)
                     job.dense = req.dense
                 req.stats.copy_s = time.perf_counter() - t0
@@ -684,6 +773,9 @@ class SegmentPublisher:
         assert self.generation is not None and job.stats.path is not None
         if self._error is not None:
             return  # a gap would break the log: write nothing after a failure
+        if self._write_failed and job.stats.kind is SegmentKind.DELTA:
+            self.stats.skipped_segments += 1  # after the gap: the fresh base covers its rows
+            return
         try:
             if job.ready is not None:
                 job.ready.synchronize()
@@ -710,10 +802,21 @@ class SegmentPublisher:
                 step=job.stats.step,
                 kind=job.stats.kind,
                 chunks=job.chunks,
+                first_seq=0 if job.stats.kind is SegmentKind.BASE else None,
                 fsync=self.config.fsync,
             )
             job.stats.write_s = time.perf_counter() - t0
             job.stats.write_cpu_s = time.thread_time() - c0
+            if self._write_failed:
+                log.warning("rank %d: fresh base seq %d written", self.rank, job.stats.seq)
+                self._write_failed = False
+        except (SpoolError, OSError) as e:
+            # The trainer goes on: the rows stay owed (a fresh base at a later publish covers
+            # them), memory stays bounded (later deltas are dropped, not queued).
+            self.stats.write_errors += 1
+            self.stats.last_write_error = str(e)
+            log.error("segment %s not written, a fresh base will follow: %s", job.stats.path, e)
+            self._write_failed = True
         except BaseException as e:
             log.error("segment %s: %s", job.stats.path, e)
             self._error = e

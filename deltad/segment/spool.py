@@ -8,6 +8,7 @@
             rank-<rank:05d>/
                 seg-<seq:012d>.dseg      segments (see deltad.segment.format); .tmp-* are in flight
                 dense-<seq:012d>.dseg    rank 0: dense parameters and buffers at segment seq
+                rebase.request           the sidecar asks for a fresh base (a segment is lost)
         quarantine/                      segments whose checksum failed (moved by the sidecar)
         sidecar/                         sidecar-private state (owed rows of top-k consumers)
         redis/                           data dir of the embedded Redis server
@@ -29,9 +30,10 @@ from typing import Any
 from deltad.config import check_name
 from deltad.errors import SpoolError
 
-SEGMENT_RE = re.compile(r"^seg-(\d{12})\.dseg$")
-DENSE_RE = re.compile(r"^dense-(\d{12})\.dseg$")
-GENERATION_RE = re.compile(r"^gen-(\d{20})$")
+#: Exact ASCII names only (no other digits, no trailing newline): use ``fullmatch``.
+SEGMENT_RE = re.compile(r"seg-([0-9]{12})\.dseg")
+DENSE_RE = re.compile(r"dense-([0-9]{12})\.dseg")
+GENERATION_RE = re.compile(r"gen-([0-9]{20})")
 MANIFEST_NAME = "generation.json"
 
 
@@ -130,7 +132,12 @@ class SpoolLayout:
             return []
         except OSError as e:
             raise SpoolError(f"cannot list {d}: {e}") from e
-        return sorted((int(m.group(1)), d / n) for n in names if (m := DENSE_RE.match(n)))
+        return sorted((int(m.group(1)), d / n) for n in names if (m := DENSE_RE.fullmatch(n)))
+
+    def rebase_request_path(self, generation: int, rank: int) -> Path:
+        """Written by the sidecar when a segment of the rank was quarantined or is missing:
+        the publisher of that rank answers with a fresh base at its next publish."""
+        return self.rank_dir(generation, rank) / "rebase.request"
 
     def manifest_path(self, generation: int) -> Path:
         return self.generation_dir(generation) / MANIFEST_NAME
@@ -165,7 +172,7 @@ class SpoolLayout:
             return []
         except OSError as e:
             raise SpoolError(f"cannot list {self.model_dir}: {e}") from e
-        return sorted(int(m.group(1)) for n in names if (m := GENERATION_RE.match(n)))
+        return sorted(int(m.group(1)) for n in names if (m := GENERATION_RE.fullmatch(n)))
 
     def latest_generation(self) -> int | None:
         """The newest generation that has a manifest, or None."""
@@ -183,7 +190,7 @@ class SpoolLayout:
             return []
         except OSError as e:
             raise SpoolError(f"cannot list {d}: {e}") from e
-        out = [(int(m.group(1)), d / n) for n in names if (m := SEGMENT_RE.match(n))]
+        out = [(int(m.group(1)), d / n) for n in names if (m := SEGMENT_RE.fullmatch(n))]
         out.sort()
         return out
 

@@ -8,8 +8,10 @@
     srv.stop(grace=5.0)    # or srv.wait() until stopped
 
 Besides deltad.v1.DeltaService it serves grpc.health.v1 (no token needed) and server
-reflection; TLS with ``tls_cert``/``tls_key`` (mTLS with ``tls_client_ca``); bearer tokens
-from ``tokens`` in ``authorization: Bearer <t>`` metadata.
+reflection; TLS with ``tls_cert``/``tls_key`` (mTLS with ``tls_client_ca``); scoped
+credentials from ``tokens_file`` (bearer tokens and mTLS identities, see deltad.serve.auth),
+checked with the consumer limit at the edge (deltad.serve.edge); :meth:`reload_credentials`
+re-reads the file.
 
 Without ``redis_url`` it runs an EmbeddedRedis in the spool (reused if one is already
 running there); a server it started stops with it, and dies with the thread that called
@@ -19,7 +21,6 @@ several sidecars on one machine, share one ``redis_url``.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
@@ -37,6 +38,8 @@ from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import SpoolLayout
+from deltad.serve.auth import Credentials, load_tokens_file
+from deltad.serve.edge import Gate
 from deltad.serve.log import SegmentLog
 from deltad.serve.metrics import RpcMetricsInterceptor, SidecarMetrics
 from deltad.serve.offsets import OffsetStore
@@ -48,37 +51,6 @@ log = logging.getLogger(__name__)
 
 #: Re-register the endpoint in Redis this often (and on every generation change).
 REGISTRY_REFRESH_S = 10.0
-_OPEN_METHODS = ("/grpc.health.v1.Health/",)
-
-
-class _TokenAuth(grpc.ServerInterceptor):
-    """Rejects calls without an allowed bearer token (health checks are open)."""
-
-    def __init__(self, tokens: tuple[str, ...]) -> None:
-        self.tokens = [t.encode() for t in tokens]
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-
-    def _ok(self, metadata: Any) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                got = value[7:].encode()
-                return any(hmac.compare_digest(got, t) for t in self.tokens)
-        return False
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        method = details.method
-        if method.startswith(_OPEN_METHODS) or self._ok(details.invocation_metadata):
-            return continuation(details)
-        return self._deny_stream if method.endswith("/GetDelta") else self._deny_unary
 
 
 def _read(path: Any) -> bytes:
@@ -144,9 +116,16 @@ class SidecarServer:
             min_segments=cfg.merge_min_segments,
             max_bytes=cfg.merge_max_bytes_per_round,
         )
-        interceptors: list[grpc.ServerInterceptor] = [RpcMetricsInterceptor(self.metrics)]
-        if cfg.tokens:
-            interceptors.append(_TokenAuth(cfg.tokens))
+        store = self.store
+        self.gate = Gate(
+            self._credentials(),
+            (lambda name: store.admits(name, cfg.max_consumers)) if cfg.max_consumers else None,
+            max_consumers=cfg.max_consumers,
+        )
+        interceptors: list[grpc.ServerInterceptor] = [
+            RpcMetricsInterceptor(self.metrics),
+            self.gate,
+        ]
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=cfg.max_concurrent_streams + 8, thread_name_prefix="deltad-rpc"
@@ -211,6 +190,28 @@ class SidecarServer:
         log.debug(
             "serving %s rank %d on %s", cfg.model, cfg.rank, self.endpoint
         )  # printed by the CLI
+
+    def _credentials(self) -> Credentials | None:
+        cfg = self.config
+        creds = load_tokens_file(cfg.tokens_file) if cfg.tokens_file is not None else None
+        if cfg.tokens:
+            full = Credentials.full_access(cfg.tokens)
+            if creds is None:
+                return full
+            return Credentials({**full.tokens, **creds.tokens}, creds.identities)
+        return creds
+
+    def reload_credentials(self) -> bool:
+        """Re-read ``tokens_file`` (SIGHUP); on a bad file keep the old credentials and log
+        why. True if the new ones are in force."""
+        try:
+            creds = self._credentials()
+        except ConfigError as e:
+            log.error("tokens file not reloaded, the previous credentials stay: %s", e)
+            return False
+        self.gate.set_credentials(creds)
+        log.warning("credentials reloaded: %d", len(creds) if creds is not None else 0)
+        return True
 
     def _spawn(self, name: str, fn: Callable[[], object], interval: float) -> None:
         def loop() -> None:

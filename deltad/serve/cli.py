@@ -22,6 +22,34 @@ def _env(name: str, default: Any = None) -> Any:
     return os.environ.get(f"DELTAD_{name}", default)
 
 
+class EnvValue:
+    """A flag's value taken from ``DELTAD_<NAME>``, converted (and checked) by
+    :func:`value` so that a bad one is reported naming the variable, in one line."""
+
+    def __init__(self, name: str, raw: str, kind: Any) -> None:
+        self.name, self.raw, self.kind = name, raw, kind
+
+    def __repr__(self) -> str:
+        return f"${self.name}"
+
+
+def _typed_env(name: str, kind: Any, default: Any) -> Any:
+    raw = os.environ.get(f"DELTAD_{name}")
+    return default if raw is None else EnvValue(f"DELTAD_{name}", raw, kind)
+
+
+def value(v: Any) -> Any:
+    """A parsed flag's value; one from the environment converted here (ConfigError naming
+    the variable if it does not convert)."""
+    if not isinstance(v, EnvValue):
+        return v
+    try:
+        return v.kind(v.raw)
+    except (TypeError, ValueError):
+        kind = getattr(v.kind, "__name__", str(v.kind))
+        raise ConfigError(f"{v.name}={v.raw[:64]!r} is not a valid {kind}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a(
@@ -30,7 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="spool directory shared with the trainer [DELTAD_SPOOL]",
     )
     a("--model", default=_env("MODEL", "model"), help="model name [DELTAD_MODEL]")
-    a("--rank", type=int, default=_env("RANK", 0), help="trainer rank served [DELTAD_RANK]")
+    a(
+        "--rank",
+        type=int,
+        default=_typed_env("RANK", int, 0),
+        help="trainer rank served [DELTAD_RANK]",
+    )
     a(
         "--listen",
         default=_env("LISTEN", "127.0.0.1:50051"),
@@ -57,11 +90,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a(
         "--tokens-file",
         default=_env("TOKENS_FILE"),
-        help="file with one allowed bearer token per line [DELTAD_TOKENS_FILE]; "
-        "or DELTAD_TOKENS=comma,separated",
+        help="scoped credentials, one 'TOKEN CONSUMERS ROLES' per line (TOKEN 'mtls:<CN>' "
+        "binds a client certificate; reloaded on SIGHUP) [DELTAD_TOKENS_FILE]",
     )
     for flag, kind, default, text in (
         ("max-concurrent-streams", int, 64, "GetDelta streams at once (more: RESOURCE_EXHAUSTED)"),
+        (
+            "max-consumers",
+            int,
+            10000,
+            "consumer names the offset store may know (new ones beyond: RESOURCE_EXHAUSTED, "
+            "nothing stored; 0 = no limit)",
+        ),
         ("max-message-bytes", int, 16 << 20, "largest request / message in bytes"),
         ("chunk-bytes", int, 2 << 20, "default RowChunk size in bytes"),
         (
@@ -86,12 +126,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ),
     ):
         env = flag.upper().replace("-", "_")
-        # a string default (from the environment) is converted, and checked, by argparse
-        a(f"--{flag}", type=kind, default=_env(env, default), help=f"{text} [DELTAD_{env}]")
+        # a default from the environment is converted, and checked, by value()
+        a(
+            f"--{flag}",
+            type=kind,
+            default=_typed_env(env, kind, default),
+            help=f"{text} [DELTAD_{env}]",
+        )
     a(
         "--metrics-port",
         type=int,
-        default=_env("METRICS_PORT"),
+        default=_typed_env("METRICS_PORT", int, None),
         help="serve Prometheus /metrics on this port [DELTAD_METRICS_PORT]",
     )
     a(
@@ -102,15 +147,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _tokens(args: argparse.Namespace) -> tuple[str, ...]:
-    tokens = [t.strip() for t in (_env("TOKENS", "") or "").split(",") if t.strip()]
-    if args.tokens_file:
-        try:
-            lines = Path(args.tokens_file).read_text().splitlines()
-        except OSError as e:
-            raise ConfigError(f"cannot read --tokens-file: {e}") from e
-        tokens += [t.strip() for t in lines if t.strip() and not t.startswith("#")]
-    return tuple(tokens)
+def _no_plain_tokens() -> None:
+    if _env("TOKENS"):
+        raise ConfigError(
+            "DELTAD_TOKENS (unscoped tokens) is no longer accepted: put each token in "
+            "--tokens-file as 'TOKEN CONSUMERS ROLES'"
+        )
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -119,6 +161,7 @@ def build_config(args: argparse.Namespace) -> Any:
 
     if not args.spool:
         raise ConfigError("--spool (or DELTAD_SPOOL) is required")
+    _no_plain_tokens()
 
     def path(v: str | None) -> Path | None:
         return Path(v) if v else None
@@ -126,28 +169,29 @@ def build_config(args: argparse.Namespace) -> Any:
     return ServerConfig(
         spool_dir=Path(args.spool),
         model=args.model,
-        rank=args.rank,
+        rank=value(args.rank),
         listen=args.listen,
         redis_url=args.redis_url or None,
         advertise=args.advertise,
         tls_cert=path(args.tls_cert),
         tls_key=path(args.tls_key),
         tls_client_ca=path(args.tls_client_ca),
-        tokens=_tokens(args),
-        max_concurrent_streams=args.max_concurrent_streams,
-        max_message_bytes=args.max_message_bytes,
-        chunk_bytes=args.chunk_bytes,
-        stream_deadline_s=args.stream_deadline,
-        lease_ttl_s=args.lease_ttl,
-        poll_interval_s=args.poll_interval,
-        grace_period_s=args.grace_period,
-        metrics_port=args.metrics_port,
-        metrics_listen=args.metrics_listen,
-        window_cache_entries=args.window_cache_entries,
-        window_cache_bytes=args.window_cache_bytes,
-        merge_min_segments=args.merge_min_segments,
-        retention_interval_s=args.retention_interval,
-        forget_after_s=args.forget_after,
+        tokens_file=path(args.tokens_file),
+        max_consumers=value(args.max_consumers),
+        max_concurrent_streams=value(args.max_concurrent_streams),
+        max_message_bytes=value(args.max_message_bytes),
+        chunk_bytes=value(args.chunk_bytes),
+        stream_deadline_s=value(args.stream_deadline),
+        lease_ttl_s=value(args.lease_ttl),
+        poll_interval_s=value(args.poll_interval),
+        grace_period_s=value(args.grace_period),
+        metrics_port=value(args.metrics_port),
+        metrics_listen=args.metrics_listen or None,
+        window_cache_entries=value(args.window_cache_entries),
+        window_cache_bytes=value(args.window_cache_bytes),
+        merge_min_segments=value(args.merge_min_segments),
+        retention_interval_s=value(args.retention_interval),
+        forget_after_s=value(args.forget_after),
     )
 
 
@@ -161,16 +205,25 @@ def run(args: argparse.Namespace) -> int:
     from deltad.serve.app import SidecarServer
 
     config = build_config(args)
-    stop = threading.Event()
+    stop, reload = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
 
+    def on_hup(signum: int, frame: Any) -> None:
+        reload.set()  # the loop below re-reads the tokens file within 0.5 s
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hup)
     server = SidecarServer(config).start()
     print(f"serving {config.model} rank {config.rank} on {server.endpoint}", flush=True)
     while not stop.wait(0.5):
+        if reload.is_set():
+            reload.clear()
+            ok = server.reload_credentials()
+            what = "credentials reloaded" if ok else "tokens file not reloaded (see the log)"
+            print(f"deltad serve: {what}", file=sys.stderr, flush=True)
         if server.wait(0):
             break
     print(f"deltad serve: stopping (grace {config.grace_period_s}s)", file=sys.stderr, flush=True)

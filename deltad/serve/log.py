@@ -1,18 +1,28 @@
 """The segment log of one rank: an index over its spool directory.
 
-:meth:`SegmentLog.refresh` lists the rank's directory, verifies each new file's checksum once
-(bad files are moved to the quarantine directory, counted and logged, never served), drops
+:meth:`SegmentLog.refresh` lists the rank's directory and loads each new file once through
+:func:`deltad.segment.validate.load_verified` (a private copy whose checksum and structure are
+verified: what is served and merged later is that copy). Bad files, and files named almost
+like a segment, are moved to the quarantine directory, counted and logged, never served. It drops
 files made redundant by a merged file (``first_seq..seq`` covers them: a merge that crashed
 before deleting its inputs) and switches to a newer generation once that generation's base for
 this rank is present. Served entries form a contiguous run from the base: a file after a gap
 (a segment still being written, or one that was quarantined) is held back until the gap is
 filled or a new generation arrives, so a window never silently misses a segment.
 
+A quarantined segment, or a gap that stays open for ``GAP_GRACE_S`` (a segment missing),
+makes the log ask the publisher beside it for a fresh base of its rank (the file
+``rebase.request`` in the rank's directory, see SpoolLayout); the publisher writes one at its
+next publish (first_seq 0, covering every earlier seq), the log serves from it and drops what
+it covers. Predictors stall for at most: ``GAP_GRACE_S`` (a missing segment only) + the
+trainer's publish interval + one base write + one poll.
+
 Readers take an immutable :class:`LogSnapshot`; retention swaps entries with :meth:`replace`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -22,11 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.format import DenseState, Segment, SegmentChunk, read_dense, read_segment
-from deltad.segment.spool import GenerationManifest, SpoolLayout
+from deltad.segment.format import DenseState, Segment, SegmentChunk, read_dense
+from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout, write_atomic
+from deltad.segment.validate import load_verified
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)
+
+#: A gap with later segments behind it for this long is a missing segment (a segment being
+#: written fills its gap in well under this).
+GAP_GRACE_S = 2.0
+#: A fresh base is asked for again this long after the last request if the gap stays.
+REQUEST_EVERY_S = 10.0
 
 ChunkKey = tuple[str, int, int]
 
@@ -46,8 +63,8 @@ class LogEntry:
     chunks: dict[ChunkKey, SegmentChunk] = field(repr=False, compare=False)
 
     @classmethod
-    def load(cls, path: Path) -> LogEntry:
-        seg = read_segment(path, verify=True)
+    def load(cls, path: Path, seg: Segment) -> LogEntry:
+        """The entry of ``seg``, loaded (and verified) from ``path``."""
         h = seg.header
         return cls(
             first_seq=h.first_seq,
@@ -55,7 +72,7 @@ class LogEntry:
             step=h.step,
             kind=h.kind,
             path=path,
-            nbytes=path.stat().st_size,
+            nbytes=sum(c.ids.nbytes + c.values.nbytes for c in seg.chunks),
             created_unix=h.created_unix,
             segment=seg,
             chunks={c.key: c for c in seg.chunks},
@@ -151,6 +168,50 @@ class SegmentLog:
         self._known: dict[Path, LogEntry] = {}
         self._dense: dict[Path, DenseEntry] = {}
         self._generation: int | None = None
+        self._manifests: dict[int, GenerationManifest] = {}
+        self._gap_since: float | None = None
+        self._requested: dict[int, float] = {}  # generation -> monotonic time of the request
+        #: Fresh bases asked of the publisher (rebase.request files written).
+        self.rebase_requests = 0
+
+    def manifest(self, generation: int) -> GenerationManifest:
+        """The manifest of ``generation`` (read once); SpoolError if unreadable."""
+        m = self._manifests.get(generation)
+        if m is None:
+            m = self._manifests[generation] = self.layout.read_manifest(generation)
+        return m
+
+    def load_entry(self, generation: int, seq: int, path: Path) -> LogEntry:
+        """Load and verify one file of this rank (SegmentCorruptError / SpoolError)."""
+        seg = load_verified(
+            path,
+            self.layout.model_dir,
+            self.manifest(generation),
+            generation=generation,
+            rank=self.rank,
+            seq=seq,
+        )
+        return LogEntry.load(path, seg)
+
+    def _listing(self, generation: int) -> tuple[list[tuple[int, Path]], list[Path]]:
+        """(seq, path) of the segment files, by seq, and the strays: names that start like a
+        segment but are not exactly one (other digits, a trailing newline, ...)."""
+        d = self.layout.rank_dir(generation, self.rank)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return [], []
+        except OSError as e:
+            raise SpoolError(f"cannot list {d}: {e}") from e
+        present, strays = [], []
+        for n in names:
+            m = SEGMENT_RE.fullmatch(n)
+            if m is not None:
+                present.append((int(m.group(1)), d / n))
+            elif n.startswith("seg-"):
+                strays.append(d / n)
+        present.sort()
+        return present, strays
 
     def snapshot(self) -> LogSnapshot | None:
         """The current served log (None before any base segment of this rank exists)."""
@@ -186,13 +247,16 @@ class SegmentLog:
             path.unlink(missing_ok=True)
         for _, path in self.layout.dense_files(generation, self.rank):
             path.unlink(missing_ok=True)
+        self.layout.rebase_request_path(generation, self.rank).unlink(missing_ok=True)
         try:
             self.layout.rank_dir(generation, self.rank).rmdir()
         except OSError:
             pass
 
     def _scan(self, generation: int, known: dict[Path, LogEntry]) -> None:
-        present = self.layout.segments(generation, self.rank)
+        present, strays = self._listing(generation)
+        for p in strays:
+            self._quarantine(generation, p, "not an exact segment file name", request=False)
         names = {p for _, p in present}
         for p in [p for p in known if p not in names]:
             del known[p]
@@ -200,12 +264,7 @@ class SegmentLog:
             if path in known:
                 continue
             try:
-                entry = LogEntry.load(path)
-                h = entry.segment.header
-                if h.generation != generation or h.rank != self.rank or h.seq != seq:
-                    raise SegmentCorruptError(
-                        f"{path}: header says generation {h.generation} rank {h.rank} seq {h.seq}"
-                    )
+                entry = self.load_entry(generation, seq, path)
             except FileNotFoundError:
                 continue
             except SegmentCorruptError as e:
@@ -278,9 +337,12 @@ class SegmentLog:
         except OSError:
             return 0
 
-    def _quarantine(self, generation: int, path: Path, reason: str) -> None:
+    def _quarantine(
+        self, generation: int, path: Path, reason: str, *, request: bool = True
+    ) -> None:
         qdir = self.layout.quarantine_dir
-        dest = qdir / f"gen-{generation}-rank-{self.rank:05d}-{path.name}.{time.time_ns()}"
+        name = path.name.encode("ascii", "backslashreplace").decode()[:80].replace("\n", "_")
+        dest = qdir / f"gen-{generation}-rank-{self.rank:05d}-{name}.{time.time_ns()}"
         try:
             qdir.mkdir(parents=True, exist_ok=True)
             os.replace(path, dest)
@@ -291,6 +353,26 @@ class SegmentLog:
         log.error("quarantined segment %s -> %s: %s", path, dest, reason)
         if self.on_quarantine is not None:
             self.on_quarantine(dest, reason)
+        if request:
+            self.request_base(generation, f"quarantined {path.name}: {reason}")
+
+    def request_base(self, generation: int, reason: str, *, force: bool = False) -> bool:
+        """Ask the publisher of this rank for a fresh base of ``generation`` (at most every
+        ``REQUEST_EVERY_S`` unless ``force``); True if a request was written."""
+        last = self._requested.get(generation)
+        now = time.monotonic()
+        if not force and last is not None and now - last < REQUEST_EVERY_S:
+            return False
+        path = self.layout.rebase_request_path(generation, self.rank)
+        try:
+            write_atomic(path, json.dumps({"reason": reason[:500], "unix": time.time()}).encode())
+        except OSError as e:
+            log.error("cannot ask for a fresh base of rank %d (%s): %s", self.rank, reason, e)
+            return False
+        self._requested[generation] = now
+        self.rebase_requests += 1
+        log.warning("rank %d: asked the publisher for a fresh base: %s", self.rank, reason)
+        return True
 
     def _publish(self, generation: int) -> None:
         entries = sorted(self._known.values(), key=lambda e: e.seq)
@@ -299,14 +381,23 @@ class SegmentLog:
             self._snapshot = None
             return
         run = [bases[-1]]
+        gap = False
         for e in entries:
             if e.seq <= run[-1].seq:
                 continue
             if e.first_seq != run[-1].seq + 1:
                 log.debug("rank %d: holding back seq %d after a gap", self.rank, e.seq)
+                gap = True
                 break
             run.append(e)
         dense = tuple(sorted(self._dense.values(), key=lambda d: d.seq))
+        now = time.monotonic()
+        if not gap:
+            self._gap_since = None
+        elif self._gap_since is None:
+            self._gap_since = now
+        elif now - self._gap_since > GAP_GRACE_S:
+            self.request_base(generation, f"segment {run[-1].seq + 1} is missing")
         cur = self._snapshot
         if (
             cur is not None
@@ -318,7 +409,7 @@ class SegmentLog:
         manifest = (
             cur.manifest
             if cur is not None and cur.generation == generation
-            else self.layout.read_manifest(generation)
+            else self.manifest(generation)
         )
         self._snapshot = LogSnapshot(generation, manifest, tuple(run), dense)
 

@@ -72,6 +72,13 @@ redis.call('SREM', KEYS[2], ARGV[1])
 return 1
 """
 
+# KEYS: consumers. ARGV: consumer, max. A known consumer, or room for one more (no write).
+_ADMIT = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
+if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[2]) then return 1 end
+return 0
+"""
+
 
 class CommitRejected(StaleCursorError):
     """A commit the store refused; ``reason`` is one of the Lua script's answers:
@@ -160,6 +167,7 @@ class OffsetStore:
         self._commit = client.register_script(_COMMIT)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._forget = client.register_script(_FORGET)
+        self._admit = client.register_script(_ADMIT)
 
     @classmethod
     def from_url(cls, url: str, model: str, **kw: Any) -> OffsetStore:
@@ -287,6 +295,13 @@ class OffsetStore:
         """Register ``consumer`` if unknown, else renew its lease (GetDelta does this)."""
         if self.heartbeat(consumer, default_ttl_s) is None:
             self.register(consumer, default_ttl_s)
+
+    def admits(self, consumer: str, max_consumers: int) -> bool:
+        """Whether ``consumer`` is known or there is room for it below ``max_consumers``
+        (one read-only script; concurrent first requests of new names may overshoot the
+        limit by at most their number)."""
+        keys, args = [self.keys.consumers()], [consumer, str(max_consumers)]
+        return bool(int(self._retry("admit", lambda: self._admit(keys=keys, args=args))))
 
     def consumers(self) -> list[str]:
         raw = self._retry("consumers", lambda: self.client.smembers(self.keys.consumers()))

@@ -49,6 +49,9 @@ class Retention:
         self.store = store
         self.min_segments = min_segments
         self.max_bytes = max_bytes
+        #: The (first_seq, seq) of a merge that failed unexpectedly: not retried, so one bad
+        #: entry cannot make every round fail (other merges still run).
+        self._failed: set[tuple[int, int]] = set()
 
     def _bounded(self, run: Sequence[LogEntry], first: LogEntry | None = None) -> list[LogEntry]:
         out = [first] if first is not None else []
@@ -96,8 +99,15 @@ class Retention:
         if not covered or len(covered) < 2:
             return False
         first, last = covered[0], covered[-1]
+        if (first.first_seq, last.seq) in self._failed:
+            return False
         head = first.segment.header
-        merged = merge_entries(covered)
+        try:
+            merged = merge_entries(covered)
+        except Exception as e:  # verified inputs make this a bug, not a bad file: keep going
+            self._failed.add((first.first_seq, last.seq))
+            log.exception("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
+            return False
         try:
             write_segment(
                 last.path,
@@ -111,7 +121,7 @@ class Retention:
                 kind=SegmentKind.BASE if first.first_seq == 0 else SegmentKind.DELTA,
                 chunks=[r.to_chunk() for r in merged.values()],
             )
-            entry = LogEntry.load(last.path)
+            entry = self.seglog.load_entry(head.generation, last.seq, last.path)
         except (SpoolError, SegmentCorruptError) as e:
             log.error("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
             return False

@@ -1,0 +1,197 @@
+"""The spool is input: open a segment file safely, keep a private verified copy, and check its
+structure before anything serves or merges it.
+
+:func:`load_verified` is what the sidecar indexes with:
+
+1. the file is opened without following a symbolic link (``O_NOFOLLOW``), without blocking
+   (a FIFO named like a segment), and must be a regular file (``fstat``) in a directory that
+   really is inside the spool;
+2. its bytes are copied into an anonymous memory file (``memfd``) private to this process,
+   and the checksum and structure are verified on that copy; what is served and merged later
+   is that copy, so bytes changed on disk after indexing never reach a consumer or a merge;
+3. :func:`check_structure` checks, vectorized: header field types; model, rank and world
+   size; ``first_seq`` (0 exactly for a base, else ``1..seq``); every chunk of a known table
+   with the manifest's ``num_rows`` and ``dim``, its row range inside the table, its columns
+   inside ``dim``, non-negative aligned offsets, a count within its row range (a base: every
+   row of it); ids inside the row range, strictly ascending (so unique).
+
+Every failure is a :class:`SegmentCorruptError` (the caller quarantines the file).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltad.errors import SegmentCorruptError, SpoolError
+from deltad.segment.format import Segment, SegmentHeader, read_header, read_segment
+from deltad.segment.spool import GenerationManifest
+from deltad.types import SegmentKind
+
+#: Kinds whose chunks are embedding rows checked against the manifest's tables.
+ROW_KINDS = (SegmentKind.BASE, SegmentKind.DELTA)
+_MAX_INT = 2**63 - 1
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise SegmentCorruptError(f"{what} must be an integer in {lo}..{hi}, got {v!r:.40}")
+    return v
+
+
+def check_header(
+    h: SegmentHeader,
+    manifest: GenerationManifest,
+    *,
+    generation: int,
+    rank: int,
+    seq: int,
+) -> None:
+    """Types, identity and every chunk's metadata (no ids needed); SegmentCorruptError."""
+    if not isinstance(h.model, str) or h.model != manifest.model:
+        raise SegmentCorruptError(f"model {h.model!r:.40} is not {manifest.model!r}")
+    if _int(h.generation, "generation") != generation:
+        raise SegmentCorruptError(f"generation {h.generation} is not {generation}")
+    if _int(h.rank, "rank") != rank:
+        raise SegmentCorruptError(f"rank {h.rank} is not {rank}")
+    if _int(h.world_size, "world_size", 1) != manifest.world_size:
+        raise SegmentCorruptError(
+            f"world_size {h.world_size} disagrees with the manifest ({manifest.world_size})"
+        )
+    if _int(h.seq, "seq") != seq:
+        raise SegmentCorruptError(f"seq {h.seq} is not the file name's {seq}")
+    first = _int(h.first_seq, "first_seq", 0, seq)
+    _int(h.step, "step", -(2**63), _MAX_INT)
+    if not isinstance(h.created_unix, int | float) or not math.isfinite(h.created_unix):
+        raise SegmentCorruptError(f"created_unix {h.created_unix!r:.40} is not a number")
+    if h.kind not in ROW_KINDS:
+        return  # other kinds (dense weights) carry their own checks
+    if (h.kind is SegmentKind.BASE) != (first == 0):
+        raise SegmentCorruptError(
+            f"a {h.kind.value} segment with first_seq {first} (a base, and only a base, "
+            "starts at 0)"
+        )
+    tables = {t.name: t for t in manifest.tables}
+    seen: set[tuple[str, int, int]] = set()
+    for i, c in enumerate(h.chunks):
+        where = f"chunk {i}"
+        if not isinstance(c.table, str) or c.table not in tables:
+            raise SegmentCorruptError(f"{where}: unknown table {c.table!r:.60}")
+        t = tables[c.table]
+        where = f"chunk {i} ({c.table})"
+        if _int(c.num_rows, f"{where} num_rows") != t.num_rows or (
+            _int(c.dim, f"{where} dim") != t.dim
+        ):
+            raise SegmentCorruptError(
+                f"{where}: shape {c.num_rows}x{c.dim} disagrees with the manifest's "
+                f"{t.num_rows}x{t.dim}"
+            )
+        r0 = _int(c.row_start, f"{where} row_start", 0, t.num_rows)
+        r1 = _int(c.row_end, f"{where} row_end", r0, t.num_rows)
+        c0 = _int(c.col_start, f"{where} col_start", 0, t.dim)
+        _int(c.col_end, f"{where} col_end", c0 + 1, t.dim)
+        count = _int(c.count, f"{where} count", 0, r1 - r0)
+        if h.kind is SegmentKind.BASE and count != r1 - r0:
+            raise SegmentCorruptError(f"{where}: a base holds {count} of its {r1 - r0} rows")
+        _int(c.ids_offset, f"{where} ids_offset")
+        _int(c.values_offset, f"{where} values_offset")
+        if c.ids_offset % 8 or c.values_offset % 8:
+            raise SegmentCorruptError(f"{where}: offsets are not 8-byte aligned")
+        if not isinstance(c.dtype, str):
+            raise SegmentCorruptError(f"{where}: dtype {c.dtype!r:.40} is not a name")
+        if c.key in seen:
+            raise SegmentCorruptError(f"{where}: slice appears twice")
+        seen.add(c.key)
+
+
+def check_rows(seg: Segment) -> None:
+    """Every chunk's ids inside its row range and strictly ascending (vectorized)."""
+    if seg.header.kind not in ROW_KINDS:
+        return
+    for c in seg.chunks:
+        ids = c.ids
+        n = ids.numel()
+        if n == 0:
+            continue
+        if int(ids[0]) < c.row_start or int(ids[-1]) >= c.row_end:
+            raise SegmentCorruptError(
+                f"chunk {c.table}: ids {int(ids[0])}..{int(ids[-1])} outside rows "
+                f"{c.row_start}..{c.row_end}"
+            )
+        if n > 1 and not bool(torch.all(ids[1:] > ids[:-1])):
+            raise SegmentCorruptError(f"chunk {c.table}: ids not strictly ascending")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    real_dir = os.path.realpath(path.parent)
+    want = os.path.join(os.path.realpath(root), os.path.relpath(path.parent, root))
+    return real_dir == os.path.normpath(want)
+
+
+def _private_copy(path: Path) -> int:
+    """A memfd holding the bytes of the regular file ``path`` (opened without following links
+    or blocking); SegmentCorruptError if it is anything else, SpoolError if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (40, 6):  # ELOOP (a symlink), ENXIO (a FIFO without a writer)
+            raise SegmentCorruptError(f"{path}: not a regular file ({e.strerror})") from e
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise SpoolError(f"cannot read segment {path}: {e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentCorruptError(f"{path}: not a regular file (mode {st.st_mode:o})")
+        mfd = os.memfd_create("deltad-segment", os.MFD_CLOEXEC)
+        try:
+            left, off = st.st_size, 0
+            while left > 0:
+                n = os.sendfile(mfd, fd, off, min(left, 1 << 30))
+                if n == 0:
+                    raise SegmentCorruptError(f"{path}: shrank while being read")
+                off += n
+                left -= n
+        except BaseException:
+            os.close(mfd)
+            raise
+        return mfd
+    except OSError as e:
+        raise SpoolError(f"cannot read segment {path}: {e}") from e
+    finally:
+        os.close(fd)
+
+
+def load_verified(
+    path: Path,
+    root: Path,
+    manifest: GenerationManifest,
+    *,
+    generation: int,
+    rank: int,
+    seq: int,
+) -> Segment:
+    """The segment at ``path`` from a private copy whose checksum and structure were verified
+    (see the module docstring). ``root``: the spool's model directory the file must be in."""
+    path = Path(path)
+    if not _inside(path, root):
+        raise SegmentCorruptError(f"{path}: its directory leads outside the spool {root}")
+    mfd = _private_copy(path)
+    copy = Path(f"/proc/self/fd/{mfd}")
+    try:
+        check_header(read_header(copy), manifest, generation=generation, rank=rank, seq=seq)
+        seg = read_segment(copy, verify=True)  # maps the copy; the mapping outlives the fd
+        check_rows(seg)
+    except (SegmentCorruptError, SpoolError) as e:
+        msg = str(e).replace(str(copy), str(path))
+        raise SegmentCorruptError(msg if str(path) in msg else f"{path}: {msg}") from None
+    except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, OverflowError) as e:
+        raise SegmentCorruptError(f"{path}: malformed segment: {e}") from None
+    finally:
+        os.close(mfd)
+    return seg

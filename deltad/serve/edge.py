@@ -1,0 +1,248 @@
+"""The gRPC edge: every DeltaService call is parsed, identified, authorized and admitted here,
+once, before the servicer sees it.
+
+* request bytes that do not parse get INVALID_ARGUMENT (and at most one log line per
+  ``LOG_EVERY_S``), never a traceback per request;
+* the caller's :class:`~deltad.serve.auth.Grant` comes from its one ``authorization: Bearer``
+  header (two or more: UNAUTHENTICATED) or its mTLS client certificate's CN;
+* out of scope: PERMISSION_DENIED before the servicer runs, so nothing changes;
+* a consumer name the offset store does not know yet is admitted only below
+  ``max_consumers`` (RESOURCE_EXHAUSTED otherwise, nothing stored);
+* ListConsumers shows a non-admin credential only its own consumers.
+
+Health checks are open; reflection needs a valid credential.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import grpc
+
+from deltad.config import check_name
+from deltad.errors import ConfigError, OffsetStoreError
+from deltad.serve import auth
+from deltad.serve.auth import Credentials, Grant
+
+log = logging.getLogger(__name__)
+
+SERVICE_PREFIX = "/deltad.v1.DeltaService/"
+OPEN_PREFIX = "/grpc.health.v1.Health/"
+#: Methods that may create a consumer (and so count against ``max_consumers``).
+ADMITTING = frozenset({"GetDelta", "Register"})
+LOG_EVERY_S = 10.0
+
+
+class RateLimitedLog:
+    """At most one warning per ``every_s`` seconds, counting the ones left out."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self._skipped = 0
+
+    def warning(self, msg: str, *args: object) -> bool:
+        """Log it unless one was logged less than ``every_s`` ago; True if logged."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every_s:
+                self._skipped += 1
+                return False
+            skipped, self._skipped, self._last = self._skipped, 0, now
+        log.warning(msg + " (%d more like it not logged)", *args, skipped)
+        return True
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
+    context.abort(code, msg)
+    raise AssertionError("unreachable")
+
+
+class Gate(grpc.ServerInterceptor):
+    """The edge interceptor (see the module docstring).
+
+    ``credentials`` None: no authorization (every caller may do everything). ``admit(name)``
+    answers whether a consumer may be served under the consumer limit (True for a known
+    one); None: no limit. :meth:`set_credentials` swaps the credentials (SIGHUP reload).
+    """
+
+    def __init__(
+        self,
+        credentials: Credentials | None,
+        admit: Callable[[str], bool] | None = None,
+        *,
+        max_consumers: int = 0,
+    ) -> None:
+        self._credentials = credentials
+        self._admit = admit
+        self.max_consumers = max_consumers
+        self.bad_requests = 0
+        self.denied = 0
+        self._bad_log = RateLimitedLog()
+        self._deny_log = RateLimitedLog()
+
+    def set_credentials(self, credentials: Credentials | None) -> None:
+        self._credentials = credentials
+
+    # --- decisions applied to a call ------------------------------------------------------
+
+    def grant(self, context: grpc.ServicerContext) -> Grant:
+        """The caller's grant, or abort UNAUTHENTICATED."""
+        values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+        if len(values) > 1:
+            self._denied("more than one authorization header")
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "more than one authorization header")
+        creds = self._credentials
+        if creds is None:
+            return auth.OPEN
+        if values:
+            value = values[0]
+            grant = None
+            if isinstance(value, str) and value.startswith("Bearer "):
+                grant = creds.for_token(value[7:])
+            if grant is None:
+                self._denied("invalid bearer token")
+                _abort(context, grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
+            return grant
+        for cn in context.auth_context().get("x509_common_name", ()):
+            grant = creds.for_identity(cn.decode("utf-8", "replace"))
+            if grant is not None:
+                return grant
+        self._denied("no credential")
+        _abort(
+            context,
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or invalid bearer token (or client certificate not in the tokens file)",
+        )
+
+    def _denied(self, why: str) -> None:
+        self.denied += 1
+        self._deny_log.warning("refused a call: %s", why)
+
+    def _parse(
+        self, deserializer: Callable[[bytes], Any], raw: bytes, method: str, context: Any
+    ) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as e:  # DecodeError, or anything a hostile payload triggers
+            self.bad_requests += 1
+            self._bad_log.warning("malformed %s request (%d bytes): %s", method, len(raw), e)
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed {method} request: not a valid protobuf message",
+            )
+
+    def _check(self, grant: Grant, method: str, req: Any, context: Any) -> None:
+        consumer = getattr(req, "consumer", None) if method in auth.CONSUMER_METHODS else None
+        why = auth.may_call(grant, method, consumer)
+        if why is not None:
+            self._denied(why)
+            _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
+        if method in ADMITTING and self._admit is not None:
+            try:
+                check_name("consumer", consumer or "")
+            except ConfigError as e:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            try:
+                ok = self._admit(consumer or "")
+            except OffsetStoreError as e:
+                _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            if not ok:
+                _abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.max_consumers} consumers are known (max_consumers); consumer "
+                    f"{consumer!r} is not admitted: forget an idle one or raise the limit",
+                )
+
+    # --- wrapping -------------------------------------------------------------------------
+
+    def _wrap(self, h: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        deserialize = h.request_deserializer or (lambda b: b)
+        if h.unary_unary is not None:
+            fn = h.unary_unary
+
+            def unary(raw: bytes, context: grpc.ServicerContext) -> Any:
+                grant = self.grant(context)
+                req = self._parse(deserialize, raw, method, context)
+                self._check(grant, method, req, context)
+                resp = fn(req, context)
+                if method == "ListConsumers" and not grant.admin and resp is not None:
+                    keep = [c for c in resp.consumers if auth.visible(grant, c.consumer)]
+                    del resp.consumers[:]
+                    resp.consumers.extend(keep)
+                return resp
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, response_serializer=h.response_serializer
+            )
+        if h.unary_stream is not None:
+            gen = h.unary_stream
+
+            def stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+                grant = self.grant(context)
+                req = self._parse(deserialize, raw, method, context)
+                self._check(grant, method, req, context)
+                yield from gen(req, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, response_serializer=h.response_serializer
+            )
+        return self._wrap_identified(h)
+
+    def _wrap_identified(self, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """Any other shape (reflection's bidi stream): a valid credential, nothing more."""
+        kw = {
+            "request_deserializer": h.request_deserializer,
+            "response_serializer": h.response_serializer,
+        }
+        if h.stream_stream is not None:
+            bidi = h.stream_stream
+
+            def stream_stream(it: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                self.grant(context)
+                yield from bidi(it, context)
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+        if h.stream_unary is not None:
+            su = h.stream_unary
+
+            def stream_unary(it: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                self.grant(context)
+                return su(it, context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+        if h.unary_stream is not None:
+            us = h.unary_stream
+
+            def unary_stream(req: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                self.grant(context)
+                yield from us(req, context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+        uu = h.unary_unary
+
+        def unary_unary(req: Any, context: grpc.ServicerContext) -> Any:
+            self.grant(context)
+            return uu(req, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        method = details.method
+        if handler is None or method.startswith(OPEN_PREFIX):
+            return handler
+        if method.startswith(SERVICE_PREFIX):
+            return self._wrap(handler, method[len(SERVICE_PREFIX) :])
+        return self._wrap_identified(handler)

@@ -1,0 +1,200 @@
+"""The spool is input: a matrix of hostile files (valid checksums, bad content; links, FIFOs,
+odd names), each quarantined and never served; and bytes changed on disk after indexing never
+reach a consumer or a merge."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from serverkit import MODEL, Client, Replica, SpoolWriter, redis_server, server_config, wait_for
+
+from deltad.redisutil import EmbeddedRedis
+from deltad.segment.format import ALIGN, END_MAGIC, MAGIC, SegmentChunk, checksum, write_segment
+from deltad.serve.app import SidecarServer
+from deltad.serve.log import SegmentLog
+from deltad.types import SegmentKind
+
+__all__ = ["redis_server"]
+
+
+def _write(spool: SpoolWriter, seq: int, chunks: list[SegmentChunk], **kw: object) -> Path:
+    path = spool.layout.segment_path(1, 0, seq)
+    opts: dict[str, object] = {
+        "model": MODEL, "generation": 1, "rank": 0, "world_size": 1, "seq": seq, "step": 99,
+        "kind": SegmentKind.DELTA, "chunks": chunks, "fsync": False,
+    }  # fmt: skip
+    opts.update(kw)
+    write_segment(path, **opts)  # type: ignore[arg-type]
+    return path
+
+
+def _chunk(
+    ids: list[int], table: str = "t0", n: int = 1000, dim: int = 8, cols: tuple[int, int] = (0, 8)
+) -> SegmentChunk:
+    i = torch.tensor(ids, dtype=torch.int64)
+    return SegmentChunk(table, n, dim, 0, n, *cols, i, torch.ones(len(ids), cols[1] - cols[0]))
+
+
+def _rewrite_header(path: Path, mutate: Callable[[dict], None]) -> None:  # type: ignore[type-arg]
+    """Change a segment's header and give it a valid checksum again (payload kept)."""
+    raw = path.read_bytes()
+    hlen = struct.unpack_from("<I", raw, 8)[0]
+    header = json.loads(raw[16 : 16 + hlen])
+    payload = raw[(16 + hlen + ALIGN - 1) // ALIGN * ALIGN : -16]
+    mutate(header)
+    new = json.dumps(header).encode()
+    head = struct.pack("<8sII", MAGIC, len(new), 0) + new
+    body = head + b"\0" * ((-len(head)) % ALIGN) + payload
+    path.write_bytes(body + struct.pack("<Q8s", checksum(body), END_MAGIC))
+
+
+def _chunk0(**kw: object) -> Callable[[dict], None]:  # type: ignore[type-arg]
+    def mutate(h: dict) -> None:  # type: ignore[type-arg]
+        h["chunks"][0].update(kw)
+
+    return mutate
+
+
+def _set(**kw: object) -> Callable[[dict], None]:  # type: ignore[type-arg]
+    return lambda h: h.update(kw)
+
+
+def _hostile(case: str, spool: SpoolWriter, outside: Path) -> None:
+    """Write hostile seq 2 (or a hostile file) into rank 0 of generation 1."""
+    d = spool.layout.rank_dir(1, 0)
+    ok = [_chunk([1, 5, 9])]
+    if case == "ids out of range":
+        _write(spool, 2, [_chunk([1, 5, 1000])])
+    elif case == "negative id":
+        _write(spool, 2, [_chunk([-1, 5])])
+    elif case == "unsorted ids":
+        _write(spool, 2, [_chunk([9, 5])])
+    elif case == "duplicate ids":
+        _write(spool, 2, [_chunk([5, 5])])
+    elif case == "dim disagrees with manifest":
+        _write(spool, 2, [_chunk([1], dim=9, cols=(0, 9))])
+    elif case == "num_rows disagrees with manifest":
+        _write(spool, 2, [_chunk([1], n=2000)])
+    elif case == "columns beyond dim":
+        c = _chunk([1], cols=(4, 12))
+        _write(spool, 2, [c])
+    elif case == "unknown table":
+        _write(spool, 2, [_chunk([1], table="nope")])
+    elif case == "negative offset":
+        _rewrite_header(_write(spool, 2, ok), _chunk0(ids_offset=-64))
+    elif case == "string count":
+        _rewrite_header(_write(spool, 2, ok), _chunk0(count="3"))
+    elif case == "float count":
+        _rewrite_header(_write(spool, 2, ok), _chunk0(count=3.0))
+    elif case == "string seq":
+        _rewrite_header(_write(spool, 2, ok), _set(seq="2"))
+    elif case == "float generation":
+        _rewrite_header(_write(spool, 2, ok), _set(generation=1.0))
+    elif case == "bool rank":
+        _rewrite_header(_write(spool, 2, ok), _set(rank=False))
+    elif case == "delta claiming first_seq 0":
+        _rewrite_header(_write(spool, 2, ok), _set(first_seq=0))
+    elif case == "count past the payload":
+        _rewrite_header(_write(spool, 2, ok), _chunk0(count=999))
+    elif case == "header not an object":
+        _rewrite_header(_write(spool, 2, ok), lambda h: h.clear())
+    elif case == "symlink outside the spool":
+        target = outside / "evil.dseg"
+        _write(spool, 2, ok)
+        os.replace(spool.layout.segment_path(1, 0, 2), target)
+        os.symlink(target, spool.layout.segment_path(1, 0, 2))
+    elif case == "fifo named like a segment":
+        os.mkfifo(spool.layout.segment_path(1, 0, 2))
+    elif case == "non-ascii digits":
+        _write(spool, 2, ok)
+        os.replace(spool.layout.segment_path(1, 0, 2), d / "seg-\u0660\u0660\u0660\u0660"
+                   "\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0662.dseg")  # fmt: skip
+    elif case == "trailing newline":
+        _write(spool, 2, ok)
+        os.replace(spool.layout.segment_path(1, 0, 2), d / "seg-000000000002.dseg\n")
+    else:
+        raise AssertionError(case)
+
+
+CASES = [
+    "ids out of range",
+    "negative id",
+    "unsorted ids",
+    "duplicate ids",
+    "dim disagrees with manifest",
+    "num_rows disagrees with manifest",
+    "columns beyond dim",
+    "unknown table",
+    "negative offset",
+    "string count",
+    "float count",
+    "string seq",
+    "float generation",
+    "bool rank",
+    "delta claiming first_seq 0",
+    "count past the payload",
+    "header not an object",
+    "symlink outside the spool",
+    "fifo named like a segment",
+    "non-ascii digits",
+    "trailing newline",
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", CASES)
+def test_a_hostile_file_is_quarantined_and_never_indexed(case: str, tmp_path: Path) -> None:
+    spool = SpoolWriter(tmp_path / "spool")
+    spool.delta()  # seq 1, valid
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    _hostile(case, spool, outside)
+    seglog = SegmentLog(spool.layout, 0)
+    seglog.refresh()
+    seglog.refresh()
+    snap = seglog.snapshot()
+    assert snap is not None and snap.head.seq == 1, case
+    assert seglog.quarantined == 1, case
+    assert sorted(p.name for p in spool.layout.rank_dir(1, 0).iterdir()) == [
+        "seg-000000000000.dseg",
+        "seg-000000000001.dseg",
+    ]
+    if case == "symlink outside the spool":
+        assert (outside / "evil.dseg").exists()  # the link was moved, not its target
+
+
+def test_bytes_changed_on_disk_after_indexing_never_reach_a_consumer_or_a_merge(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    spool = SpoolWriter(tmp_path / "spool")
+    for _ in range(3):
+        spool.delta()
+    srv = SidecarServer(
+        server_config(tmp_path / "spool", redis_server.url, merge_min_segments=2)
+    ).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == 3)
+        for seq in (0, 2):  # flip 64 bytes in place (same inode) of the base and of a delta
+            path = spool.layout.segment_path(1, 0, seq)
+            with open(path, "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                for at in (size // 3, size // 2):
+                    f.seek(at)
+                    f.write(bytes(b ^ 0xFF for b in f.read(32)))
+        rep = Replica()
+        rep.apply(c.pull("new"))  # a new consumer: the full tables, as indexed
+        assert all(torch.equal(rep.tables[t], spool.truth[t]) for t in spool.specs)
+        assert srv.retention.run_once()  # the merge reads the verified copies
+        rep2 = Replica()
+        rep2.apply(c.pull("newer"))
+        assert all(torch.equal(rep2.tables[t], spool.truth[t]) for t in spool.specs)
+    finally:
+        c.close()
+        srv.stop(0)
