@@ -77,11 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--tables",
         default="4",
-        help="pooled tables: a count (t0..tN-1) or NAME[:ROWS],... as the trainer's (default 4)",
+        help="pooled tables: a count (t0..tN-1) or NAME[:ROWS],..., as given to the trainer",
     )
-    serve.add_argument("--rows", type=int, default=10_000, help="rows per table (default)")
-    serve.add_argument("--seq-rows", type=int, help="rows of the sequence table (default --rows)")
-    serve.add_argument("--dim", type=int, default=16, help="embedding dim (16)")
+    serve.add_argument("--rows", type=int, default=10_000, help="rows per pooled table")
+    serve.add_argument("--seq-rows", type=int, help="rows of the sequence table (None: --rows)")
+    serve.add_argument("--dim", type=int, default=16, help="embedding dim")
     serve.add_argument(
         "--consistency",
         choices=("chunk", "window"),
