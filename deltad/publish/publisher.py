@@ -591,7 +591,7 @@ class SegmentPublisher:
     def _take_dense(self, stats: SegmentStats, *, force: bool) -> dict[str, torch.Tensor] | None:
         """Rank 0: a copy of the dense state now (this segment's cut) if one is due."""
         cfg = self.config
-        if not cfg.publish_dense or self.rank != 0:
+        if not cfg.publish_dense or self.rank != 0 or not isinstance(self.model, nn.Module):
             return None
         now = time.monotonic()
         last = self._last_dense_step
