@@ -22,7 +22,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from deltad.config import ConsumerConfig, PublisherConfig, PullOptions
 from deltad.consume import decode
-from deltad.consume.client import DeltaConsumer
+from deltad.consume.client import DeltaConsumer, RankStatus, _dense_target
 from deltad.publish.publisher import SegmentPublisher
 from deltad.publish.tracker import DeltaTracker
 from deltad.segment.format import decode_dense, encode_dense, read_dense, read_segment, write_dense
@@ -315,3 +315,22 @@ def test_a_corrupt_dense_state_is_quarantined_not_served(tmp_path: Path, redis_u
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_dense_alignment_picks_a_step_every_rank_can_end_at() -> None:
+    def st(rank: int, steps: tuple[int, ...], dense: tuple[int, ...] = ()) -> RankStatus:
+        head = steps[-1] if steps else 5
+        return RankStatus(rank, 2, 1, len(steps) - 1, head, 0.0, 0.0, dense, steps)
+
+    # dense with every segment: the target itself
+    assert _dense_target([st(0, (0, 1, 2, 3), (0, 1, 2, 3)), st(1, (0, 1, 2, 3))], 3) == 3
+    # dense every 2 steps: the newest dense step at or below the target
+    assert _dense_target([st(0, (0, 1, 2, 3), (0, 2)), st(1, (0, 1, 2, 3))], 3) == 2
+    # rank 1 merged 1..3 into one entry ending at 3: step 2 is no end there; 0 is
+    assert _dense_target([st(0, (0, 1, 2, 3), (0, 2)), st(1, (0, 3))], 3) == 0
+    # nothing common: rows move on to the target (the pull's dense_step tells the rest)
+    assert _dense_target([st(0, (1, 2, 3), (2,)), st(1, (3,))], 3) == 3
+    # no dense states published: the target
+    assert _dense_target([st(0, (0, 5)), st(1, (0, 5))], 5) == 5
+    # an older sidecar reports no steps: trusted
+    assert _dense_target([st(0, (), (0, 4)), st(1, ())], 5) == 4
