@@ -121,6 +121,7 @@ def client_pull(
         end_unix = time.time()
         rows = res.rows
         nbytes = res.bytes
+        dense_bytes = res.dense_bytes
         vals = sum(s.values.numel() for d in res.deltas for s in d.slices if s.values is not None)
         del res
     finally:
@@ -129,6 +130,7 @@ def client_pull(
     return {
         "seconds": dt,
         "bytes": nbytes,
+        "dense_bytes": dense_bytes,  # part of "bytes"
         "rows": rows,
         "values": vals,
         "start_unix": start_unix,

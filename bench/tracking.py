@@ -194,6 +194,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
                 "write_cpu_s": s.write_cpu_s,
                 "copy_s": s.copy_s,
                 "copy_cpu_s": s.copy_cpu_s,
+                "dense_bytes": s.dense_bytes,  # rank 0: the dense state taken with it
+                "dense_s": s.dense_s,  # in the loop (part of stall_s): cloning it
             }
             for s in segs
         ]

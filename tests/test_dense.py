@@ -21,12 +21,15 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from deltad.config import ConsumerConfig, PublisherConfig, PullOptions
-from deltad.consume.client import DeltaConsumer
+from deltad.consume import decode
+from deltad.consume.client import DeltaConsumer, RankStatus, _dense_target
 from deltad.publish.publisher import SegmentPublisher
 from deltad.publish.tracker import DeltaTracker
-from deltad.segment.format import encode_dense, read_dense, read_segment, write_dense
+from deltad.segment.format import decode_dense, encode_dense, read_dense, read_segment, write_dense
 from deltad.segment.spool import SpoolLayout
+from deltad.serve import encode
 from deltad.serve.app import SidecarServer
+from deltad.v1 import delta_pb2 as pb
 
 STEPS = 7
 DENSE_NAMES = {
@@ -261,3 +264,73 @@ def test_sidecar_serves_the_newest_dense_state_at_or_before_the_head(
     finally:
         raw.close()
         srv.stop(0)
+
+
+def test_dense_chunks_decode_and_a_broken_stream_is_refused() -> None:
+    state = decode_dense(
+        encode_dense(model="m", generation=1, rank=0, seq=4, step=40, tensors=_state(4))
+    )
+    header = pb.DeltaHeader(to_seq=4, to_step=40)
+    header.dense.seq, header.dense.step = 4, 40
+    for t in state.header.tensors:
+        header.dense.tensors.add(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
+    head = encode.encode_header(header)
+    chunks = list(encode.encode_dense_chunks(state, 64 * 1024))
+    assert len(chunks) > len(state.tensors)  # the 400 kB tensor is split
+    tail = encode.encode_trailer(pb.DeltaTrailer())
+    d = decode.decode_stream([head, *chunks, tail])
+    assert d.dense_step == 40 and _same(d.dense, _state(4))
+    assert d.dense_bytes == d.bytes == state.nbytes
+    with pytest.raises(decode.StreamDecodeError, match="bytes received"):
+        decode.decode_stream([head, *chunks[:-1], tail])
+    with pytest.raises(decode.StreamDecodeError, match="expected byte"):
+        decode.decode_stream([head, chunks[1], chunks[0], *chunks[2:], tail])
+    bad = pb.DeltaHeader()
+    bad.CopyFrom(header)
+    bad.dense.tensors[0].dtype = "complex64"
+    with pytest.raises(decode.StreamDecodeError, match="unknown dense dtype"):
+        decode.decode_stream([encode.encode_header(bad)])
+    bad.dense.tensors[0].dtype = "float32"
+    bad.dense.tensors[0].nbytes += 4
+    with pytest.raises(decode.StreamDecodeError, match="bytes for float32"):
+        decode.decode_stream([encode.encode_header(bad)])
+
+
+def test_a_corrupt_dense_state_is_quarantined_not_served(tmp_path: Path, redis_url: str) -> None:
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root)
+    _write_dense(spool, _state(0))
+    path = spool.layout.dense_path(spool.generation, 0, 0)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    srv = SidecarServer(server_config(root, redis_url)).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        wait_for(lambda: srv.log.snapshot() is not None and srv.log.quarantined == 1)
+        snap = srv.log.snapshot()
+        assert snap is not None and snap.dense == () and not path.exists()
+        d = c.pull("p", with_dense=True)
+        assert d.resync and d.dense_step is None and d.dense == {}
+    finally:
+        c.close()
+        srv.stop(0)
+
+
+def test_dense_alignment_picks_a_step_every_rank_can_end_at() -> None:
+    def st(rank: int, steps: tuple[int, ...], dense: tuple[int, ...] = ()) -> RankStatus:
+        head = steps[-1] if steps else 5
+        return RankStatus(rank, 2, 1, len(steps) - 1, head, 0.0, 0.0, dense, steps)
+
+    # dense with every segment: the target itself
+    assert _dense_target([st(0, (0, 1, 2, 3), (0, 1, 2, 3)), st(1, (0, 1, 2, 3))], 3) == 3
+    # dense every 2 steps: the newest dense step at or below the target
+    assert _dense_target([st(0, (0, 1, 2, 3), (0, 2)), st(1, (0, 1, 2, 3))], 3) == 2
+    # rank 1 merged 1..3 into one entry ending at 3: step 2 is no end there; 0 is
+    assert _dense_target([st(0, (0, 1, 2, 3), (0, 2)), st(1, (0, 3))], 3) == 0
+    # nothing common: rows move on to the target (the pull's dense_step tells the rest)
+    assert _dense_target([st(0, (1, 2, 3), (2,)), st(1, (3,))], 3) == 3
+    # no dense states published: the target
+    assert _dense_target([st(0, (0, 5)), st(1, (0, 5))], 5) == 5
+    # an older sidecar reports no steps: trusted
+    assert _dense_target([st(0, (), (0, 4)), st(1, ())], 5) == 4

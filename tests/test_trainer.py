@@ -16,8 +16,8 @@ from deltad.reference.trainer.data import SEQ_FEATURE, ClickStream, feature_name
 from deltad.reference.trainer.train import TrainConfig, TrainResult, run_training
 
 from deltad.errors import ConfigError, SpoolError
-from deltad.segment.format import Segment, apply_segments, read_segment
-from deltad.segment.spool import SEGMENT_RE, SpoolLayout
+from deltad.segment.format import Segment, apply_segments, read_dense, read_segment
+from deltad.segment.spool import DENSE_RE, SEGMENT_RE, SpoolLayout
 from deltad.types import SegmentKind, TrainLoop
 
 
@@ -166,7 +166,11 @@ def test_sigkill_leaves_only_complete_segments(tmp_path: Path) -> None:
     assert len(segments) >= 12
     for rank in range(2):
         for name in os.listdir(layout.rank_dir(7, rank)):
-            assert SEGMENT_RE.match(name) or name.startswith(".tmp-"), name
+            assert SEGMENT_RE.match(name) or DENSE_RE.match(name) or name.startswith(".tmp-"), name
+    dense = layout.dense_files(7, 0)  # rank 0's dense states: complete files too
+    assert len(dense) >= 6 and not layout.dense_files(7, 1)
+    for _, path in dense:
+        assert read_dense(path).tensors
 
 
 @pytest.mark.slow

@@ -164,6 +164,7 @@ class RankStats:
     stall_s: float  # training-loop time spent publishing (decide + drain + waits for copies)
     write_s: float  # writer-thread time
     hooks_s: float  # tracker hooks inside forward passes (record ids + fold into bitmaps)
+    dense_bytes: int = 0  # rank 0: bytes of the dense states published with its segments
 
 
 @dataclass
@@ -408,7 +409,9 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     if publisher is not None:
         s = publisher.stats
         hooks = publisher.tracker.stats.forward_s
-        mine = RankStats(rank, len(s.segments), s.rows, s.nbytes, s.stall_s, s.write_s, hooks)
+        mine = RankStats(
+            rank, len(s.segments), s.rows, s.nbytes, s.stall_s, s.write_s, hooks, s.dense_bytes
+        )
     gathered: list[Any] = [None] * cfg.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     if rank == 0:

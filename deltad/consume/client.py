@@ -88,6 +88,8 @@ class RankStatus:
     asked_unix: float
     #: Steps of the dense states this rank serves (rank 0 of a trainer publishing them).
     dense_steps: tuple[int, ...] = ()
+    #: Steps a window of this rank can end at (its log's entries; empty: not reported).
+    steps: tuple[int, ...] = ()
 
     @property
     def head_created_unix(self) -> float:
@@ -364,11 +366,7 @@ class DeltaConsumer:
         if self.config.pull.max_step is not None:
             target = min(target, self.config.pull.max_step)
         if self.config.pull.dense:
-            # rows and dense weights of one step: the newest step every rank has that also
-            # has a dense state (published with every segment by default: no freshness lost)
-            dense_steps = [t for s in statuses.values() for t in s.dense_steps if t <= target]
-            if dense_steps:
-                target = max(dense_steps)
+            target = _dense_target(list(statuses.values()), target)
         result.head_step = max(s.head_step for s in statuses.values())
         deltas: list[RankDelta] = []
         for r, got in zip(
@@ -435,6 +433,7 @@ class DeltaConsumer:
                 head_age_s=float(s.head_age_seconds),
                 asked_unix=time.time(),
                 dense_steps=tuple(int(x) for x in s.dense_steps),
+                steps=tuple(int(x) for x in s.steps),
             )
 
         return self._retry(r, "Status", call)
@@ -653,6 +652,21 @@ class _Rejected(ConsumerError):
     def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
+
+
+def _dense_target(statuses: list[RankStatus], target: int) -> int:
+    """The step an aligned pull that wants dense weights goes to, at most ``target``: the
+    newest step that has a dense state and that every rank's log can end a window at (a
+    retention merge may have swallowed a step on some rank). With dense states published with
+    every segment (the default) that is ``target`` itself: no freshness is lost. If no such
+    step exists (none published, or all swallowed), ``target``: rows move on, and the pull's
+    ``dense_step`` (older) says which dense state the predictor holds."""
+    dense = sorted({t for s in statuses for t in s.dense_steps if t <= target}, reverse=True)
+    ends = [set(s.steps) for s in statuses]
+    for t in dense:
+        if all(t in e for e in ends if e):  # a rank that reports no steps: an older sidecar
+            return t
+    return target
 
 
 def _worth(d: RankDelta) -> bool:

@@ -273,6 +273,7 @@ class SegmentPublisher:
         self._last_step = 0
         self._last_time = 0.0
         self._last_dense_step: int | None = None
+        self._dense_skip: tuple[str, ...] | None = None
         self._last_dense_time = 0.0
         self._closed = False
         self._final = False
@@ -661,12 +662,14 @@ class SegmentPublisher:
         """The model's dense parameters and buffers (live, not copies), named as in the
         unwrapped model's ``state_dict``: everything outside the tracked sharded EC / EBC
         modules, and no ShardedTensor / DTensor (those are sharded, not replicated)."""
-        sharded_modules = _sharded_types()
-        skip = tuple(
-            f"{_clean_fqn(fqn)}."
-            for fqn, mod in self.model.named_modules()
-            if isinstance(mod, sharded_modules)
-        ) + tuple(f"{t.module}." for t in self.tracker.tables)
+        if self._dense_skip is None:  # the sharded modules do not change: found once
+            sharded_modules = _sharded_types()
+            self._dense_skip = tuple(
+                f"{_clean_fqn(fqn)}."
+                for fqn, mod in self.model.named_modules()
+                if isinstance(mod, sharded_modules)
+            ) + tuple(f"{t.module}." for t in self.tracker.tables)
+        skip = self._dense_skip
         sharded = _sharded_tensor_types()
         out: dict[str, torch.Tensor] = {}
         named = [*self.model.named_parameters(), *self.model.named_buffers()]
@@ -680,7 +683,7 @@ class SegmentPublisher:
     def _take_dense(self, stats: SegmentStats, *, force: bool) -> dict[str, torch.Tensor] | None:
         """Rank 0: a copy of the dense state now (this segment's cut) if one is due."""
         cfg = self.config
-        if not cfg.publish_dense or self.rank != 0:
+        if not cfg.publish_dense or self.rank != 0 or not isinstance(self.model, nn.Module):
             return None
         now = time.monotonic()
         last = self._last_dense_step

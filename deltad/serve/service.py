@@ -474,6 +474,7 @@ class DeltaServicer:
         resp.log_bytes = snap.nbytes
         resp.head_age_seconds = max(0.0, time.time() - snap.head.created_unix)
         resp.dense_steps.extend(d.step for d in snap.dense if d.seq <= snap.head.seq)
+        resp.steps.extend(e.step for e in snap.entries)
         for t in m.tables:
             ts = resp.tables.add(
                 table=t.name, num_rows=t.num_rows, dim=t.dim, dtype=t.dtype, kind=t.kind,
