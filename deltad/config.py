@@ -164,6 +164,41 @@ class ServerConfig:
 
 
 @dataclass
+class RelayConfig:
+    """`deltad serve --upstream`: a relay mirrors one rank's log from an upstream sidecar (or
+    relay) into its own spool and serves it like a sidecar (see deltad.serve.relay)."""
+
+    #: host:port of the upstream sidecar or relay (same model and rank).
+    upstream: str
+    #: The relay's consumer name at the upstream (its cursor there); stable across restarts.
+    consumer: str = "relay"
+    #: Bearer token for the upstream, and a CA to verify its TLS certificate (None: plaintext).
+    token: str | None = None
+    tls_ca: Path | None = None
+    #: Seconds between upstream Status polls when nothing is new.
+    poll_interval_s: float = 0.05
+    #: Deadline of one upstream RPC (a GetDelta stream of a whole base included).
+    rpc_deadline_s: float = 300.0
+    #: The relay's lease at the upstream; renewed every third of it.
+    lease_ttl_s: float = 30.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+    #: fsync mirrored segments before committing upstream (off only on tmpfs).
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.upstream, str) or not re.fullmatch(r"\S+:\d+", self.upstream):
+            raise ConfigError(f"upstream must be host:port, not {clip(self.upstream)}")
+        check_name("upstream consumer", self.consumer)
+        if self.poll_interval_s <= 0 or self.rpc_deadline_s <= 0 or self.lease_ttl_s <= 0:
+            raise ConfigError("relay poll interval, RPC deadline and lease TTL must be > 0")
+        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise ConfigError("relay backoff_initial_s must be > 0 and <= backoff_max_s")
+        if self.tls_ca is not None:
+            self.tls_ca = Path(self.tls_ca)
+
+
+@dataclass
 class PullOptions:
     """What a consumer asks of GetDelta."""
 

@@ -35,6 +35,10 @@ class StaleCursorError(DeltadError):
     """A commit names a cursor that is behind, foreign, or of another generation."""
 
 
+class UpstreamError(DeltadError):
+    """A relay's upstream serves another model or rank, or went back a generation."""
+
+
 class ConsumerError(DeltadError):
     """Raised by the consumer library; gRPC errors are translated into it at the boundary."""
 

@@ -89,6 +89,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         # a string default (from the environment) is converted, and checked, by argparse
         a(f"--{flag}", type=kind, default=_env(env, default), help=f"{text} [DELTAD_{env}]")
     a(
+        "--upstream",
+        default=_env("UPSTREAM"),
+        help="run as a relay: mirror this rank's log from the sidecar or relay at host:port "
+        "(token: DELTAD_UPSTREAM_TOKEN) [DELTAD_UPSTREAM]",
+    )
+    a(
+        "--upstream-consumer",
+        default=_env("UPSTREAM_CONSUMER"),
+        help="the relay's consumer name at the upstream (default relay-<hostname>) "
+        "[DELTAD_UPSTREAM_CONSUMER]",
+    )
+    a(
+        "--upstream-tls-ca",
+        default=_env("UPSTREAM_TLS_CA"),
+        help="CA (PEM) of the upstream's TLS certificate [DELTAD_UPSTREAM_TLS_CA]",
+    )
+    a(
         "--metrics-port",
         type=int,
         default=_env("METRICS_PORT"),
@@ -144,6 +161,26 @@ def build_config(args: argparse.Namespace) -> Any:
     )
 
 
+def build_relay_config(args: argparse.Namespace) -> Any:
+    """RelayConfig from parsed flags, or None without --upstream (ConfigError on bad values)."""
+    if not args.upstream:
+        return None
+    import re
+    import socket
+
+    from deltad.config import RelayConfig
+
+    name = args.upstream_consumer or "relay-" + re.sub(
+        r"[^A-Za-z0-9_.-]", "-", socket.gethostname()
+    )
+    return RelayConfig(
+        upstream=args.upstream,
+        consumer=name[:128],
+        token=_env("UPSTREAM_TOKEN") or None,
+        tls_ca=Path(args.upstream_tls_ca) if args.upstream_tls_ca else None,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     # Allocator settings, before torch loads: merged windows and encoded chunks are fresh
     # multi-MB buffers and page faults dominate otherwise.
@@ -154,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     from deltad.serve.app import SidecarServer
 
     config = build_config(args)
+    relay = build_relay_config(args)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -161,11 +199,20 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = SidecarServer(config).start()
+    if relay is not None:
+        from deltad.serve.relay import RelayServer
+
+        server: Any = RelayServer(config, relay).start()
+    else:
+        server = SidecarServer(config).start()
     print(f"serving {config.model} rank {config.rank} on {server.endpoint}", flush=True)
     while not stop.wait(0.5):
         if server.wait(0):
             break
     print(f"deltad serve: stopping (grace {config.grace_period_s}s)", file=sys.stderr, flush=True)
     server.stop(config.grace_period_s)
+    error = getattr(server, "error", None)
+    if error is not None:
+        print(f"deltad serve: {error}", file=sys.stderr, flush=True)
+        return 2
     return 0

@@ -92,6 +92,8 @@ class DeltaServicer:
         self._streams = 0
         self._streams_lock = threading.Lock()
         self._slots: set[_StreamSlot] = set()
+        #: Set by a relay (deltad.serve.relay): the upstream it mirrors, shown in Status.
+        self.upstream = ""
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -431,7 +433,7 @@ class DeltaServicer:
         snap = self.log.snapshot()
         resp = pb.StatusResponse(
             model=cfg.model, rank=cfg.rank, quarantined=self.log.quarantined, head_seq=-1,
-            head_step=-1, base_seq=-1,
+            head_step=-1, base_seq=-1, upstream=self.upstream,
         )  # fmt: skip
         if snap is None:
             return resp
