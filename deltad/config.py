@@ -117,6 +117,10 @@ class ServerConfig:
     #: Allowed bearer tokens (empty = no auth). Sent as metadata ``authorization: Bearer <t>``.
     tokens: tuple[str, ...] = ()
     max_concurrent_streams: int = 64
+    #: GetDelta calls that wait in line (first come first served) for one of those slots,
+    #: each for up to ``stream_queue_wait_s``; past that: RESOURCE_EXHAUSTED with a retry hint.
+    max_queued_streams: int = 64
+    stream_queue_wait_s: float = 10.0
     max_message_bytes: int = 16 * 1024 * 1024
     chunk_bytes: int = 2 * 1024 * 1024
     #: Longest a single GetDelta stream may run before the server aborts it.
@@ -151,6 +155,8 @@ class ServerConfig:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
         if self.max_concurrent_streams < 1 or self.max_message_bytes < 1024 * 1024:
             raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
+        if self.max_queued_streams < 0 or self.stream_queue_wait_s < 0:
+            raise ConfigError("max_queued_streams and stream_queue_wait_s must be >= 0")
         if self.stream_deadline_s <= 0 or self.lease_ttl_s <= 0 or self.grace_period_s < 0:
             raise ConfigError("stream deadline and lease TTL must be > 0, grace period >= 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -243,6 +249,9 @@ class ConsumerConfig:
     max_retries: int = 5
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
+    #: A sidecar at its stream limit (RESOURCE_EXHAUSTED) is retried, after the wait it
+    #: suggests, for up to this many seconds per pull; then the pull raises OverloadedError.
+    overload_wait_s: float = 300.0
     lease_ttl_s: float = 30.0
     heartbeat_interval_s: float = 5.0
     token: str | None = None
@@ -268,6 +277,8 @@ class ConsumerConfig:
             raise ConfigError("max_retries must be >= 0 and rpc_deadline_s > 0")
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError("backoff_initial_s must be > 0 and <= backoff_max_s")
+        if self.overload_wait_s < 0:
+            raise ConfigError("overload_wait_s must be >= 0")
         if self.lease_ttl_s <= 0 or self.heartbeat_interval_s <= 0:
             raise ConfigError("lease_ttl_s and heartbeat_interval_s must be > 0")
         self.sidecars = tuple(self.sidecars)

@@ -47,5 +47,10 @@ class SidecarUnavailableError(ConsumerError):
     """A sidecar did not answer within the deadline after bounded retries."""
 
 
+class OverloadedError(SidecarUnavailableError):
+    """A sidecar stayed at its stream limit (RESOURCE_EXHAUSTED) past the consumer's
+    ``overload_wait_s``: raised by the pull, never only reported as a missing rank."""
+
+
 class StreamDecodeError(ConsumerError):
     """A GetDelta stream is malformed or incomplete."""

@@ -61,7 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "or DELTAD_TOKENS=comma,separated",
     )
     for flag, kind, default, text in (
-        ("max-concurrent-streams", int, 64, "GetDelta streams at once (more: RESOURCE_EXHAUSTED)"),
+        ("max-concurrent-streams", int, 64, "GetDelta streams at once (more wait in line)"),
+        ("max-queued-streams", int, 64, "GetDelta calls waiting in line for a stream slot"),
+        (
+            "stream-queue-wait",
+            float,
+            10.0,
+            "seconds one may wait in line (then RESOURCE_EXHAUSTED with a retry hint)",
+        ),
         ("max-message-bytes", int, 16 << 20, "largest request / message in bytes"),
         ("chunk-bytes", int, 2 << 20, "default RowChunk size in bytes"),
         (
@@ -146,6 +153,8 @@ def build_config(args: argparse.Namespace) -> Any:
         tls_client_ca=path(args.tls_client_ca),
         tokens=_tokens(args),
         max_concurrent_streams=args.max_concurrent_streams,
+        max_queued_streams=args.max_queued_streams,
+        stream_queue_wait_s=args.stream_queue_wait,
         max_message_bytes=args.max_message_bytes,
         chunk_bytes=args.chunk_bytes,
         stream_deadline_s=args.stream_deadline,
