@@ -13,6 +13,14 @@ Per run: every consumer's pull time (p50 / p99), aggregate throughput (bytes del
 all / span from the first start to the last end) and the sidecar's CPU seconds (psutil,
 user + system, sidecar process and its children) over the run.
 
+**Relay trees** (:func:`_tree`): the same fresh-consumer window pulled by N consumers from
+the sidecar and through one and two relay levels (``deltad serve --upstream``), cached at
+every level, 4 pulls per consumer: pull p50/p99, aggregate GB/s, CPU per delivered GB of the
+serving node and of the sidecar, peak RSS per level; each relay's bootstrap time and its CPU
+per mirrored GB; freshness per level (a new segment -> its seq in each level's Status);
+overload (N consumers, N/4 stream slots: failed pulls must be 0); and :func:`scale_model`,
+the extrapolation to 4,096 predictors x 64 ranks documented in bench/README.md.
+
 **Floor** (baseline, same run): a bare gRPC server (:mod:`bench.wire_baselines`) streams
 the same number of bytes to N clients at once from messages built once and shared, so each
 stream costs only gRPC's send path and the kernel's loopback copy. Its CPU per extra stream
@@ -436,7 +444,10 @@ def _tree(
                 nbytes = int(_status(relay.endpoint).log_bytes)
                 out["bootstrap"].append({"level": lv, "seconds": took, "log_bytes": nbytes})
                 chain.append(relay)
-            # mirroring: large deltas (4 x 25 % of every table) through both levels
+            # mirroring: large deltas (4 x 25 % of every table) through both levels, once
+            # every node is idle (a fresh one imports its int8 kernels in the background)
+            for p in chain:
+                _settle(CpuMonitor(p.proc.pid))
             cpus = [CpuMonitor(p.proc.pid) for p in chain]
             nbytes = 0
             for _ in range(4):
@@ -466,12 +477,57 @@ def _tree(
                     for r in range(ctx.repeats):
                         out["points"].append(_tree_run(workers[:n], chain, lv, n, r, pulls))
             out["freshness"] = _freshness(chain, spool, head, deltas, rows_per_table)
+            out["overload"] = _overload(ctx, kids, spool, workers)
             for lv, proc in enumerate(chain):
                 out["peak_rss_bytes"][f"level{lv}"] = proc_peak_rss(proc.proc.pid) or 0
         finally:
             for p in reversed(chain):
                 p.stop()
     return _tree_summary(out, counts)
+
+
+def _overload(
+    ctx: Context, kids: Children, spool: Path, workers: list[ClientWorker]
+) -> dict[str, Any]:
+    """All workers pull their whole window at once from a sidecar with a quarter as many
+    stream slots and one place in line: the rest are refused with a retry hint, which the
+    consumer library honours; every pull must end with its rows (failed = 0)."""
+    from bench import deltad_procs
+
+    n = len(workers)
+    slots = max(1, n // 4)
+    side = deltad_procs.start_sidecar(
+        kids, spool, ctx,
+        extra=[*deltad_procs.NO_RETENTION, "--max-concurrent-streams", str(slots),
+               "--max-queued-streams", "1", "--stream-queue-wait", "0.2"],
+    )  # fmt: skip
+    try:
+        start_at = time.time() + 1.0 + 0.05 * n
+        for i, w in enumerate(workers):
+            w.send(
+                "call", module="bench.throughput", func="client_pull",
+                kwargs={"endpoint": side.endpoint, "model": side.model,
+                        "consumer": f"overload-{i}", "dtype": "fp32", "start_at": start_at},
+            )  # fmt: skip
+        res: list[dict[str, Any]] = []
+        errors: list[str] = []
+        for w in workers:
+            try:
+                res.append(w.recv("client_pull"))
+            except RuntimeError as e:
+                errors.append(str(e)[-300:])
+    finally:
+        side.stop()
+    full = max((x["bytes"] for x in res), default=0)
+    pulls = [x["seconds"] for x in res]
+    return {
+        "consumers": n,
+        "max_concurrent_streams": slots,
+        "failed": len(errors) + sum(1 for x in res if x["bytes"] < full),
+        "errors": errors,
+        "p50_s": percentile(pulls, 50),
+        "p99_s": percentile(pulls, 99),
+    }
 
 
 def _wait(pred: Any, timeout_s: float, interval_s: float = 0.02) -> bool:
@@ -586,6 +642,18 @@ def _tree_headline(tree: dict[str, Any], n: int) -> list[dict[str, Any]]:
     pts = {(p["level"], p["consumers"]): p for p in tree.get("points", [])}
     fresh = {f["level"]: f for f in tree.get("freshness", [])}
     out: list[dict[str, Any]] = []
+    ov = tree.get("overload")
+    if ov:
+        out.append(
+            {
+                "metric": f"failed pulls, {ov['consumers']} consumers on "
+                f"{ov['max_concurrent_streams']} stream slot(s)",
+                "value": ov["failed"],
+                "unit": "pulls",
+                "target": "0",
+                "met": ov["failed"] == 0,
+            }
+        )
     for lv in LEVELS:
         p = pts.get((lv, n))
         if p is None:
