@@ -722,11 +722,17 @@ def scale_model(
         while reach < predictors:
             levels += 1
             reach *= fanout
-        per_level = []
-        width = 1
-        for lv in range(1, levels + 1):
-            width = min(width * fanout, -(-predictors // fanout))
-            per_level.append({"level": lv, "relays_per_rank": width, "relays": width * ranks})
+        # the narrowest tree: the last level serves every predictor, each level above it
+        # serves the one below, the sidecar serves level 1
+        widths: list[int] = []
+        need = predictors
+        for _ in range(levels):
+            need = -(-need // fanout)
+            widths.insert(0, need)
+        per_level = [
+            {"level": lv, "relays_per_rank": w, "relays": w * ranks}
+            for lv, w in enumerate(widths, start=1)
+        ]
         p99 = None
         if hop is not None and 0 in fresh:
             p99 = fresh[0] + levels * hop
@@ -741,6 +747,9 @@ def scale_model(
                 "node_out_bytes_per_s": min(fanout, predictors) * d_mb * 1e6,
                 "predictor_in_bytes_per_s": ranks * d_mb * 1e6,
                 "relay_mirror_cores": d_gb * c_mirror if c_mirror is not None else None,
+                # every predictor-rank stream costs its serving node D * c_send
+                "serving_cores_total": predictors * ranks * d_gb * c_send,
+                "relays_total": sum(x["relays"] for x in per_level),
                 "freshness_p99_s_at_predictor_tier": p99,
             }
         )

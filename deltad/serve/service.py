@@ -101,7 +101,7 @@ class DeltaServicer:
         # GetDelta calls waiting for a slot, first come first served (see _acquire)
         self._slot_free = threading.Condition(self._streams_lock)
         self._queue: deque[object] = deque()
-        self._stream_seconds = 1.0  # moving average of a stream's duration (retry hints)
+        self._stream_seconds = 0.2  # moving average of a stream's duration (retry hints)
         #: GetDelta calls refused for want of a slot (RESOURCE_EXHAUSTED with a retry hint)
         self.refused = 0
         #: Set by a relay (deltad.serve.relay): the upstream it mirrors, shown in Status.
