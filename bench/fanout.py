@@ -13,6 +13,14 @@ Per run: every consumer's pull time (p50 / p99), aggregate throughput (bytes del
 all / span from the first start to the last end) and the sidecar's CPU seconds (psutil,
 user + system, sidecar process and its children) over the run.
 
+**Relay trees** (:func:`_tree`): the same fresh-consumer window pulled by N consumers from
+the sidecar and through one and two relay levels (``deltad serve --upstream``), cached at
+every level, 4 pulls per consumer: pull p50/p99, aggregate GB/s, CPU per delivered GB of the
+serving node and of the sidecar, peak RSS per level; each relay's bootstrap time and its CPU
+per mirrored GB; freshness per level (a new segment -> its seq in each level's Status);
+overload (N consumers, N/4 stream slots: failed pulls must be 0); and :func:`scale_model`,
+the extrapolation to 4,096 predictors x 64 ranks documented in bench/README.md.
+
 **Floor** (baseline, same run): a bare gRPC server (:mod:`bench.wire_baselines`) streams
 the same number of bytes to N clients at once from messages built once and shared, so each
 stream costs only gRPC's send path and the kernel's loopback copy. Its CPU per extra stream
@@ -101,6 +109,8 @@ def run(ctx: Context) -> dict[str, Any]:
                 for n in counts:
                     ctx.status(f"fanout floor x{n} round {r + 1}")
                     floor.append(_floor(bare_pid, bare_port, workers[:n], nbytes, r))
+            ctx.status("fanout: relay tree")
+            tree = _tree(ctx, kids, spool, workers, counts, rows)
         finally:
             if bare_conn is not None:
                 bare_conn.close()
@@ -165,8 +175,11 @@ def run(ctx: Context) -> dict[str, Any]:
     deltad_per = (c8 - c1) / (n8 - 1) if c1 is not None and c8 is not None and n8 > 1 else None
     floor_ratio = ratio(c1 + (n8 - 1) * floor_per, c1) if c1 and floor_per is not None else None
     result["per_extra_consumer_cpu_s"] = {"deltad": deltad_per, "bare_grpc_floor": floor_per}
+    result["tree"] = tree
+    result["scale_model"] = scale_model(tree)
     top = [p for p in points if p["consumers"] == max(counts)]
     result["headline"] = [
+        *_tree_headline(tree, max(counts)),
         {
             "metric": f"sidecar CPU, {n8} consumers same window / 1",
             "value": r_same,
@@ -333,3 +346,421 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
     fig.suptitle(f"fan-out, {result.get('window_bytes_fp32', 0) / MB:.0f} MB window")
     return save_figure(fig, out_dir, "fanout")
+
+
+# ---- relay trees ------------------------------------------------------------------------
+
+#: Relay levels measured: consumers on the sidecar (0), on a relay of it (1), on a relay of
+#: that relay (2).
+LEVELS = (0, 1, 2)
+
+
+def _status(endpoint: str) -> Any:
+    import grpc
+
+    from deltad.v1 import delta_pb2 as pb
+    from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(endpoint) as ch:
+        return pb_grpc.DeltaServiceStub(ch).Status(pb.StatusRequest(), timeout=5.0)
+
+
+def _head(endpoint: str) -> int:
+    try:
+        return int(_status(endpoint).head_seq)
+    except Exception:
+        return -2
+
+
+def _append_delta(spool: Path, seq: int, rows_per_table: int, fraction: float = 0.01) -> int:
+    """One more delta segment (``fraction`` of every table's rows) at ``seq``, as a trainer
+    would; returns its payload bytes."""
+    import torch
+
+    from bench import deltad_procs
+    from bench.datagen import skewed_unique_ids
+    from deltad.segment.format import SegmentChunk, write_segment
+    from deltad.segment.spool import SpoolLayout
+    from deltad.types import SegmentKind
+
+    layout = SpoolLayout(spool, deltad_procs.MODEL)
+    gen = torch.Generator().manual_seed(seq)
+    chunks = []
+    for t in range(TABLES):
+        ids = skewed_unique_ids(rows_per_table, max(1, int(rows_per_table * fraction)), gen)
+        vals = torch.randn(ids.numel(), DIM, generator=gen)
+        chunks.append(
+            SegmentChunk(f"t{t}", rows_per_table, DIM, 0, rows_per_table, 0, DIM, ids, vals)
+        )
+    write_segment(
+        layout.segment_path(1, 0, seq), model=deltad_procs.MODEL, generation=1, rank=0,
+        world_size=1, seq=seq, step=seq * 10, kind=SegmentKind.DELTA, chunks=chunks, fsync=False,
+    )  # fmt: skip
+    return sum(c.ids.numel() * (8 + DIM * 4) for c in chunks)
+
+
+def _tree(
+    ctx: Context,
+    kids: Children,
+    spool: Path,
+    workers: list[ClientWorker],
+    counts: list[int],
+    rows_per_table: int,
+) -> dict[str, Any]:
+    """Consumers on the sidecar and through one and two relay levels (``deltad serve
+    --upstream``, each with its own spool and embedded Redis), same fresh-consumer window.
+
+    Windows are cached at every level (a warm-up pull first), so a pull costs its serving
+    node the per-stream send cost: what a tree multiplies. Measured per (level, N): pull
+    p50/p99, aggregate GB/s, CPU of the serving node and of the sidecar per delivered GB.
+    Also: each relay's mirror (time and CPU to copy the whole log from its upstream), and
+    freshness per level (a new segment written -> its seq at each level's Status).
+    """
+    from bench import deltad_procs
+    from bench.common import proc_peak_rss
+
+    deltas = ctx.pick(20, 10, 3)
+    pulls = ctx.pick(4, 4, 1)  # per consumer and run: CPU ticks are 10 ms
+    out: dict[str, Any] = {
+        "bootstrap": [], "mirror": [], "points": [], "freshness": [], "peak_rss_bytes": {},
+    }  # fmt: skip
+    with ctx.tmpdir("relay1") as r1, ctx.tmpdir("relay2") as r2:
+        side = deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
+        chain = [side]
+        try:
+            head = _head(side.endpoint)
+            for lv, rspool in ((1, r1), (2, r2)):
+                up = chain[-1]
+                relay = deltad_procs.start_sidecar(
+                    kids, rspool, ctx, require_head=False,
+                    extra=[*deltad_procs.NO_RETENTION, "--upstream", up.endpoint,
+                           "--upstream-consumer", f"relay{lv}"],
+                )  # fmt: skip
+                t0 = time.perf_counter()
+                ok = _wait(lambda e=relay.endpoint: _head(e) == head, 300.0)  # type: ignore[misc]
+                if not ok:
+                    raise RuntimeError(f"relay level {lv} never caught up:\n{relay.log_tail()}")
+                took = time.perf_counter() - t0
+                nbytes = int(_status(relay.endpoint).log_bytes)
+                out["bootstrap"].append({"level": lv, "seconds": took, "log_bytes": nbytes})
+                chain.append(relay)
+            # mirroring: large deltas (4 x 25 % of every table) through both levels, once
+            # every node is idle (a fresh one imports its int8 kernels in the background)
+            for p in chain:
+                _settle(CpuMonitor(p.proc.pid))
+            cpus = [CpuMonitor(p.proc.pid) for p in chain]
+            nbytes = 0
+            for _ in range(4):
+                head += 1
+                nbytes += _append_delta(spool, head, rows_per_table, 0.25)
+                if not _wait(
+                    lambda at=head: all(_head(p.endpoint) >= at for p in chain), 300.0, 0.05
+                ):
+                    raise RuntimeError("a relay never mirrored a large delta")
+            for lv in (1, 2):
+                out["mirror"].append(
+                    {
+                        "level": lv, "delta_bytes": nbytes, "relay_cpu_s": cpus[lv].seconds(),
+                        "relay_cpu_s_per_gb": cpus[lv].seconds() / (nbytes / GB),
+                    }
+                )  # fmt: skip
+            for lv in LEVELS:
+                serving = chain[lv]
+                # warm: the window is merged and cached once per node, as in steady state
+                workers[0].call(
+                    "call", module="bench.throughput", func="client_pull",
+                    kwargs={"endpoint": serving.endpoint, "model": serving.model,
+                            "consumer": f"tree-warm-{lv}", "dtype": "fp32"},
+                )  # fmt: skip
+                for n in counts:
+                    ctx.status(f"fanout tree level {lv} x{n}")
+                    for r in range(ctx.repeats):
+                        out["points"].append(_tree_run(workers[:n], chain, lv, n, r, pulls))
+            out["freshness"] = _freshness(chain, spool, head, deltas, rows_per_table)
+            out["overload"] = _overload(ctx, kids, spool, workers)
+            for lv, proc in enumerate(chain):
+                out["peak_rss_bytes"][f"level{lv}"] = proc_peak_rss(proc.proc.pid) or 0
+        finally:
+            for p in reversed(chain):
+                p.stop()
+    return _tree_summary(out, counts)
+
+
+def _overload(
+    ctx: Context, kids: Children, spool: Path, workers: list[ClientWorker]
+) -> dict[str, Any]:
+    """All workers pull their whole window at once from a sidecar with a quarter as many
+    stream slots and one place in line: the rest are refused with a retry hint, which the
+    consumer library honours; every pull must end with its rows (failed = 0)."""
+    from bench import deltad_procs
+
+    n = len(workers)
+    slots = max(1, n // 4)
+    side = deltad_procs.start_sidecar(
+        kids, spool, ctx,
+        extra=[*deltad_procs.NO_RETENTION, "--max-concurrent-streams", str(slots),
+               "--max-queued-streams", "1", "--stream-queue-wait", "0.2"],
+    )  # fmt: skip
+    try:
+        start_at = time.time() + 1.0 + 0.05 * n
+        for i, w in enumerate(workers):
+            w.send(
+                "call", module="bench.throughput", func="client_pull",
+                kwargs={"endpoint": side.endpoint, "model": side.model,
+                        "consumer": f"overload-{i}", "dtype": "fp32", "start_at": start_at},
+            )  # fmt: skip
+        res: list[dict[str, Any]] = []
+        errors: list[str] = []
+        for w in workers:
+            try:
+                res.append(w.recv("client_pull"))
+            except RuntimeError as e:
+                errors.append(str(e)[-300:])
+    finally:
+        side.stop()
+    full = max((x["bytes"] for x in res), default=0)
+    pulls = [x["seconds"] for x in res]
+    return {
+        "consumers": n,
+        "max_concurrent_streams": slots,
+        "failed": len(errors) + sum(1 for x in res if x["bytes"] < full),
+        "errors": errors,
+        "p50_s": percentile(pulls, 50),
+        "p99_s": percentile(pulls, 99),
+    }
+
+
+def _wait(pred: Any, timeout_s: float, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval_s)
+    return False
+
+
+def _tree_run(
+    workers: list[ClientWorker], chain: list[Any], lv: int, n: int, round_: int, pulls: int
+) -> dict[str, Any]:
+    """``n`` consumers pull the whole window from level ``lv`` at once, ``pulls`` times each
+    over a warm connection (uncommitted: the same cached window every time)."""
+    serving = chain[lv]
+    res: list[dict[str, Any]] = []
+    cpus: list[CpuMonitor] = []
+    rates: list[float] = []
+    for k in range(pulls):
+        start_at = time.time() + (1.0 + 0.05 * n if k == 0 else 0.1)
+        for i, w in enumerate(workers):
+            w.send(
+                "call", module="bench.throughput", func="client_pull",
+                kwargs={"endpoint": serving.endpoint, "model": serving.model,
+                        "consumer": f"tree-{lv}-{n}-{round_}-{i}", "dtype": "fp32",
+                        "start_at": start_at, "keep": True},
+            )  # fmt: skip
+        time.sleep(max(0.0, start_at - time.time()))
+        if k == 0:
+            cpus = [CpuMonitor(p.proc.pid) for p in chain]
+        got = [w.recv("client_pull") for w in workers]
+        span = max(x["end_unix"] for x in got) - min(x["start_unix"] for x in got)
+        if span > 0:
+            rates.append(sum(x["bytes"] for x in got) / span / GB)
+        res += got
+    cpu_s = [c.seconds() for c in cpus]
+    total = sum(x["bytes"] for x in res)
+    return {
+        "level": lv,
+        "consumers": n,
+        "round": round_,
+        "pull_s": [x["seconds"] for x in res],
+        "bytes": total,
+        "aggregate_gbps": med(summarize(rates)),
+        "serving_cpu_s": cpu_s[lv],
+        "sidecar_cpu_s": cpu_s[0],
+        "cpu_s_by_level": cpu_s,
+        "pulls": pulls,
+    }
+
+
+def _freshness(
+    chain: list[Any], spool: Path, head: int, deltas: int, rows_per_table: int
+) -> list[dict[str, Any]]:
+    """Write ``deltas`` new segments 0.2 s apart; per level, seconds until its Status shows
+    each one (the sidecar's poll plus each relay's pull, write and index)."""
+    lags: dict[int, list[float]] = {lv: [] for lv in range(len(chain))}
+    for k in range(1, deltas + 1):
+        seq = head + k
+        t0 = time.time()
+        _append_delta(spool, seq, rows_per_table)
+        written = time.time()
+        seen: dict[int, float] = {}
+        deadline = time.monotonic() + 30.0
+        while len(seen) < len(chain) and time.monotonic() < deadline:
+            for lv, p in enumerate(chain):
+                if lv not in seen and _head(p.endpoint) >= seq:
+                    seen[lv] = time.time() - written
+            time.sleep(0.02)  # (20 ms: polling faster would load the nodes it measures)
+        for lv, lag in seen.items():
+            lags[lv].append(lag)
+        time.sleep(max(0.0, 0.2 - (time.time() - t0)))
+    return [
+        {
+            "level": lv,
+            "samples": len(xs),
+            "p50_s": percentile(xs, 50),
+            "p99_s": percentile(xs, 99),
+            "max_s": max(xs) if xs else None,
+        }
+        for lv, xs in lags.items()
+    ]
+
+
+def _tree_summary(raw: dict[str, Any], counts: list[int]) -> dict[str, Any]:
+    points = []
+    for lv in LEVELS:
+        for n in counts:
+            rs = [x for x in raw["points"] if x["level"] == lv and x["consumers"] == n]
+            if not rs:
+                continue
+            pulls = [s for x in rs for s in x["pull_s"]]
+            gb = sum(x["bytes"] for x in rs) / GB
+            points.append(
+                {
+                    "level": lv,
+                    "consumers": n,
+                    "p50_s": percentile(pulls, 50),
+                    "p99_s": percentile(pulls, 99),
+                    "aggregate_gbps": summarize([x["aggregate_gbps"] for x in rs]),
+                    "serving_cpu_s_per_gb": sum(x["serving_cpu_s"] for x in rs) / gb,
+                    "sidecar_cpu_s_per_gb": sum(x["sidecar_cpu_s"] for x in rs) / gb,
+                    "bytes_per_consumer": rs[0]["bytes"] // (n * rs[0]["pulls"]),
+                }
+            )
+    return {**raw, "points": points, "runs": raw["points"]}
+
+
+def _tree_headline(tree: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    pts = {(p["level"], p["consumers"]): p for p in tree.get("points", [])}
+    fresh = {f["level"]: f for f in tree.get("freshness", [])}
+    out: list[dict[str, Any]] = []
+    ov = tree.get("overload")
+    if ov:
+        out.append(
+            {
+                "metric": f"failed pulls, {ov['consumers']} consumers on "
+                f"{ov['max_concurrent_streams']} stream slot(s)",
+                "value": ov["failed"],
+                "unit": "pulls",
+                "target": "0",
+                "met": ov["failed"] == 0,
+            }
+        )
+    for lv in LEVELS:
+        p = pts.get((lv, n))
+        if p is None:
+            continue
+        out += [
+            {
+                "metric": f"level {lv} ({n} consumers): sidecar CPU per delivered GB",
+                "value": p["sidecar_cpu_s_per_gb"],
+                "unit": "s/GB",
+            },
+            {
+                "metric": f"level {lv} ({n} consumers): serving node CPU per delivered GB",
+                "value": p["serving_cpu_s_per_gb"],
+                "unit": "s/GB",
+            },
+            {"metric": f"level {lv} ({n} consumers): pull p99", "value": p["p99_s"], "unit": "s"},
+        ]
+        if lv in fresh and fresh[lv]["p99_s"] is not None:
+            out.append(
+                {"metric": f"level {lv}: freshness p99", "value": fresh[lv]["p99_s"], "unit": "s"}
+            )
+    return out
+
+
+def scale_model(
+    tree: dict[str, Any],
+    *,
+    predictors: int = 4096,
+    ranks: int = 64,
+    delta_mb_per_s: tuple[float, ...] = (1.0, 10.0, 50.0),
+    core_budget: float = 0.5,
+    nic_gbps: float = 1.25,
+) -> dict[str, Any]:
+    """Extrapolate the measured per-GB costs to ``predictors`` x ``ranks``.
+
+    Each predictor reads every rank; each serving node (sidecar or relay) serves one rank to
+    F consumers, each at the rank's delta rate D (bytes/s). A node sustains F while
+    ``F * D * c_send <= core_budget`` cores (c_send: its measured CPU-s per delivered GB, at
+    the largest N measured) and ``F * D <= nic_gbps``; a relay also pays ``D * c_mirror`` to
+    mirror. Relays per level follow from F; freshness p99 at level L is the measured p99 of
+    level L (the sidecar's poll plus L relay hops), extended linearly with the measured
+    per-hop increment for deeper trees.
+    """
+    pts = tree.get("points", [])
+    if not pts:
+        return {}
+    top = max(p["consumers"] for p in pts)
+    sends = [p["serving_cpu_s_per_gb"] for p in pts if p["consumers"] == top]
+    c_send = max(sends)  # the dearest level: conservative
+    mirrors = [m["relay_cpu_s_per_gb"] for m in tree.get("mirror", []) if m["relay_cpu_s_per_gb"]]
+    c_mirror = max(mirrors) if mirrors else None
+    fresh = {f["level"]: f["p99_s"] for f in tree.get("freshness", []) if f["p99_s"] is not None}
+    hop = (
+        (fresh[max(fresh)] - fresh[0]) / max(fresh)
+        if fresh and max(fresh) > 0 and 0 in fresh
+        else None
+    )
+    rows = []
+    for d_mb in delta_mb_per_s:
+        d_gb = d_mb / 1000
+        f_cpu = core_budget / (d_gb * c_send) if c_send > 0 else float("inf")
+        f_nic = nic_gbps / d_gb
+        fanout = max(1, int(min(f_cpu, f_nic)))
+        # levels: the sidecar serves min(F, relays of level 1); each level multiplies by F
+        levels, reach = 0, fanout
+        while reach < predictors:
+            levels += 1
+            reach *= fanout
+        # the narrowest tree: the last level serves every predictor, each level above it
+        # serves the one below, the sidecar serves level 1
+        widths: list[int] = []
+        need = predictors
+        for _ in range(levels):
+            need = -(-need // fanout)
+            widths.insert(0, need)
+        per_level = [
+            {"level": lv, "relays_per_rank": w, "relays": w * ranks}
+            for lv, w in enumerate(widths, start=1)
+        ]
+        p99 = None
+        if hop is not None and 0 in fresh:
+            p99 = fresh[0] + levels * hop
+        rows.append(
+            {
+                "delta_mb_per_s_per_rank": d_mb,
+                "fanout_per_node": fanout,
+                "limited_by": "cpu" if f_cpu < f_nic else "nic",
+                "relay_levels": levels,
+                "relays": per_level,
+                "bytes_per_s_per_link": d_mb * 1e6,
+                "node_out_bytes_per_s": min(fanout, predictors) * d_mb * 1e6,
+                "predictor_in_bytes_per_s": ranks * d_mb * 1e6,
+                "relay_mirror_cores": d_gb * c_mirror if c_mirror is not None else None,
+                # every predictor-rank stream costs its serving node D * c_send
+                "serving_cores_total": predictors * ranks * d_gb * c_send,
+                "relays_total": sum(x["relays"] for x in per_level),
+                "freshness_p99_s_at_predictor_tier": p99,
+            }
+        )
+    return {
+        "predictors": predictors,
+        "ranks": ranks,
+        "core_budget_per_node": core_budget,
+        "nic_gb_per_s": nic_gbps,
+        "c_send_cpu_s_per_gb": c_send,
+        "c_mirror_cpu_s_per_gb": c_mirror,
+        "freshness_p99_s_by_level": fresh,
+        "per_hop_p99_s": hop,
+        "rows": rows,
+    }

@@ -142,6 +142,10 @@ class ServerConfig:
     #: 0 = no limit.
     max_consumers: int = 10000
     max_concurrent_streams: int = 64
+    #: GetDelta calls that wait in line (first come first served) for one of those slots,
+    #: each for up to ``stream_queue_wait_s``; past that: RESOURCE_EXHAUSTED with a retry hint.
+    max_queued_streams: int = 64
+    stream_queue_wait_s: float = 10.0
     max_message_bytes: int = 16 * 1024 * 1024
     chunk_bytes: int = 2 * 1024 * 1024
     #: Longest a single GetDelta stream may run before the server aborts it.
@@ -178,6 +182,8 @@ class ServerConfig:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
         if self.max_concurrent_streams < 1 or self.max_message_bytes < 1024 * 1024:
             raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
+        if self.max_queued_streams < 0 or self.stream_queue_wait_s < 0:
+            raise ConfigError("max_queued_streams and stream_queue_wait_s must be >= 0")
         if self.stream_deadline_s <= 0 or self.lease_ttl_s <= 0 or self.grace_period_s < 0:
             raise ConfigError("stream deadline and lease TTL must be > 0, grace period >= 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -192,6 +198,41 @@ class ServerConfig:
             raise ConfigError("max_consumers must be >= 0 (0 = no limit)")
         if self.tokens_file is not None:
             self.tokens_file = Path(self.tokens_file)
+
+
+@dataclass
+class RelayConfig:
+    """`deltad serve --upstream`: a relay mirrors one rank's log from an upstream sidecar (or
+    relay) into its own spool and serves it like a sidecar (see deltad.serve.relay)."""
+
+    #: host:port of the upstream sidecar or relay (same model and rank).
+    upstream: str
+    #: The relay's consumer name at the upstream (its cursor there); stable across restarts.
+    consumer: str = "relay"
+    #: Bearer token for the upstream, and a CA to verify its TLS certificate (None: plaintext).
+    token: str | None = None
+    tls_ca: Path | None = None
+    #: Seconds between upstream Status polls when nothing is new.
+    poll_interval_s: float = 0.05
+    #: Deadline of one upstream RPC (a GetDelta stream of a whole base included).
+    rpc_deadline_s: float = 300.0
+    #: The relay's lease at the upstream; renewed every third of it.
+    lease_ttl_s: float = 30.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+    #: fsync mirrored segments before committing upstream (off only on tmpfs).
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.upstream, str) or not re.fullmatch(r"\S+:\d+", self.upstream):
+            raise ConfigError(f"upstream must be host:port, not {clip(self.upstream)}")
+        check_name("upstream consumer", self.consumer)
+        if self.poll_interval_s <= 0 or self.rpc_deadline_s <= 0 or self.lease_ttl_s <= 0:
+            raise ConfigError("relay poll interval, RPC deadline and lease TTL must be > 0")
+        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise ConfigError("relay backoff_initial_s must be > 0 and <= backoff_max_s")
+        if self.tls_ca is not None:
+            self.tls_ca = Path(self.tls_ca)
 
 
 @dataclass
@@ -248,6 +289,9 @@ class ConsumerConfig:
     max_retries: int = 5
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
+    #: A sidecar at its stream limit (RESOURCE_EXHAUSTED) is retried, after the wait it
+    #: suggests, for up to this many seconds per pull; then the pull raises OverloadedError.
+    overload_wait_s: float = 300.0
     lease_ttl_s: float = 30.0
     heartbeat_interval_s: float = 5.0
     token: str | None = None
@@ -273,6 +317,8 @@ class ConsumerConfig:
             raise ConfigError("max_retries must be >= 0 and rpc_deadline_s > 0")
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError("backoff_initial_s must be > 0 and <= backoff_max_s")
+        if self.overload_wait_s < 0:
+            raise ConfigError("overload_wait_s must be >= 0")
         if self.lease_ttl_s <= 0 or self.heartbeat_interval_s <= 0:
             raise ConfigError("lease_ttl_s and heartbeat_interval_s must be > 0")
         self.sidecars = tuple(self.sidecars)

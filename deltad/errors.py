@@ -35,12 +35,21 @@ class StaleCursorError(DeltadError):
     """A commit names a cursor that is behind, foreign, or of another generation."""
 
 
+class UpstreamError(DeltadError):
+    """A relay's upstream serves another model or rank, or went back a generation."""
+
+
 class ConsumerError(DeltadError):
     """Raised by the consumer library; gRPC errors are translated into it at the boundary."""
 
 
 class SidecarUnavailableError(ConsumerError):
     """A sidecar did not answer within the deadline after bounded retries."""
+
+
+class OverloadedError(SidecarUnavailableError):
+    """A sidecar stayed at its stream limit (RESOURCE_EXHAUSTED) past the consumer's
+    ``overload_wait_s``: raised by the pull, never only reported as a missing rank."""
 
 
 class StreamDecodeError(ConsumerError):

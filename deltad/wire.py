@@ -30,6 +30,9 @@ CONSUMER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: A header announcing a slice of more values than this (rows x columns) is refused before
 #: anything is allocated (2**36 float32 values: 256 GiB).
 MAX_SLICE_ELEMENTS = 1 << 36
+#: Trailing metadata of a GetDelta refused with RESOURCE_EXHAUSTED (the sidecar's stream
+#: limit): milliseconds the sidecar suggests waiting before trying again.
+RETRY_AFTER_KEY = "deltad-retry-after-ms"
 
 _FORM_TO_PB: dict[Form, pb.Form] = {
     Form.IDS: pb.FORM_IDS,

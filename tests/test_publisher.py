@@ -363,7 +363,9 @@ def test_rows_a_device_cache_holds_are_flushed_before_they_are_read(tmp_path: Pa
     them only after a flush. The base and every delta are read after one."""
     weight = torch.zeros(64, 4)
     tracker = _FakeTracker(weight)
-    pub = SegmentPublisher(None, tracker, PublisherConfig(tmp_path / "spool", every_steps=1))  # type: ignore[arg-type]
+    pub = SegmentPublisher(
+        None, tracker, PublisherConfig(tmp_path / "spool", every_steps=1, publish_dense=False)
+    )  # type: ignore[arg-type]
     tracker.cached = {5: torch.full((4,), 5.0)}
     gen = pub.start(0)
     tracker.cached = {3: torch.full((4,), 3.0)}

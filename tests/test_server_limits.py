@@ -128,7 +128,10 @@ def test_tls_and_mutual_tls(tmp_path: Path, redis_server: EmbeddedRedis) -> None
 
 def test_concurrency_limit_and_stream_deadline(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
     SpoolWriter(tmp_path / "spool", tables={"big": (200_000, 32)})
-    srv = _serve(tmp_path, redis_server.url, max_concurrent_streams=1, stream_deadline_s=1.0)
+    srv = _serve(  # nobody waits in line (test_overload.py): refused at once
+        tmp_path, redis_server.url, max_concurrent_streams=1, max_queued_streams=0,
+        stream_deadline_s=1.0,
+    )  # fmt: skip
     c = Client(f"127.0.0.1:{srv.port}")
     try:
         req = pb.GetDeltaRequest(consumer="a", chunk_bytes=64 * 1024)

@@ -46,7 +46,13 @@ from deltad.buffers import BufferPool
 from deltad.config import ConsumerConfig
 from deltad.consume import decode
 from deltad.consume.window import Cursor, RankDelta
-from deltad.errors import ConfigError, ConsumerError, DeltadError, SidecarUnavailableError
+from deltad.errors import (
+    ConfigError,
+    ConsumerError,
+    DeltadError,
+    OverloadedError,
+    SidecarUnavailableError,
+)
 from deltad.keys import RedisKeys
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
@@ -290,7 +296,9 @@ class DeltaConsumer:
             return self._handed(self._pull_aligned(result))
         # A rank whose commit is still pending is not pulled: a new pull would supersede it.
         ready = [r for r in self._ranks if r.rank not in result.missing]
-        deltas = self._parallel(lambda r: self._get_delta(r, self.config.pull.max_step), ready)
+        deltas = _raise_overloaded(
+            self._parallel(lambda r: self._get_delta(r, self.config.pull.max_step), ready)
+        )
         for r, got in zip(ready, deltas, strict=True):
             if isinstance(got, RankDelta):
                 result.deltas.append(got)
@@ -369,9 +377,8 @@ class DeltaConsumer:
             target = _dense_target(list(statuses.values()), target)
         result.head_step = max(s.head_step for s in statuses.values())
         deltas: list[RankDelta] = []
-        for r, got in zip(
-            self._ranks, self._parallel(lambda r: self._get_delta(r, target)), strict=True
-        ):
+        got_all = _raise_overloaded(self._parallel(lambda r: self._get_delta(r, target)))
+        for r, got in zip(self._ranks, got_all, strict=True):
             if isinstance(got, RankDelta):
                 deltas.append(got)
             else:
@@ -534,11 +541,18 @@ class DeltaConsumer:
         r.stub = pb_grpc.DeltaServiceStub(r.channel)
 
     def _retry(self, r: _Rank, what: str, call: Callable[[grpc.Channel, float], T]) -> T:
-        """``call`` with a deadline, retried with exponential backoff and jitter."""
+        """``call`` with a deadline, retried with exponential backoff and jitter.
+
+        RESOURCE_EXHAUSTED (the sidecar's stream limit) does not count as an attempt: it is
+        retried after the wait the sidecar suggests (``deltad.wire.RETRY_AFTER_KEY``, with
+        jitter) for up to ``overload_wait_s``, then raises OverloadedError.
+        """
         c = self.config
         delay = c.backoff_initial_s
         last: grpc.RpcError | None = None
-        for attempt in range(c.max_retries + 1):
+        attempt = 0
+        overloaded_until: float | None = None
+        while attempt <= c.max_retries:
             if self._closed.is_set():
                 break
             channel = r.channel
@@ -547,6 +561,24 @@ class DeltaConsumer:
                 return call(channel, c.rpc_deadline_s)
             except grpc.RpcError as e:
                 code = e.code()
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    now = time.monotonic()
+                    if overloaded_until is None:
+                        overloaded_until = now + c.overload_wait_s
+                    left = overloaded_until - now
+                    if left <= 0:
+                        raise OverloadedError(
+                            f"rank {r.rank} {what} at {r.endpoint}: still at its stream limit "
+                            f"after {c.overload_wait_s:.0f}s (overload_wait_s): {e.details()}"
+                        ) from None
+                    hint = _retry_after(e)
+                    if hint is None:
+                        wait = delay * (0.5 + random.random() / 2)
+                        delay = min(delay * 2, c.backoff_max_s)
+                    else:  # spread the callers told the same time over half of it again
+                        wait = hint * (1 + random.random() / 2)
+                    self._closed.wait(min(wait, left))
+                    continue
                 if code not in RETRYABLE:
                     if code in _FINAL_COMMIT_CODES and what == "Commit":
                         raise _Rejected(code, e.details()) from None
@@ -561,6 +593,7 @@ class DeltaConsumer:
                 delay = min(delay * 2, c.backoff_max_s)
                 if self.config.redis_url and not self.config.sidecars:
                     self._rediscover(r)
+            attempt += 1
         detail = f"{last.code().name}: {last.details()}" if last is not None else "closed"
         raise SidecarUnavailableError(
             f"rank {r.rank} {what} at {r.endpoint}: no answer after "
@@ -667,6 +700,26 @@ def _dense_target(statuses: list[RankStatus], target: int) -> int:
         if all(t in e for e in ends if e):  # a rank that reports no steps: an older sidecar
             return t
     return target
+
+
+def _retry_after(e: grpc.RpcError) -> float | None:
+    """The wait (seconds) a sidecar suggested in a refusal's trailing metadata, if any."""
+    try:
+        for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
+            if key == wire.RETRY_AFTER_KEY:
+                return min(60.0, max(0.0, int(value) / 1000))
+    except (ValueError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def _raise_overloaded(results: list[T | Exception]) -> list[T | Exception]:
+    """``results``, unless a rank gave up on an overloaded sidecar: then raise that (a
+    pull that gives up is the caller's error, not a missing rank)."""
+    for res in results:
+        if isinstance(res, OverloadedError):
+            raise res
+    return results
 
 
 def _worth(d: RankDelta) -> bool:

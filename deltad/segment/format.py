@@ -253,8 +253,12 @@ def write_segment(
     chunks: Sequence[SegmentChunk],
     first_seq: int | None = None,
     fsync: bool = True,
+    created_unix: float | None = None,
 ) -> SegmentHeader:
-    """Write a segment atomically (temp file, fsync, rename, fsync dir); return its header."""
+    """Write a segment atomically (temp file, fsync, rename, fsync dir); return its header.
+
+    ``created_unix`` (default: now) is when its rows were read from the trainer; a relay that
+    mirrors a segment keeps the upstream's, so ages mean the same at every level."""
     path = Path(path)
     metas: list[ChunkMeta] = []
     off = 0
@@ -287,7 +291,7 @@ def write_segment(
         first_seq=seq if first_seq is None else first_seq,
         step=step,
         kind=kind,
-        created_unix=time.time(),
+        created_unix=time.time() if created_unix is None else created_unix,
         chunks=tuple(metas),
     )
     raw = header.to_json()

@@ -128,7 +128,9 @@ class SidecarServer:
         ]
         server = grpc.server(
             futures.ThreadPoolExecutor(
-                max_workers=cfg.max_concurrent_streams + 8, thread_name_prefix="deltad-rpc"
+                # GetDelta calls waiting in line hold a worker too
+                max_workers=cfg.max_concurrent_streams + cfg.max_queued_streams + 8,
+                thread_name_prefix="deltad-rpc",
             ),
             interceptors=interceptors,
             options=[

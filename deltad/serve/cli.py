@@ -94,7 +94,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "binds a client certificate; reloaded on SIGHUP) [DELTAD_TOKENS_FILE]",
     )
     for flag, kind, default, text in (
-        ("max-concurrent-streams", int, 64, "GetDelta streams at once (more: RESOURCE_EXHAUSTED)"),
+        ("max-concurrent-streams", int, 64, "GetDelta streams at once (more wait in line)"),
+        ("max-queued-streams", int, 64, "GetDelta calls waiting in line for a stream slot"),
+        (
+            "stream-queue-wait",
+            float,
+            10.0,
+            "seconds one may wait in line (then RESOURCE_EXHAUSTED with a retry hint)",
+        ),
         (
             "max-consumers",
             int,
@@ -133,6 +140,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=_typed_env(env, kind, default),
             help=f"{text} [DELTAD_{env}]",
         )
+    a(
+        "--upstream",
+        default=_env("UPSTREAM"),
+        help="run as a relay: mirror this rank's log from the sidecar or relay at host:port "
+        "(token: DELTAD_UPSTREAM_TOKEN) [DELTAD_UPSTREAM]",
+    )
+    a(
+        "--upstream-consumer",
+        default=_env("UPSTREAM_CONSUMER"),
+        help="the relay's consumer name at the upstream (default relay-<hostname>) "
+        "[DELTAD_UPSTREAM_CONSUMER]",
+    )
+    a(
+        "--upstream-tls-ca",
+        default=_env("UPSTREAM_TLS_CA"),
+        help="CA (PEM) of the upstream's TLS certificate [DELTAD_UPSTREAM_TLS_CA]",
+    )
     a(
         "--metrics-port",
         type=int,
@@ -192,6 +216,28 @@ def build_config(args: argparse.Namespace) -> Any:
         merge_min_segments=value(args.merge_min_segments),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),
+        max_queued_streams=value(args.max_queued_streams),
+        stream_queue_wait_s=value(args.stream_queue_wait),
+    )
+
+
+def build_relay_config(args: argparse.Namespace) -> Any:
+    """RelayConfig from parsed flags, or None without --upstream (ConfigError on bad values)."""
+    if not args.upstream:
+        return None
+    import re
+    import socket
+
+    from deltad.config import RelayConfig
+
+    name = args.upstream_consumer or "relay-" + re.sub(
+        r"[^A-Za-z0-9_.-]", "-", socket.gethostname()
+    )
+    return RelayConfig(
+        upstream=args.upstream,
+        consumer=name[:128],
+        token=_env("UPSTREAM_TOKEN") or None,
+        tls_ca=Path(args.upstream_tls_ca) if args.upstream_tls_ca else None,
     )
 
 
@@ -206,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     stop, reload = threading.Event(), threading.Event()
+    relay = build_relay_config(args)
 
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
@@ -216,7 +263,13 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_hup)
-    server = SidecarServer(config).start()
+    server: Any
+    if relay is not None:
+        from deltad.serve.relay import RelayServer
+
+        server = RelayServer(config, relay).start()
+    else:
+        server = SidecarServer(config).start()
     print(f"serving {config.model} rank {config.rank} on {server.endpoint}", flush=True)
     while not stop.wait(0.5):
         if reload.is_set():
@@ -228,4 +281,8 @@ def run(args: argparse.Namespace) -> int:
             break
     print(f"deltad serve: stopping (grace {config.grace_period_s}s)", file=sys.stderr, flush=True)
     server.stop(config.grace_period_s)
+    error = getattr(server, "error", None)
+    if error is not None:
+        print(f"deltad serve: {error}", file=sys.stderr, flush=True)
+        return 2
     return 0

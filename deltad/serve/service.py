@@ -12,6 +12,7 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
@@ -67,15 +68,20 @@ class _StreamSlot:
         self.context = context
         self.consumer = consumer
         self.deadline = deadline
+        self.started = time.monotonic()
         self.held = True
 
     def release(self) -> None:
-        with self.owner._streams_lock:
+        owner = self.owner
+        with owner._slot_free:
             if self.held:
                 self.held = False
-                self.owner._streams -= 1
-                self.owner._slots.discard(self)
-                self.owner.metrics.active_streams.set(self.owner._streams)
+                owner._streams -= 1
+                owner._slots.discard(self)
+                owner.metrics.active_streams.set(owner._streams)
+                took = time.monotonic() - self.started
+                owner._stream_seconds += 0.2 * (took - owner._stream_seconds)
+                owner._slot_free.notify_all()  # the first waiter in line takes it
 
 
 class DeltaServicer:
@@ -98,6 +104,14 @@ class DeltaServicer:
         self._streams = 0
         self._streams_lock = threading.Lock()
         self._slots: set[_StreamSlot] = set()
+        # GetDelta calls waiting for a slot, first come first served (see _acquire)
+        self._slot_free = threading.Condition(self._streams_lock)
+        self._queue: deque[object] = deque()
+        self._stream_seconds = 0.2  # moving average of a stream's duration (retry hints)
+        #: GetDelta calls refused for want of a slot (RESOURCE_EXHAUSTED with a retry hint)
+        self.refused = 0
+        #: Set by a relay (deltad.serve.relay): the upstream it mirrors, shown in Status.
+        self.upstream = ""
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -119,21 +133,56 @@ class DeltaServicer:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _acquire(self, context: grpc.ServicerContext, consumer: str) -> _StreamSlot:
-        deadline = time.monotonic() + self.config.stream_deadline_s
-        with self._streams_lock:
-            if self._streams >= self.config.max_concurrent_streams:
-                _abort(
-                    context,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{self._streams} GetDelta streams in flight "
-                    f"(max_concurrent_streams={self.config.max_concurrent_streams}); retry later",
-                )
+        """A stream slot: at once, or after waiting in line (``max_queued_streams`` callers,
+        ``stream_queue_wait_s`` each, first come first served). Past that the call ends with
+        RESOURCE_EXHAUSTED and a hint (:data:`deltad.wire.RETRY_AFTER_KEY`) of when a slot is likely
+        free, which the consumer library honours."""
+        cfg = self.config
+        limit = cfg.max_concurrent_streams
+        with self._slot_free:
+            if (self._streams >= limit or self._queue) and len(
+                self._queue
+            ) < cfg.max_queued_streams:
+                me = object()
+                self._queue.append(me)
+                until = time.monotonic() + cfg.stream_queue_wait_s
+                try:
+                    while self._queue[0] is not me or self._streams >= limit:
+                        left = until - time.monotonic()
+                        if left <= 0 or not context.is_active():
+                            break
+                        self._slot_free.wait(min(left, 0.5))
+                finally:
+                    first = self._queue[0] is me
+                    self._queue.remove(me)
+                    self._slot_free.notify_all()  # the next in line may be first now
+                if not first or self._streams >= limit:
+                    self._refuse(context)
+            elif self._streams >= limit:
+                self._refuse(context)
             self._streams += 1
+            deadline = time.monotonic() + cfg.stream_deadline_s
             slot = _StreamSlot(self, context, consumer, deadline)
             self._slots.add(slot)
             self.metrics.active_streams.set(self._streams)
         context.add_callback(slot.release)
         return slot
+
+    def _refuse(self, context: grpc.ServicerContext) -> NoReturn:
+        """RESOURCE_EXHAUSTED with a retry hint; call with ``_slot_free`` held."""
+        cfg = self.config
+        # streams ahead of a caller that comes back now, drained max_concurrent at a time
+        ahead = len(self._queue) + 1
+        hint = min(30.0, max(0.05, self._stream_seconds * ahead / cfg.max_concurrent_streams))
+        self.refused += 1
+        context.set_trailing_metadata(((wire.RETRY_AFTER_KEY, str(int(hint * 1000))),))
+        _abort(
+            context,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{self._streams} GetDelta streams in flight and {len(self._queue)} waiting "
+            f"(max_concurrent_streams={cfg.max_concurrent_streams}, max_queued_streams="
+            f"{cfg.max_queued_streams}); retry in {hint:.2f}s",
+        )
 
     def cancel_overdue(self) -> int:
         """Cancel GetDelta streams past ``stream_deadline_s``; return how many.
@@ -460,7 +509,7 @@ class DeltaServicer:
         snap = self.log.snapshot()
         resp = pb.StatusResponse(
             model=cfg.model, rank=cfg.rank, quarantined=self.log.quarantined, head_seq=-1,
-            head_step=-1, base_seq=-1,
+            head_step=-1, base_seq=-1, upstream=self.upstream,
         )  # fmt: skip
         if snap is None:
             return resp
