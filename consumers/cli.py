@@ -107,6 +107,19 @@ def run(args: argparse.Namespace) -> int:
         reuse_buffers_bytes=args.reuse_buffers_mb * (1 << 20),
         resume=args.resume,
     )
+    if args.final_tables is not None:
+        _check_writable(args.final_tables)
+    if consumer.sidecars:  # refused: a wrong model, fewer sidecars than ranks, none answering
+        from deltad.status import check_sidecars
+
+        check_sidecars(
+            consumer.sidecars,
+            consumer.model,
+            token=consumer.token,
+            tls_ca=consumer.tls_ca,
+            deadline_s=args.discovery_timeout,
+            rpc_timeout_s=min(args.rpc_deadline, 5.0),
+        )
     predictor = Predictor(
         PredictorConfig(
             consumer=consumer,
@@ -136,6 +149,15 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _check_writable(path: Path) -> None:
+    """ConfigError unless ``path`` can be written (checked before consuming, not after)."""
+    from deltad.errors import ConfigError
+
+    target = path if path.exists() else path.parent
+    if path.is_dir() or not target.is_dir() or not os.access(target, os.W_OK):
+        raise ConfigError(f"--final-tables {path}: not a writable file path")
 
 
 def _fmt(v: float | None) -> str:
