@@ -112,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the selected benchmarks; return 1 if any of them errored, else 0."""
     from tqdm import tqdm
 
+    from deltad.errors import ConfigError
+
+    if args.repeats < 0:
+        raise ConfigError(f"--repeats must be >= 0 (0: the preset), not {args.repeats}")
     names = _selected(args.only)
 
     def on_term(signum: int, frame: Any) -> None:

@@ -174,6 +174,20 @@ def run(args: argparse.Namespace) -> int:
         reuse_buffers_bytes=args.reuse_buffers_mb * (1 << 20),
         resume=args.resume,
     )
+    for flag, dest in (("--final-tables", args.final_tables), ("--final-state", args.final_state)):
+        if dest is not None:
+            _check_writable(flag, Path(dest))
+    if consumer.sidecars:  # refused: a wrong model, fewer sidecars than ranks, none answering
+        from deltad.status import check_sidecars
+
+        check_sidecars(
+            consumer.sidecars,
+            consumer.model,
+            token=consumer.token,
+            tls_ca=consumer.tls_ca,
+            deadline_s=args.discovery_timeout,
+            rpc_timeout_s=min(args.rpc_deadline, 5.0),
+        )
     predictor = Predictor(
         PredictorConfig(
             consumer=consumer,
@@ -216,6 +230,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
+
+
+def _check_writable(flag: str, path: Path) -> None:
+    """ConfigError unless ``path`` can be written (checked before consuming, not after)."""
+    from deltad.errors import ConfigError
+
+    target = path if path.exists() else path.parent
+    if path.is_dir() or not target.is_dir() or not os.access(target, os.W_OK):
+        raise ConfigError(f"{flag} {path}: not a writable file path")
 
 
 def _fmt(v: float | None) -> str:

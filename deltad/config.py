@@ -27,6 +27,37 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def check_redis_url(url: str) -> str:
+    """Return ``url`` if it is a usable Redis URL (redis://, rediss://, unix://, with an
+    integer db if any), else raise ConfigError naming what is wrong (never the password)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ConfigError(f"invalid Redis URL: {e}") from None
+    if parts.scheme not in REDIS_SCHEMES:
+        raise ConfigError(
+            f"invalid Redis URL scheme {parts.scheme!r:.20}: use redis://, rediss:// or unix://"
+        )
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ConfigError("invalid Redis URL: no host (redis://host:port/db)")
+    if parts.scheme == "unix" and not parts.path:
+        raise ConfigError("invalid Redis URL: no socket path (unix:///path/to/redis.sock)")
+    dbs = parse_qs(parts.query).get("db", [])
+    if parts.scheme != "unix" and parts.path.strip("/"):
+        dbs.append(parts.path.strip("/"))
+    for db in dbs:
+        if not db.isascii() or not db.isdigit():
+            raise ConfigError(f"invalid Redis URL: db must be a number, not {db[:20]!r}")
+    del port
+    return url
+
+
 def clip(value: object, limit: int = 64) -> str:
     """``repr(value)`` cut to about ``limit`` characters, for error messages that echo input
     (a status message must stay far below gRPC's metadata limit, whatever a client sent)."""
@@ -196,6 +227,8 @@ class ServerConfig:
             raise ConfigError("forget_after must be >= 0 (0 = never) and its interval > 0")
         if self.max_consumers < 0:
             raise ConfigError("max_consumers must be >= 0 (0 = no limit)")
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url)
         if self.tokens_file is not None:
             self.tokens_file = Path(self.tokens_file)
 
@@ -322,5 +355,7 @@ class ConsumerConfig:
         if self.lease_ttl_s <= 0 or self.heartbeat_interval_s <= 0:
             raise ConfigError("lease_ttl_s and heartbeat_interval_s must be > 0")
         self.sidecars = tuple(self.sidecars)
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url)
         if self.tls_ca is not None:
             self.tls_ca = Path(self.tls_ca)

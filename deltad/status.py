@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,73 @@ def fetch(
         raise SidecarUnavailableError(f"{target}: {e.code().name}: {e.details()}") from e
     finally:
         channel.close()
+
+
+def _channel(target: str, tls_ca: Path | None) -> grpc.Channel:
+    if tls_ca is None:
+        return grpc.insecure_channel(target)
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
+    except OSError as e:
+        raise ConfigError(f"cannot read --tls-ca: {e}") from e
+    return grpc.secure_channel(target, creds)
+
+
+def check_sidecars(
+    endpoints: tuple[str, ...],
+    model: str,
+    *,
+    token: str | None = None,
+    tls_ca: Path | None = None,
+    deadline_s: float = 120.0,
+    rpc_timeout_s: float = 5.0,
+) -> list[pb.StatusResponse | None]:
+    """Before consuming from a static list of sidecars (one per rank, in rank order): each
+    answering one must serve ``model`` at that rank, and the model's world size must be the
+    number of endpoints (ConfigError otherwise: partial tables are never a success). Probes
+    until ``deadline_s`` while none answers, then SidecarUnavailableError. Returns each
+    endpoint's Status (None: did not answer)."""
+    md = [("authorization", f"Bearer {token}")] if token else None
+    end = time.monotonic() + deadline_s
+    while True:
+        got: list[pb.StatusResponse | None] = []
+        errors = []
+        for target in endpoints:
+            channel = _channel(target, tls_ca)
+            try:
+                stub = delta_pb2_grpc.DeltaServiceStub(channel)
+                got.append(stub.Status(pb.StatusRequest(), timeout=rpc_timeout_s, metadata=md))
+            except grpc.RpcError as e:
+                if e.code() in (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                ):
+                    raise ConfigError(f"{target}: {e.code().name}: {e.details()}") from None
+                got.append(None)
+                errors.append(f"{target}: {e.code().name}")
+            finally:
+                channel.close()
+        for rank, (target, st) in enumerate(zip(endpoints, got, strict=True)):
+            if st is None:
+                continue
+            if st.model != model:
+                raise ConfigError(f"{target} serves model {st.model!r}, not --model {model!r}")
+            if st.rank != rank:
+                raise ConfigError(
+                    f"{target} serves rank {st.rank}; give the --sidecar endpoints in rank order"
+                )
+            if st.world_size and st.world_size != len(endpoints):
+                raise ConfigError(
+                    f"model {model!r} has {st.world_size} ranks; give one --sidecar per rank "
+                    f"(got {len(endpoints)}): fewer would serve partial tables"
+                )
+        if any(st is not None for st in got):
+            return got
+        if time.monotonic() >= end:
+            raise SidecarUnavailableError(
+                f"no sidecar answered within {deadline_s:.0f}s: {'; '.join(errors)[:300]}"
+            )
+        time.sleep(min(1.0, max(0.0, end - time.monotonic())))
 
 
 def _mb(n: int) -> str:

@@ -125,6 +125,7 @@ def test_a_quarantined_segment_heals_without_a_trainer_restart(
         assert stats.kind.value == "base" and stats.seq == 4 and not request.exists()
         wait_for(lambda: _caught_up(c, rep, tracker, 4), 10, "healed")
         healed_s = time.monotonic() - t0
+        assert healed_s < 5  # the bound: the publish after the request + a write + a poll
         assert srv.log.snapshot().base.seq == 4  # type: ignore[union-attr]
         # the log goes on from the fresh base
         tracker.step()

@@ -80,7 +80,6 @@ def test_leases_and_pins(redis_server: EmbeddedRedis) -> None:
 def test_redis_restart_keeps_cursors_and_outage_is_bounded(tmp_path: Path) -> None:
     r = EmbeddedRedis(tmp_path / "r")
     r.start()
-    port = int(r.url.rsplit(":", 1)[1].split("/")[0])
     s = OffsetStore.from_url(r.url, "m", attempts=3, backoff_s=0.05)
     _pull(s, "c", "p", 11)
     _commit(s, "c", "p", 11)
@@ -89,7 +88,7 @@ def test_redis_restart_keeps_cursors_and_outage_is_bounded(tmp_path: Path) -> No
     with pytest.raises(OffsetStoreError, match="unavailable during get_cursor"):
         s.get_cursor("c", 0)
     assert time.monotonic() - t0 < 10
-    r2 = EmbeddedRedis(tmp_path / "r", port=port)
+    r2 = EmbeddedRedis(tmp_path / "r")  # same socket and password: the same URL
     r2.start()
     try:
         cur = s.get_cursor("c", 0)  # same client reconnects; the AOF kept the commit
@@ -101,7 +100,7 @@ def test_redis_restart_keeps_cursors_and_outage_is_bounded(tmp_path: Path) -> No
 def test_a_refusing_redis_is_a_clear_error_not_a_crash(tmp_path: Path) -> None:
     """Redis answers but refuses (here: out of memory): OffsetStoreError with Redis' reason
     at once (the handlers turn it into UNAVAILABLE), no retries, nothing written."""
-    r = EmbeddedRedis(tmp_path / "r")
+    r = EmbeddedRedis(tmp_path / "r", admin_commands=True)  # CONFIG, to fake an OOM
     r.start()
     try:
         s = OffsetStore.from_url(r.url, "m", attempts=3, backoff_s=5.0)

@@ -147,7 +147,6 @@ def test_redis_outage_is_unavailable_and_never_resets_a_cursor(tmp_path: Path) -
     spool = SpoolWriter(tmp_path / "spool")
     r = EmbeddedRedis(tmp_path / "redis")
     r.start()
-    port = int(r.url.rsplit(":", 1)[1].split("/")[0])
     srv = SidecarServer(server_config(tmp_path / "spool", r.url)).start()
     srv.store.attempts = 2
     c = Client(f"127.0.0.1:{srv.port}")
@@ -163,7 +162,7 @@ def test_redis_outage_is_unavailable_and_never_resets_a_cursor(tmp_path: Path) -
                 call()
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "unavailable" in (e.value.details() or "")
-        r = EmbeddedRedis(tmp_path / "redis", port=port)
+        r = EmbeddedRedis(tmp_path / "redis")  # same socket and password: the same URL
         r.start()
         d = c.pull("r")  # continues from its committed cursor, not from the base
         assert not d.resync and (d.from_seq, d.to_seq) == (0, 1)
@@ -217,8 +216,8 @@ def test_env_vars_configure_serve(tmp_path: Path, redis_server: EmbeddedRedis) -
 
 
 def test_embedded_redis_keeps_cursors_across_a_sidecar_kill(tmp_path: Path) -> None:
-    """Without --redis-url the sidecar runs Redis in the spool; it dies with a killed sidecar
-    (PDEATHSIG) and the restarted sidecar's new server replays the append-only file."""
+    """Without --redis-url the sidecar runs Redis in the spool; it outlives a killed sidecar
+    (other ranks use it) and the restarted sidecar reuses it, cursors intact."""
     SpoolWriter(tmp_path / "spool")
     args = [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path / "spool"),
             "--model", "m", "--listen", "127.0.0.1:0"]  # fmt: skip

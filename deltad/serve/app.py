@@ -13,10 +13,13 @@ credentials from ``tokens_file`` (bearer tokens and mTLS identities, see deltad.
 checked with the consumer limit at the edge (deltad.serve.edge); :meth:`reload_credentials`
 re-reads the file.
 
-Without ``redis_url`` it runs an EmbeddedRedis in the spool (reused if one is already
-running there); a server it started stops with it, and dies with the thread that called
-:meth:`SidecarServer.start` (PDEATHSIG), so call ``start`` from a long-lived thread. For
-several sidecars on one machine, share one ``redis_url``.
+Without ``redis_url`` it runs an EmbeddedRedis in the spool (locked down: unix socket,
+password, dangerous commands off), shared by every sidecar of the spool: it outlives any one
+sidecar's crash, the last sidecar to stop shuts it down, and every sidecar's watchdog
+restarts it within ``REDIS_PROBE_S`` + its start time if it dies (its append-only file keeps
+the data; socket and password stay the same, so no URL goes stale). Health answers
+NOT_SERVING while the offset store does not answer (``deltad_redis_up`` 0), SERVING again
+once it does.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from grpc_reflection.v1alpha import reflection
 from deltad import wire
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
-from deltad.redisutil import EmbeddedRedis
+from deltad.redisutil import EmbeddedRedis, answers
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.auth import Credentials, load_tokens_file
 from deltad.serve.edge import Gate
@@ -51,6 +54,8 @@ log = logging.getLogger(__name__)
 
 #: Re-register the endpoint in Redis this often (and on every generation change).
 REGISTRY_REFRESH_S = 10.0
+#: Probe the offset store this often (health, gauge, embedded restart).
+REDIS_PROBE_S = 0.5
 
 
 def _read(path: Any) -> bytes:
@@ -88,7 +93,7 @@ class SidecarServer:
         cfg = self.config
         self.layout.ensure_writable()
         if cfg.redis_url is None:
-            self._embedded = EmbeddedRedis(self.layout.redis_dir)
+            self._embedded = EmbeddedRedis(self.layout.redis_dir, outlive_owner=True)
             self.redis_url = self._embedded.start()
         else:
             self.redis_url = cfg.redis_url
@@ -187,6 +192,9 @@ class SidecarServer:
         # Streams stuck in a send (a client that stopped reading) past their deadline.
         self._spawn("deltad-deadlines", self.servicer.cancel_overdue, 0.5)
         self._spawn("deltad-retention", self._retention_loop, cfg.retention_interval_s)
+        self._redis_up = True
+        self.metrics.redis_up.set(1)
+        self._spawn("deltad-redis-probe", self.probe_redis, REDIS_PROBE_S)
         if cfg.forget_after_s > 0:
             self._spawn("deltad-forget", self.forget_idle, cfg.forget_interval_s)
         log.debug(
@@ -228,6 +236,28 @@ class SidecarServer:
         t = threading.Thread(target=loop, name=name, daemon=True)
         t.start()
         self._threads.append(t)
+
+    def probe_redis(self) -> bool:
+        """One probe of the offset store: restart a dead embedded server, set the gauge and
+        the health status; True if it answers."""
+        up = answers(self.redis_url)
+        if not up and self._embedded is not None:
+            try:
+                if self._embedded.ensure():
+                    self.metrics.redis_restarts.inc()
+                up = answers(self.redis_url)
+            except DeltadError as e:
+                log.error("cannot restart the embedded redis: %s", e)
+        self.metrics.redis_up.set(1 if up else 0)
+        if up != self._redis_up and self._health is not None and not self._stop.is_set():
+            status = health_pb2.HealthCheckResponse.SERVING
+            if not up:
+                status = health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                self._health.set(name, status)
+            log.warning("offset store %s", "answers again" if up else "unreachable: NOT_SERVING")
+        self._redis_up = up
+        return up
 
     def _register_endpoint(self) -> None:
         snap = self.log.snapshot()

@@ -68,6 +68,15 @@ class SidecarMetrics:
         self.head_seq = Gauge(
             "deltad_head_seq", "Newest served segment", list(labels), registry=r
         ).labels(**labels)
+        self.redis_up = Gauge(
+            "deltad_redis_up",
+            "1 while the offset store (Redis) answers the sidecar's probe, else 0",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.redis_restarts = counter(
+            "deltad_redis_restarts", "Embedded Redis servers this sidecar restarted"
+        )
         self.lag_segments = Gauge(
             "deltad_consumer_lag_segments",
             "Head seq minus the consumer's committed seq",

@@ -180,6 +180,9 @@ class OffsetStore:
         for attempt in range(self.attempts):
             try:
                 return fn()
+            except redis.AuthenticationError as e:  # a refused password is not transient
+                where = _redact(self.url) if self.url else "redis"
+                raise OffsetStoreError(f"offset store ({where}) refused authentication: {e}") from e
             except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError) as e:
                 # down, loading its data after a restart, or a replica after a failover
                 last = e

@@ -122,7 +122,11 @@ class Retention:
                 chunks=[r.to_chunk() for r in merged.values()],
             )
             entry = self.seglog.load_entry(head.generation, last.seq, last.path)
-        except (SpoolError, SegmentCorruptError) as e:
+        except SegmentCorruptError as e:  # the merged file failed its check: not again
+            self._failed.add((first.first_seq, last.seq))
+            log.error("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
+            return False
+        except SpoolError as e:  # e.g. the disk is full: retried next round
             log.error("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
             return False
         if not self.seglog.replace(covered, entry):
