@@ -243,19 +243,15 @@ class EmbeddedRedis:
         for f in self.data_dir.iterdir():  # data files of older versions: 0600 too
             if f.is_file() and not f.is_symlink():
                 os.chmod(f, 0o600)
-        outlive = self.outlive_owner
-
-        def child() -> None:
-            os.umask(0o077)
-            if not outlive:
-                _die_with_parent()
-
+        # No Python between fork and exec when the server outlives us (the sidecar's case):
+        # in a process with gRPC threads running, a preexec_fn child can abort (SIGABRT).
         self.proc = subprocess.Popen(
             [redis_server_binary(), str(conf)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=child,
+            umask=0o077,
+            preexec_fn=None if self.outlive_owner else _die_with_parent,
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

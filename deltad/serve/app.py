@@ -11,7 +11,7 @@ Besides deltad.v1.DeltaService it serves grpc.health.v1 (no token needed) and se
 reflection; TLS with ``tls_cert``/``tls_key`` (mTLS with ``tls_client_ca``); scoped
 credentials from ``tokens_file`` (bearer tokens and mTLS identities, see deltad.serve.auth),
 checked with the consumer limit at the edge (deltad.serve.edge); :meth:`reload_credentials`
-re-reads the file.
+(SIGHUP) re-reads the tokens file and the TLS files without a restart.
 
 Without ``redis_url`` it runs an EmbeddedRedis in the spool (locked down: unix socket,
 password, dangerous commands off), shared by every sidecar of the spool: it outlives any one
@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -58,6 +60,19 @@ REGISTRY_REFRESH_S = 10.0
 REDIS_PROBE_S = 0.5
 
 
+def check_tls_files(cert: Path, key: Path, ca: Path | None) -> None:
+    """ConfigError unless ``cert`` and ``key`` are a matching PEM pair and ``ca`` (if any)
+    holds PEM certificates: a bad file must not replace good ones (every later handshake
+    would fail)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key)
+        if ca is not None:
+            ctx.load_verify_locations(cafile=ca)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"bad TLS files ({cert}, {key}, {ca}): {e}") from e
+
+
 def _read(path: Any) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -83,6 +98,8 @@ class SidecarServer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._registered = 0.0
+        self._tls_lock = threading.Lock()
+        self._tls_pending: grpc.ServerCertificateConfiguration | None = None
         self.store: OffsetStore
         self.log: SegmentLog
         self.servicer: DeltaServicer
@@ -157,10 +174,12 @@ class SidecarServer:
         )
         try:
             if cfg.tls_cert is not None and cfg.tls_key is not None:
-                creds = grpc.ssl_server_credentials(
-                    [(_read(cfg.tls_key), _read(cfg.tls_cert))],
-                    root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
-                    require_client_auth=cfg.tls_client_ca is not None,
+                # dynamic: reload_credentials() swaps certificate, key and client CA for the
+                # connections made after it (gRPC asks _tls_fetch at every handshake)
+                creds = grpc.dynamic_ssl_server_credentials(
+                    self._tls_configuration(),
+                    self._tls_fetch,
+                    require_client_authentication=cfg.tls_client_ca is not None,
                 )
                 self.port = server.add_secure_port(cfg.listen, creds)
             else:
@@ -211,17 +230,46 @@ class SidecarServer:
             return Credentials({**full.tokens, **creds.tokens}, creds.identities)
         return creds
 
+    def _tls_configuration(self) -> grpc.ServerCertificateConfiguration:
+        """The TLS files as one gRPC certificate configuration; ConfigError if one cannot
+        be read, or the key does not match the certificate, or a file is not PEM."""
+        cfg = self.config
+        assert cfg.tls_cert is not None and cfg.tls_key is not None
+        check_tls_files(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        return grpc.ssl_server_certificate_configuration(
+            [(_read(cfg.tls_key), _read(cfg.tls_cert))],
+            root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
+        )
+
+    def _tls_fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's per-handshake question: a new configuration (once), or None: no change."""
+        with self._tls_lock:
+            new, self._tls_pending = self._tls_pending, None
+        return new
+
     def reload_credentials(self) -> bool:
-        """Re-read ``tokens_file`` (SIGHUP); on a bad file keep the old credentials and log
-        why. True if the new ones are in force."""
+        """Re-read ``tokens_file`` and the TLS certificate, key and client CA (SIGHUP); a bad
+        file keeps the old credentials of its kind, logged. True if all new ones are in force
+        (TLS: for connections made from now on)."""
+        ok = True
         try:
             creds = self._credentials()
         except ConfigError as e:
             log.error("tokens file not reloaded, the previous credentials stay: %s", e)
-            return False
-        self.gate.set_credentials(creds)
-        log.warning("credentials reloaded: %d", len(creds) if creds is not None else 0)
-        return True
+            ok = False
+        else:
+            self.gate.set_credentials(creds)
+            log.warning("credentials reloaded: %d", len(creds) if creds is not None else 0)
+        if self.config.tls_cert is not None:
+            try:
+                tls = self._tls_configuration()
+            except ConfigError as e:
+                log.error("TLS files not reloaded, the previous ones stay: %s", e)
+                return False
+            with self._tls_lock:
+                self._tls_pending = tls
+            log.warning("TLS certificate, key and client CA reloaded (new connections)")
+        return ok
 
     def _spawn(self, name: str, fn: Callable[[], object], interval: float) -> None:
         def loop() -> None:
