@@ -487,8 +487,7 @@ class DeltaServicer:
             if snap is not None:
                 seq = -1 if stored is None or stored.generation != snap.generation else stored.seq
                 info.lag_segments = max(0, snap.head.seq - seq)
-                pending = [e for e in snap.entries if e.seq > seq]
-                info.lag_seconds = max(0.0, now - pending[0].created_unix) if pending else 0.0
+                info.lag_seconds = lag_seconds(snap, seq, now)
                 self.metrics.set_lag(name, info.lag_segments, info.lag_seconds)
             out.append(info)
         self.metrics.keep_lag_of(set(names))
@@ -536,6 +535,17 @@ class DeltaServicer:
                         col_end=c.col_end, count=c.row_end - c.row_start,
                     )  # fmt: skip
         return resp
+
+
+def lag_seconds(snap: LogSnapshot, seq: int, now: float) -> float:
+    """Age of the oldest step a consumer at ``seq`` has not committed: when the trainer
+    published it (a merged entry it stands before: its oldest input's time; one it stands
+    inside: the entry's newest), 0 if it is at the head. Merges do not make it younger."""
+    pending = next((e for e in snap.entries if e.seq > seq), None)
+    if pending is None:
+        return 0.0
+    t = pending.first_created_unix if seq < pending.first_seq else pending.created_unix
+    return max(0.0, now - t)
 
 
 def handlers(servicer: DeltaServicer) -> grpc.GenericRpcHandler:
