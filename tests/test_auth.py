@@ -125,6 +125,30 @@ def test_a_token_acts_only_for_its_consumers_and_nothing_changes_out_of_scope(
         seen = ops.stub.ListConsumers(pb.ListConsumersRequest(), metadata=ops.md, timeout=5)
         assert [c.consumer for c in seen.consumers] == ["alice-2", "bob"]
         assert srv.gate.denied >= 4
+
+        # Forget is admin-only: a consume token may not forget even its own consumer
+        forget = pb.ForgetRequest(consumer="alice-2")
+        assert _code(lambda: alice.stub.Forget(forget, metadata=alice.md, timeout=5)) == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert (
+            store.get_cursor("alice-2", 0) is not None
+            or store.pending_pulls(["alice-2"], 0)["alice-2"] is not None
+        )
+        # the admin forgets bob: his cursor, pull, lease and membership are gone on every rank
+        done = ops.stub.Forget(pb.ForgetRequest(consumer="bob"), metadata=ops.md, timeout=5)
+        assert done.forgotten
+        assert store.get_cursor("bob", 0) is None
+        assert store.pending_pulls(["bob"], 0)["bob"] is None
+        assert "bob" not in store.consumers()
+        again = ops.stub.Forget(pb.ForgetRequest(consumer="bob"), metadata=ops.md, timeout=5)
+        assert not again.forgotten
+        bad = pb.ForgetRequest(consumer="../etc")
+        assert _code(lambda: ops.stub.Forget(bad, metadata=ops.md, timeout=5)) == (
+            grpc.StatusCode.INVALID_ARGUMENT
+        )
+        # bob comes back as a new consumer: the full tables again
+        assert ops.pull("bob").rows == 1500
     finally:
         alice.close()
         ops.close()
