@@ -186,9 +186,11 @@ class SegmentLog:
         return present, strays
 
     def snapshot(self) -> LogSnapshot | None:
-        """The current served log (None before any base segment of this rank exists)."""
-        with self._lock:
-            return self._snapshot
+        """The current served log (None before any base segment of this rank exists).
+
+        Lock-free: a snapshot is immutable and replaced by one assignment, so readers never
+        wait for an indexing round (a large base's verified copy takes a while)."""
+        return self._snapshot
 
     def refresh(self) -> bool:
         """Index new files, maybe switch generation; True if the served log changed."""
