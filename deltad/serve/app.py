@@ -287,6 +287,8 @@ class SidecarServer:
             max(self.store.ranks(), default=0) + 1,
         )
         gone = self.store.forget_idle(world, cfg.forget_after_s)
+        # any rank may have forgotten a name this one admitted before: count them afresh
+        self.gate.forget_admitted()
         for name in gone:
             log.info("forgot consumer %r: silent for %.0f s", name, cfg.forget_after_s)
 

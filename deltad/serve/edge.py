@@ -84,10 +84,19 @@ class Gate(grpc.ServerInterceptor):
         self.bad_requests = 0
         self.denied = 0
         self._bad_log = RateLimitedLog()
+        # names admitted before (at most max_consumers); cleared by forget_admitted()
+        self._admitted: set[str] = set()
+        self._admitted_lock = threading.Lock()
         self._deny_log = RateLimitedLog()
 
     def set_credentials(self, credentials: Credentials | None) -> None:
         self._credentials = credentials
+
+    def forget_admitted(self) -> None:
+        """Drop the cache of admitted names (after consumers were forgotten), so a forgotten
+        name is counted against the limit again."""
+        with self._admitted_lock:
+            self._admitted.clear()
 
     # --- decisions applied to a call ------------------------------------------------------
 
@@ -149,11 +158,18 @@ class Gate(grpc.ServerInterceptor):
                 check_name("consumer", consumer or "")
             except ConfigError as e:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            name = consumer or ""
+            if name in self._admitted:  # known: no Redis round trip on every pull
+                return
             try:
-                ok = self._admit(consumer or "")
+                ok = self._admit(name)
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            if not ok:
+            if ok:
+                with self._admitted_lock:
+                    if len(self._admitted) < max(self.max_consumers, 1):
+                        self._admitted.add(name)
+            else:
                 _abort(
                     context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
