@@ -216,6 +216,10 @@ class SegmentLog:
             self._drop_generation(old)
 
     def _drop_generation(self, generation: int) -> None:
+        d = self.layout.rank_dir(generation, self.rank)
+        if d.is_symlink() or d.parent.is_symlink():
+            log.warning("not deleting through %s: a symbolic link", d)
+            return
         for _, path in self.layout.segments(generation, self.rank):
             path.unlink(missing_ok=True)
         self.layout.rebase_request_path(generation, self.rank).unlink(missing_ok=True)
