@@ -87,6 +87,7 @@ class Gate(grpc.ServerInterceptor):
         # names admitted before (at most max_consumers); cleared by forget_admitted()
         self._admitted: set[str] = set()
         self._admitted_lock = threading.Lock()
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._deny_log = RateLimitedLog()
 
     def set_credentials(self, credentials: Credentials | None) -> None:
@@ -259,6 +260,13 @@ class Gate(grpc.ServerInterceptor):
         method = details.method
         if handler is None or method.startswith(OPEN_PREFIX):
             return handler
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:  # the servicer's handlers are static
+            return cached[1]
         if method.startswith(SERVICE_PREFIX):
-            return self._wrap(handler, method[len(SERVICE_PREFIX) :])
-        return self._wrap_identified(handler)
+            wrapped = self._wrap(handler, method[len(SERVICE_PREFIX) :])
+        else:
+            wrapped = self._wrap_identified(handler)
+        if len(self._wrapped) < 64:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
