@@ -216,6 +216,32 @@ def test_max_consumers_refuses_new_names_and_stores_nothing_for_them(
         srv.stop(0)
 
 
+def test_a_forgotten_consumer_frees_its_place_under_max_consumers(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    SpoolWriter(tmp_path / "spool")
+    cfg = server_config(
+        tmp_path / "spool", redis_server.url, max_consumers=1, forget_after_s=0.05,
+        forget_interval_s=3600.0,
+    )  # fmt: skip
+    srv = SidecarServer(cfg).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        c.pull("a")  # admitted (and cached: no Redis round trip on its next pulls)
+        c.stub.Register(pb.RegisterRequest(consumer="a", lease_ttl_seconds=0.05), timeout=5)
+        reg_b = pb.RegisterRequest(consumer="b")
+        assert _code(lambda: c.stub.Register(reg_b, timeout=5)) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        time.sleep(0.3)  # a's lease expires, and it stays silent past forget_after
+        assert srv.forget_idle() == ["a"]
+        c.stub.Register(reg_b, timeout=5)
+        assert _code(lambda: c.pull("a")) == grpc.StatusCode.RESOURCE_EXHAUSTED  # not cached
+    finally:
+        c.close()
+        srv.stop(0)
+
+
 def _serve_cli(spool: Path, url: str, tokens: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(spool), "--model", MODEL,
