@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="its private key (PEM) [DELTAD_TLS_CLIENT_KEY]",
     )
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument(
+        "--forget",
+        metavar="CONSUMER",
+        default=None,
+        help="forget this consumer on every rank (admin role): cursor, pull, lease, owed rows",
+    )
 
 
 def fetch(
@@ -163,6 +169,29 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
     return "\n".join(lines)
 
 
+def forget(
+    target: str,
+    consumer: str,
+    *,
+    token: str | None = None,
+    tls_ca: Path | None = None,
+    timeout: float = 10.0,
+    auth: ClientAuth | None = None,
+) -> bool:
+    """Ask the sidecar at ``target`` to forget ``consumer`` (admin); False if it was unknown."""
+    auth = auth or ClientAuth(token=token, tls_ca=tls_ca)
+    md = auth.metadata()
+    with auth.channel(target) as channel:
+        stub = delta_pb2_grpc.DeltaServiceStub(channel)
+        try:
+            resp = stub.Forget(pb.ForgetRequest(consumer=consumer), timeout=timeout, metadata=md)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise SidecarUnavailableError(f"{target}: {e.code().name}: {e.details()}") from e
+            raise ConfigError(f"forget {consumer!r}: {e.code().name}: {e.details()}") from e
+    return bool(resp.forgotten)
+
+
 def run(args: argparse.Namespace) -> int:
     check_client_auth("--", args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
     auth = ClientAuth(
@@ -172,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
     )
+    if args.forget is not None:
+        gone = forget(args.target, args.forget, auth=auth, timeout=args.timeout)
+        print(f"consumer {args.forget}: {'forgotten' if gone else 'not known'}")
+        return 0
     status, consumers = fetch(args.target, auth=auth, timeout=args.timeout)
     if args.json:
         out: dict[str, Any] = MessageToDict(

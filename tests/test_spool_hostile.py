@@ -173,6 +173,24 @@ def test_a_hostile_file_is_quarantined_and_never_indexed(case: str, tmp_path: Pa
         assert (outside / "evil.dseg").exists()  # the link was moved, not its target
 
 
+def test_a_rank_directory_linked_outside_the_spool_is_never_indexed_nor_touched(
+    tmp_path: Path,
+) -> None:
+    spool = SpoolWriter(tmp_path / "spool")
+    spool.delta()
+    d = spool.layout.rank_dir(1, 0)
+    outside = tmp_path / "outside"
+    os.replace(d, outside)
+    os.symlink(outside, d)
+    seglog = SegmentLog(spool.layout, 0)
+    seglog.refresh()
+    assert seglog.snapshot() is None and seglog.quarantined == 0
+    assert sorted(p.name for p in outside.iterdir()) == [
+        "seg-000000000000.dseg",
+        "seg-000000000001.dseg",
+    ]
+
+
 def test_bytes_changed_on_disk_after_indexing_never_reach_a_consumer_or_a_merge(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:

@@ -15,7 +15,8 @@ structure before anything serves or merges it.
    inside ``dim``, non-negative aligned offsets, a count within its row range (a base: every
    row of it); ids inside the row range, strictly ascending (so unique).
 
-Every failure is a :class:`SegmentCorruptError` (the caller quarantines the file).
+Every failure is a :class:`SegmentCorruptError` (the caller quarantines the file), except a
+directory leading outside the spool: SpoolError (held back and logged, nothing there is moved).
 """
 
 from __future__ import annotations
@@ -184,8 +185,8 @@ def load_verified(
     """The segment at ``path`` from a private copy whose checksum and structure were verified
     (see the module docstring). ``root``: the spool's model directory the file must be in."""
     path = Path(path)
-    if not _inside(path, root):
-        raise SegmentCorruptError(f"{path}: its directory leads outside the spool {root}")
+    if not _inside(path, root):  # not quarantined: nothing outside the spool is touched
+        raise SpoolError(f"{path}: its directory leads outside the spool {root}; not indexed")
     mfd = _private_copy(path)
     copy = Path(f"/proc/self/fd/{mfd}")
     try:

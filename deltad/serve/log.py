@@ -220,9 +220,11 @@ class SegmentLog:
         return present, strays
 
     def snapshot(self) -> LogSnapshot | None:
-        """The current served log (None before any base segment of this rank exists)."""
-        with self._lock:
-            return self._snapshot
+        """The current served log (None before any base segment of this rank exists).
+
+        Lock-free: a snapshot is immutable and replaced by one assignment, so readers never
+        wait for an indexing round (a large base's verified copy takes a while)."""
+        return self._snapshot
 
     def refresh(self) -> bool:
         """Index new files, maybe switch generation; True if the served log changed."""
@@ -249,6 +251,10 @@ class SegmentLog:
             self._drop_generation(old)
 
     def _drop_generation(self, generation: int) -> None:
+        d = self.layout.rank_dir(generation, self.rank)
+        if d.is_symlink() or d.parent.is_symlink():
+            log.warning("not deleting through %s: a symbolic link", d)
+            return
         for _, path in self.layout.segments(generation, self.rank):
             path.unlink(missing_ok=True)
         for _, path in self.layout.dense_files(generation, self.rank):
