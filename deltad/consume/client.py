@@ -193,6 +193,21 @@ class DeltaConsumer:
 
     def pull(self) -> PullResult:
         """Read every rank's window (aligned on one trainer step when ``align_steps``)."""
+        started = time.monotonic()
+        result = self._pull()
+        log.info(
+            "pull %s step %s: %s: %d rows, %d bytes, %.0f ms%s",
+            self.config.consumer, result.step,
+            ", ".join(
+                f"rank {d.rank} seq {d.from_seq}..{d.to_seq}{' resync' if d.resync else ''}"
+                for d in result.deltas
+            ) or "nothing",
+            result.rows, result.bytes, (time.monotonic() - started) * 1000,
+            f" (missing ranks {sorted(result.missing)})" if result.missing else "",
+        )  # fmt: skip
+        return result
+
+    def _pull(self) -> PullResult:
         self._require_connected()
         result = PullResult(pulled_unix=time.time())
         flushed = self._parallel(self._sidecars.flush_pending)
@@ -329,7 +344,7 @@ class DeltaConsumer:
         )
         if delta.committed:
             r.committed = delta.cursor
-        log.info(
+        log.debug(
             "pull %s rank %d seq %d..%d step %d%s: %d rows, %d bytes, %.0f ms",
             self.config.consumer, r.rank, delta.from_seq, delta.to_seq, delta.to_step,
             " (resync)" if delta.resync else "", delta.rows, delta.bytes,

@@ -299,8 +299,6 @@ def run(args: argparse.Namespace) -> int:
             break
     print(f"deltad serve: stopping (grace {config.grace_period_s}s)", file=sys.stderr, flush=True)
     server.stop(config.grace_period_s)
-    error = getattr(server, "error", None)
-    if error is not None:
-        print(f"deltad serve: {error}", file=sys.stderr, flush=True)
-        return 2
+    if getattr(server, "error", None) is not None:
+        return 2  # the relay logged why it stopped
     return 0
