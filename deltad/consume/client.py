@@ -9,7 +9,10 @@
 
 or ``c.sync(applier.apply)`` for all three. Sidecars come from a static list (index = rank) or from
 Redis (``RedisKeys.ranks``). Every RPC has a deadline and bounded retries with exponential
-backoff; gRPC errors become :class:`deltad.errors.ConsumerError` at this boundary.
+backoff; gRPC errors become :class:`deltad.errors.ConsumerError` at this boundary. Credentials
+(``token``/``token_file``, ``tls_ca``, and ``tls_cert``/``tls_key`` for sidecars that require
+mTLS) are re-read when their files change, before the next call or reconnect (see
+deltad.consume.sidecars, which holds the connections; this module builds pulls and commits).
 
 Multi-rank alignment (``align_steps``): each pull first asks every sidecar's Status for its
 head step and requests ``max_step = min`` over ranks (with ``PullOptions.dense``, when the
