@@ -18,7 +18,8 @@ the sidecar and through one and two relay levels (``deltad serve --upstream``), 
 every level, 4 pulls per consumer: pull p50/p99, aggregate GB/s, CPU per delivered GB of the
 serving node and of the sidecar, peak RSS per level; each relay's bootstrap time and its CPU
 per mirrored GB; freshness per level (a new segment -> its seq in each level's Status);
-overload (N consumers, N/4 stream slots: failed pulls must be 0); and :func:`scale_model`,
+overload (:func:`_overload`: 128 and 256 consumers on one sidecar, 0 failed pulls); and
+:func:`scale_model`,
 the extrapolation to 4,096 predictors x 64 ranks documented in bench/README.md.
 
 **Floor** (baseline, same run): a bare gRPC server (:mod:`bench.wire_baselines`) streams
@@ -111,6 +112,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     floor.append(_floor(bare_pid, bare_port, workers[:n], nbytes, r))
             ctx.status("fanout: relay tree")
             tree = _tree(ctx, kids, spool, workers, counts, rows)
+            tree["overload"] = _overload(ctx, kids, workers)
         finally:
             if bare_conn is not None:
                 bare_conn.close()
@@ -477,7 +479,6 @@ def _tree(
                     for r in range(ctx.repeats):
                         out["points"].append(_tree_run(workers[:n], chain, lv, n, r, pulls))
             out["freshness"] = _freshness(chain, spool, head, deltas, rows_per_table)
-            out["overload"] = _overload(ctx, kids, spool, workers)
             for lv, proc in enumerate(chain):
                 out["peak_rss_bytes"][f"level{lv}"] = proc_peak_rss(proc.proc.pid) or 0
         finally:
@@ -486,48 +487,98 @@ def _tree(
     return _tree_summary(out, counts)
 
 
-def _overload(
-    ctx: Context, kids: Children, spool: Path, workers: list[ClientWorker]
-) -> dict[str, Any]:
-    """All workers pull their whole window at once from a sidecar with a quarter as many
-    stream slots and one place in line: the rest are refused with a retry hint, which the
-    consumer library honours; every pull must end with its rows (failed = 0)."""
+def _overload(ctx: Context, kids: Children, workers: list[ClientWorker]) -> list[dict[str, Any]]:
+    """128 and 256 consumers (threads spread over the worker processes) pull a small window at
+    the same moment from one sidecar with its default limits (64 streams, 64 in line): the
+    rest are refused with a retry hint, which the consumer library honours. Every pull must
+    end with all its rows (failed = 0)."""
     from bench import deltad_procs
+    from bench.datagen import write_spool
 
-    n = len(workers)
-    slots = max(1, n // 4)
-    side = deltad_procs.start_sidecar(
-        kids, spool, ctx,
-        extra=[*deltad_procs.NO_RETENTION, "--max-concurrent-streams", str(slots),
-               "--max-queued-streams", "1", "--stream-queue-wait", "0.2"],
-    )  # fmt: skip
-    try:
-        start_at = time.time() + 1.0 + 0.05 * n
-        for i, w in enumerate(workers):
-            w.send(
-                "call", module="bench.throughput", func="client_pull",
-                kwargs={"endpoint": side.endpoint, "model": side.model,
-                        "consumer": f"overload-{i}", "dtype": "fp32", "start_at": start_at},
+    totals = ctx.pick([128, 256], [128], [8])
+    slots = ctx.pick(64, 64, 2)
+    window = ctx.pick(4 * MB, 2 * MB, 256 * 1024)
+    out = []
+    with ctx.tmpdir("overload") as spool:
+        write_spool(
+            spool, model=deltad_procs.MODEL, tables=TABLES,
+            rows_per_table=window // (8 + DIM * 4) // TABLES, dim=DIM, deltas=2,
+        )  # fmt: skip
+        for total in totals:
+            ctx.status(f"fanout overload x{total}")
+            side = deltad_procs.start_sidecar(
+                kids, spool, ctx,
+                extra=[*deltad_procs.NO_RETENTION, "--max-concurrent-streams", str(slots)],
             )  # fmt: skip
-        res: list[dict[str, Any]] = []
-        errors: list[str] = []
-        for w in workers:
             try:
-                res.append(w.recv("client_pull"))
-            except RuntimeError as e:
-                errors.append(str(e)[-300:])
-    finally:
-        side.stop()
-    full = max((x["bytes"] for x in res), default=0)
-    pulls = [x["seconds"] for x in res]
-    return {
-        "consumers": n,
-        "max_concurrent_streams": slots,
-        "failed": len(errors) + sum(1 for x in res if x["bytes"] < full),
-        "errors": errors,
-        "p50_s": percentile(pulls, 50),
-        "p99_s": percentile(pulls, 99),
-    }
+                per = -(-total // len(workers))
+                start_at = time.time() + 3.0 + 0.02 * total
+                sent = []
+                for k, w in enumerate(workers):
+                    n = min(per, total - k * per)
+                    if n <= 0:
+                        break
+                    w.send(
+                        "call", module="bench.fanout", func="client_pull_many",
+                        kwargs={"endpoint": side.endpoint, "model": side.model,
+                                "prefix": f"over-{total}-{k}", "n": n, "start_at": start_at},
+                    )  # fmt: skip
+                    sent.append(w)
+                got = [x for w in sent for x in w.recv("client_pull_many", 900.0)]
+            finally:
+                side.stop()
+            full = max((x["bytes"] for x in got), default=0)
+            secs = [x["seconds"] for x in got if x["seconds"] is not None]
+            bad = [x for x in got if x["error"] or x["missing"] or x["bytes"] < full]
+            out.append(
+                {
+                    "consumers": total,
+                    "max_concurrent_streams": slots,
+                    "window_bytes": full,
+                    "failed": len(bad),
+                    "errors": sorted({x["error"] or "missing" for x in bad})[:5],
+                    "p50_s": percentile(secs, 50),
+                    "p99_s": percentile(secs, 99),
+                    "max_s": max(secs, default=None),
+                }
+            )
+    return out
+
+
+def client_pull_many(
+    state: dict[Any, Any], endpoint: str, model: str, prefix: str, n: int, start_at: float
+) -> list[dict[str, Any]]:
+    """Runs in a client worker: ``n`` consumers (threads, one channel each) connect, then pull
+    their whole window at ``start_at``; per pull its seconds, bytes and any error."""
+    import threading
+
+    from deltad.config import ConsumerConfig
+    from deltad.consume.client import DeltaConsumer
+
+    out: list[dict[str, Any]] = [{} for _ in range(n)]
+
+    def one(i: int) -> None:
+        res: dict[str, Any] = {"seconds": None, "bytes": 0, "missing": 0, "error": None}
+        try:
+            cfg = ConsumerConfig(
+                consumer=f"{prefix}-{i}", model=model, sidecars=(endpoint,), align_steps=False,
+                rpc_deadline_s=600.0, reuse_buffers_bytes=0,
+            )  # fmt: skip
+            with DeltaConsumer(cfg) as c:
+                time.sleep(max(0.0, start_at - time.time()))
+                t0 = time.perf_counter()
+                r = c.pull()
+                res.update(seconds=time.perf_counter() - t0, bytes=r.bytes, missing=len(r.missing))
+        except Exception as e:  # reported, counted as a failed pull
+            res["error"] = f"{type(e).__name__}: {e}"[:300]
+        out[i] = res
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600.0)
+    return [r or {"seconds": None, "bytes": 0, "missing": 0, "error": "hung"} for r in out]
 
 
 def _wait(pred: Any, timeout_s: float, interval_s: float = 0.02) -> bool:
@@ -642,8 +693,7 @@ def _tree_headline(tree: dict[str, Any], n: int) -> list[dict[str, Any]]:
     pts = {(p["level"], p["consumers"]): p for p in tree.get("points", [])}
     fresh = {f["level"]: f for f in tree.get("freshness", [])}
     out: list[dict[str, Any]] = []
-    ov = tree.get("overload")
-    if ov:
+    for ov in tree.get("overload", []):
         out.append(
             {
                 "metric": f"failed pulls, {ov['consumers']} consumers on "
