@@ -1,11 +1,12 @@
 """Relay sidecars (deltad.serve.relay): trees of real sidecars and relays on port 0, each with
 its own real Redis; predictors are real DeltaConsumers. The trainer is tests/spoolkit's
-FakeTrainer (the reference trainer's chain is in test_relay_trainer.py)."""
+FakeTrainer (the reference trainer's chain and kill -9 are in test_relay_slow.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -323,3 +324,41 @@ def test_fp16_tables_stay_fp16_and_bit_equal_through_a_relay(
     (c,) = seg.chunks
     assert c.values.dtype == torch.float16 and torch.equal(c.values, truth)
     assert (c.row_start, c.row_end) == (0, 300)
+
+
+def test_a_relay_of_a_sidecar_with_tokens_sends_its_token(tmp_path: Path, redis_url: str) -> None:
+    """The upstream requires a bearer token: a relay with the wrong one mirrors nothing (and
+    keeps retrying), one with the right token mirrors; both stop promptly."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    ft.step(10)
+    cfg = server_config(tmp_path / "spool", 0, redis_url)
+    cfg.tokens = ("s3cret",)
+    side = SidecarServer(cfg).start()
+    relays = []
+    try:
+        for name, token in (("wrong", "nope"), ("right", "s3cret")):
+            rcfg = server_config(tmp_path / f"relay-{name}", 0, db(redis_url, len(relays) + 1))
+            relays.append(
+                RelayServer(
+                    rcfg,
+                    RelayConfig(
+                        upstream=side.endpoint,
+                        consumer=name,
+                        token=token,
+                        poll_interval_s=0.02,
+                        fsync=False,
+                        backoff_max_s=0.2,
+                    ),
+                ).start()
+            )
+        wrong, right = relays
+        wait_for(lambda: at_step([right.endpoint], 10), 30, "the relay with the token")
+        assert status(wrong.endpoint).head_seq == -1 and wrong.error is None
+        assert right.mirror is not None and right.mirror.written == 1
+    finally:
+        t0 = time.monotonic()
+        for r in relays:
+            r.stop(0.2)
+        assert time.monotonic() - t0 < 20
+        side.stop(0.2)
