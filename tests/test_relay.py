@@ -362,3 +362,40 @@ def test_a_relay_of_a_sidecar_with_tokens_sends_its_token(tmp_path: Path, redis_
             r.stop(0.2)
         assert time.monotonic() - t0 < 20
         side.stop(0.2)
+
+
+def test_a_predictor_moves_between_relays_of_one_tier_without_a_resync(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Two relays of one rank sharing one Redis database (docker/k8s/relay.yaml): cursors mean
+    the same on both, so a predictor that reconnects to the other replica continues from its
+    cursor and gets only the changed rows."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    ft.step(10)
+    with tree(tmp_path, redis_url, 1, 0) as levels:
+        up = levels[0][0]
+        tier = db(redis_url, 5)
+        a = start_relay(up, tmp_path / "relay-a", 0, tier, consumer="a")
+        b = start_relay(up, tmp_path / "relay-b", 0, tier, consumer="b")
+        try:
+            wait_for(lambda: at_step([a.endpoint, b.endpoint], 10), 30, "both relays")
+            applier = TensorDictApplier()
+            with predictor("p", [a.endpoint]) as c:
+                assert c.sync(applier.apply).resync
+            ft.step(20, touch=4)
+            wait_for(lambda: at_step([a.endpoint, b.endpoint], 20), 30, "both at step 20")
+            moved = DeltaConsumer(
+                ConsumerConfig(
+                    consumer="p", model="m", sidecars=(b.endpoint,), resume=True,
+                    rpc_deadline_s=10.0, max_retries=2, backoff_initial_s=0.05,
+                )
+            )  # fmt: skip
+            with moved:
+                r = moved.sync(applier.apply)
+            assert not r.resync and r.step == 20
+            assert r.rows == sum(len(ids) for ids in ft.touched[20].values())
+            assert equal(applier, ft.history[20])
+        finally:
+            a.stop(0.2)
+            b.stop(0.2)
