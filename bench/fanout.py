@@ -425,6 +425,7 @@ def _tree(
     pulls = ctx.pick(4, 4, 1)  # per consumer and run: CPU ticks are 10 ms
     out: dict[str, Any] = {
         "bootstrap": [], "mirror": [], "points": [], "freshness": [], "peak_rss_bytes": {},
+        "idle_cores": [],
     }  # fmt: skip
     with ctx.tmpdir("relay1") as r1, ctx.tmpdir("relay2") as r2:
         side = deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
@@ -450,7 +451,15 @@ def _tree(
             # every node is idle (a fresh one imports its int8 kernels in the background)
             for p in chain:
                 _settle(CpuMonitor(p.proc.pid))
+            # idle: each node's own spool poll, and a relay's Status polls of its upstream
+            # (counted by both ends); subtracted from the mirror cost below
+            idle_s = ctx.pick(3.0, 2.0, 0.5)
             cpus = [CpuMonitor(p.proc.pid) for p in chain]
+            time.sleep(idle_s)
+            idle = [c.seconds() / idle_s for c in cpus]
+            out["idle_cores"] = idle
+            cpus = [CpuMonitor(p.proc.pid) for p in chain]
+            t_mirror = time.perf_counter()
             nbytes = 0
             for _ in range(4):
                 head += 1
@@ -459,11 +468,14 @@ def _tree(
                     lambda at=head: all(_head(p.endpoint) >= at for p in chain), 300.0, 0.05
                 ):
                     raise RuntimeError("a relay never mirrored a large delta")
+            took = time.perf_counter() - t_mirror
             for lv in (1, 2):
+                busy = max(0.0, cpus[lv].seconds() - idle[lv] * took)
                 out["mirror"].append(
                     {
-                        "level": lv, "delta_bytes": nbytes, "relay_cpu_s": cpus[lv].seconds(),
-                        "relay_cpu_s_per_gb": cpus[lv].seconds() / (nbytes / GB),
+                        "level": lv, "delta_bytes": nbytes, "seconds": took,
+                        "relay_cpu_s": cpus[lv].seconds(), "relay_cpu_s_over_idle": busy,
+                        "relay_cpu_s_per_gb": busy / (nbytes / GB),
                     }
                 )  # fmt: skip
             for lv in LEVELS:
@@ -743,7 +755,8 @@ def scale_model(
     F consumers, each at the rank's delta rate D (bytes/s). A node sustains F while
     ``F * D * c_send <= core_budget`` cores (c_send: its measured CPU-s per delivered GB, at
     the largest N measured) and ``F * D <= nic_gbps``; a relay also pays ``D * c_mirror`` to
-    mirror. Relays per level follow from F; freshness p99 at level L is the measured p99 of
+    mirror (measured over its idle cost) and its idle cost (its Status polls of the upstream
+    and its spool poll, measured in cores). Relays per level follow from F; freshness p99 at level L is the measured p99 of
     level L (the sidecar's poll plus L relay hops), extended linearly with the measured
     per-hop increment for deeper trees.
     """
@@ -753,8 +766,10 @@ def scale_model(
     top = max(p["consumers"] for p in pts)
     sends = [p["serving_cpu_s_per_gb"] for p in pts if p["consumers"] == top]
     c_send = max(sends)  # the dearest level: conservative
-    mirrors = [m["relay_cpu_s_per_gb"] for m in tree.get("mirror", []) if m["relay_cpu_s_per_gb"]]
+    mirrors = [m["relay_cpu_s_per_gb"] for m in tree.get("mirror", [])]
     c_mirror = max(mirrors) if mirrors else None
+    idle = tree.get("idle_cores") or []
+    idle_relay = max(idle[1:], default=None)  # a relay's own polling, per relay
     fresh = {f["level"]: f["p99_s"] for f in tree.get("freshness", []) if f["p99_s"] is not None}
     hop = (
         (fresh[max(fresh)] - fresh[0]) / max(fresh)
@@ -800,6 +815,11 @@ def scale_model(
                 # every predictor-rank stream costs its serving node D * c_send
                 "serving_cores_total": predictors * ranks * d_gb * c_send,
                 "relays_total": sum(x["relays"] for x in per_level),
+                "relay_idle_cores_total": (
+                    idle_relay * sum(x["relays"] for x in per_level)
+                    if idle_relay is not None
+                    else None
+                ),
                 "freshness_p99_s_at_predictor_tier": p99,
             }
         )
@@ -810,6 +830,8 @@ def scale_model(
         "nic_gb_per_s": nic_gbps,
         "c_send_cpu_s_per_gb": c_send,
         "c_mirror_cpu_s_per_gb": c_mirror,
+        "relay_idle_cores": idle_relay,
+        "idle_cores_by_level": idle,
         "freshness_p99_s_by_level": fresh,
         "per_hop_p99_s": hop,
         "rows": rows,
