@@ -347,7 +347,26 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_xlabel("consumers")
         ax.legend(fontsize=8)
     fig.suptitle(f"fan-out, {result.get('window_bytes_fp32', 0) / MB:.0f} MB window")
-    return save_figure(fig, out_dir, "fanout")
+    paths = save_figure(fig, out_dir, "fanout")
+    tree = result.get("tree", {}).get("points", [])
+    if tree:
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+        for lv in LEVELS:
+            ps = sorted((p for p in tree if p["level"] == lv), key=lambda p: p["consumers"])
+            xs = [p["consumers"] for p in ps]
+            name = "direct" if lv == 0 else f"{lv} relay level{'s' if lv > 1 else ''}"
+            axes[0].plot(xs, [p["p99_s"] for p in ps], "o-", label=f"{name} p99")
+            axes[1].plot(xs, [p["serving_cpu_s_per_gb"] for p in ps], "o-", label=name)
+            axes[2].plot(xs, [p["sidecar_cpu_s_per_gb"] for p in ps], "o-", label=name)
+        axes[0].set_ylabel("pull time (s)")
+        axes[1].set_ylabel("serving node CPU s per delivered GB")
+        axes[2].set_ylabel("trainer sidecar CPU s per delivered GB")
+        for ax in axes:
+            ax.set_xlabel("consumers")
+            ax.legend(fontsize=8)
+        fig.suptitle("fan-out through relays (cached window)")
+        paths += save_figure(fig, out_dir, "fanout-tree")
+    return paths
 
 
 # ---- relay trees ------------------------------------------------------------------------
