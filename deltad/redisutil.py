@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import stat
 import subprocess
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -246,15 +248,24 @@ class EmbeddedRedis:
         for f in self.data_dir.iterdir():  # data files of older versions: 0600 too
             if f.is_file() and not f.is_symlink():
                 os.chmod(f, 0o600)
-        # No Python between fork and exec when the server outlives us (the sidecar's case):
-        # in a process with gRPC threads running, a preexec_fn child can abort (SIGABRT).
+        argv = [redis_server_binary(), str(conf)]
+        # No Python runs between fork and exec: a preexec_fn in a process whose gRPC threads
+        # hold locks could abort the child (seen: redis-server "exited with -6"). The umask is
+        # Popen's own, and the parent-death signal comes from util-linux's setpriv.
+        extra: dict[str, Any] = {}
+        if not self.outlive_owner:
+            setpriv = shutil.which("setpriv")
+            if setpriv is not None:
+                argv = [setpriv, "--pdeathsig", "TERM", *argv]
+            else:  # no setpriv: the signal from a preexec_fn, as before
+                extra["preexec_fn"] = _die_with_parent
         self.proc = subprocess.Popen(
-            [redis_server_binary(), str(conf)],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             start_new_session=True,
             umask=0o077,
-            preexec_fn=None if self.outlive_owner else _die_with_parent,
+            **extra,
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.format import DenseState, Segment, SegmentChunk, read_dense
+from deltad.segment.format import DenseState, Segment, SegmentChunk
 from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout, write_atomic
-from deltad.segment.validate import load_verified
+from deltad.segment.validate import load_verified, load_verified_dense
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,9 @@ class DenseEntry:
     state: DenseState = field(repr=False, compare=False)
 
     @classmethod
-    def load(cls, path: Path) -> DenseEntry:
-        d = read_dense(path, verify=True)
-        return cls(d.header.seq, d.header.step, path, path.stat().st_size, d)
+    def load(cls, path: Path, state: DenseState) -> DenseEntry:
+        nbytes = sum(t.nbytes for t in state.tensors.values())
+        return cls(state.header.seq, state.header.step, path, nbytes, state)
 
 
 @dataclass(frozen=True)
@@ -311,9 +311,15 @@ class SegmentLog:
             if path in self._dense:
                 continue
             try:
-                entry = DenseEntry.load(path)
-                if entry.seq != seq or entry.state.header.generation != generation:
-                    raise SegmentCorruptError(f"{path}: header says seq {entry.seq}")
+                state = load_verified_dense(
+                    path,
+                    self.layout.model_dir,
+                    self.manifest(generation),
+                    generation=generation,
+                    rank=self.rank,
+                    seq=seq,
+                )
+                entry = DenseEntry.load(path, state)
             except FileNotFoundError:
                 continue
             except SegmentCorruptError as e:
