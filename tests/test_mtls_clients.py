@@ -116,6 +116,13 @@ def test_every_client_presents_a_certificate(
         assert "UNAVAILABLE" in capsys.readouterr().err
         assert deltad_main(["status", "--target", target, *tls, "--tls-cert", "x.pem"]) == 2
         assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+        # deltad consume (the reference predictor)
+        consume = ["consume", "--consumer", "cli", "--model", "m", "--sidecar", target,
+                   "--pulls", "1", "--interval", "0", "--discovery-timeout", "2", *tls]  # fmt: skip
+        assert deltad_main([*consume, *mine]) == 0
+        assert "consumer cli: 1 pulls, 1500 rows" in capsys.readouterr().err
+        assert deltad_main(consume) == 2  # no sidecar answers a client without a certificate
+        assert "no sidecar answered" in capsys.readouterr().err
         # the healthcheck
         assert healthcheck_main([target, *tls, *mine]) == 0
         assert healthcheck_main([target, *tls, "--timeout", "2"]) == 1
