@@ -218,6 +218,10 @@ def test_token_file_is_reread_when_it_changes(tmp_path: Path, redis_server: Embe
             assert "UNAUTHENTICATED" in c.pull().missing[0]
             mine.write_text("tok-2\n")
             assert c.pull().missing == {}
+        # deltad status reads its token from a file too (tok-2 may consume, not list others)
+        assert deltad_main(["status", "--target", srv.endpoint, "--token-file", str(mine)]) == 0
+        mine.write_text("tok-1\n")
+        assert deltad_main(["status", "--target", srv.endpoint, "--token-file", str(mine)]) == 2
     finally:
         srv.stop(0)
 
