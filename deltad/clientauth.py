@@ -30,10 +30,12 @@ from deltad.errors import ConfigError
 log = logging.getLogger(__name__)
 
 #: (inode, size, mtime) of each file, or None for a missing one.
-_Stamp = tuple[tuple[int, int, int] | None, ...]
+Stamp = tuple[tuple[int, int, int] | None, ...]
 
 
-def _stamp(paths: Sequence[Path | None]) -> _Stamp:
+def file_stamp(paths: Sequence[Path | None]) -> Stamp:
+    """(inode, size, mtime) of each file (symlinks followed; None: missing or no path): a
+    change of any means the file was rewritten or replaced."""
     out: list[tuple[int, int, int] | None] = []
     for p in paths:
         if p is None:
@@ -81,8 +83,8 @@ class ClientAuth:
         self._token_file = token_file
         self._tls = (tls_ca, tls_cert, tls_key)
         self._lock = threading.Lock()
-        self._token_stamp: _Stamp = ()
-        self._tls_stamp: _Stamp = ()
+        self._token_stamp: Stamp = ()
+        self._tls_stamp: Stamp = ()
         self._credentials: grpc.ChannelCredentials | None = None
         #: Bumped whenever the TLS files are re-read with new contents (channels to replace).
         self.generation = 0
@@ -99,7 +101,7 @@ class ClientAuth:
     def _load_token(self, strict: bool) -> None:
         if self._token_file is None:
             return
-        stamp = _stamp([self._token_file])
+        stamp = file_stamp([self._token_file])
         if stamp == self._token_stamp:
             return
         try:
@@ -127,7 +129,7 @@ class ClientAuth:
         """Re-read the TLS files if they changed; True if the credentials are new."""
         if not self.secure:
             return False
-        stamp = _stamp(self._tls)
+        stamp = file_stamp(self._tls)
         if stamp == self._tls_stamp:
             return False
         ca, cert, key = self._tls

@@ -11,7 +11,8 @@ Besides deltad.v1.DeltaService it serves grpc.health.v1 (no token needed) and se
 reflection; TLS with ``tls_cert``/``tls_key`` (mTLS with ``tls_client_ca``); scoped
 credentials from ``tokens_file`` (bearer tokens and mTLS identities, see deltad.serve.auth),
 checked with the consumer limit at the edge (deltad.serve.edge); :meth:`reload_credentials`
-(SIGHUP) re-reads the tokens file and the TLS files without a restart.
+(SIGHUP, or by itself within ``CREDENTIALS_WATCH_S`` of a file changing) re-reads the tokens
+file and the TLS files without a restart.
 
 Without ``redis_url`` it runs an EmbeddedRedis in the spool (locked down: unix socket,
 password, dangerous commands off), shared by every sidecar of the spool: it outlives any one
@@ -39,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from deltad import wire
+from deltad.clientauth import file_stamp
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
 from deltad.redisutil import EmbeddedRedis, answers
@@ -58,6 +60,9 @@ log = logging.getLogger(__name__)
 REGISTRY_REFRESH_S = 10.0
 #: Probe the offset store this often (health, gauge, embedded restart).
 REDIS_PROBE_S = 0.5
+#: Look for rewritten credential files (tokens, TLS) this often; a change reloads them as
+#: SIGHUP does (mounted secrets rotate without a signal).
+CREDENTIALS_WATCH_S = 1.0
 
 
 def check_tls_files(cert: Path, key: Path, ca: Path | None) -> None:
@@ -100,6 +105,7 @@ class SidecarServer:
         self._registered = 0.0
         self._tls_lock = threading.Lock()
         self._tls_pending: grpc.ServerCertificateConfiguration | None = None
+        self._credential_stamp: tuple[object, ...] = ()
         self.store: OffsetStore
         self.log: SegmentLog
         self.servicer: DeltaServicer
@@ -215,6 +221,9 @@ class SidecarServer:
         self._probe_fails = 0
         self.metrics.redis_up.set(1)
         self._spawn("deltad-redis-probe", self.probe_redis, REDIS_PROBE_S)
+        if self._credential_files():
+            self._credential_stamp = file_stamp(self._credential_files())
+            self._spawn("deltad-credentials", self.watch_credentials, CREDENTIALS_WATCH_S)
         if cfg.forget_after_s > 0:
             self._spawn("deltad-forget", self.forget_idle, cfg.forget_interval_s)
         log.debug(
@@ -247,6 +256,22 @@ class SidecarServer:
         with self._tls_lock:
             new, self._tls_pending = self._tls_pending, None
         return new
+
+    def _credential_files(self) -> list[Path | None]:
+        cfg = self.config
+        files = [cfg.tokens_file, cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca]
+        return files if any(f is not None for f in files) else []
+
+    def watch_credentials(self) -> bool:
+        """Reload the credentials if a tokens or TLS file changed on disk since the last
+        look (a broken new file is logged once, not every look); True if it reloaded."""
+        stamp = file_stamp(self._credential_files())
+        if stamp == self._credential_stamp:
+            return False
+        self._credential_stamp = stamp
+        log.warning("credential files changed on disk: reloading")
+        self.reload_credentials()
+        return True
 
     def reload_credentials(self) -> bool:
         """Re-read ``tokens_file`` and the TLS certificate, key and client CA (SIGHUP); a bad
