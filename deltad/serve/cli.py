@@ -80,7 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="redis:// or rediss://[user:password@]host:port/db (a CA for rediss: append "
         "?ssl_ca_certs=/path/ca.pem); unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
     )
-    a("--tls-cert", default=_env("TLS_CERT"), help="server certificate (PEM) [DELTAD_TLS_CERT]")
+    a(
+        "--tls-cert",
+        default=_env("TLS_CERT"),
+        help="server certificate (PEM); it, the key and the client CA are reloaded on SIGHUP "
+        "or when they change [DELTAD_TLS_CERT]",
+    )
     a("--tls-key", default=_env("TLS_KEY"), help="server private key (PEM) [DELTAD_TLS_KEY]")
     a(
         "--tls-client-ca",
@@ -91,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tokens-file",
         default=_env("TOKENS_FILE"),
         help="scoped credentials, one 'TOKEN CONSUMERS ROLES' per line (TOKEN 'mtls:<CN>' "
-        "binds a client certificate; reloaded on SIGHUP) [DELTAD_TOKENS_FILE]",
+        "binds a client certificate; reloaded on SIGHUP or when it changes) [DELTAD_TOKENS_FILE]",
     )
     for flag, kind, default, text in (
         ("max-concurrent-streams", int, 64, "GetDelta streams at once (more wait in line)"),
