@@ -30,7 +30,6 @@ from deltad.serve.pull import (
     WindowCache,
     WindowSpec,
     build_window,
-    packed_refusal,
 )
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
@@ -197,18 +196,14 @@ class DeltaServicer:
         context: grpc.ServicerContext,
     ) -> int:
         """Packed dtypes: the validated row alignment (else 0); INVALID_ARGUMENT for a bad
-        alignment or a table whose rows cannot be packed here (column-wise shards)."""
-        form, dtype, tables = spec[0], spec[1], spec[2]
-        if not dtype.packed:
+        alignment. Slices that cannot be packed (column-wise shards) travel as fp32 (see
+        :func:`deltad.wire.slice_dtype`)."""
+        if not spec[1].packed:
             return 0
         try:
-            align = wire.check_row_alignment(req.row_alignment)
+            return wire.check_row_alignment(req.row_alignment)
         except ValueError as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        why = None if form is Form.IDS else packed_refusal(snap, tables, dtype)
-        if why is not None:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, why)
-        return align
 
     # --- RPCs ----------------------------------------------------------------------------
 
