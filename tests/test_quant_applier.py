@@ -326,9 +326,26 @@ def test_consume_serve_dtype_flag_errors() -> None:
         (["--final-state", "x.pt"], "--final-state needs --serve-dtype"),
         (["--serve-dtype", "int8", "--init-tables", "x.pt"], "bootstraps from deltad"),
         (["--serve-dtype", "int8", "--dim", "6"], "dim a multiple of 4"),
+        (["--dtype", "packed-int8"], "use it with --serve-dtype int8"),
+        (["--serve-dtype", "int4", "--dtype", "packed-int8"], "use it with --serve-dtype int8"),
+        (["--serve-dtype", "fp32", "--dtype", "packed-fp16"], "use it with --serve-dtype fp16"),
     ):
         out = subprocess.run(
             [*base, *extra], capture_output=True, text=True, timeout=60, env=child_env()
         )
         lines = [x for x in out.stderr.splitlines() if x.startswith("deltad")]
         assert out.returncode == 2 and why in out.stderr and len(lines) == 1, (extra, out.stderr)
+
+
+def test_consume_pulls_the_serving_tables_packed_form_by_default() -> None:
+    """`deltad consume --serve-dtype X` pulls rows packed in X's table layout unless --dtype
+    says otherwise; fp32 tables take fp32 values, plain predictors fp32."""
+    from deltad.reference.consumers.cli import _wire_dtype
+
+    assert _wire_dtype(None, "int8") is WireDtype.PACKED_INT8
+    assert _wire_dtype(None, "int4") is WireDtype.PACKED_INT4
+    assert _wire_dtype(None, "fp16") is WireDtype.PACKED_FP16
+    assert _wire_dtype(None, "fp32") is WireDtype.FP32
+    assert _wire_dtype(None, None) is WireDtype.FP32
+    assert _wire_dtype("fp32", "int8") is WireDtype.FP32
+    assert _wire_dtype("packed-int4", "int4") is WireDtype.PACKED_INT4

@@ -639,7 +639,8 @@ def _copy_rows(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> N
 
 
 def _dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state_dict entries that are not quantized embedding tables (shared)."""
+    """The model's state_dict entries that are not quantized embedding tables (shared), and
+    its non-persistent buffers (the publisher sends every buffer, as named_buffers names it)."""
     from torchrec.quant.embedding_modules import (
         EmbeddingBagCollection as QuantEBC,
     )
@@ -655,4 +656,7 @@ def _dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if any(name.startswith(p) for p in skip):
             continue
         out[name] = value.data if isinstance(value, torch.nn.Parameter) else value
+    for name, buf in model.named_buffers():
+        if name not in out and not any(name.startswith(p) for p in skip):
+            out[name] = buf
     return out
