@@ -186,12 +186,16 @@ def test_packed_pull_through_a_real_sidecar(
 ) -> None:
     """Base, then merged deltas (one of which touches every row again), pulled packed: the
     bytes of every row equal torchrec's quantization of the true float row at the head."""
-    spool = SpoolWriter(tmp_path / "spool", tables={"t0": (300, 16), "t1": (200, 8)})
+    specs = {"t0": (300, 16), "t1": (200, 8)}
+    spool = SpoolWriter(tmp_path / "spool", tables=specs)
     srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
     c = Client(f"127.0.0.1:{srv.port}")
+    served = _quant_ebc(specs, dtype)  # a QuantApplier copies the rows, at any alignment
+    applier = QuantApplier(served)
     try:
         held: dict[str, torch.Tensor] = {}
         d = c.pull("p", dtype=dtype, chunk_bytes=1)  # smallest chunks
+        applier.apply([d])
         assert d.resync and d.wire_dtype is dtype
         for s in d.slices:
             assert s.values is None and s.packed is not None
@@ -209,6 +213,11 @@ def test_packed_pull_through_a_real_sidecar(
                 assert s.packed is not None
                 assert s.packed.shape[1] == wire.packed_row_bytes(s.dim, dtype, align or 16)
                 _same_bytes(s.packed, spool.truth[s.table][s.ids], dtype)
+            if align == 64:
+                applier.apply([d])
+                tables = quant_tables(served)
+                for t in specs:  # rows of 64-byte alignment into tables of 16
+                    assert torch.equal(tables[t].rows, torchrec_rows(spool.truth[t], dtype))
         for s in d.slices:
             assert s.packed is not None
             held[s.table][s.ids] = s.packed

@@ -17,7 +17,7 @@ see :func:`pack_rows`, which is :func:`deltad.wire.pack_rows`, the sidecar's pac
 copies whole rows in with ``index_copy_`` (as 4-byte words). Bytes and forward outputs are
 therefore equal to quantizing the updated float tables from scratch. Rows that arrive
 already packed (``SliceUpdate.packed``, a pull in :func:`packed_wire_dtype`: uint8, the
-table's row layout above, with or without the padding) are copied as they are; a packed
+table's row layout above, with any zero padding) are copied as they are; a packed
 pull sends the slices it cannot pack (column-wise shards) as fp32 values, handled below.
 
 Bit-exactness needs the trainer's float values: pull with wire dtype ``fp32`` (or ``fp16``
@@ -470,10 +470,13 @@ class QuantApplier(Applier):
                 raise ConsumerError(f"table {s.table}: packed rows must cover every column")
             if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[0] != n:
                 raise ConsumerError(f"table {s.table}: packed rows must be uint8 [{n}, bytes]")
-            if packed.shape[1] not in (t.data_bytes, t.row_bytes):
+            if packed.shape[1] < t.data_bytes or (
+                packed.shape[1] > t.row_bytes and packed[:, t.row_bytes :].any()
+            ):
                 raise ConsumerError(
                     f"table {s.table}: packed rows of {packed.shape[1]} bytes, the table's "
-                    f"{t.dtype.value} rows have {t.data_bytes} ({t.row_bytes} aligned)"
+                    f"{t.dtype.value} rows have {t.data_bytes} ({t.row_bytes} aligned; more "
+                    f"only as zero padding)"
                 )
         elif s.values is None:
             raise ConsumerError(
@@ -509,6 +512,8 @@ class QuantApplier(Applier):
             packed = getattr(s, "packed", None)
             if packed is not None:
                 rows = packed.to("cpu")
+                if rows.shape[1] > t.row_bytes:  # a larger wire alignment: padding only
+                    rows = rows[:, : t.row_bytes]
                 if rows.shape[1] != t.row_bytes:
                     padded = torch.zeros(rows.shape[0], t.row_bytes, dtype=torch.uint8)
                     padded[:, : rows.shape[1]] = rows
