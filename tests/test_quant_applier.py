@@ -351,3 +351,24 @@ def test_consume_pulls_the_serving_tables_packed_form_by_default() -> None:
     assert _wire_dtype(None, None) is WireDtype.FP32
     assert _wire_dtype("fp32", "int8") is WireDtype.FP32
     assert _wire_dtype("packed-int4", "int4") is WireDtype.PACKED_INT4
+
+
+@pytest.mark.parametrize("width", [80, 36, 7])
+def test_row_copy_moves_bits_as_they_are(width: int) -> None:
+    """Rows copied as 16-byte / 4-byte words / bytes keep every bit: NaN payloads (signalling
+    ones too), negative zeros; rows of a view into a wider buffer land at their offsets."""
+    from deltad.consume.quant import _copy_rows
+
+    gen = torch.Generator().manual_seed(width)
+    buf = torch.zeros(64, 96, dtype=torch.uint8)
+    target = buf[:, :width]  # a strided view, as a table inside a TBE's buffer
+    rows = torch.randint(0, 256, (40, width), dtype=torch.uint8, generator=gen)
+    special = torch.tensor([0x7FF0000000000001, 0x7FF4000000000000, -(2**63), 1])
+    if width >= 8:
+        rows[:4, :8] = special.view(torch.uint8).view(4, 8)
+    ids = torch.randperm(64, generator=gen)[:40]
+    _copy_rows(target, ids, rows)
+    assert torch.equal(target[ids], rows)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[ids] = False
+    assert not buf[untouched].any() and not buf[:, width:].any()

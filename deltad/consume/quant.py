@@ -630,17 +630,23 @@ class QuantApplier(Applier):
 
 
 def _copy_rows(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """``target[ids] = rows`` for uint8 rows, as 4-byte words when both are aligned (about
-    8x faster than copying bytes: fbgemm rows are 16-byte aligned)."""
-    if (
-        target.shape[1] % 4 == 0
-        and target.data_ptr() % 4 == 0
-        and rows.is_contiguous()
-        and rows.data_ptr() % 4 == 0
-    ):
-        target.view(torch.int32).index_copy_(0, ids, rows.view(torch.int32))
-    else:
-        target.index_copy_(0, ids, rows)
+    """``target[ids] = rows`` for uint8 rows, as the widest words both allow: 16 bytes
+    (``complex128``: fbgemm rows are 16-byte aligned), else 4 bytes, else bytes. ``index_copy_``
+    costs per element: measured (10 k rows of 80 B into 100 k, one thread) 16-byte words
+    58-68 M rows/s, 4-byte words 37-48 M, bytes ~8 M. A copy moves bits as they are (no
+    arithmetic, NaN payloads kept; checked in the tests)."""
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    for dtype, size in ((torch.complex128, 16), (torch.int32, 4)):
+        if (
+            target.shape[1] % size == 0
+            and target.stride(0) % size == 0
+            and target.data_ptr() % size == 0
+            and rows.data_ptr() % size == 0
+        ):
+            target.view(dtype).index_copy_(0, ids, rows.view(dtype))
+            return
+    target.index_copy_(0, ids, rows)
 
 
 def _dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
