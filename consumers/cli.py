@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         choices=("fp32", "fp16", "bf16", "int8", "packed-int8", "packed-int4", "packed-fp16"),
-        help="wire dtype (default: fp32; with --serve-dtype int8|int4|fp16 its packed form, "
-        "rows in the serving tables' layout); packed-* only with the matching --serve-dtype",
+        help="wire dtype; None: fp32, or with --serve-dtype int8|int4|fp16 its packed form "
+        "(rows in the serving tables' layout); packed-* only with the matching --serve-dtype",
     )
     p.add_argument("--max-rows", type=int, default=0, help="cap on rows per pull (0: none)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between pulls")

@@ -462,6 +462,7 @@ class Demo:
         )
         if not within:
             failures.append("topk-int8 error exceeds the int8 bound")
+        del rows_tables, topk  # big tables (1M x 64 x 5 = 1.3 GB each): before the next load
         model_state: dict[str, torch.Tensor] = torch.load(
             self.work / "trainer-model.pt", map_location="cpu", weights_only=True
         )
