@@ -278,6 +278,13 @@ def test_packed_pull_sends_column_wise_shards_as_fp32(
             assert applier.pending_rows == 0
             for t in specs:
                 assert torch.equal(tables[t].rows, torchrec_rows(spool.truth[t], dtype)), t
+        # a fresh consumer: base + 2 deltas merged range by range (_MergedSlice), as fp32
+        fresh = _quant_ebc(specs, dtype)
+        d = c.pull("r", dtype=dtype, chunk_bytes=1)
+        assert d.resync and all(s.packed is None for s in d.slices)
+        QuantApplier(fresh).apply([d])
+        for t in specs:
+            assert torch.equal(quant_tables(fresh)[t].rows, torchrec_rows(spool.truth[t], dtype))
         # ids need no packing; a bad alignment is still refused
         assert c.pull("q", Form.IDS, dtype=dtype).rows == 320  # 2 col slices each
         with pytest.raises(grpc.RpcError) as e:
