@@ -27,9 +27,8 @@ from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.offsets import CommitRejected, OffsetStore, PullRecord
 from deltad.serve.owed import OwedStore
-from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window, packed_refusal
+from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.streams import StreamSlots
-from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -91,11 +90,8 @@ class WindowServer:
             )
         tables = tuple(sorted(set(req.tables)))
         align = 0
-        if dtype.packed:
+        if dtype.packed:  # slices that cannot be packed (column-wise) travel as fp32
             align = wire.check_row_alignment(req.row_alignment)  # checked at the edge
-            why = None if form is Form.IDS else packed_refusal(snap, tables, dtype)
-            if why is not None:
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, why)
         # a chunk and its framing fit in the server's send limit and in every consumer's
         # receive limit (a larger --max-message-bytes must not make pulls fail)
         limit = min(self.config.max_message_bytes, wire.CONSUMER_MAX_MESSAGE_BYTES)
