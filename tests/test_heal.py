@@ -62,7 +62,7 @@ class _Tracker:
 
 def _publisher(spool: Path, tracker: _Tracker, **kw: Any) -> SegmentPublisher:
     cfg = PublisherConfig(spool, model="m", every_steps=1, fsync=False, rebase_retry_s=0, **kw)
-    return SegmentPublisher(torch.nn.Module(), tracker, cfg)  # type: ignore[arg-type]
+    return SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
 
 
 def _written(pub: SegmentPublisher, seq: int) -> None:

@@ -11,6 +11,7 @@ from shardkit import EBC_TABLES, EC_TABLES, fed_ids, spawn, toy_dmp
 from shardkit import batch as make_batch
 from torch import nn
 
+from deltad import knobs
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
 from deltad.publish.tracker import DeltaTracker, _Lookup
@@ -96,10 +97,9 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     # Lookahead 1: ids of the last lookup stay owed after a drain; folded by the fold thread
     # (the default on CPU) or in the output dist's hook, alike.
     for background in (True, False):
-        cfg = TrackerConfig(
-            train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST, fold_in_background=background
-        )
-        ahead = DeltaTracker(dmp, cfg)
+        cfg = TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST)
+        with knobs.override(FOLD_IN_BACKGROUND=background):
+            ahead = DeltaTracker(dmp, cfg)
         assert ahead.lookahead == 1 and (ahead._folder is not None) == background
         ids_a = _expected(ahead, fed_ids([batch(r, 10) for r in range(world_size)]))
         ids_b = _expected(ahead, fed_ids([batch(r, 11) for r in range(world_size)]))
@@ -170,7 +170,8 @@ def _fold_order_worker(rank: int, world_size: int) -> None:
             tracker, fed_ids([batch(r, i) for r in range(world_size) for i in indices])
         )
 
-    tracker = DeltaTracker(dmp := toy_dmp(world_size), TrackerConfig(max_pending_folds=64))
+    with knobs.override(MAX_PENDING_FOLDS=64):
+        tracker = DeltaTracker(dmp := toy_dmp(world_size))
     with torch.no_grad():
         go = hold(tracker)
         dmp(batch(rank, 10))
@@ -194,9 +195,8 @@ def _fold_order_worker(rank: int, world_size: int) -> None:
     assert tracker._folder is None and _ids(tracker.drain()) == want(tracker)  # inline now
 
     # Lookahead 1, held back: the history is re-marked behind each queued swap, in order.
-    ahead = DeltaTracker(
-        dmp, TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST, max_pending_folds=64)
-    )
+    with knobs.override(MAX_PENDING_FOLDS=64):
+        ahead = DeltaTracker(dmp, TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST))
     with torch.no_grad():
         go = hold(ahead)
         dmp(batch(rank, 20))

@@ -11,7 +11,7 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   it owns (``offset_per_key()``, cached by the input dist) goes ``mask.index_fill_(0, ids,
   True)`` (on CPU ~10x faster than ``mask[ids] = True``). A scatter per key instead of the
   per-step ``torch.unique`` of TorchRec's own tracker; memory is one byte per local row.
-  With CPU weights (``TrackerConfig.fold_in_background``) the hook only hands the stash to a
+  With CPU weights (``deltad.knobs.FOLD_IN_BACKGROUND``) the hook only hands the stash to a
   **fold thread** that scatters while training goes on, in order, with drains queued behind
   the lookups before them (bounded: the hook blocks when the thread is behind); a failed fold
   is raised by the drain that follows it (never rows without that lookup's), which the
@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltad import knobs
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
 from deltad.segment.spool import TableInfo
@@ -379,10 +380,8 @@ class DeltaTracker:
             mod.register_post_lookup_tracker_fn(self._make_lookup_hook(id(mod)))
             mod.register_post_odist_tracker_fn(self._fold_hook)
         self._folder: _FoldThread | None = None
-        if self.config.fold_in_background and all(
-            s.weight.device.type == "cpu" for s in self.shards
-        ):
-            self._folder = _FoldThread(self.config.max_pending_folds, self.stats)
+        if knobs.FOLD_IN_BACKGROUND and all(s.weight.device.type == "cpu" for s in self.shards):
+            self._folder = _FoldThread(knobs.MAX_PENDING_FOLDS, self.stats)
             # A tracker dropped without detach() does not leave its thread waiting forever.
             weakref.finalize(self, self._folder.stop)
 
