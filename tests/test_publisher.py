@@ -556,7 +556,7 @@ def test_the_train_loop_is_set_in_the_publisher_config(tmp_path: Path) -> None:
     tracker = _FakeTracker(torch.zeros(8, 4))
     tracker.config = TrackerConfig(train_loop=TrainLoop.PIPELINE_BASE)  # type: ignore[attr-defined]
     cfg = PublisherConfig(tmp_path, every_steps=1)
-    with pytest.raises(ConfigError, match="PublisherConfig.train_loop"):
+    with pytest.raises(ConfigError, match=r"PublisherConfig\.train_loop"):
         SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
     cfg = PublisherConfig(tmp_path, every_steps=1, train_loop=TrainLoop.PIPELINE_BASE)
     pub = SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
