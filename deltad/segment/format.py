@@ -28,7 +28,6 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 import time
 import warnings
 import zlib
@@ -42,7 +41,7 @@ import torch
 import xxhash
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.spool import fsync_dir, write_atomic
+from deltad.segment.spool import write_atomic
 from deltad.types import ColumnRange, SegmentKind
 
 FORMAT_VERSION = 2
@@ -296,38 +295,24 @@ def write_segment(
     )
     raw = header.to_json()
     payload_start = _align(_PREFIX.size + len(raw))
+
+    def stream(f: BinaryIO) -> None:
+        w = _ChecksumWriter(f)
+        w.write(_PREFIX.pack(MAGIC, len(raw), 0))
+        w.write(raw)
+        w.pad_to(payload_start)
+        for c, m in zip(chunks, metas, strict=True):
+            w.pad_to(payload_start + m.ids_offset)
+            w.write(_as_bytes_view(c.ids))
+            w.pad_to(payload_start + m.values_offset)
+            w.write(_as_bytes_view(c.values))
+        w.pad_to(payload_start + off)
+        f.write(_TRAILER.pack(w.checksum.value(), END_MAGIC))
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".dseg", dir=path.parent)
+        write_atomic(path, stream, fsync=fsync, suffix=".dseg")
     except OSError as e:
-        raise SpoolError(f"cannot write to spool directory {path.parent}: {e}") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            w = _ChecksumWriter(f)
-            w.write(_PREFIX.pack(MAGIC, len(raw), 0))
-            w.write(raw)
-            w.pad_to(payload_start)
-            for c, m in zip(chunks, metas, strict=True):
-                w.pad_to(payload_start + m.ids_offset)
-                w.write(_as_bytes_view(c.ids))
-                w.pad_to(payload_start + m.values_offset)
-                w.write(_as_bytes_view(c.values))
-            w.pad_to(payload_start + off)
-            f.write(_TRAILER.pack(w.checksum.value(), END_MAGIC))
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if fsync:
-            fsync_dir(path.parent)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise SpoolError(f"cannot write segment {path}: {e}") from e
-        raise
+        raise SpoolError(f"cannot write segment {path}: {e}") from e
     return header
 
 
