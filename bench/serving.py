@@ -126,13 +126,13 @@ def run(ctx: Context) -> dict[str, Any]:
 def _delta(applier: Any, table: str, n: int, gen: Any) -> Any:
     import torch
 
-    from deltad.consume.window import RankDelta, SliceUpdate
-    from deltad.types import Cursor, Form, WireDtype
+    from deltad.consume.window import RankDelta, ShardUpdate
+    from deltad.types import Cursor, Form, Shard, WireDtype
 
     t = applier.quant_tables[table]
     ids = torch.randperm(t.num_rows, generator=gen)[:n].sort().values
     values = torch.randn(ids.numel(), t.dim, generator=gen) * 0.05
-    s = SliceUpdate(table, t.num_rows, t.dim, 0, t.dim, ids, values)
+    s = ShardUpdate(Shard.columns_of(table, t.num_rows, t.dim, 0, t.dim), ids, values)
     return RankDelta(
         rank=0, generation=0, resync=False, from_seq=0, to_seq=1, to_step=1, form=Form.ROWS,
         wire_dtype=WireDtype.FP32, cursor=Cursor("bench", 0, 0, 1, 1), slices=[s],

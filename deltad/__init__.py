@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "DeltaConsumer": "deltad.consume.client",
     "PullResult": "deltad.consume.client",
     "RankDelta": "deltad.consume.window",
-    "SliceUpdate": "deltad.consume.window",
+    "ShardUpdate": "deltad.consume.window",
     "Applier": "deltad.consume.appliers",
     "TensorDictApplier": "deltad.consume.appliers",
     "TorchRecApplier": "deltad.consume.appliers",
@@ -69,8 +69,8 @@ __all__ = [
     "SegmentPublisher",
     "ServeDtype",
     "ServerConfig",
+    "ShardUpdate",
     "SidecarUnavailableError",
-    "SliceUpdate",
     "TensorDictApplier",
     "TorchRecApplier",
     "TrackerConfig",
@@ -105,7 +105,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from deltad.consume.appliers import Applier, TensorDictApplier, TorchRecApplier
     from deltad.consume.client import DeltaConsumer, PullResult
     from deltad.consume.quant import QuantApplier, quantize_model
-    from deltad.consume.window import RankDelta, SliceUpdate
+    from deltad.consume.window import RankDelta, ShardUpdate
     from deltad.errors import ConfigError, ConsumerError, DeltadError, SidecarUnavailableError
     from deltad.publish.publisher import SegmentPublisher
     from deltad.publish.tracker import DeltaTracker

@@ -110,6 +110,59 @@ class ColumnRange:
         return self.end - self.start
 
 
+#: Identifies a shard's column range of a table across segments and windows:
+#: ``(table, col_start, col_end)`` (the row range is the rank's, fixed for a generation).
+ShardKey = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A shard: the piece of one embedding table a rank holds, rows ``[row_start, row_end)``
+    by columns ``[col_start, col_end)`` of a ``num_rows`` x ``dim`` table.
+
+    Segments, the trainer's tracker, the sidecar's merges and the consumer's updates all
+    describe their rows with one. The GetDelta wire does not carry a rank's row range: a
+    consumer's shards span the whole table's rows (``0, num_rows``).
+    """
+
+    table: str
+    num_rows: int  # rows of the whole (global) table
+    dim: int  # columns of the whole table
+    row_start: int  # global row range of the shard
+    row_end: int
+    col_start: int  # column range of the shard
+    col_end: int
+
+    @classmethod
+    def columns_of(cls, table: str, num_rows: int, dim: int, col_start: int, col_end: int) -> Shard:
+        """A consumer's shard: a column range over every row of the table."""
+        return cls(table, num_rows, dim, 0, num_rows, col_start, col_end)
+
+    @property
+    def rows(self) -> int:
+        """Rows in the shard's row range."""
+        return self.row_end - self.row_start
+
+    @property
+    def width(self) -> int:
+        """Columns in the shard's column range."""
+        return self.col_end - self.col_start
+
+    @property
+    def columns(self) -> ColumnRange:
+        return ColumnRange(self.col_start, self.col_end)
+
+    @property
+    def covers_full_row(self) -> bool:
+        """The shard holds every column of its rows (not a column-wise shard)."""
+        return self.col_start == 0 and self.col_end == self.dim
+
+    @property
+    def key(self) -> ShardKey:
+        """Identifies the shard's column range of its table across segments."""
+        return (self.table, self.col_start, self.col_end)
+
+
 @dataclass(frozen=True)
 class Cursor:
     """Where a consumer stands on one rank (mirrors deltad.v1.Cursor)."""

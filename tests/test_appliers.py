@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from deltad.consume.appliers import TensorDictApplier, TorchRecApplier
-from deltad.consume.window import Cursor, RankDelta, SliceUpdate
+from deltad.consume.window import Cursor, RankDelta, ShardUpdate
 from deltad.errors import ConsumerError
-from deltad.types import Form, WireDtype
+from deltad.types import Form, Shard, WireDtype
 
 
-def _delta(slices: list[SliceUpdate], *, rank: int = 0, resync: bool = False) -> RankDelta:
+def _delta(slices: list[ShardUpdate], *, rank: int = 0, resync: bool = False) -> RankDelta:
     return RankDelta(
         rank=rank,
         generation=1,
@@ -31,23 +31,19 @@ def _delta(slices: list[SliceUpdate], *, rank: int = 0, resync: bool = False) ->
 
 def _slice(
     table: str, ids: list[int], c0: int, c1: int, rows: int = 10, dim: int = 8
-) -> SliceUpdate:
-    return SliceUpdate(
-        table=table,
-        num_rows=rows,
-        dim=dim,
-        col_start=c0,
-        col_end=c1,
+) -> ShardUpdate:
+    return ShardUpdate(
+        shard=Shard.columns_of(table, rows, dim, c0, c1),
         ids=torch.tensor(ids, dtype=torch.int64),
         values=torch.randn(len(ids), c1 - c0),
     )
 
 
-def _expect_only(before: torch.Tensor, after: torch.Tensor, s: SliceUpdate) -> None:
+def _expect_only(before: torch.Tensor, after: torch.Tensor, s: ShardUpdate) -> None:
     """``after`` equals ``before`` except at [ids, col_start:col_end], which hold the values."""
     assert s.values is not None
     want = before.clone()
-    want[s.ids, s.col_start : s.col_end] = s.values.to(want.dtype)
+    want[s.ids, s.shard.col_start : s.shard.col_end] = s.values.to(want.dtype)
     assert torch.equal(after, want)
 
 
@@ -145,8 +141,10 @@ def test_readers_never_see_half_a_window() -> None:
         for v in range(1, 30):
             halves = []
             for rank, rows in enumerate((range(0, 500), range(500, 1000))):
-                s = SliceUpdate(
-                    "t", 1000, 8, 0, 8, torch.tensor(list(rows)), torch.full((500, 8), float(v))
+                s = ShardUpdate(
+                    Shard.columns_of("t", 1000, 8, 0, 8),
+                    torch.tensor(list(rows)),
+                    torch.full((500, 8), float(v)),
                 )
                 halves.append(_delta([s], rank=rank))
             applier.apply(halves)

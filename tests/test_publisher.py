@@ -21,7 +21,7 @@ from deltad.publish.publisher import SegmentPublisher
 from deltad.publish.tracker import DeltaTracker
 from deltad.segment.format import apply_segments, read_segment
 from deltad.segment.spool import SpoolLayout, TableInfo
-from deltad.types import SegmentKind, TrainLoop
+from deltad.types import SegmentKind, Shard, TrainLoop
 
 MAX_STEPS = 200
 
@@ -77,7 +77,9 @@ def _publisher_worker(rank: int, world_size: int, spool: str, blocked: str) -> N
     assert [s.seq for s in stats.segments] == list(range(len(published) + 2))
     assert [s.step for s in stats.segments] == [0, *published, step]
     assert stats.segments[0].kind is SegmentKind.BASE
-    assert stats.segments[0].rows == sum(s.row_end - s.row_start for s in tracker.shards)
+    assert stats.segments[0].rows == sum(
+        s.shard.row_end - s.shard.row_start for s in tracker.shards
+    )
     assert all(s.write_s > 0 for s in stats.segments) and stats.rows > stats.segments[0].rows
     assert stats.calls == step and stats.stall_s > 0
 
@@ -255,8 +257,8 @@ class _FakeTracker:
 
         rows, dim = weight.shape
         self.shard = TrackedShard(
-            module="m", kind="ec", table="t", sharding_type="row_wise", num_rows=rows, dim=dim,
-            row_start=0, row_end=rows, col_start=0, col_end=dim, weight=weight,
+            module="m", kind="ec", sharding_type="row_wise",
+            shard=Shard("t", rows, dim, 0, rows, 0, dim), weight=weight,
         )  # fmt: skip
         self.shards = [self.shard]
         self.tables = [TableInfo("t", rows, dim, "float32", "m", "ec", "row_wise")]
@@ -313,8 +315,8 @@ def test_pooled_copy_buffers_are_never_reused_while_queued(
     assert len(listed) == 26  # base, 24 deltas, the final one
     for (ids, values), (_, path) in zip(expected, listed[1:25], strict=True):
         seg = read_segment(path)
-        assert torch.equal(seg.chunks[0].ids, ids)
-        assert torch.equal(seg.chunks[0].values, values)
+        assert torch.equal(seg.shards[0].ids, ids)
+        assert torch.equal(seg.shards[0].values, values)
     assert pub._thread is not None and not pub._thread.is_alive()
 
 
@@ -386,8 +388,8 @@ def test_rows_a_device_cache_holds_are_flushed_before_they_are_read(tmp_path: Pa
     pub.maybe_publish(1)
     pub.close(1)
     layout = SpoolLayout(tmp_path / "spool", "model")
-    base = read_segment(layout.segment_path(gen, 0, 0)).chunks[0]
-    delta = read_segment(layout.segment_path(gen, 0, 1)).chunks[0]
+    base = read_segment(layout.segment_path(gen, 0, 0)).shards[0]
+    delta = read_segment(layout.segment_path(gen, 0, 1)).shards[0]
     assert torch.equal(base.values[5], torch.full((4,), 5.0))
     assert delta.ids.tolist() == [3] and torch.equal(delta.values[0], torch.full((4,), 3.0))
 

@@ -14,25 +14,25 @@ import torch
 
 from deltad.errors import SegmentCorruptError, SpoolError
 from deltad.segment.format import (
-    SegmentChunk,
+    ShardRows,
     apply_segments,
     read_header,
     read_segment,
     write_segment,
 )
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
-from deltad.types import SegmentKind
+from deltad.types import SegmentKind, Shard
 
 
 def _chunk(
     table: str, ids: list[int], width: int = 4, col_start: int = 0, dim: int = 4
-) -> SegmentChunk:
+) -> ShardRows:
     t = torch.tensor(ids, dtype=torch.int64)
     vals = torch.randn(len(ids), width)
-    return SegmentChunk(table, 100, dim, 0, 100, col_start, col_start + width, t, vals)
+    return ShardRows(Shard(table, 100, dim, 0, 100, col_start, col_start + width), t, vals)
 
 
-def _write(path: Path, chunks: list[SegmentChunk], seq: int = 1) -> None:
+def _write(path: Path, chunks: list[ShardRows], seq: int = 1) -> None:
     write_segment(
         path,
         model="m",
@@ -42,7 +42,7 @@ def _write(path: Path, chunks: list[SegmentChunk], seq: int = 1) -> None:
         seq=seq,
         step=seq * 10,
         kind=SegmentKind.DELTA,
-        chunks=chunks,
+        shards=chunks,
     )
 
 
@@ -53,8 +53,8 @@ def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
         _chunk("t0", [1], width=2, col_start=2),
     ]
     chunks.append(
-        SegmentChunk(
-            "bf", 10, 3, 0, 10, 0, 3, torch.tensor([2]), torch.randn(1, 3).to(torch.bfloat16)
+        ShardRows(
+            Shard("bf", 10, 3, 0, 10, 0, 3), torch.tensor([2]), torch.randn(1, 3).to(torch.bfloat16)
         )
     )
     p = tmp_path / "seg.dseg"
@@ -63,15 +63,15 @@ def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
     assert seg.header.generation == 7 and seg.header.rank == 1 and seg.header.seq == 1
     assert seg.header.first_seq == 1 and seg.header.step == 10
     assert read_header(p) == seg.header
-    assert len(seg.chunks) == len(chunks)
-    for a, b in zip(chunks, seg.chunks, strict=True):
+    assert len(seg.shards) == len(chunks)
+    for a, b in zip(chunks, seg.shards, strict=True):
         assert a.key == b.key
         assert torch.equal(a.ids, b.ids)
         assert a.values.dtype == b.values.dtype
         assert torch.equal(a.values, b.values)
     # the views are writable copies-on-write: mutating them never touches the file
-    seg.chunks[0].values.zero_()
-    assert torch.equal(read_segment(p).chunks[0].values, chunks[0].values)
+    seg.shards[0].values.zero_()
+    assert torch.equal(read_segment(p).shards[0].values, chunks[0].values)
 
 
 def test_flipped_byte_fails_checksum(tmp_path: Path) -> None:
@@ -107,7 +107,7 @@ def test_version_1_segments_are_still_read_and_verified(tmp_path: Path) -> None:
     p1.write_bytes(_as_version_1(p2.read_bytes()))
     seg = read_segment(p1)
     assert seg.header.format_version == 1 and read_header(p1).format_version == 1
-    for a, b in zip(chunks, seg.chunks, strict=True):
+    for a, b in zip(chunks, seg.shards, strict=True):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.values, b.values)
     raw = bytearray(p1.read_bytes())
     raw[-17] ^= 0x01  # the payload's last byte (the trailer is 16)
@@ -192,7 +192,7 @@ def test_killed_writer_leaves_no_visible_partial_segment(tmp_path: Path) -> None
     code = textwrap.dedent(
         f"""
         import torch, sys
-        from deltad.segment.format import SegmentChunk, write_segment
+        from deltad.segment.format import ShardRows, write_segment
         from deltad.segment.spool import SpoolLayout
         from deltad.types import SegmentKind
         lay = SpoolLayout({str(tmp_path)!r}, "m")
@@ -201,7 +201,7 @@ def test_killed_writer_leaves_no_visible_partial_segment(tmp_path: Path) -> None
         for seq in range(1000):
             write_segment(lay.segment_path(1, 0, seq), model="m", generation=1, rank=0,
                 world_size=1, seq=seq, step=seq, kind=SegmentKind.DELTA,
-                chunks=[SegmentChunk("t", 2_000_000, 16, 0, 2_000_000, 0, 16, ids, vals)])
+                shards=[ShardRows(Shard("t", 2_000_000, 16, 0, 2_000_000, 0, 16), ids, vals)])
             print(seq, flush=True)
         """
     )

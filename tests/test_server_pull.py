@@ -69,14 +69,14 @@ def test_ids_form_and_proto_decoder_match_raw(
     spool.delta({"t0": [7, 8]})
     _synced(sidecar, 2)
     d = client.pull("c", Form.IDS)
-    got = {s.table: s.ids.tolist() for s in d.slices}
+    got = {s.shard.table: s.ids.tolist() for s in d.slices}
     assert got == {"t0": [3, 7, 8, 900], "t1": [1]}
     assert all(s.values is None for s in d.slices)
     raw = client.pull("c", Form.ROWS, raw=True, chunk_bytes=1)  # tiny chunks: many messages
     parsed = client.pull("c", Form.ROWS, raw=False)
     for a, b in zip(raw.slices, parsed.slices, strict=True):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.values, b.values)  # type: ignore[arg-type]
-        assert torch.equal(a.values, spool.truth[a.table][a.ids])  # type: ignore[arg-type]
+        assert torch.equal(a.values, spool.truth[a.shard.table][a.ids])  # type: ignore[arg-type]
 
 
 def test_wire_dtypes(spool: SpoolWriter, sidecar: SidecarServer, client: Client) -> None:
@@ -131,7 +131,12 @@ def test_two_ranks_with_column_slices_rebuild_the_tables(
         for c in clients:
             d = c.pull("multi")
             assert len(d.slices) == 4  # 2 tables x 2 column slices
-            assert {(s.col_start, s.col_end) for s in d.slices} == {(0, 4), (4, 8), (0, 2), (2, 4)}
+            assert {(s.shard.col_start, s.shard.col_end) for s in d.slices} == {
+                (0, 4),
+                (4, 8),
+                (0, 2),
+                (2, 4),
+            }
             rep.apply(d)
             c.commit(d)
             c.close()

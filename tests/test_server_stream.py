@@ -13,7 +13,7 @@ from serverkit import SpoolWriter
 
 from deltad import perf
 from deltad.consume import decode
-from deltad.segment.format import SegmentChunk
+from deltad.segment.format import ShardRows
 from deltad.serve import encode
 from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.merge import merge_chunks
@@ -24,7 +24,7 @@ from deltad.serve.pull import (
     _MergedSlice,
     build_window,
 )
-from deltad.types import Form, WireDtype
+from deltad.types import Form, Shard, WireDtype
 
 
 def _snapshot(tmp_path: Path, deltas: int = 3) -> LogSnapshot:
@@ -225,9 +225,9 @@ def test_window_values_match_the_log(tmp_path: Path) -> None:
     win = build_window(snap, _spec(snap, resync=True, from_seq=-1), 0, {})
     delta = decode.decode_stream([win.header, *win.iter_chunks(), _trailer()])
     for s in delta.slices:
-        latest = torch.zeros(s.ids.numel(), s.col_end - s.col_start)
+        latest = torch.zeros(s.ids.numel(), s.shard.col_end - s.shard.col_start)
         for e in snap.entries:
-            c = e.chunks[(s.table, s.col_start, s.col_end)]
+            c = e.shards[(s.shard.table, s.shard.col_start, s.shard.col_end)]
             pos = torch.searchsorted(s.ids, c.ids)
             latest[pos] = c.values.to(torch.float32)
         assert s.values is not None and torch.equal(s.values, latest)
@@ -246,9 +246,9 @@ def test_tune_malloc_is_idempotent_and_never_raises(monkeypatch: pytest.MonkeyPa
     assert perf.tune_malloc() is False
 
 
-def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dtype) -> SegmentChunk:
+def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dtype) -> ShardRows:
     values = torch.randn(ids.numel(), width, generator=gen).to(dtype)
-    return SegmentChunk("t", 10_000, width, 1000, 6000, 0, width, ids.sort().values, values)
+    return ShardRows(Shard("t", 10_000, width, 1000, 6000, 0, width), ids.sort().values, values)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -41,18 +41,18 @@ def test_topk_converges_bit_exact_when_training_pauses(
     _synced(sidecar, 3)
     d = client.pull("p", Form.TOPK, k=10)
     assert [s.ids.numel() for s in d.slices] == [10, 10]
-    owed = {s.table: s.owed for s in d.slices}
+    owed = {s.shard.table: s.owed for s in d.slices}
     assert all(o > 0 for o in owed.values())
     # the rows sent are the ones that moved most
     for s in d.slices:
         assert s.values is not None
-        moved = (spool.truth[s.table] - rep.tables[s.table]).norm(dim=1)
+        moved = (spool.truth[s.shard.table] - rep.tables[s.shard.table]).norm(dim=1)
         assert moved[s.ids].min() >= moved.sort(descending=True).values[9] - 1e-6
     rep.apply(d)
     client.commit(d)
     # without a commit, the owed set does not change: the same pull again
     again = client.pull("p", Form.TOPK, k=10)
-    assert {s.table: s.owed for s in again.slices} == {
+    assert {s.shard.table: s.owed for s in again.slices} == {
         t: o - 10 for t, o in owed.items()
     } and not _equal(rep, spool)
     pulls = 0

@@ -91,7 +91,7 @@ def test_raw_and_parsed_decoding_agree(dtype: WireDtype) -> None:
         assert (d.rank, d.generation, d.from_seq, d.to_seq, d.to_step) == (1, 9, 3, 5, 50)
         assert d.cursor.pull_id == "p" and d.rows == ids.numel() and d.wire_dtype is dtype
         (s,) = d.slices
-        assert (s.col_start, s.col_end, s.owed) == (2, 7, 4)
+        assert (s.shard.col_start, s.shard.col_end, s.owed) == (2, 7, 4)
         assert torch.equal(s.ids, ids)
     a, b = raw.slices[0].values, parsed.slices[0].values
     assert a is not None and b is not None and torch.equal(a, b)

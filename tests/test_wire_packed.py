@@ -157,8 +157,10 @@ def test_packed_pull_through_a_real_sidecar(
         assert d.resync and d.wire_dtype is dtype
         for s in d.slices:
             assert s.values is None and s.packed is not None
-            held.setdefault(s.table, torch.zeros(s.num_rows, s.packed.shape[1], dtype=torch.uint8))
-            held[s.table][s.ids] = s.packed
+            held.setdefault(
+                s.shard.table, torch.zeros(s.shard.num_rows, s.packed.shape[1], dtype=torch.uint8)
+            )
+            held[s.shard.table][s.ids] = s.packed
         c.commit(d)
         spool.delta()
         spool.delta({"t0": list(range(300)), "t1": [1, 2, 3]})
@@ -169,11 +171,11 @@ def test_packed_pull_through_a_real_sidecar(
             assert d.rows > 300
             for s in d.slices:
                 assert s.packed is not None
-                assert s.packed.shape[1] == wire.packed_row_bytes(s.dim, dtype, align or 16)
-                _same_bytes(s.packed, spool.truth[s.table][s.ids], dtype)
+                assert s.packed.shape[1] == wire.packed_row_bytes(s.shard.dim, dtype, align or 16)
+                _same_bytes(s.packed, spool.truth[s.shard.table][s.ids], dtype)
         for s in d.slices:
             assert s.packed is not None
-            held[s.table][s.ids] = s.packed
+            held[s.shard.table][s.ids] = s.packed
         for t, rows in held.items():
             _same_bytes(rows, spool.truth[t], dtype)
         # top-k over packed rows: the planning is on float values, only the encoding packs
@@ -181,7 +183,7 @@ def test_packed_pull_through_a_real_sidecar(
         assert all(s.packed is not None and s.packed.shape[0] == 5 for s in d.slices)
         for s in d.slices:
             assert s.packed is not None
-            _same_bytes(s.packed, spool.truth[s.table][s.ids], dtype)
+            _same_bytes(s.packed, spool.truth[s.shard.table][s.ids], dtype)
     finally:
         c.close()
         srv.stop(0)

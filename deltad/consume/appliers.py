@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from deltad.consume.window import RankDelta, SliceUpdate
+from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConsumerError
 
 
@@ -60,17 +60,19 @@ class Applier(abc.ABC):
     def apply(self, deltas: Sequence[RankDelta]) -> int:
         """Write every slice of ``deltas`` atomically; return the number of rows written."""
         with self.lock:
-            plan: list[tuple[torch.Tensor, SliceUpdate]] = []
+            plan: list[tuple[torch.Tensor, ShardUpdate]] = []
             self._begin()
             try:
                 for d in deltas:
                     for s in d.slices:
                         if s.values is None:
                             raise ConsumerError(
-                                f"rank {d.rank}: table {s.table} has no values "
+                                f"rank {d.rank}: table {s.shard.table} has no values "
                                 f"(form {d.form.value})"
                             )
-                        t = self.table(s.table, s.num_rows, s.dim, resync=d.resync)
+                        t = self.table(
+                            s.shard.table, s.shard.num_rows, s.shard.dim, resync=d.resync
+                        )
                         _check(t, s)
                         plan.append((t, s))
             except BaseException:
@@ -84,30 +86,36 @@ class Applier(abc.ABC):
             return rows
 
 
-def _check(t: torch.Tensor, s: SliceUpdate) -> None:
+def _check(t: torch.Tensor, s: ShardUpdate) -> None:
     assert s.values is not None
-    if t.dim() != 2 or t.shape[0] != s.num_rows or t.shape[1] != s.dim:
+    if t.dim() != 2 or t.shape[0] != s.shard.num_rows or t.shape[1] != s.shard.dim:
         raise ConsumerError(
-            f"table {s.table}: held shape {tuple(t.shape)} != sent ({s.num_rows}, {s.dim})"
+            f"table {s.shard.table}: held shape {tuple(t.shape)} != sent ({s.shard.num_rows}, {s.shard.dim})"
         )
-    if not 0 <= s.col_start <= s.col_end <= s.dim:
-        raise ConsumerError(f"table {s.table}: bad column range {s.col_start}:{s.col_end}")
-    if s.values.shape != (s.ids.numel(), s.width):
+    if not 0 <= s.shard.col_start <= s.shard.col_end <= s.shard.dim:
         raise ConsumerError(
-            f"table {s.table}: values {tuple(s.values.shape)} != ({s.ids.numel()}, {s.width})"
+            f"table {s.shard.table}: bad column range {s.shard.col_start}:{s.shard.col_end}"
         )
-    if s.ids.numel() and (int(s.ids.min()) < 0 or int(s.ids.max()) >= s.num_rows):
-        raise ConsumerError(f"table {s.table}: row id out of range [0, {s.num_rows})")
+    if s.values.shape != (s.ids.numel(), s.shard.width):
+        raise ConsumerError(
+            f"table {s.shard.table}: values {tuple(s.values.shape)} != ({s.ids.numel()}, {s.shard.width})"
+        )
+    if s.ids.numel() and (int(s.ids.min()) < 0 or int(s.ids.max()) >= s.shard.num_rows):
+        raise ConsumerError(f"table {s.shard.table}: row id out of range [0, {s.shard.num_rows})")
 
 
-def _write(t: torch.Tensor, s: SliceUpdate) -> int:
+def _write(t: torch.Tensor, s: ShardUpdate) -> int:
     assert s.values is not None
     n = s.ids.numel()
     if n == 0:
         return 0
     ids = s.ids.to(device=t.device, dtype=torch.int64)
     values = s.values.to(device=t.device, dtype=t.dtype)
-    target = t if (s.col_start, s.col_end) == (0, t.shape[1]) else t[:, s.col_start : s.col_end]
+    target = (
+        t
+        if (s.shard.col_start, s.shard.col_end) == (0, t.shape[1])
+        else t[:, s.shard.col_start : s.shard.col_end]
+    )
     target.index_copy_(0, ids, values)
     return n
 

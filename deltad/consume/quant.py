@@ -15,7 +15,7 @@ shares the same storage), packs float rows exactly as torchrec's quantization do
 (``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`` for int8 / int4, a cast for fp16 / fp32;
 see :func:`pack_rows`), and copies whole rows in with ``index_copy_`` (as 4-byte words). Bytes and forward
 outputs are therefore equal to quantizing the updated float tables from scratch. Rows that
-arrive already packed (``SliceUpdate.packed``: uint8, the table's row layout above, with or
+arrive already packed (``ShardUpdate.packed``: uint8, the table's row layout above, with or
 without the padding) are copied as they are.
 
 Bit-exactness needs the trainer's float values: pull with wire dtype ``fp32`` (or ``fp16``
@@ -67,7 +67,7 @@ from typing import Any, TypeVar
 import torch
 
 from deltad.consume.appliers import Applier
-from deltad.consume.window import RankDelta, SliceUpdate
+from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConfigError, ConsumerError, UnsupportedModelError
 from deltad.types import ApplyConsistency, ServeDtype
 
@@ -453,32 +453,38 @@ class QuantApplier(Applier):
             )
         return t
 
-    def _check(self, d: RankDelta, s: SliceUpdate) -> QuantTable:
-        t = self._table(s.table, s.num_rows, s.dim)
-        if not 0 <= s.col_start < s.col_end <= s.dim:
-            raise ConsumerError(f"table {s.table}: bad column range {s.col_start}:{s.col_end}")
+    def _check(self, d: RankDelta, s: ShardUpdate) -> QuantTable:
+        t = self._table(s.shard.table, s.shard.num_rows, s.shard.dim)
+        if not 0 <= s.shard.col_start < s.shard.col_end <= s.shard.dim:
+            raise ConsumerError(
+                f"table {s.shard.table}: bad column range {s.shard.col_start}:{s.shard.col_end}"
+            )
         n = s.ids.numel()
         packed = getattr(s, "packed", None)
         if packed is not None:
-            if (s.col_start, s.col_end) != (0, s.dim):
-                raise ConsumerError(f"table {s.table}: packed rows must cover every column")
+            if (s.shard.col_start, s.shard.col_end) != (0, s.shard.dim):
+                raise ConsumerError(f"table {s.shard.table}: packed rows must cover every column")
             if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[0] != n:
-                raise ConsumerError(f"table {s.table}: packed rows must be uint8 [{n}, bytes]")
+                raise ConsumerError(
+                    f"table {s.shard.table}: packed rows must be uint8 [{n}, bytes]"
+                )
             if packed.shape[1] not in (t.data_bytes, t.row_bytes):
                 raise ConsumerError(
-                    f"table {s.table}: packed rows of {packed.shape[1]} bytes, the table's "
+                    f"table {s.shard.table}: packed rows of {packed.shape[1]} bytes, the table's "
                     f"{t.dtype.value} rows have {t.data_bytes} ({t.row_bytes} aligned)"
                 )
         elif s.values is None:
             raise ConsumerError(
-                f"rank {d.rank}: table {s.table} has no values (form {d.form.value})"
+                f"rank {d.rank}: table {s.shard.table} has no values (form {d.form.value})"
             )
-        elif s.values.shape != (n, s.width):
+        elif s.values.shape != (n, s.shard.width):
             raise ConsumerError(
-                f"table {s.table}: values {tuple(s.values.shape)} != ({n}, {s.width})"
+                f"table {s.shard.table}: values {tuple(s.values.shape)} != ({n}, {s.shard.width})"
             )
-        if n and (int(s.ids.min()) < 0 or int(s.ids.max()) >= s.num_rows):
-            raise ConsumerError(f"table {s.table}: row id out of range [0, {s.num_rows})")
+        if n and (int(s.ids.min()) < 0 or int(s.ids.max()) >= s.shard.num_rows):
+            raise ConsumerError(
+                f"table {s.shard.table}: row id out of range [0, {s.shard.num_rows})"
+            )
         return t
 
     def _plan(
@@ -486,14 +492,14 @@ class QuantApplier(Applier):
     ) -> list[tuple[QuantTable, torch.Tensor, torch.Tensor]]:
         """Checked and packed ``(table, ids, rows)`` writes (column slices merged)."""
         full: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        partial: dict[str, list[SliceUpdate]] = {}
+        partial: dict[str, list[ShardUpdate]] = {}
         resynced: set[str] = set()
-        checked: list[tuple[QuantTable, SliceUpdate]] = []
+        checked: list[tuple[QuantTable, ShardUpdate]] = []
         for d in deltas:
             for s in d.slices:
                 checked.append((self._check(d, s), s))
                 if d.resync:
-                    resynced.add(s.table)
+                    resynced.add(s.shard.table)
         for name in resynced:  # a base restarts the table: columns seen before are void
             self._shadows.pop(name, None)
         for t, s in checked:
@@ -508,7 +514,7 @@ class QuantApplier(Applier):
                     padded[:, : rows.shape[1]] = rows
                     rows = padded
                 full.setdefault(t.name, []).append((ids, rows.contiguous()))
-            elif (s.col_start, s.col_end) == (0, s.dim):
+            elif (s.shard.col_start, s.shard.col_end) == (0, s.shard.dim):
                 assert s.values is not None
                 full.setdefault(t.name, []).append((ids, t.pack(s.values)))
                 sh = self._shadows.get(t.name)
@@ -531,7 +537,7 @@ class QuantApplier(Applier):
         return plan
 
     def _merge_columns(
-        self, t: QuantTable, slices: list[SliceUpdate]
+        self, t: QuantTable, slices: list[ShardUpdate]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``(ids, float values)`` of ``slices`` whose every column is known."""
         ids = torch.unique(torch.cat([s.ids.to(torch.int64) for s in slices]))  # sorted
@@ -540,7 +546,7 @@ class QuantApplier(Applier):
             for s in slices:
                 assert s.values is not None
                 pos = torch.searchsorted(ids, s.ids.to(torch.int64))
-                values[pos, s.col_start : s.col_end] = s.values.to(torch.float32)
+                values[pos, s.shard.col_start : s.shard.col_end] = s.values.to(torch.float32)
             return ids, values
         sh = self._shadows.get(t.name)
         if sh is None:
@@ -552,8 +558,8 @@ class QuantApplier(Applier):
         for s in slices:
             assert s.values is not None
             rows = s.ids.to(torch.int64)
-            sh.values[rows, s.col_start : s.col_end] = s.values.to(torch.float32)
-            sh.known[rows, s.col_start : s.col_end] = True
+            sh.values[rows, s.shard.col_start : s.shard.col_end] = s.values.to(torch.float32)
+            sh.known[rows, s.shard.col_start : s.shard.col_end] = True
         ids = ids[sh.known[ids].all(dim=1)]
         return ids, sh.values[ids]
 

@@ -75,7 +75,7 @@ from deltad.publish.tracker import (
     _clean_fqn,
     _sharded_types,
 )
-from deltad.segment.format import SegmentChunk, encode_dense, write_dense, write_segment
+from deltad.segment.format import ShardRows, encode_dense, write_dense, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout
 from deltad.types import SegmentKind
 
@@ -192,7 +192,7 @@ class _Job:
     """A segment for the writer: its reserved stats (seq, step, kind, path) and its rows."""
 
     stats: SegmentStats
-    chunks: list[SegmentChunk]
+    shards: list[ShardRows]
     ready: Any = None  # a CUDA event to wait for before reading device-to-host copies
     #: rank 0: the dense state cloned at this segment's cut, written before the segment
     dense: dict[str, torch.Tensor] | None = None
@@ -340,7 +340,7 @@ class SegmentPublisher:
         self.tracker.flush_caches()  # rows a device cache holds, into the weights read below
         t0 = time.perf_counter()
         shards = self.tracker.shards
-        ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
+        ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
         job = self._package(stats, shards, ids, [s.weight.detach() for s in shards])
         job.dense = self._take_dense(stats, force=True)
@@ -526,7 +526,7 @@ class SegmentPublisher:
             self.tracker.drain()
             self.tracker.flush_caches()
         shards = self.tracker.shards
-        ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
+        ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         values = [s.weight.detach().clone() for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
         job = self._package(stats, shards, ids, values)
@@ -573,7 +573,7 @@ class SegmentPublisher:
     def _publish_base_now(self, step: int) -> None:
         self.tracker.drain()
         shards = self.tracker.shards
-        ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
+        ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
         self.stats.rebases += 1
         self._write(self._package(stats, shards, ids, [s.weight.detach() for s in shards]))
@@ -585,7 +585,7 @@ class SegmentPublisher:
     ) -> _Job:
         """Copy the drained rows (local ids per shard) into a job for the writer."""
         shards = [s for s, _ in drained]
-        ids = [local + s.row_start for s, local in drained]
+        ids = [local + s.shard.row_start for s, local in drained]
         values = [self._copy_rows(s, local) for s, local in drained]
         # free buffers no copy of this round used go back to the allocator
         self._pool.end_round()
@@ -726,23 +726,10 @@ class SegmentPublisher:
             ids = [i.to("cpu", non_blocking=True) for i in ids]
             ready = torch.cuda.Event()
             ready.record()
-        chunks = [
-            SegmentChunk(
-                table=s.table,
-                num_rows=s.num_rows,
-                dim=s.dim,
-                row_start=s.row_start,
-                row_end=s.row_end,
-                col_start=s.col_start,
-                col_end=s.col_end,
-                ids=i,
-                values=v,
-            )
-            for s, i, v in zip(shards, ids, values, strict=True)
-        ]
+        rows = [ShardRows(s.shard, i, v) for s, i, v in zip(shards, ids, values, strict=True)]
         stats.rows = sum(i.numel() for i in ids)
         stats.nbytes = sum(i.nbytes + v.nbytes for i, v in zip(ids, values, strict=True))
-        return _Job(stats, chunks, ready)
+        return _Job(stats, rows, ready)
 
     def _write(self, job: _Job) -> None:
         """Write one segment; a failure is kept in ``_error`` and stops all later writes."""
@@ -777,7 +764,7 @@ class SegmentPublisher:
                 seq=job.stats.seq,
                 step=job.stats.step,
                 kind=job.stats.kind,
-                chunks=job.chunks,
+                shards=job.shards,
                 first_seq=0 if job.stats.kind is SegmentKind.BASE else None,
                 fsync=self.config.fsync,
             )

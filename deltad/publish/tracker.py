@@ -73,6 +73,7 @@ from deltad import knobs
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
 from deltad.segment.spool import TableInfo
+from deltad.types import Shard
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +86,9 @@ class TrackedShard:
 
     module: str  # fqn of the sharded EC / EBC, DMP / DDP prefixes stripped
     kind: str  # "ec" or "ebc"
-    table: str
     sharding_type: str
-    num_rows: int  # of the whole table
-    dim: int
-    row_start: int  # global row range held here
-    row_end: int
-    col_start: int  # column range held here
-    col_end: int
-    #: [row_end - row_start, col_end - col_start] view of the TBE weights (not a copy).
+    shard: Shard  # the table, and the row and column ranges held here
+    #: [shard.rows, shard.width] view of the TBE weights (not a copy).
     weight: torch.Tensor = field(repr=False)
     #: Writes a device cache's rows back into ``weight`` (UVM-caching kernels, see
     #: :func:`cache_flush`); None where ``weight`` is always current.
@@ -164,7 +159,7 @@ class _Lookup:
         self.active = self.new_bitmap()
 
     def new_bitmap(self) -> _Bitmap:
-        sizes = [s.row_end - s.row_start for s in self.shards]
+        sizes = [s.shard.rows for s in self.shards]
         flat = torch.zeros(sum(sizes), dtype=torch.bool, device=self.shards[0].weight.device)
         masks = list(flat.split(sizes))
         return _Bitmap(flat, masks, [masks[i] for i in self.key_shard])
@@ -485,14 +480,10 @@ class DeltaTracker:
         return TrackedShard(
             module=name,
             kind=kind,
-            table=t.name,
             sharding_type=plan[t.name].sharding_type,
-            num_rows=cfg.num_embeddings,
-            dim=cfg.embedding_dim,
-            row_start=r0,
-            row_end=r0 + rows,
-            col_start=c0,
-            col_end=c0 + cols,
+            shard=Shard(
+                t.name, cfg.num_embeddings, cfg.embedding_dim, r0, r0 + rows, c0, c0 + cols
+            ),
             weight=w,
             flush=flush,
         )

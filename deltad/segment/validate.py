@@ -78,23 +78,23 @@ def check_header(
         )
     tables = {t.name: t for t in manifest.tables}
     seen: set[tuple[str, int, int]] = set()
-    for i, c in enumerate(h.chunks):
+    for i, c in enumerate(h.shards):
         where = f"chunk {i}"
-        if not isinstance(c.table, str) or c.table not in tables:
-            raise SegmentCorruptError(f"{where}: unknown table {c.table!r:.60}")
-        t = tables[c.table]
-        where = f"chunk {i} ({c.table})"
-        if _int(c.num_rows, f"{where} num_rows") != t.num_rows or (
-            _int(c.dim, f"{where} dim") != t.dim
+        if not isinstance(c.shard.table, str) or c.shard.table not in tables:
+            raise SegmentCorruptError(f"{where}: unknown table {c.shard.table!r:.60}")
+        t = tables[c.shard.table]
+        where = f"chunk {i} ({c.shard.table})"
+        if _int(c.shard.num_rows, f"{where} num_rows") != t.num_rows or (
+            _int(c.shard.dim, f"{where} dim") != t.dim
         ):
             raise SegmentCorruptError(
-                f"{where}: shape {c.num_rows}x{c.dim} disagrees with the manifest's "
+                f"{where}: shape {c.shard.num_rows}x{c.shard.dim} disagrees with the manifest's "
                 f"{t.num_rows}x{t.dim}"
             )
-        r0 = _int(c.row_start, f"{where} row_start", 0, t.num_rows)
-        r1 = _int(c.row_end, f"{where} row_end", r0, t.num_rows)
-        c0 = _int(c.col_start, f"{where} col_start", 0, t.dim)
-        _int(c.col_end, f"{where} col_end", c0 + 1, t.dim)
+        r0 = _int(c.shard.row_start, f"{where} row_start", 0, t.num_rows)
+        r1 = _int(c.shard.row_end, f"{where} row_end", r0, t.num_rows)
+        c0 = _int(c.shard.col_start, f"{where} col_start", 0, t.dim)
+        _int(c.shard.col_end, f"{where} col_end", c0 + 1, t.dim)
         count = _int(c.count, f"{where} count", 0, r1 - r0)
         if h.kind is SegmentKind.BASE and count != r1 - r0:
             raise SegmentCorruptError(f"{where}: a base holds {count} of its {r1 - r0} rows")
@@ -104,27 +104,27 @@ def check_header(
             raise SegmentCorruptError(f"{where}: offsets are not 8-byte aligned")
         if not isinstance(c.dtype, str):
             raise SegmentCorruptError(f"{where}: dtype {c.dtype!r:.40} is not a name")
-        if c.key in seen:
+        if c.shard.key in seen:
             raise SegmentCorruptError(f"{where}: slice appears twice")
-        seen.add(c.key)
+        seen.add(c.shard.key)
 
 
 def check_rows(seg: Segment) -> None:
     """Every chunk's ids inside its row range and strictly ascending (vectorized)."""
     if seg.header.kind not in ROW_KINDS:
         return
-    for c in seg.chunks:
+    for c in seg.shards:
         ids = c.ids
         n = ids.numel()
         if n == 0:
             continue
-        if int(ids[0]) < c.row_start or int(ids[-1]) >= c.row_end:
+        if int(ids[0]) < c.shard.row_start or int(ids[-1]) >= c.shard.row_end:
             raise SegmentCorruptError(
-                f"chunk {c.table}: ids {int(ids[0])}..{int(ids[-1])} outside rows "
-                f"{c.row_start}..{c.row_end}"
+                f"chunk {c.shard.table}: ids {int(ids[0])}..{int(ids[-1])} outside rows "
+                f"{c.shard.row_start}..{c.shard.row_end}"
             )
         if n > 1 and not bool(torch.all(ids[1:] > ids[:-1])):
-            raise SegmentCorruptError(f"chunk {c.table}: ids not strictly ascending")
+            raise SegmentCorruptError(f"chunk {c.shard.table}: ids not strictly ascending")
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from deltad import wire
-from deltad.segment.format import SegmentChunk
+from deltad.segment.format import ShardRows
 from deltad.serve import encode
-from deltad.serve.log import ChunkKey, DenseEntry, LogSnapshot
-from deltad.serve.merge import SliceRows, merge_chunks, merge_entries, plan_slice
-from deltad.types import Form, WireDtype
+from deltad.serve.log import DenseEntry, LogSnapshot
+from deltad.serve.merge import merge_chunks, merge_entries, plan_slice
+from deltad.types import Form, Shard, ShardKey, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class EncodedWindow:
         to_seq: int,
         to_step: int,
         rows: int,
-        owed: dict[ChunkKey, SliceRows],
+        owed: dict[ShardKey, ShardRows],
         merge_seconds: float,
         *,
         kept: bool = True,
@@ -237,7 +237,7 @@ class EncodedWindow:
 def _header(
     spec: WindowSpec,
     to_step: int,
-    slices: list[tuple[SliceRows | None, SliceMeta]],
+    slices: list[tuple[ShardRows | None, ShardLine]],
     dense: DenseEntry | None = None,
 ) -> bytes:
     header = pb.DeltaHeader(
@@ -259,15 +259,17 @@ def _header(
     for _, m in slices:
         header.slices.append(
             pb.TableSlice(
-                table=m.table,
-                num_rows=m.num_rows,
-                dim=m.dim,
-                col_start=m.col_start,
-                col_end=m.col_end,
+                table=m.shard.table,
+                num_rows=m.shard.num_rows,
+                dim=m.shard.dim,
+                col_start=m.shard.col_start,
+                col_end=m.shard.col_end,
                 count=m.count,
                 owed=m.owed,
                 row_bytes=(
-                    wire.packed_row_bytes(m.dim, spec.dtype, spec.row_alignment) if packed else 0
+                    wire.packed_row_bytes(m.shard.dim, spec.dtype, spec.row_alignment)
+                    if packed
+                    else 0
                 ),
             )
         )
@@ -278,37 +280,29 @@ def packed_refusal(snap: LogSnapshot, tables: tuple[str, ...], dtype: WireDtype)
     """Why this rank's slices of ``tables`` (empty: all) cannot be sent in the packed
     ``dtype`` (None: they can). Column-wise shards are refused, not sent in fp32: one rank
     holds part of each row, and scale / bias are per whole row (see the proto)."""
-    for key, c in snap.base.chunks.items():
+    for key, c in snap.base.shards.items():
         if tables and key[0] not in tables:
             continue
-        why = wire.packed_refusal(dtype, c.dim, c.col_start, c.col_end)
+        why = wire.packed_refusal(dtype, c.shard.dim, c.shard.col_start, c.shard.col_end)
         if why is not None:
-            return f"table {c.table!r} on this rank {why}"
+            return f"table {c.shard.table!r} on this rank {why}"
     return None
 
 
 @dataclass(frozen=True)
-class SliceMeta:
-    """A slice's line in the header."""
+class ShardLine:
+    """A shard's line in the window header (a ``TableSlice`` message)."""
 
-    table: str
-    num_rows: int
-    dim: int
-    col_start: int
-    col_end: int
+    shard: Shard
     count: int
-    owed: int
-
-    @classmethod
-    def of(cls, r: SliceRows | SegmentChunk, count: int, owed: int = 0) -> SliceMeta:
-        return cls(r.table, r.num_rows, r.dim, r.col_start, r.col_end, count, owed)
+    owed: int = 0
 
 
 def build_window(
     snap: LogSnapshot,
     spec: WindowSpec,
     to_step: int,
-    owed: dict[ChunkKey, SliceRows],
+    owed: dict[ShardKey, ShardRows],
     *,
     kept: bool = True,
     lazy: bool = True,
@@ -329,7 +323,7 @@ def build_window(
     rows owed from the previous generation are dropped.
     """
     t0 = time.perf_counter()
-    keys = [k for k in snap.base.chunks if not spec.tables or k[0] in spec.tables]
+    keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
     if spec.resync:
         owed = {}
         window = list(snap.upto(spec.to_seq))
@@ -339,13 +333,13 @@ def build_window(
     with_values = spec.form is not Form.IDS or not complete
     new_owed = {k: v for k, v in owed.items() if k not in keys}
     # (rows, or None: merge its values later from ``by_key``), header line
-    plan: list[tuple[SliceRows | None, SliceMeta]] = []
-    by_key: dict[ChunkKey, list[SegmentChunk]] = {}
+    plan: list[tuple[ShardRows | None, ShardLine]] = []
+    by_key: dict[ShardKey, list[ShardRows]] = {}
     sources: dict[int, _MergedSlice] = {}
     if complete:
         wanted = set(keys)
         for e in window:
-            for key, c in e.chunks.items():
+            for key, c in e.shards.items():
                 if key in wanted:
                     by_key.setdefault(key, []).append(c)
         for key in keys:
@@ -354,11 +348,11 @@ def build_window(
                 continue
             if len(cs) == 1 or not with_values:
                 r = merge_chunks(cs, with_values=with_values)
-                plan.append((r, SliceMeta.of(r, r.ids.numel())))
+                plan.append((r, ShardLine(r.shard, r.ids.numel())))
             else:  # the ids now (the count); the values range by range as chunks are encoded
                 src = _MergedSlice(cs)
                 sources[len(plan)] = src
-                plan.append((None, SliceMeta.of(cs[-1], src.ids.numel())))
+                plan.append((None, ShardLine(cs[-1].shard, src.ids.numel())))
     else:
         merged = merge_entries(window, keys, with_values=with_values)
         head_state = snap.upto(spec.to_seq)
@@ -384,7 +378,7 @@ def build_window(
                 new_owed[key] = ws.owed
             if budget is not None:
                 budget -= ws.rows.ids.numel()
-            plan.append((ws.rows, SliceMeta.of(ws.rows, ws.rows.ids.numel(), n_owed)))
+            plan.append((ws.rows, ShardLine(ws.rows.shard, ws.rows.ids.numel(), n_owed)))
     dense = window_dense(snap, spec)
     win = EncodedWindow(
         _header(spec, to_step, plan, dense),
@@ -454,10 +448,10 @@ class _MergedSlice:
     0.44 s before encoding; ranges cost <0.1 s.
     """
 
-    def __init__(self, chunks: list[SegmentChunk]) -> None:
+    def __init__(self, chunks: list[ShardRows]) -> None:
         self.chunks = chunks
-        self.row_start = min(c.row_start for c in chunks)
-        n = max(c.row_end for c in chunks) - self.row_start
+        self.row_start = min(c.shard.row_start for c in chunks)
+        n = max(c.shard.row_end for c in chunks) - self.row_start
         # a chunk with every row of the shard (a base segment) makes the union trivial
         self.full = any(c.ids.numel() == n for c in chunks)
         if self.full:
@@ -485,7 +479,7 @@ class _MergedSlice:
             )
             return
         last = cs[-1]
-        width = last.col_end - last.col_start
+        width = last.shard.col_end - last.shard.col_start
         step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment)
         bounds = torch.arange(0, n + step, step).clamp_(max=n)
         dests, spans = [], []

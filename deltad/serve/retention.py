@@ -119,7 +119,7 @@ class Retention:
                 first_seq=first.first_seq,
                 step=last.step,
                 kind=SegmentKind.BASE if first.first_seq == 0 else SegmentKind.DELTA,
-                chunks=[r.to_chunk() for r in merged.values()],
+                shards=list(merged.values()),
             )
             entry = self.seglog.load_entry(head.generation, last.seq, last.path)
         except SegmentCorruptError as e:  # the merged file failed its check: not again

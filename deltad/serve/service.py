@@ -529,11 +529,11 @@ class DeltaServicer:
                 table=t.name, num_rows=t.num_rows, dim=t.dim, dtype=t.dtype, kind=t.kind,
                 sharding_type=t.sharding_type,
             )  # fmt: skip
-            for c in snap.base.segment.chunks:
-                if c.table == t.name:
+            for c in snap.base.segment.shards:
+                if c.shard.table == t.name:
                     ts.local_slices.add(
-                        table=c.table, num_rows=c.num_rows, dim=c.dim, col_start=c.col_start,
-                        col_end=c.col_end, count=c.row_end - c.row_start,
+                        table=c.shard.table, num_rows=c.shard.num_rows, dim=c.shard.dim, col_start=c.shard.col_start,
+                        col_end=c.shard.col_end, count=c.shard.row_end - c.shard.row_start,
                     )  # fmt: skip
         return resp
 
