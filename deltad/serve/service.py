@@ -24,7 +24,7 @@ from deltad.errors import ConfigError, OffsetStoreError, SpoolError
 from deltad.serve import encode
 from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.offsets import CommitRejected, OffsetStore, PullRecord, StoredCursor
+from deltad.serve.offsets import CommitRejected, OffsetStore, PendingPull, StoredCursor
 from deltad.serve.owed import OwedStore
 from deltad.serve.pull import (
     EncodedWindow,
@@ -323,7 +323,7 @@ class DeltaServicer:
                 if win.owed:
                     self.owed.save(consumer, token, gen, to_seq, win.owed)
                 self.store.record_pull(
-                    consumer, rank, PullRecord(pull_id, gen, to_seq, to_step, token, win.owed_rows)
+                    consumer, rank, PendingPull(pull_id, gen, to_seq, to_step, token, win.owed_rows)
                 )
                 self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
             except OffsetStoreError as e:
