@@ -180,12 +180,15 @@ class EmbeddedRedis:
             return url
 
     def ensure(self) -> bool:
-        """Restart the server if it does not answer (another user may have already); True if
-        this call started one."""
-        if self.url and answers(self.url):
+        """Restart the server if it is gone (another user may have already); True if this
+        call started one. A server whose process still runs is never doubled: a slow answer
+        is not a death."""
+        if self.url and answers(self.url, timeout_s=2.0):
             return False
         with self._start_lock():
-            if self.url and answers(self.url):
+            if self.url and answers(self.url, timeout_s=2.0):
+                return False
+            if self._running():
                 return False
             url = self._url(self._secret())
             self._spawn(url)
@@ -275,6 +278,26 @@ class EmbeddedRedis:
             f"embedded redis-server did not answer within {self.startup_timeout_s}s"
         )
 
+    def _running(self) -> bool:
+        """Whether the process in ``redis.pid`` still runs (a zombie child counts as gone)."""
+        pid = self.pid()
+        if pid is None:
+            return False
+        if self.proc is not None and self.proc.pid == pid:
+            return self.proc.poll() is None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # a zombie of another parent, or a reused pid: dead for our purpose
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, IndexError):
+            return True
+        return state != "Z" and b"redis-server" in cmd
+
     def pid(self) -> int | None:
         """The pid of the running server (from ``redis.pid``), if known."""
         try:
@@ -343,10 +366,10 @@ class EmbeddedRedis:
         self.stop()
 
 
-def answers(url: str) -> bool:
-    """Whether the Redis at ``url`` answers a PING within half a second."""
+def answers(url: str, *, timeout_s: float = 0.5) -> bool:
+    """Whether the Redis at ``url`` answers a PING within ``timeout_s``."""
     try:
-        c = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        c = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         try:
             return bool(c.ping())
         finally:

@@ -27,6 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=os.environ.get("DELTAD_TOKEN"), help="bearer token")
     p.add_argument("--tls-ca", default=os.environ.get("DELTAD_TLS_CA"), help="CA (PEM): use TLS")
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument(
+        "--forget",
+        metavar="CONSUMER",
+        default=None,
+        help="forget this consumer on every rank (admin role): cursor, pull, lease, owed rows",
+    )
 
 
 def fetch(
@@ -149,7 +155,38 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
     return "\n".join(lines)
 
 
+def forget(
+    target: str,
+    consumer: str,
+    *,
+    token: str | None = None,
+    tls_ca: Path | None = None,
+    timeout: float = 10.0,
+) -> bool:
+    """Ask the sidecar at ``target`` to forget ``consumer`` (admin); False if it was unknown."""
+    md = [("authorization", f"Bearer {token}")] if token else None
+    with _channel(target, tls_ca) as channel:
+        stub = delta_pb2_grpc.DeltaServiceStub(channel)
+        try:
+            resp = stub.Forget(pb.ForgetRequest(consumer=consumer), timeout=timeout, metadata=md)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise SidecarUnavailableError(f"{target}: {e.code().name}: {e.details()}") from e
+            raise ConfigError(f"forget {consumer!r}: {e.code().name}: {e.details()}") from e
+    return bool(resp.forgotten)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.forget is not None:
+        gone = forget(
+            args.target,
+            args.forget,
+            token=args.token,
+            tls_ca=Path(args.tls_ca) if args.tls_ca else None,
+            timeout=args.timeout,
+        )
+        print(f"consumer {args.forget}: {'forgotten' if gone else 'not known'}")
+        return 0
     status, consumers = fetch(
         args.target,
         token=args.token,

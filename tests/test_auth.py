@@ -125,6 +125,30 @@ def test_a_token_acts_only_for_its_consumers_and_nothing_changes_out_of_scope(
         seen = ops.stub.ListConsumers(pb.ListConsumersRequest(), metadata=ops.md, timeout=5)
         assert [c.consumer for c in seen.consumers] == ["alice-2", "bob"]
         assert srv.gate.denied >= 4
+
+        # Forget is admin-only: a consume token may not forget even its own consumer
+        forget = pb.ForgetRequest(consumer="alice-2")
+        assert _code(lambda: alice.stub.Forget(forget, metadata=alice.md, timeout=5)) == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert (
+            store.get_cursor("alice-2", 0) is not None
+            or store.pending_pulls(["alice-2"], 0)["alice-2"] is not None
+        )
+        # the admin forgets bob: his cursor, pull, lease and membership are gone on every rank
+        done = ops.stub.Forget(pb.ForgetRequest(consumer="bob"), metadata=ops.md, timeout=5)
+        assert done.forgotten
+        assert store.get_cursor("bob", 0) is None
+        assert store.pending_pulls(["bob"], 0)["bob"] is None
+        assert "bob" not in store.consumers()
+        again = ops.stub.Forget(pb.ForgetRequest(consumer="bob"), metadata=ops.md, timeout=5)
+        assert not again.forgotten
+        bad = pb.ForgetRequest(consumer="../etc")
+        assert _code(lambda: ops.stub.Forget(bad, metadata=ops.md, timeout=5)) == (
+            grpc.StatusCode.INVALID_ARGUMENT
+        )
+        # bob comes back as a new consumer: the full tables again
+        assert ops.pull("bob").rows == 1500
     finally:
         alice.close()
         ops.close()
@@ -188,6 +212,32 @@ def test_max_consumers_refuses_new_names_and_stores_nothing_for_them(
         assert c.pull("a").rows == c.pull("b").rows == 1500  # known names are still served
     finally:
         r.close()
+        c.close()
+        srv.stop(0)
+
+
+def test_a_forgotten_consumer_frees_its_place_under_max_consumers(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    SpoolWriter(tmp_path / "spool")
+    cfg = server_config(
+        tmp_path / "spool", redis_server.url, max_consumers=1, forget_after_s=0.05,
+        forget_interval_s=3600.0,
+    )  # fmt: skip
+    srv = SidecarServer(cfg).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        c.pull("a")  # admitted (and cached: no Redis round trip on its next pulls)
+        c.stub.Register(pb.RegisterRequest(consumer="a", lease_ttl_seconds=0.05), timeout=5)
+        reg_b = pb.RegisterRequest(consumer="b")
+        assert _code(lambda: c.stub.Register(reg_b, timeout=5)) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        time.sleep(0.3)  # a's lease expires, and it stays silent past forget_after
+        assert srv.forget_idle() == ["a"]
+        c.stub.Register(reg_b, timeout=5)
+        assert _code(lambda: c.pull("a")) == grpc.StatusCode.RESOURCE_EXHAUSTED  # not cached
+    finally:
         c.close()
         srv.stop(0)
 

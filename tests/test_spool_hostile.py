@@ -15,7 +15,17 @@ import torch
 from serverkit import MODEL, Client, Replica, SpoolWriter, redis_server, server_config, wait_for
 
 from deltad.redisutil import EmbeddedRedis
-from deltad.segment.format import ALIGN, END_MAGIC, MAGIC, ShardRows, checksum, write_segment
+from deltad.segment.format import (
+    ALIGN,
+    DENSE_END_MAGIC,
+    DENSE_MAGIC,
+    END_MAGIC,
+    MAGIC,
+    ShardRows,
+    checksum,
+    encode_dense,
+    write_segment,
+)
 from deltad.serve.app import SidecarServer
 from deltad.serve.log import SegmentLog
 from deltad.types import SegmentKind, Shard
@@ -173,6 +183,24 @@ def test_a_hostile_file_is_quarantined_and_never_indexed(case: str, tmp_path: Pa
         assert (outside / "evil.dseg").exists()  # the link was moved, not its target
 
 
+def test_a_rank_directory_linked_outside_the_spool_is_never_indexed_nor_touched(
+    tmp_path: Path,
+) -> None:
+    spool = SpoolWriter(tmp_path / "spool")
+    spool.delta()
+    d = spool.layout.rank_dir(1, 0)
+    outside = tmp_path / "outside"
+    os.replace(d, outside)
+    os.symlink(outside, d)
+    seglog = SegmentLog(spool.layout, 0)
+    seglog.refresh()
+    assert seglog.snapshot() is None and seglog.quarantined == 0
+    assert sorted(p.name for p in outside.iterdir()) == [
+        "seg-000000000000.dseg",
+        "seg-000000000001.dseg",
+    ]
+
+
 def test_bytes_changed_on_disk_after_indexing_never_reach_a_consumer_or_a_merge(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
@@ -202,3 +230,66 @@ def test_bytes_changed_on_disk_after_indexing_never_reach_a_consumer_or_a_merge(
     finally:
         c.close()
         srv.stop(0)
+
+
+def _dense_bytes(header_mutate: Callable[[dict], None] | None = None, seq: int = 1) -> bytes:  # type: ignore[type-arg]
+    raw = encode_dense(
+        model=MODEL, generation=1, rank=0, seq=seq, step=10,
+        tensors={"mlp.weight": torch.ones(3, 4), "bn.num_batches_tracked": torch.tensor(7)},
+    )  # fmt: skip
+    if header_mutate is None:
+        return raw
+    hlen = struct.unpack_from("<I", raw, 8)[0]
+    header = json.loads(raw[16 : 16 + hlen])
+    payload = raw[(16 + hlen + ALIGN - 1) // ALIGN * ALIGN : -16]
+    header_mutate(header)
+    new = json.dumps(header).encode()
+    head = struct.pack("<8sII", DENSE_MAGIC, len(new), 0) + new
+    body = head + b"\0" * ((-len(head)) % ALIGN) + payload
+    return body + struct.pack("<Q8s", checksum(body), DENSE_END_MAGIC)
+
+
+def _tensor0(**kw: object) -> Callable[[dict], None]:  # type: ignore[type-arg]
+    def mutate(h: dict) -> None:  # type: ignore[type-arg]
+        h["tensors"][0].update(kw)
+
+    return mutate
+
+
+DENSE_CASES: dict[str, Callable[[dict], None] | None] = {  # type: ignore[type-arg]
+    "string generation": _set(generation="1"),
+    "another model": _set(model="other"),
+    "seq not its name": _set(seq=5),
+    "float step": _set(step=10.5),
+    "negative tensor offset": _tensor0(offset=-64),
+    "unknown dtype": _tensor0(dtype="complex1024"),
+    "repeated tensor name": lambda h: h["tensors"].append(dict(h["tensors"][0])),
+    "symlink outside the spool": None,
+    "fifo named like a dense state": None,
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(DENSE_CASES))
+def test_a_hostile_dense_state_is_quarantined_and_never_served(case: str, tmp_path: Path) -> None:
+    spool = SpoolWriter(tmp_path / "spool")
+    spool.delta()  # seq 1
+    d = spool.layout.rank_dir(1, 0)
+    (d / "dense-000000000000.dseg").write_bytes(_dense_bytes(seq=0))  # a valid one at seq 0
+    target = d / "dense-000000000001.dseg"
+    if case == "symlink outside the spool":
+        evil = tmp_path / "evil.dseg"
+        evil.write_bytes(_dense_bytes())
+        os.symlink(evil, target)
+    elif case == "fifo named like a dense state":
+        os.mkfifo(target)
+    else:
+        target.write_bytes(_dense_bytes(DENSE_CASES[case]))
+    seglog = SegmentLog(spool.layout, 0)
+    seglog.refresh()
+    snap = seglog.snapshot()
+    assert snap is not None and [x.seq for x in snap.dense] == [0], case
+    assert seglog.quarantined == 1, case
+    assert not os.path.lexists(target), case
+    if case == "symlink outside the spool":
+        assert (tmp_path / "evil.dseg").exists()  # the link was moved, not its target

@@ -15,12 +15,14 @@ structure before anything serves or merges it.
    inside ``dim``, non-negative aligned offsets, a count within its row range (a base: every
    row of it); ids inside the row range, strictly ascending (so unique).
 
-Every failure is a :class:`SegmentCorruptError` (the caller quarantines the file).
+Every failure is a :class:`SegmentCorruptError` (the caller quarantines the file), except a
+directory leading outside the spool: SpoolError (held back and logged, nothing there is moved).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import stat
 from pathlib import Path
@@ -28,8 +30,18 @@ from typing import Any
 
 import torch
 
+from deltad.config import clip
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.format import Segment, SegmentHeader, read_header, read_segment
+from deltad.segment.format import (
+    DenseHeader,
+    DenseState,
+    Segment,
+    SegmentHeader,
+    decode_dense,
+    dense_dtype,
+    read_header,
+    read_segment,
+)
 from deltad.segment.spool import GenerationManifest
 from deltad.types import SegmentKind
 
@@ -179,8 +191,8 @@ def load_verified(
     """The segment at ``path`` from a private copy whose checksum and structure were verified
     (see the module docstring). ``root``: the spool's model directory the file must be in."""
     path = Path(path)
-    if not _inside(path, root):
-        raise SegmentCorruptError(f"{path}: its directory leads outside the spool {root}")
+    if not _inside(path, root):  # not quarantined: nothing outside the spool is touched
+        raise SpoolError(f"{path}: its directory leads outside the spool {root}; not indexed")
     mfd = _private_copy(path)
     copy = Path(f"/proc/self/fd/{mfd}")
     try:
@@ -195,3 +207,72 @@ def load_verified(
     finally:
         os.close(mfd)
     return seg
+
+
+def check_dense_header(
+    header: DenseHeader, manifest: GenerationManifest, *, generation: int, rank: int, seq: int
+) -> None:
+    """SegmentCorruptError unless a dense state's header is well typed and belongs here:
+    this model, generation, rank and seq; tensor names unique strings, known dtypes, shapes of
+    non-negative ints, offsets and sizes non-negative ints."""
+    if not isinstance(header.model, str) or header.model != manifest.model:
+        raise SegmentCorruptError(
+            f"dense state of model {clip(header.model)}, not {manifest.model}"
+        )
+    if _int(header.generation, "generation") != generation:
+        raise SegmentCorruptError(
+            f"dense state of generation {header.generation}, not {generation}"
+        )
+    if _int(header.rank, "rank") != rank:
+        raise SegmentCorruptError(f"dense state of rank {header.rank}, not {rank}")
+    if _int(header.seq, "seq") != seq:
+        raise SegmentCorruptError(f"dense state header says seq {header.seq}, its name {seq}")
+    _int(header.step, "step")
+    if not isinstance(header.created_unix, int | float) or isinstance(header.created_unix, bool):
+        raise SegmentCorruptError("dense state created_unix must be a number")
+    names: set[str] = set()
+    for i, m in enumerate(header.tensors):
+        if not isinstance(m.name, str) or not m.name or m.name in names:
+            raise SegmentCorruptError(f"dense tensor {i}: name {clip(m.name)} missing or repeated")
+        names.add(m.name)
+        if not isinstance(m.dtype, str):
+            raise SegmentCorruptError(f"dense tensor {m.name!r}: dtype must be a string")
+        try:
+            dense_dtype(m.dtype)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SegmentCorruptError(
+                f"dense tensor {m.name!r}: unknown dtype {clip(m.dtype)}"
+            ) from e
+        for s in m.shape:
+            _int(s, f"dense tensor {m.name!r} dimension")
+        _int(m.offset, f"dense tensor {m.name!r} offset")
+        _int(m.nbytes, f"dense tensor {m.name!r} nbytes")
+
+
+def load_verified_dense(
+    path: Path,
+    root: Path,
+    manifest: GenerationManifest,
+    *,
+    generation: int,
+    rank: int,
+    seq: int,
+) -> DenseState:
+    """The dense state at ``path`` from a private copy (regular file inside the spool, no link
+    followed), checksummed and checked like a segment (:func:`load_verified`)."""
+    path = Path(path)
+    if not _inside(path, root):
+        raise SpoolError(f"{path}: its directory leads outside the spool {root}; not indexed")
+    mfd = _private_copy(path)
+    try:
+        size = os.fstat(mfd).st_size
+        buf = mmap.mmap(mfd, size, access=mmap.ACCESS_COPY) if size else b""
+        state = decode_dense(buf, path, verify=True)
+        check_dense_header(state.header, manifest, generation=generation, rank=rank, seq=seq)
+    except (SegmentCorruptError, SpoolError):
+        raise
+    except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, OverflowError) as e:
+        raise SegmentCorruptError(f"{path}: malformed dense state: {e}") from None
+    finally:
+        os.close(mfd)
+    return state

@@ -193,6 +193,7 @@ class SidecarServer:
         self._spawn("deltad-deadlines", self.servicer.cancel_overdue, 0.5)
         self._spawn("deltad-retention", self._retention_loop, cfg.retention_interval_s)
         self._redis_up = True
+        self._probe_fails = 0
         self.metrics.redis_up.set(1)
         self._spawn("deltad-redis-probe", self.probe_redis, REDIS_PROBE_S)
         if cfg.forget_after_s > 0:
@@ -240,14 +241,18 @@ class SidecarServer:
     def probe_redis(self) -> bool:
         """One probe of the offset store: restart a dead embedded server, set the gauge and
         the health status; True if it answers."""
-        up = answers(self.redis_url)
+        up = answers(self.redis_url, timeout_s=1.0)
         if not up and self._embedded is not None:
             try:
                 if self._embedded.ensure():
                     self.metrics.redis_restarts.inc()
-                up = answers(self.redis_url)
+                up = answers(self.redis_url, timeout_s=1.0)
             except DeltadError as e:
                 log.error("cannot restart the embedded redis: %s", e)
+        # health flips only after two probes agree (a loaded box may miss one answer)
+        self._probe_fails = 0 if up else self._probe_fails + 1
+        if not up and self._probe_fails < 2:
+            return False
         self.metrics.redis_up.set(1 if up else 0)
         if up != self._redis_up and self._health is not None and not self._stop.is_set():
             status = health_pb2.HealthCheckResponse.SERVING
@@ -296,6 +301,8 @@ class SidecarServer:
             max(self.store.ranks(), default=0) + 1,
         )
         gone = self.store.forget_idle(world, cfg.forget_after_s)
+        # any rank may have forgotten a name this one admitted before: count them afresh
+        self.gate.forget_admitted()
         for name in gone:
             log.info("forgot consumer %r: silent for %.0f s", name, cfg.forget_after_s)
 

@@ -155,12 +155,16 @@ def load_tokens_file(path: Path) -> Credentials:
 
 #: Methods that act for the consumer named in the request (role consume or admin).
 CONSUMER_METHODS = frozenset({"GetDelta", "Commit", "Register", "Heartbeat"})
+#: Methods only the admin role may call.
+ADMIN_METHODS = frozenset({"Forget"})
 
 
 def may_call(grant: Grant, method: str, consumer: str | None) -> str | None:
     """None if ``grant`` may call ``method`` (acting for ``consumer``), else why not."""
     if not grant.roles:
         return "credential has no role"
+    if method in ADMIN_METHODS:
+        return None if grant.admin else f"credential ({grant.origin}) has no admin role"
     if method in CONSUMER_METHODS:
         if consumer is None or not grant.covers(consumer):
             return f"credential ({grant.origin}) may not act for consumer {consumer!r}"

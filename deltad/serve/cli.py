@@ -30,7 +30,7 @@ class EnvValue:
         self.name, self.raw, self.kind = name, raw, kind
 
     def __repr__(self) -> str:
-        return f"${self.name}"
+        return f"{self.raw} (from ${self.name})"
 
 
 def _typed_env(name: str, kind: Any, default: Any) -> Any:

@@ -84,10 +84,20 @@ class Gate(grpc.ServerInterceptor):
         self.bad_requests = 0
         self.denied = 0
         self._bad_log = RateLimitedLog()
+        # names admitted before (at most max_consumers); cleared by forget_admitted()
+        self._admitted: set[str] = set()
+        self._admitted_lock = threading.Lock()
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._deny_log = RateLimitedLog()
 
     def set_credentials(self, credentials: Credentials | None) -> None:
         self._credentials = credentials
+
+    def forget_admitted(self) -> None:
+        """Drop the cache of admitted names (after consumers were forgotten), so a forgotten
+        name is counted against the limit again."""
+        with self._admitted_lock:
+            self._admitted.clear()
 
     # --- decisions applied to a call ------------------------------------------------------
 
@@ -149,11 +159,18 @@ class Gate(grpc.ServerInterceptor):
                 check_name("consumer", consumer or "")
             except ConfigError as e:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            name = consumer or ""
+            if name in self._admitted:  # known: no Redis round trip on every pull
+                return
             try:
-                ok = self._admit(consumer or "")
+                ok = self._admit(name)
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            if not ok:
+            if ok:
+                with self._admitted_lock:
+                    if len(self._admitted) < max(self.max_consumers, 1):
+                        self._admitted.add(name)
+            else:
                 _abort(
                     context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -243,6 +260,13 @@ class Gate(grpc.ServerInterceptor):
         method = details.method
         if handler is None or method.startswith(OPEN_PREFIX):
             return handler
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:  # the servicer's handlers are static
+            return cached[1]
         if method.startswith(SERVICE_PREFIX):
-            return self._wrap(handler, method[len(SERVICE_PREFIX) :])
-        return self._wrap_identified(handler)
+            wrapped = self._wrap(handler, method[len(SERVICE_PREFIX) :])
+        else:
+            wrapped = self._wrap_identified(handler)
+        if len(self._wrapped) < 64:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped

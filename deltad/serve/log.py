@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.format import DenseState, Segment, ShardRows, read_dense
+from deltad.segment.format import DenseState, Segment, ShardRows
 from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout, write_atomic
-from deltad.segment.validate import load_verified
+from deltad.segment.validate import load_verified, load_verified_dense
 from deltad.types import SegmentKind, ShardKey
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,9 @@ class DenseEntry:
     state: DenseState = field(repr=False, compare=False)
 
     @classmethod
-    def load(cls, path: Path) -> DenseEntry:
-        d = read_dense(path, verify=True)
-        return cls(d.header.seq, d.header.step, path, path.stat().st_size, d)
+    def load(cls, path: Path, state: DenseState) -> DenseEntry:
+        nbytes = sum(t.nbytes for t in state.tensors.values())
+        return cls(state.header.seq, state.header.step, path, nbytes, state)
 
 
 @dataclass(frozen=True)
@@ -212,9 +212,11 @@ class SegmentLog:
         return present, strays
 
     def snapshot(self) -> LogSnapshot | None:
-        """The current served log (None before any base segment of this rank exists)."""
-        with self._lock:
-            return self._snapshot
+        """The current served log (None before any base segment of this rank exists).
+
+        Lock-free: a snapshot is immutable and replaced by one assignment, so readers never
+        wait for an indexing round (a large base's verified copy takes a while)."""
+        return self._snapshot
 
     def refresh(self) -> bool:
         """Index new files, maybe switch generation; True if the served log changed."""
@@ -241,6 +243,10 @@ class SegmentLog:
             self._drop_generation(old)
 
     def _drop_generation(self, generation: int) -> None:
+        d = self.layout.rank_dir(generation, self.rank)
+        if d.is_symlink() or d.parent.is_symlink():
+            log.warning("not deleting through %s: a symbolic link", d)
+            return
         for _, path in self.layout.segments(generation, self.rank):
             path.unlink(missing_ok=True)
         for _, path in self.layout.dense_files(generation, self.rank):
@@ -297,9 +303,15 @@ class SegmentLog:
             if path in self._dense:
                 continue
             try:
-                entry = DenseEntry.load(path)
-                if entry.seq != seq or entry.state.header.generation != generation:
-                    raise SegmentCorruptError(f"{path}: header says seq {entry.seq}")
+                state = load_verified_dense(
+                    path,
+                    self.layout.model_dir,
+                    self.manifest(generation),
+                    generation=generation,
+                    rank=self.rank,
+                    seq=seq,
+                )
+                entry = DenseEntry.load(path, state)
             except FileNotFoundError:
                 continue
             except SegmentCorruptError as e:

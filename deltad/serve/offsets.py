@@ -353,6 +353,26 @@ class OffsetStore:
                 forgotten.append(c)
         return forgotten
 
+    def forget(self, consumer: str, world_size: int) -> bool:
+        """Forget ``consumer`` now, live or not (an admin's request): cursors and pulls on
+        every rank, lease, lease TTL, seen time and membership, in one transaction. False if
+        it was not known."""
+        ranks = range(max(1, world_size))
+        keys = [self.keys.lease(consumer)]
+        keys += [self.keys.cursor(consumer, r) for r in ranks]
+        keys += [self.keys.pull(consumer, r) for r in ranks]
+
+        def run() -> bool:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.srem(self.keys.consumers(), consumer)
+            pipe.delete(*keys)
+            pipe.hdel(self.keys.lease_ttl(), consumer)
+            pipe.hdel(self.keys.seen(), consumer)
+            removed, deleted, *_ = pipe.execute()
+            return bool(removed or deleted)
+
+        return bool(self._retry("forget", run))
+
     def pins(self, rank: int, generation: int) -> list[int]:
         """Seqs that live consumers of ``generation`` stand on: committed cursors and pending
         pulls. An expired-lease consumer pins nothing."""

@@ -77,6 +77,26 @@ class OwedStore:
             if token not in keep:
                 p.unlink(missing_ok=True)
 
+    def drop(self, consumer: str) -> int:
+        """Delete this rank's owed files of ``consumer`` (forgotten); returns how many."""
+        d = self.root / consumer
+        deleted = 0
+        try:
+            files = [p for p in d.iterdir() if p.name.startswith(f"r{self.rank}-")]
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        for p in files:
+            try:
+                p.unlink()
+                deleted += 1
+            except FileNotFoundError:
+                pass
+        try:
+            d.rmdir()  # only once every rank's files are gone
+        except OSError:
+            pass
+        return deleted
+
     def sweep(self, has_state: Callable[[str], bool], *, min_age_s: float, limit: int = 100) -> int:
         """Delete this rank's owed files of consumers with no state left (``has_state`` is
         False: forgotten, or never committed), if older than ``min_age_s`` (a pull writes its

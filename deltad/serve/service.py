@@ -503,6 +503,23 @@ class DeltaServicer:
         except OffsetStoreError as e:
             _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
 
+    def Forget(self, req: pb.ForgetRequest, context: grpc.ServicerContext) -> pb.ForgetResponse:
+        """Drop a consumer's state on every rank (admin; see the proto)."""
+        try:
+            name = check_name("consumer", req.consumer)
+        except ConfigError as e:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        snap = self.log.snapshot()
+        world = max(snap.manifest.world_size if snap is not None else 1, self.config.rank + 1)
+        try:
+            forgotten = self.store.forget(name, world)
+        except OffsetStoreError as e:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        self.owed.drop(name)
+        self.metrics.keep_lag_of(set(self.store.consumers()))
+        log.warning("consumer %r forgotten by an admin request (known: %s)", name, forgotten)
+        return pb.ForgetResponse(forgotten=forgotten)
+
     def Status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         """Model, generation, head, base, log size, quarantine count and local tables."""
         cfg = self.config
@@ -561,5 +578,6 @@ def handlers(servicer: DeltaServicer) -> grpc.GenericRpcHandler:
                 servicer.ListConsumers, pb.ListConsumersRequest, pb.ListConsumersResponse
             ),
             "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusResponse),
+            "Forget": unary(servicer.Forget, pb.ForgetRequest, pb.ForgetResponse),
         },
     )

@@ -250,6 +250,18 @@ class ListConsumersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ForgetRequest(_message.Message):
+    __slots__ = ("consumer",)
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    consumer: str
+    def __init__(self, consumer: _Optional[str] = ...) -> None: ...
+
+class ForgetResponse(_message.Message):
+    __slots__ = ("forgotten",)
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    forgotten: bool
+    def __init__(self, forgotten: _Optional[bool] = ...) -> None: ...
+
 class ConsumerInfo(_message.Message):
     __slots__ = ("consumer", "cursor", "live", "lease_expires_in_seconds", "lag_segments", "lag_seconds", "owed_rows")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class DeltaServiceStub:
                 request_serializer=deltad_dot_v1_dot_delta__pb2.StatusRequest.SerializeToString,
                 response_deserializer=deltad_dot_v1_dot_delta__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Forget = channel.unary_unary(
+                '/deltad.v1.DeltaService/Forget',
+                request_serializer=deltad_dot_v1_dot_delta__pb2.ForgetRequest.SerializeToString,
+                response_deserializer=deltad_dot_v1_dot_delta__pb2.ForgetResponse.FromString,
+                _registered_method=True)
 
 
 class DeltaServiceServicer:
@@ -109,6 +114,13 @@ class DeltaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Forget(self, request, context):
+        """Admin: drop a consumer's state (see ForgetRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeltaServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +153,11 @@ def add_DeltaServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=deltad_dot_v1_dot_delta__pb2.StatusRequest.FromString,
                     response_serializer=deltad_dot_v1_dot_delta__pb2.StatusResponse.SerializeToString,
+            ),
+            'Forget': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forget,
+                    request_deserializer=deltad_dot_v1_dot_delta__pb2.ForgetRequest.FromString,
+                    response_serializer=deltad_dot_v1_dot_delta__pb2.ForgetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +322,33 @@ class DeltaService:
             '/deltad.v1.DeltaService/Status',
             deltad_dot_v1_dot_delta__pb2.StatusRequest.SerializeToString,
             deltad_dot_v1_dot_delta__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltad.v1.DeltaService/Forget',
+            deltad_dot_v1_dot_delta__pb2.ForgetRequest.SerializeToString,
+            deltad_dot_v1_dot_delta__pb2.ForgetResponse.FromString,
             options,
             channel_credentials,
             insecure,
