@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 
 class Form(enum.Enum):
-    """What GetDelta returns for a window (see DESIGN.md, "What GetDelta returns")."""
+    """What GetDelta returns for a window (the ``Form`` enum of protos/deltad/v1/delta.proto)."""
 
     IDS = "ids"  # compacted global ids touched in the window
     ROWS = "rows"  # those ids with their values at the head

@@ -1,6 +1,6 @@
 """Relay sidecars (deltad.serve.relay): trees of real sidecars and relays on port 0, each with
 its own real Redis; predictors are real DeltaConsumers. The trainer is tests/spoolkit's
-FakeTrainer (the reference trainer's chain is in test_relay_trainer.py)."""
+FakeTrainer (the reference trainer's chain is in test_relay_slow.py)."""
 
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def test_restart_with_the_spool_ahead_of_the_upstream_cursor(
 ) -> None:
     """What a kill -9 between writing a segment and committing it upstream leaves: a local
     head past the relay's upstream cursor. The relay writes only what it lacks, and its
-    predictors miss nothing. (The killed process itself: test_relay_kill.py.)"""
+    predictors miss nothing. (The killed process itself: test_relay_slow.py.)"""
     ft = FakeTrainer(tmp_path / "spool", world_size=1)
     ft.start(0)
     ft.step(10)

@@ -114,7 +114,7 @@ def _header(dtype: WireDtype, dim: int, n: int, align: int) -> pb.DeltaHeader:
 
 
 def test_packed_row_sizes_and_alignment() -> None:
-    # PERF-NOTES: int8 dim 16 -> 32 B, dim 32 -> 48 B; int4 dim 16 -> 16 B; fp16 2 * D
+    # fbgemm row layout: int8 dim 16 -> 32 B, dim 32 -> 48 B; int4 dim 16 -> 16 B; fp16 2 * D
     assert wire.packed_row_bytes(16, WireDtype.PACKED_INT8, 16) == 32
     assert wire.packed_row_bytes(32, WireDtype.PACKED_INT8, 16) == 48
     assert wire.packed_row_bytes(16, WireDtype.PACKED_INT4, 16) == 16
