@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "WireDtype": "deltad.types",
     "TrainLoop": "deltad.types",
     "Cursor": "deltad.types",
+    "Shard": "deltad.types",
     # errors
     "DeltadError": "deltad.errors",
     "ConfigError": "deltad.errors",
@@ -69,6 +70,7 @@ __all__ = [
     "SegmentPublisher",
     "ServeDtype",
     "ServerConfig",
+    "Shard",
     "ShardUpdate",
     "SidecarUnavailableError",
     "TensorDictApplier",
@@ -109,4 +111,12 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from deltad.errors import ConfigError, ConsumerError, DeltadError, SidecarUnavailableError
     from deltad.publish.publisher import SegmentPublisher
     from deltad.publish.tracker import DeltaTracker
-    from deltad.types import ApplyConsistency, Cursor, Form, ServeDtype, TrainLoop, WireDtype
+    from deltad.types import (
+        ApplyConsistency,
+        Cursor,
+        Form,
+        ServeDtype,
+        Shard,
+        TrainLoop,
+        WireDtype,
+    )
