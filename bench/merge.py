@@ -26,17 +26,17 @@ DIM = 16
 def merge_function() -> tuple[Callable[..., Any] | None, str]:
     """deltad's window merge as ``f(segments) -> merged``, or (None, why not)."""
     try:
-        from deltad.serve.merge import merge_chunks
+        from deltad.serve.merge import merge_rows
     except Exception as e:
         return (
             None,
-            f"deltad.serve.merge.merge_chunks cannot be imported ({type(e).__name__}: {e})",
+            f"deltad.serve.merge.merge_rows cannot be imported ({type(e).__name__}: {e})",
         )
 
     def merge(segs: Sequence[Any], with_values: bool = True) -> Any:
-        return merge_chunks([c for seg in segs for c in seg.shards], with_values=with_values)
+        return merge_rows([c for seg in segs for c in seg.shards], with_values=with_values)
 
-    return merge, "merge_chunks"
+    return merge, "merge_rows"
 
 
 def _unique(ids: list[torch.Tensor]) -> torch.Tensor:

@@ -135,7 +135,7 @@ def _delta(applier: Any, table: str, n: int, gen: Any) -> Any:
     s = ShardUpdate(Shard.columns_of(table, t.num_rows, t.dim, 0, t.dim), ids, values)
     return RankDelta(
         rank=0, generation=0, resync=False, from_seq=0, to_seq=1, to_step=1, form=Form.ROWS,
-        wire_dtype=WireDtype.FP32, cursor=Cursor("bench", 0, 0, 1, 1), slices=[s],
+        wire_dtype=WireDtype.FP32, cursor=Cursor("bench", 0, 0, 1, 1), shards=[s],
     )  # fmt: skip
 
 
@@ -262,10 +262,10 @@ def _throughput(applier: Any, names: list[str], n: int, repeats: int, gen: Any) 
         bare: list[float] = []
         for rep in range(max(4, 2 * repeats)):
             deltas = [_delta(applier, name, n, gen) for name in names]
-            total = sum(d.slices[0].ids.numel() for d in deltas)
+            total = sum(d.shards[0].ids.numel() for d in deltas)
             if kind == "packed":
                 for d in deltas:
-                    s = d.slices[0]
+                    s = d.shards[0]
                     s.packed = applier.quant_tables[s.table].pack(s.values)
                     s.values = None
 
@@ -275,7 +275,7 @@ def _throughput(applier: Any, names: list[str], n: int, repeats: int, gen: Any) 
             def run_bare(deltas: list[Any] = deltas, kind: str = kind) -> None:
                 updates = []
                 for d in deltas:
-                    s = d.slices[0]
+                    s = d.shards[0]
                     t = applier.quant_tables[s.table]
                     if kind == "float":  # the layout any caller must produce
                         rows = pack_rows(s.values, t.dtype, t.row_bytes)

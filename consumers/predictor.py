@@ -225,7 +225,7 @@ class SyncLoop:
             freshness_s=fresh,
             rows=r.rows,
             bytes=r.bytes,
-            owed=sum(s.owed for d in r.deltas for s in d.slices),
+            owed=sum(s.owed for d in r.deltas for s in d.shards),
             resync=r.resync,
             missing=r.missing,
             pull_s=pull_s,

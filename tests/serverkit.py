@@ -142,7 +142,7 @@ class Replica:
 
     def apply(self, d: RankDelta) -> None:
         # a resync window holds every row of the rank's shards: overwriting them is a replace
-        for s in d.slices:
+        for s in d.shards:
             t = self.tables.setdefault(s.shard.table, torch.zeros(s.shard.num_rows, s.shard.dim))
             if s.values is not None and s.ids.numel():
                 t[s.ids, s.shard.col_start : s.shard.col_end] = s.values

@@ -44,7 +44,7 @@ def delta(slices: list[ShardUpdate], *, resync: bool = False, rank: int = 0) -> 
     return RankDelta(
         rank=rank, generation=0, resync=resync, from_seq=0, to_seq=1, to_step=1,
         form=Form.ROWS, wire_dtype=WireDtype.FP32, cursor=Cursor("c", rank, 0, 1, 1),
-        slices=slices,
+        shards=slices,
     )  # fmt: skip
 
 

@@ -180,7 +180,7 @@ def test_topk_through_a_relay_converges_bit_equal(tmp_path: Path, redis_url: str
             ft.step(step, touch=40)
         wait_for(lambda: at_step(levels[1], 30), 30, "relay at step 30")
         r = c.sync(applier.apply)
-        assert r.rows == 10 and sum(s.owed for d in r.deltas for s in d.slices) > 0
+        assert r.rows == 10 and sum(s.owed for d in r.deltas for s in d.shards) > 0
         assert not equal(applier, ft.history[30])  # rows still owed
         for _ in range(60):  # training paused: the owed rows come, k per pull
             r = c.sync(applier.apply)

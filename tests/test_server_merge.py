@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltad.segment.format import ShardRows
-from deltad.serve.merge import merge_chunks
+from deltad.serve.merge import merge_rows
 from deltad.types import Shard
 
 
@@ -23,21 +23,21 @@ def test_merge_is_union_with_latest_values(dtype: torch.dtype, per: int, rows: i
         chunks.append(ShardRows(Shard("t", rows, 5, 0, rows, 0, 5), ids, vals))
         truth[ids] = vals
         touched[ids] = True
-    merged = merge_chunks(chunks)
+    merged = merge_rows(chunks)
     expect = touched.nonzero().squeeze(1)
     assert torch.equal(merged.ids, expect)
     assert torch.equal(merged.values, truth[expect])
-    assert torch.equal(merge_chunks(chunks, with_values=False).ids, expect)
+    assert torch.equal(merge_rows(chunks, with_values=False).ids, expect)
 
 
 def test_shard_offset_and_single_chunk_view() -> None:
     ids = torch.tensor([1000, 1005])
     a = ShardRows(Shard("t", 2000, 2, 1000, 2000, 0, 2), ids, torch.ones(2, 2))
-    assert merge_chunks([a]).values.data_ptr() == a.values.data_ptr()  # no copy
+    assert merge_rows([a]).values.data_ptr() == a.values.data_ptr()  # no copy
     b = ShardRows(
         Shard("t", 2000, 2, 1000, 2000, 0, 2), torch.tensor([1005, 1999]), torch.zeros(2, 2)
     )
-    m = merge_chunks([a, b])
+    m = merge_rows([a, b])
     assert m.ids.tolist() == [1000, 1005, 1999]
     assert m.values.tolist() == [[1, 1], [0, 0], [0, 0]]
 
@@ -72,7 +72,7 @@ def test_parallel_merge_of_a_row_wise_shard(
     old = merge.MERGE_THREADS
     merge.MERGE_THREADS = threads
     try:
-        merged = merge_chunks(chunks)
+        merged = merge_rows(chunks)
     finally:
         merge.MERGE_THREADS = old
     expect = touched.nonzero().squeeze(1)

@@ -80,18 +80,18 @@ def test_packed_rows_equal_torchrec_quantization(dtype: WireDtype, dim: int) -> 
     assert torchrec_rows(table, dtype).shape[1] == rb  # torchrec's CPU row alignment is 16
     ids = torch.arange(50, dtype=torch.int64)
     msgs = [encode.encode_header(_header(dtype, dim, 50, 16))]
-    msgs += encode.encode_slice_chunks(0, ids, table, dtype, 64 * 7)  # several chunks
+    msgs += encode.encode_shard_chunks(0, ids, table, dtype, 64 * 7)  # several chunks
     msgs.append(encode.encode_trailer(pb.DeltaTrailer(rows=50)))
     for zero_copy in (False, True):
         d = decode.decode_stream(msgs, zero_copy=zero_copy)
-        assert d.wire_dtype is dtype and all(s.values is None for s in d.slices)
-        packed = torch.cat([s.packed for s in d.slices if s.packed is not None])
-        assert torch.equal(torch.cat([s.ids for s in d.slices]), ids)
+        assert d.wire_dtype is dtype and all(s.values is None for s in d.shards)
+        packed = torch.cat([s.packed for s in d.shards if s.packed is not None])
+        assert torch.equal(torch.cat([s.ids for s in d.shards]), ids)
         _same_bytes(packed, table, dtype)
     # parsed protobuf messages decode the same
     parsed = decode.decode_stream(pb.GetDeltaResponse.FromString(m) for m in msgs)
-    assert parsed.slices[0].packed is not None
-    _same_bytes(parsed.slices[0].packed, table, dtype)
+    assert parsed.shards[0].packed is not None
+    _same_bytes(parsed.shards[0].packed, table, dtype)
 
 
 def _header(dtype: WireDtype, dim: int, n: int, align: int) -> pb.DeltaHeader:
@@ -155,7 +155,7 @@ def test_packed_pull_through_a_real_sidecar(
         held: dict[str, torch.Tensor] = {}
         d = c.pull("p", dtype=dtype, chunk_bytes=1)  # smallest chunks
         assert d.resync and d.wire_dtype is dtype
-        for s in d.slices:
+        for s in d.shards:
             assert s.values is None and s.packed is not None
             held.setdefault(
                 s.shard.table, torch.zeros(s.shard.num_rows, s.packed.shape[1], dtype=torch.uint8)
@@ -169,19 +169,19 @@ def test_packed_pull_through_a_real_sidecar(
         for align in (64, 0):  # the default (16) last: its rows update ``held``
             d = c.pull("p", dtype=dtype, row_alignment=align)
             assert d.rows > 300
-            for s in d.slices:
+            for s in d.shards:
                 assert s.packed is not None
                 assert s.packed.shape[1] == wire.packed_row_bytes(s.shard.dim, dtype, align or 16)
                 _same_bytes(s.packed, spool.truth[s.shard.table][s.ids], dtype)
-        for s in d.slices:
+        for s in d.shards:
             assert s.packed is not None
             held[s.shard.table][s.ids] = s.packed
         for t, rows in held.items():
             _same_bytes(rows, spool.truth[t], dtype)
         # top-k over packed rows: the planning is on float values, only the encoding packs
         d = c.pull("p", Form.TOPK, dtype=dtype, k=5)
-        assert all(s.packed is not None and s.packed.shape[0] == 5 for s in d.slices)
-        for s in d.slices:
+        assert all(s.packed is not None and s.packed.shape[0] == 5 for s in d.shards)
+        for s in d.shards:
             assert s.packed is not None
             _same_bytes(s.packed, spool.truth[s.shard.table][s.ids], dtype)
     finally:

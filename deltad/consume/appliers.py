@@ -6,8 +6,8 @@ Every applier writes exactly the rows and columns it is given:
 Atomicity: a lock, not a double buffer. A window touches a small fraction of a table, so
 copying whole tables (double buffering) would cost twice the memory of models whose tables
 are the largest thing on the host, to protect a write that takes milliseconds. Instead
-:meth:`Applier.apply` validates every slice of every rank first (nothing is written if any
-slice is bad), then writes all of them while holding :attr:`Applier.lock`; a reader that
+:meth:`Applier.apply` validates every shard update of every rank first (nothing is written if
+any is bad), then writes all of them while holding :attr:`Applier.lock`; a reader that
 looks rows up inside ``with applier.reading():`` sees either none or all of a window,
 across all ranks of one aligned pull.
 """
@@ -50,21 +50,21 @@ class Applier(abc.ABC):
         return None  # tables that are never replaced (TorchRecApplier) stage nothing
 
     def _install(self) -> None:
-        """Every slice passed its checks: the staged tables replace the held ones."""
+        """Every shard update passed its checks: the staged tables replace the held ones."""
         return None  # tables that are never replaced (TorchRecApplier) stage nothing
 
     def _discard(self) -> None:
-        """A slice failed its checks: the staged tables are dropped, the held ones stay."""
+        """A shard update failed its checks: the staged tables are dropped, the held ones stay."""
         return None  # tables that are never replaced (TorchRecApplier) stage nothing
 
     def apply(self, deltas: Sequence[RankDelta]) -> int:
-        """Write every slice of ``deltas`` atomically; return the number of rows written."""
+        """Write every shard update of ``deltas`` atomically; return the number of rows written."""
         with self.lock:
             plan: list[tuple[torch.Tensor, ShardUpdate]] = []
             self._begin()
             try:
                 for d in deltas:
-                    for s in d.slices:
+                    for s in d.shards:
                         if s.values is None:
                             raise ConsumerError(
                                 f"rank {d.rank}: table {s.shard.table} has no values "

@@ -449,7 +449,7 @@ class WindowAssembler:
             form=self.form,
             wire_dtype=self.dtype,
             cursor=cursor_from_pb(t.cursor),
-            slices=slices,
+            shards=slices,
             committed=t.committed,
             rows=sum(s.count for s in self.slots),
             bytes=self.bytes,

@@ -22,16 +22,16 @@ Bit-exactness needs the trainer's float values: pull with wire dtype ``fp32`` (o
 for fp16 tables, or packed rows). Rows that travelled as ``int8`` / ``bf16`` arrive
 already rounded, and re-quantizing them is close to, not equal to, torchrec's bytes.
 
-Column slices (column-wise sharded tables, one slice per rank): an int8 / int4 row is
+Column shards (column-wise sharded tables, one shard per rank): an int8 / int4 row is
 quantized over the full row and cannot be decoded back exactly, so the applier keeps a float
-*shadow* of such a table (allocated on its first column slice: 4 bytes per element plus a
-1-byte "known" mask) holding the newest value of every column. A column slice updates the
+*shadow* of such a table (allocated on its first column shard: 4 bytes per element plus a
+1-byte "known" mask) holding the newest value of every column. A column shard updates the
 shadow; each row it touches is packed from the shadow and written once every column of it
 has been received at least once (until then, :attr:`QuantApplier.pending_rows`, the model
 serves that row's previous bytes). With rows, one aligned pull completes every touched row;
 with top-k, ranks pick their rows independently and the shadow lets a row be re-packed from
 its newest columns whichever rank sends next, so once nothing is owed every row is exact.
-fp16 / fp32 rows decode exactly: a column slice is merged with the row as served and
+fp16 / fp32 rows decode exactly: a column shard is merged with the row as served and
 written at once, no shadow.
 
 What a forward observes mid-apply (:class:`~deltad.types.ApplyConsistency`): a forward runs
@@ -323,7 +323,7 @@ class ServingLock:
 
 @dataclass
 class _Shadow:
-    """Float copy of an int table fed by column slices: newest values, columns received."""
+    """Float copy of an int table fed by column shards: newest values, columns received."""
 
     values: torch.Tensor  # float32 [num_rows, dim]
     known: torch.Tensor  # bool [num_rows, dim]
@@ -419,9 +419,9 @@ class QuantApplier(Applier):
     # -- applying -----------------------------------------------------------------------
 
     def apply(self, deltas: Sequence[RankDelta]) -> int:
-        """Write every slice (and each delta's ``dense``) of ``deltas``; return rows written.
+        """Write every shard update (and each delta's ``dense``) of ``deltas``; return rows written.
 
-        Every slice is checked before anything is written; rows are packed outside the lock.
+        Every shard update is checked before anything is written; rows are packed outside the lock.
         """
         with self._apply_mutex:
             t0 = time.perf_counter()
@@ -490,13 +490,13 @@ class QuantApplier(Applier):
     def _plan(
         self, deltas: Sequence[RankDelta]
     ) -> list[tuple[QuantTable, torch.Tensor, torch.Tensor]]:
-        """Checked and packed ``(table, ids, rows)`` writes (column slices merged)."""
+        """Checked and packed ``(table, ids, rows)`` writes (column shards merged)."""
         full: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         partial: dict[str, list[ShardUpdate]] = {}
         resynced: set[str] = set()
         checked: list[tuple[QuantTable, ShardUpdate]] = []
         for d in deltas:
-            for s in d.slices:
+            for s in d.shards:
                 checked.append((self._check(d, s), s))
                 if d.resync:
                     resynced.add(s.shard.table)
@@ -523,9 +523,9 @@ class QuantApplier(Applier):
                     sh.known[ids] = True
             else:
                 partial.setdefault(t.name, []).append(s)
-        for name, slices in partial.items():
+        for name, updates in partial.items():
             t = self._tables[name]
-            ids, values = self._merge_columns(t, slices)
+            ids, values = self._merge_columns(t, updates)
             if ids.numel():
                 full.setdefault(name, []).append((ids, t.pack(values)))
         plan = []
@@ -537,13 +537,13 @@ class QuantApplier(Applier):
         return plan
 
     def _merge_columns(
-        self, t: QuantTable, slices: list[ShardUpdate]
+        self, t: QuantTable, updates: list[ShardUpdate]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``(ids, float values)`` of ``slices`` whose every column is known."""
-        ids = torch.unique(torch.cat([s.ids.to(torch.int64) for s in slices]))  # sorted
+        """Rows ``(ids, float values)`` of ``updates`` whose every column is known."""
+        ids = torch.unique(torch.cat([s.ids.to(torch.int64) for s in updates]))  # sorted
         if not t.quantized:  # fp rows decode exactly: merge with the row as served
             values = t.decode(ids)
-            for s in slices:
+            for s in updates:
                 assert s.values is not None
                 pos = torch.searchsorted(ids, s.ids.to(torch.int64))
                 values[pos, s.shard.col_start : s.shard.col_end] = s.values.to(torch.float32)
@@ -555,7 +555,7 @@ class QuantApplier(Applier):
                 torch.zeros(t.num_rows, t.dim, dtype=torch.bool),
             )
             self._shadows[t.name] = sh
-        for s in slices:
+        for s in updates:
             assert s.values is not None
             rows = s.ids.to(torch.int64)
             sh.values[rows, s.shard.col_start : s.shard.col_end] = s.values.to(torch.float32)

@@ -41,7 +41,7 @@ SliceUpdate = ShardUpdate
 
 @dataclass
 class RankDelta:
-    """One rank's merged window: apply every slice, then commit ``cursor``."""
+    """One rank's merged window: apply every shard's update, then commit ``cursor``."""
 
     rank: int
     generation: int
@@ -52,7 +52,7 @@ class RankDelta:
     form: Form
     wire_dtype: WireDtype
     cursor: Cursor
-    slices: list[ShardUpdate] = field(default_factory=list)
+    shards: list[ShardUpdate] = field(default_factory=list)
     committed: bool = False  # auto_commit already committed the cursor
     rows: int = 0
     bytes: int = 0  # payload bytes received (rows and dense)
@@ -61,6 +61,11 @@ class RankDelta:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     dense_step: int | None = None
     dense_bytes: int = 0
+
+    @property
+    def slices(self) -> list[ShardUpdate]:
+        """The former name of :attr:`shards`."""
+        return self.shards
 
     @property
     def empty(self) -> bool:

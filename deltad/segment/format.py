@@ -8,9 +8,9 @@ A segment is a set of "latest value" rows per table shard, in one file::
           12   reserved (0)                            4 bytes
           16   header: UTF-8 JSON, H bytes             (see SegmentHeader / ShardMeta)
                zero padding to a multiple of 64
-           P   payload: per chunk, ids then values, each 64-byte aligned; offsets in the
+           P   payload: per shard, ids then values, each 64-byte aligned; offsets in the
                header are relative to P. ids are int64 LE global row ids, unique, ascending;
-               values are row-major [count, col_end - col_start] in the chunk's dtype.
+               values are row-major [count, col_end - col_start] in the shard's dtype.
         end-16 checksum of every byte before the trailer: 8 bytes
                v2: XXH3-64 (uint64 LE); v1: crc32 (uint32 LE), then 4 reserved zero bytes
         end-8  magic  b"DLTEND02"  (b"DLTEND01")       8 bytes

@@ -1,6 +1,6 @@
 """GetDelta encoding on the serving side: serialized ``GetDeltaResponse`` messages.
 
-:func:`encode_header`, :func:`encode_trailer` and :func:`encode_slice_chunks` return
+:func:`encode_header`, :func:`encode_trailer` and :func:`encode_shard_chunks` return
 *serialized* messages (``bytes``). The servicer passes them through an identity response
 serializer, so each RowChunk costs exactly one copy: :class:`ChunkMessage` writes the field
 tags and varint lengths into a new ``bytes`` object and exposes its ids / scale-bias / values
@@ -182,7 +182,7 @@ def encode_rows(
     return data
 
 
-def encode_slice_chunks(
+def encode_shard_chunks(
     slice_index: int,
     ids: torch.Tensor,
     values: torch.Tensor | None,

@@ -1,7 +1,7 @@
 """Owed rows of top-k (or row-capped) consumers, one file per consumer, rank and pull.
 
 ``<sidecar_dir>/owed/<consumer>/r<rank>-<token>.dseg`` is a segment file (same format and
-checksum as the log) whose chunks hold the owed ids and the values the consumer holds for
+checksum as the log) whose shards hold the owed ids and the values the consumer holds for
 them. A pull writes its file under the pull id as token; Commit makes that token current in
 the Redis cursor (``owed_token``), and files of other tokens are garbage.
 """

@@ -18,7 +18,7 @@ from deltad import wire
 from deltad.segment.format import ShardRows
 from deltad.serve import encode
 from deltad.serve.log import DenseEntry, LogSnapshot
-from deltad.serve.merge import merge_chunks, merge_entries, plan_slice
+from deltad.serve.merge import merge_entries, merge_rows, plan_shard
 from deltad.types import Form, Shard, ShardKey, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -237,7 +237,7 @@ class EncodedWindow:
 def _header(
     spec: WindowSpec,
     to_step: int,
-    slices: list[tuple[ShardRows | None, ShardLine]],
+    lines: list[tuple[ShardRows | None, ShardLine]],
     dense: DenseEntry | None = None,
 ) -> bytes:
     header = pb.DeltaHeader(
@@ -256,7 +256,7 @@ def _header(
         for t in dense.state.header.tensors:
             header.dense.tensors.add(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
     packed = spec.dtype.packed and spec.form is not Form.IDS
-    for _, m in slices:
+    for _, m in lines:
         header.slices.append(
             pb.TableSlice(
                 table=m.shard.table,
@@ -277,7 +277,7 @@ def _header(
 
 
 def packed_refusal(snap: LogSnapshot, tables: tuple[str, ...], dtype: WireDtype) -> str | None:
-    """Why this rank's slices of ``tables`` (empty: all) cannot be sent in the packed
+    """Why this rank's shards of ``tables`` (empty: all) cannot be sent in the packed
     ``dtype`` (None: they can). Column-wise shards are refused, not sent in fp32: one rank
     holds part of each row, and scale / bias are per whole row (see the proto)."""
     for key, c in snap.base.shards.items():
@@ -309,10 +309,10 @@ def build_window(
 ) -> EncodedWindow:
     """Plan the window ``spec`` over ``snap`` for a consumer owed ``owed``; merge and encode it.
 
-    Returns once the header (every slice's row count) and the owed rows are known, so that
+    Returns once the header (every shard's row count) and the owed rows are known, so that
     streaming starts at once. A complete window (no top-k, row budget or owed rows) is planned
-    from the union of its ids alone, and each chunk's rows are merged right before it is
-    encoded (:class:`_MergedSlice`); otherwise every slice is merged and planned first (top-k
+    from the union of its ids alone, and each RowChunk's rows are merged right before it is
+    encoded (:class:`_MergedShard`); otherwise every shard is merged and planned first (top-k
     and owed rows need the values) and encoded chunk by chunk. With ``lazy`` the chunks are
     produced as :meth:`EncodedWindow.iter_chunks` reads them; otherwise before returning.
     ``kept``: see :class:`EncodedWindow`.
@@ -335,7 +335,7 @@ def build_window(
     # (rows, or None: merge its values later from ``by_key``), header line
     plan: list[tuple[ShardRows | None, ShardLine]] = []
     by_key: dict[ShardKey, list[ShardRows]] = {}
-    sources: dict[int, _MergedSlice] = {}
+    sources: dict[int, _MergedShard] = {}
     if complete:
         wanted = set(keys)
         for e in window:
@@ -347,10 +347,10 @@ def build_window(
             if cs is None:
                 continue
             if len(cs) == 1 or not with_values:
-                r = merge_chunks(cs, with_values=with_values)
+                r = merge_rows(cs, with_values=with_values)
                 plan.append((r, ShardLine(r.shard, r.ids.numel())))
             else:  # the ids now (the count); the values range by range as chunks are encoded
-                src = _MergedSlice(cs)
+                src = _MergedShard(cs)
                 sources[len(plan)] = src
                 plan.append((None, ShardLine(cs[-1].shard, src.ids.numel())))
     else:
@@ -362,7 +362,7 @@ def build_window(
             m, o = merged.get(key), owed.get(key)
             if m is None and o is None:
                 continue
-            ws = plan_slice(
+            ws = plan_shard(
                 key,
                 m,
                 o,
@@ -391,14 +391,14 @@ def build_window(
     )
 
     def produce() -> Iterator[tuple[bytes | None, float]]:
-        """(chunk, seconds spent on it), slice by slice."""
+        """(chunk, seconds spent on it), shard by shard."""
         t = time.perf_counter()
         for i, (r, _) in enumerate(plan):
             if r is None:
                 chunks = sources[i].encode(i, spec.dtype, spec.chunk_bytes, spec.row_alignment)
             else:
                 values = None if spec.form is Form.IDS else r.values
-                chunks = encode.encode_slice_chunks(
+                chunks = encode.encode_shard_chunks(
                     i, r.ids, values, spec.dtype, spec.chunk_bytes, spec.row_alignment
                 )
             for msg in chunks:
@@ -437,44 +437,45 @@ def _rows(t: torch.Tensor) -> Any:
     return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
 
 
-class _MergedSlice:
-    """A complete window's slice over several chunks (oldest first), merged chunk by chunk.
+class _MergedShard:
+    """A complete window's shard over several segments' parts (oldest first), merged RowChunk by
+    RowChunk.
 
-    Same rows and values as :func:`~deltad.serve.merge.merge_chunks` (union of ids, latest
-    value wins), but the values are never merged into one slice-sized tensor: each RowChunk's
+    Same rows and values as :func:`~deltad.serve.merge.merge_rows` (union of ids, latest
+    value wins), but the values are never merged into one shard-sized tensor: each RowChunk's
     row range is assembled right before it is encoded, in the message itself (fp32), in a
-    reused buffer (other wire dtypes), or taken as a view of the one chunk that holds all of
-    it. Measured (1 GB fp32 window, base + 2 deltas, 2 cores): the whole-slice merge costs
+    reused buffer (other wire dtypes), or taken as a view of the one part that holds all of
+    it. Measured (1 GB fp32 window, base + 2 deltas, 2 cores): the whole-shard merge costs
     0.44 s before encoding; ranges cost <0.1 s.
     """
 
-    def __init__(self, chunks: list[ShardRows]) -> None:
-        self.chunks = chunks
-        self.row_start = min(c.shard.row_start for c in chunks)
-        n = max(c.shard.row_end for c in chunks) - self.row_start
-        # a chunk with every row of the shard (a base segment) makes the union trivial
-        self.full = any(c.ids.numel() == n for c in chunks)
+    def __init__(self, parts: list[ShardRows]) -> None:
+        self.parts = parts
+        self.row_start = min(c.shard.row_start for c in parts)
+        n = max(c.shard.row_end for c in parts) - self.row_start
+        # a part with every row of the shard (a base segment) makes the union trivial
+        self.full = any(c.ids.numel() == n for c in parts)
         if self.full:
             self.ids = torch.arange(self.row_start, self.row_start + n, dtype=torch.int64)
         else:
-            self.ids = merge_chunks(chunks, with_values=False).ids
-        # Range by range writes every chunk's rows (oldest first) and loops over the chunks
-        # per range: heavy overlap or many segments take merge_chunks (one merge, all threads).
-        total = sum(c.ids.numel() for c in chunks)
-        self.ranged = len(chunks) <= 8 and total <= 2 * self.ids.numel()
+            self.ids = merge_rows(parts, with_values=False).ids
+        # Range by range writes every part's rows (oldest first) and loops over the parts
+        # per range: heavy overlap or many segments take merge_rows (one merge, all threads).
+        total = sum(c.ids.numel() for c in parts)
+        self.ranged = len(parts) <= 8 and total <= 2 * self.ids.numel()
 
     def encode(
         self, index: int, dtype: WireDtype, chunk_bytes: int, alignment: int = 0
     ) -> Iterator[bytes]:
-        """The slice's RowChunk messages (``index`` in the header), in row order
+        """The shard's RowChunk messages (``index`` in the header), in row order
         (``alignment``: of packed rows)."""
-        ids, cs = self.ids, self.chunks
+        ids, cs = self.ids, self.parts
         n = ids.numel()
         if n == 0:
             return
         if not self.ranged:
-            m = merge_chunks(cs)
-            yield from encode.encode_slice_chunks(
+            m = merge_rows(cs)
+            yield from encode.encode_shard_chunks(
                 index, m.ids, m.values, dtype, chunk_bytes, alignment
             )
             return
@@ -500,7 +501,7 @@ class _MergedSlice:
         wire_row_bytes = width * wire.WIRE_ITEMSIZE[dtype] if wire_torch is not None else 0
         for r in range(len(bounds) - 1):
             a, b = int(bounds[r]), int(bounds[r + 1])
-            # the newest chunk holding every row of [a, b): older chunks are overwritten by it
+            # the newest part holding every row of [a, b): older parts are overwritten by it
             first = 0
             for j in range(len(cs) - 1, -1, -1):
                 lo, hi = spans[j][r], spans[j][r + 1]
@@ -525,7 +526,7 @@ class _MergedSlice:
             if hi - lo == b - a:
                 out[:] = src_rows[first][lo:hi]
                 todo = later
-            else:  # no one chunk covers the range; together they cover every row of it
+            else:  # no one part covers the range; together they cover every row of it
                 todo = [j for j in range(len(cs)) if spans[j][r + 1] > spans[j][r]]
             for j in todo:
                 lo, hi = spans[j][r], spans[j][r + 1]

@@ -304,32 +304,32 @@ class RelayMirror:
             assert loc is not None
             dtypes, world = loc.dtypes, loc.world_size
         ranges: dict[ShardKey, tuple[int, int]] = {}
-        chunks = []
-        for s in d.slices:
+        rows = []
+        for s in d.shards:
             ids, values = _sorted(s)
             n = ids.numel()
             # a base holds every row of the shard: its row range is that of its ids
             r0, r1 = (int(ids[0]), int(ids[-1]) + 1) if n else (0, 0)
-            ranges[(s.shard.table, s.shard.col_start, s.shard.col_end)] = (r0, r1)
-            chunks.append(_chunk(s, r0, r1, ids, values, dtypes))
-        self._write(d, SegmentKind.BASE, 0, world, chunks, created)
+            ranges[s.shard.key] = (r0, r1)
+            rows.append(_shard_rows(s, r0, r1, ids, values, dtypes))
+        self._write(d, SegmentKind.BASE, 0, world, rows, created)
         self._local = _Local(d.generation, d.to_seq, d.to_step, world, ranges, dtypes)
 
     def _write_delta(self, d: RankDelta, created: float) -> None:
         loc = self._local
         assert loc is not None
-        got = {(s.shard.table, s.shard.col_start, s.shard.col_end): s for s in d.slices}
+        got = {s.shard.key: s for s in d.shards}
         unknown = set(got) - set(loc.ranges)
         if unknown:
-            raise UpstreamError(f"upstream sent slices {sorted(unknown)} its base did not have")
-        chunks = []
+            raise UpstreamError(f"upstream sent shards {sorted(unknown)} its base did not have")
+        rows = []
         for key, (r0, r1) in loc.ranges.items():
             s = got.get(key)
             if s is None:
                 continue
             ids, values = _sorted(s)
-            chunks.append(_chunk(s, r0, r1, ids, values, loc.dtypes))
-        self._write(d, SegmentKind.DELTA, loc.seq + 1, loc.world_size, chunks, created)
+            rows.append(_shard_rows(s, r0, r1, ids, values, loc.dtypes))
+        self._write(d, SegmentKind.DELTA, loc.seq + 1, loc.world_size, rows, created)
         self._local = _Local(
             d.generation, d.to_seq, d.to_step, loc.world_size, loc.ranges, loc.dtypes
         )
@@ -340,7 +340,7 @@ class RelayMirror:
         kind: SegmentKind,
         first_seq: int,
         world: int,
-        chunks: list[ShardRows],
+        rows: list[ShardRows],
         created: float,
     ) -> None:
         write_segment(
@@ -353,7 +353,7 @@ class RelayMirror:
             first_seq=first_seq,
             step=d.to_step,
             kind=kind,
-            shards=chunks,
+            shards=rows,
             fsync=self.config.fsync,
             created_unix=created,
         )
@@ -425,7 +425,7 @@ class RelayMirror:
 
 
 def _sorted(s: ShardUpdate) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slice's ids ascending (segments require it) with their values."""
+    """The shard's ids ascending (segments require it) with their values."""
     ids = s.ids
     assert s.values is not None, "a rows-form pull carries values"
     values = s.values
@@ -435,7 +435,7 @@ def _sorted(s: ShardUpdate) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, values
 
 
-def _chunk(
+def _shard_rows(
     s: ShardUpdate,
     r0: int,
     r1: int,
