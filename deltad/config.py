@@ -182,8 +182,7 @@ class ServerConfig:
     window_cache_bytes: int = 1 << 30
     #: Retention: merge runs of at least this many segments between live cursors.
     merge_min_segments: int = 4
-    #: Retention: most input bytes one background round may merge (bounded work per round).
-    merge_max_bytes_per_round: int = 1 << 30
+    # Retention's bound on one round's merge input: deltad.knobs.MERGE_MAX_BYTES_PER_ROUND.
     retention_interval_s: float = 1.0
     #: Forget a consumer this long after its lease expired and it was last heard of: its
     #: cursors, pending pulls and owed rows go (0 = keep forever). Back, it is a new consumer.

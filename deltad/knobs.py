@@ -7,23 +7,21 @@ or is out of range raises :class:`~deltad.errors.ConfigError` naming the variabl
 the knobs at use time (``knobs.WRITER_NICE``), so a benchmark or a test may also change one for
 a block with :func:`override`.
 
-=========================  =========  =====================================================
-knob                       default    what it tunes
-=========================  =========  =====================================================
-``WRITER_NICE``            10         niceness added to the publisher's writer thread (Linux:
-                                      per thread; 0 = leave it), so its checksum/write/fsync
-                                      yields the cores to the training loop (0..19)
-``REUSE_COPY_BUFFERS``     1          copy touched rows into reused (pooled) host buffers
-                                      instead of new ones, which page-fault on first write
-``COPY_POOL_MAX_BYTES``    64 GiB     most bytes the publisher's copy-buffer pool keeps
-``COPY_POOL_GRANULE``      4096       its buffers are rounded up to this many bytes
-``COPY_POOL_HEADROOM``     0.125      and made this fraction larger than the rows copied
-``FOLD_IN_BACKGROUND``     1          CPU weights: the tracker folds each lookup's ids into its
-                                      bitmaps on a background thread, not in the output dist's
-                                      hook (device weights: always in the hook)
-``MAX_PENDING_FOLDS``      16         lookups waiting for that fold thread before the training
-                                      loop's hook blocks (>= 1)
-=========================  =========  =====================================================
+The knobs (default in brackets):
+
+* ``WRITER_NICE`` [10]: niceness added to the publisher's writer thread (Linux: per thread;
+  0 = leave it), so its checksum/write/fsync yields the cores to the training loop (0..19).
+* ``REUSE_COPY_BUFFERS`` [1]: copy touched rows into reused (pooled) host buffers instead of
+  new ones, which page-fault on first write.
+* ``COPY_POOL_MAX_BYTES`` [64 GiB]: most bytes the publisher's copy-buffer pool keeps.
+* ``COPY_POOL_GRANULE`` [4096]: its buffers are rounded up to this many bytes,
+* ``COPY_POOL_HEADROOM`` [0.125]: and made this fraction larger than the rows copied.
+* ``FOLD_IN_BACKGROUND`` [1]: CPU weights: the tracker folds each lookup's ids into its bitmaps
+  on a background thread, not in the output dist's hook (device weights: always in the hook).
+* ``MAX_PENDING_FOLDS`` [16]: lookups waiting for that fold thread before the training loop's
+  hook blocks (>= 1).
+* ``MERGE_MAX_BYTES_PER_ROUND`` [1 GiB]: the sidecar's retention: most input bytes one
+  background round may merge (bounded work per round, >= 1).
 """
 
 from __future__ import annotations
@@ -76,6 +74,7 @@ COPY_POOL_GRANULE: int = _knob("COPY_POOL_GRANULE", 4096, int, lambda v: v >= 1)
 COPY_POOL_HEADROOM: float = _knob("COPY_POOL_HEADROOM", 0.125, float, lambda v: v >= 0)
 FOLD_IN_BACKGROUND: bool = _knob("FOLD_IN_BACKGROUND", True, _parse_bool, lambda v: True)
 MAX_PENDING_FOLDS: int = _knob("MAX_PENDING_FOLDS", 16, int, lambda v: v >= 1)
+MERGE_MAX_BYTES_PER_ROUND: int = _knob("MERGE_MAX_BYTES_PER_ROUND", 1 << 30, int, lambda v: v >= 1)
 
 #: The knobs' names.
 NAMES = tuple(_CHECKS)

@@ -42,3 +42,9 @@ def test_override_sets_knobs_for_a_block_and_checks_them() -> None:
     with pytest.raises(ConfigError, match="out of range"), knobs.override(MAX_PENDING_FOLDS=0):
         pass
     assert before == knobs.MAX_PENDING_FOLDS
+
+
+def test_every_knob_is_documented() -> None:
+    assert knobs.__doc__ is not None
+    for name in knobs.NAMES:
+        assert f"``{name}``" in knobs.__doc__, name

@@ -1,6 +1,6 @@
 """Retention: keep one rank's log bounded by merging segments no live consumer stands between.
 
-Each round (bounded: one merge of at most ``merge_max_bytes_per_round`` input bytes, plus the
+Each round (bounded: one merge of at most ``deltad.knobs.MERGE_MAX_BYTES_PER_ROUND`` input bytes, plus the
 base it extends) does the first applicable of:
 
 1. **Base forward**: merge the base with the deltas up to the minimum *live* pin (a committed
