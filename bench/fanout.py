@@ -18,7 +18,8 @@ the sidecar and through one and two relay levels (``deltad serve --upstream``), 
 every level, 4 pulls per consumer: pull p50/p99, aggregate GB/s, CPU per delivered GB of the
 serving node and of the sidecar, peak RSS per level; each relay's bootstrap time and its CPU
 per mirrored GB; freshness per level (a new segment -> its seq in each level's Status);
-overload (N consumers, N/4 stream slots: failed pulls must be 0); and :func:`scale_model`,
+overload (:func:`_overload`: 128 and 256 consumers on one sidecar, 0 failed pulls); and
+:func:`scale_model`,
 the extrapolation to 4,096 predictors x 64 ranks documented in bench/README.md.
 
 **Floor** (baseline, same run): a bare gRPC server (:mod:`bench.wire_baselines`) streams
@@ -111,6 +112,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     floor.append(_floor(bare_pid, bare_port, workers[:n], nbytes, r))
             ctx.status("fanout: relay tree")
             tree = _tree(ctx, kids, spool, workers, counts, rows)
+            tree["overload"] = _overload(ctx, kids, workers)
         finally:
             if bare_conn is not None:
                 bare_conn.close()
@@ -345,7 +347,26 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_xlabel("consumers")
         ax.legend(fontsize=8)
     fig.suptitle(f"fan-out, {result.get('window_bytes_fp32', 0) / MB:.0f} MB window")
-    return save_figure(fig, out_dir, "fanout")
+    paths = save_figure(fig, out_dir, "fanout")
+    tree = result.get("tree", {}).get("points", [])
+    if tree:
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+        for lv in LEVELS:
+            ps = sorted((p for p in tree if p["level"] == lv), key=lambda p: p["consumers"])
+            xs = [p["consumers"] for p in ps]
+            name = "direct" if lv == 0 else f"{lv} relay level{'s' if lv > 1 else ''}"
+            axes[0].plot(xs, [p["p99_s"] for p in ps], "o-", label=f"{name} p99")
+            axes[1].plot(xs, [p["serving_cpu_s_per_gb"] for p in ps], "o-", label=name)
+            axes[2].plot(xs, [p["sidecar_cpu_s_per_gb"] for p in ps], "o-", label=name)
+        axes[0].set_ylabel("pull time (s)")
+        axes[1].set_ylabel("serving node CPU s per delivered GB")
+        axes[2].set_ylabel("trainer sidecar CPU s per delivered GB")
+        for ax in axes:
+            ax.set_xlabel("consumers")
+            ax.legend(fontsize=8)
+        fig.suptitle("fan-out through relays (cached window)")
+        paths += save_figure(fig, out_dir, "fanout-tree")
+    return paths
 
 
 # ---- relay trees ------------------------------------------------------------------------
@@ -423,6 +444,7 @@ def _tree(
     pulls = ctx.pick(4, 4, 1)  # per consumer and run: CPU ticks are 10 ms
     out: dict[str, Any] = {
         "bootstrap": [], "mirror": [], "points": [], "freshness": [], "peak_rss_bytes": {},
+        "idle_cores": [],
     }  # fmt: skip
     with ctx.tmpdir("relay1") as r1, ctx.tmpdir("relay2") as r2:
         side = deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
@@ -448,7 +470,15 @@ def _tree(
             # every node is idle (a fresh one imports its int8 kernels in the background)
             for p in chain:
                 _settle(CpuMonitor(p.proc.pid))
+            # idle: each node's own spool poll, and a relay's Status polls of its upstream
+            # (counted by both ends); subtracted from the mirror cost below
+            idle_s = ctx.pick(3.0, 2.0, 0.5)
             cpus = [CpuMonitor(p.proc.pid) for p in chain]
+            time.sleep(idle_s)
+            idle = [c.seconds() / idle_s for c in cpus]
+            out["idle_cores"] = idle
+            cpus = [CpuMonitor(p.proc.pid) for p in chain]
+            t_mirror = time.perf_counter()
             nbytes = 0
             for _ in range(4):
                 head += 1
@@ -457,11 +487,14 @@ def _tree(
                     lambda at=head: all(_head(p.endpoint) >= at for p in chain), 300.0, 0.05
                 ):
                     raise RuntimeError("a relay never mirrored a large delta")
+            took = time.perf_counter() - t_mirror
             for lv in (1, 2):
+                busy = max(0.0, cpus[lv].seconds() - idle[lv] * took)
                 out["mirror"].append(
                     {
-                        "level": lv, "delta_bytes": nbytes, "relay_cpu_s": cpus[lv].seconds(),
-                        "relay_cpu_s_per_gb": cpus[lv].seconds() / (nbytes / GB),
+                        "level": lv, "delta_bytes": nbytes, "seconds": took,
+                        "relay_cpu_s": cpus[lv].seconds(), "relay_cpu_s_over_idle": busy,
+                        "relay_cpu_s_per_gb": busy / (nbytes / GB),
                     }
                 )  # fmt: skip
             for lv in LEVELS:
@@ -477,7 +510,6 @@ def _tree(
                     for r in range(ctx.repeats):
                         out["points"].append(_tree_run(workers[:n], chain, lv, n, r, pulls))
             out["freshness"] = _freshness(chain, spool, head, deltas, rows_per_table)
-            out["overload"] = _overload(ctx, kids, spool, workers)
             for lv, proc in enumerate(chain):
                 out["peak_rss_bytes"][f"level{lv}"] = proc_peak_rss(proc.proc.pid) or 0
         finally:
@@ -486,48 +518,98 @@ def _tree(
     return _tree_summary(out, counts)
 
 
-def _overload(
-    ctx: Context, kids: Children, spool: Path, workers: list[ClientWorker]
-) -> dict[str, Any]:
-    """All workers pull their whole window at once from a sidecar with a quarter as many
-    stream slots and one place in line: the rest are refused with a retry hint, which the
-    consumer library honours; every pull must end with its rows (failed = 0)."""
+def _overload(ctx: Context, kids: Children, workers: list[ClientWorker]) -> list[dict[str, Any]]:
+    """128 and 256 consumers (threads spread over the worker processes) pull a small window at
+    the same moment from one sidecar with its default limits (64 streams, 64 in line): the
+    rest are refused with a retry hint, which the consumer library honours. Every pull must
+    end with all its rows (failed = 0)."""
     from bench import deltad_procs
+    from bench.datagen import write_spool
 
-    n = len(workers)
-    slots = max(1, n // 4)
-    side = deltad_procs.start_sidecar(
-        kids, spool, ctx,
-        extra=[*deltad_procs.NO_RETENTION, "--max-concurrent-streams", str(slots),
-               "--max-queued-streams", "1", "--stream-queue-wait", "0.2"],
-    )  # fmt: skip
-    try:
-        start_at = time.time() + 1.0 + 0.05 * n
-        for i, w in enumerate(workers):
-            w.send(
-                "call", module="bench.throughput", func="client_pull",
-                kwargs={"endpoint": side.endpoint, "model": side.model,
-                        "consumer": f"overload-{i}", "dtype": "fp32", "start_at": start_at},
+    totals = ctx.pick([128, 256], [128], [8])
+    slots = ctx.pick(64, 64, 2)
+    window = ctx.pick(4 * MB, 2 * MB, 256 * 1024)
+    out = []
+    with ctx.tmpdir("overload") as spool:
+        write_spool(
+            spool, model=deltad_procs.MODEL, tables=TABLES,
+            rows_per_table=window // (8 + DIM * 4) // TABLES, dim=DIM, deltas=2,
+        )  # fmt: skip
+        for total in totals:
+            ctx.status(f"fanout overload x{total}")
+            side = deltad_procs.start_sidecar(
+                kids, spool, ctx,
+                extra=[*deltad_procs.NO_RETENTION, "--max-concurrent-streams", str(slots)],
             )  # fmt: skip
-        res: list[dict[str, Any]] = []
-        errors: list[str] = []
-        for w in workers:
             try:
-                res.append(w.recv("client_pull"))
-            except RuntimeError as e:
-                errors.append(str(e)[-300:])
-    finally:
-        side.stop()
-    full = max((x["bytes"] for x in res), default=0)
-    pulls = [x["seconds"] for x in res]
-    return {
-        "consumers": n,
-        "max_concurrent_streams": slots,
-        "failed": len(errors) + sum(1 for x in res if x["bytes"] < full),
-        "errors": errors,
-        "p50_s": percentile(pulls, 50),
-        "p99_s": percentile(pulls, 99),
-    }
+                per = -(-total // len(workers))
+                start_at = time.time() + 3.0 + 0.02 * total
+                sent = []
+                for k, w in enumerate(workers):
+                    n = min(per, total - k * per)
+                    if n <= 0:
+                        break
+                    w.send(
+                        "call", module="bench.fanout", func="client_pull_many",
+                        kwargs={"endpoint": side.endpoint, "model": side.model,
+                                "prefix": f"over-{total}-{k}", "n": n, "start_at": start_at},
+                    )  # fmt: skip
+                    sent.append(w)
+                got = [x for w in sent for x in w.recv("client_pull_many", 900.0)]
+            finally:
+                side.stop()
+            full = max((x["bytes"] for x in got), default=0)
+            secs = [x["seconds"] for x in got if x["seconds"] is not None]
+            bad = [x for x in got if x["error"] or x["missing"] or x["bytes"] < full]
+            out.append(
+                {
+                    "consumers": total,
+                    "max_concurrent_streams": slots,
+                    "window_bytes": full,
+                    "failed": len(bad),
+                    "errors": sorted({x["error"] or "missing" for x in bad})[:5],
+                    "p50_s": percentile(secs, 50),
+                    "p99_s": percentile(secs, 99),
+                    "max_s": max(secs, default=None),
+                }
+            )
+    return out
+
+
+def client_pull_many(
+    state: dict[Any, Any], endpoint: str, model: str, prefix: str, n: int, start_at: float
+) -> list[dict[str, Any]]:
+    """Runs in a client worker: ``n`` consumers (threads, one channel each) connect, then pull
+    their whole window at ``start_at``; per pull its seconds, bytes and any error."""
+    import threading
+
+    from deltad.config import ConsumerConfig
+    from deltad.consume.client import DeltaConsumer
+
+    out: list[dict[str, Any]] = [{} for _ in range(n)]
+
+    def one(i: int) -> None:
+        res: dict[str, Any] = {"seconds": None, "bytes": 0, "missing": 0, "error": None}
+        try:
+            cfg = ConsumerConfig(
+                consumer=f"{prefix}-{i}", model=model, sidecars=(endpoint,), align_steps=False,
+                rpc_deadline_s=600.0, reuse_buffers_bytes=0,
+            )  # fmt: skip
+            with DeltaConsumer(cfg) as c:
+                time.sleep(max(0.0, start_at - time.time()))
+                t0 = time.perf_counter()
+                r = c.pull()
+                res.update(seconds=time.perf_counter() - t0, bytes=r.bytes, missing=len(r.missing))
+        except Exception as e:  # reported, counted as a failed pull
+            res["error"] = f"{type(e).__name__}: {e}"[:300]
+        out[i] = res
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600.0)
+    return [r or {"seconds": None, "bytes": 0, "missing": 0, "error": "hung"} for r in out]
 
 
 def _wait(pred: Any, timeout_s: float, interval_s: float = 0.02) -> bool:
@@ -642,8 +724,7 @@ def _tree_headline(tree: dict[str, Any], n: int) -> list[dict[str, Any]]:
     pts = {(p["level"], p["consumers"]): p for p in tree.get("points", [])}
     fresh = {f["level"]: f for f in tree.get("freshness", [])}
     out: list[dict[str, Any]] = []
-    ov = tree.get("overload")
-    if ov:
+    for ov in tree.get("overload", []):
         out.append(
             {
                 "metric": f"failed pulls, {ov['consumers']} consumers on "
@@ -693,7 +774,8 @@ def scale_model(
     F consumers, each at the rank's delta rate D (bytes/s). A node sustains F while
     ``F * D * c_send <= core_budget`` cores (c_send: its measured CPU-s per delivered GB, at
     the largest N measured) and ``F * D <= nic_gbps``; a relay also pays ``D * c_mirror`` to
-    mirror. Relays per level follow from F; freshness p99 at level L is the measured p99 of
+    mirror (measured over its idle cost) and its idle cost (its Status polls of the upstream
+    and its spool poll, measured in cores). Relays per level follow from F; freshness p99 at level L is the measured p99 of
     level L (the sidecar's poll plus L relay hops), extended linearly with the measured
     per-hop increment for deeper trees.
     """
@@ -703,8 +785,10 @@ def scale_model(
     top = max(p["consumers"] for p in pts)
     sends = [p["serving_cpu_s_per_gb"] for p in pts if p["consumers"] == top]
     c_send = max(sends)  # the dearest level: conservative
-    mirrors = [m["relay_cpu_s_per_gb"] for m in tree.get("mirror", []) if m["relay_cpu_s_per_gb"]]
+    mirrors = [m["relay_cpu_s_per_gb"] for m in tree.get("mirror", [])]
     c_mirror = max(mirrors) if mirrors else None
+    idle = tree.get("idle_cores") or []
+    idle_relay = max(idle[1:], default=None)  # a relay's own polling, per relay
     fresh = {f["level"]: f["p99_s"] for f in tree.get("freshness", []) if f["p99_s"] is not None}
     hop = (
         (fresh[max(fresh)] - fresh[0]) / max(fresh)
@@ -750,6 +834,11 @@ def scale_model(
                 # every predictor-rank stream costs its serving node D * c_send
                 "serving_cores_total": predictors * ranks * d_gb * c_send,
                 "relays_total": sum(x["relays"] for x in per_level),
+                "relay_idle_cores_total": (
+                    idle_relay * sum(x["relays"] for x in per_level)
+                    if idle_relay is not None
+                    else None
+                ),
                 "freshness_p99_s_at_predictor_tier": p99,
             }
         )
@@ -760,6 +849,8 @@ def scale_model(
         "nic_gb_per_s": nic_gbps,
         "c_send_cpu_s_per_gb": c_send,
         "c_mirror_cpu_s_per_gb": c_mirror,
+        "relay_idle_cores": idle_relay,
+        "idle_cores_by_level": idle,
         "freshness_p99_s_by_level": fresh,
         "per_hop_p99_s": hop,
         "rows": rows,

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import stat
 import subprocess
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -246,19 +248,24 @@ class EmbeddedRedis:
         for f in self.data_dir.iterdir():  # data files of older versions: 0600 too
             if f.is_file() and not f.is_symlink():
                 os.chmod(f, 0o600)
-        outlive = self.outlive_owner
-
-        def child() -> None:
-            os.umask(0o077)
-            if not outlive:
-                _die_with_parent()
-
+        argv = [redis_server_binary(), str(conf)]
+        # No Python runs between fork and exec: a preexec_fn in a process whose gRPC threads
+        # hold locks could abort the child (seen: redis-server "exited with -6"). The umask is
+        # Popen's own, and the parent-death signal comes from util-linux's setpriv.
+        extra: dict[str, Any] = {}
+        if not self.outlive_owner:
+            setpriv = shutil.which("setpriv")
+            if setpriv is not None:
+                argv = [setpriv, "--pdeathsig", "TERM", *argv]
+            else:  # no setpriv: the signal from a preexec_fn, as before
+                extra["preexec_fn"] = _die_with_parent
         self.proc = subprocess.Popen(
-            [redis_server_binary(), str(conf)],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=child,
+            umask=0o077,
+            **extra,
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

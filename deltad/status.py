@@ -139,6 +139,8 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
         f"quarantined {s.quarantined}",
         "tables:",
     ]
+    if s.upstream:
+        lines.insert(1, f"relay of {s.upstream}")
     for t in s.tables:
         local = ", ".join(f"cols {c.col_start}:{c.col_end} rows {c.count}" for c in t.local_slices)
         lines.append(

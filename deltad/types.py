@@ -25,7 +25,7 @@ class WireDtype(enum.Enum):
     BF16 = "bf16"
     INT8 = "int8"  # row-wise: int8 codes + a float32 (scale, bias) pair per row
     # Rows in the byte layout of a TorchRec / fbgemm inference table (see deltad.wire):
-    # decoded into SliceUpdate.packed (uint8 [n, row_bytes]), not into float values.
+    # decoded into ShardUpdate.packed (uint8 [n, row_bytes]), not into float values.
     PACKED_INT8 = "packed-int8"  # int8 codes, fp16 scale, fp16 bias, zero pad to alignment
     PACKED_INT4 = "packed-int4"  # int4 codes (2 per byte), fp16 scale, fp16 bias, zero pad
     PACKED_FP16 = "packed-fp16"  # fp16 values, zero pad to alignment

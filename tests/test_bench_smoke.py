@@ -139,6 +139,13 @@ def test_values_are_sane(results: dict[str, Any]) -> None:
         for p in r["points"]:
             assert _pos(_med(p["aggregate_gbps"])) and _pos(p["p50_s"]) and _pos(p["p99_s"])
             assert _nonneg(_med(p["sidecar_cpu_s"]))
+        tree = r["tree"]  # through relays: levels 0 (sidecar), 1 and 2
+        assert {p["level"] for p in tree["points"]} == {0, 1, 2}
+        for p in tree["points"]:
+            assert _pos(p["p50_s"]) and _nonneg(p["serving_cpu_s_per_gb"])
+        assert [f["level"] for f in tree["freshness"] if _pos(f["p99_s"])] == [0, 1, 2]
+        assert tree["overload"] and all(o["failed"] == 0 for o in tree["overload"])
+        assert r["scale_model"]["rows"]
     if r := _ok(results, "freshness"):
         measured = [p for p in r["points"] if p["steps_measured"]]
         assert measured

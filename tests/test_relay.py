@@ -1,11 +1,12 @@
 """Relay sidecars (deltad.serve.relay): trees of real sidecars and relays on port 0, each with
 its own real Redis; predictors are real DeltaConsumers. The trainer is tests/spoolkit's
-FakeTrainer (the reference trainer's chain is in test_relay_slow.py)."""
+FakeTrainer (the reference trainer's chain and kill -9 are in test_relay_slow.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from deltad.segment.format import read_segment
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.app import SidecarServer
 from deltad.serve.relay import RelayServer
-from deltad.types import Form, SegmentKind
+from deltad.types import Form, SegmentKind, Shard
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 
@@ -35,12 +36,19 @@ def server_config(spool: Path, rank: int, redis_url: str | None) -> ServerConfig
     )  # fmt: skip
 
 
+def db(redis_url: str, n: int) -> str:
+    """Database ``n`` of the test's Redis: a relay's own keyspace, never the upstream's.
+
+    (Not an embedded Redis per relay: forking redis-server from this process while its gRPC
+    threads run now and then aborts the child.)"""
+    return redis_url.rsplit("/", 1)[0] + f"/{n}"
+
+
 def start_relay(
-    upstream: str, spool: Path, rank: int, consumer: str = "relay", listen: str = "127.0.0.1:0"
+    upstream: str, spool: Path, rank: int, redis_url: str, consumer: str = "relay"
 ) -> RelayServer:
-    """A relay with its own embedded Redis (in its spool): never the upstream's Redis."""
-    cfg = server_config(spool, rank, None)
-    cfg.listen = listen
+    """A relay with its own Redis keyspace (``redis_url``, see :func:`db`)."""
+    cfg = server_config(spool, rank, redis_url)
     return RelayServer(
         cfg,
         RelayConfig(upstream=upstream, consumer=consumer, poll_interval_s=0.02, fsync=False,
@@ -63,7 +71,8 @@ def tree(tmp_path: Path, redis_url: str, world: int, levels: int) -> Iterator[li
         for lv in range(1, levels + 1):
             level = []
             for r in range(world):
-                s = start_relay(out[-1][r], tmp_path / f"relay-{lv}-{r}", r)
+                n = (lv - 1) * world + r + 1
+                s = start_relay(out[-1][r], tmp_path / f"relay-{lv}-{r}", r, db(redis_url, n))
                 servers.append(s)
                 level.append(s.endpoint)
             out.append(level)
@@ -203,15 +212,14 @@ def test_restart_with_the_spool_ahead_of_the_upstream_cursor(
         # "b" committed upstream at step 10 (seq 1) and no further
         with predictor("b", [up]) as lag:
             lag.sync(lambda deltas: None)
-        a = start_relay(up, tmp_path / "relay-a", 0, consumer="a")
+        a = start_relay(up, tmp_path / "relay-a", 0, db(redis_url, 10), consumer="a")
         ft.step(20)
         ft.step(30)
         wait_for(lambda: at_step([a.endpoint], 30), 30, "relay a at step 30")
         a.stop(0.2)
         # relay b starts from a's spool (head seq 3) with its upstream cursor at seq 1
         shutil.copytree(tmp_path / "relay-a", tmp_path / "relay-b")
-        shutil.rmtree(tmp_path / "relay-b" / "m" / "redis")
-        b = start_relay(up, tmp_path / "relay-b", 0, consumer="b")
+        b = start_relay(up, tmp_path / "relay-b", 0, db(redis_url, 11), consumer="b")
         try:
             with predictor("p", [b.endpoint]) as c:
                 applier = TensorDictApplier()
@@ -235,12 +243,12 @@ def test_a_lost_relay_spool_asks_for_the_full_tables(tmp_path: Path, redis_url: 
     ft.step(10)
     with tree(tmp_path, redis_url, 1, 0) as levels:
         up = levels[0][0]
-        a = start_relay(up, tmp_path / "relay-a", 0, consumer="a")
+        a = start_relay(up, tmp_path / "relay-a", 0, db(redis_url, 10), consumer="a")
         wait_for(lambda: at_step([a.endpoint], 10), 30, "relay at step 10")
         a.stop(0.2)
         shutil.rmtree(tmp_path / "relay-a")  # its upstream cursor stays at seq 1
         ft.step(20)
-        a = start_relay(up, tmp_path / "relay-a", 0, consumer="a")
+        a = start_relay(up, tmp_path / "relay-a", 0, db(redis_url, 11), consumer="a")
         try:
             wait_for(lambda: at_step([a.endpoint], 20), 30, "relay at step 20")
             with predictor("p", [a.endpoint]) as c:
@@ -255,7 +263,8 @@ def test_an_upstream_of_another_rank_stops_the_relay(tmp_path: Path, redis_url: 
     ft = FakeTrainer(tmp_path / "spool", world_size=2)
     ft.start(0)
     with tree(tmp_path, redis_url, 2, 0) as levels:
-        r = start_relay(levels[0][1], tmp_path / "relay", 0)  # rank 1's sidecar as rank 0
+        # rank 1's sidecar as rank 0's upstream
+        r = start_relay(levels[0][1], tmp_path / "relay", 0, db(redis_url, 10))
         try:
             assert r.wait(30)
             assert r.error is not None and "rank 1" in str(r.error)
@@ -276,3 +285,117 @@ def test_serve_with_a_bad_upstream_exits_2(
     assert main(["serve", "--spool", str(tmp_path), "--upstream", "h:1",
                  "--upstream-consumer", "bad name"]) == 2  # fmt: skip
     assert "invalid upstream consumer name" in capsys.readouterr().err
+
+
+def test_fp16_tables_stay_fp16_and_bit_equal_through_a_relay(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """fp32 on the upstream wire carries fp16 values exactly; the relay stores them as fp16."""
+    import time
+
+    from deltad.segment.format import ShardRows, write_segment
+    from deltad.segment.spool import GenerationManifest, TableInfo
+    from deltad.status import render
+
+    layout = SpoolLayout(tmp_path / "spool", "m")
+    truth = torch.randn(300, 8).half()
+    layout.write_manifest(
+        GenerationManifest(
+            "m", 1, 1, 0, time.time(), (TableInfo("h", 300, 8, "float16", "x", "ec", "rw"),)
+        ),
+        fsync=False,
+    )
+    ids = torch.arange(300)
+    write_segment(
+        layout.segment_path(1, 0, 0), model="m", generation=1, rank=0, world_size=1, seq=0,
+        step=0, kind=SegmentKind.BASE, shards=[ShardRows(Shard("h", 300, 8, 0, 300, 0, 8), ids, truth)],
+        fsync=False,
+    )  # fmt: skip
+    with tree(tmp_path, redis_url, 1, 1) as levels:
+        wait_for(lambda: at_step(levels[1], 0), 30, "relay at step 0")
+        st = status(levels[1][0])
+        assert [t.dtype for t in st.tables] == ["float16"]
+        with grpc.insecure_channel(levels[1][0]) as ch:
+            consumers = pb_grpc.DeltaServiceStub(ch).ListConsumers(
+                pb.ListConsumersRequest(), timeout=10
+            )
+        assert f"relay of {levels[0][0]}" in render(st, consumers)
+    (seg,) = [read_segment(p) for _, p in SpoolLayout(tmp_path / "relay-1-0", "m").segments(1, 0)]
+    (c,) = seg.shards
+    assert c.values.dtype == torch.float16 and torch.equal(c.values, truth)
+    assert (c.shard.row_start, c.shard.row_end) == (0, 300)
+
+
+def test_a_relay_of_a_sidecar_with_tokens_sends_its_token(tmp_path: Path, redis_url: str) -> None:
+    """The upstream requires a bearer token: a relay with the wrong one mirrors nothing (and
+    keeps retrying), one with the right token mirrors; both stop promptly."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    ft.step(10)
+    cfg = server_config(tmp_path / "spool", 0, redis_url)
+    cfg.tokens = ("s3cret",)
+    side = SidecarServer(cfg).start()
+    relays = []
+    try:
+        for name, token in (("wrong", "nope"), ("right", "s3cret")):
+            rcfg = server_config(tmp_path / f"relay-{name}", 0, db(redis_url, len(relays) + 1))
+            relays.append(
+                RelayServer(
+                    rcfg,
+                    RelayConfig(
+                        upstream=side.endpoint,
+                        consumer=name,
+                        token=token,
+                        poll_interval_s=0.02,
+                        fsync=False,
+                        backoff_max_s=0.2,
+                    ),
+                ).start()
+            )
+        wrong, right = relays
+        wait_for(lambda: at_step([right.endpoint], 10), 30, "the relay with the token")
+        assert status(wrong.endpoint).head_seq == -1 and wrong.error is None
+        assert right.mirror is not None and right.mirror.written == 1
+    finally:
+        t0 = time.monotonic()
+        for r in relays:
+            r.stop(0.2)
+        assert time.monotonic() - t0 < 20
+        side.stop(0.2)
+
+
+def test_a_predictor_moves_between_relays_of_one_tier_without_a_resync(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Two relays of one rank sharing one Redis database (docker/k8s/relay.yaml): cursors mean
+    the same on both, so a predictor that reconnects to the other replica continues from its
+    cursor and gets only the changed rows."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    ft.step(10)
+    with tree(tmp_path, redis_url, 1, 0) as levels:
+        up = levels[0][0]
+        tier = db(redis_url, 5)
+        a = start_relay(up, tmp_path / "relay-a", 0, tier, consumer="a")
+        b = start_relay(up, tmp_path / "relay-b", 0, tier, consumer="b")
+        try:
+            wait_for(lambda: at_step([a.endpoint, b.endpoint], 10), 30, "both relays")
+            applier = TensorDictApplier()
+            with predictor("p", [a.endpoint]) as c:
+                assert c.sync(applier.apply).resync
+            ft.step(20, touch=4)
+            wait_for(lambda: at_step([a.endpoint, b.endpoint], 20), 30, "both at step 20")
+            moved = DeltaConsumer(
+                ConsumerConfig(
+                    consumer="p", model="m", sidecars=(b.endpoint,), resume=True,
+                    rpc_deadline_s=10.0, max_retries=2, backoff_initial_s=0.05,
+                )
+            )  # fmt: skip
+            with moved:
+                r = moved.sync(applier.apply)
+            assert not r.resync and r.step == 20
+            assert r.rows == sum(len(ids) for ids in ft.touched[20].values())
+            assert equal(applier, ft.history[20])
+        finally:
+            a.stop(0.2)
+            b.stop(0.2)

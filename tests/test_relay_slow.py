@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from spoolkit import FakeTrainer, child_env, read_serving_line, stop_process
-from test_relay import equal, predictor, start_relay, status, tree
+from test_relay import db, equal, predictor, start_relay, status, tree
 
 from deltad.consume.appliers import TensorDictApplier
 from deltad.errors import DeltadError
@@ -106,7 +106,7 @@ def test_kill_9_of_a_relay_mid_stream_loses_nothing_downstream(
     with tree(tmp_path, redis_url, 1, 0) as levels:
         proc = _relay_process(tmp_path / "killed", levels[0][0], port)
         killed = read_serving_line(proc, 60)
-        below = start_relay(killed, tmp_path / "below", 0, consumer="below")
+        below = start_relay(killed, tmp_path / "below", 0, db(redis_url, 1), consumer="below")
         stop = threading.Event()
         try:
             with predictor("direct", [killed]) as c1, predictor("via", [below.endpoint]) as c2:

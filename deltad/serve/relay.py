@@ -148,10 +148,12 @@ class RelayMirror:
         return self
 
     def stop(self) -> None:
+        """Stop mirroring: an upstream call in flight is cancelled (closing the channel), so
+        this returns at once; nothing half-written is committed."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.config.rpc_deadline_s + 5)
         self._channel.close()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
     def _run(self) -> None:
         c = self.config
@@ -173,10 +175,16 @@ class RelayMirror:
                     self.on_fatal(e)
                 return
             except grpc.RpcError as e:
+                if self._stop.is_set():
+                    return  # cancelled by stop()
                 problem = f"{e.code().name}: {e.details()}"
             except DeltadError as e:
+                if self._stop.is_set():
+                    return
                 problem = str(e)
             except Exception as e:  # a bug must not end mirroring silently
+                if self._stop.is_set():
+                    return
                 log.exception("relay step failed")
                 problem = repr(e)
             if problem != self._last_problem:  # once per kind of trouble, not per retry
