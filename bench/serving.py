@@ -266,7 +266,7 @@ def _throughput(applier: Any, names: list[str], n: int, repeats: int, gen: Any) 
             if kind == "packed":
                 for d in deltas:
                     s = d.shards[0]
-                    s.packed = applier.quant_tables[s.table].pack(s.values)
+                    s.packed = applier.quant_tables[s.shard.table].pack(s.values)
                     s.values = None
 
             def run_ours(deltas: list[Any] = deltas) -> None:
@@ -276,12 +276,12 @@ def _throughput(applier: Any, names: list[str], n: int, repeats: int, gen: Any) 
                 updates = []
                 for d in deltas:
                     s = d.shards[0]
-                    t = applier.quant_tables[s.table]
+                    t = applier.quant_tables[s.shard.table]
                     if kind == "float":  # the layout any caller must produce
                         rows = pack_rows(s.values, t.dtype, t.row_bytes)
                     else:
                         rows = s.packed
-                    updates.append((s.table, s.ids, rows))
+                    updates.append((s.shard.table, s.ids, rows))
                 _bare_update(op, applier, updates)
 
             # the same rows both ways, in alternating order; both must leave the same bytes
