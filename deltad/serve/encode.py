@@ -190,10 +190,10 @@ def encode_shard_chunks(
     chunk_bytes: int,
     alignment: int = DEFAULT_ROW_ALIGNMENT,
 ) -> Iterator[bytes]:
-    """Serialized RowChunk messages of one slice (values None for FORM_IDS).
+    """Serialized RowChunk messages of one shard (values None for FORM_IDS).
 
     Values are quantized (or packed) chunk by chunk (every wire dtype is row-wise), so the
-    first chunk is ready at once and no slice-sized temporary is allocated.
+    first chunk is ready at once and no shard-sized temporary is allocated.
     """
     ids = ids.contiguous()
     width = values.shape[1] if values is not None and values.dim() == 2 else 0
