@@ -24,7 +24,7 @@ from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.types import SegmentKind, Shard
 
 
-def _chunk(
+def _rows(
     table: str, ids: list[int], width: int = 4, col_start: int = 0, dim: int = 4
 ) -> ShardRows:
     t = torch.tensor(ids, dtype=torch.int64)
@@ -48,9 +48,9 @@ def _write(path: Path, chunks: list[ShardRows], seq: int = 1) -> None:
 
 def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
     chunks = [
-        _chunk("t0", [3, 5, 99]),
-        _chunk("t1", [], width=2, col_start=2),
-        _chunk("t0", [1], width=2, col_start=2),
+        _rows("t0", [3, 5, 99]),
+        _rows("t1", [], width=2, col_start=2),
+        _rows("t0", [1], width=2, col_start=2),
     ]
     chunks.append(
         ShardRows(
@@ -76,7 +76,7 @@ def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
 
 def test_flipped_byte_fails_checksum(tmp_path: Path) -> None:
     p = tmp_path / "seg.dseg"
-    _write(p, [_chunk("t0", list(range(50)))])
+    _write(p, [_rows("t0", list(range(50)))])
     raw = bytearray(p.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     p.write_bytes(bytes(raw))
@@ -100,7 +100,7 @@ def _as_version_1(raw: bytes) -> bytes:
 
 def test_version_1_segments_are_still_read_and_verified(tmp_path: Path) -> None:
     """A spool written before format 2 (crc32) is served as it was, and its corruption found."""
-    chunks = [_chunk("t0", [3, 5, 99]), _chunk("t1", [7], width=2, col_start=2)]
+    chunks = [_rows("t0", [3, 5, 99]), _rows("t1", [7], width=2, col_start=2)]
     p2, p1 = tmp_path / "v2.dseg", tmp_path / "v1.dseg"
     _write(p2, chunks)
     assert p2.read_bytes()[:8] == b"DLTSEG02" and p2.read_bytes()[-8:] == b"DLTEND02"
@@ -118,7 +118,7 @@ def test_version_1_segments_are_still_read_and_verified(tmp_path: Path) -> None:
 
 def test_unknown_or_inconsistent_versions_are_refused(tmp_path: Path) -> None:
     p = tmp_path / "seg.dseg"
-    _write(p, [_chunk("t0", [1, 2])])
+    _write(p, [_rows("t0", [1, 2])])
     good = p.read_bytes()
     p.write_bytes(b"DLTSEG03" + good[8:])  # a newer writer's file
     for read in (read_segment, read_header):
@@ -136,7 +136,7 @@ def test_unknown_or_inconsistent_versions_are_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cut", [0, 10, 200, -1])
 def test_truncated_file_is_corrupt(tmp_path: Path, cut: int) -> None:
     p = tmp_path / "seg.dseg"
-    _write(p, [_chunk("t0", list(range(50)))])
+    _write(p, [_rows("t0", list(range(50)))])
     raw = p.read_bytes()
     p.write_bytes(raw[:cut] if cut >= 0 else raw[:-1])
     with pytest.raises(SegmentCorruptError):
@@ -144,7 +144,7 @@ def test_truncated_file_is_corrupt(tmp_path: Path, cut: int) -> None:
 
 
 def test_apply_segments_latest_value_wins(tmp_path: Path) -> None:
-    a, b = _chunk("t0", [1, 2, 3]), _chunk("t0", [2, 4])
+    a, b = _rows("t0", [1, 2, 3]), _rows("t0", [2, 4])
     _write(tmp_path / "a", [a], seq=1)
     _write(tmp_path / "b", [b], seq=2)
     tables = apply_segments({}, [read_segment(tmp_path / "a"), read_segment(tmp_path / "b")])
@@ -164,7 +164,7 @@ def test_unwritable_spool_is_refused(tmp_path: Path) -> None:
         with pytest.raises(SpoolError):
             SpoolLayout(blocker, "m").ensure_writable()
         with pytest.raises(SpoolError):
-            _write(blocker / "sub" / "seg.dseg", [_chunk("t0", [1])])
+            _write(blocker / "sub" / "seg.dseg", [_rows("t0", [1])])
     else:
         with pytest.raises(SpoolError):
             SpoolLayout(ro, "m").ensure_writable()
@@ -173,7 +173,7 @@ def test_unwritable_spool_is_refused(tmp_path: Path) -> None:
 def test_layout_lists_only_complete_segments(tmp_path: Path) -> None:
     lay = SpoolLayout(tmp_path, "m")
     for seq in (2, 0, 1):
-        _write(lay.segment_path(5, 0, seq), [_chunk("t0", [seq])], seq=seq)
+        _write(lay.segment_path(5, 0, seq), [_rows("t0", [seq])], seq=seq)
     (lay.rank_dir(5, 0) / ".tmp-abc.dseg").write_bytes(b"partial")
     assert [s for s, _ in lay.segments(5, 0)] == [0, 1, 2]
     assert lay.latest_generation() is None  # no manifest yet
@@ -215,3 +215,28 @@ def test_killed_writer_leaves_no_visible_partial_segment(tmp_path: Path) -> None
     assert segs, "the first segment was reported written"
     for _, path in segs:
         read_segment(path)  # every visible segment verifies
+
+
+def test_the_header_json_keeps_each_shard_flat_under_chunks(tmp_path: Path) -> None:
+    """The on-disk header is what version 2 always wrote: ``chunks``, one flat object per
+    shard (the Shard record is an in-memory type only)."""
+    import json
+    import struct
+
+    p = tmp_path / "seg.dseg"
+    _write(p, [_rows("t0", [3, 5], width=2, col_start=2)])
+    raw = p.read_bytes()
+    (hlen,) = struct.unpack_from("<I", raw, 8)
+    header = json.loads(raw[16 : 16 + hlen])
+    assert "shards" not in header
+    (entry,) = header["chunks"]
+    assert entry == {
+        "table": "t0", "num_rows": 100, "dim": 4, "row_start": 0, "row_end": 100,
+        "col_start": 2, "col_end": 4, "dtype": "float32", "count": 2,
+        "ids_offset": entry["ids_offset"], "values_offset": entry["values_offset"],
+    }  # fmt: skip
+    (meta,) = read_header(p).shards
+    assert meta.shard == Shard("t0", 100, 4, 0, 100, 2, 4)
+    assert (meta.shard.rows, meta.shard.width, meta.shard.covers_full_row) == (100, 2, False)
+    assert meta.shard.key == ("t0", 2, 4)
+    assert Shard.columns_of("t0", 100, 4, 0, 4).covers_full_row
