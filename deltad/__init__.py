@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "PullResult": "deltad.consume.client",
     "RankDelta": "deltad.consume.window",
     "ShardUpdate": "deltad.consume.window",
+    "SliceUpdate": "deltad.consume.window",  # the former name of ShardUpdate (not in __all__)
     "Applier": "deltad.consume.appliers",
     "TensorDictApplier": "deltad.consume.appliers",
     "TorchRecApplier": "deltad.consume.appliers",
