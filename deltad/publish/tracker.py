@@ -363,7 +363,7 @@ class DeltaTracker:
         if not self._modules:
             raise UnsupportedModelError(
                 "no sharded EmbeddingCollection / EmbeddingBagCollection to track: wrap the "
-                "model with DistributedModelParallel (and check TrackerConfig.fqns_to_skip)"
+                "model with DistributedModelParallel (and check PublisherConfig.fqns_to_skip)"
             )
         for name, mod in self._modules.items():
             if mod.post_lookup_tracker_fn is not None or mod.post_odist_tracker_fn is not None:
