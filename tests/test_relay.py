@@ -41,7 +41,13 @@ def db(redis_url: str, n: int) -> str:
 
     (Not an embedded Redis per relay: forking redis-server from this process while its gRPC
     threads run now and then aborts the child.)"""
-    return redis_url.rsplit("/", 1)[0] + f"/{n}"
+    from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(redis_url)
+    if parts.scheme == "unix":  # the db is a query parameter: unix:///path?db=0&password=...
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        return f"unix://{parts.path}?{urlencode({**query, 'db': str(n)})}"
+    return urlunsplit(parts._replace(path=f"/{n}"))
 
 
 def start_relay(
