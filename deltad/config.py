@@ -124,6 +124,13 @@ class PublisherConfig:
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
+        try:
+            self.train_loop = TrainLoop(self.train_loop)
+        except ValueError:
+            raise ConfigError(
+                f"train_loop {clip(self.train_loop)} is not one of {[t.value for t in TrainLoop]}"
+            ) from None
+        self.fqns_to_skip = tuple(self.fqns_to_skip)
         if self.dense_every_steps < 0 or self.dense_every_seconds < 0:
             raise ConfigError("dense intervals must be >= 0")
         check_name("model", self.model)

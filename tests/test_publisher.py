@@ -565,3 +565,7 @@ def test_the_train_loop_is_set_in_the_publisher_config(tmp_path: Path) -> None:
     assert pub.tracker is tracker
     with pytest.raises(ConfigError, match="must be a PublisherConfig"):
         SegmentPublisher(torch.nn.Module(), None, tracker=tracker)  # type: ignore[arg-type]
+    named = PublisherConfig(tmp_path, every_steps=1, train_loop="pipeline-base")  # type: ignore[arg-type]
+    assert named.train_loop is TrainLoop.PIPELINE_BASE
+    with pytest.raises(ConfigError, match="train_loop"):
+        PublisherConfig(tmp_path, every_steps=1, train_loop="bogus")  # type: ignore[arg-type]
