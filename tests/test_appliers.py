@@ -69,7 +69,7 @@ def test_dict_applier_allocates_and_resync_replaces_shape() -> None:
     assert t.shape == (3, 4) and torch.count_nonzero(t[2]) == 0
 
 
-def test_bad_slice_writes_nothing() -> None:
+def test_a_bad_shard_update_writes_nothing() -> None:
     base = torch.randn(10, 8)
     applier = TensorDictApplier({"t": base.clone()})
     good = _update("t", [1], 0, 8)

@@ -114,7 +114,7 @@ def test_rows_applied_in_place_equal_quantizing_the_updated_tables(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.value)
-def test_column_slices_complete_rows_across_ranks_and_windows(dtype: ServeDtype) -> None:
+def test_column_shards_complete_rows_across_ranks_and_windows(dtype: ServeDtype) -> None:
     fm = float_model()
     served = quantize_model(fm, dtype)
     applier = QuantApplier(served, chunk_rows=3)
@@ -170,7 +170,7 @@ def test_dense_weights_and_rows_of_one_window() -> None:
         applier.apply_dense({"over.0.weight": torch.zeros(2, 2)})
 
 
-def test_bad_slices_write_nothing() -> None:
+def test_bad_shard_updates_write_nothing() -> None:
     fm = float_model()
     served = quantize_model(fm, ServeDtype.INT8)
     applier = QuantApplier(served)

@@ -109,7 +109,7 @@ def test_max_step_bounds_the_window(
     assert client.pull("s").to_seq == 3
 
 
-def test_two_ranks_with_column_slices_rebuild_the_tables(
+def test_two_ranks_with_column_shards_rebuild_the_tables(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
     writers = [

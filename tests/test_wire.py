@@ -224,7 +224,7 @@ def test_fields_a_newer_server_adds_are_skipped() -> None:
 
 
 @pytest.mark.parametrize("dtype", [WireDtype.FP32, WireDtype.INT8])
-def test_zero_copy_parts_match_the_copied_slice(dtype: WireDtype) -> None:
+def test_zero_copy_parts_match_the_copied_shard(dtype: WireDtype) -> None:
     ids = torch.arange(3, 9000, 3)
     vals = torch.randn(ids.numel(), 6)
     msgs = _stream(ids, vals, dtype, 8192)
