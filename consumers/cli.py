@@ -103,6 +103,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify TLS sidecars")
     p.add_argument(
+        "--tls-cert",
+        type=Path,
+        help="client certificate (PEM) for sidecars that require mTLS (re-read when it changes)",
+    )
+    p.add_argument("--tls-key", type=Path, help="the private key (PEM) of --tls-cert")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the bearer token, re-read when it changes (instead of --token-env)",
+    )
+    p.add_argument(
         "--token-env",
         default="DELTAD_TOKEN",
         help="environment variable holding the bearer token (default: DELTAD_TOKEN)",
@@ -169,8 +180,11 @@ def run(args: argparse.Namespace) -> int:
         rpc_deadline_s=args.rpc_deadline,
         max_retries=args.max_retries,
         discovery_timeout_s=args.discovery_timeout,
-        token=os.environ.get(args.token_env) or None,
+        token=None if args.token_file else (os.environ.get(args.token_env) or None),
+        token_file=args.token_file,
         tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
         reuse_buffers_bytes=args.reuse_buffers_mb * (1 << 20),
         resume=args.resume,
     )
@@ -178,13 +192,19 @@ def run(args: argparse.Namespace) -> int:
         if dest is not None:
             _check_writable(flag, Path(dest))
     if consumer.sidecars:  # refused: a wrong model, fewer sidecars than ranks, none answering
+        from deltad.clientauth import ClientAuth
         from deltad.status import check_sidecars
 
         check_sidecars(
             consumer.sidecars,
             consumer.model,
-            token=consumer.token,
-            tls_ca=consumer.tls_ca,
+            auth=ClientAuth(
+                token=consumer.token,
+                token_file=consumer.token_file,
+                tls_ca=consumer.tls_ca,
+                tls_cert=consumer.tls_cert,
+                tls_key=consumer.tls_key,
+            ),
             deadline_s=args.discovery_timeout,
             rpc_timeout_s=min(args.rpc_deadline, 5.0),
         )

@@ -271,7 +271,7 @@ class SyncLoop:
             self._out.write(json.dumps(d, separators=(",", ":")) + "\n")
             self._out.flush()
         if isinstance(rec, PullLogLine) and (rec.rows or rec.missing):
-            log.info(
+            log.debug(  # -v: the library's line per pull says it (deltad.consume.client)
                 "pull %d: step %s (head %s) rows %d bytes %d fresh %s missing %s",
                 rec.pull, rec.step, rec.head_step, rec.rows, rec.bytes,
                 None if rec.freshness_s is None else f"{rec.freshness_s:.3f}s",

@@ -9,6 +9,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import grpc
 import pytest
@@ -41,13 +42,11 @@ def db(redis_url: str, n: int) -> str:
 
     (Not an embedded Redis per relay: forking redis-server from this process while its gRPC
     threads run now and then aborts the child.)"""
-    from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
-
-    parts = urlsplit(redis_url)
-    if parts.scheme == "unix":  # the db is a query parameter: unix:///path?db=0&password=...
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        return f"unix://{parts.path}?{urlencode({**query, 'db': str(n)})}"
-    return urlunsplit(parts._replace(path=f"/{n}"))
+    u = urlsplit(redis_url)
+    if u.scheme == "unix":  # the embedded server's URL: the db is a query parameter
+        query = [(k, v) for k, v in parse_qsl(u.query) if k != "db"] + [("db", str(n))]
+        return f"unix://{u.path}?{urlencode(query)}"
+    return redis_url.rsplit("/", 1)[0] + f"/{n}"
 
 
 def start_relay(

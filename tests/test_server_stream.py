@@ -262,7 +262,7 @@ def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dty
         "one-row-chunks",
     ],
 )
-def test_range_merge_equals_merge_chunks(layout: str, dtype: torch.dtype) -> None:
+def test_range_merge_equals_merge_rows(layout: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(len(layout))
     rows = torch.arange(1000, 6000)
 

@@ -76,6 +76,12 @@ class LogEntry:
             shards={c.key: c for c in seg.shards},
         )
 
+    @property
+    def first_created_unix(self) -> float:
+        """When the trainer published ``first_seq`` (``created_unix``: when it published
+        ``seq``); the two differ for a merge."""
+        return self.segment.header.first_created
+
 
 @dataclass(frozen=True)
 class DenseEntry:
