@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from deltad.segment.format import Segment, SegmentChunk, SegmentHeader, write_segment
+from deltad.segment.format import Segment, SegmentHeader, ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
-from deltad.types import SegmentKind
+from deltad.types import SegmentKind, Shard
 
 
 def skewed_unique_ids(num_rows: int, count: int, gen: torch.Generator) -> torch.Tensor:
@@ -53,14 +53,8 @@ def make_segments(
     for k in range(num_segments):
         ids = skewed_unique_ids(rows, per, gen)
         values = torch.full((ids.numel(), dim), float(k), dtype=torch.float32)
-        chunk = SegmentChunk(
-            table=table,
-            num_rows=rows,
-            dim=dim,
-            row_start=0,
-            row_end=rows,
-            col_start=0,
-            col_end=dim,
+        chunk = ShardRows(
+            shard=Shard(table, rows, dim, 0, rows, 0, dim),
             ids=ids,
             values=values,
         )
@@ -74,9 +68,9 @@ def make_segments(
             step=(k + 1) * 10,
             kind=SegmentKind.DELTA,
             created_unix=time.time(),
-            chunks=(),
+            shards=(),
         )
-        segs.append(Segment(header=header, chunks=[chunk]))
+        segs.append(Segment(header=header, shards=[chunk]))
     return segs
 
 
@@ -124,16 +118,10 @@ def write_spool(
     )
     gen = torch.Generator().manual_seed(seed)
 
-    def chunk(t: TableInfo, ids: torch.Tensor, fill: float) -> SegmentChunk:
+    def chunk(t: TableInfo, ids: torch.Tensor, fill: float) -> ShardRows:
         vals = torch.randn(ids.numel(), dim, generator=gen).add_(fill)
-        return SegmentChunk(
-            table=t.name,
-            num_rows=t.num_rows,
-            dim=dim,
-            row_start=0,
-            row_end=t.num_rows,
-            col_start=0,
-            col_end=dim,
+        return ShardRows(
+            shard=Shard(t.name, t.num_rows, dim, 0, t.num_rows, 0, dim),
             ids=ids,
             values=vals,
         )
@@ -148,7 +136,7 @@ def write_spool(
         seq=0,
         step=0,
         kind=SegmentKind.BASE,
-        chunks=base_chunks,
+        shards=base_chunks,
         fsync=False,
     )
     del base_chunks
@@ -168,7 +156,7 @@ def write_spool(
             seq=s,
             step=s * 10,
             kind=SegmentKind.DELTA,
-            chunks=chunks,
+            shards=chunks,
             fsync=False,
         )
     return {

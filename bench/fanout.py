@@ -400,9 +400,9 @@ def _append_delta(spool: Path, seq: int, rows_per_table: int, fraction: float = 
 
     from bench import deltad_procs
     from bench.datagen import skewed_unique_ids
-    from deltad.segment.format import SegmentChunk, write_segment
+    from deltad.segment.format import ShardRows, write_segment
     from deltad.segment.spool import SpoolLayout
-    from deltad.types import SegmentKind
+    from deltad.types import SegmentKind, Shard
 
     layout = SpoolLayout(spool, deltad_procs.MODEL)
     gen = torch.Generator().manual_seed(seq)
@@ -411,11 +411,11 @@ def _append_delta(spool: Path, seq: int, rows_per_table: int, fraction: float = 
         ids = skewed_unique_ids(rows_per_table, max(1, int(rows_per_table * fraction)), gen)
         vals = torch.randn(ids.numel(), DIM, generator=gen)
         chunks.append(
-            SegmentChunk(f"t{t}", rows_per_table, DIM, 0, rows_per_table, 0, DIM, ids, vals)
+            ShardRows(Shard(f"t{t}", rows_per_table, DIM, 0, rows_per_table, 0, DIM), ids, vals)
         )
     write_segment(
         layout.segment_path(1, 0, seq), model=deltad_procs.MODEL, generation=1, rank=0,
-        world_size=1, seq=seq, step=seq * 10, kind=SegmentKind.DELTA, chunks=chunks, fsync=False,
+        world_size=1, seq=seq, step=seq * 10, kind=SegmentKind.DELTA, shards=chunks, fsync=False,
     )  # fmt: skip
     return sum(c.ids.numel() * (8 + DIM * 4) for c in chunks)
 

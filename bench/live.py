@@ -90,7 +90,7 @@ def segment_headers(spool: Path, model: str = MODEL) -> list[dict[str, Any]]:
                 "step": h.step,
                 "created_unix": h.created_unix,
                 "kind": h.kind.value,
-                "rows": sum(c.count for c in h.chunks),
+                "rows": sum(c.count for c in h.shards),
                 "path": str(path),
             }
         )

@@ -26,17 +26,17 @@ DIM = 16
 def merge_function() -> tuple[Callable[..., Any] | None, str]:
     """deltad's window merge as ``f(segments) -> merged``, or (None, why not)."""
     try:
-        from deltad.serve.merge import merge_chunks
+        from deltad.serve.merge import merge_rows
     except Exception as e:
         return (
             None,
-            f"deltad.serve.merge.merge_chunks cannot be imported ({type(e).__name__}: {e})",
+            f"deltad.serve.merge.merge_rows cannot be imported ({type(e).__name__}: {e})",
         )
 
     def merge(segs: Sequence[Any], with_values: bool = True) -> Any:
-        return merge_chunks([c for seg in segs for c in seg.chunks], with_values=with_values)
+        return merge_rows([c for seg in segs for c in seg.shards], with_values=with_values)
 
-    return merge, "merge_chunks"
+    return merge, "merge_rows"
 
 
 def _unique(ids: list[torch.Tensor]) -> torch.Tensor:
@@ -64,7 +64,7 @@ def run(ctx: Context) -> dict[str, Any]:
     for n, s in configs:
         ctx.status(f"merge {n / 1e6:.1f}M ids x {s} segs")
         segs = make_segments(total_ids=n, num_segments=s, dim=DIM, seed=n + s)
-        ids = [c.ids for seg in segs for c in seg.chunks]
+        ids = [c.ids for seg in segs for c in seg.shards]
         total = sum(t.numel() for t in ids)
         uniq_t: list[float] = []
         merge_t: list[float] = []
@@ -80,7 +80,7 @@ def run(ctx: Context) -> dict[str, Any]:
             "ids": total,
             "unique_ids": unique_count,
             "segments": s,
-            "table_rows": segs[0].chunks[0].num_rows,
+            "table_rows": segs[0].shards[0].shard.num_rows,
             "dim": DIM,
             "torch_unique_s": summarize(uniq_t),
         }

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--malloc-tuned",
         action="store_true",
         help="run every process with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4G MALLOC_ARENA_MAX=1 "
-        "(the PERF-NOTES allocator setting for large buffers)",
+        "(the allocator setting of deltad.perf.tune_malloc for large buffers)",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")

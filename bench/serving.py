@@ -76,8 +76,8 @@ def run(ctx: Context) -> dict[str, Any]:
         ds = [_delta(applier, name, per_table, gen) for name in [*tables, "seq"]]
         if packed:
             for d in ds:
-                s = d.slices[0]
-                s.packed = applier.quant_tables[s.table].pack(s.values)
+                s = d.shards[0]
+                s.packed = applier.quant_tables[s.shard.table].pack(s.values)
                 s.values = None
         return ds
 
@@ -147,16 +147,16 @@ def run(ctx: Context) -> dict[str, Any]:
 def _delta(applier: Any, table: str, n: int, gen: Any) -> Any:
     import torch
 
-    from deltad.consume.window import RankDelta, SliceUpdate
-    from deltad.types import Cursor, Form, WireDtype
+    from deltad.consume.window import RankDelta, ShardUpdate
+    from deltad.types import Cursor, Form, Shard, WireDtype
 
     t = applier.quant_tables[table]
     ids = torch.randperm(t.num_rows, generator=gen)[:n].sort().values
     values = torch.randn(ids.numel(), t.dim, generator=gen) * 0.05
-    s = SliceUpdate(table, t.num_rows, t.dim, 0, t.dim, ids, values)
+    s = ShardUpdate(Shard.columns_of(table, t.num_rows, t.dim, 0, t.dim), ids, values)
     return RankDelta(
         rank=0, generation=0, resync=False, from_seq=0, to_seq=1, to_step=1, form=Form.ROWS,
-        wire_dtype=WireDtype.FP32, cursor=Cursor("bench", 0, 0, 1, 1), slices=[s],
+        wire_dtype=WireDtype.FP32, cursor=Cursor("bench", 0, 0, 1, 1), shards=[s],
     )  # fmt: skip
 
 
@@ -283,11 +283,11 @@ def _throughput(applier: Any, names: list[str], n: int, repeats: int, gen: Any) 
         bare: list[float] = []
         for rep in range(max(4, 2 * repeats)):
             deltas = [_delta(applier, name, n, gen) for name in names]
-            total = sum(d.slices[0].ids.numel() for d in deltas)
+            total = sum(d.shards[0].ids.numel() for d in deltas)
             if kind == "packed":
                 for d in deltas:
-                    s = d.slices[0]
-                    s.packed = applier.quant_tables[s.table].pack(s.values)
+                    s = d.shards[0]
+                    s.packed = applier.quant_tables[s.shard.table].pack(s.values)
                     s.values = None
 
             def run_ours(deltas: list[Any] = deltas) -> None:
@@ -296,13 +296,13 @@ def _throughput(applier: Any, names: list[str], n: int, repeats: int, gen: Any) 
             def run_bare(deltas: list[Any] = deltas, kind: str = kind) -> None:
                 updates = []
                 for d in deltas:
-                    s = d.slices[0]
-                    t = applier.quant_tables[s.table]
+                    s = d.shards[0]
+                    t = applier.quant_tables[s.shard.table]
                     if kind == "float":  # the layout any caller must produce
                         rows = pack_rows(s.values, t.dtype, t.row_bytes)
                     else:
                         rows = s.packed
-                    updates.append((s.table, s.ids, rows))
+                    updates.append((s.shard.table, s.ids, rows))
                 _bare_update(op, applier, updates)
 
             # the same rows both ways, in alternating order; both must leave the same bytes

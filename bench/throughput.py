@@ -122,7 +122,7 @@ def client_pull(
         rows = res.rows
         nbytes = res.bytes
         dense_bytes = res.dense_bytes
-        vals = sum(s.values.numel() for d in res.deltas for s in d.slices if s.values is not None)
+        vals = sum(s.values.numel() for d in res.deltas for s in d.shards if s.values is not None)
         del res
     finally:
         if not keep:

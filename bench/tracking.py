@@ -73,7 +73,7 @@ def _attach(
         if variant == "deltad_tmpfs":
             spool = Path(tempfile.mkdtemp(prefix="deltad-bench-", dir=TMPFS))
         pub = SegmentPublisher(
-            dmp, None, PublisherConfig(spool_dir=spool, model="bench", every_steps=every)
+            dmp, PublisherConfig(spool_dir=spool, model="bench", every_steps=every)
         )
         pub.start(0)
         state = {"last": 0}

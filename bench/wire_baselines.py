@@ -2,7 +2,7 @@
 
 * **raw TCP**: loopback socket, the server ``sendall``s a preallocated buffer in chunks, the
   client ``recv_into``s a preallocated buffer (the ceiling on one machine).
-* **bare gRPC**: the PERF-NOTES recipe. A server-streaming method whose messages are built by
+* **bare gRPC**: the fastest recipe measured for gRPC Python. A server-streaming method whose messages are built by
   hand in one copy (protobuf tag + varint length joined with a memoryview of the payload,
   shaped like ``GetDeltaResponse{chunk{values}}``) and passed through an identity serializer;
   the client takes raw bytes (no protobuf parsing) and copies each payload into a tensor
@@ -82,7 +82,7 @@ def _source(nbytes: int) -> Any:
 
 def _tune() -> None:
     """The allocator settings deltad's own processes use (`deltad serve` / `deltad consume`):
-    a baseline must not lose for want of a knob deltad turns (PERF-NOTES: 1.3 -> 2.1 GB/s)."""
+    a baseline must not lose for want of a knob deltad turns (measured: 1.3 -> 2.1 GB/s)."""
     from deltad.perf import tune_malloc
 
     tune_malloc()

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     from deltad.errors import ConfigError
     from deltad.types import Form
 
-    from .predictor import Predictor, PredictorConfig
+    from .predictor import SyncLoop, SyncLoopConfig
 
     if args.pulls < 0 or args.duration < 0 or args.interval < 0:
         raise ConfigError("--pulls, --duration and --interval must be >= 0 (0: no limit)")
@@ -218,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
             deadline_s=args.discovery_timeout,
             rpc_timeout_s=min(args.rpc_deadline, 5.0),
         )
-    predictor = Predictor(
-        PredictorConfig(
+    predictor = SyncLoop(
+        SyncLoopConfig(
             consumer=consumer,
             interval_s=args.interval,
             duration_s=args.duration,

@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class PredictorConfig:
-    """What `deltad consume` runs."""
+class SyncLoopConfig:
+    """What `deltad consume` runs (a :class:`SyncLoop`)."""
 
     consumer: ConsumerConfig
     interval_s: float = 0.5
@@ -58,7 +58,7 @@ class PredictorConfig:
 
 
 @dataclass
-class PullRecord:
+class PullLogLine:
     """One line of the predictor's log."""
 
     event: str
@@ -82,8 +82,8 @@ class PullRecord:
 
 
 @dataclass
-class PredictorSummary:
-    """Totals of a predictor run."""
+class SyncSummary:
+    """Totals of a sync loop's run (the last line of its log)."""
 
     event: str
     consumer: str
@@ -116,10 +116,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1])
 
 
-class Predictor:
-    """Holds the tables and runs the pull / apply / commit loop."""
+class SyncLoop:
+    """The reference predictor's sync loop: holds the tables (or a serving model) and runs
+    the pull / apply / commit loop; forwards, if any, run in :class:`ForwardLoop`."""
 
-    def __init__(self, config: PredictorConfig) -> None:
+    def __init__(self, config: SyncLoopConfig) -> None:
         self.config = config
         self.applier: Applier
         self.model: torch.nn.Module | None = None
@@ -137,7 +138,7 @@ class Predictor:
                 tables = load_tables(config.init_tables)
             self.applier = TensorDictApplier(tables)
         self.stop_event = threading.Event()
-        self.records: list[PullRecord] = []
+        self.records: list[PullLogLine] = []
         self.freshness: list[float] = []
         self.served_step: int | None = None
         self._out: IO[str] | None = None
@@ -146,7 +147,7 @@ class Predictor:
         """Ask the loop to finish after the current pull."""
         self.stop_event.set()
 
-    def run(self) -> PredictorSummary:
+    def run(self) -> SyncSummary:
         """Pull until duration / pulls / stop(); write the final tables; return totals."""
         c = self.config
         deadline = time.monotonic() + c.duration_s if c.duration_s > 0 else None
@@ -185,7 +186,7 @@ class Predictor:
             if self._out is not None and self._out is not sys.stdout:
                 self._out.close()
 
-    def pull_once(self, consumer: DeltaConsumer, n: int) -> PullRecord:
+    def pull_once(self, consumer: DeltaConsumer, n: int) -> PullLogLine:
         """One pull, apply (not for the ids form), commit; the record of what happened."""
         t0 = time.monotonic()
         result = consumer.pull()
@@ -208,7 +209,7 @@ class Predictor:
 
     def _record(
         self, r: PullResult, n: int, applied_unix: float, pull_s: float, apply_s: float
-    ) -> PullRecord:
+    ) -> PullLogLine:
         fresh = None
         if r.deltas and r.step is not None:
             new_step = r.resync or self.served_step is None or r.step > self.served_step
@@ -216,7 +217,7 @@ class Predictor:
                 fresh = max(0.0, applied_unix - r.source_unix)
                 self.freshness.append(fresh)
             self.served_step = r.step
-        rec = PullRecord(
+        rec = PullLogLine(
             event="pull",
             consumer=self.config.consumer.consumer,
             t=applied_unix,
@@ -229,7 +230,7 @@ class Predictor:
             freshness_s=fresh,
             rows=r.rows,
             bytes=r.bytes,
-            owed=sum(s.owed for d in r.deltas for s in d.slices),
+            owed=sum(s.owed for d in r.deltas for s in d.shards),
             resync=r.resync,
             missing=r.missing,
             pull_s=pull_s,
@@ -240,11 +241,11 @@ class Predictor:
         self.records.append(rec)
         return rec
 
-    def summary(self) -> PredictorSummary:
+    def summary(self) -> SyncSummary:
         f = self.forwards
         idle = [x * 1e3 for x in f.idle_s] if f is not None else []
         busy = [x * 1e3 for x in f.apply_s] if f is not None else []
-        return PredictorSummary(
+        return SyncSummary(
             event="summary",
             consumer=self.config.consumer.consumer,
             pulls=len(self.records),
@@ -272,12 +273,12 @@ class Predictor:
             Path(dest).parent.mkdir(parents=True, exist_ok=True)
             self._out = open(dest, "a", buffering=1)  # noqa: SIM115 - closed in run()
 
-    def _emit(self, rec: PullRecord | PredictorSummary) -> None:
+    def _emit(self, rec: PullLogLine | SyncSummary) -> None:
         d: dict[str, Any] = asdict(rec)
         if self._out is not None:
             self._out.write(json.dumps(d, separators=(",", ":")) + "\n")
             self._out.flush()
-        if isinstance(rec, PullRecord) and (rec.rows or rec.missing):
+        if isinstance(rec, PullLogLine) and (rec.rows or rec.missing):
             log.debug(  # -v: the library's line per pull says it (deltad.consume.client)
                 "pull %d: step %s (head %s) rows %d bytes %d fresh %s missing %s",
                 rec.pull, rec.step, rec.head_step, rec.rows, rec.bytes,

@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "WireDtype": "deltad.types",
     "TrainLoop": "deltad.types",
     "Cursor": "deltad.types",
+    "Shard": "deltad.types",
     # errors
     "DeltadError": "deltad.errors",
     "ConfigError": "deltad.errors",
@@ -40,7 +41,8 @@ _EXPORTS: dict[str, str] = {
     "DeltaConsumer": "deltad.consume.client",
     "PullResult": "deltad.consume.client",
     "RankDelta": "deltad.consume.window",
-    "SliceUpdate": "deltad.consume.window",
+    "ShardUpdate": "deltad.consume.window",
+    "SliceUpdate": "deltad.consume.window",  # the former name of ShardUpdate (not in __all__)
     "Applier": "deltad.consume.appliers",
     "TensorDictApplier": "deltad.consume.appliers",
     "TorchRecApplier": "deltad.consume.appliers",
@@ -69,8 +71,9 @@ __all__ = [
     "SegmentPublisher",
     "ServeDtype",
     "ServerConfig",
+    "Shard",
+    "ShardUpdate",
     "SidecarUnavailableError",
-    "SliceUpdate",
     "TensorDictApplier",
     "TorchRecApplier",
     "TrackerConfig",
@@ -105,8 +108,16 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from deltad.consume.appliers import Applier, TensorDictApplier, TorchRecApplier
     from deltad.consume.client import DeltaConsumer, PullResult
     from deltad.consume.quant import QuantApplier, quantize_model
-    from deltad.consume.window import RankDelta, SliceUpdate
+    from deltad.consume.window import RankDelta, ShardUpdate
     from deltad.errors import ConfigError, ConsumerError, DeltadError, SidecarUnavailableError
     from deltad.publish.publisher import SegmentPublisher
     from deltad.publish.tracker import DeltaTracker
-    from deltad.types import ApplyConsistency, Cursor, Form, ServeDtype, TrainLoop, WireDtype
+    from deltad.types import (
+        ApplyConsistency,
+        Cursor,
+        Form,
+        ServeDtype,
+        Shard,
+        TrainLoop,
+        WireDtype,
+    )

@@ -11,7 +11,10 @@ hold the memory escapes it: a Python ``UntypedStorage`` object kept alone (``t.u
 with every tensor over it dropped) does not count; keep a tensor or view instead, or copy, or
 turn the pool off (``ConsumerConfig.reuse_buffers_bytes = 0``).
 
-A pool is thread-safe; ``DeltaConsumer`` keeps one per rank.
+A pool is thread-safe; ``DeltaConsumer`` keeps one per rank, and the trainer's
+``SegmentPublisher`` one for its touched-row copies (pinned for device weights, with headroom
+so a copy that grew a little still fits; a buffer whose segment is queued or being written is
+referenced by that job, so it is never handed out again before the file is written).
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ def storage_refs(t: torch.Tensor) -> int | None:
 
 
 class _Buffer:
-    __slots__ = ("base", "idle_refs", "used")
+    __slots__ = ("base", "idle_refs", "pinned", "used")
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.base = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def __init__(self, nbytes: int, device: torch.device, pinned: bool) -> None:
+        self.base = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pinned)
+        self.pinned = pinned
         # references while only the pool holds it (measured, not assumed: torch versions
         # differ in whether the Python storage object is cached)
         self.idle_refs = storage_refs(self.base)
@@ -65,6 +69,8 @@ class BufferPool:
     decoded) drops the free buffers that round did not use, so the pool holds about one
     window plus whatever results the caller still keeps. ``max_bytes`` bounds what it keeps;
     tensors under ``min_bytes`` (default :data:`MIN_POOLED_BYTES`) are plain allocations.
+    A new buffer is ``headroom`` (a fraction) larger than asked, rounded up to ``granule``
+    bytes (default :data:`GRANULE`).
     """
 
     def __init__(
@@ -73,14 +79,20 @@ class BufferPool:
         max_bytes: int = 8 << 30,
         min_bytes: int | None = None,
         device: torch.device | str = "cpu",
+        granule: int = GRANULE,
+        headroom: float = 0.0,
     ) -> None:
         if min_bytes is None:
             min_bytes = MIN_POOLED_BYTES
         if max_bytes < 0 or min_bytes < 0:
             raise ValueError(f"max_bytes and min_bytes must be >= 0, got {max_bytes}, {min_bytes}")
+        if granule < 1 or headroom < 0:
+            raise ValueError(f"granule must be >= 1 and headroom >= 0, got {granule}, {headroom}")
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes
         self.device = torch.device(device)
+        self.granule = granule
+        self.headroom = headroom
         self._buffers: list[_Buffer] = []
         self._lock = threading.Lock()
         #: buffers handed out again / allocated, over the pool's life (for tests and metrics)
@@ -92,32 +104,39 @@ class BufferPool:
         """Bytes the pool holds (in use or free)."""
         return sum(b.nbytes for b in self._buffers)
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised tensor of ``shape`` and ``dtype``, on a reused buffer if one is free."""
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool = False
+    ) -> torch.Tensor:
+        """An uninitialised tensor of ``shape`` and ``dtype``, on a reused buffer if one is free
+        (``pin_memory``: page-locked host memory, for asynchronous copies from a device)."""
         n = 1
         for s in shape:
             n *= s
         nbytes = n * dtype.itemsize
         if nbytes == 0 or nbytes < self.min_bytes:
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            return torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
         with self._lock:
-            return self._take(nbytes, dtype, shape)
+            return self._take(nbytes, dtype, shape, pin_memory)
 
-    def _take(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def _take(
+        self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], pinned: bool
+    ) -> torch.Tensor:
         best: _Buffer | None = None
         for b in self._buffers:
             if (
                 not b.used
+                and b.pinned == pinned
                 and b.nbytes >= nbytes
                 and (best is None or b.nbytes < best.nbytes)
                 and b.free()
             ):
                 best = b
         if best is None:
-            size = -(-nbytes // GRANULE) * GRANULE
+            want = nbytes + int(nbytes * self.headroom)
+            size = -(-want // self.granule) * self.granule
             if sum(b.nbytes for b in self._buffers) + size > self.max_bytes:
-                return torch.empty(shape, dtype=dtype, device=self.device)
-            best = _Buffer(size, self.device)
+                return torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pinned)
+            best = _Buffer(size, self.device, pinned)
             self._buffers.append(best)
             self.allocated += 1
         else:
@@ -134,3 +153,8 @@ class BufferPool:
                     keep.append(b)
                 b.used = False
             self._buffers = keep
+
+    def clear(self) -> None:
+        """Forget every buffer (tensors handed out stay valid: they keep their memory)."""
+        with self._lock:
+            self._buffers = []

@@ -75,16 +75,7 @@ class TrackerConfig:
     fqns_to_skip: tuple[str, ...] = ()
     #: The train loop; decides how many lookups run ahead of the optimizer (see TrainLoop).
     train_loop: TrainLoop = TrainLoop.PLAIN
-    #: CPU weights: fold each lookup's ids into the bitmaps on a background thread (in
-    #: order, drains queued behind them) instead of in the output dist's hook. Off, or with
-    #: device weights, the hook folds them itself.
-    fold_in_background: bool = True
-    #: Lookups waiting for the fold thread before the training loop's hook blocks.
-    max_pending_folds: int = 16
-
-    def __post_init__(self) -> None:
-        if self.max_pending_folds < 1:
-            raise ConfigError("max_pending_folds must be >= 1")
+    # Tunables (fold thread, its queue): deltad.knobs.
 
 
 @dataclass
@@ -93,6 +84,11 @@ class PublisherConfig:
 
     spool_dir: Path
     model: str = "model"
+    #: The train loop (plain or a torchrec pipeline); decides how many lookups run ahead of
+    #: the optimizer, whose rows the publisher keeps owed (see TrainLoop).
+    train_loop: TrainLoop = TrainLoop.PLAIN
+    #: Sharded module FQNs (or parts of them) not to track.
+    fqns_to_skip: tuple[str, ...] = ()
     #: Publish every N steps (0 = off). At least one of every_steps / every_seconds is set.
     every_steps: int = 0
     #: Publish when this many seconds have passed since the last segment (0 = off).
@@ -104,12 +100,7 @@ class PublisherConfig:
     max_pending_writes: int = 2
     #: fsync segment files and their directory (off only for benchmarks on tmpfs).
     fsync: bool = True
-    #: Niceness added to the background writer thread (Linux: per thread; 0 = leave it), so
-    #: its checksum/write/fsync yields the cores to the training loop's intra-op threads.
-    writer_nice: int = 10
-    #: Copy touched rows into reused buffers (a small pool per shard, each buffer back in the
-    #: pool once its segment is written) instead of new ones, which page-fault on first write.
-    reuse_copy_buffers: bool = True
+    # Tunables (writer thread niceness, copy-buffer reuse): deltad.knobs.
     #: CPU weights: read the drained ids and copy the rows on a background thread while the
     #: next forward runs; the next backward waits for it before any row is updated (see
     #: deltad.publish.publisher). Off: the loop copies at the boundary. Device weights always copy
@@ -133,6 +124,13 @@ class PublisherConfig:
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
+        try:
+            self.train_loop = TrainLoop(self.train_loop)
+        except ValueError:
+            raise ConfigError(
+                f"train_loop {clip(self.train_loop)} is not one of {[t.value for t in TrainLoop]}"
+            ) from None
+        self.fqns_to_skip = tuple(self.fqns_to_skip)
         if self.dense_every_steps < 0 or self.dense_every_seconds < 0:
             raise ConfigError("dense intervals must be >= 0")
         check_name("model", self.model)
@@ -144,8 +142,6 @@ class PublisherConfig:
             raise ConfigError("set every_steps or every_seconds (or both)")
         if self.max_pending_writes < 1:
             raise ConfigError("max_pending_writes must be >= 1")
-        if not 0 <= self.writer_nice <= 19:
-            raise ConfigError("writer_nice must be in 0..19")
 
 
 def check_client_auth(
@@ -218,8 +214,7 @@ class ServerConfig:
     window_cache_bytes: int = 1 << 30
     #: Retention: merge runs of at least this many segments between live cursors.
     merge_min_segments: int = 4
-    #: Retention: most input bytes one background round may merge (bounded work per round).
-    merge_max_bytes_per_round: int = 1 << 30
+    # Retention's bound on one round's merge input: deltad.knobs.MERGE_MAX_BYTES_PER_ROUND.
     retention_interval_s: float = 1.0
     #: Forget a consumer this long after its lease expired and it was last heard of: its
     #: cursors, pending pulls and owed rows go (0 = keep forever). Back, it is a new consumer.

@@ -7,7 +7,7 @@ MALLOC_TRIM_THRESHOLD_=2G MALLOC_ARENA_MAX=1`` would at startup, through glibc's
   A fresh mapping is zero-filled page by page on first touch, so every new multi-MB buffer
   (a merged window, an encoded 2 MB chunk, a received message, a tensor being rebuilt) pays
   page faults: ``ndarray.tobytes()`` of 64 MB runs at ~2.2 GB/s vs 12-14 GB/s with the
-  setting (PERF-NOTES.md).
+  setting (measured on this project's hardware).
 * ``M_ARENA_MAX = 1``: every thread allocates from the main heap, to which the two settings
   here apply. Other threads otherwise get arenas of their own, built from 64 MB mmapped heaps
   that are handed back to the kernel as they empty: a window decoded in a worker thread (as

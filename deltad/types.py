@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 
 class Form(enum.Enum):
-    """What GetDelta returns for a window (see DESIGN.md, "What GetDelta returns")."""
+    """What GetDelta returns for a window (the ``Form`` enum of protos/deltad/v1/delta.proto)."""
 
     IDS = "ids"  # compacted global ids touched in the window
     ROWS = "rows"  # those ids with their values at the head
@@ -25,7 +25,7 @@ class WireDtype(enum.Enum):
     BF16 = "bf16"
     INT8 = "int8"  # row-wise: int8 codes + a float32 (scale, bias) pair per row
     # Rows in the byte layout of a TorchRec / fbgemm inference table (see deltad.wire):
-    # decoded into SliceUpdate.packed (uint8 [n, row_bytes]), not into float values.
+    # decoded into ShardUpdate.packed (uint8 [n, row_bytes]), not into float values.
     PACKED_INT8 = "packed-int8"  # int8 codes, fp16 scale, fp16 bias, zero pad to alignment
     PACKED_INT4 = "packed-int4"  # int4 codes (2 per byte), fp16 scale, fp16 bias, zero pad
     PACKED_FP16 = "packed-fp16"  # fp16 values, zero pad to alignment
@@ -108,6 +108,59 @@ class ColumnRange:
     @property
     def width(self) -> int:
         return self.end - self.start
+
+
+#: Identifies a shard's column range of a table across segments and windows:
+#: ``(table, col_start, col_end)`` (the row range is the rank's, fixed for a generation).
+ShardKey = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A shard: the piece of one embedding table a rank holds, rows ``[row_start, row_end)``
+    by columns ``[col_start, col_end)`` of a ``num_rows`` x ``dim`` table.
+
+    Segments, the trainer's tracker, the sidecar's merges and the consumer's updates all
+    describe their rows with one. The GetDelta wire does not carry a rank's row range: a
+    consumer's shards span the whole table's rows (``0, num_rows``).
+    """
+
+    table: str
+    num_rows: int  # rows of the whole (global) table
+    dim: int  # columns of the whole table
+    row_start: int  # global row range of the shard
+    row_end: int
+    col_start: int  # column range of the shard
+    col_end: int
+
+    @classmethod
+    def columns_of(cls, table: str, num_rows: int, dim: int, col_start: int, col_end: int) -> Shard:
+        """A consumer's shard: a column range over every row of the table."""
+        return cls(table, num_rows, dim, 0, num_rows, col_start, col_end)
+
+    @property
+    def rows(self) -> int:
+        """Rows in the shard's row range."""
+        return self.row_end - self.row_start
+
+    @property
+    def width(self) -> int:
+        """Columns in the shard's column range."""
+        return self.col_end - self.col_start
+
+    @property
+    def columns(self) -> ColumnRange:
+        return ColumnRange(self.col_start, self.col_end)
+
+    @property
+    def covers_full_row(self) -> bool:
+        """The shard holds every column of its rows (not a column-wise shard)."""
+        return self.col_start == 0 and self.col_end == self.dim
+
+    @property
+    def key(self) -> ShardKey:
+        """Identifies the shard's column range of its table across segments."""
+        return (self.table, self.col_start, self.col_end)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ GET_DELTA_METHOD = "/deltad.v1.DeltaService/GetDelta"
 #: The largest GetDelta message a consumer accepts (its channel's receive limit); the
 #: sidecar never sends a larger one, whatever its --chunk-bytes / --max-message-bytes.
 CONSUMER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-#: A header announcing a slice of more values than this (rows x columns) is refused before
+#: A header announcing a TableSlice of more values than this (rows x columns) is refused before
 #: anything is allocated (2**36 float32 values: 256 GiB).
 MAX_SLICE_ELEMENTS = 1 << 36
 #: Trailing metadata of a GetDelta refused with RESOURCE_EXHAUSTED (the sidecar's stream
@@ -179,7 +179,7 @@ def packed_row_bytes(dim: int, dtype: WireDtype, alignment: int) -> int:
 
 
 def packed_refusal(dtype: WireDtype, dim: int, col_start: int, col_end: int) -> str | None:
-    """Why rows of a table slice cannot travel packed in ``dtype`` (None: they can). A packed
+    """Why rows of a shard cannot travel packed in ``dtype`` (None: they can). A packed
     request sends such slices as fp32 values instead (:func:`slice_dtype`)."""
     if (col_start, col_end) != (0, dim):
         return (

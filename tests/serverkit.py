@@ -18,10 +18,10 @@ from deltad.config import ServerConfig
 from deltad.consume import decode
 from deltad.consume.window import RankDelta
 from deltad.redisutil import EmbeddedRedis
-from deltad.segment.format import SegmentChunk, write_segment
+from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.serve.app import SidecarServer
-from deltad.types import Form, SegmentKind, WireDtype
+from deltad.types import Form, SegmentKind, Shard, WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
@@ -111,7 +111,9 @@ class SpoolWriter:
             n, d = self.specs[t]
             for c0, c1 in self.cols(t):
                 chunks.append(
-                    SegmentChunk(t, n, d, lo, hi, c0, c1, i, self.truth[t][i, c0:c1].contiguous())
+                    ShardRows(
+                        Shard(t, n, d, lo, hi, c0, c1), i, self.truth[t][i, c0:c1].contiguous()
+                    )
                 )
         write_segment(
             self.layout.segment_path(self.generation, self.rank, self.seq),
@@ -122,7 +124,7 @@ class SpoolWriter:
             seq=self.seq,
             step=self.step,
             kind=kind,
-            chunks=chunks,
+            shards=chunks,
             fsync=self.fsync,
         )
         return self.seq
@@ -140,10 +142,10 @@ class Replica:
 
     def apply(self, d: RankDelta) -> None:
         # a resync window holds every row of the rank's shards: overwriting them is a replace
-        for s in d.slices:
-            t = self.tables.setdefault(s.table, torch.zeros(s.num_rows, s.dim))
+        for s in d.shards:
+            t = self.tables.setdefault(s.shard.table, torch.zeros(s.shard.num_rows, s.shard.dim))
             if s.values is not None and s.ids.numel():
-                t[s.ids, s.col_start : s.col_end] = s.values
+                t[s.ids, s.shard.col_start : s.shard.col_end] = s.values
 
 
 class Client:

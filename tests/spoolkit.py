@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from deltad.segment.format import SegmentChunk, write_segment
+from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
-from deltad.types import SegmentKind
+from deltad.types import SegmentKind, Shard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ class FakeTrainer:
         for n, (r, d) in self.shapes.items():
             lo, hi = self.shard(rank, r)
             i = ids[n].sort().values.to(torch.int64)
-            chunks.append(SegmentChunk(n, r, d, lo, hi, 0, d, i, vals[n][i].clone()))
+            chunks.append(ShardRows(Shard(n, r, d, lo, hi, 0, d), i, vals[n][i].clone()))
         self.seq[rank] += 1
         write_segment(
             self.layout.segment_path(self.generation, rank, self.seq[rank]),
@@ -120,7 +120,7 @@ class FakeTrainer:
             seq=self.seq[rank],
             step=step,
             kind=kind,
-            chunks=chunks,
+            shards=chunks,
             fsync=False,
         )
 

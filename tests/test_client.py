@@ -215,7 +215,7 @@ VICTIM = textwrap.dedent(
     c = DeltaConsumer(cfg).connect()
     r = c.pull()
     print(json.dumps({"rows": r.rows, "step": r.step,
-                      "ids": sorted(int(i) for d in r.deltas for s in d.slices for i in s.ids)}))
+                      "ids": sorted(int(i) for d in r.deltas for s in d.shards for i in s.ids)}))
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)  # dies after receiving, before committing
     """
@@ -243,7 +243,7 @@ def test_killed_before_commit_gets_the_rows_again(tmp_path: Path, redis_url: str
         with consumer("victim", servers) as c:
             applier = TensorDictApplier()
             r = c.pull()
-            ids = sorted(int(i) for d in r.deltas for s in d.slices for i in s.ids)
+            ids = sorted(int(i) for d in r.deltas for s in d.shards for i in s.ids)
             assert r.rows == seen["rows"] and ids == seen["ids"]  # redelivered, whole
             applier.apply(r.deltas)
             c.commit(r)
@@ -376,13 +376,13 @@ def test_rebuild_buffers_are_reused_only_once_released(
         snapshot = [
             (s.ids.clone(), None if s.values is None else s.values.clone())
             for d in held.deltas
-            for s in d.slices
+            for s in d.shards
         ]
         second = c.pull()
         pools = [r.buffers for r in c._ranks]
         assert all(p is not None and p.reused == 0 for p in pools)
         for (ids, vals), s in zip(
-            snapshot, (s for d in held.deltas for s in d.slices), strict=True
+            snapshot, (s for d in held.deltas for s in d.shards), strict=True
         ):
             assert torch.equal(s.ids, ids) and (vals is None or torch.equal(s.values, vals))
         del held, snapshot

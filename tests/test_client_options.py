@@ -162,7 +162,7 @@ def test_ids_and_int8_topk_forms(tmp_path: Path, redis_url: str) -> None:
             pulls = []
             for _ in range(10):  # k=4 of 10 changed rows per pull: converges in 3
                 r = c.sync(applier.apply)
-                pulls.append((r.rows, sum(s.owed for d in r.deltas for s in d.slices)))
+                pulls.append((r.rows, sum(s.owed for d in r.deltas for s in d.shards)))
                 if pulls[-1] == (0, 0):
                     break
             assert pulls[0] == (4, 6) and pulls[-1] == (0, 0), pulls

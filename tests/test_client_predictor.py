@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from deltad.reference.consumers.predictor import Predictor, PredictorConfig, percentile
+from deltad.reference.consumers.predictor import SyncLoop, SyncLoopConfig, percentile
 from spoolkit import FakeTrainer
 
 from deltad.config import ConsumerConfig, ServerConfig
@@ -37,7 +37,7 @@ def test_predictor_logs_pulls_and_writes_final_tables(tmp_path: Path, redis_url:
         for r in range(2)
     ]
     try:
-        cfg = PredictorConfig(
+        cfg = SyncLoopConfig(
             consumer=ConsumerConfig(
                 consumer="pred", model="m", sidecars=tuple(s.endpoint for s in servers)
             ),
@@ -47,7 +47,7 @@ def test_predictor_logs_pulls_and_writes_final_tables(tmp_path: Path, redis_url:
             final_tables=tmp_path / "final.pt",
             json_log=str(tmp_path / "log.jsonl"),
         )
-        summary = Predictor(cfg).run()
+        summary = SyncLoop(cfg).run()
     finally:
         for s in servers:
             s.stop(0.5)

@@ -24,7 +24,6 @@ from deltad.config import ConsumerConfig, PublisherConfig, PullOptions
 from deltad.consume import decode
 from deltad.consume.client import DeltaConsumer, RankStatus, _dense_target
 from deltad.publish.publisher import SegmentPublisher
-from deltad.publish.tracker import DeltaTracker
 from deltad.segment.format import decode_dense, encode_dense, read_dense, read_segment, write_dense
 from deltad.segment.spool import SpoolLayout
 from deltad.serve import encode
@@ -84,7 +83,7 @@ def _train_worker(rank: int, world_size: int, spool: str, every: int) -> None:
     dmp = dense_dmp(world_size)
     opt = _optimizer(dmp, 0.05)
     cfg = PublisherConfig(Path(spool), model="toy", every_steps=1, dense_every_steps=every)
-    pub = SegmentPublisher(dmp, DeltaTracker(dmp), cfg)
+    pub = SegmentPublisher(dmp, cfg)
     gen = pub.start(0)
     truth: dict[int, dict[str, torch.Tensor]] = {
         0: {n: t.detach().clone() for n, t in pub.dense_tensors().items()}

@@ -93,7 +93,7 @@ def test_first_created_is_optional_and_checked(tmp_path: Path) -> None:
     assert b"first_created_unix" not in h.to_json()
     t0 = 1_700_000_000.0
     kw = dict(model="m", generation=1, rank=0, world_size=1, seq=3, first_seq=1, step=30,
-              kind=SegmentKind.DELTA, chunks=[], fsync=False)  # fmt: skip
+              kind=SegmentKind.DELTA, shards=[], fsync=False)  # fmt: skip
     ok = write_segment(tmp_path / "ok.dseg", created_unix=t0, first_created_unix=t0 - 60, **kw)
     assert read_header(tmp_path / "ok.dseg").first_created == t0 - 60
     check_header(ok, spool.layout.read_manifest(1), generation=1, rank=0, seq=3)

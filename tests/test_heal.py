@@ -26,6 +26,7 @@ from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import TableInfo
 from deltad.serve.app import SidecarServer
 from deltad.serve.log import GAP_GRACE_S
+from deltad.types import Shard
 
 __all__ = ["redis_server"]
 
@@ -38,8 +39,8 @@ class _Tracker:
     def __init__(self) -> None:
         self.weight = torch.zeros(ROWS, DIM)
         self.shard = TrackedShard(
-            module="m", kind="ec", table="t", sharding_type="row_wise", num_rows=ROWS, dim=DIM,
-            row_start=0, row_end=ROWS, col_start=0, col_end=DIM, weight=self.weight,
+            module="m", kind="ec", sharding_type="row_wise",
+            shard=Shard("t", ROWS, DIM, 0, ROWS, 0, DIM), weight=self.weight,
         )  # fmt: skip
         self.shards = [self.shard]
         self.tables = [TableInfo("t", ROWS, DIM, "float32", "m", "ec", "row_wise")]
@@ -62,7 +63,7 @@ class _Tracker:
 
 def _publisher(spool: Path, tracker: _Tracker, **kw: Any) -> SegmentPublisher:
     cfg = PublisherConfig(spool, model="m", every_steps=1, fsync=False, rebase_retry_s=0, **kw)
-    return SegmentPublisher(torch.nn.Module(), tracker, cfg)  # type: ignore[arg-type]
+    return SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
 
 
 def _written(pub: SegmentPublisher, seq: int) -> None:

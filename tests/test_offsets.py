@@ -10,13 +10,13 @@ from serverkit import redis_server
 
 from deltad.errors import OffsetStoreError
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve.offsets import CommitRejected, OffsetStore, PullRecord
+from deltad.serve.offsets import CommitRejected, OffsetStore, PendingPull
 
 __all__ = ["redis_server"]
 
 
 def _pull(store: OffsetStore, consumer: str, pid: str, seq: int, gen: int = 1) -> None:
-    store.record_pull(consumer, 0, PullRecord(pid, gen, seq, seq * 10, "", 0))
+    store.record_pull(consumer, 0, PendingPull(pid, gen, seq, seq * 10, "", 0))
 
 
 def _commit(store: OffsetStore, consumer: str, pid: str, seq: int, gen: int = 1) -> int:
@@ -124,9 +124,9 @@ def test_forget_idle_drops_every_rank_of_a_silent_consumer(redis_server: Embedde
     for c in ("gone", "alive", "recent"):
         s.register(c, 0.2 if c != "alive" else 60.0)
         for rank in (0, 1):
-            s.record_pull(c, rank, PullRecord("p1", 1, 3, 30, "", 0))
+            s.record_pull(c, rank, PendingPull("p1", 1, 3, 30, "", 0))
             s.commit(c, rank, pull_id="p1", generation=1, seq=3, step=30)
-        s.record_pull(c, 1, PullRecord("p2", 1, 4, 40, "", 0))  # pending on rank 1
+        s.record_pull(c, 1, PendingPull("p2", 1, 4, 40, "", 0))  # pending on rank 1
     time.sleep(1.0)  # "gone" and "recent" leases expire; "alive" holds its lease
     s.heartbeat("recent", 0.2)  # heard of now, lease renewed ...
     time.sleep(1.0)  # ... and expired again: "recent" silent ~1 s, "gone" ~2 s

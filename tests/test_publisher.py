@@ -13,13 +13,15 @@ import torch
 import torch.distributed as dist
 from shardkit import batch, spawn, toy_dmp
 
-from deltad.config import PublisherConfig
+from deltad import knobs
+from deltad.buffers import BufferPool
+from deltad.config import PublisherConfig, TrackerConfig
 from deltad.errors import ConfigError, SpoolError
 from deltad.publish.publisher import SegmentPublisher
 from deltad.publish.tracker import DeltaTracker
 from deltad.segment.format import apply_segments, read_segment
 from deltad.segment.spool import SpoolLayout, TableInfo
-from deltad.types import SegmentKind
+from deltad.types import SegmentKind, Shard, TrainLoop
 
 MAX_STEPS = 200
 
@@ -45,7 +47,9 @@ def _publisher_worker(rank: int, world_size: int, spool: str, blocked: str) -> N
     tracker = DeltaTracker(dmp)
 
     # An unwritable spool fails on every rank (none is left waiting in a collective).
-    bad = SegmentPublisher(dmp, tracker, PublisherConfig(Path(blocked) / "spool", every_steps=1))
+    bad = SegmentPublisher(
+        dmp, PublisherConfig(Path(blocked) / "spool", every_steps=1), tracker=tracker
+    )
     with pytest.raises(SpoolError, match="not writable"):
         bad.start(0)
     with pytest.raises(SpoolError, match="not started"):
@@ -53,7 +57,7 @@ def _publisher_worker(rank: int, world_size: int, spool: str, blocked: str) -> N
 
     # Time-based publishing: the decision is collective, so identical on every rank.
     cfg = PublisherConfig(Path(spool), model="toy", every_seconds=0.02, max_pending_writes=1)
-    pub = SegmentPublisher(dmp, tracker, cfg)
+    pub = SegmentPublisher(dmp, cfg, tracker=tracker)
     gen = pub.start(0)
     assert len(set(_gather(gen, world_size))) == 1
     published: list[int] = []
@@ -73,7 +77,9 @@ def _publisher_worker(rank: int, world_size: int, spool: str, blocked: str) -> N
     assert [s.seq for s in stats.segments] == list(range(len(published) + 2))
     assert [s.step for s in stats.segments] == [0, *published, step]
     assert stats.segments[0].kind is SegmentKind.BASE
-    assert stats.segments[0].rows == sum(s.row_end - s.row_start for s in tracker.shards)
+    assert stats.segments[0].rows == sum(
+        s.shard.row_end - s.shard.row_start for s in tracker.shards
+    )
     assert all(s.write_s > 0 for s in stats.segments) and stats.rows > stats.segments[0].rows
     assert stats.calls == step and stats.stall_s > 0
 
@@ -121,7 +127,7 @@ def _background_copy_worker(rank: int, world_size: int, spool: str, barrier: boo
     if not barrier:  # the control: without the update barrier the copies read later rows
         tracker.add_update_barrier = lambda barrier: None  # type: ignore[method-assign]
     cfg = PublisherConfig(Path(spool), model="toy", every_steps=1, fsync=False)
-    pub = SegmentPublisher(dmp, tracker, cfg)
+    pub = SegmentPublisher(dmp, cfg, tracker=tracker)
     gen = pub.start(0)
     assert pub._copier is not None  # CPU weights and a real tracker: copies in the background
     snapshots = {0: _full_tables(dmp, rank)}
@@ -190,7 +196,7 @@ def _write_failure_worker(rank: int, world_size: int, spool: str) -> None:
     cfg = PublisherConfig(
         Path(spool), model="toy", every_steps=1, max_pending_writes=1, rebase_retry_s=0
     )
-    pub = SegmentPublisher(dmp, tracker, cfg)
+    pub = SegmentPublisher(dmp, cfg, tracker=tracker)
     gen = pub.start(0)
     d = pub.layout.rank_dir(gen, 1)
     if rank == 1:  # rank 1's directory becomes unusable: its next segments cannot be written
@@ -251,8 +257,8 @@ class _FakeTracker:
 
         rows, dim = weight.shape
         self.shard = TrackedShard(
-            module="m", kind="ec", table="t", sharding_type="row_wise", num_rows=rows, dim=dim,
-            row_start=0, row_end=rows, col_start=0, col_end=dim, weight=weight,
+            module="m", kind="ec", sharding_type="row_wise",
+            shard=Shard("t", rows, dim, 0, rows, 0, dim), weight=weight,
         )  # fmt: skip
         self.shards = [self.shard]
         self.tables = [TableInfo("t", rows, dim, "float32", "m", "ec", "row_wise")]
@@ -286,7 +292,7 @@ def test_pooled_copy_buffers_are_never_reused_while_queued(
     weight = torch.zeros(64, 4)
     tracker = _FakeTracker(weight)
     cfg = PublisherConfig(tmp_path, model="toy", every_steps=1, max_pending_writes=2, fsync=False)
-    pub = SegmentPublisher(torch.nn.Module(), tracker, cfg)  # type: ignore[arg-type]
+    pub = SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
     monkeypatch.setattr(pub, "_all_reduce_max", lambda v: v)
     monkeypatch.setattr(pub, "_broadcast", lambda v: v)
     gen = pub.start(0)
@@ -309,53 +315,60 @@ def test_pooled_copy_buffers_are_never_reused_while_queued(
     assert len(listed) == 26  # base, 24 deltas, the final one
     for (ids, values), (_, path) in zip(expected, listed[1:25], strict=True):
         seg = read_segment(path)
-        assert torch.equal(seg.chunks[0].ids, ids)
-        assert torch.equal(seg.chunks[0].values, values)
+        assert torch.equal(seg.shards[0].ids, ids)
+        assert torch.equal(seg.shards[0].values, values)
     assert pub._thread is not None and not pub._thread.is_alive()
 
 
 def _pool_buffers(pub: SegmentPublisher) -> list[torch.Tensor]:
     with pub._pool._lock:
-        return [b for free in pub._pool._free.values() for b in free]
+        return [b.base for b in pub._pool._buffers]
 
 
 def test_writer_thread_is_reniced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tracker = _FakeTracker(torch.zeros(8, 4))
-    cfg = PublisherConfig(tmp_path, model="toy", every_steps=1, fsync=False, writer_nice=7)
-    pub = SegmentPublisher(torch.nn.Module(), tracker, cfg)  # type: ignore[arg-type]
+    cfg = PublisherConfig(tmp_path, model="toy", every_steps=1, fsync=False)
+    pub = SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
     monkeypatch.setattr(pub, "_all_reduce_max", lambda v: v)
     monkeypatch.setattr(pub, "_broadcast", lambda v: v)
-    pub.start(0)
-    tracker.next = torch.tensor([1, 3])
-    pub.publish(1)
-    assert pub._thread is not None and pub._thread.native_id is not None
-    deadline = time.monotonic() + 5
-    while pub.stats.segments[-1].write_s == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    with knobs.override(WRITER_NICE=7):
+        pub.start(0)
+        tracker.next = torch.tensor([1, 3])
+        pub.publish(1)
+        assert pub._thread is not None and pub._thread.native_id is not None
+        deadline = time.monotonic() + 5
+        while pub.stats.segments[-1].write_s == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
     main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     writer_nice = os.getpriority(os.PRIO_PROCESS, pub._thread.native_id)
     assert writer_nice == min(main_nice + 7, 19)
     assert main_nice == os.getpriority(os.PRIO_PROCESS, 0)  # the loop's thread is untouched
     pub.close(2)
-    with pytest.raises(ConfigError):
-        PublisherConfig(tmp_path, every_steps=1, writer_nice=20)
+    with pytest.raises(ConfigError), knobs.override(WRITER_NICE=20):
+        pass
 
 
-def test_buffer_pool_hands_out_the_smallest_free_buffer_that_fits() -> None:
-    from deltad.publish.publisher import _BufferPool
-
-    pool = _BufferPool()
-    key = ("t", 0, 0)
-    a, b, c = (pool.take(key, n, 4, torch.float32, False) for n in (80, 8, 40))
-    assert [x.size(0) for x in (a, b, c)] == [90, 9, 45]  # 1/8 headroom
-    for x in (a, b, c):
-        pool.give(key, x)
-    assert pool.take(key, 30, 4, torch.float32, False) is c  # not the first free one
-    assert pool.take(key, 9, 4, torch.float32, False) is b
-    assert pool.take(key, 9, 8, torch.float32, False) is not a  # other width: a new one
-    pool.give(key, b)
-    d = pool.take(key, 200, 4, torch.float32, False)  # rows grew: new, a and b dropped
-    assert d.size(0) == 225 and pool._free[key] == []
+def test_copy_buffer_pool_hands_out_the_smallest_free_buffer_that_fits() -> None:
+    """The publisher's pool settings: 1/8 headroom, the smallest free buffer that fits, and
+    free buffers a round did not use are dropped (rows grew)."""
+    pool = BufferPool(min_bytes=0, granule=16, headroom=0.125)
+    row = 4 * 4  # 4 float32 columns
+    a, b, c = (pool.take((n, 4), torch.float32) for n in (80, 8, 40))
+    sizes = {x.data_ptr(): x.untyped_storage().nbytes() for x in (a, b, c)}
+    assert [sizes[x.data_ptr()] for x in (a, b, c)] == [90 * row, 9 * row, 45 * row]
+    ptr_a, ptr_b, ptr_c = (x.data_ptr() for x in (a, b, c))
+    del a, b, c
+    pool.end_round()
+    c2 = pool.take((30, 4), torch.float32)
+    assert c2.data_ptr() == ptr_c  # not the first free one
+    b2 = pool.take((9, 4), torch.float32)
+    assert b2.data_ptr() == ptr_b
+    del b2
+    pool.end_round()  # a was not used this round: dropped
+    d = pool.take((200, 4), torch.float32)  # rows grew: a new one
+    assert d.data_ptr() not in (ptr_a, ptr_b) and d.untyped_storage().nbytes() == 225 * row
+    pool.end_round()
+    assert pool.nbytes == (45 + 225) * row  # b dropped too; c2 and d still referenced
 
 
 def test_rows_a_device_cache_holds_are_flushed_before_they_are_read(tmp_path: Path) -> None:
@@ -364,7 +377,9 @@ def test_rows_a_device_cache_holds_are_flushed_before_they_are_read(tmp_path: Pa
     weight = torch.zeros(64, 4)
     tracker = _FakeTracker(weight)
     pub = SegmentPublisher(
-        None, tracker, PublisherConfig(tmp_path / "spool", every_steps=1, publish_dense=False)
+        None,  # type: ignore[arg-type]
+        PublisherConfig(tmp_path / "spool", every_steps=1, publish_dense=False),
+        tracker=tracker,  # type: ignore[arg-type]
     )  # type: ignore[arg-type]
     tracker.cached = {5: torch.full((4,), 5.0)}
     gen = pub.start(0)
@@ -373,8 +388,8 @@ def test_rows_a_device_cache_holds_are_flushed_before_they_are_read(tmp_path: Pa
     pub.maybe_publish(1)
     pub.close(1)
     layout = SpoolLayout(tmp_path / "spool", "model")
-    base = read_segment(layout.segment_path(gen, 0, 0)).chunks[0]
-    delta = read_segment(layout.segment_path(gen, 0, 1)).chunks[0]
+    base = read_segment(layout.segment_path(gen, 0, 0)).shards[0]
+    delta = read_segment(layout.segment_path(gen, 0, 1)).shards[0]
     assert torch.equal(base.values[5], torch.full((4,), 5.0))
     assert delta.ids.tolist() == [3] and torch.equal(delta.values[0], torch.full((4,), 3.0))
 
@@ -407,7 +422,7 @@ def _fake_publisher(spool: Path, generation: int | None) -> tuple[SegmentPublish
     """A publisher of one 64 x 4 shard; no process group unless torch.distributed is up."""
     tracker = _FakeTracker(torch.zeros(64, 4))
     cfg = PublisherConfig(spool, model="toy", every_steps=1, fsync=False, generation=generation)
-    return SegmentPublisher(torch.nn.Module(), tracker, cfg), tracker  # type: ignore[arg-type]
+    return SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker), tracker  # type: ignore[arg-type]
 
 
 def _run(pub: SegmentPublisher, tracker: _FakeTracker, steps: int) -> int:
@@ -512,7 +527,7 @@ def _per_host_worker(rank: int, world_size: int, root: str) -> None:
     dmp = toy_dmp(world_size)
     tracker = DeltaTracker(dmp)
     spool = Path(root) / f"host-{rank}"  # a spool per host: one pod per rank, nothing shared
-    pub = SegmentPublisher(dmp, tracker, PublisherConfig(spool, model="toy", every_steps=1))
+    pub = SegmentPublisher(dmp, PublisherConfig(spool, model="toy", every_steps=1), tracker=tracker)
     pub.start(0)
     dmp(batch(rank, 1))[0].backward()
     pub.maybe_publish(1)
@@ -536,3 +551,21 @@ def test_a_spool_per_host_gets_everything_its_sidecar_needs(tmp_path: Path) -> N
         assert [e.seq for e in snap.entries] == [0, 1, 2]
         manifests.append(layout.manifest_path(snap.generation).read_bytes())
     assert manifests[0] == manifests[1]
+
+
+def test_the_train_loop_is_set_in_the_publisher_config(tmp_path: Path) -> None:
+    """One config: a tracker passed in must track the loop PublisherConfig names."""
+    tracker = _FakeTracker(torch.zeros(8, 4))
+    tracker.config = TrackerConfig(train_loop=TrainLoop.PIPELINE_BASE)  # type: ignore[attr-defined]
+    cfg = PublisherConfig(tmp_path, every_steps=1)
+    with pytest.raises(ConfigError, match=r"PublisherConfig\.train_loop"):
+        SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
+    cfg = PublisherConfig(tmp_path, every_steps=1, train_loop=TrainLoop.PIPELINE_BASE)
+    pub = SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
+    assert pub.tracker is tracker
+    with pytest.raises(ConfigError, match="must be a PublisherConfig"):
+        SegmentPublisher(torch.nn.Module(), None, tracker=tracker)  # type: ignore[arg-type]
+    named = PublisherConfig(tmp_path, every_steps=1, train_loop="pipeline-base")  # type: ignore[arg-type]
+    assert named.train_loop is TrainLoop.PIPELINE_BASE
+    with pytest.raises(ConfigError, match="train_loop"):
+        PublisherConfig(tmp_path, every_steps=1, train_loop="bogus")  # type: ignore[arg-type]

@@ -13,9 +13,9 @@ from deltad.reference.trainer.model import ClickModel
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from deltad.consume.quant import QuantApplier, pack_rows, quant_tables, quantize_model
-from deltad.consume.window import RankDelta, SliceUpdate
+from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConfigError, ConsumerError
-from deltad.types import ApplyConsistency, Cursor, Form, ServeDtype, WireDtype
+from deltad.types import ApplyConsistency, Cursor, Form, ServeDtype, Shard, WireDtype
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,19 +40,19 @@ def batch() -> object:
     return ClickStream(TABLES, SEQ_ROWS, batch_size=16, seed=3).next_batch()
 
 
-def delta(slices: list[SliceUpdate], *, resync: bool = False, rank: int = 0) -> RankDelta:
+def delta(slices: list[ShardUpdate], *, resync: bool = False, rank: int = 0) -> RankDelta:
     return RankDelta(
         rank=rank, generation=0, resync=resync, from_seq=0, to_seq=1, to_step=1,
         form=Form.ROWS, wire_dtype=WireDtype.FP32, cursor=Cursor("c", rank, 0, 1, 1),
-        slices=slices,
+        shards=slices,
     )  # fmt: skip
 
 
 def sl(
     table: str, ids: torch.Tensor, values: torch.Tensor, c0: int = 0, c1: int = DIM
-) -> SliceUpdate:
+) -> ShardUpdate:
     rows = SEQ_ROWS if table == "seq" else TABLES.get(table, 10)
-    return SliceUpdate(table, rows, DIM, c0, c1, ids, values)
+    return ShardUpdate(Shard.columns_of(table, rows, DIM, c0, c1), ids, values)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ def assert_same(served: torch.nn.Module, ref: torch.nn.Module) -> None:
     assert torch.equal(out_a, out_b)
 
 
-def random_updates(fm: torch.nn.Module, gen: torch.Generator) -> list[SliceUpdate]:
+def random_updates(fm: torch.nn.Module, gen: torch.Generator) -> list[ShardUpdate]:
     """Change random rows of every float table in ``fm``; the slices that say so."""
     out = []
     for name, w in float_tables(fm).items():
@@ -114,7 +114,7 @@ def test_rows_applied_in_place_equal_quantizing_the_updated_tables(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.value)
-def test_column_slices_complete_rows_across_ranks_and_windows(dtype: ServeDtype) -> None:
+def test_column_shards_complete_rows_across_ranks_and_windows(dtype: ServeDtype) -> None:
     fm = float_model()
     served = quantize_model(fm, dtype)
     applier = QuantApplier(served, chunk_rows=3)
@@ -172,7 +172,7 @@ def test_dense_weights_and_rows_of_one_window() -> None:
         applier.apply_dense({"over.0.weight": torch.zeros(2, 2)})
 
 
-def test_bad_slices_write_nothing() -> None:
+def test_bad_shard_updates_write_nothing() -> None:
     fm = float_model()
     served = quantize_model(fm, ServeDtype.INT8)
     applier = QuantApplier(served)
@@ -180,10 +180,18 @@ def test_bad_slices_write_nothing() -> None:
     good = sl("t0", torch.tensor([1, 2]), torch.randn(2, DIM))
     for bad, why in [
         (sl("t9", torch.tensor([1]), torch.randn(1, DIM)), "not in the inference model"),
-        (SliceUpdate("t0", 51, DIM, 0, DIM, torch.tensor([1]), torch.randn(1, DIM)), "shape"),
+        (
+            ShardUpdate(
+                Shard.columns_of("t0", 51, DIM, 0, DIM), torch.tensor([1]), torch.randn(1, DIM)
+            ),
+            "shape",
+        ),
         (sl("t0", torch.tensor([50]), torch.randn(1, DIM)), "out of range"),
         (sl("t0", torch.tensor([1]), torch.randn(1, 3)), "values"),
-        (SliceUpdate("t0", 50, DIM, 0, DIM, torch.tensor([1]), None), "no values"),
+        (
+            ShardUpdate(Shard.columns_of("t0", 50, DIM, 0, DIM), torch.tensor([1]), None),
+            "no values",
+        ),
     ]:
         with pytest.raises(ConsumerError, match=why):
             applier.apply([delta([good]), delta([bad], rank=1)])
@@ -266,7 +274,17 @@ def test_concurrent_readers_never_see_a_torn_row(mode: ApplyConsistency) -> None
     th.start()
     try:
         for values in versions:
-            applier.apply([delta([SliceUpdate("big", n, dim, 0, dim, torch.arange(n), values)])])
+            applier.apply(
+                [
+                    delta(
+                        [
+                            ShardUpdate(
+                                Shard.columns_of("big", n, dim, 0, dim), torch.arange(n), values
+                            )
+                        ]
+                    )
+                ]
+            )
     finally:
         stop.set()
         th.join(30)

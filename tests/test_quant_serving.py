@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from deltad.reference.consumers.predictor import Predictor, PredictorConfig
+from deltad.reference.consumers.predictor import SyncLoop, SyncLoopConfig
 from deltad.reference.consumers.serving import ServingConfig, fixed_batch, serving_state
 from deltad.reference.trainer.model import ClickModel
 from deltad.reference.trainer.train import TrainConfig, run_training
@@ -82,7 +82,7 @@ def serving_predictor(
     form: Form,
     k: int = 0,
     wire_dtype: WireDtype = WireDtype.FP32,
-) -> Predictor:
+) -> SyncLoop:
     pull = PullOptions(form=form, k=k, wire_dtype=wire_dtype)
     consumer = ConsumerConfig(
         consumer=name, model="m", sidecars=tuple(s.endpoint for s in servers), pull=pull
@@ -90,10 +90,10 @@ def serving_predictor(
     serving = ServingConfig(
         dtype=dtype, tables=TABLES, seq_rows=SEQ_ROWS, dim=DIM, chunk_rows=16, interval_s=0.0
     )
-    return Predictor(PredictorConfig(consumer=consumer, interval_s=0.0, serving=serving))
+    return SyncLoop(SyncLoopConfig(consumer=consumer, interval_s=0.0, serving=serving))
 
 
-def sync(pred: Predictor, consumer: DeltaConsumer, step: int, start: int = 0) -> int:
+def sync(pred: SyncLoop, consumer: DeltaConsumer, step: int, start: int = 0) -> int:
     """Pull until ``pred`` serves ``step``, owes nothing and gets nothing new (bounded)."""
     for n in range(start + 1, start + 300):
         rec = pred.pull_once(consumer, n)
@@ -102,7 +102,7 @@ def sync(pred: Predictor, consumer: DeltaConsumer, step: int, start: int = 0) ->
     raise AssertionError(f"{pred.config.consumer.consumer} never caught up with step {step}")
 
 
-def assert_bit_exact(pred: Predictor, dtype: ServeDtype, final_tables: Path) -> None:
+def assert_bit_exact(pred: SyncLoop, dtype: ServeDtype, final_tables: Path) -> None:
     final = torch.load(final_tables, weights_only=True)
     ref = reference(dtype, final)
     assert pred.model is not None and pred.forwards is not None
@@ -188,7 +188,7 @@ def train_while_pulling(
     world_size: int,
     seed: int,
     sharding: dict[str, str],
-    preds: dict[str, Predictor],
+    preds: dict[str, SyncLoop],
     consumers: dict[str, DeltaConsumer],
     pulls: dict[str, int],
 ) -> int:

@@ -23,7 +23,7 @@ from deltad.segment.format import read_segment
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.app import SidecarServer
 from deltad.serve.relay import RelayServer
-from deltad.types import Form, SegmentKind
+from deltad.types import Form, SegmentKind, Shard
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 
@@ -194,7 +194,7 @@ def test_topk_through_a_relay_converges_bit_equal(tmp_path: Path, redis_url: str
             ft.step(step, touch=40)
         wait_for(lambda: at_step(levels[1], 30), 30, "relay at step 30")
         r = c.sync(applier.apply)
-        assert r.rows == 10 and sum(s.owed for d in r.deltas for s in d.slices) > 0
+        assert r.rows == 10 and sum(s.owed for d in r.deltas for s in d.shards) > 0
         assert not equal(applier, ft.history[30])  # rows still owed
         for _ in range(60):  # training paused: the owed rows come, k per pull
             r = c.sync(applier.apply)
@@ -208,7 +208,7 @@ def test_restart_with_the_spool_ahead_of_the_upstream_cursor(
 ) -> None:
     """What a kill -9 between writing a segment and committing it upstream leaves: a local
     head past the relay's upstream cursor. The relay writes only what it lacks, and its
-    predictors miss nothing. (The killed process itself: test_relay_kill.py.)"""
+    predictors miss nothing. (The killed process itself: test_relay_slow.py.)"""
     ft = FakeTrainer(tmp_path / "spool", world_size=1)
     ft.start(0)
     ft.step(10)
@@ -298,7 +298,7 @@ def test_fp16_tables_stay_fp16_and_bit_equal_through_a_relay(
     """fp32 on the upstream wire carries fp16 values exactly; the relay stores them as fp16."""
     import time
 
-    from deltad.segment.format import SegmentChunk, write_segment
+    from deltad.segment.format import ShardRows, write_segment
     from deltad.segment.spool import GenerationManifest, TableInfo
     from deltad.status import render
 
@@ -313,7 +313,7 @@ def test_fp16_tables_stay_fp16_and_bit_equal_through_a_relay(
     ids = torch.arange(300)
     write_segment(
         layout.segment_path(1, 0, 0), model="m", generation=1, rank=0, world_size=1, seq=0,
-        step=0, kind=SegmentKind.BASE, chunks=[SegmentChunk("h", 300, 8, 0, 300, 0, 8, ids, truth)],
+        step=0, kind=SegmentKind.BASE, shards=[ShardRows(Shard("h", 300, 8, 0, 300, 0, 8), ids, truth)],
         fsync=False,
     )  # fmt: skip
     with tree(tmp_path, redis_url, 1, 1) as levels:
@@ -326,9 +326,9 @@ def test_fp16_tables_stay_fp16_and_bit_equal_through_a_relay(
             )
         assert f"relay of {levels[0][0]}" in render(st, consumers)
     (seg,) = [read_segment(p) for _, p in SpoolLayout(tmp_path / "relay-1-0", "m").segments(1, 0)]
-    (c,) = seg.chunks
+    (c,) = seg.shards
     assert c.values.dtype == torch.float16 and torch.equal(c.values, truth)
-    assert (c.row_start, c.row_end) == (0, 300)
+    assert (c.shard.row_start, c.shard.row_end) == (0, 300)
 
 
 def test_a_relay_of_a_sidecar_with_tokens_sends_its_token(tmp_path: Path, redis_url: str) -> None:

@@ -14,25 +14,25 @@ import torch
 
 from deltad.errors import SegmentCorruptError, SpoolError
 from deltad.segment.format import (
-    SegmentChunk,
+    ShardRows,
     apply_segments,
     read_header,
     read_segment,
     write_segment,
 )
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
-from deltad.types import SegmentKind
+from deltad.types import SegmentKind, Shard
 
 
-def _chunk(
+def _rows(
     table: str, ids: list[int], width: int = 4, col_start: int = 0, dim: int = 4
-) -> SegmentChunk:
+) -> ShardRows:
     t = torch.tensor(ids, dtype=torch.int64)
     vals = torch.randn(len(ids), width)
-    return SegmentChunk(table, 100, dim, 0, 100, col_start, col_start + width, t, vals)
+    return ShardRows(Shard(table, 100, dim, 0, 100, col_start, col_start + width), t, vals)
 
 
-def _write(path: Path, chunks: list[SegmentChunk], seq: int = 1) -> None:
+def _write(path: Path, chunks: list[ShardRows], seq: int = 1) -> None:
     write_segment(
         path,
         model="m",
@@ -42,19 +42,19 @@ def _write(path: Path, chunks: list[SegmentChunk], seq: int = 1) -> None:
         seq=seq,
         step=seq * 10,
         kind=SegmentKind.DELTA,
-        chunks=chunks,
+        shards=chunks,
     )
 
 
 def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
     chunks = [
-        _chunk("t0", [3, 5, 99]),
-        _chunk("t1", [], width=2, col_start=2),
-        _chunk("t0", [1], width=2, col_start=2),
+        _rows("t0", [3, 5, 99]),
+        _rows("t1", [], width=2, col_start=2),
+        _rows("t0", [1], width=2, col_start=2),
     ]
     chunks.append(
-        SegmentChunk(
-            "bf", 10, 3, 0, 10, 0, 3, torch.tensor([2]), torch.randn(1, 3).to(torch.bfloat16)
+        ShardRows(
+            Shard("bf", 10, 3, 0, 10, 0, 3), torch.tensor([2]), torch.randn(1, 3).to(torch.bfloat16)
         )
     )
     p = tmp_path / "seg.dseg"
@@ -63,20 +63,20 @@ def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
     assert seg.header.generation == 7 and seg.header.rank == 1 and seg.header.seq == 1
     assert seg.header.first_seq == 1 and seg.header.step == 10
     assert read_header(p) == seg.header
-    assert len(seg.chunks) == len(chunks)
-    for a, b in zip(chunks, seg.chunks, strict=True):
+    assert len(seg.shards) == len(chunks)
+    for a, b in zip(chunks, seg.shards, strict=True):
         assert a.key == b.key
         assert torch.equal(a.ids, b.ids)
         assert a.values.dtype == b.values.dtype
         assert torch.equal(a.values, b.values)
     # the views are writable copies-on-write: mutating them never touches the file
-    seg.chunks[0].values.zero_()
-    assert torch.equal(read_segment(p).chunks[0].values, chunks[0].values)
+    seg.shards[0].values.zero_()
+    assert torch.equal(read_segment(p).shards[0].values, chunks[0].values)
 
 
 def test_flipped_byte_fails_checksum(tmp_path: Path) -> None:
     p = tmp_path / "seg.dseg"
-    _write(p, [_chunk("t0", list(range(50)))])
+    _write(p, [_rows("t0", list(range(50)))])
     raw = bytearray(p.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     p.write_bytes(bytes(raw))
@@ -100,14 +100,14 @@ def _as_version_1(raw: bytes) -> bytes:
 
 def test_version_1_segments_are_still_read_and_verified(tmp_path: Path) -> None:
     """A spool written before format 2 (crc32) is served as it was, and its corruption found."""
-    chunks = [_chunk("t0", [3, 5, 99]), _chunk("t1", [7], width=2, col_start=2)]
+    chunks = [_rows("t0", [3, 5, 99]), _rows("t1", [7], width=2, col_start=2)]
     p2, p1 = tmp_path / "v2.dseg", tmp_path / "v1.dseg"
     _write(p2, chunks)
     assert p2.read_bytes()[:8] == b"DLTSEG02" and p2.read_bytes()[-8:] == b"DLTEND02"
     p1.write_bytes(_as_version_1(p2.read_bytes()))
     seg = read_segment(p1)
     assert seg.header.format_version == 1 and read_header(p1).format_version == 1
-    for a, b in zip(chunks, seg.chunks, strict=True):
+    for a, b in zip(chunks, seg.shards, strict=True):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.values, b.values)
     raw = bytearray(p1.read_bytes())
     raw[-17] ^= 0x01  # the payload's last byte (the trailer is 16)
@@ -118,7 +118,7 @@ def test_version_1_segments_are_still_read_and_verified(tmp_path: Path) -> None:
 
 def test_unknown_or_inconsistent_versions_are_refused(tmp_path: Path) -> None:
     p = tmp_path / "seg.dseg"
-    _write(p, [_chunk("t0", [1, 2])])
+    _write(p, [_rows("t0", [1, 2])])
     good = p.read_bytes()
     p.write_bytes(b"DLTSEG03" + good[8:])  # a newer writer's file
     for read in (read_segment, read_header):
@@ -136,7 +136,7 @@ def test_unknown_or_inconsistent_versions_are_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cut", [0, 10, 200, -1])
 def test_truncated_file_is_corrupt(tmp_path: Path, cut: int) -> None:
     p = tmp_path / "seg.dseg"
-    _write(p, [_chunk("t0", list(range(50)))])
+    _write(p, [_rows("t0", list(range(50)))])
     raw = p.read_bytes()
     p.write_bytes(raw[:cut] if cut >= 0 else raw[:-1])
     with pytest.raises(SegmentCorruptError):
@@ -144,7 +144,7 @@ def test_truncated_file_is_corrupt(tmp_path: Path, cut: int) -> None:
 
 
 def test_apply_segments_latest_value_wins(tmp_path: Path) -> None:
-    a, b = _chunk("t0", [1, 2, 3]), _chunk("t0", [2, 4])
+    a, b = _rows("t0", [1, 2, 3]), _rows("t0", [2, 4])
     _write(tmp_path / "a", [a], seq=1)
     _write(tmp_path / "b", [b], seq=2)
     tables = apply_segments({}, [read_segment(tmp_path / "a"), read_segment(tmp_path / "b")])
@@ -164,7 +164,7 @@ def test_unwritable_spool_is_refused(tmp_path: Path) -> None:
         with pytest.raises(SpoolError):
             SpoolLayout(blocker, "m").ensure_writable()
         with pytest.raises(SpoolError):
-            _write(blocker / "sub" / "seg.dseg", [_chunk("t0", [1])])
+            _write(blocker / "sub" / "seg.dseg", [_rows("t0", [1])])
     else:
         with pytest.raises(SpoolError):
             SpoolLayout(ro, "m").ensure_writable()
@@ -173,7 +173,7 @@ def test_unwritable_spool_is_refused(tmp_path: Path) -> None:
 def test_layout_lists_only_complete_segments(tmp_path: Path) -> None:
     lay = SpoolLayout(tmp_path, "m")
     for seq in (2, 0, 1):
-        _write(lay.segment_path(5, 0, seq), [_chunk("t0", [seq])], seq=seq)
+        _write(lay.segment_path(5, 0, seq), [_rows("t0", [seq])], seq=seq)
     (lay.rank_dir(5, 0) / ".tmp-abc.dseg").write_bytes(b"partial")
     assert [s for s, _ in lay.segments(5, 0)] == [0, 1, 2]
     assert lay.latest_generation() is None  # no manifest yet
@@ -192,7 +192,7 @@ def test_killed_writer_leaves_no_visible_partial_segment(tmp_path: Path) -> None
     code = textwrap.dedent(
         f"""
         import torch, sys
-        from deltad.segment.format import SegmentChunk, write_segment
+        from deltad.segment.format import ShardRows, write_segment
         from deltad.segment.spool import SpoolLayout
         from deltad.types import SegmentKind
         lay = SpoolLayout({str(tmp_path)!r}, "m")
@@ -201,7 +201,7 @@ def test_killed_writer_leaves_no_visible_partial_segment(tmp_path: Path) -> None
         for seq in range(1000):
             write_segment(lay.segment_path(1, 0, seq), model="m", generation=1, rank=0,
                 world_size=1, seq=seq, step=seq, kind=SegmentKind.DELTA,
-                chunks=[SegmentChunk("t", 2_000_000, 16, 0, 2_000_000, 0, 16, ids, vals)])
+                shards=[ShardRows(Shard("t", 2_000_000, 16, 0, 2_000_000, 0, 16), ids, vals)])
             print(seq, flush=True)
         """
     )
@@ -215,3 +215,28 @@ def test_killed_writer_leaves_no_visible_partial_segment(tmp_path: Path) -> None
     assert segs, "the first segment was reported written"
     for _, path in segs:
         read_segment(path)  # every visible segment verifies
+
+
+def test_the_header_json_keeps_each_shard_flat_under_chunks(tmp_path: Path) -> None:
+    """The on-disk header is what version 2 always wrote: ``chunks``, one flat object per
+    shard (the Shard record is an in-memory type only)."""
+    import json
+    import struct
+
+    p = tmp_path / "seg.dseg"
+    _write(p, [_rows("t0", [3, 5], width=2, col_start=2)])
+    raw = p.read_bytes()
+    (hlen,) = struct.unpack_from("<I", raw, 8)
+    header = json.loads(raw[16 : 16 + hlen])
+    assert "shards" not in header
+    (entry,) = header["chunks"]
+    assert entry == {
+        "table": "t0", "num_rows": 100, "dim": 4, "row_start": 0, "row_end": 100,
+        "col_start": 2, "col_end": 4, "dtype": "float32", "count": 2,
+        "ids_offset": entry["ids_offset"], "values_offset": entry["values_offset"],
+    }  # fmt: skip
+    (meta,) = read_header(p).shards
+    assert meta.shard == Shard("t0", 100, 4, 0, 100, 2, 4)
+    assert (meta.shard.rows, meta.shard.width, meta.shard.covers_full_row) == (100, 2, False)
+    assert meta.shard.key == ("t0", 2, 4)
+    assert Shard.columns_of("t0", 100, 4, 0, 4).covers_full_row

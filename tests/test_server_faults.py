@@ -74,7 +74,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
         rep.apply(d)
         c.commit(d)
         d = c.pull("tk", Form.TOPK, k=5)  # rows stay owed to "tk" across the crash
-        assert d.to_seq == 1 and sum(s.owed for s in d.slices) == 90
+        assert d.to_seq == 1 and sum(s.owed for s in d.shards) == 90
         top.apply(d)
         c.commit(d)
         late = c.pull("late")  # issued before the crash, committed after it
@@ -95,7 +95,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
             d = c.pull("tk", Form.TOPK, k=5)
             top.apply(d)
             c.commit(d)
-            if d.to_seq == 3 and all(s.owed == 0 for s in d.slices):
+            if d.to_seq == 3 and all(s.owed == 0 for s in d.shards):
                 break
         assert _equal(top, spool)
         out = subprocess.run(

@@ -244,7 +244,7 @@ def test_large_server_chunks_still_fit_the_consumers_receive_limit(
         with DeltaConsumer(cfg) as c:
             r = c.pull()
         assert not r.missing and r.rows == 300_000
-        got = r.deltas[0].slices[0]
+        got = r.deltas[0].shards[0]
         assert torch.equal(got.values, spool.truth["big"][got.ids])  # type: ignore[index]
     finally:
         srv.stop(0)

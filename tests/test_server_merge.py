@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltad.segment.format import SegmentChunk
-from deltad.serve.merge import merge_chunks
+from deltad.segment.format import ShardRows
+from deltad.serve.merge import merge_rows
+from deltad.types import Shard
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -19,22 +20,24 @@ def test_merge_is_union_with_latest_values(dtype: torch.dtype, per: int, rows: i
     for _ in range(6):
         ids = torch.randint(0, rows, (per,), generator=gen).unique()
         vals = torch.randn(ids.numel(), 5, generator=gen).to(dtype)
-        chunks.append(SegmentChunk("t", rows, 5, 0, rows, 0, 5, ids, vals))
+        chunks.append(ShardRows(Shard("t", rows, 5, 0, rows, 0, 5), ids, vals))
         truth[ids] = vals
         touched[ids] = True
-    merged = merge_chunks(chunks)
+    merged = merge_rows(chunks)
     expect = touched.nonzero().squeeze(1)
     assert torch.equal(merged.ids, expect)
     assert torch.equal(merged.values, truth[expect])
-    assert torch.equal(merge_chunks(chunks, with_values=False).ids, expect)
+    assert torch.equal(merge_rows(chunks, with_values=False).ids, expect)
 
 
 def test_shard_offset_and_single_chunk_view() -> None:
     ids = torch.tensor([1000, 1005])
-    a = SegmentChunk("t", 2000, 2, 1000, 2000, 0, 2, ids, torch.ones(2, 2))
-    assert merge_chunks([a]).values.data_ptr() == a.values.data_ptr()  # no copy
-    b = SegmentChunk("t", 2000, 2, 1000, 2000, 0, 2, torch.tensor([1005, 1999]), torch.zeros(2, 2))
-    m = merge_chunks([a, b])
+    a = ShardRows(Shard("t", 2000, 2, 1000, 2000, 0, 2), ids, torch.ones(2, 2))
+    assert merge_rows([a]).values.data_ptr() == a.values.data_ptr()  # no copy
+    b = ShardRows(
+        Shard("t", 2000, 2, 1000, 2000, 0, 2), torch.tensor([1005, 1999]), torch.zeros(2, 2)
+    )
+    m = merge_rows([a, b])
     assert m.ids.tolist() == [1000, 1005, 1999]
     assert m.values.tolist() == [[1, 1], [0, 0], [0, 0]]
 
@@ -62,14 +65,14 @@ def test_parallel_merge_of_a_row_wise_shard(
         local = (torch.rand(per, generator=gen) ** 3 * rows).long().unique()
         vals = torch.randn(local.numel(), 3, generator=gen)
         chunks.append(
-            SegmentChunk("t", start + rows, 3, start, start + rows, 0, 3, local + start, vals)
+            ShardRows(Shard("t", start + rows, 3, start, start + rows, 0, 3), local + start, vals)
         )
         truth[local] = vals
         touched[local] = True
     old = merge.MERGE_THREADS
     merge.MERGE_THREADS = threads
     try:
-        merged = merge_chunks(chunks)
+        merged = merge_rows(chunks)
     finally:
         merge.MERGE_THREADS = old
     expect = touched.nonzero().squeeze(1)

@@ -53,7 +53,7 @@ def test_new_consumer_gets_base_then_deltas(
     # at-least-once: without a commit the same window comes again
     again = client.pull("c1")
     assert (again.from_seq, again.to_seq, again.rows) == (0, 2, d.rows)
-    for a, b in zip(d.slices, again.slices, strict=True):
+    for a, b in zip(d.shards, again.shards, strict=True):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.values, b.values)  # type: ignore[arg-type]
     client.commit(again)
     empty = client.pull("c1")
@@ -69,14 +69,14 @@ def test_ids_form_and_proto_decoder_match_raw(
     spool.delta({"t0": [7, 8]})
     _synced(sidecar, 2)
     d = client.pull("c", Form.IDS)
-    got = {s.table: s.ids.tolist() for s in d.slices}
+    got = {s.shard.table: s.ids.tolist() for s in d.shards}
     assert got == {"t0": [3, 7, 8, 900], "t1": [1]}
-    assert all(s.values is None for s in d.slices)
+    assert all(s.values is None for s in d.shards)
     raw = client.pull("c", Form.ROWS, raw=True, chunk_bytes=1)  # tiny chunks: many messages
     parsed = client.pull("c", Form.ROWS, raw=False)
-    for a, b in zip(raw.slices, parsed.slices, strict=True):
+    for a, b in zip(raw.shards, parsed.shards, strict=True):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.values, b.values)  # type: ignore[arg-type]
-        assert torch.equal(a.values, spool.truth[a.table][a.ids])  # type: ignore[arg-type]
+        assert torch.equal(a.values, spool.truth[a.shard.table][a.ids])  # type: ignore[arg-type]
 
 
 def test_wire_dtypes(spool: SpoolWriter, sidecar: SidecarServer, client: Client) -> None:
@@ -84,7 +84,7 @@ def test_wire_dtypes(spool: SpoolWriter, sidecar: SidecarServer, client: Client)
     for dtype, tol in ((WireDtype.FP16, 2e-3), (WireDtype.BF16, 1.6e-2), (WireDtype.INT8, 0.0)):
         d = client.pull("q", dtype=dtype)
         assert d.wire_dtype is dtype
-        for a, b in zip(exact.slices, d.slices, strict=True):
+        for a, b in zip(exact.shards, d.shards, strict=True):
             assert a.values is not None and b.values is not None
             assert b.values.dtype == torch.float32
             if dtype is WireDtype.INT8:
@@ -109,7 +109,7 @@ def test_max_step_bounds_the_window(
     assert client.pull("s").to_seq == 3
 
 
-def test_two_ranks_with_column_slices_rebuild_the_tables(
+def test_two_ranks_with_column_shards_rebuild_the_tables(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
     writers = [
@@ -130,8 +130,13 @@ def test_two_ranks_with_column_slices_rebuild_the_tables(
             wait_for(lambda s=srv: s.log.snapshot().head.seq == 1)  # type: ignore[misc]
         for c in clients:
             d = c.pull("multi")
-            assert len(d.slices) == 4  # 2 tables x 2 column slices
-            assert {(s.col_start, s.col_end) for s in d.slices} == {(0, 4), (4, 8), (0, 2), (2, 4)}
+            assert len(d.shards) == 4  # 2 tables x 2 column slices
+            assert {(s.shard.col_start, s.shard.col_end) for s in d.shards} == {
+                (0, 4),
+                (4, 8),
+                (0, 2),
+                (2, 4),
+            }
             rep.apply(d)
             c.commit(d)
             c.close()

@@ -156,7 +156,7 @@ def test_restart_deletes_files_covered_by_a_merged_segment(tmp_path: Path) -> No
     write_segment(
         spool.layout.segment_path(1, 0, 3), model="m", generation=1, rank=0, world_size=1,
         seq=3, first_seq=1, step=spool.step, kind=SegmentKind.DELTA,
-        chunks=[r.to_chunk() for r in merged.values()],
+        shards=list(merged.values()),
     )  # fmt: skip
     log = SegmentLog(spool.layout, 0)
     log.refresh()

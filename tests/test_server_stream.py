@@ -13,18 +13,18 @@ from serverkit import SpoolWriter
 
 from deltad import perf
 from deltad.consume import decode
-from deltad.segment.format import SegmentChunk
+from deltad.segment.format import ShardRows
 from deltad.serve import encode
 from deltad.serve.log import LogSnapshot, SegmentLog
-from deltad.serve.merge import merge_chunks
+from deltad.serve.merge import merge_rows
 from deltad.serve.pull import (
     EncodedWindow,
     WindowCache,
     WindowSpec,
-    _MergedSlice,
+    _MergedShard,
     build_window,
 )
-from deltad.types import Form, WireDtype
+from deltad.types import Form, Shard, WireDtype
 
 
 def _snapshot(tmp_path: Path, deltas: int = 3) -> LogSnapshot:
@@ -81,7 +81,7 @@ def test_streamed_window_equals_the_window_built_first(tmp_path: Path, kw: dict)
         assert win.owed.keys() == first.owed.keys()
     delta = decode.decode_stream([first.header, *first.chunks, _trailer()])
     assert delta.rows == first.rows
-    for s in delta.slices:
+    for s in delta.shards:
         assert bool((s.ids[1:] > s.ids[:-1]).all())
 
 
@@ -224,10 +224,10 @@ def test_window_values_match_the_log(tmp_path: Path) -> None:
     snap = _snapshot(tmp_path)
     win = build_window(snap, _spec(snap, resync=True, from_seq=-1), 0, {})
     delta = decode.decode_stream([win.header, *win.iter_chunks(), _trailer()])
-    for s in delta.slices:
-        latest = torch.zeros(s.ids.numel(), s.col_end - s.col_start)
+    for s in delta.shards:
+        latest = torch.zeros(s.ids.numel(), s.shard.col_end - s.shard.col_start)
         for e in snap.entries:
-            c = e.chunks[(s.table, s.col_start, s.col_end)]
+            c = e.shards[(s.shard.table, s.shard.col_start, s.shard.col_end)]
             pos = torch.searchsorted(s.ids, c.ids)
             latest[pos] = c.values.to(torch.float32)
         assert s.values is not None and torch.equal(s.values, latest)
@@ -246,9 +246,9 @@ def test_tune_malloc_is_idempotent_and_never_raises(monkeypatch: pytest.MonkeyPa
     assert perf.tune_malloc() is False
 
 
-def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dtype) -> SegmentChunk:
+def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dtype) -> ShardRows:
     values = torch.randn(ids.numel(), width, generator=gen).to(dtype)
-    return SegmentChunk("t", 10_000, width, 1000, 6000, 0, width, ids.sort().values, values)
+    return ShardRows(Shard("t", 10_000, width, 1000, 6000, 0, width), ids.sort().values, values)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -262,7 +262,7 @@ def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dty
         "one-row-chunks",
     ],
 )
-def test_range_merge_equals_merge_chunks(layout: str, dtype: torch.dtype) -> None:
+def test_range_merge_equals_merge_rows(layout: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(len(layout))
     rows = torch.arange(1000, 6000)
 
@@ -279,13 +279,13 @@ def test_range_merge_equals_merge_chunks(layout: str, dtype: torch.dtype) -> Non
     }[layout]
     cs = [_chunk(rows if n == 5000 else pick(n), w, gen, dtype) for n in sizes]
     for chunk_bytes in (64, 4096, 1 << 20):
-        want = merge_chunks(cs)
-        src = _MergedSlice(cs)
+        want = merge_rows(cs)
+        src = _MergedShard(cs)
         assert torch.equal(src.ids, want.ids)
         assert src.ranged == (layout != "dense-overlap")
         for ranged in (True, False):
             src.ranged = ranged
             for wdt in WireDtype:
                 got = list(src.encode(2, wdt, chunk_bytes))
-                ref = list(encode.encode_slice_chunks(2, want.ids, want.values, wdt, chunk_bytes))
+                ref = list(encode.encode_shard_chunks(2, want.ids, want.values, wdt, chunk_bytes))
                 assert got == ref, (layout, chunk_bytes, wdt, ranged)

@@ -40,19 +40,19 @@ def test_topk_converges_bit_exact_when_training_pauses(
         spool.delta(n=60)
     _synced(sidecar, 3)
     d = client.pull("p", Form.TOPK, k=10)
-    assert [s.ids.numel() for s in d.slices] == [10, 10]
-    owed = {s.table: s.owed for s in d.slices}
+    assert [s.ids.numel() for s in d.shards] == [10, 10]
+    owed = {s.shard.table: s.owed for s in d.shards}
     assert all(o > 0 for o in owed.values())
     # the rows sent are the ones that moved most
-    for s in d.slices:
+    for s in d.shards:
         assert s.values is not None
-        moved = (spool.truth[s.table] - rep.tables[s.table]).norm(dim=1)
+        moved = (spool.truth[s.shard.table] - rep.tables[s.shard.table]).norm(dim=1)
         assert moved[s.ids].min() >= moved.sort(descending=True).values[9] - 1e-6
     rep.apply(d)
     client.commit(d)
     # without a commit, the owed set does not change: the same pull again
     again = client.pull("p", Form.TOPK, k=10)
-    assert {s.table: s.owed for s in again.slices} == {
+    assert {s.shard.table: s.owed for s in again.shards} == {
         t: o - 10 for t, o in owed.items()
     } and not _equal(rep, spool)
     pulls = 0
@@ -61,7 +61,7 @@ def test_topk_converges_bit_exact_when_training_pauses(
         rep.apply(d)
         client.commit(d)
         pulls += 1
-        if all(s.owed == 0 for s in d.slices):
+        if all(s.owed == 0 for s in d.shards):
             break
         assert pulls < 40
     assert _equal(rep, spool)
@@ -78,7 +78,7 @@ def test_owed_rows_and_new_deltas_compete_with_fraction(
     spool.delta(n=40)
     _synced(sidecar, 1)
     d = client.pull("f", Form.TOPK, fraction=0.25)
-    assert [s.ids.numel() for s in d.slices] == [10, 10] and [s.owed for s in d.slices] == [30, 30]
+    assert [s.ids.numel() for s in d.shards] == [10, 10] and [s.owed for s in d.shards] == [30, 30]
     rep.apply(d)
     client.commit(d)
     # a row owed from before is touched again: it is still sent (once), at its head value
@@ -91,7 +91,7 @@ def test_owed_rows_and_new_deltas_compete_with_fraction(
     assert listed[0].owed_rows == 60
     # ROWS form serves every owed row plus the window
     d = client.pull("f", Form.ROWS)
-    assert sum(s.owed for s in d.slices) == 0
+    assert sum(s.owed for s in d.shards) == 0
     rep.apply(d)
     client.commit(d)
     assert _equal(rep, spool)
@@ -136,7 +136,7 @@ def test_a_forgotten_consumer_loses_its_owed_rows_and_comes_back_new(
     _synced(sidecar, 2)
     for name in ("gone", "stays"):
         d = client.pull(name, Form.TOPK, k=10)
-        assert all(s.owed > 0 for s in d.slices)
+        assert all(s.owed > 0 for s in d.shards)
         client.commit(d)
     owed_dir = sidecar.owed.root
     files = {n: list((owed_dir / n).iterdir()) for n in ("gone", "stays")}
@@ -163,7 +163,7 @@ def test_a_forgotten_consumer_loses_its_owed_rows_and_comes_back_new(
     # back again, "gone" is a new consumer: the whole current tables, nothing owed
     rep = Replica()
     d = client.pull("gone", Form.TOPK, k=10)
-    assert d.resync and d.rows == 1500 and all(s.owed == 0 for s in d.slices)
+    assert d.resync and d.rows == 1500 and all(s.owed == 0 for s in d.shards)
     rep.apply(d)
     assert _equal(rep, spool)
 
@@ -181,14 +181,14 @@ def test_a_repeated_commit_keeps_the_newer_pulls_owed_rows(
     spool.delta(n=60)
     _synced(sidecar, 2)
     b = client.pull("retry", Form.TOPK, k=10)
-    assert sum(s.owed for s in b.slices) > 0
+    assert sum(s.owed for s in b.shards) > 0
     client.commit(a)  # the retry of an acknowledged commit
     rep.apply(b)
     client.commit(b)
     for _ in range(40):
         d = _topk_sync(client, "retry", rep)
         assert not d.resync
-        if all(s.owed == 0 for s in d.slices):
+        if all(s.owed == 0 for s in d.shards):
             break
     assert _equal(rep, spool)
 
@@ -203,11 +203,11 @@ def test_lost_owed_rows_resync_the_consumer(
     spool.delta(n=60)
     _synced(sidecar, 1)
     d = _topk_sync(client, "lost", rep)
-    assert sum(s.owed for s in d.slices) > 0
+    assert sum(s.owed for s in d.shards) > 0
     for f in (sidecar.layout.sidecar_dir / "owed" / "lost").iterdir():
         f.unlink()
     d = client.pull("lost", Form.TOPK, k=10)
-    assert d.resync and d.rows == 1500 and all(s.owed == 0 for s in d.slices)
+    assert d.resync and d.rows == 1500 and all(s.owed == 0 for s in d.shards)
     rep.apply(d)
     client.commit(d)
     assert _equal(rep, spool)

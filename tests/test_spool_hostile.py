@@ -21,23 +21,23 @@ from deltad.segment.format import (
     DENSE_MAGIC,
     END_MAGIC,
     MAGIC,
-    SegmentChunk,
+    ShardRows,
     checksum,
     encode_dense,
     write_segment,
 )
 from deltad.serve.app import SidecarServer
 from deltad.serve.log import SegmentLog
-from deltad.types import SegmentKind
+from deltad.types import SegmentKind, Shard
 
 __all__ = ["redis_server"]
 
 
-def _write(spool: SpoolWriter, seq: int, chunks: list[SegmentChunk], **kw: object) -> Path:
+def _write(spool: SpoolWriter, seq: int, chunks: list[ShardRows], **kw: object) -> Path:
     path = spool.layout.segment_path(1, 0, seq)
     opts: dict[str, object] = {
         "model": MODEL, "generation": 1, "rank": 0, "world_size": 1, "seq": seq, "step": 99,
-        "kind": SegmentKind.DELTA, "chunks": chunks, "fsync": False,
+        "kind": SegmentKind.DELTA, "shards": chunks, "fsync": False,
     }  # fmt: skip
     opts.update(kw)
     write_segment(path, **opts)  # type: ignore[arg-type]
@@ -46,9 +46,9 @@ def _write(spool: SpoolWriter, seq: int, chunks: list[SegmentChunk], **kw: objec
 
 def _chunk(
     ids: list[int], table: str = "t0", n: int = 1000, dim: int = 8, cols: tuple[int, int] = (0, 8)
-) -> SegmentChunk:
+) -> ShardRows:
     i = torch.tensor(ids, dtype=torch.int64)
-    return SegmentChunk(table, n, dim, 0, n, *cols, i, torch.ones(len(ids), cols[1] - cols[0]))
+    return ShardRows(Shard(table, n, dim, 0, n, *cols), i, torch.ones(len(ids), cols[1] - cols[0]))
 
 
 def _rewrite_header(path: Path, mutate: Callable[[dict], None]) -> None:  # type: ignore[type-arg]

@@ -11,6 +11,7 @@ from shardkit import EBC_TABLES, EC_TABLES, fed_ids, spawn, toy_dmp
 from shardkit import batch as make_batch
 from torch import nn
 
+from deltad import knobs
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
 from deltad.publish.tracker import DeltaTracker, _Lookup
@@ -19,12 +20,16 @@ from deltad.types import TrainLoop
 
 def _ids(drained: list) -> dict[tuple[str, int], list[int]]:
     """(table, col_start) -> global ids, from a drain."""
-    return {(s.table, s.col_start): (ids + s.row_start).tolist() for s, ids in drained}
+    return {
+        (s.shard.table, s.shard.col_start): (ids + s.shard.row_start).tolist() for s, ids in drained
+    }
 
 
 def _expected(tracker: DeltaTracker, fed: dict[str, set[int]]) -> dict[tuple[str, int], list]:
     return {
-        (s.table, s.col_start): sorted(i for i in fed[s.table] if s.row_start <= i < s.row_end)
+        (s.shard.table, s.shard.col_start): sorted(
+            i for i in fed[s.shard.table] if s.shard.row_start <= i < s.shard.row_end
+        )
         for s in tracker.shards
     }
 
@@ -43,8 +48,11 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     # Shards: every table with a local shard, CW shards with their column ranges, and weight
     # views that are the state_dict's local shards (the live TBE weights, not copies).
     shards = tracker.shards
-    assert {s.table for s in shards} >= {"e_rw", "e_cw", "e_twrw", "s_rw", "s_cw"}
-    assert [s.col_end - s.col_start for s in shards if s.table == "e_cw"] == [4, 4]
+    assert {s.shard.table for s in shards} >= {"e_rw", "e_cw", "e_twrw", "s_rw", "s_cw"}
+    assert [s.shard.col_end - s.shard.col_start for s in shards if s.shard.table == "e_cw"] == [
+        4,
+        4,
+    ]
     assert {t.name: t.sharding_type for t in tracker.tables} == {
         "e_tw": "table_wise",
         "e_rw": "row_wise",
@@ -55,9 +63,13 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     }
     sd = dmp.state_dict()
     for s in shards:
-        key = f"{'ebc.embedding_bags' if s.kind == 'ebc' else 'ec.embeddings'}.{s.table}.weight"
+        key = (
+            f"{'ebc.embedding_bags' if s.kind == 'ebc' else 'ec.embeddings'}.{s.shard.table}.weight"
+        )
         (local,) = [
-            x.tensor for x in sd[key].local_shards() if x.metadata.shard_offsets[1] == s.col_start
+            x.tensor
+            for x in sd[key].local_shards()
+            if x.metadata.shard_offsets[1] == s.shard.col_start
         ]
         assert local.data_ptr() == s.weight.data_ptr()
     before = {id(s): s.weight.clone() for s in shards}
@@ -72,7 +84,7 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     assert _ids(drained) == _expected(tracker, fed_ids(fed))
     for s, local in drained:
         changed = (s.weight != before[id(s)]).any(dim=1).nonzero().view(-1)
-        assert torch.equal(changed, local), s.table
+        assert torch.equal(changed, local), s.shard.table
 
     # Drained twice with no new batch: empty, no error.
     assert all(ids.numel() == 0 for _, ids in tracker.drain())
@@ -96,10 +108,9 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     # Lookahead 1: ids of the last lookup stay owed after a drain; folded by the fold thread
     # (the default on CPU) or in the output dist's hook, alike.
     for background in (True, False):
-        cfg = TrackerConfig(
-            train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST, fold_in_background=background
-        )
-        ahead = DeltaTracker(dmp, cfg)
+        cfg = TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST)
+        with knobs.override(FOLD_IN_BACKGROUND=background):
+            ahead = DeltaTracker(dmp, cfg)
         assert ahead.lookahead == 1 and (ahead._folder is not None) == background
         ids_a = _expected(ahead, fed_ids([batch(r, 10) for r in range(world_size)]))
         ids_b = _expected(ahead, fed_ids([batch(r, 11) for r in range(world_size)]))
@@ -170,7 +181,8 @@ def _fold_order_worker(rank: int, world_size: int) -> None:
             tracker, fed_ids([batch(r, i) for r in range(world_size) for i in indices])
         )
 
-    tracker = DeltaTracker(dmp := toy_dmp(world_size), TrackerConfig(max_pending_folds=64))
+    with knobs.override(MAX_PENDING_FOLDS=64):
+        tracker = DeltaTracker(dmp := toy_dmp(world_size))
     with torch.no_grad():
         go = hold(tracker)
         dmp(batch(rank, 10))
@@ -194,9 +206,8 @@ def _fold_order_worker(rank: int, world_size: int) -> None:
     assert tracker._folder is None and _ids(tracker.drain()) == want(tracker)  # inline now
 
     # Lookahead 1, held back: the history is re-marked behind each queued swap, in order.
-    ahead = DeltaTracker(
-        dmp, TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST, max_pending_folds=64)
-    )
+    with knobs.override(MAX_PENDING_FOLDS=64):
+        ahead = DeltaTracker(dmp, TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST))
     with torch.no_grad():
         go = hold(ahead)
         dmp(batch(rank, 20))
@@ -280,7 +291,7 @@ def _pipeline_worker(rank: int, world_size: int) -> None:
             # exactly the rows the step changed (none of the next batch is looked up yet).
             for (shard, ids), old in zip(tracker.drain(), before, strict=True):
                 changed = (shard.weight != old).any(dim=1).nonzero().view(-1)
-                assert torch.equal(changed, ids), (cls.__name__, step, shard.table)
+                assert torch.equal(changed, ids), (cls.__name__, step, shard.shard.table)
         with pytest.raises(StopIteration):
             pipeline.progress(batches)
         if cls is TrainPipelineSparseDist:  # the EBC and EC really ran pipelined

@@ -77,11 +77,11 @@ def _check(cfg: TrainConfig, result: TrainResult) -> None:
     # the union over ranks and segments is exactly the set of ids the ranks were fed.
     touched: dict[tuple[str, int], set[int]] = {}
     for seg in segments[cfg.world_size :]:
-        for c in seg.chunks:
+        for c in seg.shards:
             ids = c.ids.tolist()
             assert ids == sorted(set(ids))
-            assert all(c.row_start <= i < c.row_end for i in ids)
-            touched.setdefault((c.table, c.col_start), set()).update(ids)
+            assert all(c.shard.row_start <= i < c.shard.row_end for i in ids)
+            touched.setdefault((c.shard.table, c.shard.col_start), set()).update(ids)
     fed = _fed_ids(cfg, cfg.steps)
     for (table, _), ids in touched.items():
         assert ids == fed[table], table

@@ -33,7 +33,7 @@ def _stream(
     header.slices.add(table="t", num_rows=10**6, dim=width + 2, col_start=2, col_end=2 + width,
                       count=ids.numel(), owed=4)  # fmt: skip
     msgs = [encode.encode_header(header)]
-    msgs += encode.encode_slice_chunks(0, ids, values, dtype, chunk_bytes)
+    msgs += encode.encode_shard_chunks(0, ids, values, dtype, chunk_bytes)
     cursor = pb.Cursor(consumer="c", rank=1, generation=9, seq=5, step=50, pull_id="p")
     msgs.append(encode.encode_trailer(pb.DeltaTrailer(cursor=cursor, rows=ids.numel())))
     return msgs
@@ -90,10 +90,10 @@ def test_raw_and_parsed_decoding_agree(dtype: WireDtype) -> None:
     for d in (raw, parsed):
         assert (d.rank, d.generation, d.from_seq, d.to_seq, d.to_step) == (1, 9, 3, 5, 50)
         assert d.cursor.pull_id == "p" and d.rows == ids.numel() and d.wire_dtype is dtype
-        (s,) = d.slices
-        assert (s.col_start, s.col_end, s.owed) == (2, 7, 4)
+        (s,) = d.shards
+        assert (s.shard.col_start, s.shard.col_end, s.owed) == (2, 7, 4)
         assert torch.equal(s.ids, ids)
-    a, b = raw.slices[0].values, parsed.slices[0].values
+    a, b = raw.shards[0].values, parsed.shards[0].values
     assert a is not None and b is not None and torch.equal(a, b)
     expect = wire.dequantize(*wire.quantize(vals, dtype), dtype)
     assert torch.equal(a, expect)
@@ -154,7 +154,7 @@ def test_ids_form_has_no_values() -> None:
     ids = torch.tensor([5, 9, 11])
     d = decode.decode_stream(_stream(ids, None, WireDtype.FP32, 1 << 20))
     assert (
-        d.form is Form.IDS and d.slices[0].values is None and d.slices[0].ids.tolist() == [5, 9, 11]
+        d.form is Form.IDS and d.shards[0].values is None and d.shards[0].ids.tolist() == [5, 9, 11]
     )
 
 
@@ -220,19 +220,19 @@ def test_fields_a_newer_server_adds_are_skipped() -> None:
     msgs = _stream(ids, vals, WireDtype.FP32, 512)
     extra = b"\xa0\x06\x01"  # field 100, varint 1: unknown to this version
     d = decode.decode_stream([m + extra for m in msgs])
-    assert torch.equal(d.slices[0].ids, ids) and torch.equal(d.slices[0].values, vals)  # type: ignore[arg-type]
+    assert torch.equal(d.shards[0].ids, ids) and torch.equal(d.shards[0].values, vals)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [WireDtype.FP32, WireDtype.INT8])
-def test_zero_copy_parts_match_the_copied_slice(dtype: WireDtype) -> None:
+def test_zero_copy_parts_match_the_copied_shard(dtype: WireDtype) -> None:
     ids = torch.arange(3, 9000, 3)
     vals = torch.randn(ids.numel(), 6)
     msgs = _stream(ids, vals, dtype, 8192)
     whole = decode.decode_stream(msgs)
     parts = decode.decode_stream(msgs, zero_copy=True)
-    assert len(parts.slices) == len(msgs) - 2 > 1 and parts.rows == whole.rows
-    assert [s.owed for s in parts.slices][:2] == [4, 0]
-    cat_ids = torch.cat([s.ids for s in parts.slices])
-    cat_vals = torch.cat([s.values for s in parts.slices if s.values is not None])
-    assert torch.equal(cat_ids, whole.slices[0].ids)
-    assert torch.equal(cat_vals, whole.slices[0].values)  # type: ignore[arg-type]
+    assert len(parts.shards) == len(msgs) - 2 > 1 and parts.rows == whole.rows
+    assert [s.owed for s in parts.shards][:2] == [4, 0]
+    cat_ids = torch.cat([s.ids for s in parts.shards])
+    cat_vals = torch.cat([s.values for s in parts.shards if s.values is not None])
+    assert torch.equal(cat_ids, whole.shards[0].ids)
+    assert torch.equal(cat_vals, whole.shards[0].values)  # type: ignore[arg-type]

@@ -102,18 +102,18 @@ def test_packed_rows_equal_torchrec_quantization(dtype: WireDtype, dim: int) -> 
     assert torchrec_rows(table, dtype).shape[1] == rb  # torchrec's CPU row alignment is 16
     ids = torch.arange(50, dtype=torch.int64)
     msgs = [encode.encode_header(_header(dtype, dim, 50, 16))]
-    msgs += encode.encode_slice_chunks(0, ids, table, dtype, 64 * 7)  # several chunks
+    msgs += encode.encode_shard_chunks(0, ids, table, dtype, 64 * 7)  # several chunks
     msgs.append(encode.encode_trailer(pb.DeltaTrailer(rows=50)))
     for zero_copy in (False, True):
         d = decode.decode_stream(msgs, zero_copy=zero_copy)
-        assert d.wire_dtype is dtype and all(s.values is None for s in d.slices)
-        packed = torch.cat([s.packed for s in d.slices if s.packed is not None])
-        assert torch.equal(torch.cat([s.ids for s in d.slices]), ids)
+        assert d.wire_dtype is dtype and all(s.values is None for s in d.shards)
+        packed = torch.cat([s.packed for s in d.shards if s.packed is not None])
+        assert torch.equal(torch.cat([s.ids for s in d.shards]), ids)
         _same_bytes(packed, table, dtype)
     # parsed protobuf messages decode the same
     parsed = decode.decode_stream(pb.GetDeltaResponse.FromString(m) for m in msgs)
-    assert parsed.slices[0].packed is not None
-    _same_bytes(parsed.slices[0].packed, table, dtype)
+    assert parsed.shards[0].packed is not None
+    _same_bytes(parsed.shards[0].packed, table, dtype)
 
 
 def _header(dtype: WireDtype, dim: int, n: int, align: int) -> pb.DeltaHeader:
@@ -136,7 +136,7 @@ def _header(dtype: WireDtype, dim: int, n: int, align: int) -> pb.DeltaHeader:
 
 
 def test_packed_row_sizes_and_alignment() -> None:
-    # PERF-NOTES: int8 dim 16 -> 32 B, dim 32 -> 48 B; int4 dim 16 -> 16 B; fp16 2 * D
+    # fbgemm row layout: int8 dim 16 -> 32 B, dim 32 -> 48 B; int4 dim 16 -> 16 B; fp16 2 * D
     assert wire.packed_row_bytes(16, WireDtype.PACKED_INT8, 16) == 32
     assert wire.packed_row_bytes(32, WireDtype.PACKED_INT8, 16) == 48
     assert wire.packed_row_bytes(16, WireDtype.PACKED_INT4, 16) == 16
@@ -197,10 +197,12 @@ def test_packed_pull_through_a_real_sidecar(
         d = c.pull("p", dtype=dtype, chunk_bytes=1)  # smallest chunks
         applier.apply([d])
         assert d.resync and d.wire_dtype is dtype
-        for s in d.slices:
+        for s in d.shards:
             assert s.values is None and s.packed is not None
-            held.setdefault(s.table, torch.zeros(s.num_rows, s.packed.shape[1], dtype=torch.uint8))
-            held[s.table][s.ids] = s.packed
+            held.setdefault(
+                s.shard.table, torch.zeros(s.shard.num_rows, s.packed.shape[1], dtype=torch.uint8)
+            )
+            held[s.shard.table][s.ids] = s.packed
         c.commit(d)
         spool.delta()
         spool.delta({"t0": list(range(300)), "t1": [1, 2, 3]})
@@ -209,26 +211,26 @@ def test_packed_pull_through_a_real_sidecar(
         for align in (64, 0):  # the default (16) last: its rows update ``held``
             d = c.pull("p", dtype=dtype, row_alignment=align)
             assert d.rows > 300
-            for s in d.slices:
+            for s in d.shards:
                 assert s.packed is not None
-                assert s.packed.shape[1] == wire.packed_row_bytes(s.dim, dtype, align or 16)
-                _same_bytes(s.packed, spool.truth[s.table][s.ids], dtype)
+                assert s.packed.shape[1] == wire.packed_row_bytes(s.shard.dim, dtype, align or 16)
+                _same_bytes(s.packed, spool.truth[s.shard.table][s.ids], dtype)
             if align == 64:
                 applier.apply([d])
                 tables = quant_tables(served)
                 for t in specs:  # rows of 64-byte alignment into tables of 16
                     assert torch.equal(tables[t].rows, torchrec_rows(spool.truth[t], dtype))
-        for s in d.slices:
+        for s in d.shards:
             assert s.packed is not None
-            held[s.table][s.ids] = s.packed
+            held[s.shard.table][s.ids] = s.packed
         for t, rows in held.items():
             _same_bytes(rows, spool.truth[t], dtype)
         # top-k over packed rows: the planning is on float values, only the encoding packs
         d = c.pull("p", Form.TOPK, dtype=dtype, k=5)
-        assert all(s.packed is not None and s.packed.shape[0] == 5 for s in d.slices)
-        for s in d.slices:
+        assert all(s.packed is not None and s.packed.shape[0] == 5 for s in d.shards)
+        for s in d.shards:
             assert s.packed is not None
-            _same_bytes(s.packed, spool.truth[s.table][s.ids], dtype)
+            _same_bytes(s.packed, spool.truth[s.shard.table][s.ids], dtype)
     finally:
         c.close()
         srv.stop(0)
@@ -266,12 +268,14 @@ def test_packed_pull_sends_column_wise_shards_as_fp32(
                 spool.delta({"t0": [0, 5, 99], "t1": list(range(0, 60, 2))})
                 wait_for(lambda s=step: (sn := srv.log.snapshot()) is not None and sn.head.seq == s)
             d = c.pull("p", dtype=dtype, raw=step != 1)  # the protobuf decoder once
-            assert d.wire_dtype is dtype and len(d.slices) == 4  # 2 tables x 2 column slices
-            for s in d.slices:
+            assert d.wire_dtype is dtype and len(d.shards) == 4  # 2 tables x 2 column slices
+            for s in d.shards:
                 assert s.packed is None and s.values is not None
                 assert s.values.dtype is torch.float32
-                assert s.values.shape == (s.ids.numel(), s.col_end - s.col_start)
-                assert torch.equal(s.values, spool.truth[s.table][s.ids, s.col_start : s.col_end])
+                assert s.values.shape == (s.ids.numel(), s.shard.col_end - s.shard.col_start)
+                assert torch.equal(
+                    s.values, spool.truth[s.shard.table][s.ids, s.shard.col_start : s.shard.col_end]
+                )
             applier.apply([d])
             c.commit(d)
             tables = quant_tables(served)
@@ -281,7 +285,7 @@ def test_packed_pull_sends_column_wise_shards_as_fp32(
         # a fresh consumer: base + 2 deltas merged range by range (_MergedSlice), as fp32
         fresh = _quant_ebc(specs, dtype)
         d = c.pull("r", dtype=dtype, chunk_bytes=1)
-        assert d.resync and all(s.packed is None for s in d.slices)
+        assert d.resync and all(s.packed is None for s in d.shards)
         QuantApplier(fresh).apply([d])
         for t in specs:
             assert torch.equal(quant_tables(fresh)[t].rows, torchrec_rows(spool.truth[t], dtype))

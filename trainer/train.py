@@ -35,10 +35,10 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from deltad import errors
-from deltad.config import PublisherConfig, TrackerConfig, check_name
+from deltad.config import PublisherConfig, check_name
 from deltad.errors import ConfigError, DeltadError
 from deltad.publish.publisher import SegmentPublisher
-from deltad.publish.tracker import DeltaTracker, _clean_fqn
+from deltad.publish.tracker import _clean_fqn
 from deltad.segment.spool import SpoolLayout
 from deltad.types import TrainLoop
 
@@ -153,6 +153,7 @@ class TrainConfig:
             every_seconds=self.publish_every_seconds,
             generation=self.generation,
             fsync=self.fsync,
+            train_loop=self.loop,
         )
 
     def sharding_of(self, table: str) -> str:
@@ -380,8 +381,7 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     batches = stream.take(cfg.steps) if cfg.steps else iter(stream)
     publisher = None
     if cfg.publish:
-        tracker = DeltaTracker(dmp, TrackerConfig(train_loop=cfg.loop))
-        publisher = SegmentPublisher(dmp, tracker, cfg.publisher_config())
+        publisher = SegmentPublisher(dmp, cfg.publisher_config())
         publisher.start(0)
     step_fn = _step_fn(cfg, dmp, optimizer, batches)
     deadline = time.monotonic() + cfg.duration_s if cfg.duration_s else math.inf

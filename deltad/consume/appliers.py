@@ -6,8 +6,8 @@ Every applier writes exactly the rows and columns it is given:
 Atomicity: a lock, not a double buffer. A window touches a small fraction of a table, so
 copying whole tables (double buffering) would cost twice the memory of models whose tables
 are the largest thing on the host, to protect a write that takes milliseconds. Instead
-:meth:`Applier.apply` validates every slice of every rank first (nothing is written if any
-slice is bad), then writes all of them while holding :attr:`Applier.lock`; a reader that
+:meth:`Applier.apply` validates every shard update of every rank first (nothing is written if
+any is bad), then writes all of them while holding :attr:`Applier.lock`; a reader that
 looks rows up inside ``with applier.reading():`` sees either none or all of a window,
 across all ranks of one aligned pull.
 """
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from deltad.consume.window import RankDelta, SliceUpdate
+from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConsumerError
 
 
@@ -50,27 +50,29 @@ class Applier(abc.ABC):
         return None  # tables that are never replaced (TorchRecApplier) stage nothing
 
     def _install(self) -> None:
-        """Every slice passed its checks: the staged tables replace the held ones."""
+        """Every shard update passed its checks: the staged tables replace the held ones."""
         return None  # tables that are never replaced (TorchRecApplier) stage nothing
 
     def _discard(self) -> None:
-        """A slice failed its checks: the staged tables are dropped, the held ones stay."""
+        """A shard update failed its checks: the staged tables are dropped, the held ones stay."""
         return None  # tables that are never replaced (TorchRecApplier) stage nothing
 
     def apply(self, deltas: Sequence[RankDelta]) -> int:
-        """Write every slice of ``deltas`` atomically; return the number of rows written."""
+        """Write every shard update of ``deltas`` atomically; return the number of rows written."""
         with self.lock:
-            plan: list[tuple[torch.Tensor, SliceUpdate]] = []
+            plan: list[tuple[torch.Tensor, ShardUpdate]] = []
             self._begin()
             try:
                 for d in deltas:
-                    for s in d.slices:
+                    for s in d.shards:
                         if s.values is None:
                             raise ConsumerError(
-                                f"rank {d.rank}: table {s.table} has no values "
+                                f"rank {d.rank}: table {s.shard.table} has no values "
                                 f"(form {d.form.value})"
                             )
-                        t = self.table(s.table, s.num_rows, s.dim, resync=d.resync)
+                        t = self.table(
+                            s.shard.table, s.shard.num_rows, s.shard.dim, resync=d.resync
+                        )
                         _check(t, s)
                         plan.append((t, s))
             except BaseException:
@@ -84,30 +86,36 @@ class Applier(abc.ABC):
             return rows
 
 
-def _check(t: torch.Tensor, s: SliceUpdate) -> None:
+def _check(t: torch.Tensor, s: ShardUpdate) -> None:
     assert s.values is not None
-    if t.dim() != 2 or t.shape[0] != s.num_rows or t.shape[1] != s.dim:
+    if t.dim() != 2 or t.shape[0] != s.shard.num_rows or t.shape[1] != s.shard.dim:
         raise ConsumerError(
-            f"table {s.table}: held shape {tuple(t.shape)} != sent ({s.num_rows}, {s.dim})"
+            f"table {s.shard.table}: held shape {tuple(t.shape)} != sent ({s.shard.num_rows}, {s.shard.dim})"
         )
-    if not 0 <= s.col_start <= s.col_end <= s.dim:
-        raise ConsumerError(f"table {s.table}: bad column range {s.col_start}:{s.col_end}")
-    if s.values.shape != (s.ids.numel(), s.width):
+    if not 0 <= s.shard.col_start <= s.shard.col_end <= s.shard.dim:
         raise ConsumerError(
-            f"table {s.table}: values {tuple(s.values.shape)} != ({s.ids.numel()}, {s.width})"
+            f"table {s.shard.table}: bad column range {s.shard.col_start}:{s.shard.col_end}"
         )
-    if s.ids.numel() and (int(s.ids.min()) < 0 or int(s.ids.max()) >= s.num_rows):
-        raise ConsumerError(f"table {s.table}: row id out of range [0, {s.num_rows})")
+    if s.values.shape != (s.ids.numel(), s.shard.width):
+        raise ConsumerError(
+            f"table {s.shard.table}: values {tuple(s.values.shape)} != ({s.ids.numel()}, {s.shard.width})"
+        )
+    if s.ids.numel() and (int(s.ids.min()) < 0 or int(s.ids.max()) >= s.shard.num_rows):
+        raise ConsumerError(f"table {s.shard.table}: row id out of range [0, {s.shard.num_rows})")
 
 
-def _write(t: torch.Tensor, s: SliceUpdate) -> int:
+def _write(t: torch.Tensor, s: ShardUpdate) -> int:
     assert s.values is not None
     n = s.ids.numel()
     if n == 0:
         return 0
     ids = s.ids.to(device=t.device, dtype=torch.int64)
     values = s.values.to(device=t.device, dtype=t.dtype)
-    target = t if (s.col_start, s.col_end) == (0, t.shape[1]) else t[:, s.col_start : s.col_end]
+    target = (
+        t
+        if (s.shard.col_start, s.shard.col_end) == (0, t.shape[1])
+        else t[:, s.shard.col_start : s.shard.col_end]
+    )
     target.index_copy_(0, ids, values)
     return n
 

@@ -27,10 +27,10 @@ import torch
 from google.protobuf.message import DecodeError
 
 from deltad.buffers import BufferPool
-from deltad.consume.window import RankDelta, SliceUpdate
+from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import SegmentCorruptError, StreamDecodeError
 from deltad.segment.format import dense_dtype
-from deltad.types import Form, WireDtype
+from deltad.types import Form, Shard, WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.wire import (
     GET_DELTA_METHOD,
@@ -121,17 +121,15 @@ class _Slot:
                 self.values_np = self.values.numpy()
         self.filled = 0
 
-    def updates(self) -> list[SliceUpdate]:
+    def updates(self) -> list[ShardUpdate]:
         m = self.meta
 
-        def update(ids: torch.Tensor, values: torch.Tensor | None, owed: int) -> SliceUpdate:
+        shard = Shard.columns_of(m.table, m.num_rows, m.dim, m.col_start, m.col_end)
+
+        def update(ids: torch.Tensor, values: torch.Tensor | None, owed: int) -> ShardUpdate:
             if self.row_bytes:  # packed rows: in ``packed``, no float values
-                return SliceUpdate(
-                    m.table, m.num_rows, m.dim, m.col_start, m.col_end, ids, None, owed, values
-                )
-            return SliceUpdate(
-                m.table, m.num_rows, m.dim, m.col_start, m.col_end, ids, values, owed
-            )
+                return ShardUpdate(shard, ids, None, owed, values)
+            return ShardUpdate(shard, ids, values, owed)
 
         if self.parts is None:
             assert self.ids is not None
@@ -159,8 +157,8 @@ class WindowAssembler:
     serialized ``bytes``), then call :meth:`result`. Raises :class:`StreamDecodeError` on a
     malformed or incomplete stream.
 
-    By default each table slice becomes one SliceUpdate whose tensors are filled with one copy.
-    With ``zero_copy=True`` each RowChunk becomes its own SliceUpdate (so a table slice may
+    By default each table slice becomes one ShardUpdate whose tensors are filled with one copy.
+    With ``zero_copy=True`` each RowChunk becomes its own ShardUpdate (so a table slice may
     appear several times, in row order; ``owed`` is on its first part) whose ids and fp32
     values are read-only views of the received bytes: no copy at all (fp16 / bf16 / int8 are
     dequantized per chunk, one copy). Which is faster depends on the allocator: with
@@ -469,7 +467,7 @@ class WindowAssembler:
             form=self.form,
             wire_dtype=self.dtype,
             cursor=cursor_from_pb(t.cursor),
-            slices=slices,
+            shards=slices,
             committed=t.committed,
             rows=sum(s.count for s in self.slots),
             bytes=self.bytes,

@@ -16,7 +16,7 @@ shares the same storage), packs float rows exactly as torchrec's quantization do
 see :func:`pack_rows`, which is :func:`deltad.wire.pack_rows`, the sidecar's packer), and
 copies whole rows in with ``index_copy_`` (as 4-byte words). Bytes and forward outputs are
 therefore equal to quantizing the updated float tables from scratch. Rows that arrive
-already packed (``SliceUpdate.packed``, a pull in :func:`packed_wire_dtype`: uint8, the
+already packed (``ShardUpdate.packed``, a pull in :func:`packed_wire_dtype`: uint8, the
 table's row layout above, with any zero padding) are copied as they are; a packed
 pull sends the slices it cannot pack (column-wise shards) as fp32 values, handled below.
 
@@ -24,16 +24,16 @@ Bit-exactness needs the trainer's float values: pull with wire dtype ``fp32`` (o
 for fp16 tables, or packed rows). Rows that travelled as ``int8`` / ``bf16`` arrive
 already rounded, and re-quantizing them is close to, not equal to, torchrec's bytes.
 
-Column slices (column-wise sharded tables, one slice per rank): an int8 / int4 row is
+Column shards (column-wise sharded tables, one shard per rank): an int8 / int4 row is
 quantized over the full row and cannot be decoded back exactly, so the applier keeps a float
-*shadow* of such a table (allocated on its first column slice: 4 bytes per element plus a
-1-byte "known" mask) holding the newest value of every column. A column slice updates the
+*shadow* of such a table (allocated on its first column shard: 4 bytes per element plus a
+1-byte "known" mask) holding the newest value of every column. A column shard updates the
 shadow; each row it touches is packed from the shadow and written once every column of it
 has been received at least once (until then, :attr:`QuantApplier.pending_rows`, the model
 serves that row's previous bytes). With rows, one aligned pull completes every touched row;
 with top-k, ranks pick their rows independently and the shadow lets a row be re-packed from
 its newest columns whichever rank sends next, so once nothing is owed every row is exact.
-fp16 / fp32 rows decode exactly: a column slice is merged with the row as served and
+fp16 / fp32 rows decode exactly: a column shard is merged with the row as served and
 written at once, no shadow.
 
 What a forward observes mid-apply (:class:`~deltad.types.ApplyConsistency`): a forward runs
@@ -70,7 +70,7 @@ import torch
 
 from deltad import wire
 from deltad.consume.appliers import Applier
-from deltad.consume.window import RankDelta, SliceUpdate
+from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConfigError, ConsumerError, UnsupportedModelError
 from deltad.types import ApplyConsistency, ServeDtype, WireDtype
 
@@ -329,7 +329,7 @@ class ServingLock:
 
 @dataclass
 class _Shadow:
-    """Float copy of an int table fed by column slices: newest values, columns received."""
+    """Float copy of an int table fed by column shards: newest values, columns received."""
 
     values: torch.Tensor  # float32 [num_rows, dim]
     known: torch.Tensor  # bool [num_rows, dim]
@@ -425,9 +425,9 @@ class QuantApplier(Applier):
     # -- applying -----------------------------------------------------------------------
 
     def apply(self, deltas: Sequence[RankDelta]) -> int:
-        """Write every slice (and each delta's ``dense``) of ``deltas``; return rows written.
+        """Write every shard update (and each delta's ``dense``) of ``deltas``; return rows written.
 
-        Every slice is checked before anything is written; rows are packed outside the lock.
+        Every shard update is checked before anything is written; rows are packed outside the lock.
         """
         with self._apply_mutex:
             t0 = time.perf_counter()
@@ -459,50 +459,56 @@ class QuantApplier(Applier):
             )
         return t
 
-    def _check(self, d: RankDelta, s: SliceUpdate) -> QuantTable:
-        t = self._table(s.table, s.num_rows, s.dim)
-        if not 0 <= s.col_start < s.col_end <= s.dim:
-            raise ConsumerError(f"table {s.table}: bad column range {s.col_start}:{s.col_end}")
+    def _check(self, d: RankDelta, s: ShardUpdate) -> QuantTable:
+        t = self._table(s.shard.table, s.shard.num_rows, s.shard.dim)
+        if not 0 <= s.shard.col_start < s.shard.col_end <= s.shard.dim:
+            raise ConsumerError(
+                f"table {s.shard.table}: bad column range {s.shard.col_start}:{s.shard.col_end}"
+            )
         n = s.ids.numel()
         packed = getattr(s, "packed", None)
         if packed is not None:
-            if (s.col_start, s.col_end) != (0, s.dim):
-                raise ConsumerError(f"table {s.table}: packed rows must cover every column")
+            if (s.shard.col_start, s.shard.col_end) != (0, s.shard.dim):
+                raise ConsumerError(f"table {s.shard.table}: packed rows must cover every column")
             if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[0] != n:
-                raise ConsumerError(f"table {s.table}: packed rows must be uint8 [{n}, bytes]")
+                raise ConsumerError(
+                    f"table {s.shard.table}: packed rows must be uint8 [{n}, bytes]"
+                )
             if packed.shape[1] < t.data_bytes or (
                 packed.shape[1] > t.row_bytes and packed[:, t.row_bytes :].any()
             ):
                 raise ConsumerError(
-                    f"table {s.table}: packed rows of {packed.shape[1]} bytes, the table's "
+                    f"table {s.shard.table}: packed rows of {packed.shape[1]} bytes, the table's "
                     f"{t.dtype.value} rows have {t.data_bytes} ({t.row_bytes} aligned; more "
                     f"only as zero padding)"
                 )
         elif s.values is None:
             raise ConsumerError(
-                f"rank {d.rank}: table {s.table} has no values (form {d.form.value})"
+                f"rank {d.rank}: table {s.shard.table} has no values (form {d.form.value})"
             )
-        elif s.values.shape != (n, s.width):
+        elif s.values.shape != (n, s.shard.width):
             raise ConsumerError(
-                f"table {s.table}: values {tuple(s.values.shape)} != ({n}, {s.width})"
+                f"table {s.shard.table}: values {tuple(s.values.shape)} != ({n}, {s.shard.width})"
             )
-        if n and (int(s.ids.min()) < 0 or int(s.ids.max()) >= s.num_rows):
-            raise ConsumerError(f"table {s.table}: row id out of range [0, {s.num_rows})")
+        if n and (int(s.ids.min()) < 0 or int(s.ids.max()) >= s.shard.num_rows):
+            raise ConsumerError(
+                f"table {s.shard.table}: row id out of range [0, {s.shard.num_rows})"
+            )
         return t
 
     def _plan(
         self, deltas: Sequence[RankDelta]
     ) -> list[tuple[QuantTable, torch.Tensor, torch.Tensor]]:
-        """Checked and packed ``(table, ids, rows)`` writes (column slices merged)."""
+        """Checked and packed ``(table, ids, rows)`` writes (column shards merged)."""
         full: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        partial: dict[str, list[SliceUpdate]] = {}
+        partial: dict[str, list[ShardUpdate]] = {}
         resynced: set[str] = set()
-        checked: list[tuple[QuantTable, SliceUpdate]] = []
+        checked: list[tuple[QuantTable, ShardUpdate]] = []
         for d in deltas:
-            for s in d.slices:
+            for s in d.shards:
                 checked.append((self._check(d, s), s))
                 if d.resync:
-                    resynced.add(s.table)
+                    resynced.add(s.shard.table)
         for name in resynced:  # a base restarts the table: columns seen before are void
             self._shadows.pop(name, None)
         for t, s in checked:
@@ -519,7 +525,7 @@ class QuantApplier(Applier):
                     padded[:, : rows.shape[1]] = rows
                     rows = padded
                 full.setdefault(t.name, []).append((ids, rows.contiguous()))
-            elif (s.col_start, s.col_end) == (0, s.dim):
+            elif (s.shard.col_start, s.shard.col_end) == (0, s.shard.dim):
                 assert s.values is not None
                 full.setdefault(t.name, []).append((ids, t.pack(s.values)))
                 sh = self._shadows.get(t.name)
@@ -528,9 +534,9 @@ class QuantApplier(Applier):
                     sh.known[ids] = True
             else:
                 partial.setdefault(t.name, []).append(s)
-        for name, slices in partial.items():
+        for name, updates in partial.items():
             t = self._tables[name]
-            ids, values = self._merge_columns(t, slices)
+            ids, values = self._merge_columns(t, updates)
             if ids.numel():
                 full.setdefault(name, []).append((ids, t.pack(values)))
         plan = []
@@ -542,16 +548,16 @@ class QuantApplier(Applier):
         return plan
 
     def _merge_columns(
-        self, t: QuantTable, slices: list[SliceUpdate]
+        self, t: QuantTable, updates: list[ShardUpdate]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``(ids, float values)`` of ``slices`` whose every column is known."""
-        ids = torch.unique(torch.cat([s.ids.to(torch.int64) for s in slices]))  # sorted
+        """Rows ``(ids, float values)`` of ``updates`` whose every column is known."""
+        ids = torch.unique(torch.cat([s.ids.to(torch.int64) for s in updates]))  # sorted
         if not t.quantized:  # fp rows decode exactly: merge with the row as served
             values = t.decode(ids)
-            for s in slices:
+            for s in updates:
                 assert s.values is not None
                 pos = torch.searchsorted(ids, s.ids.to(torch.int64))
-                values[pos, s.col_start : s.col_end] = s.values.to(torch.float32)
+                values[pos, s.shard.col_start : s.shard.col_end] = s.values.to(torch.float32)
             return ids, values
         sh = self._shadows.get(t.name)
         if sh is None:
@@ -560,11 +566,11 @@ class QuantApplier(Applier):
                 torch.zeros(t.num_rows, t.dim, dtype=torch.bool),
             )
             self._shadows[t.name] = sh
-        for s in slices:
+        for s in updates:
             assert s.values is not None
             rows = s.ids.to(torch.int64)
-            sh.values[rows, s.col_start : s.col_end] = s.values.to(torch.float32)
-            sh.known[rows, s.col_start : s.col_end] = True
+            sh.values[rows, s.shard.col_start : s.shard.col_end] = s.values.to(torch.float32)
+            sh.known[rows, s.shard.col_start : s.shard.col_end] = True
         ids = ids[sh.known[ids].all(dim=1)]
         return ids, sh.values[ids]
 

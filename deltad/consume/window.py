@@ -10,40 +10,38 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltad.types import Cursor, Form, WireDtype
+from deltad.types import Cursor, Form, Shard, WireDtype
 
 
 @dataclass
-class SliceUpdate:
-    """Rows of one table shard's column slice: write ``values`` at ``[ids, col_start:col_end]``.
+class ShardUpdate:
+    """Rows of one shard: write ``values`` at ``[ids, shard.col_start:shard.col_end]``.
+
+    The wire names a shard's table and column range, not the rank's row range: ``shard``
+    spans every row of the table (see :meth:`Shard.columns_of`).
 
     Packed wire dtypes (``WireDtype.PACKED_*``) deliver ``packed`` instead of ``values``: uint8
     [len(ids), row_bytes], each row in the byte layout described in :mod:`deltad.wire`
     (int8 / int4: codes, fp16 scale, fp16 bias, zero padding; fp16: values, zero padding), for
-    whole rows only (``col_start == 0``, ``col_end == dim``).
+    whole rows only (``shard.covers_full_row``).
     """
 
-    table: str
-    num_rows: int  # rows of the whole table
-    dim: int  # columns of the whole table
-    col_start: int
-    col_end: int
+    shard: Shard
     ids: torch.Tensor  # int64 global row ids
-    values: (
-        torch.Tensor | None
-    )  # [len(ids), col_end - col_start] float32 (dequantized); None for IDS
+    #: [len(ids), shard.width] float32 (dequantized); None for IDS
+    values: torch.Tensor | None
     owed: int = 0  # top-k: candidate rows not sent, still owed
     #: packed wire dtypes: uint8 [len(ids), row_bytes] rows in the serving table's layout
     packed: torch.Tensor | None = None
 
-    @property
-    def width(self) -> int:
-        return self.col_end - self.col_start
+
+#: The former name of :class:`ShardUpdate` (kept for code written against it).
+SliceUpdate = ShardUpdate
 
 
 @dataclass
 class RankDelta:
-    """One rank's merged window: apply every slice, then commit ``cursor``."""
+    """One rank's merged window: apply every shard's update, then commit ``cursor``."""
 
     rank: int
     generation: int
@@ -54,7 +52,7 @@ class RankDelta:
     form: Form
     wire_dtype: WireDtype
     cursor: Cursor
-    slices: list[SliceUpdate] = field(default_factory=list)
+    shards: list[ShardUpdate] = field(default_factory=list)
     committed: bool = False  # auto_commit already committed the cursor
     rows: int = 0
     bytes: int = 0  # payload bytes received (rows and dense)
@@ -63,6 +61,11 @@ class RankDelta:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     dense_step: int | None = None
     dense_bytes: int = 0
+
+    @property
+    def slices(self) -> list[ShardUpdate]:
+        """The former name of :attr:`shards`."""
+        return self.shards
 
     @property
     def empty(self) -> bool:

@@ -64,8 +64,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deltad.config import PublisherConfig
-from deltad.errors import SpoolError
+from deltad import knobs
+from deltad.buffers import BufferPool
+from deltad.config import PublisherConfig, TrackerConfig
+from deltad.errors import ConfigError, SpoolError
 from deltad.publish.tracker import (
     DeltaTracker,
     DrainedRows,
@@ -73,7 +75,7 @@ from deltad.publish.tracker import (
     _clean_fqn,
     _sharded_types,
 )
-from deltad.segment.format import SegmentChunk, encode_dense, write_dense, write_segment
+from deltad.segment.format import ShardRows, encode_dense, write_dense, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout
 from deltad.types import SegmentKind
 
@@ -190,75 +192,47 @@ class _Job:
     """A segment for the writer: its reserved stats (seq, step, kind, path) and its rows."""
 
     stats: SegmentStats
-    chunks: list[SegmentChunk]
+    shards: list[ShardRows]
     ready: Any = None  # a CUDA event to wait for before reading device-to-host copies
-    #: Pooled copy buffers (pool key, buffer) holding ``chunks``' values; back to the pool
-    #: once the segment is written, never before.
-    buffers: list[tuple[tuple[Any, ...], torch.Tensor]] = field(default_factory=list)
     #: rank 0: the dense state cloned at this segment's cut, written before the segment
     dense: dict[str, torch.Tensor] | None = None
-
-
-class _BufferPool:
-    """Reused host buffers for the touched-row copies, per shard.
-
-    A new large buffer page-faults on its first write (a fresh >= 32 MB copy runs at ~2 GB/s
-    against 12-17 GB/s into a reused one), and the copy is on the training loop's clock. A
-    buffer is taken by the loop, travels with its job and is given back by the writer after
-    the file is written, so one still being written is never handed out again. The pool holds
-    at most as many buffers as were ever in flight at once (max_pending_writes queued + one
-    being written + one being filled); each with 1/8 headroom over the rows it was made for.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-
-    def take(
-        self, key: tuple[Any, ...], rows: int, dim: int, dtype: torch.dtype, pin: bool
-    ) -> torch.Tensor:
-        """A ``[>= rows, dim]`` buffer of ``dtype`` that nobody else uses until :meth:`give`."""
-        with self._lock:
-            free = self._free.get(key, [])
-            fits = [
-                i
-                for i, b in enumerate(free)
-                if b.size(0) >= rows and b.size(1) == dim and b.dtype == dtype
-            ]
-            if fits:  # the smallest that fits; by index (tensors compare elementwise)
-                return free.pop(min(fits, key=lambda i: free[i].size(0)))
-            # None fits: drop the ones too small (rows grew) rather than keep them forever.
-            self._free[key] = [b for b in free if b.size(0) >= rows]
-        cap = max(rows + rows // 8, 1)
-        return torch.empty((cap, dim), dtype=dtype, pin_memory=pin)
-
-    def give(self, key: tuple[Any, ...], buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault(key, []).append(buf)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
 
 
 class SegmentPublisher:
     """Publishes one rank's segments: base at :meth:`start`, deltas, a final one at close.
 
-    ``tracker`` defaults to a :class:`DeltaTracker` attached to ``model``. ``process_group``
-    is the group the ranks agree in (default: the world group, if torch.distributed is up).
+    ``tracker`` defaults to a :class:`DeltaTracker` attached to ``model`` with the config's
+    ``train_loop`` and ``fqns_to_skip``; one passed in must track that same train loop.
+    ``process_group`` is the group the ranks agree in (default: the world group, if
+    torch.distributed is up).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        tracker: DeltaTracker | None,
         config: PublisherConfig,
         *,
+        tracker: DeltaTracker | None = None,
         process_group: Any = None,
     ) -> None:
+        if not isinstance(config, PublisherConfig):
+            raise ConfigError(
+                f"SegmentPublisher(model, config, *, tracker=None): config must be a "
+                f"PublisherConfig, not {type(config).__name__}"
+            )
         self.config = config
         self.model = model
-        self.tracker = tracker if tracker is not None else DeltaTracker(model)
+        if tracker is None:
+            tracker = DeltaTracker(
+                model, TrackerConfig(train_loop=config.train_loop, fqns_to_skip=config.fqns_to_skip)
+            )
+        loop = getattr(getattr(tracker, "config", None), "train_loop", config.train_loop)
+        if loop is not config.train_loop:
+            raise ConfigError(
+                f"the tracker tracks train loop {loop.value}, the publisher config says "
+                f"{config.train_loop.value}: set PublisherConfig.train_loop"
+            )
+        self.tracker = tracker
         self.layout = SpoolLayout(config.spool_dir, config.model)
         self._pg = process_group
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -282,7 +256,14 @@ class SegmentPublisher:
         self._write_failed = False
         self._last_rebase = -float("inf")
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_pending_writes)
-        self._pool = _BufferPool()
+        # Touched-row copies (see deltad.buffers): a job's buffers are referenced by the job
+        # until its segment is written, so one still queued is never handed out again.
+        self._pool = BufferPool(
+            max_bytes=knobs.COPY_POOL_MAX_BYTES,
+            min_bytes=0,
+            granule=knobs.COPY_POOL_GRANULE,
+            headroom=knobs.COPY_POOL_HEADROOM,
+        )
         self._thread: threading.Thread | None = None
         # Background copies (see the module docstring): requests go to the copier thread,
         # which hands the jobs it packed to the writer, in order.
@@ -359,7 +340,7 @@ class SegmentPublisher:
         self.tracker.flush_caches()  # rows a device cache holds, into the weights read below
         t0 = time.perf_counter()
         shards = self.tracker.shards
-        ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
+        ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
         job = self._package(stats, shards, ids, [s.weight.detach() for s in shards])
         job.dense = self._take_dense(stats, force=True)
@@ -545,7 +526,7 @@ class SegmentPublisher:
             self.tracker.drain()
             self.tracker.flush_caches()
         shards = self.tracker.shards
-        ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
+        ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         values = [s.weight.detach().clone() for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
         job = self._package(stats, shards, ids, values)
@@ -592,7 +573,7 @@ class SegmentPublisher:
     def _publish_base_now(self, step: int) -> None:
         self.tracker.drain()
         shards = self.tracker.shards
-        ids = [torch.arange(s.row_start, s.row_end, dtype=torch.int64) for s in shards]
+        ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
         self.stats.rebases += 1
         self._write(self._package(stats, shards, ids, [s.weight.detach() for s in shards]))
@@ -604,12 +585,11 @@ class SegmentPublisher:
     ) -> _Job:
         """Copy the drained rows (local ids per shard) into a job for the writer."""
         shards = [s for s, _ in drained]
-        ids = [local + s.row_start for s, local in drained]
-        buffers: list[tuple[tuple[Any, ...], torch.Tensor]] = []
-        values = [self._copy_rows(s, local, buffers) for s, local in drained]
-        job = self._package(stats, shards, ids, values)
-        job.buffers = buffers
-        return job
+        ids = [local + s.shard.row_start for s, local in drained]
+        values = [self._copy_rows(s, local) for s, local in drained]
+        # free buffers no copy of this round used go back to the allocator
+        self._pool.end_round()
+        return self._package(stats, shards, ids, values)
 
     def _copy_loop(self) -> None:
         """The copier thread: read and copy each request's rows, then queue it for the writer."""
@@ -636,22 +616,15 @@ class SegmentPublisher:
             if job is not None:
                 self._queue.put(job)  # blocks while the writer is behind (backpressure)
 
-    def _copy_rows(
-        self,
-        shard: TrackedShard,
-        local: torch.Tensor,
-        buffers: list[tuple[tuple[Any, ...], torch.Tensor]],
-    ) -> torch.Tensor:
+    def _copy_rows(self, shard: TrackedShard, local: torch.Tensor) -> torch.Tensor:
         """Copy rows ``local`` of the shard's weights (a pooled host buffer if configured)."""
         weight = shard.weight.detach()
-        if not self.config.reuse_copy_buffers or local.numel() == 0:
+        if not knobs.REUSE_COPY_BUFFERS or local.numel() == 0:
             return weight.index_select(0, local)
-        key = (shard.table, shard.row_start, shard.col_start)
-        n = local.numel()
         # Pinned for device weights, so the copy below is a real async DMA.
-        buf = self._pool.take(key, n, weight.size(1), weight.dtype, weight.device.type == "cuda")
-        buffers.append((key, buf))
-        out = buf[:n]
+        out = self._pool.take(
+            (local.numel(), weight.size(1)), weight.dtype, pin_memory=weight.device.type == "cuda"
+        )
         if weight.device.type == "cpu":
             torch.index_select(weight, 0, local, out=out)
         else:  # gather on the device, then an async copy into the pinned buffer (see _job)
@@ -753,23 +726,10 @@ class SegmentPublisher:
             ids = [i.to("cpu", non_blocking=True) for i in ids]
             ready = torch.cuda.Event()
             ready.record()
-        chunks = [
-            SegmentChunk(
-                table=s.table,
-                num_rows=s.num_rows,
-                dim=s.dim,
-                row_start=s.row_start,
-                row_end=s.row_end,
-                col_start=s.col_start,
-                col_end=s.col_end,
-                ids=i,
-                values=v,
-            )
-            for s, i, v in zip(shards, ids, values, strict=True)
-        ]
+        rows = [ShardRows(s.shard, i, v) for s, i, v in zip(shards, ids, values, strict=True)]
         stats.rows = sum(i.numel() for i in ids)
         stats.nbytes = sum(i.nbytes + v.nbytes for i, v in zip(ids, values, strict=True))
-        return _Job(stats, chunks, ready)
+        return _Job(stats, rows, ready)
 
     def _write(self, job: _Job) -> None:
         """Write one segment; a failure is kept in ``_error`` and stops all later writes."""
@@ -804,7 +764,7 @@ class SegmentPublisher:
                 seq=job.stats.seq,
                 step=job.stats.step,
                 kind=job.stats.kind,
-                chunks=job.chunks,
+                shards=job.shards,
                 first_seq=0 if job.stats.kind is SegmentKind.BASE else None,
                 fsync=self.config.fsync,
             )
@@ -825,7 +785,7 @@ class SegmentPublisher:
             self._error = e
 
     def _writer(self) -> None:
-        nice = self.config.writer_nice
+        nice = knobs.WRITER_NICE
         if nice:
             # Linux: PRIO_PROCESS with a thread id renices that thread only. The training
             # loop's intra-op threads then win the cores; the writer runs in their gaps.
@@ -837,6 +797,4 @@ class SegmentPublisher:
             try:
                 self._write(job)
             finally:
-                for key, buf in job.buffers:
-                    self._pool.give(key, buf)
-                del job
+                del job  # its copy buffers are free for the pool again

@@ -11,7 +11,7 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   it owns (``offset_per_key()``, cached by the input dist) goes ``mask.index_fill_(0, ids,
   True)`` (on CPU ~10x faster than ``mask[ids] = True``). A scatter per key instead of the
   per-step ``torch.unique`` of TorchRec's own tracker; memory is one byte per local row.
-  With CPU weights (``TrackerConfig.fold_in_background``) the hook only hands the stash to a
+  With CPU weights (``deltad.knobs.FOLD_IN_BACKGROUND``) the hook only hands the stash to a
   **fold thread** that scatters while training goes on, in order, with drains queued behind
   the lookups before them (bounded: the hook blocks when the thread is behind); a failed fold
   is raised by the drain that follows it (never rows without that lookup's), which the
@@ -69,9 +69,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltad import knobs
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
 from deltad.segment.spool import TableInfo
+from deltad.types import Shard
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +86,9 @@ class TrackedShard:
 
     module: str  # fqn of the sharded EC / EBC, DMP / DDP prefixes stripped
     kind: str  # "ec" or "ebc"
-    table: str
     sharding_type: str
-    num_rows: int  # of the whole table
-    dim: int
-    row_start: int  # global row range held here
-    row_end: int
-    col_start: int  # column range held here
-    col_end: int
-    #: [row_end - row_start, col_end - col_start] view of the TBE weights (not a copy).
+    shard: Shard  # the table, and the row and column ranges held here
+    #: [shard.rows, shard.width] view of the TBE weights (not a copy).
     weight: torch.Tensor = field(repr=False)
     #: Writes a device cache's rows back into ``weight`` (UVM-caching kernels, see
     #: :func:`cache_flush`); None where ``weight`` is always current.
@@ -163,7 +159,7 @@ class _Lookup:
         self.active = self.new_bitmap()
 
     def new_bitmap(self) -> _Bitmap:
-        sizes = [s.row_end - s.row_start for s in self.shards]
+        sizes = [s.shard.rows for s in self.shards]
         flat = torch.zeros(sum(sizes), dtype=torch.bool, device=self.shards[0].weight.device)
         masks = list(flat.split(sizes))
         return _Bitmap(flat, masks, [masks[i] for i in self.key_shard])
@@ -367,7 +363,7 @@ class DeltaTracker:
         if not self._modules:
             raise UnsupportedModelError(
                 "no sharded EmbeddingCollection / EmbeddingBagCollection to track: wrap the "
-                "model with DistributedModelParallel (and check TrackerConfig.fqns_to_skip)"
+                "model with DistributedModelParallel (and check PublisherConfig.fqns_to_skip)"
             )
         for name, mod in self._modules.items():
             if mod.post_lookup_tracker_fn is not None or mod.post_odist_tracker_fn is not None:
@@ -379,10 +375,8 @@ class DeltaTracker:
             mod.register_post_lookup_tracker_fn(self._make_lookup_hook(id(mod)))
             mod.register_post_odist_tracker_fn(self._fold_hook)
         self._folder: _FoldThread | None = None
-        if self.config.fold_in_background and all(
-            s.weight.device.type == "cpu" for s in self.shards
-        ):
-            self._folder = _FoldThread(self.config.max_pending_folds, self.stats)
+        if knobs.FOLD_IN_BACKGROUND and all(s.weight.device.type == "cpu" for s in self.shards):
+            self._folder = _FoldThread(knobs.MAX_PENDING_FOLDS, self.stats)
             # A tracker dropped without detach() does not leave its thread waiting forever.
             weakref.finalize(self, self._folder.stop)
 
@@ -486,14 +480,10 @@ class DeltaTracker:
         return TrackedShard(
             module=name,
             kind=kind,
-            table=t.name,
             sharding_type=plan[t.name].sharding_type,
-            num_rows=cfg.num_embeddings,
-            dim=cfg.embedding_dim,
-            row_start=r0,
-            row_end=r0 + rows,
-            col_start=c0,
-            col_end=c0 + cols,
+            shard=Shard(
+                t.name, cfg.num_embeddings, cfg.embedding_dim, r0, r0 + rows, c0, c0 + cols
+            ),
             weight=w,
             flush=flush,
         )

@@ -6,11 +6,11 @@ A segment is a set of "latest value" rows per table shard, in one file::
     offset 0   magic  b"DLTSEG02"  (b"DLTSEG01")       8 bytes
            8   header length H (uint32 LE)             4 bytes
           12   reserved (0)                            4 bytes
-          16   header: UTF-8 JSON, H bytes             (see SegmentHeader / ChunkMeta)
+          16   header: UTF-8 JSON, H bytes             (see SegmentHeader / ShardMeta)
                zero padding to a multiple of 64
-           P   payload: per chunk, ids then values, each 64-byte aligned; offsets in the
+           P   payload: per shard, ids then values, each 64-byte aligned; offsets in the
                header are relative to P. ids are int64 LE global row ids, unique, ascending;
-               values are row-major [count, col_end - col_start] in the chunk's dtype.
+               values are row-major [count, col_end - col_start] in the shard's dtype.
         end-16 checksum of every byte before the trailer: 8 bytes
                v2: XXH3-64 (uint64 LE); v1: crc32 (uint32 LE), then 4 reserved zero bytes
         end-8  magic  b"DLTEND02"  (b"DLTEND01")       8 bytes
@@ -28,12 +28,11 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 import time
 import warnings
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -42,8 +41,8 @@ import torch
 import xxhash
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.spool import fsync_dir, write_atomic
-from deltad.types import ColumnRange, SegmentKind
+from deltad.segment.spool import write_atomic
+from deltad.types import SegmentKind, Shard, ShardKey
 
 FORMAT_VERSION = 2
 #: Versions this module reads, with their leading and trailing magic.
@@ -103,33 +102,35 @@ def _align(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class ChunkMeta:
-    """Where one table shard's rows sit in a segment, and what they are."""
+class ShardMeta:
+    """Where one shard's rows sit in a segment, and what they are.
 
-    table: str
-    num_rows: int  # rows of the whole (global) table
-    dim: int  # columns of the whole table
-    row_start: int  # global row range of the shard these rows come from
-    row_end: int
-    col_start: int  # column range covered by the values
-    col_end: int
+    On disk (the header's ``chunks`` list) the shard's fields stand flat beside the others.
+    """
+
+    shard: Shard
     dtype: str
-    count: int  # number of rows in this chunk
+    count: int  # number of rows of the shard in this segment
     ids_offset: int = 0
     values_offset: int = 0
 
-    @property
-    def columns(self) -> ColumnRange:
-        return ColumnRange(self.col_start, self.col_end)
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self.shard),
+            "dtype": self.dtype,
+            "count": self.count,
+            "ids_offset": self.ids_offset,
+            "values_offset": self.values_offset,
+        }
 
-    @property
-    def width(self) -> int:
-        return self.col_end - self.col_start
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardMeta:
+        d = dict(d)
+        shard = Shard(**{f: d.pop(f) for f in _SHARD_FIELDS})
+        return cls(shard, **d)
 
-    @property
-    def key(self) -> tuple[str, int, int]:
-        """Identifies a shard's column slice of a table across segments."""
-        return (self.table, self.col_start, self.col_end)
+
+_SHARD_FIELDS = tuple(f.name for f in fields(Shard))
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class SegmentHeader:
     step: int
     kind: SegmentKind
     created_unix: float
-    chunks: tuple[ChunkMeta, ...]
+    shards: tuple[ShardMeta, ...]
     format_version: int = FORMAT_VERSION
     #: A merge of ``first_seq..seq``: when the trainer published ``first_seq`` (the oldest step
     #: in it); ``created_unix`` is then when it published ``seq`` (the newest). None (files
@@ -158,8 +159,9 @@ class SegmentHeader:
         return self.created_unix if self.first_created_unix is None else self.first_created_unix
 
     def to_json(self) -> bytes:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["kind"] = self.kind.value
+        d["chunks"] = [m.to_dict() for m in d.pop("shards")]
         if self.first_created_unix is None:  # unmerged: the header older deltads read
             del d["first_created_unix"]
         return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
@@ -174,7 +176,7 @@ class SegmentHeader:
                     f"{sorted(MAGICS)} (written by a newer deltad?)"
                 )
             d["kind"] = SegmentKind(d["kind"])
-            d["chunks"] = tuple(ChunkMeta(**c) for c in d["chunks"])
+            d["shards"] = tuple(ShardMeta.from_dict(c) for c in d.pop("chunks"))
             return cls(**d)
         except SegmentCorruptError:
             raise
@@ -183,48 +185,48 @@ class SegmentHeader:
 
 
 @dataclass
-class SegmentChunk:
-    """One table shard's rows: global ids (int64, unique, ascending) and their values."""
+class ShardRows:
+    """Rows of one shard: global ids (int64, unique, ascending) and their values
+    (``[len(ids), shard.width]``; an ids-only merge on the sidecar leaves them empty)."""
 
-    table: str
-    num_rows: int
-    dim: int
-    row_start: int
-    row_end: int
-    col_start: int
-    col_end: int
+    shard: Shard
     ids: torch.Tensor
     values: torch.Tensor
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
+        """Raise SpoolError unless ids and values have the shapes a segment stores."""
         if self.ids.dtype != torch.int64 or self.ids.dim() != 1:
-            raise SpoolError(f"chunk {self.table}: ids must be a 1-D int64 tensor")
-        width = self.col_end - self.col_start
+            raise SpoolError(f"shard {self.shard.table}: ids must be a 1-D int64 tensor")
+        width = self.shard.width
         if self.values.dim() != 2 or self.values.shape != (self.ids.numel(), width):
             raise SpoolError(
-                f"chunk {self.table}: values shape {tuple(self.values.shape)} != "
+                f"shard {self.shard.table}: values shape {tuple(self.values.shape)} != "
                 f"({self.ids.numel()}, {width})"
             )
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.table, self.col_start, self.col_end)
+    def key(self) -> ShardKey:
+        return self.shard.key
+
+    def with_rows(self, ids: torch.Tensor, values: torch.Tensor) -> ShardRows:
+        """Other rows of the same shard."""
+        return ShardRows(self.shard, ids, values)
 
 
 @dataclass
 class Segment:
-    """A segment in memory: its header and its chunks (views into the file when read)."""
+    """A segment in memory: its header and its shards' rows (views into the file when read)."""
 
     header: SegmentHeader
-    chunks: list[SegmentChunk] = field(default_factory=list)
+    shards: list[ShardRows] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
-        return sum(c.ids.numel() for c in self.chunks)
+        return sum(c.ids.numel() for c in self.shards)
 
     @property
     def nbytes(self) -> int:
-        return sum(c.ids.nbytes + c.values.nbytes for c in self.chunks)
+        return sum(c.ids.nbytes + c.values.nbytes for c in self.shards)
 
 
 def _as_bytes_view(t: torch.Tensor) -> memoryview:
@@ -261,7 +263,7 @@ def write_segment(
     seq: int,
     step: int,
     kind: SegmentKind,
-    chunks: Sequence[SegmentChunk],
+    shards: Sequence[ShardRows],
     first_seq: int | None = None,
     fsync: bool = True,
     created_unix: float | None = None,
@@ -273,22 +275,17 @@ def write_segment(
     mirrors a segment keeps the upstream's, so ages mean the same at every level. A merge
     keeps its newest input's and gives its oldest input's as ``first_created_unix``."""
     path = Path(path)
-    metas: list[ChunkMeta] = []
+    metas: list[ShardMeta] = []
     off = 0
-    for c in chunks:
+    for c in shards:
+        c.check()
         ids_off = off
         off = _align(off + c.ids.numel() * 8)
         vals_off = off
         off = _align(off + c.values.numel() * c.values.element_size())
         metas.append(
-            ChunkMeta(
-                table=c.table,
-                num_rows=c.num_rows,
-                dim=c.dim,
-                row_start=c.row_start,
-                row_end=c.row_end,
-                col_start=c.col_start,
-                col_end=c.col_end,
+            ShardMeta(
+                c.shard,
                 dtype=dtype_name(c.values.dtype),
                 count=c.ids.numel(),
                 ids_offset=ids_off,
@@ -305,43 +302,29 @@ def write_segment(
         step=step,
         kind=kind,
         created_unix=time.time() if created_unix is None else created_unix,
-        chunks=tuple(metas),
+        shards=tuple(metas),
         first_created_unix=first_created_unix,
     )
     raw = header.to_json()
     payload_start = _align(_PREFIX.size + len(raw))
+
+    def stream(f: BinaryIO) -> None:
+        w = _ChecksumWriter(f)
+        w.write(_PREFIX.pack(MAGIC, len(raw), 0))
+        w.write(raw)
+        w.pad_to(payload_start)
+        for c, m in zip(shards, metas, strict=True):
+            w.pad_to(payload_start + m.ids_offset)
+            w.write(_as_bytes_view(c.ids))
+            w.pad_to(payload_start + m.values_offset)
+            w.write(_as_bytes_view(c.values))
+        w.pad_to(payload_start + off)
+        f.write(_TRAILER.pack(w.checksum.value(), END_MAGIC))
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".dseg", dir=path.parent)
+        write_atomic(path, stream, fsync=fsync, suffix=".dseg")
     except OSError as e:
-        raise SpoolError(f"cannot write to spool directory {path.parent}: {e}") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            w = _ChecksumWriter(f)
-            w.write(_PREFIX.pack(MAGIC, len(raw), 0))
-            w.write(raw)
-            w.pad_to(payload_start)
-            for c, m in zip(chunks, metas, strict=True):
-                w.pad_to(payload_start + m.ids_offset)
-                w.write(_as_bytes_view(c.ids))
-                w.pad_to(payload_start + m.values_offset)
-                w.write(_as_bytes_view(c.values))
-            w.pad_to(payload_start + off)
-            f.write(_TRAILER.pack(w.checksum.value(), END_MAGIC))
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if fsync:
-            fsync_dir(path.parent)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise SpoolError(f"cannot write segment {path}: {e}") from e
-        raise
+        raise SpoolError(f"cannot write segment {path}: {e}") from e
     return header
 
 
@@ -421,10 +404,10 @@ def read_segment(path: Path, *, verify: bool = True) -> Segment:
     if verify and checksum(memoryview(mm)[: size - _TRAILER.size], version) != stored:
         raise SegmentCorruptError(f"{path}: checksum mismatch")
     arr = np.frombuffer(mm, dtype=np.uint8)
-    chunks: list[SegmentChunk] = []
+    shards: list[ShardRows] = []
     limit = size - _TRAILER.size
-    for m in header.chunks:
-        width = m.col_end - m.col_start
+    for m in header.shards:
+        width = m.shard.width
         dtype = _DTYPES.get(m.dtype)
         if dtype is None:
             raise SegmentCorruptError(f"{path}: unknown dtype {m.dtype!r}")
@@ -433,23 +416,11 @@ def read_segment(path: Path, *, verify: bool = True) -> Segment:
         v0 = payload_start + m.values_offset
         i1, v1 = i0 + m.count * 8, v0 + m.count * width * esize
         if i1 > limit or v1 > limit or m.count < 0 or width < 0:
-            raise SegmentCorruptError(f"{path}: chunk {m.table} points past the payload")
+            raise SegmentCorruptError(f"{path}: shard {m.shard.table} points past the payload")
         ids = torch.from_numpy(arr[i0:i1]).view(torch.int64)
         values = torch.from_numpy(arr[v0:v1]).view(dtype).view(m.count, width)
-        chunks.append(
-            SegmentChunk(
-                table=m.table,
-                num_rows=m.num_rows,
-                dim=m.dim,
-                row_start=m.row_start,
-                row_end=m.row_end,
-                col_start=m.col_start,
-                col_end=m.col_end,
-                ids=ids,
-                values=values,
-            )
-        )
-    return Segment(header=header, chunks=chunks)
+        shards.append(ShardRows(m.shard, ids, values))
+    return Segment(header=header, shards=shards)
 
 
 def apply_segments(
@@ -460,13 +431,14 @@ def apply_segments(
     The reference rebuild used by tests and tools: ``tables[name][ids, cols] = values``.
     """
     for seg in segments:
-        for c in seg.chunks:
-            t = tables.get(c.table)
+        for r in seg.shards:
+            sh = r.shard
+            t = tables.get(sh.table)
             if t is None:
-                t = torch.zeros(c.num_rows, c.dim, dtype=c.values.dtype)
-                tables[c.table] = t
-            if c.ids.numel():
-                t[c.ids, c.col_start : c.col_end] = c.values.to(t.dtype)
+                t = torch.zeros(sh.num_rows, sh.dim, dtype=r.values.dtype)
+                tables[sh.table] = t
+            if r.ids.numel():
+                t[r.ids, sh.col_start : sh.col_end] = r.values.to(t.dtype)
     return tables
 
 

@@ -10,7 +10,7 @@ structure before anything serves or merges it.
    and the checksum and structure are verified on that copy; what is served and merged later
    is that copy, so bytes changed on disk after indexing never reach a consumer or a merge;
 3. :func:`check_structure` checks, vectorized: header field types; model, rank and world
-   size; ``first_seq`` (0 exactly for a base, else ``1..seq``); every chunk of a known table
+   size; ``first_seq`` (0 exactly for a base, else ``1..seq``); every shard of a known table
    with the manifest's ``num_rows`` and ``dim``, its row range inside the table, its columns
    inside ``dim``, non-negative aligned offsets, a count within its row range (a base: every
    row of it); ids inside the row range, strictly ascending (so unique).
@@ -45,7 +45,7 @@ from deltad.segment.format import (
 from deltad.segment.spool import GenerationManifest
 from deltad.types import SegmentKind
 
-#: Kinds whose chunks are embedding rows checked against the manifest's tables.
+#: Kinds whose shards are embedding rows checked against the manifest's tables.
 ROW_KINDS = (SegmentKind.BASE, SegmentKind.DELTA)
 _MAX_INT = 2**63 - 1
 
@@ -64,7 +64,7 @@ def check_header(
     rank: int,
     seq: int,
 ) -> None:
-    """Types, identity and every chunk's metadata (no ids needed); SegmentCorruptError."""
+    """Types, identity and every shard's metadata (no ids needed); SegmentCorruptError."""
     if not isinstance(h.model, str) or h.model != manifest.model:
         raise SegmentCorruptError(f"model {h.model!r:.40} is not {manifest.model!r}")
     if _int(h.generation, "generation") != generation:
@@ -95,23 +95,23 @@ def check_header(
         )
     tables = {t.name: t for t in manifest.tables}
     seen: set[tuple[str, int, int]] = set()
-    for i, c in enumerate(h.chunks):
-        where = f"chunk {i}"
-        if not isinstance(c.table, str) or c.table not in tables:
-            raise SegmentCorruptError(f"{where}: unknown table {c.table!r:.60}")
-        t = tables[c.table]
-        where = f"chunk {i} ({c.table})"
-        if _int(c.num_rows, f"{where} num_rows") != t.num_rows or (
-            _int(c.dim, f"{where} dim") != t.dim
+    for i, c in enumerate(h.shards):
+        where = f"shard {i}"
+        if not isinstance(c.shard.table, str) or c.shard.table not in tables:
+            raise SegmentCorruptError(f"{where}: unknown table {c.shard.table!r:.60}")
+        t = tables[c.shard.table]
+        where = f"shard {i} ({c.shard.table})"
+        if _int(c.shard.num_rows, f"{where} num_rows") != t.num_rows or (
+            _int(c.shard.dim, f"{where} dim") != t.dim
         ):
             raise SegmentCorruptError(
-                f"{where}: shape {c.num_rows}x{c.dim} disagrees with the manifest's "
+                f"{where}: shape {c.shard.num_rows}x{c.shard.dim} disagrees with the manifest's "
                 f"{t.num_rows}x{t.dim}"
             )
-        r0 = _int(c.row_start, f"{where} row_start", 0, t.num_rows)
-        r1 = _int(c.row_end, f"{where} row_end", r0, t.num_rows)
-        c0 = _int(c.col_start, f"{where} col_start", 0, t.dim)
-        _int(c.col_end, f"{where} col_end", c0 + 1, t.dim)
+        r0 = _int(c.shard.row_start, f"{where} row_start", 0, t.num_rows)
+        r1 = _int(c.shard.row_end, f"{where} row_end", r0, t.num_rows)
+        c0 = _int(c.shard.col_start, f"{where} col_start", 0, t.dim)
+        _int(c.shard.col_end, f"{where} col_end", c0 + 1, t.dim)
         count = _int(c.count, f"{where} count", 0, r1 - r0)
         if h.kind is SegmentKind.BASE and count != r1 - r0:
             raise SegmentCorruptError(f"{where}: a base holds {count} of its {r1 - r0} rows")
@@ -121,27 +121,27 @@ def check_header(
             raise SegmentCorruptError(f"{where}: offsets are not 8-byte aligned")
         if not isinstance(c.dtype, str):
             raise SegmentCorruptError(f"{where}: dtype {c.dtype!r:.40} is not a name")
-        if c.key in seen:
-            raise SegmentCorruptError(f"{where}: slice appears twice")
-        seen.add(c.key)
+        if c.shard.key in seen:
+            raise SegmentCorruptError(f"{where}: shard appears twice")
+        seen.add(c.shard.key)
 
 
 def check_rows(seg: Segment) -> None:
-    """Every chunk's ids inside its row range and strictly ascending (vectorized)."""
+    """Every shard's ids inside its row range and strictly ascending (vectorized)."""
     if seg.header.kind not in ROW_KINDS:
         return
-    for c in seg.chunks:
+    for c in seg.shards:
         ids = c.ids
         n = ids.numel()
         if n == 0:
             continue
-        if int(ids[0]) < c.row_start or int(ids[-1]) >= c.row_end:
+        if int(ids[0]) < c.shard.row_start or int(ids[-1]) >= c.shard.row_end:
             raise SegmentCorruptError(
-                f"chunk {c.table}: ids {int(ids[0])}..{int(ids[-1])} outside rows "
-                f"{c.row_start}..{c.row_end}"
+                f"shard {c.shard.table}: ids {int(ids[0])}..{int(ids[-1])} outside rows "
+                f"{c.shard.row_start}..{c.shard.row_end}"
             )
         if n > 1 and not bool(torch.all(ids[1:] > ids[:-1])):
-            raise SegmentCorruptError(f"chunk {c.table}: ids not strictly ascending")
+            raise SegmentCorruptError(f"shard {c.shard.table}: ids not strictly ascending")
 
 
 def _inside(path: Path, root: Path) -> bool:

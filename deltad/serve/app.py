@@ -39,7 +39,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from deltad import wire
+from deltad import knobs, wire
 from deltad.clientauth import file_stamp
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
@@ -142,7 +142,7 @@ class SidecarServer:
             self.log,
             self.store,
             min_segments=cfg.merge_min_segments,
-            max_bytes=cfg.merge_max_bytes_per_round,
+            max_bytes=knobs.MERGE_MAX_BYTES_PER_ROUND,
         )
         store = self.store
         self.gate = Gate(

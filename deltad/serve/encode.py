@@ -1,6 +1,6 @@
 """GetDelta encoding on the serving side: serialized ``GetDeltaResponse`` messages.
 
-:func:`encode_header`, :func:`encode_trailer` and :func:`encode_slice_chunks` return
+:func:`encode_header`, :func:`encode_trailer` and :func:`encode_shard_chunks` return
 *serialized* messages (``bytes``). The servicer passes them through an identity response
 serializer, so each RowChunk costs exactly one copy: :class:`ChunkMessage` writes the field
 tags and varint lengths into a new ``bytes`` object and exposes its ids / scale-bias / values
@@ -182,7 +182,7 @@ def encode_rows(
     return data
 
 
-def encode_slice_chunks(
+def encode_shard_chunks(
     slice_index: int,
     ids: torch.Tensor,
     values: torch.Tensor | None,
@@ -190,10 +190,10 @@ def encode_slice_chunks(
     chunk_bytes: int,
     alignment: int = DEFAULT_ROW_ALIGNMENT,
 ) -> Iterator[bytes]:
-    """Serialized RowChunk messages of one slice (values None for FORM_IDS).
+    """Serialized RowChunk messages of one shard (values None for FORM_IDS).
 
     Values are quantized (or packed) chunk by chunk (every wire dtype is row-wise), so the
-    first chunk is ready at once and no slice-sized temporary is allocated.
+    first chunk is ready at once and no shard-sized temporary is allocated.
     """
     ids = ids.contiguous()
     width = values.shape[1] if values is not None and values.dim() == 2 else 0

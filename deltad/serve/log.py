@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.format import DenseState, Segment, SegmentChunk
+from deltad.segment.format import DenseState, Segment, ShardRows
 from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout, write_atomic
 from deltad.segment.validate import load_verified, load_verified_dense
-from deltad.types import SegmentKind
+from deltad.types import SegmentKind, ShardKey
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 GAP_GRACE_S = 2.0
 #: A fresh base is asked for again this long after the last request if the gap stays.
 REQUEST_EVERY_S = 10.0
-
-ChunkKey = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,7 @@ class LogEntry:
     nbytes: int
     created_unix: float
     segment: Segment = field(repr=False, compare=False)
-    chunks: dict[ChunkKey, SegmentChunk] = field(repr=False, compare=False)
+    shards: dict[ShardKey, ShardRows] = field(repr=False, compare=False)
 
     @classmethod
     def load(cls, path: Path, seg: Segment) -> LogEntry:
@@ -72,10 +70,10 @@ class LogEntry:
             step=h.step,
             kind=h.kind,
             path=path,
-            nbytes=sum(c.ids.nbytes + c.values.nbytes for c in seg.chunks),
+            nbytes=sum(c.ids.nbytes + c.values.nbytes for c in seg.shards),
             created_unix=h.created_unix,
             segment=seg,
-            chunks={c.key: c for c in seg.chunks},
+            shards={c.key: c for c in seg.shards},
         )
 
     @property

@@ -1,6 +1,6 @@
 """Window merge (union of ids, latest value wins), value lookup at a cursor, top-k with owed rows.
 
-The merge of one table slice over several segments uses a mark array over the shard's row
+The merge of one table shard over several segments uses a mark array over the shard's row
 range instead of ``torch.unique``: every segment's ids are unique, sorted and inside the
 shard's ``[row_start, row_end)``, so marking ``id - row_start`` and taking the nonzero entries
 yields the sorted union in O(ids + shard rows); each segment's rows are then copied into place
@@ -20,93 +20,54 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltad.segment.format import SegmentChunk
-from deltad.serve.log import ChunkKey, LogEntry
-from deltad.types import Form
+from deltad.segment.format import ShardRows
+from deltad.serve.log import LogEntry
+from deltad.types import Form, ShardKey
 
 
-@dataclass
-class SliceRows:
-    """Rows of one table slice: sorted global ids and their values (segment dtype)."""
-
-    table: str
-    num_rows: int
-    dim: int
-    row_start: int
-    row_end: int
-    col_start: int
-    col_end: int
-    ids: torch.Tensor
-    values: torch.Tensor
-
-    @property
-    def key(self) -> ChunkKey:
-        return (self.table, self.col_start, self.col_end)
-
-    @classmethod
-    def like(
-        cls, c: SegmentChunk | SliceRows, ids: torch.Tensor, values: torch.Tensor
-    ) -> SliceRows:
-        return cls(
-            c.table, c.num_rows, c.dim, c.row_start, c.row_end, c.col_start, c.col_end, ids, values
-        )
-
-    def to_chunk(self) -> SegmentChunk:
-        return SegmentChunk(
-            self.table,
-            self.num_rows,
-            self.dim,
-            self.row_start,
-            self.row_end,
-            self.col_start,
-            self.col_end,
-            self.ids,
-            self.values,
-        )
-
-
-def merge_chunks(chunks: Sequence[SegmentChunk], *, with_values: bool = True) -> SliceRows:
-    """Latest-value merge of one slice's chunks, oldest first (views when only one)."""
-    last = chunks[-1]
-    if len(chunks) == 1:
-        return SliceRows.like(last, last.ids, last.values)
-    row_start = min(c.row_start for c in chunks)
-    n = max(c.row_end for c in chunks) - row_start
-    total = sum(c.ids.numel() for c in chunks)
-    width = last.col_end - last.col_start
-    if total * 4 < n or len(chunks) >= 32000:
+def merge_rows(parts: Sequence[ShardRows], *, with_values: bool = True) -> ShardRows:
+    """Latest-value merge of one shard's parts (its rows in each segment), oldest first
+    (views when only one)."""
+    last = parts[-1]
+    if len(parts) == 1:
+        return last.with_rows(last.ids, last.values)
+    row_start = min(c.shard.row_start for c in parts)
+    n = max(c.shard.row_end for c in parts) - row_start
+    total = sum(c.ids.numel() for c in parts)
+    width = last.shard.col_end - last.shard.col_start
+    if total * 4 < n or len(parts) >= 32000:
         # sparse window: sorting its few ids beats a pass over the whole shard
-        ids = torch.unique(torch.cat([c.ids for c in chunks]))
+        ids = torch.unique(torch.cat([c.ids for c in parts]))
         if not with_values:
-            return SliceRows.like(last, ids, last.values[:0])
+            return last.with_rows(ids, last.values[:0])
         values = torch.empty(ids.numel(), width, dtype=last.values.dtype)
         out = _rows(values)
-        for c in chunks:
+        for c in parts:
             if c.ids.numel():
                 out[torch.searchsorted(ids, c.ids).numpy()] = _rows(c.values)
-        return SliceRows.like(last, ids, values)
+        return last.with_rows(ids, values)
     touched = torch.zeros(n, dtype=torch.bool)
-    for c in chunks:
+    for c in parts:
         touched[c.ids - row_start if row_start else c.ids] = True
     local = touched.nonzero().squeeze(1)
     ids = local + row_start if row_start else local
     if not with_values:
-        return SliceRows.like(last, ids, last.values[:0])
+        return last.with_rows(ids, last.values[:0])
     values = torch.empty(ids.numel(), width, dtype=last.values.dtype)
     if values.numel() == 0:
-        return SliceRows.like(last, ids, values)
+        return last.with_rows(ids, values)
     # slot[row] = position of the row in ``ids``: a running count of the marks (one pass;
     # int32 where it fits: half the bytes of int64, 0.065 -> 0.035 s over 10 M rows).
     slot = torch.cumsum(touched, 0, dtype=torch.int32 if n < 2**31 else torch.int64).sub_(1)
-    _copy_oldest_first(chunks, row_start, ids, slot, values, parallel=total >= PARALLEL_MIN_IDS)
-    return SliceRows.like(last, ids, values)
+    _copy_oldest_first(parts, row_start, ids, slot, values, parallel=total >= PARALLEL_MIN_IDS)
+    return last.with_rows(ids, values)
 
 
 #: below this many ids a merge copies in the calling thread (a thread hop costs more)
 PARALLEL_MIN_IDS = 200_000
 #: output bytes per block of the row copies (a few blocks stay in a shared L3 cache)
 BLOCK_BYTES = 4 << 20
-#: cap on blocks x chunks per merge (each visit is a Python step)
+#: cap on blocks x parts per merge (each visit is a Python step)
 MAX_BLOCK_VISITS = 100_000
 #: merge threads (0 = one per usable core, at most 4); tests set it
 MERGE_THREADS = int(os.environ.get("DELTAD_MERGE_THREADS", "0") or 0)
@@ -133,7 +94,7 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _copy_oldest_first(
-    chunks: Sequence[SegmentChunk],
+    parts: Sequence[ShardRows],
     row_start: int,
     ids: torch.Tensor,
     slot: torch.Tensor,
@@ -141,27 +102,27 @@ def _copy_oldest_first(
     *,
     parallel: bool,
 ) -> None:
-    """Copy every chunk's rows into ``values`` (row ``slot[id - row_start]``), oldest first.
+    """Copy every part's rows into ``values`` (row ``slot[id - row_start]``), oldest first.
 
-    Later chunks overwrite earlier ones, so the latest value wins. The output is cut into
-    blocks of about :data:`BLOCK_BYTES` (at id boundaries), and each block takes every chunk's
+    Later parts overwrite earlier ones, so the latest value wins. The output is cut into
+    blocks of about :data:`BLOCK_BYTES` (at id boundaries), and each block takes every part's
     rows for it, oldest first, so the order holds within every block; a run of blocks per
     worker thread (numpy's row copies release the GIL). A block stays in cache while the
-    chunks overwrite its rows, instead of every chunk sweeping the whole output. Measured
+    parts overwrite its rows, instead of every part sweeping the whole output. Measured
     (10 M Zipf ids, dim 16, 2 cores): 8 / 64 segments 0.58 / 0.85 s in one thread -> 0.33-0.38
     / 0.45-0.5 s in two parts -> 64 segments 0.37-0.40 s in 4 MB blocks.
     """
     out = _rows(values)
     workers = _workers() if parallel else 1
     n = ids.numel()
-    # (at most ~MAX_BLOCK_VISITS block x chunk visits: a window of thousands of small chunks
+    # (at most ~MAX_BLOCK_VISITS block x part visits: a window of thousands of small parts
     # would otherwise spend more on the Python loop than on the copies)
     by_size = -(-n * out.itemsize // BLOCK_BYTES)
-    blocks = max(workers, min(by_size, MAX_BLOCK_VISITS // max(1, len(chunks))))
-    # block boundaries as ids, so each chunk's (sorted) ids split with one searchsorted
+    blocks = max(workers, min(by_size, MAX_BLOCK_VISITS // max(1, len(parts))))
+    # block boundaries as ids, so each part's (sorted) ids split with one searchsorted
     cuts = ids[torch.arange(1, blocks, dtype=torch.int64) * n // blocks]
     dests, bounds, rows = [], [], []
-    for c in chunks:
+    for c in parts:
         if c.ids.numel() == 0:
             continue
         local = c.ids - row_start if row_start else c.ids
@@ -195,29 +156,31 @@ def _rows(t: torch.Tensor) -> Any:
 
 
 def merge_entries(
-    entries: Sequence[LogEntry], keys: Iterable[ChunkKey] | None = None, *, with_values: bool = True
-) -> dict[ChunkKey, SliceRows]:
-    """Merge each slice (all, or ``keys``) over ``entries`` (oldest first)."""
+    entries: Sequence[LogEntry], keys: Iterable[ShardKey] | None = None, *, with_values: bool = True
+) -> dict[ShardKey, ShardRows]:
+    """Merge each shard (all, or ``keys``) over ``entries`` (oldest first)."""
     wanted = None if keys is None else set(keys)
-    by_key: dict[ChunkKey, list[SegmentChunk]] = {}
+    by_key: dict[ShardKey, list[ShardRows]] = {}
     for e in entries:
-        for k, c in e.chunks.items():
+        for k, c in e.shards.items():
             if wanted is None or k in wanted:
                 by_key.setdefault(k, []).append(c)
-    return {k: merge_chunks(cs, with_values=with_values) for k, cs in by_key.items()}
+    return {k: merge_rows(cs, with_values=with_values) for k, cs in by_key.items()}
 
 
 def lookup(
-    entries: Sequence[LogEntry], key: ChunkKey, ids: torch.Tensor, like: SliceRows
+    entries: Sequence[LogEntry], key: ShardKey, ids: torch.Tensor, like: ShardRows
 ) -> torch.Tensor:
     """Values of ``ids`` (sorted) in the state after ``entries`` (oldest first); zeros if never
     written."""
-    out = torch.zeros(ids.numel(), like.col_end - like.col_start, dtype=like.values.dtype)
+    out = torch.zeros(
+        ids.numel(), like.shard.col_end - like.shard.col_start, dtype=like.values.dtype
+    )
     need = torch.arange(ids.numel())
     for e in reversed(entries):
         if need.numel() == 0:
             break
-        c = e.chunks.get(key)
+        c = e.shards.get(key)
         if c is None or c.ids.numel() == 0:
             continue
         want = ids[need]
@@ -229,17 +192,17 @@ def lookup(
 
 
 @dataclass
-class WindowSlice:
-    """What one slice contributes to a pull: rows to send, and rows left owed."""
+class WindowShard:
+    """What one shard contributes to a pull: rows to send, and rows left owed."""
 
-    rows: SliceRows  # values at the head (empty [0, w] for IDS is fine: not sent)
-    owed: SliceRows | None
+    rows: ShardRows  # values at the head (empty [0, w] for IDS is fine: not sent)
+    owed: ShardRows | None
 
 
-def plan_slice(
-    key: ChunkKey,
-    merged: SliceRows | None,
-    owed: SliceRows | None,
+def plan_shard(
+    key: ShardKey,
+    merged: ShardRows | None,
+    owed: ShardRows | None,
     *,
     head_state: Sequence[LogEntry],
     held_state: Sequence[LogEntry],
@@ -247,8 +210,8 @@ def plan_slice(
     k: int,
     fraction: float,
     budget: int | None,
-) -> WindowSlice:
-    """Choose the rows of one slice to send; the rest become owed (held values kept).
+) -> WindowShard:
+    """Choose the rows of one shard to send; the rest become owed (held values kept).
 
     Candidates are the window's ids plus the rows already owed. With no owed rows, no top-k and
     no row budget, this is the merged window itself. Otherwise the held value of a candidate is
@@ -259,7 +222,7 @@ def plan_slice(
     like = merged if merged is not None else owed
     assert like is not None
     if owed is None and form is not Form.TOPK and (budget is None or budget >= like.ids.numel()):
-        return WindowSlice(like, None)
+        return WindowShard(like, None)
     if owed is None:
         cand = like.ids
     elif merged is None:
@@ -278,7 +241,7 @@ def plan_slice(
     if budget is not None:
         take = min(take, budget)
     if take >= n:
-        return WindowSlice(SliceRows.like(like, cand, head), None)
+        return WindowShard(like.with_rows(cand, head), None)
     held = lookup(held_state, key, cand, like)
     if owed is not None:
         p = torch.searchsorted(cand, owed.ids)
@@ -291,7 +254,7 @@ def plan_slice(
     keep = torch.ones(n, dtype=torch.bool)
     keep[chosen] = False
     rest = keep.nonzero().squeeze(1)
-    return WindowSlice(
-        SliceRows.like(like, cand[chosen], head[chosen]),
-        SliceRows.like(like, cand[rest], held[rest]),
+    return WindowShard(
+        like.with_rows(cand[chosen], head[chosen]),
+        like.with_rows(cand[rest], held[rest]),
     )

@@ -103,7 +103,7 @@ class StoredCursor:
 
 
 @dataclass(frozen=True)
-class PullRecord:
+class PendingPull:
     """A pull issued but not yet committed (``pull:<consumer>:<rank>``)."""
 
     pull_id: str
@@ -133,11 +133,11 @@ def _cursor(raw: dict[Any, Any]) -> StoredCursor | None:
     )
 
 
-def _pull(raw: dict[Any, Any]) -> PullRecord | None:
+def _pull(raw: dict[Any, Any]) -> PendingPull | None:
     if not raw:
         return None
     d = {_s(k): _s(v) for k, v in raw.items()}
-    return PullRecord(
+    return PendingPull(
         d["pull_id"],
         int(d["generation"]),
         int(d["seq"]),
@@ -215,7 +215,7 @@ class OffsetStore:
         raws = self._retry("get_cursor", run) if consumers else []
         return {c: _cursor(raw) for c, raw in zip(consumers, raws, strict=True)}
 
-    def record_pull(self, consumer: str, rank: int, pull: PullRecord) -> None:
+    def record_pull(self, consumer: str, rank: int, pull: PendingPull) -> None:
         """Remember the pull just issued (replacing any earlier uncommitted one)."""
         key = self.keys.pull(consumer, rank)
         mapping: dict[str | bytes | bytearray | memoryview | int | float, Any] = {
@@ -238,7 +238,7 @@ class OffsetStore:
 
         self._retry("record_pull", run)
 
-    def pending_pulls(self, consumers: list[str], rank: int) -> dict[str, PullRecord | None]:
+    def pending_pulls(self, consumers: list[str], rank: int) -> dict[str, PendingPull | None]:
         """The uncommitted pulls of ``consumers`` on ``rank`` (one round trip)."""
 
         def run() -> list[Any]:
@@ -378,7 +378,7 @@ class OffsetStore:
         pulls. An expired-lease consumer pins nothing."""
         names = self.consumers()
         live = [c for c, left in self.lease_remaining(names).items() if left > 0]
-        recs: list[StoredCursor | PullRecord | None] = [
+        recs: list[StoredCursor | PendingPull | None] = [
             *self.cursors(live, rank).values(),
             *self.pending_pulls(live, rank).values(),
         ]

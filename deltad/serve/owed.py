@@ -1,7 +1,7 @@
 """Owed rows of top-k (or row-capped) consumers, one file per consumer, rank and pull.
 
 ``<sidecar_dir>/owed/<consumer>/r<rank>-<token>.dseg`` is a segment file (same format and
-checksum as the log) whose chunks hold the owed ids and the values the consumer holds for
+checksum as the log) whose shards hold the owed ids and the values the consumer holds for
 them. A pull writes its file under the pull id as token; Commit makes that token current in
 the Redis cursor (``owed_token``), and files of other tokens are garbage.
 """
@@ -15,10 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.format import read_segment, write_segment
-from deltad.serve.log import ChunkKey
-from deltad.serve.merge import SliceRows
-from deltad.types import SegmentKind
+from deltad.segment.format import ShardRows, read_segment, write_segment
+from deltad.types import SegmentKind, ShardKey
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +34,7 @@ class OwedStore:
         return self.root / consumer / f"r{self.rank}-{token}.dseg"
 
     def save(
-        self, consumer: str, token: str, generation: int, seq: int, rows: dict[ChunkKey, SliceRows]
+        self, consumer: str, token: str, generation: int, seq: int, rows: dict[ShardKey, ShardRows]
     ) -> None:
         write_segment(
             self.path(consumer, token),
@@ -47,10 +45,10 @@ class OwedStore:
             seq=seq,
             step=0,
             kind=SegmentKind.DELTA,
-            chunks=[r.to_chunk() for r in rows.values()],
+            shards=list(rows.values()),
         )
 
-    def load(self, consumer: str, token: str, generation: int) -> dict[ChunkKey, SliceRows]:
+    def load(self, consumer: str, token: str, generation: int) -> dict[ShardKey, ShardRows]:
         """The owed rows of ``token``; SpoolError if the file is missing or corrupt (a consumer
         must never silently lose owed rows)."""
         p = self.path(consumer, token)
@@ -60,7 +58,7 @@ class OwedStore:
             raise SpoolError(f"owed rows of {consumer!r} are corrupt: {e}") from e
         if seg.header.generation != generation:
             return {}
-        return {c.key: SliceRows.like(c, c.ids, c.values) for c in seg.chunks}
+        return {c.key: c.with_rows(c.ids, c.values) for c in seg.shards}
 
     def gc(self, consumer: str, keep: set[str]) -> None:
         """Delete this rank's owed files of ``consumer`` except the tokens in ``keep``.

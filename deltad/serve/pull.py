@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from deltad import wire
-from deltad.segment.format import SegmentChunk
+from deltad.segment.format import ShardRows
 from deltad.serve import encode
-from deltad.serve.log import ChunkKey, DenseEntry, LogSnapshot
-from deltad.serve.merge import SliceRows, merge_chunks, merge_entries, plan_slice
-from deltad.types import Form, WireDtype
+from deltad.serve.log import DenseEntry, LogSnapshot
+from deltad.serve.merge import merge_entries, merge_rows, plan_shard
+from deltad.types import Form, Shard, ShardKey, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class EncodedWindow:
         to_seq: int,
         to_step: int,
         rows: int,
-        owed: dict[ChunkKey, SliceRows],
+        owed: dict[ShardKey, ShardRows],
         merge_seconds: float,
         *,
         kept: bool = True,
@@ -237,7 +237,7 @@ class EncodedWindow:
 def _header(
     spec: WindowSpec,
     to_step: int,
-    slices: list[tuple[SliceRows | None, SliceMeta]],
+    lines: list[tuple[ShardRows | None, ShardLine]],
     dense: DenseEntry | None = None,
 ) -> bytes:
     header = pb.DeltaHeader(
@@ -256,63 +256,56 @@ def _header(
         for t in dense.state.header.tensors:
             header.dense.tensors.add(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
     with_values = spec.form is not Form.IDS
-    for _, m in slices:
+    for _, m in lines:
         line = pb.TableSlice(
-            table=m.table,
-            num_rows=m.num_rows,
-            dim=m.dim,
-            col_start=m.col_start,
-            col_end=m.col_end,
+            table=m.shard.table,
+            num_rows=m.shard.num_rows,
+            dim=m.shard.dim,
+            col_start=m.shard.col_start,
+            col_end=m.shard.col_end,
             count=m.count,
             owed=m.owed,
         )
         if with_values and spec.dtype.packed:
             dtype = m.wire_dtype(spec.dtype)
             if dtype.packed:
-                line.row_bytes = wire.packed_row_bytes(m.dim, dtype, spec.row_alignment)
-            else:  # a slice it cannot pack: fp32 values (see the proto)
+                line.row_bytes = wire.packed_row_bytes(m.shard.dim, dtype, spec.row_alignment)
+            else:  # a shard it cannot pack: fp32 values (see the proto)
                 line.dtype = wire.dtype_to_pb(dtype)
         header.slices.append(line)
     return encode.encode_header(header)
 
 
 @dataclass(frozen=True)
-class SliceMeta:
-    """A slice's line in the header."""
+class ShardLine:
+    """A shard's line in the window header (a ``TableSlice`` message)."""
 
-    table: str
-    num_rows: int
-    dim: int
-    col_start: int
-    col_end: int
+    shard: Shard
     count: int
-    owed: int
-
-    @classmethod
-    def of(cls, r: SliceRows | SegmentChunk, count: int, owed: int = 0) -> SliceMeta:
-        return cls(r.table, r.num_rows, r.dim, r.col_start, r.col_end, count, owed)
+    owed: int = 0
 
     def wire_dtype(self, dtype: WireDtype) -> WireDtype:
-        """The dtype this slice's values travel in for a request of ``dtype`` (a packed one
-        sends the slices it cannot pack, column-wise shards, as fp32)."""
-        return wire.slice_dtype(dtype, self.dim, self.col_start, self.col_end)
+        """The dtype this shard's values travel in for a request of ``dtype`` (a packed one
+        sends the shards it cannot pack, column-wise ones, as fp32)."""
+        s = self.shard
+        return wire.slice_dtype(dtype, s.dim, s.col_start, s.col_end)
 
 
 def build_window(
     snap: LogSnapshot,
     spec: WindowSpec,
     to_step: int,
-    owed: dict[ChunkKey, SliceRows],
+    owed: dict[ShardKey, ShardRows],
     *,
     kept: bool = True,
     lazy: bool = True,
 ) -> EncodedWindow:
     """Plan the window ``spec`` over ``snap`` for a consumer owed ``owed``; merge and encode it.
 
-    Returns once the header (every slice's row count) and the owed rows are known, so that
+    Returns once the header (every shard's row count) and the owed rows are known, so that
     streaming starts at once. A complete window (no top-k, row budget or owed rows) is planned
-    from the union of its ids alone, and each chunk's rows are merged right before it is
-    encoded (:class:`_MergedSlice`); otherwise every slice is merged and planned first (top-k
+    from the union of its ids alone, and each RowChunk's rows are merged right before it is
+    encoded (:class:`_MergedShard`); otherwise every shard is merged and planned first (top-k
     and owed rows need the values) and encoded chunk by chunk. With ``lazy`` the chunks are
     produced as :meth:`EncodedWindow.iter_chunks` reads them; otherwise before returning.
     ``kept``: see :class:`EncodedWindow`.
@@ -323,7 +316,7 @@ def build_window(
     rows owed from the previous generation are dropped.
     """
     t0 = time.perf_counter()
-    keys = [k for k in snap.base.chunks if not spec.tables or k[0] in spec.tables]
+    keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
     if spec.resync:
         owed = {}
         window = list(snap.upto(spec.to_seq))
@@ -333,13 +326,13 @@ def build_window(
     with_values = spec.form is not Form.IDS or not complete
     new_owed = {k: v for k, v in owed.items() if k not in keys}
     # (rows, or None: merge its values later from ``by_key``), header line
-    plan: list[tuple[SliceRows | None, SliceMeta]] = []
-    by_key: dict[ChunkKey, list[SegmentChunk]] = {}
-    sources: dict[int, _MergedSlice] = {}
+    plan: list[tuple[ShardRows | None, ShardLine]] = []
+    by_key: dict[ShardKey, list[ShardRows]] = {}
+    sources: dict[int, _MergedShard] = {}
     if complete:
         wanted = set(keys)
         for e in window:
-            for key, c in e.chunks.items():
+            for key, c in e.shards.items():
                 if key in wanted:
                     by_key.setdefault(key, []).append(c)
         for key in keys:
@@ -347,12 +340,12 @@ def build_window(
             if cs is None:
                 continue
             if len(cs) == 1 or not with_values:
-                r = merge_chunks(cs, with_values=with_values)
-                plan.append((r, SliceMeta.of(r, r.ids.numel())))
+                r = merge_rows(cs, with_values=with_values)
+                plan.append((r, ShardLine(r.shard, r.ids.numel())))
             else:  # the ids now (the count); the values range by range as chunks are encoded
-                src = _MergedSlice(cs)
+                src = _MergedShard(cs)
                 sources[len(plan)] = src
-                plan.append((None, SliceMeta.of(cs[-1], src.ids.numel())))
+                plan.append((None, ShardLine(cs[-1].shard, src.ids.numel())))
     else:
         merged = merge_entries(window, keys, with_values=with_values)
         head_state = snap.upto(spec.to_seq)
@@ -362,7 +355,7 @@ def build_window(
             m, o = merged.get(key), owed.get(key)
             if m is None and o is None:
                 continue
-            ws = plan_slice(
+            ws = plan_shard(
                 key,
                 m,
                 o,
@@ -378,7 +371,7 @@ def build_window(
                 new_owed[key] = ws.owed
             if budget is not None:
                 budget -= ws.rows.ids.numel()
-            plan.append((ws.rows, SliceMeta.of(ws.rows, ws.rows.ids.numel(), n_owed)))
+            plan.append((ws.rows, ShardLine(ws.rows.shard, ws.rows.ids.numel(), n_owed)))
     dense = window_dense(snap, spec)
     win = EncodedWindow(
         _header(spec, to_step, plan, dense),
@@ -391,7 +384,7 @@ def build_window(
     )
 
     def produce() -> Iterator[tuple[bytes | None, float]]:
-        """(chunk, seconds spent on it), slice by slice."""
+        """(chunk, seconds spent on it), shard by shard."""
         t = time.perf_counter()
         for i, (r, m) in enumerate(plan):
             dtype = m.wire_dtype(spec.dtype)
@@ -399,7 +392,7 @@ def build_window(
                 chunks = sources[i].encode(i, dtype, spec.chunk_bytes, spec.row_alignment)
             else:
                 values = None if spec.form is Form.IDS else r.values
-                chunks = encode.encode_slice_chunks(
+                chunks = encode.encode_shard_chunks(
                     i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment
                 )
             for msg in chunks:
@@ -438,49 +431,50 @@ def _rows(t: torch.Tensor) -> Any:
     return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
 
 
-class _MergedSlice:
-    """A complete window's slice over several chunks (oldest first), merged chunk by chunk.
+class _MergedShard:
+    """A complete window's shard over several segments' parts (oldest first), merged RowChunk by
+    RowChunk.
 
-    Same rows and values as :func:`~deltad.serve.merge.merge_chunks` (union of ids, latest
-    value wins), but the values are never merged into one slice-sized tensor: each RowChunk's
+    Same rows and values as :func:`~deltad.serve.merge.merge_rows` (union of ids, latest
+    value wins), but the values are never merged into one shard-sized tensor: each RowChunk's
     row range is assembled right before it is encoded, in the message itself (fp32), in a
-    reused buffer (other wire dtypes), or taken as a view of the one chunk that holds all of
-    it. Measured (1 GB fp32 window, base + 2 deltas, 2 cores): the whole-slice merge costs
+    reused buffer (other wire dtypes), or taken as a view of the one part that holds all of
+    it. Measured (1 GB fp32 window, base + 2 deltas, 2 cores): the whole-shard merge costs
     0.44 s before encoding; ranges cost <0.1 s.
     """
 
-    def __init__(self, chunks: list[SegmentChunk]) -> None:
-        self.chunks = chunks
-        self.row_start = min(c.row_start for c in chunks)
-        n = max(c.row_end for c in chunks) - self.row_start
-        # a chunk with every row of the shard (a base segment) makes the union trivial
-        self.full = any(c.ids.numel() == n for c in chunks)
+    def __init__(self, parts: list[ShardRows]) -> None:
+        self.parts = parts
+        self.row_start = min(c.shard.row_start for c in parts)
+        n = max(c.shard.row_end for c in parts) - self.row_start
+        # a part with every row of the shard (a base segment) makes the union trivial
+        self.full = any(c.ids.numel() == n for c in parts)
         if self.full:
             self.ids = torch.arange(self.row_start, self.row_start + n, dtype=torch.int64)
         else:
-            self.ids = merge_chunks(chunks, with_values=False).ids
-        # Range by range writes every chunk's rows (oldest first) and loops over the chunks
-        # per range: heavy overlap or many segments take merge_chunks (one merge, all threads).
-        total = sum(c.ids.numel() for c in chunks)
-        self.ranged = len(chunks) <= 8 and total <= 2 * self.ids.numel()
+            self.ids = merge_rows(parts, with_values=False).ids
+        # Range by range writes every part's rows (oldest first) and loops over the parts
+        # per range: heavy overlap or many segments take merge_rows (one merge, all threads).
+        total = sum(c.ids.numel() for c in parts)
+        self.ranged = len(parts) <= 8 and total <= 2 * self.ids.numel()
 
     def encode(
         self, index: int, dtype: WireDtype, chunk_bytes: int, alignment: int = 0
     ) -> Iterator[bytes]:
-        """The slice's RowChunk messages (``index`` in the header), in row order
+        """The shard's RowChunk messages (``index`` in the header), in row order
         (``alignment``: of packed rows)."""
-        ids, cs = self.ids, self.chunks
+        ids, cs = self.ids, self.parts
         n = ids.numel()
         if n == 0:
             return
         if not self.ranged:
-            m = merge_chunks(cs)
-            yield from encode.encode_slice_chunks(
+            m = merge_rows(cs)
+            yield from encode.encode_shard_chunks(
                 index, m.ids, m.values, dtype, chunk_bytes, alignment
             )
             return
         last = cs[-1]
-        width = last.col_end - last.col_start
+        width = last.shard.col_end - last.shard.col_start
         step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment)
         bounds = torch.arange(0, n + step, step).clamp_(max=n)
         dests, spans = [], []
@@ -501,7 +495,7 @@ class _MergedSlice:
         wire_row_bytes = width * wire.WIRE_ITEMSIZE[dtype] if wire_torch is not None else 0
         for r in range(len(bounds) - 1):
             a, b = int(bounds[r]), int(bounds[r + 1])
-            # the newest chunk holding every row of [a, b): older chunks are overwritten by it
+            # the newest part holding every row of [a, b): older parts are overwritten by it
             first = 0
             for j in range(len(cs) - 1, -1, -1):
                 lo, hi = spans[j][r], spans[j][r + 1]
@@ -526,7 +520,7 @@ class _MergedSlice:
             if hi - lo == b - a:
                 out[:] = src_rows[first][lo:hi]
                 todo = later
-            else:  # no one chunk covers the range; together they cover every row of it
+            else:  # no one part covers the range; together they cover every row of it
                 todo = [j for j in range(len(cs)) if spans[j][r + 1] > spans[j][r]]
             for j in todo:
                 lo, hi = spans[j][r], spans[j][r + 1]

@@ -54,13 +54,12 @@ from deltad import wire
 from deltad.clientauth import ClientAuth
 from deltad.config import RelayConfig, ServerConfig
 from deltad.consume import decode
-from deltad.consume.window import RankDelta, SliceUpdate
+from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import DeltadError, UpstreamError
-from deltad.segment.format import SegmentChunk, write_segment
+from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.serve.app import SidecarServer
-from deltad.serve.log import ChunkKey
-from deltad.types import SegmentKind
+from deltad.types import SegmentKind, Shard, ShardKey
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 
@@ -85,7 +84,7 @@ class _Local:
     step: int
     world_size: int
     #: every (table, col_start, col_end) of the base, in order, with its shard's row range
-    ranges: dict[ChunkKey, tuple[int, int]]
+    ranges: dict[ShardKey, tuple[int, int]]
     dtypes: dict[str, torch.dtype]
 
 
@@ -297,7 +296,7 @@ class RelayMirror:
         snap = self.server.log.snapshot()
         if snap is None:
             return None
-        ranges = {k: (c.row_start, c.row_end) for k, c in snap.base.chunks.items()}
+        ranges = {k: (c.shard.row_start, c.shard.row_end) for k, c in snap.base.shards.items()}
         return _Local(
             snap.generation,
             snap.head.seq,
@@ -318,33 +317,33 @@ class RelayMirror:
         else:
             assert loc is not None
             dtypes, world = loc.dtypes, loc.world_size
-        ranges: dict[ChunkKey, tuple[int, int]] = {}
-        chunks = []
-        for s in d.slices:
+        ranges: dict[ShardKey, tuple[int, int]] = {}
+        rows = []
+        for s in d.shards:
             ids, values = _sorted(s)
             n = ids.numel()
             # a base holds every row of the shard: its row range is that of its ids
             r0, r1 = (int(ids[0]), int(ids[-1]) + 1) if n else (0, 0)
-            ranges[(s.table, s.col_start, s.col_end)] = (r0, r1)
-            chunks.append(_chunk(s, r0, r1, ids, values, dtypes))
-        self._write(d, SegmentKind.BASE, 0, world, chunks, created)
+            ranges[s.shard.key] = (r0, r1)
+            rows.append(_shard_rows(s, r0, r1, ids, values, dtypes))
+        self._write(d, SegmentKind.BASE, 0, world, rows, created)
         self._local = _Local(d.generation, d.to_seq, d.to_step, world, ranges, dtypes)
 
     def _write_delta(self, d: RankDelta, created: float) -> None:
         loc = self._local
         assert loc is not None
-        got = {(s.table, s.col_start, s.col_end): s for s in d.slices}
+        got = {s.shard.key: s for s in d.shards}
         unknown = set(got) - set(loc.ranges)
         if unknown:
-            raise UpstreamError(f"upstream sent slices {sorted(unknown)} its base did not have")
-        chunks = []
+            raise UpstreamError(f"upstream sent shards {sorted(unknown)} its base did not have")
+        rows = []
         for key, (r0, r1) in loc.ranges.items():
             s = got.get(key)
             if s is None:
                 continue
             ids, values = _sorted(s)
-            chunks.append(_chunk(s, r0, r1, ids, values, loc.dtypes))
-        self._write(d, SegmentKind.DELTA, loc.seq + 1, loc.world_size, chunks, created)
+            rows.append(_shard_rows(s, r0, r1, ids, values, loc.dtypes))
+        self._write(d, SegmentKind.DELTA, loc.seq + 1, loc.world_size, rows, created)
         self._local = _Local(
             d.generation, d.to_seq, d.to_step, loc.world_size, loc.ranges, loc.dtypes
         )
@@ -355,7 +354,7 @@ class RelayMirror:
         kind: SegmentKind,
         first_seq: int,
         world: int,
-        chunks: list[SegmentChunk],
+        rows: list[ShardRows],
         created: float,
     ) -> None:
         write_segment(
@@ -368,7 +367,7 @@ class RelayMirror:
             first_seq=first_seq,
             step=d.to_step,
             kind=kind,
-            chunks=chunks,
+            shards=rows,
             fsync=self.config.fsync,
             created_unix=created,
         )
@@ -439,8 +438,8 @@ class RelayMirror:
         self._pending = None
 
 
-def _sorted(s: SliceUpdate) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slice's ids ascending (segments require it) with their values."""
+def _sorted(s: ShardUpdate) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shard's ids ascending (segments require it) with their values."""
     ids = s.ids
     assert s.values is not None, "a rows-form pull carries values"
     values = s.values
@@ -450,20 +449,22 @@ def _sorted(s: SliceUpdate) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, values
 
 
-def _chunk(
-    s: SliceUpdate,
+def _shard_rows(
+    s: ShardUpdate,
     r0: int,
     r1: int,
     ids: torch.Tensor,
     values: torch.Tensor,
     dtypes: dict[str, torch.dtype],
-) -> SegmentChunk:
+) -> ShardRows:
     # fp32 on the wire carries fp16 / bf16 table values exactly: cast back to the table's dtype
-    dtype = dtypes.get(s.table, torch.float32)
-    return SegmentChunk(
-        s.table, s.num_rows, s.dim, r0, r1, s.col_start, s.col_end,
-        ids.contiguous(), values.to(dtype).contiguous(),
-    )  # fmt: skip
+    sh = s.shard
+    dtype = dtypes.get(sh.table, torch.float32)
+    return ShardRows(
+        Shard(sh.table, sh.num_rows, sh.dim, r0, r1, sh.col_start, sh.col_end),
+        ids.contiguous(),
+        values.to(dtype).contiguous(),
+    )
 
 
 def _manifest(st: pb.StatusResponse, d: RankDelta) -> GenerationManifest:

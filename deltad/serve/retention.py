@@ -1,6 +1,6 @@
 """Retention: keep one rank's log bounded by merging segments no live consumer stands between.
 
-Each round (bounded: one merge of at most ``merge_max_bytes_per_round`` input bytes, plus the
+Each round (bounded: one merge of at most ``deltad.knobs.MERGE_MAX_BYTES_PER_ROUND`` input bytes, plus the
 base it extends) does the first applicable of:
 
 1. **Base forward**: merge the base with the deltas up to the minimum *live* pin (a committed
@@ -119,7 +119,7 @@ class Retention:
                 first_seq=first.first_seq,
                 step=last.step,
                 kind=SegmentKind.BASE if first.first_seq == 0 else SegmentKind.DELTA,
-                chunks=[r.to_chunk() for r in merged.values()],
+                shards=list(merged.values()),
                 # ages are of the trainer's steps, not of this file: a merge is no news
                 created_unix=last.created_unix,
                 first_created_unix=min(e.first_created_unix for e in covered),

@@ -265,11 +265,11 @@ class DeltaServicer:
                 table=t.name, num_rows=t.num_rows, dim=t.dim, dtype=t.dtype, kind=t.kind,
                 sharding_type=t.sharding_type,
             )  # fmt: skip
-            for c in snap.base.segment.chunks:
-                if c.table == t.name:
+            for sh in (r.shard for r in snap.base.segment.shards):
+                if sh.table == t.name:
                     ts.local_slices.add(
-                        table=c.table, num_rows=c.num_rows, dim=c.dim, col_start=c.col_start,
-                        col_end=c.col_end, count=c.row_end - c.row_start,
+                        table=sh.table, num_rows=sh.num_rows, dim=sh.dim, col_start=sh.col_start,
+                        col_end=sh.col_end, count=sh.rows,
                     )  # fmt: skip
         return resp
 

@@ -25,7 +25,7 @@ from deltad.serve import encode
 from deltad.serve.decide import LogView, WindowAsk, decide_window
 from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.offsets import CommitRejected, OffsetStore, PullRecord
+from deltad.serve.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.serve.owed import OwedStore
 from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.streams import StreamSlots
@@ -145,7 +145,7 @@ class WindowServer:
                 if win.owed:
                     self.owed.save(consumer, token, gen, to_seq, win.owed)
                 self.store.record_pull(
-                    consumer, rank, PullRecord(pull_id, gen, to_seq, to_step, token, win.owed_rows)
+                    consumer, rank, PendingPull(pull_id, gen, to_seq, to_step, token, win.owed_rows)
                 )
                 self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
             except OffsetStoreError as e:

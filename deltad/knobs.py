@@ -1,0 +1,103 @@
+"""Tunables: performance settings users never need to set, kept apart from the user settings
+in :mod:`deltad.config` (the pattern of torchsnapshot's ``knobs.py``).
+
+Each knob is a module-level default. The environment overrides it when deltad is imported:
+``DELTAD_KNOB_<NAME>`` (for example ``DELTAD_KNOB_WRITER_NICE=0``); a value that does not parse
+or is out of range raises :class:`~deltad.errors.ConfigError` naming the variable. Code reads
+the knobs at use time (``knobs.WRITER_NICE``), so a benchmark or a test may also change one for
+a block with :func:`override`.
+
+The knobs (default in brackets):
+
+* ``WRITER_NICE`` [10]: niceness added to the publisher's writer thread (Linux: per thread;
+  0 = leave it), so its checksum/write/fsync yields the cores to the training loop (0..19).
+* ``REUSE_COPY_BUFFERS`` [1]: copy touched rows into reused (pooled) host buffers instead of
+  new ones, which page-fault on first write.
+* ``COPY_POOL_MAX_BYTES`` [64 GiB]: most bytes the publisher's copy-buffer pool keeps.
+* ``COPY_POOL_GRANULE`` [4096]: its buffers are rounded up to this many bytes,
+* ``COPY_POOL_HEADROOM`` [0.125]: and made this fraction larger than the rows copied.
+* ``FOLD_IN_BACKGROUND`` [1]: CPU weights: the tracker folds each lookup's ids into its bitmaps
+  on a background thread, not in the output dist's hook (device weights: always in the hook).
+* ``MAX_PENDING_FOLDS`` [16]: lookups waiting for that fold thread before the training loop's
+  hook blocks (>= 1).
+* ``MERGE_MAX_BYTES_PER_ROUND`` [1 GiB]: the sidecar's retention: most input bytes one
+  background round may merge (bounded work per round, >= 1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from deltad.errors import ConfigError
+
+PREFIX = "DELTAD_KNOB_"
+
+_T = TypeVar("_T")
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {raw!r:.20}")
+
+
+#: Each knob's range check, for the environment and :func:`override`.
+_CHECKS: dict[str, Callable[[Any], bool]] = {}
+
+
+def _knob(name: str, default: _T, parse: Callable[[str], _T], ok: Callable[[_T], bool]) -> _T:
+    """``default``, or the environment's ``DELTAD_KNOB_<name>`` if set (checked by ``ok``)."""
+    _CHECKS[name] = ok
+    raw = os.environ.get(PREFIX + name)
+    if raw is None:
+        return default
+    try:
+        value = parse(raw)
+    except ValueError:
+        raise ConfigError(f"{PREFIX}{name}={raw!r:.20}: not a valid value") from None
+    if not ok(value):
+        raise ConfigError(f"{PREFIX}{name}={raw!r:.20}: out of range")
+    return value
+
+
+WRITER_NICE: int = _knob("WRITER_NICE", 10, int, lambda v: 0 <= v <= 19)
+REUSE_COPY_BUFFERS: bool = _knob("REUSE_COPY_BUFFERS", True, _parse_bool, lambda v: True)
+COPY_POOL_MAX_BYTES: int = _knob("COPY_POOL_MAX_BYTES", 64 << 30, int, lambda v: v >= 0)
+COPY_POOL_GRANULE: int = _knob("COPY_POOL_GRANULE", 4096, int, lambda v: v >= 1)
+COPY_POOL_HEADROOM: float = _knob("COPY_POOL_HEADROOM", 0.125, float, lambda v: v >= 0)
+FOLD_IN_BACKGROUND: bool = _knob("FOLD_IN_BACKGROUND", True, _parse_bool, lambda v: True)
+MAX_PENDING_FOLDS: int = _knob("MAX_PENDING_FOLDS", 16, int, lambda v: v >= 1)
+MERGE_MAX_BYTES_PER_ROUND: int = _knob("MERGE_MAX_BYTES_PER_ROUND", 1 << 30, int, lambda v: v >= 1)
+
+#: The knobs' names.
+NAMES = tuple(_CHECKS)
+
+
+@contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Set knobs (by name, e.g. ``override(WRITER_NICE=7)``) for the block, then restore them.
+
+    Process-wide: every thread sees the new values while the block runs.
+    """
+    module = sys.modules[__name__]
+    unknown = sorted(set(values) - set(NAMES))
+    if unknown:
+        raise ConfigError(f"unknown knobs {unknown}; known: {list(NAMES)}")
+    for name, value in values.items():
+        if not _CHECKS[name](value):
+            raise ConfigError(f"knob {name}={value!r:.20}: out of range")
+    old = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(module, name, value)
