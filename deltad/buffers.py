@@ -28,7 +28,7 @@ import torch
 #: each other's buffers.
 GRANULE = 1 << 20
 #: Tensors smaller than this come from the allocator as usual: small blocks are recycled from
-#: its free lists anyway, and pooling them would pin a granule per small slice.
+#: its free lists anyway, and pooling them would pin a granule per small tensor.
 MIN_POOLED_BYTES = 1 << 20
 
 

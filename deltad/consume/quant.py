@@ -18,7 +18,7 @@ copies whole rows in with ``index_copy_`` (as 4-byte words). Bytes and forward o
 therefore equal to quantizing the updated float tables from scratch. Rows that arrive
 already packed (``ShardUpdate.packed``, a pull in :func:`packed_wire_dtype`: uint8, the
 table's row layout above, with any zero padding) are copied as they are; a packed
-pull sends the slices it cannot pack (column-wise shards) as fp32 values, handled below.
+pull sends the shards it cannot pack (column-wise shards) as fp32 values, handled below.
 
 Bit-exactness needs the trainer's float values: pull with wire dtype ``fp32`` (or ``fp16``
 for fp16 tables, or packed rows). Rows that travelled as ``int8`` / ``bf16`` arrive

@@ -90,7 +90,7 @@ class WindowServer:
             )
         tables = tuple(sorted(set(req.tables)))
         align = 0
-        if dtype.packed:  # slices that cannot be packed (column-wise) travel as fp32
+        if dtype.packed:  # shards that cannot be packed (column-wise) travel as fp32
             align = wire.check_row_alignment(req.row_alignment)  # checked at the edge
         # a chunk and its framing fit in the server's send limit and in every consumer's
         # receive limit (a larger --max-message-bytes must not make pulls fail)
