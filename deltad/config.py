@@ -191,6 +191,9 @@ class ServerConfig:
     window_cache_entries: int = 8
     #: Byte budget of those cached (encoded) windows; bigger windows are not cached.
     window_cache_bytes: int = 1 << 30
+    #: Byte budget of pre-merged runs of deltas (deltad.serve.runs: a window at any cursor is
+    #: a merge of a few of them); 0: windows are merged from their segments.
+    run_cache_bytes: int = 512 << 20
     #: Retention: merge runs of at least this many segments between live cursors.
     merge_min_segments: int = 4
     #: Retention: most input bytes one background round may merge (bounded work per round).

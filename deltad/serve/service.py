@@ -33,6 +33,7 @@ from deltad.serve.pull import (
     build_window,
     packed_refusal,
 )
+from deltad.serve.runs import RunCache
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 
@@ -101,6 +102,7 @@ class DeltaServicer:
         self.owed = owed
         self.metrics = metrics
         self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
+        self.runs = RunCache(config.run_cache_bytes)
         self._streams = 0
         self._streams_lock = threading.Lock()
         self._slots: set[_StreamSlot] = set()
@@ -312,10 +314,14 @@ class DeltaServicer:
             # encoded as the stream sends them (see build_window).
             win: EncodedWindow
             if owed:
-                win, hit = build_window(snap, spec, to_step, owed, kept=False), False
+                win, hit = (
+                    build_window(snap, spec, to_step, owed, kept=False, runs=self.runs),
+                    False,
+                )
             else:
                 win, hit = self.cache.get(
-                    spec, lambda kept: build_window(snap, spec, to_step, {}, kept=kept)
+                    spec,
+                    lambda kept: build_window(snap, spec, to_step, {}, kept=kept, runs=self.runs),
                 )
             pull_id = uuid.uuid4().hex
             token = pull_id if win.owed else ""
