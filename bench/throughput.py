@@ -78,8 +78,10 @@ def client_pull(
     max_step: int | None = None,
     start_at: float | None = None,
     keep: bool = False,
+    commit: bool = False,
 ) -> dict[str, Any]:
-    """Runs in the client worker: one consumer pulls its whole window once.
+    """Runs in the client worker: one consumer pulls its whole window once (and commits it
+    with ``commit``: a later call of the same consumer starts from there).
 
     By default a fresh :class:`DeltaConsumer` (new channel) per call. With ``keep`` the
     consumer and its channel stay in ``state`` and the call pulls again without committing,
@@ -122,6 +124,8 @@ def client_pull(
         rows = res.rows
         nbytes = res.bytes
         dense_bytes = res.dense_bytes
+        if commit:
+            c.commit(res)
         vals = sum(s.values.numel() for d in res.deltas for s in d.slices if s.values is not None)
         del res
     finally:

@@ -216,6 +216,8 @@ class ServerConfig:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
         if self.max_concurrent_streams < 1 or self.max_message_bytes < 1024 * 1024:
             raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
+        if self.run_cache_bytes < 0:
+            raise ConfigError("run_cache_bytes must be >= 0 (0 = no runs)")
         if self.max_queued_streams < 0 or self.stream_queue_wait_s < 0:
             raise ConfigError("max_queued_streams and stream_queue_wait_s must be >= 0")
         if self.stream_deadline_s <= 0 or self.lease_ttl_s <= 0 or self.grace_period_s < 0:
