@@ -6,15 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from serverkit import Client, Replica, SpoolWriter, redis_server, server_config, wait_for
 from spoolkit import FakeTrainer
 
+from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import SpoolLayout
+from deltad.serve.app import SidecarServer
 from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.pull import WindowSpec, build_window
 from deltad.serve.runs import RunCache, cover
 from deltad.types import Form, WireDtype
 
 DELTAS = 21
+
+__all__ = ["redis_server"]
 
 
 def _snapshot(tmp_path: Path, merged_at: tuple[int, int] | None = None) -> LogSnapshot:
@@ -111,3 +117,35 @@ def test_runs_of_an_older_generation_are_dropped(tmp_path: Path) -> None:
     _bytes(newer, spec, runs)
     assert runs.built > before  # nothing reused across generations
     assert all(rid[0] == newer.generation for rid in runs._lru)
+
+
+def test_a_sidecar_serves_consumers_at_many_cursors_from_runs(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Real sidecar and Redis: consumers left at 12 different cursors all catch up bit-equal,
+    their windows merged from shared runs."""
+    spool = SpoolWriter(tmp_path / "spool", tables={"t0": (2000, 8), "t1": (700, 4)})
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        reps = {f"c{i}": Replica() for i in range(12)}
+        for name, rep in reps.items():
+            d = c.pull(name)
+            rep.apply(d)
+            c.commit(d)
+        for j in range(12):
+            spool.delta(n=300)
+            wait_for(lambda j=j: srv.log.snapshot().head.seq == j + 1, what=f"seq {j + 1}")  # type: ignore[union-attr,misc]
+            d = c.pull(f"c{j}")  # c{j} stays at cursor j + 1
+            reps[f"c{j}"].apply(d)
+            c.commit(d)
+        for name, rep in reps.items():
+            d = c.pull(name)
+            assert d.to_seq == 12
+            rep.apply(d)
+            for t in spool.specs:
+                assert torch.equal(rep.tables[t], spool.truth[t]), (name, t)
+        assert srv.servicer.runs.built > 0 and srv.servicer.runs.hits > 0
+    finally:
+        c.close()
+        srv.stop(0)
