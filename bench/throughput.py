@@ -113,6 +113,11 @@ def client_pull(
         if keep:
             state[key] = c
             state.setdefault("_close", []).append(c.close)
+    elif c.config.pull.max_step != max_step:  # a kept consumer, pulling to another step now
+        import dataclasses
+
+        pull = dataclasses.replace(c.config.pull, max_step=max_step)
+        c.config = dataclasses.replace(c.config, pull=pull)
     try:
         if start_at is not None:
             time.sleep(max(0.0, start_at - time.time()))
