@@ -931,6 +931,10 @@ def cursors(ctx: Context) -> dict[str, Any]:
         xs = [x["sidecar_cpu_s"] for x in pick(mode, with_runs, consumers)]
         return med(summarize(xs)) if xs else None
 
+    def cold(mode: str, with_runs: bool) -> float | None:
+        xs = [x["cold_fp16_sidecar_cpu_s"] for x in pick(mode, with_runs)]
+        return med(summarize(xs)) if xs else None
+
     points = []
     for mode, with_runs, consumers in sorted(
         {(x["mode"], x["runs"], x["consumers"]) for x in runs}
@@ -970,6 +974,16 @@ def cursors(ctx: Context) -> dict[str, Any]:
         {
             "metric": "the same without runs",
             "value": ratio(cpu("stag-diff", False), cpu("stag-same", True)),
+            "unit": "x",
+        },
+        {
+            "metric": f"fresh sidecar (first round, fp16): {n} at {n} heads / {n} at one, runs",
+            "value": ratio(cold("fresh-diff", True), cold("fresh-same", True)),
+            "unit": "x",
+        },
+        {
+            "metric": "fresh sidecar (first round, fp16): the same without runs",
+            "value": ratio(cold("fresh-diff", False), cold("fresh-same", True)),
             "unit": "x",
         },
         *[
@@ -1027,19 +1041,25 @@ def _cursor_run(
             for w in workers:
                 w.recv("client_pull")
             _settle(cpu)
-        start_at = time.time() + 1.0 + 0.05 * len(workers)
-        for i, w in enumerate(workers):
-            seq = (i % DELTAS) + 1 if mode == "fresh-diff" else DELTAS
-            w.send(
-                "call", module="bench.throughput", func="client_pull",
-                kwargs={"endpoint": side.endpoint, "model": side.model, "consumer": f"{tag}-{i}",
-                        "dtype": "fp32", "max_step": seq * 10, "start_at": start_at,
-                        "keep": mode.startswith("stag")},  # (from its committed cursor)
-            )  # fmt: skip
-        time.sleep(max(0.0, start_at - time.time()))
-        cpu.reset()
-        res = [w.recv("client_pull") for w in workers]
-        cpu_s = cpu.seconds()
+        # Two rounds: fp16 first (a fresh sidecar: its heap pages are touched for the first
+        # time, runs are merged), then fp32, measured (other windows than the fp16 ones, none
+        # cached; the steady state of a long-lived sidecar). Uncommitted: same cursors.
+        out = {}
+        for dtype in ("fp16", "fp32"):
+            start_at = time.time() + 1.0 + 0.05 * len(workers)
+            for i, w in enumerate(workers):
+                seq = (i % DELTAS) + 1 if mode == "fresh-diff" else DELTAS
+                w.send(
+                    "call", module="bench.throughput", func="client_pull",
+                    kwargs={"endpoint": side.endpoint, "model": side.model,
+                            "consumer": f"{tag}-{i}", "dtype": dtype, "max_step": seq * 10,
+                            "start_at": start_at, "keep": True},
+                )  # fmt: skip
+            time.sleep(max(0.0, start_at - time.time()))
+            cpu.reset()
+            out[dtype] = ([w.recv("client_pull") for w in workers], cpu.seconds())
+            _settle(cpu)
+        res, cpu_s = out["fp32"]
         rss = proc_peak_rss(side.proc.pid) or 0
     finally:
         side.stop()
@@ -1054,6 +1074,7 @@ def _cursor_run(
         "bytes_per_consumer": [x["bytes"] for x in res],
         "aggregate_gbps": total / span / GB if span > 0 else None,
         "sidecar_cpu_s": cpu_s,
+        "cold_fp16_sidecar_cpu_s": out["fp16"][1],
         "sidecar_cpu_s_per_gb": cpu_s / (total / GB) if total else None,
         "sidecar_settle_s": settle_s,
         "sidecar_peak_rss": rss,

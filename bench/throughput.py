@@ -113,10 +113,10 @@ def client_pull(
         if keep:
             state[key] = c
             state.setdefault("_close", []).append(c.close)
-    elif c.config.pull.max_step != max_step:  # a kept consumer, pulling to another step now
-        import dataclasses
+    elif (c.config.pull.max_step, c.config.pull.wire_dtype) != (max_step, WireDtype(dtype)):
+        import dataclasses  # a kept consumer, pulling to another step or in another dtype now
 
-        pull = dataclasses.replace(c.config.pull, max_step=max_step)
+        pull = dataclasses.replace(c.config.pull, max_step=max_step, wire_dtype=WireDtype(dtype))
         c.config = dataclasses.replace(c.config, pull=pull)
     try:
         if start_at is not None:
