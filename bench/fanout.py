@@ -932,7 +932,7 @@ def cursors(ctx: Context) -> dict[str, Any]:
         return med(summarize(xs)) if xs else None
 
     def cold(mode: str, with_runs: bool) -> float | None:
-        xs = [x["cold_fp16_sidecar_cpu_s"] for x in pick(mode, with_runs)]
+        xs = [x["cold_sidecar_cpu_s"] for x in pick(mode, with_runs)]
         return med(summarize(xs)) if xs else None
 
     points = []
@@ -977,12 +977,12 @@ def cursors(ctx: Context) -> dict[str, Any]:
             "unit": "x",
         },
         {
-            "metric": f"fresh sidecar (first round, fp16): {n} at {n} heads / {n} at one, runs",
+            "metric": f"fresh sidecar (warm-up round): {n} at {n} heads / {n} at one, runs",
             "value": ratio(cold("fresh-diff", True), cold("fresh-same", True)),
             "unit": "x",
         },
         {
-            "metric": "fresh sidecar (first round, fp16): the same without runs",
+            "metric": "fresh sidecar (warm-up round): the same without runs",
             "value": ratio(cold("fresh-diff", False), cold("fresh-same", True)),
             "unit": "x",
         },
@@ -1041,14 +1041,21 @@ def _cursor_run(
             for w in workers:
                 w.recv("client_pull")
             _settle(cpu)
-        # Two rounds: fp16 first (a fresh sidecar: its heap pages are touched for the first
-        # time, runs are merged), then fp32, measured (other windows than the fp16 ones, none
-        # cached; the steady state of a long-lived sidecar). Uncommitted: same cursors.
+        # Two rounds on the fresh sidecar: a warm-up (its heap pages are touched for the first
+        # time, runs are merged), then the measured one (the steady state of a long-lived
+        # sidecar; its windows are not cached). Warm-up windows: fresh modes, fp32 at other
+        # heads (fresh-diff: seq (i + 8) % 16 + 1; one head, 15, otherwise); staggered modes
+        # (a cursor is committed), the same windows in fp16. Uncommitted: same cursors.
         out = {}
-        for dtype in ("fp16", "fp32"):
+        for phase in ("warm", "measured"):
             start_at = time.time() + 1.0 + 0.05 * len(workers)
             for i, w in enumerate(workers):
                 seq = (i % DELTAS) + 1 if mode == "fresh-diff" else DELTAS
+                dtype = "fp32"
+                if phase == "warm" and mode.startswith("stag"):
+                    dtype = "fp16"
+                elif phase == "warm":
+                    seq = ((i + 8) % DELTAS) + 1 if mode == "fresh-diff" else DELTAS - 1
                 w.send(
                     "call", module="bench.throughput", func="client_pull",
                     kwargs={"endpoint": side.endpoint, "model": side.model,
@@ -1057,9 +1064,11 @@ def _cursor_run(
                 )  # fmt: skip
             time.sleep(max(0.0, start_at - time.time()))
             cpu.reset()
-            out[dtype] = ([w.recv("client_pull") for w in workers], cpu.seconds())
+            faults = _minflt(side.proc.pid)
+            res_ = [w.recv("client_pull") for w in workers]
+            out[phase] = (res_, cpu.seconds(), _minflt(side.proc.pid) - faults)
             _settle(cpu)
-        res, cpu_s = out["fp32"]
+        res, cpu_s, faults = out["measured"]
         rss = proc_peak_rss(side.proc.pid) or 0
     finally:
         side.stop()
@@ -1074,8 +1083,19 @@ def _cursor_run(
         "bytes_per_consumer": [x["bytes"] for x in res],
         "aggregate_gbps": total / span / GB if span > 0 else None,
         "sidecar_cpu_s": cpu_s,
-        "cold_fp16_sidecar_cpu_s": out["fp16"][1],
+        "sidecar_minor_faults": faults,
+        "cold_sidecar_cpu_s": out["warm"][1],
+        "cold_sidecar_minor_faults": out["warm"][2],
         "sidecar_cpu_s_per_gb": cpu_s / (total / GB) if total else None,
         "sidecar_settle_s": settle_s,
         "sidecar_peak_rss": rss,
     }
+
+
+def _minflt(pid: int) -> int:
+    """Minor page faults of a process so far (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, ValueError, IndexError):
+        return 0
