@@ -11,6 +11,10 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deltad.types import WireDtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fraction", type=float, default=0.0, help="topk: fraction of candidate rows (0, 1]"
     )
-    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16", "int8"), default="fp32")
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "fp16", "bf16", "int8", "packed-int8", "packed-int4", "packed-fp16"),
+        help="wire dtype; None: fp32, or with --serve-dtype int8|int4|fp16 its packed form "
+        "(rows in the serving tables' layout); packed-* only with the matching --serve-dtype",
+    )
     p.add_argument("--max-rows", type=int, default=0, help="cap on rows per pull (0: none)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between pulls")
     p.add_argument("--duration", type=float, default=0.0, help="stop after N seconds (0: run)")
@@ -103,6 +112,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify TLS sidecars")
     p.add_argument(
+        "--tls-cert",
+        type=Path,
+        help="client certificate (PEM) for sidecars that require mTLS (re-read when it changes)",
+    )
+    p.add_argument("--tls-key", type=Path, help="the private key (PEM) of --tls-cert")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the bearer token, re-read when it changes (instead of --token-env)",
+    )
+    p.add_argument(
         "--token-env",
         default="DELTAD_TOKEN",
         help="environment variable holding the bearer token (default: DELTAD_TOKEN)",
@@ -117,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     tune_threads()
     from deltad.config import ConsumerConfig, PullOptions
     from deltad.errors import ConfigError
-    from deltad.types import Form, WireDtype
+    from deltad.types import Form
 
     from .predictor import Predictor, PredictorConfig
 
@@ -151,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         )
     elif args.final_state is not None:
         raise ConfigError("--final-state needs --serve-dtype")
+    wire_dtype = _wire_dtype(args.dtype, args.serve_dtype)
 
     consumer = ConsumerConfig(
         consumer=args.consumer,
@@ -161,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             form=Form(args.form),
             k=args.k,
             fraction=args.fraction,
-            wire_dtype=WireDtype(args.dtype),
+            wire_dtype=wire_dtype,
             max_rows=args.max_rows,
             auto_commit=args.auto_commit,
         ),
@@ -169,8 +190,11 @@ def run(args: argparse.Namespace) -> int:
         rpc_deadline_s=args.rpc_deadline,
         max_retries=args.max_retries,
         discovery_timeout_s=args.discovery_timeout,
-        token=os.environ.get(args.token_env) or None,
+        token=None if args.token_file else (os.environ.get(args.token_env) or None),
+        token_file=args.token_file,
         tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
         reuse_buffers_bytes=args.reuse_buffers_mb * (1 << 20),
         resume=args.resume,
     )
@@ -178,13 +202,19 @@ def run(args: argparse.Namespace) -> int:
         if dest is not None:
             _check_writable(flag, Path(dest))
     if consumer.sidecars:  # refused: a wrong model, fewer sidecars than ranks, none answering
+        from deltad.clientauth import ClientAuth
         from deltad.status import check_sidecars
 
         check_sidecars(
             consumer.sidecars,
             consumer.model,
-            token=consumer.token,
-            tls_ca=consumer.tls_ca,
+            auth=ClientAuth(
+                token=consumer.token,
+                token_file=consumer.token_file,
+                tls_ca=consumer.tls_ca,
+                tls_cert=consumer.tls_cert,
+                tls_key=consumer.tls_key,
+            ),
             deadline_s=args.discovery_timeout,
             rpc_timeout_s=min(args.rpc_deadline, 5.0),
         )
@@ -226,6 +256,24 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _wire_dtype(dtype: str | None, serve_dtype: str | None) -> WireDtype:
+    """--dtype, or the default for --serve-dtype: the packed form of its rows (fp32 for
+    fp32); ConfigError for packed rows that are not the served tables' layout."""
+    from deltad.consume.quant import packed_wire_dtype
+    from deltad.errors import ConfigError
+    from deltad.types import WireDtype
+
+    if dtype is None:
+        return packed_wire_dtype(serve_dtype) if serve_dtype else WireDtype.FP32
+    wire = WireDtype(dtype)
+    if wire.packed and (serve_dtype is None or packed_wire_dtype(serve_dtype) is not wire):
+        raise ConfigError(
+            f"--dtype {wire.value} sends rows in the layout of {wire.value[7:]} tables: "
+            f"use it with --serve-dtype {wire.value[7:]}"
+        )
+    return wire
 
 
 def _ms(v: float | None) -> str:

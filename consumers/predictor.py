@@ -76,6 +76,9 @@ class PullRecord:
     missing: dict[int, str] = field(default_factory=dict)
     pull_s: float = 0.0
     apply_s: float = 0.0
+    #: bytes of dense state received (counted in ``bytes`` too) and the step it is of
+    dense_bytes: int = 0
+    dense_step: int | None = None
 
 
 @dataclass
@@ -100,6 +103,8 @@ class PredictorSummary:
     forward_apply_samples: int = 0
     #: serving model only: the longest write-lock hold of an apply (ms)
     max_hold_ms: float | None = None
+    #: bytes of dense state received (counted in ``bytes`` too)
+    dense_bytes: int = 0
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -229,6 +234,8 @@ class Predictor:
             missing=r.missing,
             pull_s=pull_s,
             apply_s=apply_s,
+            dense_bytes=r.dense_bytes,
+            dense_step=r.dense_step,
         )
         self.records.append(rec)
         return rec
@@ -254,6 +261,7 @@ class Predictor:
             forward_apply_p99_ms=percentile(busy, 99),
             forward_apply_samples=len(busy),
             max_hold_ms=self.max_hold_s * 1e3 if f is not None else None,
+            dense_bytes=sum(r.dense_bytes for r in self.records),
         )
 
     def _open_log(self) -> None:
@@ -270,7 +278,7 @@ class Predictor:
             self._out.write(json.dumps(d, separators=(",", ":")) + "\n")
             self._out.flush()
         if isinstance(rec, PullRecord) and (rec.rows or rec.missing):
-            log.info(
+            log.debug(  # -v: the library's line per pull says it (deltad.consume.client)
                 "pull %d: step %s (head %s) rows %d bytes %d fresh %s missing %s",
                 rec.pull, rec.step, rec.head_step, rec.rows, rec.bytes,
                 None if rec.freshness_s is None else f"{rec.freshness_s:.3f}s",

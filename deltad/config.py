@@ -148,6 +148,31 @@ class PublisherConfig:
             raise ConfigError("writer_nice must be in 0..19")
 
 
+def check_client_auth(
+    prefix: str,
+    token: str | None,
+    token_file: Path | str | None,
+    tls_ca: Path | str | None,
+    tls_cert: Path | str | None,
+    tls_key: Path | str | None,
+) -> tuple[Path | None, Path | None, Path | None, Path | None]:
+    """A client's credential settings as Paths (ca, cert, key, token file); ConfigError if
+    the certificate comes without its key (or the reverse) or both token forms are set."""
+
+    def name(field: str) -> str:
+        return f"--{field.replace('_', '-')}" if prefix == "--" else prefix + field
+
+    if (tls_cert is None) != (tls_key is None):
+        raise ConfigError(f"{name('tls_cert')} and {name('tls_key')} go together")
+    if token and token_file is not None:
+        raise ConfigError(f"give {name('token')} or {name('token_file')}, not both")
+
+    def path(p: Path | str | None) -> Path | None:
+        return None if p is None else Path(p)
+
+    return path(tls_ca), path(tls_cert), path(tls_key), path(token_file)
+
+
 @dataclass
 class ServerConfig:
     """`deltad serve`: one sidecar per trainer rank."""
@@ -247,9 +272,14 @@ class RelayConfig:
     upstream: str
     #: The relay's consumer name at the upstream (its cursor there); stable across restarts.
     consumer: str = "relay"
-    #: Bearer token for the upstream, and a CA to verify its TLS certificate (None: plaintext).
+    #: Bearer token for the upstream (or a file holding it, re-read when it changes), a CA
+    #: to verify its TLS certificate (None: plaintext), and the relay's client certificate
+    #: and key for an upstream that requires mTLS (re-read when they change).
     token: str | None = None
     tls_ca: Path | None = None
+    token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     #: Seconds between upstream Status polls when nothing is new.
     poll_interval_s: float = 0.05
     #: Deadline of one upstream RPC (a GetDelta stream of a whole base included).
@@ -269,8 +299,9 @@ class RelayConfig:
             raise ConfigError("relay poll interval, RPC deadline and lease TTL must be > 0")
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError("relay backoff_initial_s must be > 0 and <= backoff_max_s")
-        if self.tls_ca is not None:
-            self.tls_ca = Path(self.tls_ca)
+        self.tls_ca, self.tls_cert, self.tls_key, self.token_file = check_client_auth(
+            "upstream ", self.token, self.token_file, self.tls_ca, self.tls_cert, self.tls_key
+        )
 
 
 @dataclass
@@ -334,6 +365,13 @@ class ConsumerConfig:
     heartbeat_interval_s: float = 5.0
     token: str | None = None
     tls_ca: Path | None = None
+    #: A file holding the bearer token (instead of ``token``); re-read when it changes.
+    token_file: Path | None = None
+    #: Client certificate and key (PEM) for sidecars that require mTLS (``--tls-client-ca``);
+    #: re-read, with ``tls_ca``, when they change (before a reconnect). TLS is on when
+    #: ``tls_ca`` or ``tls_cert`` is set (without ``tls_ca``: the system's roots).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     #: Redis discovery: how long connect() waits for every rank's sidecar to register.
     discovery_timeout_s: float = 120.0
     #: Rebuild each pull into the buffers of earlier pulls that nothing references any more
@@ -362,5 +400,6 @@ class ConsumerConfig:
         self.sidecars = tuple(self.sidecars)
         if self.redis_url is not None:
             check_redis_url(self.redis_url)
-        if self.tls_ca is not None:
-            self.tls_ca = Path(self.tls_ca)
+        self.tls_ca, self.tls_cert, self.tls_key, self.token_file = check_client_auth(
+            "", self.token, self.token_file, self.tls_ca, self.tls_cert, self.tls_key
+        )

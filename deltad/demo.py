@@ -3,7 +3,8 @@
 It starts an embedded Redis, the reference trainer (``deltad train``: gloo ranks, a small
 DLRM, Zipf traffic, mixed sharding types), one ``deltad serve`` per rank and three predictors
 (``deltad consume``: rows/fp32, top-k/int8, and serving-int8: a torchrec int8-quantized
-ClickModel answering forwards while it syncs), all as subprocesses with logs in the work
+ClickModel answering forwards while it syncs, pulling rows packed in its tables' layout
+(packed-int8) and the trainer's dense state), all as subprocesses with logs in the work
 directory. When training ends, the predictors catch up with the final head, stop, and write
 their tables; the demo then checks
 
@@ -11,10 +12,10 @@ their tables; the demo then checks
 * the top-k/int8 predictor, once no rows are owed, is within the int8 row-wise rounding
   bound of the trainer's final tables: ``|served - trained| <= (row max - row min) / 510``
   per row (plus float32 rounding of code * scale + bias);
-* the serving-int8 predictor's weights and its forward output on a fixed batch are
-  bit-equal to the trainer's final model quantized by torchrec (``quantize_embeddings``).
-  The trainer does not publish its dense weights yet, so the reference takes the dense
-  weights the predictor's model code initialised (the embeddings are what is checked).
+* the serving-int8 predictor's weights (every table byte and the dense parameters and
+  buffers) and its forward output on a fixed batch are bit-equal to the trainer's final
+  model (``deltad train --final-model``: its tables and dense state) quantized by torchrec
+  (``quantize_embeddings``).
 
 Exit 0 only if all hold; otherwise one line on stderr and exit 1. Every child is stopped on
 exit or Ctrl-C (SIGTERM, a bounded wait, then SIGKILL).
@@ -82,6 +83,7 @@ class PredictorLog:
     pulls: int = 0
     rows: int = 0
     bytes: int = 0
+    dense_bytes: int = 0
     step: int | None = None
     owed: int = 0
     last_rows: int = 0
@@ -107,6 +109,7 @@ class PredictorLog:
             self.pulls += 1
             self.rows += rec["rows"]
             self.bytes += rec["bytes"]
+            self.dense_bytes += rec.get("dense_bytes", 0)
             self.owed = rec["owed"]
             self.last_rows = rec["rows"]
             if rec["step"] is not None and rec["step"] != self.step:
@@ -208,11 +211,9 @@ class Demo:
                     "--dtype",
                     "int8",
                 ],
-                SERVING: [
+                SERVING: [  # pulls packed-int8 rows (its tables' layout) and dense
                     "--form",
                     "rows",
-                    "--dtype",
-                    "fp32",
                     "--serve-dtype",
                     "int8",
                     "--tables",
@@ -264,6 +265,7 @@ class Demo:
             "--duration", str(a.duration),
             "--publish-every-seconds", str(a.publish_every),
             "--final-tables", str(self.work / "trainer-final.pt"),
+            "--final-model", str(self.work / "trainer-model.pt"),
             "--result-json", str(self.work / "trainer-result.json"),
             "--no-progress",
         ]  # fmt: skip
@@ -401,6 +403,10 @@ class Demo:
         rows_total = sum(t.shape[0] for t in truth.values())
         fp32_table_bytes = sum(t.numel() * 4 for t in truth.values())
         int8_table_bytes = sum(t.shape[0] * (t.shape[1] + 8) for t in truth.values())
+        packed_table_bytes = sum(  # packed-int8 rows: scale, bias, codes, 16-byte aligned
+            t.shape[0] * ((t.shape[1] + 4 + 15) // 16 * 16) for t in truth.values()
+        )
+        table_bytes = {"topk-int8": int8_table_bytes, SERVING: packed_table_bytes}
         segs = [int(r["segments"]) for r in result["ranks"]]
         out = [
             "",
@@ -408,18 +414,20 @@ class Demo:
             f"dim {a.dim}), trained {result['steps']} steps in {a.duration:.0f}s, "
             f"{sum(segs)} segments ({', '.join(map(str, segs))} per rank), "
             f"publish every {a.publish_every}s; run time {elapsed:.0f}s",
-            f"{'predictor':<12} {'pulls':>6} {'rows':>10} {'bytes':>12} "
+            f"{'predictor':<12} {'pulls':>6} {'rows':>10} {'bytes':>12} {'dense':>10} "
             f"{'full syncs':>12} {'ratio':>7} {'fresh p50':>9} {'p99':>7}",
         ]
         for name, lg in logs.items():
-            full = (int8_table_bytes if name == "topk-int8" else fp32_table_bytes) * lg.steps_served
+            full = table_bytes.get(name, fp32_table_bytes) * lg.steps_served
             p50, p99 = percentile(lg.freshness, 50), percentile(lg.freshness, 99)
             out.append(
-                f"{name:<12} {lg.pulls:>6} {lg.rows:>10} {_mb(lg.bytes):>12} {_mb(full):>12} "
+                f"{name:<12} {lg.pulls:>6} {lg.rows:>10} {_mb(lg.bytes):>12} "
+                f"{_mb(lg.dense_bytes):>10} {_mb(full):>12} "
                 f"{(lg.bytes / full if full else 0):>7.1%} {_sec(p50):>9} {_sec(p99):>7}"
             )
         out.append(
-            "  full syncs: a whole-table copy (same dtype) at every step the predictor served; "
+            "  bytes: rows and dense state received (dense: of which the trainer's dense state); "
+            "full syncs: a whole-table copy (same dtype) at every step the predictor served; "
             "freshness: segment created -> rows applied (aim: p50 <= 0.5s, p99 <= 2s)"
         )
         failures = []
@@ -454,15 +462,20 @@ class Demo:
         )
         if not within:
             failures.append("topk-int8 error exceeds the int8 bound")
-        line, ok = self.check_serving(truth, logs[SERVING])
+        del rows_tables, topk  # big tables (1M x 64 x 5 = 1.3 GB each): before the next load
+        model_state: dict[str, torch.Tensor] = torch.load(
+            self.work / "trainer-model.pt", map_location="cpu", weights_only=True
+        )
+        line, ok = self.check_serving(model_state, logs[SERVING])
         out.append(line)
         if not ok:
             failures.append(f"{SERVING} weights or forward differ from torchrec's quantization")
         return Report("\n".join(out), failures)
 
-    def check_serving(self, truth: dict[str, Any], lg: PredictorLog) -> tuple[str, bool]:
-        """Compare the serving predictor with the trainer's final tables quantized by torchrec
-        in the same model code; its forward latency during apply and idle."""
+    def check_serving(self, final: dict[str, Any], lg: PredictorLog) -> tuple[str, bool]:
+        """Compare the serving predictor with the trainer's final model (``final``: its
+        state_dict, tables and dense state) quantized by torchrec in the same model code; its
+        forward latency during apply and idle."""
         import torch
 
         from deltad.consume.quant import quantize_model
@@ -481,24 +494,21 @@ class Demo:
         got = torch.load(state_file, map_location="cpu", weights_only=True)
         logits = torch.load(forward_path(state_file), map_location="cpu", weights_only=True)
         cfg = ServingConfig(ServeDtype.INT8, parse_tables(TABLES, a.rows), a.rows, a.dim)
-        torch.manual_seed(cfg.seed)  # the predictor's model code, as it builds it
         model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim).eval()
-        with torch.no_grad():
-            for name, t in truth.items():
-                bank = model.ec.embeddings if name == "seq" else model.ebc.embedding_bags
-                bank[name].weight.copy_(t)
+        model.load_state_dict(final)  # strict: every weight is the trainer's final one
         ref = quantize_model(model, ServeDtype.INT8, inplace=True)
         want = serving_state(ref)
         tables = [k for k in want if k.startswith(("ebc.", "ec."))]
+        dense = len(want) - len(tables)
         weights = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         with torch.inference_mode():
             forward = torch.equal(logits, ref(fixed_batch(cfg))[1])
         ok = weights and forward
         s = lg.summary or {}
         line = (
-            f"check {SERVING}: {len(tables)} int8 tables and forward output on a fixed batch "
-            f"bit-equal to the trainer's final model quantized by torchrec (dense weights: the "
-            f"predictor's own, not yet published): {'ok' if ok else 'FAILED'} "
+            f"check {SERVING}: {len(tables)} int8 tables, {dense} dense tensors and forward "
+            f"output on a fixed batch bit-equal to the trainer's final model quantized by "
+            f"torchrec: {'ok' if ok else 'FAILED'} "
             f"(weights {'equal' if weights else 'DIFFER'}, forward "
             f"{'equal' if forward else 'DIFFERS'})\n"
             f"  {SERVING} serving: {s.get('forwards', 0)} forwards, latency p50/p99 idle "

@@ -33,9 +33,9 @@ def check(
     server_name: str | None = None,
 ) -> str:
     """The health status name of ``service`` at ``target`` (e.g. "SERVING")."""
-    if tls_ca is not None:
+    if tls_ca is not None or tls_cert is not None:  # a client certificate means TLS too
         creds = grpc.ssl_channel_credentials(
-            root_certificates=tls_ca.read_bytes(),
+            root_certificates=tls_ca.read_bytes() if tls_ca else None,
             private_key=tls_key.read_bytes() if tls_key else None,
             certificate_chain=tls_cert.read_bytes() if tls_cert else None,
         )

@@ -16,6 +16,8 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from deltad.clientauth import ClientAuth
+from deltad.config import check_client_auth
 from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
@@ -25,7 +27,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=os.environ.get("DELTAD_TARGET", "127.0.0.1:50051"))
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--token", default=os.environ.get("DELTAD_TOKEN"), help="bearer token")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=os.environ.get("DELTAD_TOKEN_FILE"),
+        help="file holding the bearer token [DELTAD_TOKEN_FILE]",
+    )
     p.add_argument("--tls-ca", default=os.environ.get("DELTAD_TLS_CA"), help="CA (PEM): use TLS")
+    p.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=os.environ.get("DELTAD_TLS_CLIENT_CERT"),
+        help="client certificate (PEM) for a sidecar that requires mTLS [DELTAD_TLS_CLIENT_CERT]",
+    )
+    p.add_argument(
+        "--tls-key",
+        type=Path,
+        default=os.environ.get("DELTAD_TLS_CLIENT_KEY"),
+        help="its private key (PEM) [DELTAD_TLS_CLIENT_KEY]",
+    )
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument(
         "--forget",
@@ -36,18 +56,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def fetch(
-    target: str, *, token: str | None = None, tls_ca: Path | None = None, timeout: float = 10.0
+    target: str,
+    *,
+    token: str | None = None,
+    tls_ca: Path | None = None,
+    timeout: float = 10.0,
+    auth: ClientAuth | None = None,
 ) -> tuple[pb.StatusResponse, pb.ListConsumersResponse]:
-    """Status and ListConsumers of the sidecar at ``target``."""
-    if tls_ca is not None:
-        try:
-            creds = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
-        except OSError as e:
-            raise ConfigError(f"cannot read --tls-ca: {e}") from e
-        channel = grpc.secure_channel(target, creds)
-    else:
-        channel = grpc.insecure_channel(target)
-    md = [("authorization", f"Bearer {token}")] if token else None
+    """Status and ListConsumers of the sidecar at ``target`` (credentials: ``auth``, or
+    ``token`` and ``tls_ca``)."""
+    auth = auth or ClientAuth(token=token, tls_ca=tls_ca)
+    channel = auth.channel(target)
+    md = auth.metadata()
     try:
         stub = delta_pb2_grpc.DeltaServiceStub(channel)
         status = stub.Status(pb.StatusRequest(), timeout=timeout, metadata=md)
@@ -59,16 +79,6 @@ def fetch(
         channel.close()
 
 
-def _channel(target: str, tls_ca: Path | None) -> grpc.Channel:
-    if tls_ca is None:
-        return grpc.insecure_channel(target)
-    try:
-        creds = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
-    except OSError as e:
-        raise ConfigError(f"cannot read --tls-ca: {e}") from e
-    return grpc.secure_channel(target, creds)
-
-
 def check_sidecars(
     endpoints: tuple[str, ...],
     model: str,
@@ -77,22 +87,26 @@ def check_sidecars(
     tls_ca: Path | None = None,
     deadline_s: float = 120.0,
     rpc_timeout_s: float = 5.0,
+    auth: ClientAuth | None = None,
 ) -> list[pb.StatusResponse | None]:
     """Before consuming from a static list of sidecars (one per rank, in rank order): each
     answering one must serve ``model`` at that rank, and the model's world size must be the
     number of endpoints (ConfigError otherwise: partial tables are never a success). Probes
     until ``deadline_s`` while none answers, then SidecarUnavailableError. Returns each
-    endpoint's Status (None: did not answer)."""
-    md = [("authorization", f"Bearer {token}")] if token else None
+    endpoint's Status (None: did not answer). Credentials: ``auth``, or ``token`` and
+    ``tls_ca``."""
+    auth = auth or ClientAuth(token=token, tls_ca=tls_ca)
     end = time.monotonic() + deadline_s
     while True:
         got: list[pb.StatusResponse | None] = []
         errors = []
         for target in endpoints:
-            channel = _channel(target, tls_ca)
+            channel = auth.channel(target)
             try:
                 stub = delta_pb2_grpc.DeltaServiceStub(channel)
-                got.append(stub.Status(pb.StatusRequest(), timeout=rpc_timeout_s, metadata=md))
+                got.append(
+                    stub.Status(pb.StatusRequest(), timeout=rpc_timeout_s, metadata=auth.metadata())
+                )
             except grpc.RpcError as e:
                 if e.code() in (
                     grpc.StatusCode.UNAUTHENTICATED,
@@ -164,10 +178,12 @@ def forget(
     token: str | None = None,
     tls_ca: Path | None = None,
     timeout: float = 10.0,
+    auth: ClientAuth | None = None,
 ) -> bool:
     """Ask the sidecar at ``target`` to forget ``consumer`` (admin); False if it was unknown."""
-    md = [("authorization", f"Bearer {token}")] if token else None
-    with _channel(target, tls_ca) as channel:
+    auth = auth or ClientAuth(token=token, tls_ca=tls_ca)
+    md = auth.metadata()
+    with auth.channel(target) as channel:
         stub = delta_pb2_grpc.DeltaServiceStub(channel)
         try:
             resp = stub.Forget(pb.ForgetRequest(consumer=consumer), timeout=timeout, metadata=md)
@@ -179,22 +195,19 @@ def forget(
 
 
 def run(args: argparse.Namespace) -> int:
+    check_client_auth("--", args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
+    auth = ClientAuth(
+        token=args.token,
+        token_file=args.token_file,
+        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
     if args.forget is not None:
-        gone = forget(
-            args.target,
-            args.forget,
-            token=args.token,
-            tls_ca=Path(args.tls_ca) if args.tls_ca else None,
-            timeout=args.timeout,
-        )
+        gone = forget(args.target, args.forget, auth=auth, timeout=args.timeout)
         print(f"consumer {args.forget}: {'forgotten' if gone else 'not known'}")
         return 0
-    status, consumers = fetch(
-        args.target,
-        token=args.token,
-        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
-        timeout=args.timeout,
-    )
+    status, consumers = fetch(args.target, auth=auth, timeout=args.timeout)
     if args.json:
         out: dict[str, Any] = MessageToDict(
             status, always_print_fields_with_no_presence=True, preserving_proto_field_name=True

@@ -45,8 +45,17 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
         assert bool(((topk[name] - t).abs().amax(dim=1) <= bound).all()), name
     for line in ("rows-fp32", "topk-int8", "fresh p50"):
         assert line in proc.stdout
-    assert "check serving-int8: 5 int8 tables and forward output" in proc.stdout
+    # the serving predictor: packed-int8 rows and the dense state, bit-equal to the trainer's
+    # final model (tables and dense) quantized by torchrec
+    assert "check serving-int8: 5 int8 tables, 8 dense tensors and forward output" in proc.stdout
     assert "(weights equal, forward equal)" in proc.stdout and "during apply" in proc.stdout
+    model = torch.load(work / "trainer-model.pt", weights_only=True)
+    assert {
+        k for k in model if k.startswith(("bottom.", "over."))
+    } and "ec.embeddings.seq.weight" in model
+    serving = [line for line in proc.stdout.splitlines() if line.startswith("serving-int8 ")]
+    # name, pulls, rows, bytes (2 words), dense bytes (2 words): the dense state was received
+    assert len(serving) == 1 and float(serving[0].split()[5]) > 0, serving
 
 
 def test_demo_interrupted_leaves_no_children(tmp_path: Path) -> None:

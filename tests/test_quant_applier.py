@@ -153,7 +153,9 @@ def test_dense_weights_and_rows_of_one_window() -> None:
     ]
     d = delta(rows)
     dense = {k: v for k, v in trained.state_dict().items() if not k.startswith(("ebc.", "ec."))}
-    assert dense and applier.dense_names == sorted(dense)
+    # + the non-persistent buffer the publisher sends too (it names every named_buffer)
+    assert dense and applier.dense_names == sorted({*dense, "tri"})
+    dense["tri"] = dict(trained.named_buffers())["tri"]
     d.dense = dense  # type: ignore[attr-defined]
     applier.apply([d])
     assert_same(served, quantize_model(trained, ServeDtype.INT8))
@@ -326,9 +328,47 @@ def test_consume_serve_dtype_flag_errors() -> None:
         (["--final-state", "x.pt"], "--final-state needs --serve-dtype"),
         (["--serve-dtype", "int8", "--init-tables", "x.pt"], "bootstraps from deltad"),
         (["--serve-dtype", "int8", "--dim", "6"], "dim a multiple of 4"),
+        (["--dtype", "packed-int8"], "use it with --serve-dtype int8"),
+        (["--serve-dtype", "int4", "--dtype", "packed-int8"], "use it with --serve-dtype int8"),
+        (["--serve-dtype", "fp32", "--dtype", "packed-fp16"], "use it with --serve-dtype fp16"),
     ):
         out = subprocess.run(
             [*base, *extra], capture_output=True, text=True, timeout=60, env=child_env()
         )
         lines = [x for x in out.stderr.splitlines() if x.startswith("deltad")]
         assert out.returncode == 2 and why in out.stderr and len(lines) == 1, (extra, out.stderr)
+
+
+def test_consume_pulls_the_serving_tables_packed_form_by_default() -> None:
+    """`deltad consume --serve-dtype X` pulls rows packed in X's table layout unless --dtype
+    says otherwise; fp32 tables take fp32 values, plain predictors fp32."""
+    from deltad.reference.consumers.cli import _wire_dtype
+
+    assert _wire_dtype(None, "int8") is WireDtype.PACKED_INT8
+    assert _wire_dtype(None, "int4") is WireDtype.PACKED_INT4
+    assert _wire_dtype(None, "fp16") is WireDtype.PACKED_FP16
+    assert _wire_dtype(None, "fp32") is WireDtype.FP32
+    assert _wire_dtype(None, None) is WireDtype.FP32
+    assert _wire_dtype("fp32", "int8") is WireDtype.FP32
+    assert _wire_dtype("packed-int4", "int4") is WireDtype.PACKED_INT4
+
+
+@pytest.mark.parametrize("width", [80, 36, 7])
+def test_row_copy_moves_bits_as_they_are(width: int) -> None:
+    """Rows copied as 16-byte / 4-byte words / bytes keep every bit: NaN payloads (signalling
+    ones too), negative zeros; rows of a view into a wider buffer land at their offsets."""
+    from deltad.consume.quant import _copy_rows
+
+    gen = torch.Generator().manual_seed(width)
+    buf = torch.zeros(64, 96, dtype=torch.uint8)
+    target = buf[:, :width]  # a strided view, as a table inside a TBE's buffer
+    rows = torch.randint(0, 256, (40, width), dtype=torch.uint8, generator=gen)
+    special = torch.tensor([0x7FF0000000000001, 0x7FF4000000000000, -(2**63), 1])
+    if width >= 8:
+        rows[:4, :8] = special.view(torch.uint8).view(4, 8)
+    ids = torch.randperm(64, generator=gen)[:40]
+    _copy_rows(target, ids, rows)
+    assert torch.equal(target[ids], rows)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[ids] = False
+    assert not buf[untouched].any() and not buf[:, width:].any()

@@ -1,5 +1,7 @@
 """A predictor serving a torchrec quantized model, synced from real sidecars over a real
-trainer's spool, ends bit-exact with quantizing the trainer's final float tables."""
+trainer's spool, ends bit-exact with quantizing the trainer's final model (its float tables
+and its dense state, which the publisher sends) with torchrec: every weight byte, the dense
+parameters and buffers, and the forward output on a fixed batch."""
 
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ from spoolkit import child_env, wait_for
 
 from deltad.config import ConsumerConfig, PullOptions, ServerConfig
 from deltad.consume.client import DeltaConsumer
-from deltad.consume.quant import quantize_model
+from deltad.consume.quant import packed_wire_dtype, quantize_model
 from deltad.serve.app import SidecarServer
-from deltad.types import Form, ServeDtype
+from deltad.types import Form, ServeDtype, WireDtype
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -58,28 +60,30 @@ def train(
     cfg = TrainConfig(
         spool_dir=tmp_path / "spool", model="m", world_size=world_size, tables=TABLES,
         seq_rows=SEQ_ROWS, dim=DIM, sharding=sharding, steps=steps, publish_every_steps=2,
-        batch_size=32, final_tables=tmp_path / "final.pt", seed=seed, progress=False,
+        batch_size=32, final_model=tmp_path / "final.pt", seed=seed, progress=False,
         fsync=False,
     )  # fmt: skip
     return run_training(cfg).steps
 
 
 def reference(dtype: ServeDtype, final: dict[str, torch.Tensor]) -> Any:
-    """The trainer's final tables quantized by torchrec, in the predictor's model code
-    (dense weights: the model code's, as the predictor's until dense weights are published)."""
-    torch.manual_seed(0)
+    """The trainer's final model (``--final-model``: tables and dense state) quantized by
+    torchrec, in the predictor's model code (its own initial weights all overwritten)."""
+    torch.manual_seed(123)
     m = ClickModel(TABLES, SEQ_ROWS, dim=DIM).eval()
-    with torch.no_grad():
-        for name, t in final.items():
-            bank = m.ec.embeddings if name == "seq" else m.ebc.embedding_bags
-            bank[name].weight.copy_(t)
+    m.load_state_dict(final)  # strict: every weight is the trainer's
     return quantize_model(m, dtype)
 
 
 def serving_predictor(
-    name: str, servers: list[SidecarServer], dtype: ServeDtype, form: Form, k: int = 0
+    name: str,
+    servers: list[SidecarServer],
+    dtype: ServeDtype,
+    form: Form,
+    k: int = 0,
+    wire_dtype: WireDtype = WireDtype.FP32,
 ) -> Predictor:
-    pull = PullOptions(form=form, k=k)
+    pull = PullOptions(form=form, k=k, wire_dtype=wire_dtype)
     consumer = ConsumerConfig(
         consumer=name, model="m", sidecars=tuple(s.endpoint for s in servers), pull=pull
     )
@@ -104,6 +108,7 @@ def assert_bit_exact(pred: Predictor, dtype: ServeDtype, final_tables: Path) -> 
     assert pred.model is not None and pred.forwards is not None
     got, want = serving_state(pred.model), serving_state(ref)
     assert got.keys() == want.keys()
+    assert any(k.startswith("over.") for k in got)  # dense weights are compared too
     for key in got:
         assert torch.equal(got[key], want[key]), f"{dtype.value}: {key} differs"
     assert pred.config.serving is not None
@@ -113,12 +118,13 @@ def assert_bit_exact(pred: Predictor, dtype: ServeDtype, final_tables: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("world_size", "sharding", "rows_dtype", "topk_dtype"),
+    ("world_size", "sharding", "rows_dtype", "topk_dtype", "packed"),
     [
-        (1, {}, ServeDtype.INT4, ServeDtype.FP32),
-        (2, {"t0": "cw", "t1": "rw", "seq": "cw"}, ServeDtype.FP16, ServeDtype.INT8),
+        (1, {}, ServeDtype.INT4, ServeDtype.FP32, False),
+        (2, {"t0": "cw", "t1": "rw", "seq": "cw"}, ServeDtype.FP16, ServeDtype.INT8, False),
+        (2, {"t0": "cw", "t1": "tw", "seq": "rw"}, ServeDtype.INT8, ServeDtype.INT4, True),
     ],
-    ids=["ws1", "ws2-cw"],
+    ids=["ws1", "ws2-cw", "ws2-packed"],
 )
 def test_quantized_predictors_bootstrap_and_follow_a_new_generation(
     tmp_path: Path,
@@ -127,11 +133,24 @@ def test_quantized_predictors_bootstrap_and_follow_a_new_generation(
     sharding: dict[str, str],
     rows_dtype: ServeDtype,
     topk_dtype: ServeDtype,
+    packed: bool,
 ) -> None:
+    """Two serving predictors pull while a 2-rank (or 1-rank) trainer trains, then owe
+    nothing: bit-exact with its final model quantized by torchrec (tables, dense, forward).
+    ``packed``: they pull rows packed in their tables' layout (packed-int8 / packed-int4;
+    the column-wise t0 travels as fp32 slices), the end-to-end path of a packed wire."""
+
+    def wire(dtype: ServeDtype) -> WireDtype:
+        return packed_wire_dtype(dtype) if packed else WireDtype.FP32
+
     with sidecars(tmp_path / "spool", redis_url, world_size) as servers:
         preds = {
-            "rows": serving_predictor("q-rows", servers, rows_dtype, Form.ROWS),
-            "topk": serving_predictor("q-topk", servers, topk_dtype, Form.TOPK, k=7),
+            "rows": serving_predictor(
+                "q-rows", servers, rows_dtype, Form.ROWS, 0, wire(rows_dtype)
+            ),
+            "topk": serving_predictor(
+                "q-topk", servers, topk_dtype, Form.TOPK, 7, wire(topk_dtype)
+            ),
         }
         consumers = {n: DeltaConsumer(p.config.consumer) for n, p in preds.items()}
         pulls = dict.fromkeys(preds, 0)
@@ -150,6 +169,8 @@ def test_quantized_predictors_bootstrap_and_follow_a_new_generation(
                     assert p.records[-1].step == step
                     assert_bit_exact(p, p.config.serving.dtype, tmp_path / "final.pt")  # type: ignore[union-attr]
             assert any(r.resync for r in preds["rows"].records[1:])  # the new generation
+            dense = [r.dense_bytes for p in preds.values() for r in p.records]
+            assert sum(dense) > 0  # the dense state came from the publisher
             assert any(r.owed > 0 for r in preds["topk"].records)  # top-k owed, then paid
             for p in preds.values():
                 assert p.forwards is not None and p.forwards.error is None
@@ -222,6 +243,7 @@ def test_killed_quantized_predictor_bootstraps_again(tmp_path: Path, redis_url: 
     assert summary["event"] == "summary" and summary["forwards"] > 0
     got = torch.load(state, weights_only=True)
     want = serving_state(reference(ServeDtype.INT8, torch.load(tmp_path / "final.pt")))
+    assert any(k.startswith("bottom.") for k in want)
     assert got.keys() == want.keys()
     for key in got:
         assert torch.equal(got[key], want[key]), key

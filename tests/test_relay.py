@@ -9,6 +9,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import grpc
 import pytest
@@ -41,6 +42,10 @@ def db(redis_url: str, n: int) -> str:
 
     (Not an embedded Redis per relay: forking redis-server from this process while its gRPC
     threads run now and then aborts the child.)"""
+    u = urlsplit(redis_url)
+    if u.scheme == "unix":  # the embedded server's URL: the db is a query parameter
+        query = [(k, v) for k, v in parse_qsl(u.query) if k != "db"] + [("db", str(n))]
+        return f"unix://{u.path}?{urlencode(query)}"
     return redis_url.rsplit("/", 1)[0] + f"/{n}"
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from deltad.reference.trainer import cli
 from deltad.reference.trainer.data import SEQ_FEATURE, ClickStream, feature_name
+from deltad.reference.trainer.model import ClickModel
 from deltad.reference.trainer.train import TrainConfig, TrainResult, run_training
 
 from deltad.errors import ConfigError, SpoolError
@@ -64,6 +65,14 @@ def _check(cfg: TrainConfig, result: TrainResult) -> None:
     rebuilt = apply_segments({}, segments)
     for name, table in final.items():
         assert torch.equal(rebuilt[name], table), f"table {name} differs"
+    if cfg.final_model is not None:  # the whole model: the same tables, and the dense state
+        state = torch.load(cfg.final_model)
+        model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim)
+        model.load_state_dict(state)  # strict: unsharded names, nothing missing
+        for name, table in final.items():
+            bank = model.ec.embeddings if name == SEQ_FEATURE else model.ebc.embedding_bags
+            assert torch.equal(bank[name].weight, table), name
+        assert any(k.startswith("over.") for k in state)
     # Delta ids are global: each chunk's ids lie in its shard's rows, and per column slice
     # the union over ranks and segments is exactly the set of ids the ranks were fed.
     touched: dict[tuple[str, int], set[int]] = {}
@@ -100,6 +109,7 @@ def test_plain_loop_kjt_every_sharding_type_two_ranks(tmp_path: Path) -> None:
     cfg = _config(
         tmp_path, world_size=2, tables=tables, seq_rows=300, sharding=sharding, steps=12,
         publish_every_steps=4, loop=TrainLoop.PLAIN, input_format="kjt",
+        final_model=tmp_path / "model.pt",
     )  # fmt: skip
     result = run_training(cfg)
     _check(cfg, result)

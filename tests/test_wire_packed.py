@@ -16,11 +16,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from deltad import wire
-from deltad.consume import decode
+from deltad.consume import decode, quant
+from deltad.consume.quant import QuantApplier, quant_tables, quantize_model
 from deltad.redisutil import EmbeddedRedis
 from deltad.serve import encode
 from deltad.serve.app import SidecarServer
-from deltad.types import Form, WireDtype
+from deltad.types import Form, ServeDtype, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
 __all__ = ["redis_server"]
@@ -31,6 +32,11 @@ _QDTYPE = {
     WireDtype.PACKED_INT4: torch.quint4x2,
     WireDtype.PACKED_FP16: torch.float16,
 }
+_SERVE = {
+    ServeDtype.INT8: WireDtype.PACKED_INT8,
+    ServeDtype.INT4: WireDtype.PACKED_INT4,
+    ServeDtype.FP16: WireDtype.PACKED_FP16,
+}
 
 
 class _Holder(torch.nn.Module):
@@ -40,8 +46,8 @@ class _Holder(torch.nn.Module):
 
 
 def torchrec_rows(table: torch.Tensor, dtype: WireDtype) -> torch.Tensor:
-    """The rows of ``table`` as torchrec's quantized inference table holds them, in the wire's
-    order (codes, scale, bias, padding; the TBE keeps scale and bias first)."""
+    """The rows of ``table`` as torchrec's quantized inference table holds them (int8 / int4:
+    fp16 scale, fp16 bias, codes, padding): the packed wire's layout, byte for byte."""
     n, dim = table.shape
     ebc = EmbeddingBagCollection(
         tables=[
@@ -53,20 +59,36 @@ def torchrec_rows(table: torch.Tensor, dtype: WireDtype) -> torch.Tensor:
         ebc.embedding_bags["t"].weight.copy_(table)
     q = quantize_embeddings(_Holder(ebc), dtype=_QDTYPE[dtype], inplace=False)
     w = q.ebc.state_dict()["embedding_bags.t.weight"]
-    rows = w.contiguous().view(torch.uint8).reshape(n, -1)
-    if dtype is WireDtype.PACKED_FP16:
-        return rows
-    data = wire.packed_data_bytes(dim, dtype) - wire.PACKED_SCALE_BIAS_BYTES
-    sb = wire.PACKED_SCALE_BIAS_BYTES
-    return torch.cat([rows[:, sb : sb + data], rows[:, :sb], rows[:, sb + data :]], dim=1)
+    return w.contiguous().view(torch.uint8).reshape(n, -1)
 
 
 def _same_bytes(packed: torch.Tensor, table: torch.Tensor, dtype: WireDtype) -> None:
     want = torchrec_rows(table, dtype)
     used = wire.packed_data_bytes(table.shape[1], dtype)
     assert packed.dtype is torch.uint8 and packed.shape[0] == want.shape[0]
+    if packed.shape[1] == want.shape[1]:  # the table's own row size: the whole row
+        assert torch.equal(packed, want)
     assert torch.equal(packed[:, :used], want[:, :used])
     assert not packed[:, used:].any()  # padding is zero
+
+
+@pytest.mark.parametrize("dtype", PACKED)
+def test_one_packer_for_the_wire_and_the_applier(dtype: WireDtype) -> None:
+    """The applier's packer is the wire's (same bytes, the TBE layout: scale and bias first);
+    rows are packed block by block (more rows than one block here)."""
+    n = wire.PACK_BLOCK_ROWS + 37
+    table = torch.randn(n, 16) * torch.logspace(-3, 1, n).unsqueeze(1)
+    out = torch.full((n, 32), 7, dtype=torch.uint8)
+    wire.pack_rows(table, dtype, out)
+    _same_bytes(out, table, dtype)
+    serve = {v: k for k, v in _SERVE.items()}[dtype]
+    assert quant.packed_wire_dtype(serve) is dtype
+    assert torch.equal(quant.pack_rows(table, serve, 32), out)
+    if dtype is not WireDtype.PACKED_FP16:  # scale and bias first: the first 4 bytes are fp16
+        sb = out[:, :4].contiguous().view(torch.float16).float()
+        assert torch.equal(sb[:, 1], table.amin(dim=1).half().float())  # bias = fp16(min)
+    with pytest.raises(ValueError, match="need"):
+        wire.pack_rows(table, dtype, out[:, :8])
 
 
 @pytest.mark.parametrize("dtype", PACKED)
@@ -140,6 +162,22 @@ def test_decoder_refuses_a_packed_slice_of_the_wrong_size() -> None:
     h.slices[0].col_end = 4  # a column slice cannot be packed
     with pytest.raises(decode.StreamDecodeError, match="column-wise"):
         decode.decode_stream([encode.encode_header(h)])
+    h.slices[0].dtype = pb.WIRE_DTYPE_FP32  # ... it travels as fp32, without row_bytes
+    with pytest.raises(decode.StreamDecodeError, match="without row_bytes"):
+        decode.decode_stream([encode.encode_header(h)])
+    h.slices[0].row_bytes = 0
+    h.slices[0].count = 0
+    assert decode.decode_stream(
+        [encode.encode_header(h), encode.encode_trailer(pb.DeltaTrailer())]
+    ).slices[0].values.shape == (0, 4)
+    h.slices[0].dtype = pb.WIRE_DTYPE_INT8  # fp32 is the only fallback
+    with pytest.raises(decode.StreamDecodeError, match="only fp32"):
+        decode.decode_stream([encode.encode_header(h)])
+    h = _header(WireDtype.PACKED_INT8, 8, 2, 16)
+    h.dtype, h.row_alignment = pb.WIRE_DTYPE_FP16, 0
+    h.slices[0].row_bytes, h.slices[0].dtype = 0, pb.WIRE_DTYPE_FP32  # not in a packed response
+    with pytest.raises(decode.StreamDecodeError, match="only fp32"):
+        decode.decode_stream([encode.encode_header(h)])
 
 
 @pytest.mark.parametrize("dtype", PACKED)
@@ -148,12 +186,16 @@ def test_packed_pull_through_a_real_sidecar(
 ) -> None:
     """Base, then merged deltas (one of which touches every row again), pulled packed: the
     bytes of every row equal torchrec's quantization of the true float row at the head."""
-    spool = SpoolWriter(tmp_path / "spool", tables={"t0": (300, 16), "t1": (200, 8)})
+    specs = {"t0": (300, 16), "t1": (200, 8)}
+    spool = SpoolWriter(tmp_path / "spool", tables=specs)
     srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
     c = Client(f"127.0.0.1:{srv.port}")
+    served = _quant_ebc(specs, dtype)  # a QuantApplier copies the rows, at any alignment
+    applier = QuantApplier(served)
     try:
         held: dict[str, torch.Tensor] = {}
         d = c.pull("p", dtype=dtype, chunk_bytes=1)  # smallest chunks
+        applier.apply([d])
         assert d.resync and d.wire_dtype is dtype
         for s in d.slices:
             assert s.values is None and s.packed is not None
@@ -171,6 +213,11 @@ def test_packed_pull_through_a_real_sidecar(
                 assert s.packed is not None
                 assert s.packed.shape[1] == wire.packed_row_bytes(s.dim, dtype, align or 16)
                 _same_bytes(s.packed, spool.truth[s.table][s.ids], dtype)
+            if align == 64:
+                applier.apply([d])
+                tables = quant_tables(served)
+                for t in specs:  # rows of 64-byte alignment into tables of 16
+                    assert torch.equal(tables[t].rows, torchrec_rows(spool.truth[t], dtype))
         for s in d.slices:
             assert s.packed is not None
             held[s.table][s.ids] = s.packed
@@ -187,23 +234,61 @@ def test_packed_pull_through_a_real_sidecar(
         srv.stop(0)
 
 
-def test_packed_pull_of_column_wise_shards_is_refused(
-    tmp_path, redis_server: EmbeddedRedis
+def _quant_ebc(specs: dict[str, tuple[int, int]], dtype: WireDtype) -> torch.nn.Module:
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name=t, embedding_dim=d, num_embeddings=n, feature_names=[t])
+            for t, (n, d) in specs.items()
+        ],
+        device=torch.device("cpu"),
+    )
+    serve = {v: k for k, v in _SERVE.items()}[dtype]
+    return quantize_model(_Holder(ebc), serve)
+
+
+@pytest.mark.parametrize("dtype", PACKED)
+def test_packed_pull_sends_column_wise_shards_as_fp32(
+    tmp_path, redis_server: EmbeddedRedis, dtype: WireDtype
 ) -> None:
-    SpoolWriter(tmp_path / "spool", tables={"t0": (100, 8)}, col_split=2)
+    """A rank holding tables column-wise: a packed pull sends those slices as fp32 values
+    (TableSlice.dtype), a QuantApplier assembles their rows, and the served table bytes equal
+    torchrec's quantization of the true tables, after the base and after merged deltas."""
+    specs = {"t0": (100, 8), "t1": (60, 16)}
+    spool = SpoolWriter(tmp_path / "spool", tables=specs, col_split=2)
     srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
     c = Client(f"127.0.0.1:{srv.port}")
+    served = _quant_ebc(specs, dtype)
+    applier = QuantApplier(served)
     try:
         wait_for(lambda: srv.log.snapshot() is not None)
+        for step in range(3):
+            if step:
+                spool.delta({"t0": [0, 5, 99], "t1": list(range(0, 60, 2))})
+                wait_for(lambda s=step: (sn := srv.log.snapshot()) is not None and sn.head.seq == s)
+            d = c.pull("p", dtype=dtype, raw=step != 1)  # the protobuf decoder once
+            assert d.wire_dtype is dtype and len(d.slices) == 4  # 2 tables x 2 column slices
+            for s in d.slices:
+                assert s.packed is None and s.values is not None
+                assert s.values.dtype is torch.float32
+                assert s.values.shape == (s.ids.numel(), s.col_end - s.col_start)
+                assert torch.equal(s.values, spool.truth[s.table][s.ids, s.col_start : s.col_end])
+            applier.apply([d])
+            c.commit(d)
+            tables = quant_tables(served)
+            assert applier.pending_rows == 0
+            for t in specs:
+                assert torch.equal(tables[t].rows, torchrec_rows(spool.truth[t], dtype)), t
+        # a fresh consumer: base + 2 deltas merged range by range (_MergedSlice), as fp32
+        fresh = _quant_ebc(specs, dtype)
+        d = c.pull("r", dtype=dtype, chunk_bytes=1)
+        assert d.resync and all(s.packed is None for s in d.slices)
+        QuantApplier(fresh).apply([d])
+        for t in specs:
+            assert torch.equal(quant_tables(fresh)[t].rows, torchrec_rows(spool.truth[t], dtype))
+        # ids need no packing; a bad alignment is still refused
+        assert c.pull("q", Form.IDS, dtype=dtype).rows == 320  # 2 col slices each
         with pytest.raises(grpc.RpcError) as e:
-            c.pull("p", dtype=WireDtype.PACKED_INT8)
-        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "column-wise" in str(e.value.details())
-        # ids need no packing; fp32 values of column slices are fine
-        assert c.pull("p", Form.IDS, dtype=WireDtype.PACKED_INT8).rows == 200  # 2 col slices
-        assert c.pull("p", dtype=WireDtype.FP32).rows == 200
-        with pytest.raises(grpc.RpcError) as e:
-            c.pull("q", dtype=WireDtype.PACKED_FP16, row_alignment=24)
+            c.pull("q", dtype=dtype, row_alignment=24)
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     finally:
         c.close()

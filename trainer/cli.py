@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loop", choices=_LOOPS, default="plain")
     parser.add_argument("--input", choices=("kjt", "tensordict"), default="kjt")
     parser.add_argument("--final-tables", type=Path, help="torch.save {table: tensor} here")
+    parser.add_argument(
+        "--final-model",
+        type=Path,
+        help="torch.save the final model's state_dict here (unsharded names: every table "
+        "gathered, and the dense parameters and buffers)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -132,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         loop=TrainLoop(args.loop),
         input_format=args.input,
         final_tables=args.final_tables,
+        final_model=args.final_model,
         seed=args.seed,
         learning_rate=args.lr,
         fsync=not args.no_fsync,

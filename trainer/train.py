@@ -38,7 +38,7 @@ from deltad import errors
 from deltad.config import PublisherConfig, TrackerConfig, check_name
 from deltad.errors import ConfigError, DeltadError
 from deltad.publish.publisher import SegmentPublisher
-from deltad.publish.tracker import DeltaTracker
+from deltad.publish.tracker import DeltaTracker, _clean_fqn
 from deltad.segment.spool import SpoolLayout
 from deltad.types import TrainLoop
 
@@ -89,6 +89,10 @@ class TrainConfig:
     input_format: str = "kjt"
     #: Save {table: full tensor} at the end (torch.save, written by rank 0).
     final_tables: Path | None = None
+    #: Save the final model at the end (torch.save, written by rank 0): the ``state_dict`` of
+    #: the unsharded :class:`ClickModel`, every table gathered and the dense state, so that
+    #: ``ClickModel(...).load_state_dict`` rebuilds the trained model.
+    final_model: Path | None = None
     seed: int = 0
     learning_rate: float = 0.05
     fsync: bool = True
@@ -99,6 +103,8 @@ class TrainConfig:
             self.spool_dir = Path(self.spool_dir)
         if self.final_tables is not None:
             self.final_tables = Path(self.final_tables)
+        if self.final_model is not None:
+            self.final_model = Path(self.final_model)
         check_name("model", self.model)
         if self.world_size < 1:
             raise ConfigError("world_size must be >= 1")
@@ -398,13 +404,12 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
                 break
     if publisher is not None:
         publisher.close(step)
-    if cfg.final_tables is not None:
-        tables = _full_tables(dmp, rank)
-        if rank == 0:  # atomically: a reader polling for the file never sees half of it
-            cfg.final_tables.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cfg.final_tables.with_name(f".tmp-{cfg.final_tables.name}")
-            torch.save(tables, tmp)
-            os.replace(tmp, cfg.final_tables)
+    if cfg.final_tables is not None or cfg.final_model is not None:
+        state, tables = _full_state(dmp, rank)
+        if rank == 0 and cfg.final_model is not None:
+            _save_atomic(state, cfg.final_model)
+        if rank == 0 and cfg.final_tables is not None:
+            _save_atomic(tables, cfg.final_tables)
     mine = RankStats(rank, 0, 0, 0, 0.0, 0.0, 0.0)
     if publisher is not None:
         s = publisher.stats
@@ -433,14 +438,30 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _full_tables(dmp: Any, rank: int) -> dict[str, torch.Tensor]:
-    """Assemble every table from all ranks' shards on rank 0 (collective; {} elsewhere)."""
-    out: dict[str, torch.Tensor] = {}
+def _save_atomic(obj: Any, path: Path) -> None:
+    """torch.save atomically: a reader polling for the file never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _full_state(dmp: Any, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The unsharded model's state_dict and its ``{table: tensor}``, on rank 0 (collective;
+    empty elsewhere): every table gathered from all ranks' shards, dense parameters and
+    buffers (replicated) copied. Names are the unsharded :class:`ClickModel`'s (DMP / DDP
+    prefixes removed)."""
+    state: dict[str, torch.Tensor] = {}
+    tables: dict[str, torch.Tensor] = {}
     for key, value in dmp.state_dict().items():
-        if not hasattr(value, "local_shards") or not key.endswith(".weight"):
-            continue
-        full = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
-        value.gather(dst=0, out=full)
-        if full is not None:
-            out[key.split(".")[-2]] = full
-    return out
+        name = _clean_fqn(key)
+        if hasattr(value, "local_shards"):
+            full = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
+            value.gather(dst=0, out=full)
+            if full is not None:
+                state[name] = full
+                if key.endswith(".weight"):
+                    tables[key.split(".")[-2]] = full
+        elif rank == 0 and isinstance(value, torch.Tensor):
+            state[name] = value.detach().clone()
+    return state, tables

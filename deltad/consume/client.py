@@ -9,7 +9,10 @@
 
 or ``c.sync(applier.apply)`` for all three. Sidecars come from a static list (index = rank) or from
 Redis (``RedisKeys.ranks``). Every RPC has a deadline and bounded retries with exponential
-backoff; gRPC errors become :class:`deltad.errors.ConsumerError` at this boundary.
+backoff; gRPC errors become :class:`deltad.errors.ConsumerError` at this boundary. Credentials
+(``token``/``token_file``, ``tls_ca``, and ``tls_cert``/``tls_key`` for sidecars that require
+mTLS) are re-read when their files change, before the next call or reconnect (see
+deltad.consume.sidecars, which holds the connections; this module builds pulls and commits).
 
 Multi-rank alignment (``align_steps``): each pull first asks every sidecar's Status for its
 head step and requests ``max_step = min`` over ranks (with ``PullOptions.dense``, when the
@@ -27,80 +30,27 @@ so a pull it drops (ranks disagree) is never committed.
 
 from __future__ import annotations
 
-import json
 import logging
-import random
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import grpc
-import grpc.experimental
 import torch
 
 from deltad import wire
-from deltad.buffers import BufferPool
 from deltad.config import ConsumerConfig
 from deltad.consume import decode
+from deltad.consume.sidecars import RankLink, RankStatus, Sidecars
 from deltad.consume.window import Cursor, RankDelta
-from deltad.errors import (
-    ConfigError,
-    ConsumerError,
-    DeltadError,
-    OverloadedError,
-    SidecarUnavailableError,
-)
-from deltad.keys import RedisKeys
+from deltad.errors import ConfigError, ConsumerError, OverloadedError, SidecarUnavailableError
 from deltad.v1 import delta_pb2 as pb
-from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+__all__ = ["DeltaConsumer", "PullResult", "RankStatus"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Codes worth another attempt: the sidecar is down, slow or restarting.
-RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.ABORTED,
-    }
-)
-
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", wire.CONSUMER_MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
-    # The thread reading a GetDelta stream drives it itself, instead of a channel thread
-    # receiving every message and handing it over. Measured (1 GB fp32 window, decoded in a
-    # pull thread, steady state): 1.4-1.5 -> 1.65-2.1 GB/s, client CPU 0.7 -> 0.5-0.6 s.
-    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
-]
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    """What one sidecar's Status said, stamped with the local time it was asked."""
-
-    rank: int
-    world_size: int
-    generation: int
-    head_seq: int
-    head_step: int
-    head_age_s: float
-    asked_unix: float
-    #: Steps of the dense states this rank serves (rank 0 of a trainer publishing them).
-    dense_steps: tuple[int, ...] = ()
-    #: Steps a window of this rank can end at (its log's entries; empty: not reported).
-    steps: tuple[int, ...] = ()
-
-    @property
-    def head_created_unix(self) -> float:
-        """When the head segment was created, on this host's clock."""
-        return self.asked_unix - self.head_age_s
 
 
 @dataclass
@@ -152,22 +102,6 @@ class PullResult:
         return sum(d.dense_bytes for d in self.deltas)
 
 
-class _Rank:
-    """Connection and bookkeeping of one rank's sidecar."""
-
-    def __init__(self, rank: int, endpoint: str, buffers_bytes: int = 0) -> None:
-        self.rank = rank
-        self.endpoint = endpoint
-        self.buffers = BufferPool(max_bytes=buffers_bytes) if buffers_bytes > 0 else None
-        self.channel: grpc.Channel | None = None
-        self.stub: pb_grpc.DeltaServiceStub | None = None
-        self.pending: Cursor | None = None  # applied, commit not acknowledged yet
-        self.committed: Cursor | None = None
-        #: The caller's tables hold nothing of this rank yet: ask for the full tables.
-        self.needs_base = True
-        self.lock = threading.Lock()
-
-
 class DeltaConsumer:
     """A named consumer reading every rank of one model (see the module docstring).
 
@@ -179,22 +113,7 @@ class DeltaConsumer:
         self.config = config
         if not config.sidecars and not config.redis_url:
             raise ConsumerError("set sidecars (one per rank) or redis_url for discovery")
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {config.token}"),) if config.token else ()
-        )
-        self._credentials: grpc.ChannelCredentials | None = None
-        if config.tls_ca is not None:
-            try:
-                ca = config.tls_ca.read_bytes()
-            except OSError as e:
-                raise ConsumerError(f"cannot read TLS CA {config.tls_ca}: {e}") from e
-            self._credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-        self._redis: Any = None
-        self._redis_lock = threading.Lock()
-        self._ranks: list[_Rank] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._closed = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self._sidecars = Sidecars(config)
         self._connected = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -215,19 +134,9 @@ class DeltaConsumer:
         return self
 
     def _connect(self) -> None:
-        endpoints = list(self.config.sidecars) or self._discover_all()
-        self._ranks = [
-            _Rank(r, ep, self.config.reuse_buffers_bytes) for r, ep in enumerate(endpoints)
-        ]
-        for r in self._ranks:
-            r.needs_base = not self.config.resume
-        for r in self._ranks:
-            self._open(r)
-        self._pool = ThreadPoolExecutor(
-            max_workers=max(1, len(self._ranks)), thread_name_prefix="deltad-consumer"
-        )
+        self._sidecars.open_all()
         self._connected = True
-        for r, resp in zip(self._ranks, self._parallel(self._register), strict=True):
+        for r, resp in zip(self._ranks, self._parallel(self._sidecars.register), strict=True):
             if isinstance(resp, SidecarUnavailableError):
                 log.warning("rank %d: not registered yet: %s", r.rank, resp)
             elif isinstance(resp, Exception):
@@ -239,24 +148,25 @@ class DeltaConsumer:
                 )
             else:
                 r.committed = wire.cursor_from_pb(resp.cursor)
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop, name="deltad-heartbeat", daemon=True
-        )
-        self._heartbeat.start()
+        self._sidecars.start_heartbeats()
 
     def close(self) -> None:
         """Stop heartbeats and close the channels (pending commits are not flushed)."""
-        self._closed.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=self.config.rpc_deadline_s)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        for r in self._ranks:
-            if r.channel is not None:
-                r.channel.close()
-        if self._redis is not None:
-            self._redis.close()
+        self._sidecars.close()
         self._connected = False
+
+    @property
+    def _ranks(self) -> list[RankLink]:
+        return self._sidecars.ranks
+
+    def _parallel(
+        self, fn: Callable[[RankLink], T], ranks: Sequence[RankLink] | None = None
+    ) -> list[T | Exception]:
+        return self._sidecars.parallel(fn, ranks)
+
+    def _require_connected(self) -> None:
+        if not self._connected:
+            raise ConsumerError("DeltaConsumer is not connected (use connect() or `with`)")
 
     def __enter__(self) -> DeltaConsumer:
         return self.connect()
@@ -278,7 +188,7 @@ class DeltaConsumer:
     def status(self) -> list[RankStatus]:
         """Every rank's Status (raises SidecarUnavailableError if one is down)."""
         out = []
-        for res in self._parallel(self._status):
+        for res in self._parallel(self._sidecars.status):
             if isinstance(res, Exception):
                 raise res
             out.append(res)
@@ -286,9 +196,24 @@ class DeltaConsumer:
 
     def pull(self) -> PullResult:
         """Read every rank's window (aligned on one trainer step when ``align_steps``)."""
+        started = time.monotonic()
+        result = self._pull()
+        log.info(
+            "pull %s step %s: %s: %d rows, %d bytes, %.0f ms%s",
+            self.config.consumer, result.step,
+            ", ".join(
+                f"rank {d.rank} seq {d.from_seq}..{d.to_seq}{' resync' if d.resync else ''}"
+                for d in result.deltas
+            ) or "nothing",
+            result.rows, result.bytes, (time.monotonic() - started) * 1000,
+            f" (missing ranks {sorted(result.missing)})" if result.missing else "",
+        )  # fmt: skip
+        return result
+
+    def _pull(self) -> PullResult:
         self._require_connected()
         result = PullResult(pulled_unix=time.time())
-        flushed = self._parallel(self._flush_pending)
+        flushed = self._parallel(self._sidecars.flush_pending)
         for r, res in zip(self._ranks, flushed, strict=True):
             if isinstance(res, Exception):
                 result.missing[r.rank] = f"pending commit: {res}"
@@ -337,7 +262,7 @@ class DeltaConsumer:
                 r.pending = cursor
         done = []
         ranks = [self._ranks[rank] for rank in todo]
-        for r, res in zip(ranks, self._parallel(self._flush_pending, ranks), strict=True):
+        for r, res in zip(ranks, self._parallel(self._sidecars.flush_pending, ranks), strict=True):
             if isinstance(res, Exception):
                 log.warning("rank %d: commit pending (%s)", r.rank, res)
             else:
@@ -356,7 +281,7 @@ class DeltaConsumer:
 
     def _pull_aligned(self, result: PullResult) -> PullResult:
         statuses: dict[int, RankStatus] = {}
-        for r, st in zip(self._ranks, self._parallel(self._status), strict=True):
+        for r, st in zip(self._ranks, self._parallel(self._sidecars.status), strict=True):
             if isinstance(st, RankStatus):
                 statuses[r.rank] = st
             else:
@@ -401,7 +326,7 @@ class DeltaConsumer:
         result.source_unix = max(at_step) if at_step else None
         return result
 
-    def _request(self, r: _Rank, max_step: int | None) -> pb.GetDeltaRequest:
+    def _request(self, r: RankLink, max_step: int | None) -> pb.GetDeltaRequest:
         req = wire.request_from_options(self.config.consumer, self.config.pull)
         req.from_base = r.needs_base
         if self.config.align_steps:
@@ -410,281 +335,25 @@ class DeltaConsumer:
             req.max_step = max_step
         return req
 
-    def _get_delta(self, r: _Rank, max_step: int | None) -> RankDelta:
+    def _get_delta(self, r: RankLink, max_step: int | None) -> RankDelta:
         req = self._request(r, max_step)
-
-        delta = self._retry(
+        started = time.monotonic()
+        delta = self._sidecars.retry(
             r,
             "GetDelta",
-            lambda ch, timeout: decode.pull(
-                ch, req, timeout=timeout, metadata=self._metadata, pool=r.buffers
+            lambda ch, timeout, md: decode.pull(
+                ch, req, timeout=timeout, metadata=md, pool=r.buffers
             ),
         )
         if delta.committed:
             r.committed = delta.cursor
+        log.debug(
+            "pull %s rank %d seq %d..%d step %d%s: %d rows, %d bytes, %.0f ms",
+            self.config.consumer, r.rank, delta.from_seq, delta.to_seq, delta.to_step,
+            " (resync)" if delta.resync else "", delta.rows, delta.bytes,
+            (time.monotonic() - started) * 1000,
+        )  # fmt: skip
         return delta
-
-    # ---- small RPCs ------------------------------------------------------------------------
-
-    def _status(self, r: _Rank) -> RankStatus:
-        def call(ch: grpc.Channel, timeout: float) -> RankStatus:
-            s = pb_grpc.DeltaServiceStub(ch).Status(
-                pb.StatusRequest(), timeout=timeout, metadata=self._metadata
-            )
-            return RankStatus(
-                rank=int(s.rank),
-                world_size=int(s.world_size),
-                generation=int(s.generation),
-                head_seq=int(s.head_seq),
-                head_step=int(s.head_step),
-                head_age_s=float(s.head_age_seconds),
-                asked_unix=time.time(),
-                dense_steps=tuple(int(x) for x in s.dense_steps),
-                steps=tuple(int(x) for x in s.steps),
-            )
-
-        return self._retry(r, "Status", call)
-
-    def _register(self, r: _Rank) -> pb.RegisterResponse:
-        req = pb.RegisterRequest(
-            consumer=self.config.consumer, lease_ttl_seconds=self.config.lease_ttl_s
-        )
-        return self._retry(
-            r,
-            "Register",
-            lambda ch, timeout: pb_grpc.DeltaServiceStub(ch).Register(
-                req, timeout=timeout, metadata=self._metadata
-            ),
-        )
-
-    def _flush_pending(self, r: _Rank) -> Cursor | None:
-        """Commit the rank's pending cursor, if any; keep it pending on failure."""
-        with r.lock:
-            cursor = r.pending
-        if cursor is None:
-            return None
-        req = pb.CommitRequest(consumer=self.config.consumer, cursor=wire.cursor_to_pb(cursor))
-        try:
-            resp = self._retry(
-                r,
-                "Commit",
-                lambda ch, timeout: pb_grpc.DeltaServiceStub(ch).Commit(
-                    req, timeout=timeout, metadata=self._metadata
-                ),
-            )
-            stored: Cursor | None = wire.cursor_from_pb(resp.committed)
-        except _Rejected as e:
-            # The server refuses this cursor for good (older generation, superseded pull, or
-            # a consumer its Redis no longer knows: forgotten, or the keys were lost): the
-            # next pull re-sends whatever is still owed, or resyncs from the base, so
-            # dropping it loses nothing.
-            log.warning("rank %d: commit of seq %d rejected: %s", r.rank, cursor.seq, e)
-            stored = None if e.code == grpc.StatusCode.NOT_FOUND else r.committed
-        with r.lock:
-            if r.pending == cursor:
-                r.pending = None
-            r.committed = stored
-        return stored
-
-    def _heartbeat_loop(self) -> None:
-        interval = max(0.05, self.config.heartbeat_interval_s)
-        req = pb.HeartbeatRequest(consumer=self.config.consumer)
-        while not self._closed.wait(interval):
-            for r in self._ranks:
-                if self._closed.is_set():
-                    return
-                stub = r.stub
-                if stub is None:
-                    continue
-                try:
-                    stub.Heartbeat(
-                        req, timeout=min(interval, self.config.rpc_deadline_s),
-                        metadata=self._metadata,
-                    )  # fmt: skip
-                except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.NOT_FOUND:  # lease expired: register again
-                        try:
-                            self._register(r)
-                        except DeltadError as err:
-                            log.warning("rank %d: re-register failed: %s", r.rank, err)
-                    else:
-                        log.debug("rank %d: heartbeat failed: %s", r.rank, e.code())
-
-    # ---- plumbing --------------------------------------------------------------------------
-
-    def _require_connected(self) -> None:
-        if not self._connected:
-            raise ConsumerError("DeltaConsumer is not connected (use connect() or `with`)")
-
-    def _parallel(
-        self, fn: Callable[[_Rank], T], ranks: Sequence[_Rank] | None = None
-    ) -> list[T | Exception]:
-        """``fn`` on every rank at once; ConsumerErrors come back as values, in rank order."""
-        ranks = self._ranks if ranks is None else ranks
-        assert self._pool is not None
-        futures = [self._pool.submit(fn, r) for r in ranks]
-        out: list[T | Exception] = []
-        for f in futures:
-            try:
-                out.append(f.result())
-            except ConsumerError as e:
-                out.append(e)
-        return out
-
-    def _open(self, r: _Rank) -> None:
-        if r.channel is not None:
-            r.channel.close()
-        if self._credentials is not None:
-            r.channel = grpc.secure_channel(r.endpoint, self._credentials, _CHANNEL_OPTIONS)
-        else:
-            r.channel = grpc.insecure_channel(r.endpoint, _CHANNEL_OPTIONS)
-        r.stub = pb_grpc.DeltaServiceStub(r.channel)
-
-    def _retry(self, r: _Rank, what: str, call: Callable[[grpc.Channel, float], T]) -> T:
-        """``call`` with a deadline, retried with exponential backoff and jitter.
-
-        RESOURCE_EXHAUSTED (the sidecar's stream limit) does not count as an attempt: it is
-        retried after the wait the sidecar suggests (``deltad.wire.RETRY_AFTER_KEY``, with
-        jitter) for up to ``overload_wait_s``, then raises OverloadedError.
-        """
-        c = self.config
-        delay = c.backoff_initial_s
-        last: grpc.RpcError | None = None
-        attempt = 0
-        overloaded_until: float | None = None
-        while attempt <= c.max_retries:
-            if self._closed.is_set():
-                break
-            channel = r.channel
-            assert channel is not None
-            try:
-                return call(channel, c.rpc_deadline_s)
-            except grpc.RpcError as e:
-                code = e.code()
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    now = time.monotonic()
-                    if overloaded_until is None:
-                        overloaded_until = now + c.overload_wait_s
-                    left = overloaded_until - now
-                    if left <= 0:
-                        raise OverloadedError(
-                            f"rank {r.rank} {what} at {r.endpoint}: still at its stream limit "
-                            f"after {c.overload_wait_s:.0f}s (overload_wait_s): {e.details()}"
-                        ) from None
-                    hint = _retry_after(e)
-                    if hint is None:
-                        wait = delay * (0.5 + random.random() / 2)
-                        delay = min(delay * 2, c.backoff_max_s)
-                    else:  # spread the callers told the same time over half of it again
-                        wait = hint * (1 + random.random() / 2)
-                    self._closed.wait(min(wait, left))
-                    continue
-                if code not in RETRYABLE:
-                    if code in _FINAL_COMMIT_CODES and what == "Commit":
-                        raise _Rejected(code, e.details()) from None
-                    raise ConsumerError(
-                        f"rank {r.rank} {what} at {r.endpoint}: {code.name}: {e.details()}"
-                    ) from None
-                last = e
-            except DeltadError as e:
-                raise ConsumerError(f"rank {r.rank} {what}: {e}") from e
-            if attempt < c.max_retries:
-                self._closed.wait(delay * (0.5 + random.random() / 2))
-                delay = min(delay * 2, c.backoff_max_s)
-                if self.config.redis_url and not self.config.sidecars:
-                    self._rediscover(r)
-            attempt += 1
-        detail = f"{last.code().name}: {last.details()}" if last is not None else "closed"
-        raise SidecarUnavailableError(
-            f"rank {r.rank} {what} at {r.endpoint}: no answer after "
-            f"{c.max_retries + 1} attempts ({detail})"
-        )
-
-    # ---- discovery -------------------------------------------------------------------------
-
-    def _registry(self) -> dict[int, str]:
-        """rank -> endpoint, as the sidecars registered themselves in Redis."""
-        from deltad.redisutil import connect
-
-        assert self.config.redis_url is not None
-        try:
-            with self._redis_lock:
-                if self._redis is None:
-                    self._redis = connect(
-                        self.config.redis_url, attempts=self.config.max_retries + 1
-                    )
-                client = self._redis
-            raw = client.hgetall(RedisKeys(self.config.model).ranks())
-        except Exception as e:  # redis errors and OffsetStoreError alike
-            raise ConsumerError(f"sidecar discovery in redis failed: {e}") from e
-        out: dict[int, str] = {}
-        for k, v in raw.items():
-            try:
-                out[int(k)] = str(json.loads(v)["endpoint"])
-            except (ValueError, KeyError, TypeError):
-                log.warning("ignoring bad ranks entry %r", k)
-        return out
-
-    def _discover_all(self) -> list[str]:
-        """Every rank's endpoint; waits (bounded) until all ranks 0..world-1 registered."""
-        deadline = time.monotonic() + self.config.discovery_timeout_s
-        delay = self.config.backoff_initial_s
-        found: dict[int, str] = {}
-        while True:
-            found = self._registry()
-            world = self._world_size(found)
-            if world and all(r in found for r in range(world)):
-                return [found[r] for r in range(world)]
-            if time.monotonic() >= deadline:
-                raise SidecarUnavailableError(
-                    f"model {self.config.model}: ranks {sorted(found)} registered in redis, "
-                    f"not all of 0..{max(world, 1) - 1} after {self.config.discovery_timeout_s}s"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, self.config.backoff_max_s)
-
-    def _world_size(self, found: dict[int, str]) -> int:
-        """World size as a registered sidecar's Status reports it (0 if none answers)."""
-        for rank in sorted(found):
-            probe = _Rank(rank, found[rank])
-            self._open(probe)
-            try:
-                assert probe.stub is not None
-                s = probe.stub.Status(
-                    pb.StatusRequest(), timeout=min(2.0, self.config.rpc_deadline_s),
-                    metadata=self._metadata,
-                )  # fmt: skip
-                return int(s.world_size)
-            except grpc.RpcError:
-                continue
-            finally:
-                if probe.channel is not None:
-                    probe.channel.close()
-        return 0
-
-    def _rediscover(self, r: _Rank) -> None:
-        """Reopen the rank's channel if its sidecar registered a new endpoint."""
-        try:
-            endpoint = self._registry().get(r.rank)
-        except ConsumerError as e:
-            log.debug("rediscovery failed: %s", e)
-            return
-        if endpoint and endpoint != r.endpoint:
-            log.info("rank %d: sidecar moved %s -> %s", r.rank, r.endpoint, endpoint)
-            r.endpoint = endpoint
-            self._open(r)
-
-
-#: Commit answers that no retry can change: the cursor is refused for good.
-_FINAL_COMMIT_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
-
-
-class _Rejected(ConsumerError):
-    """The server refused a commit for good (FAILED_PRECONDITION, NOT_FOUND)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
 
 
 def _dense_target(statuses: list[RankStatus], target: int) -> int:
@@ -700,17 +369,6 @@ def _dense_target(statuses: list[RankStatus], target: int) -> int:
         if all(t in e for e in ends if e):  # a rank that reports no steps: an older sidecar
             return t
     return target
-
-
-def _retry_after(e: grpc.RpcError) -> float | None:
-    """The wait (seconds) a sidecar suggested in a refusal's trailing metadata, if any."""
-    try:
-        for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
-            if key == wire.RETRY_AFTER_KEY:
-                return min(60.0, max(0.0, int(value) / 1000))
-    except (ValueError, TypeError, AttributeError):
-        pass
-    return None
 
 
 def _raise_overloaded(results: list[T | Exception]) -> list[T | Exception]:

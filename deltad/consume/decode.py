@@ -93,8 +93,11 @@ class _Slot:
         zero_copy: bool,
         pool: BufferPool | None,
         row_bytes: int = 0,
+        dtype: WireDtype = WireDtype.FP32,
     ) -> None:
         self.meta = s
+        #: the dtype of this slice's values (a packed response's fp32 slices differ)
+        self.dtype = dtype
         self.count = s.count
         self.width = s.col_end - s.col_start
         self.with_values = with_values
@@ -272,7 +275,7 @@ class WindowAssembler:
                 align = check_row_alignment(h.row_alignment)
             except ValueError as e:
                 raise StreamDecodeError(str(e)) from e
-        row_bytes = []
+        row_bytes, dtypes = [], []
         for s in h.slices:
             if not 0 <= s.col_start <= s.col_end <= s.dim or s.count > s.num_rows:
                 raise StreamDecodeError(
@@ -283,8 +286,15 @@ class WindowAssembler:
                 raise StreamDecodeError(
                     f"slice {s.table[:64]!r} of {s.count} x {s.col_end - s.col_start}: too large"
                 )
-            rb = 0
-            if packed:
+            rb, dtype = 0, self.dtype
+            if s.dtype != pb.WIRE_DTYPE_UNSPECIFIED:  # a packed response's fp32 slice
+                if not packed or s.dtype != pb.WIRE_DTYPE_FP32 or s.row_bytes:
+                    raise StreamDecodeError(
+                        f"slice {s.table[:64]!r}: dtype {s.dtype} in a {self.dtype.value} "
+                        f"response (only fp32 slices of a packed one, without row_bytes)"
+                    )
+                dtype = WireDtype.FP32
+            elif packed:
                 why = packed_refusal(self.dtype, s.dim, s.col_start, s.col_end)
                 rb = packed_row_bytes(s.dim, self.dtype, align)
                 if why is not None or s.row_bytes != rb:
@@ -293,9 +303,10 @@ class WindowAssembler:
                         f"{self.dtype.value} row of dim {s.dim}, expected {rb}"
                     )
             row_bytes.append(rb)
+            dtypes.append(dtype)
         self.slots = [
-            _Slot(s, with_values, self.zero_copy, self.pool, rb)
-            for s, rb in zip(h.slices, row_bytes, strict=True)
+            _Slot(s, with_values, self.zero_copy, self.pool, rb, dt)
+            for s, rb, dt in zip(h.slices, row_bytes, dtypes, strict=True)
         ]
         if h.HasField("dense"):
             self._on_dense_info(h.dense)
@@ -366,11 +377,11 @@ class WindowAssembler:
                     raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
                 vals = _view(values, torch.uint8).view(count, slot.row_bytes)
             elif slot.with_values:
-                if self.dtype is WireDtype.FP32 and len(values) == count * slot.width * 4:
+                if slot.dtype is WireDtype.FP32 and len(values) == count * slot.width * 4:
                     vals = _view(values, torch.float32).view(count, slot.width)
                 else:
                     out = np.empty((count, slot.width), dtype=np.float32)
-                    self._fill_values(out, slot.width, count, scale_bias, values)
+                    self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
                     vals = torch.from_numpy(out)
             slot.parts.append((offset, _view(ids, torch.int64), vals))
         else:
@@ -383,24 +394,31 @@ class WindowAssembler:
                 )
             elif slot.values_np is not None:
                 out = slot.values_np[offset:end]
-                self._fill_values(out, slot.width, count, scale_bias, values)
+                self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
         slot.filled += count
         self.bytes += len(ids) + len(scale_bias) + len(values)
 
     def _fill_values(
-        self, out: Any, w: int, count: int, scale_bias: memoryview, values: memoryview
+        self,
+        dtype: WireDtype,
+        out: Any,
+        w: int,
+        count: int,
+        scale_bias: memoryview,
+        values: memoryview,
     ) -> None:
-        """Write ``count`` rows of wire values, dequantized to float32, into ``out``."""
-        if len(values) != count * w * WIRE_ITEMSIZE[self.dtype]:
+        """Write ``count`` rows of wire values in ``dtype``, dequantized to float32, into
+        ``out``."""
+        if len(values) != count * w * WIRE_ITEMSIZE[dtype]:
             raise StreamDecodeError(f"chunk values of {len(values)} bytes for {count}x{w}")
         if count == 0 or w == 0:
             return
-        if self.dtype is WireDtype.FP32:
+        if dtype is WireDtype.FP32:
             out[...] = np.frombuffer(values, dtype=np.float32).reshape(count, w)
-        elif self.dtype in (WireDtype.FP16, WireDtype.BF16):
+        elif dtype in (WireDtype.FP16, WireDtype.BF16):
             # torch's vectorized casts: numpy's float16 -> float32 ran at ~1.2 GB/s of wire
             # bytes (the fp16 pull's bottleneck), bf16 bit shifts at ~6 GB/s.
-            half = torch.float16 if self.dtype is WireDtype.FP16 else torch.bfloat16
+            half = torch.float16 if dtype is WireDtype.FP16 else torch.bfloat16
             torch.from_numpy(out).copy_(_view(values, half).view(count, w))
         else:
             if len(scale_bias) != count * 8:

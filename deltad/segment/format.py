@@ -147,10 +147,21 @@ class SegmentHeader:
     created_unix: float
     chunks: tuple[ChunkMeta, ...]
     format_version: int = FORMAT_VERSION
+    #: A merge of ``first_seq..seq``: when the trainer published ``first_seq`` (the oldest step
+    #: in it); ``created_unix`` is then when it published ``seq`` (the newest). None (files
+    #: written before this field, and unmerged segments): ``created_unix``.
+    first_created_unix: float | None = None
+
+    @property
+    def first_created(self) -> float:
+        """When the trainer published the oldest step this segment holds."""
+        return self.created_unix if self.first_created_unix is None else self.first_created_unix
 
     def to_json(self) -> bytes:
         d = asdict(self)
         d["kind"] = self.kind.value
+        if self.first_created_unix is None:  # unmerged: the header older deltads read
+            del d["first_created_unix"]
         return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -254,11 +265,13 @@ def write_segment(
     first_seq: int | None = None,
     fsync: bool = True,
     created_unix: float | None = None,
+    first_created_unix: float | None = None,
 ) -> SegmentHeader:
     """Write a segment atomically (temp file, fsync, rename, fsync dir); return its header.
 
     ``created_unix`` (default: now) is when its rows were read from the trainer; a relay that
-    mirrors a segment keeps the upstream's, so ages mean the same at every level."""
+    mirrors a segment keeps the upstream's, so ages mean the same at every level. A merge
+    keeps its newest input's and gives its oldest input's as ``first_created_unix``."""
     path = Path(path)
     metas: list[ChunkMeta] = []
     off = 0
@@ -293,6 +306,7 @@ def write_segment(
         kind=kind,
         created_unix=time.time() if created_unix is None else created_unix,
         chunks=tuple(metas),
+        first_created_unix=first_created_unix,
     )
     raw = header.to_json()
     payload_start = _align(_PREFIX.size + len(raw))

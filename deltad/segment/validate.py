@@ -79,8 +79,13 @@ def check_header(
         raise SegmentCorruptError(f"seq {h.seq} is not the file name's {seq}")
     first = _int(h.first_seq, "first_seq", 0, seq)
     _int(h.step, "step", -(2**63), _MAX_INT)
-    if not isinstance(h.created_unix, int | float) or not math.isfinite(h.created_unix):
-        raise SegmentCorruptError(f"created_unix {h.created_unix!r:.40} is not a number")
+    for name, when in (("created_unix", h.created_unix), ("first_created_unix", h.first_created)):
+        if isinstance(when, bool) or not isinstance(when, int | float) or not math.isfinite(when):
+            raise SegmentCorruptError(f"{name} {when!r:.40} is not a number")
+    if h.first_created > h.created_unix:
+        raise SegmentCorruptError(
+            f"first_created_unix {h.first_created} is after created_unix {h.created_unix}"
+        )
     if h.kind not in ROW_KINDS:
         return  # other kinds (dense weights) carry their own checks
     if (h.kind is SegmentKind.BASE) != (first == 0):

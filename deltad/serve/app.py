@@ -11,7 +11,8 @@ Besides deltad.v1.DeltaService it serves grpc.health.v1 (no token needed) and se
 reflection; TLS with ``tls_cert``/``tls_key`` (mTLS with ``tls_client_ca``); scoped
 credentials from ``tokens_file`` (bearer tokens and mTLS identities, see deltad.serve.auth),
 checked with the consumer limit at the edge (deltad.serve.edge); :meth:`reload_credentials`
-re-reads the file.
+(SIGHUP, or by itself within ``CREDENTIALS_WATCH_S`` of a file changing) re-reads the tokens
+file and the TLS files without a restart.
 
 Without ``redis_url`` it runs an EmbeddedRedis in the spool (locked down: unix socket,
 password, dangerous commands off), shared by every sidecar of the spool: it outlives any one
@@ -26,10 +27,12 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from deltad import wire
+from deltad.clientauth import file_stamp
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
 from deltad.redisutil import EmbeddedRedis, answers
@@ -56,6 +60,22 @@ log = logging.getLogger(__name__)
 REGISTRY_REFRESH_S = 10.0
 #: Probe the offset store this often (health, gauge, embedded restart).
 REDIS_PROBE_S = 0.5
+#: Look for rewritten credential files (tokens, TLS) this often; a change reloads them as
+#: SIGHUP does (mounted secrets rotate without a signal).
+CREDENTIALS_WATCH_S = 1.0
+
+
+def check_tls_files(cert: Path, key: Path, ca: Path | None) -> None:
+    """ConfigError unless ``cert`` and ``key`` are a matching PEM pair and ``ca`` (if any)
+    holds PEM certificates: a bad file must not replace good ones (every later handshake
+    would fail)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key)
+        if ca is not None:
+            ctx.load_verify_locations(cafile=ca)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"bad TLS files ({cert}, {key}, {ca}): {e}") from e
 
 
 def _read(path: Any) -> bytes:
@@ -83,6 +103,9 @@ class SidecarServer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._registered = 0.0
+        self._tls_lock = threading.Lock()
+        self._tls_pending: grpc.ServerCertificateConfiguration | None = None
+        self._credential_stamp: tuple[object, ...] = ()
         self.store: OffsetStore
         self.log: SegmentLog
         self.servicer: DeltaServicer
@@ -157,10 +180,12 @@ class SidecarServer:
         )
         try:
             if cfg.tls_cert is not None and cfg.tls_key is not None:
-                creds = grpc.ssl_server_credentials(
-                    [(_read(cfg.tls_key), _read(cfg.tls_cert))],
-                    root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
-                    require_client_auth=cfg.tls_client_ca is not None,
+                # dynamic: reload_credentials() swaps certificate, key and client CA for the
+                # connections made after it (gRPC asks _tls_fetch at every handshake)
+                creds = grpc.dynamic_ssl_server_credentials(
+                    self._tls_configuration(),
+                    self._tls_fetch,
+                    require_client_authentication=cfg.tls_client_ca is not None,
                 )
                 self.port = server.add_secure_port(cfg.listen, creds)
             else:
@@ -196,6 +221,9 @@ class SidecarServer:
         self._probe_fails = 0
         self.metrics.redis_up.set(1)
         self._spawn("deltad-redis-probe", self.probe_redis, REDIS_PROBE_S)
+        if self._credential_files():
+            self._credential_stamp = file_stamp(self._credential_files())
+            self._spawn("deltad-credentials", self.watch_credentials, CREDENTIALS_WATCH_S)
         if cfg.forget_after_s > 0:
             self._spawn("deltad-forget", self.forget_idle, cfg.forget_interval_s)
         log.debug(
@@ -212,17 +240,62 @@ class SidecarServer:
             return Credentials({**full.tokens, **creds.tokens}, creds.identities)
         return creds
 
+    def _tls_configuration(self) -> grpc.ServerCertificateConfiguration:
+        """The TLS files as one gRPC certificate configuration; ConfigError if one cannot
+        be read, or the key does not match the certificate, or a file is not PEM."""
+        cfg = self.config
+        assert cfg.tls_cert is not None and cfg.tls_key is not None
+        check_tls_files(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        return grpc.ssl_server_certificate_configuration(
+            [(_read(cfg.tls_key), _read(cfg.tls_cert))],
+            root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
+        )
+
+    def _tls_fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's per-handshake question: a new configuration (once), or None: no change."""
+        with self._tls_lock:
+            new, self._tls_pending = self._tls_pending, None
+        return new
+
+    def _credential_files(self) -> list[Path | None]:
+        cfg = self.config
+        files = [cfg.tokens_file, cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca]
+        return files if any(f is not None for f in files) else []
+
+    def watch_credentials(self) -> bool:
+        """Reload the credentials if a tokens or TLS file changed on disk since the last
+        look (a broken new file is logged once, not every look); True if it reloaded."""
+        stamp = file_stamp(self._credential_files())
+        if stamp == self._credential_stamp:
+            return False
+        self._credential_stamp = stamp
+        log.warning("credential files changed on disk: reloading")
+        self.reload_credentials()
+        return True
+
     def reload_credentials(self) -> bool:
-        """Re-read ``tokens_file`` (SIGHUP); on a bad file keep the old credentials and log
-        why. True if the new ones are in force."""
+        """Re-read ``tokens_file`` and the TLS certificate, key and client CA (SIGHUP); a bad
+        file keeps the old credentials of its kind, logged. True if all new ones are in force
+        (TLS: for connections made from now on)."""
+        ok = True
         try:
             creds = self._credentials()
         except ConfigError as e:
             log.error("tokens file not reloaded, the previous credentials stay: %s", e)
-            return False
-        self.gate.set_credentials(creds)
-        log.warning("credentials reloaded: %d", len(creds) if creds is not None else 0)
-        return True
+            ok = False
+        else:
+            self.gate.set_credentials(creds)
+            log.warning("credentials reloaded: %d", len(creds) if creds is not None else 0)
+        if self.config.tls_cert is not None:
+            try:
+                tls = self._tls_configuration()
+            except ConfigError as e:
+                log.error("TLS files not reloaded, the previous ones stay: %s", e)
+                return False
+            with self._tls_lock:
+                self._tls_pending = tls
+            log.warning("TLS certificate, key and client CA reloaded (new connections)")
+        return ok
 
     def _spawn(self, name: str, fn: Callable[[], object], interval: float) -> None:
         def loop() -> None:

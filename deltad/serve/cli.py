@@ -80,7 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="redis:// or rediss://[user:password@]host:port/db (a CA for rediss: append "
         "?ssl_ca_certs=/path/ca.pem); unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
     )
-    a("--tls-cert", default=_env("TLS_CERT"), help="server certificate (PEM) [DELTAD_TLS_CERT]")
+    a(
+        "--tls-cert",
+        default=_env("TLS_CERT"),
+        help="server certificate (PEM); it, the key and the client CA are reloaded on SIGHUP "
+        "or when they change [DELTAD_TLS_CERT]",
+    )
     a("--tls-key", default=_env("TLS_KEY"), help="server private key (PEM) [DELTAD_TLS_KEY]")
     a(
         "--tls-client-ca",
@@ -91,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tokens-file",
         default=_env("TOKENS_FILE"),
         help="scoped credentials, one 'TOKEN CONSUMERS ROLES' per line (TOKEN 'mtls:<CN>' "
-        "binds a client certificate; reloaded on SIGHUP) [DELTAD_TOKENS_FILE]",
+        "binds a client certificate; reloaded on SIGHUP or when it changes) [DELTAD_TOKENS_FILE]",
     )
     for flag, kind, default, text in (
         ("max-concurrent-streams", int, 64, "GetDelta streams at once (more wait in line)"),
@@ -162,6 +167,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--upstream-tls-ca",
         default=_env("UPSTREAM_TLS_CA"),
         help="CA (PEM) of the upstream's TLS certificate [DELTAD_UPSTREAM_TLS_CA]",
+    )
+    a(
+        "--upstream-tls-cert",
+        default=_env("UPSTREAM_TLS_CERT"),
+        help="the relay's client certificate (PEM) for an upstream that requires mTLS; "
+        "re-read when it changes [DELTAD_UPSTREAM_TLS_CERT]",
+    )
+    a(
+        "--upstream-tls-key",
+        default=_env("UPSTREAM_TLS_KEY"),
+        help="the key of --upstream-tls-cert [DELTAD_UPSTREAM_TLS_KEY]",
+    )
+    a(
+        "--upstream-token-file",
+        default=_env("UPSTREAM_TOKEN_FILE"),
+        help="file holding the upstream's bearer token (instead of DELTAD_UPSTREAM_TOKEN); "
+        "re-read when it changes [DELTAD_UPSTREAM_TOKEN_FILE]",
     )
     a(
         "--metrics-port",
@@ -243,8 +265,11 @@ def build_relay_config(args: argparse.Namespace) -> Any:
     return RelayConfig(
         upstream=args.upstream,
         consumer=name[:128],
-        token=_env("UPSTREAM_TOKEN") or None,
+        token=None if args.upstream_token_file else (_env("UPSTREAM_TOKEN") or None),
+        token_file=Path(args.upstream_token_file) if args.upstream_token_file else None,
         tls_ca=Path(args.upstream_tls_ca) if args.upstream_tls_ca else None,
+        tls_cert=Path(args.upstream_tls_cert) if args.upstream_tls_cert else None,
+        tls_key=Path(args.upstream_tls_key) if args.upstream_tls_key else None,
     )
 
 
@@ -265,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
     def on_hup(signum: int, frame: Any) -> None:
-        reload.set()  # the loop below re-reads the tokens file within 0.5 s
+        reload.set()  # the loop below re-reads the tokens and TLS files within 0.5 s
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -281,15 +306,11 @@ def run(args: argparse.Namespace) -> int:
     while not stop.wait(0.5):
         if reload.is_set():
             reload.clear()
-            ok = server.reload_credentials()
-            what = "credentials reloaded" if ok else "tokens file not reloaded (see the log)"
-            print(f"deltad serve: {what}", file=sys.stderr, flush=True)
+            server.reload_credentials()  # logs what it did, once
         if server.wait(0):
             break
     print(f"deltad serve: stopping (grace {config.grace_period_s}s)", file=sys.stderr, flush=True)
     server.stop(config.grace_period_s)
-    error = getattr(server, "error", None)
-    if error is not None:
-        print(f"deltad serve: {error}", file=sys.stderr, flush=True)
-        return 2
+    if getattr(server, "error", None) is not None:
+        return 2  # the relay logged why it stopped
     return 0

@@ -6,6 +6,9 @@ once, before the servicer sees it.
 * the caller's :class:`~deltad.serve.auth.Grant` comes from its one ``authorization: Bearer``
   header (two or more: UNAUTHENTICATED) or its mTLS client certificate's CN;
 * out of scope: PERMISSION_DENIED before the servicer runs, so nothing changes;
+* a request whose own fields are invalid (consumer name, form, dtype, k, fraction, row
+  alignment, lease TTL: :func:`deltad.serve.decide.check_request`) gets INVALID_ARGUMENT,
+  checked here only;
 * a consumer name the offset store does not know yet is admitted only below
   ``max_consumers`` (RESOURCE_EXHAUSTED otherwise, nothing stored);
 * ListConsumers shows a non-admin credential only its own consumers.
@@ -23,10 +26,10 @@ from typing import Any, NoReturn
 
 import grpc
 
-from deltad.config import check_name
-from deltad.errors import ConfigError, OffsetStoreError
+from deltad.errors import OffsetStoreError
 from deltad.serve import auth
 from deltad.serve.auth import Credentials, Grant
+from deltad.serve.decide import check_request
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +157,10 @@ class Gate(grpc.ServerInterceptor):
         if why is not None:
             self._denied(why)
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
+        bad = check_request(method, req)  # the one check of the request's own fields
+        if bad is not None:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, bad)
         if method in ADMITTING and self._admit is not None:
-            try:
-                check_name("consumer", consumer or "")
-            except ConfigError as e:
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             name = consumer or ""
             if name in self._admitted:  # known: no Redis round trip on every pull
                 return

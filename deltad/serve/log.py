@@ -78,6 +78,12 @@ class LogEntry:
             chunks={c.key: c for c in seg.chunks},
         )
 
+    @property
+    def first_created_unix(self) -> float:
+        """When the trainer published ``first_seq`` (``created_unix``: when it published
+        ``seq``); the two differ for a merge."""
+        return self.segment.header.first_created
+
 
 @dataclass(frozen=True)
 class DenseEntry:

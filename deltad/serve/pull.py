@@ -256,36 +256,25 @@ def _header(
         header.dense.seq, header.dense.step = dense.seq, dense.step
         for t in dense.state.header.tensors:
             header.dense.tensors.add(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
-    packed = spec.dtype.packed and spec.form is not Form.IDS
+    with_values = spec.form is not Form.IDS
     for _, m in slices:
-        header.slices.append(
-            pb.TableSlice(
-                table=m.table,
-                num_rows=m.num_rows,
-                dim=m.dim,
-                col_start=m.col_start,
-                col_end=m.col_end,
-                count=m.count,
-                owed=m.owed,
-                row_bytes=(
-                    wire.packed_row_bytes(m.dim, spec.dtype, spec.row_alignment) if packed else 0
-                ),
-            )
+        line = pb.TableSlice(
+            table=m.table,
+            num_rows=m.num_rows,
+            dim=m.dim,
+            col_start=m.col_start,
+            col_end=m.col_end,
+            count=m.count,
+            owed=m.owed,
         )
+        if with_values and spec.dtype.packed:
+            dtype = m.wire_dtype(spec.dtype)
+            if dtype.packed:
+                line.row_bytes = wire.packed_row_bytes(m.dim, dtype, spec.row_alignment)
+            else:  # a slice it cannot pack: fp32 values (see the proto)
+                line.dtype = wire.dtype_to_pb(dtype)
+        header.slices.append(line)
     return encode.encode_header(header)
-
-
-def packed_refusal(snap: LogSnapshot, tables: tuple[str, ...], dtype: WireDtype) -> str | None:
-    """Why this rank's slices of ``tables`` (empty: all) cannot be sent in the packed
-    ``dtype`` (None: they can). Column-wise shards are refused, not sent in fp32: one rank
-    holds part of each row, and scale / bias are per whole row (see the proto)."""
-    for key, c in snap.base.chunks.items():
-        if tables and key[0] not in tables:
-            continue
-        why = wire.packed_refusal(dtype, c.dim, c.col_start, c.col_end)
-        if why is not None:
-            return f"table {c.table!r} on this rank {why}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -303,6 +292,11 @@ class SliceMeta:
     @classmethod
     def of(cls, r: SliceRows | SegmentChunk, count: int, owed: int = 0) -> SliceMeta:
         return cls(r.table, r.num_rows, r.dim, r.col_start, r.col_end, count, owed)
+
+    def wire_dtype(self, dtype: WireDtype) -> WireDtype:
+        """The dtype this slice's values travel in for a request of ``dtype`` (a packed one
+        sends the slices it cannot pack, column-wise shards, as fp32)."""
+        return wire.slice_dtype(dtype, self.dim, self.col_start, self.col_end)
 
 
 def build_window(
@@ -402,13 +396,14 @@ def build_window(
     def produce() -> Iterator[tuple[bytes | None, float]]:
         """(chunk, seconds spent on it), slice by slice."""
         t = time.perf_counter()
-        for i, (r, _) in enumerate(plan):
+        for i, (r, m) in enumerate(plan):
+            dtype = m.wire_dtype(spec.dtype)
             if r is None:
-                chunks = sources[i].encode(i, spec.dtype, spec.chunk_bytes, spec.row_alignment)
+                chunks = sources[i].encode(i, dtype, spec.chunk_bytes, spec.row_alignment)
             else:
                 values = None if spec.form is Form.IDS else r.values
                 chunks = encode.encode_slice_chunks(
-                    i, r.ids, values, spec.dtype, spec.chunk_bytes, spec.row_alignment
+                    i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment
                 )
             for msg in chunks:
                 yield msg, time.perf_counter() - t

@@ -51,10 +51,11 @@ import grpc.experimental
 import torch
 
 from deltad import wire
+from deltad.clientauth import ClientAuth
 from deltad.config import RelayConfig, ServerConfig
 from deltad.consume import decode
 from deltad.consume.window import RankDelta, SliceUpdate
-from deltad.errors import ConfigError, DeltadError, UpstreamError
+from deltad.errors import DeltadError, UpstreamError
 from deltad.segment.format import SegmentChunk, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.serve.app import SidecarServer
@@ -116,19 +117,14 @@ class RelayMirror:
         #: upstream pulls made and local segments written (for tests and logs)
         self.pulls = 0
         self.written = 0
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {config.token}"),) if config.token else ()
+        self._auth = ClientAuth(
+            token=config.token,
+            token_file=config.token_file,
+            tls_ca=config.tls_ca,
+            tls_cert=config.tls_cert,
+            tls_key=config.tls_key,
         )
-        if config.tls_ca is not None:
-            try:
-                ca = config.tls_ca.read_bytes()
-            except OSError as e:
-                raise ConfigError(f"cannot read upstream TLS CA {config.tls_ca}: {e}") from e
-            self._channel = grpc.secure_channel(
-                config.upstream, grpc.ssl_channel_credentials(ca), _CHANNEL_OPTIONS
-            )
-        else:
-            self._channel = grpc.insecure_channel(config.upstream, _CHANNEL_OPTIONS)
+        self._channel = self._auth.channel(config.upstream, _CHANNEL_OPTIONS)
         self._stub = pb_grpc.DeltaServiceStub(self._channel)
         self._local = self._read_local()
         self._registered = False
@@ -140,6 +136,10 @@ class RelayMirror:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_problem = ""
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._auth.metadata()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -198,7 +198,13 @@ class RelayMirror:
 
     def step(self) -> bool:
         """Register if needed, flush a pending commit, pull if the upstream moved; True if
-        it pulled. gRPC errors propagate (the loop retries them)."""
+        it pulled. gRPC errors propagate (the loop retries them). Credential files that
+        changed are re-read first (a new channel if the TLS files did)."""
+        if self._auth.tls_changed():
+            log.info("upstream %s: new TLS credentials, reconnecting", self.config.upstream)
+            self._channel.close()
+            self._channel = self._auth.channel(self.config.upstream, _CHANNEL_OPTIONS)
+            self._stub = pb_grpc.DeltaServiceStub(self._channel)
         if not self._registered:
             self._register()
         if self._pending is not None:

@@ -120,6 +120,9 @@ class Retention:
                 step=last.step,
                 kind=SegmentKind.BASE if first.first_seq == 0 else SegmentKind.DELTA,
                 chunks=[r.to_chunk() for r in merged.values()],
+                # ages are of the trainer's steps, not of this file: a merge is no news
+                created_unix=last.created_unix,
+                first_created_unix=min(e.first_created_unix for e in covered),
             )
             entry = self.seglog.load_entry(head.generation, last.seq, last.path)
         except SegmentCorruptError as e:  # the merged file failed its check: not again

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x65ltad/v1/delta.proto\x12\tdeltad.v1\"h\n\x06\x43ursor\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0f\n\x07pull_id\x18\x06 \x01(\t\"\xb2\x02\n\x0fGetDeltaRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12\x1d\n\x04\x66orm\x18\x02 \x01(\x0e\x32\x0f.deltad.v1.Form\x12\t\n\x01k\x18\x03 \x01(\x04\x12\x10\n\x08\x66raction\x18\x04 \x01(\x01\x12\x0e\n\x06tables\x18\x05 \x03(\t\x12\x10\n\x08max_rows\x18\x06 \x01(\x04\x12#\n\x05\x64type\x18\x07 \x01(\x0e\x32\x14.deltad.v1.WireDtype\x12\x13\n\x0b\x61uto_commit\x18\x08 \x01(\x08\x12\x15\n\x08max_step\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\r\x12\x11\n\tfrom_base\x18\x0b \x01(\x08\x12\x15\n\rrow_alignment\x18\x0c \x01(\r\x12\x12\n\nwith_dense\x18\r \x01(\x08\x42\x0b\n\t_max_step\"\x99\x02\n\x0b\x44\x65ltaHeader\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12\x10\n\x08\x66rom_seq\x18\x04 \x01(\x03\x12\x0e\n\x06to_seq\x18\x05 \x01(\x03\x12\x0f\n\x07to_step\x18\x06 \x01(\x03\x12\x1d\n\x04\x66orm\x18\x07 \x01(\x0e\x32\x0f.deltad.v1.Form\x12#\n\x05\x64type\x18\x08 \x01(\x0e\x32\x14.deltad.v1.WireDtype\x12%\n\x06slices\x18\t \x03(\x0b\x32\x15.deltad.v1.TableSlice\x12\x15\n\rrow_alignment\x18\n \x01(\r\x12#\n\x05\x64\x65nse\x18\x0b \x01(\x0b\x32\x14.deltad.v1.DenseInfo\"S\n\tDenseInfo\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12+\n\x07tensors\x18\x03 \x03(\x0b\x32\x1a.deltad.v1.DenseTensorInfo\"M\n\x0f\x44\x65nseTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\":\n\nDenseChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x8e\x01\n\nTableSlice\x12\r\n\x05table\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x04\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x11\n\tcol_start\x18\x04 \x01(\r\x12\x0f\n\x07\x63ol_end\x18\x05 \x01(\r\x12\r\n\x05\x63ount\x18\x06 \x01(\x04\x12\x0c\n\x04owed\x18\x07 \x01(\x04\x12\x11\n\trow_bytes\x18\x08 \x01(\r\"i\n\x08RowChunk\x12\r\n\x05slice\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\x12\x12\n\nscale_bias\x18\x05 \x01(\x0c\x12\x0e\n\x06values\x18\x06 \x01(\x0c\"x\n\x0c\x44\x65ltaTrailer\x12!\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x11.deltad.v1.Cursor\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x11\n\tcommitted\x18\x04 \x01(\x08\x12\x15\n\rmerge_seconds\x18\x05 \x01(\x01\"\xbd\x01\n\x10GetDeltaResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.deltad.v1.DeltaHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.deltad.v1.RowChunkH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.deltad.v1.DeltaTrailerH\x00\x12&\n\x05\x64\x65nse\x18\x04 \x01(\x0b\x32\x15.deltad.v1.DenseChunkH\x00\x42\x05\n\x03msg\"D\n\rCommitRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12!\n\x06\x63ursor\x18\x02 \x01(\x0b\x32\x11.deltad.v1.Cursor\"6\n\x0e\x43ommitResponse\x12$\n\tcommitted\x18\x01 \x01(\x0b\x32\x11.deltad.v1.Cursor\">\n\x0fRegisterRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\"P\n\x10RegisterResponse\x12!\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x11.deltad.v1.Cursor\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\"$\n\x10HeartbeatRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\"5\n\x11HeartbeatResponse\x12 \n\x18lease_expires_in_seconds\x18\x01 \x01(\x01\"\x16\n\x14ListConsumersRequest\"!\n\rForgetRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\"#\n\x0e\x46orgetResponse\x12\x11\n\tforgotten\x18\x01 \x01(\x08\"\xb1\x01\n\x0c\x43onsumerInfo\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12!\n\x06\x63ursor\x18\x02 \x01(\x0b\x32\x11.deltad.v1.Cursor\x12\x0c\n\x04live\x18\x03 \x01(\x08\x12 \n\x18lease_expires_in_seconds\x18\x04 \x01(\x01\x12\x14\n\x0clag_segments\x18\x05 \x01(\x03\x12\x13\n\x0blag_seconds\x18\x06 \x01(\x01\x12\x11\n\towed_rows\x18\x07 \x01(\x04\"C\n\x15ListConsumersResponse\x12*\n\tconsumers\x18\x01 \x03(\x0b\x32\x17.deltad.v1.ConsumerInfo\"\x0f\n\rStatusRequest\"\x9c\x01\n\x0bTableStatus\x12\r\n\x05table\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x04\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x15\n\rsharding_type\x18\x06 \x01(\t\x12+\n\x0clocal_slices\x18\x07 \x03(\x0b\x32\x15.deltad.v1.TableSlice\"\xbe\x02\n\x0eStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x10\n\x08head_seq\x18\x05 \x01(\x03\x12\x11\n\thead_step\x18\x06 \x01(\x03\x12\x10\n\x08\x62\x61se_seq\x18\x07 \x01(\x03\x12\x10\n\x08segments\x18\x08 \x01(\x04\x12\x11\n\tlog_bytes\x18\t \x01(\x04\x12\x13\n\x0bquarantined\x18\n \x01(\x04\x12&\n\x06tables\x18\x0b \x03(\x0b\x32\x16.deltad.v1.TableStatus\x12\x18\n\x10head_age_seconds\x18\x0c \x01(\x01\x12\x13\n\x0b\x64\x65nse_steps\x18\r \x03(\x03\x12\r\n\x05steps\x18\x0e \x03(\x03\x12\x10\n\x08upstream\x18\x0f \x01(\t*H\n\x04\x46orm\x12\x14\n\x10\x46ORM_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x46ORM_IDS\x10\x01\x12\r\n\tFORM_ROWS\x10\x02\x12\r\n\tFORM_TOPK\x10\x03*\xcf\x01\n\tWireDtype\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fWIRE_DTYPE_FP32\x10\x01\x12\x13\n\x0fWIRE_DTYPE_FP16\x10\x02\x12\x13\n\x0fWIRE_DTYPE_BF16\x10\x03\x12\x13\n\x0fWIRE_DTYPE_INT8\x10\x04\x12\x1a\n\x16WIRE_DTYPE_PACKED_INT8\x10\x05\x12\x1a\n\x16WIRE_DTYPE_PACKED_INT4\x10\x06\x12\x1a\n\x16WIRE_DTYPE_PACKED_FP16\x10\x07\x32\xf3\x03\n\x0c\x44\x65ltaService\x12\x45\n\x08GetDelta\x12\x1a.deltad.v1.GetDeltaRequest\x1a\x1b.deltad.v1.GetDeltaResponse0\x01\x12=\n\x06\x43ommit\x12\x18.deltad.v1.CommitRequest\x1a\x19.deltad.v1.CommitResponse\x12\x43\n\x08Register\x12\x1a.deltad.v1.RegisterRequest\x1a\x1b.deltad.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.deltad.v1.HeartbeatRequest\x1a\x1c.deltad.v1.HeartbeatResponse\x12R\n\rListConsumers\x12\x1f.deltad.v1.ListConsumersRequest\x1a .deltad.v1.ListConsumersResponse\x12=\n\x06Status\x12\x18.deltad.v1.StatusRequest\x1a\x19.deltad.v1.StatusResponse\x12=\n\x06\x46orget\x12\x18.deltad.v1.ForgetRequest\x1a\x19.deltad.v1.ForgetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x65ltad/v1/delta.proto\x12\tdeltad.v1\"h\n\x06\x43ursor\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0f\n\x07pull_id\x18\x06 \x01(\t\"\xb2\x02\n\x0fGetDeltaRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12\x1d\n\x04\x66orm\x18\x02 \x01(\x0e\x32\x0f.deltad.v1.Form\x12\t\n\x01k\x18\x03 \x01(\x04\x12\x10\n\x08\x66raction\x18\x04 \x01(\x01\x12\x0e\n\x06tables\x18\x05 \x03(\t\x12\x10\n\x08max_rows\x18\x06 \x01(\x04\x12#\n\x05\x64type\x18\x07 \x01(\x0e\x32\x14.deltad.v1.WireDtype\x12\x13\n\x0b\x61uto_commit\x18\x08 \x01(\x08\x12\x15\n\x08max_step\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\r\x12\x11\n\tfrom_base\x18\x0b \x01(\x08\x12\x15\n\rrow_alignment\x18\x0c \x01(\r\x12\x12\n\nwith_dense\x18\r \x01(\x08\x42\x0b\n\t_max_step\"\x99\x02\n\x0b\x44\x65ltaHeader\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12\x10\n\x08\x66rom_seq\x18\x04 \x01(\x03\x12\x0e\n\x06to_seq\x18\x05 \x01(\x03\x12\x0f\n\x07to_step\x18\x06 \x01(\x03\x12\x1d\n\x04\x66orm\x18\x07 \x01(\x0e\x32\x0f.deltad.v1.Form\x12#\n\x05\x64type\x18\x08 \x01(\x0e\x32\x14.deltad.v1.WireDtype\x12%\n\x06slices\x18\t \x03(\x0b\x32\x15.deltad.v1.TableSlice\x12\x15\n\rrow_alignment\x18\n \x01(\r\x12#\n\x05\x64\x65nse\x18\x0b \x01(\x0b\x32\x14.deltad.v1.DenseInfo\"S\n\tDenseInfo\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12+\n\x07tensors\x18\x03 \x03(\x0b\x32\x1a.deltad.v1.DenseTensorInfo\"M\n\x0f\x44\x65nseTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\":\n\nDenseChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb3\x01\n\nTableSlice\x12\r\n\x05table\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x04\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x11\n\tcol_start\x18\x04 \x01(\r\x12\x0f\n\x07\x63ol_end\x18\x05 \x01(\r\x12\r\n\x05\x63ount\x18\x06 \x01(\x04\x12\x0c\n\x04owed\x18\x07 \x01(\x04\x12\x11\n\trow_bytes\x18\x08 \x01(\r\x12#\n\x05\x64type\x18\t \x01(\x0e\x32\x14.deltad.v1.WireDtype\"i\n\x08RowChunk\x12\r\n\x05slice\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\x12\x12\n\nscale_bias\x18\x05 \x01(\x0c\x12\x0e\n\x06values\x18\x06 \x01(\x0c\"x\n\x0c\x44\x65ltaTrailer\x12!\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x11.deltad.v1.Cursor\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x11\n\tcommitted\x18\x04 \x01(\x08\x12\x15\n\rmerge_seconds\x18\x05 \x01(\x01\"\xbd\x01\n\x10GetDeltaResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.deltad.v1.DeltaHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.deltad.v1.RowChunkH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.deltad.v1.DeltaTrailerH\x00\x12&\n\x05\x64\x65nse\x18\x04 \x01(\x0b\x32\x15.deltad.v1.DenseChunkH\x00\x42\x05\n\x03msg\"D\n\rCommitRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12!\n\x06\x63ursor\x18\x02 \x01(\x0b\x32\x11.deltad.v1.Cursor\"6\n\x0e\x43ommitResponse\x12$\n\tcommitted\x18\x01 \x01(\x0b\x32\x11.deltad.v1.Cursor\">\n\x0fRegisterRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\"P\n\x10RegisterResponse\x12!\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x11.deltad.v1.Cursor\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\"$\n\x10HeartbeatRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\"5\n\x11HeartbeatResponse\x12 \n\x18lease_expires_in_seconds\x18\x01 \x01(\x01\"\x16\n\x14ListConsumersRequest\"!\n\rForgetRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\"#\n\x0e\x46orgetResponse\x12\x11\n\tforgotten\x18\x01 \x01(\x08\"\xb1\x01\n\x0c\x43onsumerInfo\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12!\n\x06\x63ursor\x18\x02 \x01(\x0b\x32\x11.deltad.v1.Cursor\x12\x0c\n\x04live\x18\x03 \x01(\x08\x12 \n\x18lease_expires_in_seconds\x18\x04 \x01(\x01\x12\x14\n\x0clag_segments\x18\x05 \x01(\x03\x12\x13\n\x0blag_seconds\x18\x06 \x01(\x01\x12\x11\n\towed_rows\x18\x07 \x01(\x04\"C\n\x15ListConsumersResponse\x12*\n\tconsumers\x18\x01 \x03(\x0b\x32\x17.deltad.v1.ConsumerInfo\"\x0f\n\rStatusRequest\"\x9c\x01\n\x0bTableStatus\x12\r\n\x05table\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x04\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x15\n\rsharding_type\x18\x06 \x01(\t\x12+\n\x0clocal_slices\x18\x07 \x03(\x0b\x32\x15.deltad.v1.TableSlice\"\xbe\x02\n\x0eStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x10\n\x08head_seq\x18\x05 \x01(\x03\x12\x11\n\thead_step\x18\x06 \x01(\x03\x12\x10\n\x08\x62\x61se_seq\x18\x07 \x01(\x03\x12\x10\n\x08segments\x18\x08 \x01(\x04\x12\x11\n\tlog_bytes\x18\t \x01(\x04\x12\x13\n\x0bquarantined\x18\n \x01(\x04\x12&\n\x06tables\x18\x0b \x03(\x0b\x32\x16.deltad.v1.TableStatus\x12\x18\n\x10head_age_seconds\x18\x0c \x01(\x01\x12\x13\n\x0b\x64\x65nse_steps\x18\r \x03(\x03\x12\r\n\x05steps\x18\x0e \x03(\x03\x12\x10\n\x08upstream\x18\x0f \x01(\t*H\n\x04\x46orm\x12\x14\n\x10\x46ORM_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x46ORM_IDS\x10\x01\x12\r\n\tFORM_ROWS\x10\x02\x12\r\n\tFORM_TOPK\x10\x03*\xcf\x01\n\tWireDtype\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fWIRE_DTYPE_FP32\x10\x01\x12\x13\n\x0fWIRE_DTYPE_FP16\x10\x02\x12\x13\n\x0fWIRE_DTYPE_BF16\x10\x03\x12\x13\n\x0fWIRE_DTYPE_INT8\x10\x04\x12\x1a\n\x16WIRE_DTYPE_PACKED_INT8\x10\x05\x12\x1a\n\x16WIRE_DTYPE_PACKED_INT4\x10\x06\x12\x1a\n\x16WIRE_DTYPE_PACKED_FP16\x10\x07\x32\xf3\x03\n\x0c\x44\x65ltaService\x12\x45\n\x08GetDelta\x12\x1a.deltad.v1.GetDeltaRequest\x1a\x1b.deltad.v1.GetDeltaResponse0\x01\x12=\n\x06\x43ommit\x12\x18.deltad.v1.CommitRequest\x1a\x19.deltad.v1.CommitResponse\x12\x43\n\x08Register\x12\x1a.deltad.v1.RegisterRequest\x1a\x1b.deltad.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.deltad.v1.HeartbeatRequest\x1a\x1c.deltad.v1.HeartbeatResponse\x12R\n\rListConsumers\x12\x1f.deltad.v1.ListConsumersRequest\x1a .deltad.v1.ListConsumersResponse\x12=\n\x06Status\x12\x18.deltad.v1.StatusRequest\x1a\x19.deltad.v1.StatusResponse\x12=\n\x06\x46orget\x12\x18.deltad.v1.ForgetRequest\x1a\x19.deltad.v1.ForgetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deltad.v1.delta_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FORM']._serialized_start=2732
-  _globals['_FORM']._serialized_end=2804
-  _globals['_WIREDTYPE']._serialized_start=2807
-  _globals['_WIREDTYPE']._serialized_end=3014
+  _globals['_FORM']._serialized_start=2769
+  _globals['_FORM']._serialized_end=2841
+  _globals['_WIREDTYPE']._serialized_start=2844
+  _globals['_WIREDTYPE']._serialized_end=3051
   _globals['_CURSOR']._serialized_start=36
   _globals['_CURSOR']._serialized_end=140
   _globals['_GETDELTAREQUEST']._serialized_start=143
@@ -49,41 +49,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DENSECHUNK']._serialized_start=899
   _globals['_DENSECHUNK']._serialized_end=957
   _globals['_TABLESLICE']._serialized_start=960
-  _globals['_TABLESLICE']._serialized_end=1102
-  _globals['_ROWCHUNK']._serialized_start=1104
-  _globals['_ROWCHUNK']._serialized_end=1209
-  _globals['_DELTATRAILER']._serialized_start=1211
-  _globals['_DELTATRAILER']._serialized_end=1331
-  _globals['_GETDELTARESPONSE']._serialized_start=1334
-  _globals['_GETDELTARESPONSE']._serialized_end=1523
-  _globals['_COMMITREQUEST']._serialized_start=1525
-  _globals['_COMMITREQUEST']._serialized_end=1593
-  _globals['_COMMITRESPONSE']._serialized_start=1595
-  _globals['_COMMITRESPONSE']._serialized_end=1649
-  _globals['_REGISTERREQUEST']._serialized_start=1651
-  _globals['_REGISTERREQUEST']._serialized_end=1713
-  _globals['_REGISTERRESPONSE']._serialized_start=1715
-  _globals['_REGISTERRESPONSE']._serialized_end=1795
-  _globals['_HEARTBEATREQUEST']._serialized_start=1797
-  _globals['_HEARTBEATREQUEST']._serialized_end=1833
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1835
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1888
-  _globals['_LISTCONSUMERSREQUEST']._serialized_start=1890
-  _globals['_LISTCONSUMERSREQUEST']._serialized_end=1912
-  _globals['_FORGETREQUEST']._serialized_start=1914
-  _globals['_FORGETREQUEST']._serialized_end=1947
-  _globals['_FORGETRESPONSE']._serialized_start=1949
-  _globals['_FORGETRESPONSE']._serialized_end=1984
-  _globals['_CONSUMERINFO']._serialized_start=1987
-  _globals['_CONSUMERINFO']._serialized_end=2164
-  _globals['_LISTCONSUMERSRESPONSE']._serialized_start=2166
-  _globals['_LISTCONSUMERSRESPONSE']._serialized_end=2233
-  _globals['_STATUSREQUEST']._serialized_start=2235
-  _globals['_STATUSREQUEST']._serialized_end=2250
-  _globals['_TABLESTATUS']._serialized_start=2253
-  _globals['_TABLESTATUS']._serialized_end=2409
-  _globals['_STATUSRESPONSE']._serialized_start=2412
-  _globals['_STATUSRESPONSE']._serialized_end=2730
-  _globals['_DELTASERVICE']._serialized_start=3017
-  _globals['_DELTASERVICE']._serialized_end=3516
+  _globals['_TABLESLICE']._serialized_end=1139
+  _globals['_ROWCHUNK']._serialized_start=1141
+  _globals['_ROWCHUNK']._serialized_end=1246
+  _globals['_DELTATRAILER']._serialized_start=1248
+  _globals['_DELTATRAILER']._serialized_end=1368
+  _globals['_GETDELTARESPONSE']._serialized_start=1371
+  _globals['_GETDELTARESPONSE']._serialized_end=1560
+  _globals['_COMMITREQUEST']._serialized_start=1562
+  _globals['_COMMITREQUEST']._serialized_end=1630
+  _globals['_COMMITRESPONSE']._serialized_start=1632
+  _globals['_COMMITRESPONSE']._serialized_end=1686
+  _globals['_REGISTERREQUEST']._serialized_start=1688
+  _globals['_REGISTERREQUEST']._serialized_end=1750
+  _globals['_REGISTERRESPONSE']._serialized_start=1752
+  _globals['_REGISTERRESPONSE']._serialized_end=1832
+  _globals['_HEARTBEATREQUEST']._serialized_start=1834
+  _globals['_HEARTBEATREQUEST']._serialized_end=1870
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1872
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1925
+  _globals['_LISTCONSUMERSREQUEST']._serialized_start=1927
+  _globals['_LISTCONSUMERSREQUEST']._serialized_end=1949
+  _globals['_FORGETREQUEST']._serialized_start=1951
+  _globals['_FORGETREQUEST']._serialized_end=1984
+  _globals['_FORGETRESPONSE']._serialized_start=1986
+  _globals['_FORGETRESPONSE']._serialized_end=2021
+  _globals['_CONSUMERINFO']._serialized_start=2024
+  _globals['_CONSUMERINFO']._serialized_end=2201
+  _globals['_LISTCONSUMERSRESPONSE']._serialized_start=2203
+  _globals['_LISTCONSUMERSRESPONSE']._serialized_end=2270
+  _globals['_STATUSREQUEST']._serialized_start=2272
+  _globals['_STATUSREQUEST']._serialized_end=2287
+  _globals['_TABLESTATUS']._serialized_start=2290
+  _globals['_TABLESTATUS']._serialized_end=2446
+  _globals['_STATUSRESPONSE']._serialized_start=2449
+  _globals['_STATUSRESPONSE']._serialized_end=2767
+  _globals['_DELTASERVICE']._serialized_start=3054
+  _globals['_DELTASERVICE']._serialized_end=3553
 # @@protoc_insertion_point(module_scope)

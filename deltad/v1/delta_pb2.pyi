@@ -143,7 +143,7 @@ class DenseChunk(_message.Message):
     def __init__(self, tensor: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TableSlice(_message.Message):
-    __slots__ = ("table", "num_rows", "dim", "col_start", "col_end", "count", "owed", "row_bytes")
+    __slots__ = ("table", "num_rows", "dim", "col_start", "col_end", "count", "owed", "row_bytes", "dtype")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class TableSlice(_message.Message):
     COUNT_FIELD_NUMBER: _ClassVar[int]
     OWED_FIELD_NUMBER: _ClassVar[int]
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     table: str
     num_rows: int
     dim: int
@@ -160,7 +161,8 @@ class TableSlice(_message.Message):
     count: int
     owed: int
     row_bytes: int
-    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., count: _Optional[int] = ..., owed: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
+    dtype: WireDtype
+    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., count: _Optional[int] = ..., owed: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ...) -> None: ...
 
 class RowChunk(_message.Message):
     __slots__ = ("slice", "offset", "count", "ids", "scale_bias", "values")

@@ -1,0 +1,439 @@
+"""The consumer's connections to its sidecars, one per rank: channels and credentials,
+deadlines and bounded retries, discovery in Redis, heartbeats, and the small RPCs (Status,
+Register, Commit). :class:`deltad.consume.client.DeltaConsumer` builds pulls and commits on
+top of :class:`Sidecars`; gRPC errors become :class:`deltad.errors.ConsumerError` here.
+
+Credentials come from :class:`deltad.clientauth.ClientAuth`: the token file is re-read when
+it changes (before each call), the TLS files before each retry and each reconnect (a rank
+whose channel was opened with older files gets a new channel).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import grpc.experimental
+
+from deltad import wire
+from deltad.buffers import BufferPool
+from deltad.clientauth import ClientAuth
+from deltad.config import ConsumerConfig
+from deltad.consume.window import Cursor
+from deltad.errors import ConsumerError, DeltadError, OverloadedError, SidecarUnavailableError
+from deltad.keys import RedisKeys
+from deltad.v1 import delta_pb2 as pb
+from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Codes worth another attempt: the sidecar is down, slow or restarting.
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", wire.CONSUMER_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    # The thread reading a GetDelta stream drives it itself, instead of a channel thread
+    # receiving every message and handing it over. Measured (1 GB fp32 window, decoded in a
+    # pull thread, steady state): 1.4-1.5 -> 1.65-2.1 GB/s, client CPU 0.7 -> 0.5-0.6 s.
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+]
+
+#: Commit answers that no retry can change: the cursor is refused for good.
+FINAL_COMMIT_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """What one sidecar's Status said, stamped with the local time it was asked."""
+
+    rank: int
+    world_size: int
+    generation: int
+    head_seq: int
+    head_step: int
+    head_age_s: float
+    asked_unix: float
+    #: Steps of the dense states this rank serves (rank 0 of a trainer publishing them).
+    dense_steps: tuple[int, ...] = ()
+    #: Steps a window of this rank can end at (its log's entries; empty: not reported).
+    steps: tuple[int, ...] = ()
+
+    @property
+    def head_created_unix(self) -> float:
+        """When the trainer published the head step, on this host's clock."""
+        return self.asked_unix - self.head_age_s
+
+
+class Rejected(ConsumerError):
+    """The server refused a commit for good (FAILED_PRECONDITION, NOT_FOUND)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+class RankLink:
+    """Connection and bookkeeping of one rank's sidecar."""
+
+    def __init__(self, rank: int, endpoint: str, buffers_bytes: int = 0) -> None:
+        self.rank = rank
+        self.endpoint = endpoint
+        self.buffers = BufferPool(max_bytes=buffers_bytes) if buffers_bytes > 0 else None
+        self.channel: grpc.Channel | None = None
+        self.stub: pb_grpc.DeltaServiceStub | None = None
+        #: ClientAuth.generation of the credentials the channel was opened with
+        self.auth_generation = -1
+        self.pending: Cursor | None = None  # applied, commit not acknowledged yet
+        self.committed: Cursor | None = None
+        #: The caller's tables hold nothing of this rank yet: ask for the full tables.
+        self.needs_base = True
+        self.lock = threading.Lock()
+
+
+class Sidecars:
+    """Every rank's sidecar of one consumer (see the module docstring)."""
+
+    def __init__(self, config: ConsumerConfig) -> None:
+        self.config = config
+        try:
+            self.auth = ClientAuth(
+                token=config.token,
+                token_file=config.token_file,
+                tls_ca=config.tls_ca,
+                tls_cert=config.tls_cert,
+                tls_key=config.tls_key,
+            )
+        except DeltadError as e:
+            raise ConsumerError(str(e)) from e
+        self.ranks: list[RankLink] = []
+        self.closed = threading.Event()
+        self._redis: Any = None
+        self._redis_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._heartbeat: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def open_all(self) -> None:
+        """Resolve the endpoints (static list or Redis), open a channel to each."""
+        endpoints = list(self.config.sidecars) or self._discover_all()
+        self.ranks = [
+            RankLink(r, ep, self.config.reuse_buffers_bytes) for r, ep in enumerate(endpoints)
+        ]
+        for r in self.ranks:
+            r.needs_base = not self.config.resume
+            self.open(r)
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, len(self.ranks)), thread_name_prefix="deltad-consumer"
+        )
+
+    def start_heartbeats(self) -> None:
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, name="deltad-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def close(self) -> None:
+        self.closed.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=self.config.rpc_deadline_s)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        for r in self.ranks:
+            if r.channel is not None:
+                r.channel.close()
+        if self._redis is not None:
+            self._redis.close()
+
+    def open(self, r: RankLink) -> None:
+        """(Re)open the rank's channel with the current credentials."""
+        # A channel replaced for new credentials is left to the garbage collector: another
+        # thread (the heartbeat) may still be in a call on it.
+        r.channel = self.auth.channel(r.endpoint, CHANNEL_OPTIONS)
+        r.auth_generation = self.auth.generation
+        r.stub = pb_grpc.DeltaServiceStub(r.channel)
+
+    def _fresh(self, r: RankLink) -> None:
+        """Before a (re)connect: reopen the rank's channel if the TLS files changed."""
+        self.auth.tls_changed()
+        if r.auth_generation != self.auth.generation:
+            log.info("rank %d: new TLS credentials, reconnecting", r.rank)
+            self.open(r)
+
+    # ---- calls -----------------------------------------------------------------------------
+
+    def parallel(
+        self, fn: Callable[[RankLink], T], ranks: Sequence[RankLink] | None = None
+    ) -> list[T | Exception]:
+        """``fn`` on every rank at once; ConsumerErrors come back as values, in rank order."""
+        ranks = self.ranks if ranks is None else ranks
+        assert self._pool is not None
+        futures = [self._pool.submit(fn, r) for r in ranks]
+        out: list[T | Exception] = []
+        for f in futures:
+            try:
+                out.append(f.result())
+            except ConsumerError as e:
+                out.append(e)
+        return out
+
+    def retry(
+        self,
+        r: RankLink,
+        what: str,
+        call: Callable[[grpc.Channel, float, tuple[tuple[str, str], ...]], T],
+    ) -> T:
+        """``call(channel, timeout, metadata)`` with a deadline, retried with exponential
+        backoff and jitter; credentials re-read before each attempt.
+
+        RESOURCE_EXHAUSTED (the sidecar's stream limit) does not count as an attempt: it is
+        retried after the wait the sidecar suggests (``deltad.wire.RETRY_AFTER_KEY``, with
+        jitter) for up to ``overload_wait_s``, then raises OverloadedError.
+        """
+        c = self.config
+        delay = c.backoff_initial_s
+        last: grpc.RpcError | None = None
+        attempt = 0
+        overloaded_until: float | None = None
+        while attempt <= c.max_retries:
+            if self.closed.is_set():
+                break
+            self._fresh(r)
+            channel = r.channel
+            assert channel is not None
+            try:
+                return call(channel, c.rpc_deadline_s, self.auth.metadata())
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    now = time.monotonic()
+                    if overloaded_until is None:
+                        overloaded_until = now + c.overload_wait_s
+                    left = overloaded_until - now
+                    if left <= 0:
+                        raise OverloadedError(
+                            f"rank {r.rank} {what} at {r.endpoint}: still at its stream limit "
+                            f"after {c.overload_wait_s:.0f}s (overload_wait_s): {e.details()}"
+                        ) from None
+                    hint = retry_after(e)
+                    if hint is None:
+                        wait = delay * (0.5 + random.random() / 2)
+                        delay = min(delay * 2, c.backoff_max_s)
+                    else:  # spread the callers told the same time over half of it again
+                        wait = hint * (1 + random.random() / 2)
+                    self.closed.wait(min(wait, left))
+                    continue
+                if code not in RETRYABLE:
+                    if code in FINAL_COMMIT_CODES and what == "Commit":
+                        raise Rejected(code, e.details()) from None
+                    raise ConsumerError(
+                        f"rank {r.rank} {what} at {r.endpoint}: {code.name}: {e.details()}"
+                    ) from None
+                last = e
+            except DeltadError as e:
+                raise ConsumerError(f"rank {r.rank} {what}: {e}") from e
+            if attempt < c.max_retries:
+                self.closed.wait(delay * (0.5 + random.random() / 2))
+                delay = min(delay * 2, c.backoff_max_s)
+                if self.config.redis_url and not self.config.sidecars:
+                    self._rediscover(r)
+            attempt += 1
+        detail = f"{last.code().name}: {last.details()}" if last is not None else "closed"
+        raise SidecarUnavailableError(
+            f"rank {r.rank} {what} at {r.endpoint}: no answer after "
+            f"{c.max_retries + 1} attempts ({detail})"
+        )
+
+    # ---- small RPCs ------------------------------------------------------------------------
+
+    def status(self, r: RankLink) -> RankStatus:
+        def call(ch: grpc.Channel, timeout: float, md: Any) -> RankStatus:
+            s = pb_grpc.DeltaServiceStub(ch).Status(
+                pb.StatusRequest(), timeout=timeout, metadata=md
+            )
+            return RankStatus(
+                rank=int(s.rank),
+                world_size=int(s.world_size),
+                generation=int(s.generation),
+                head_seq=int(s.head_seq),
+                head_step=int(s.head_step),
+                head_age_s=float(s.head_age_seconds),
+                asked_unix=time.time(),
+                dense_steps=tuple(int(x) for x in s.dense_steps),
+                steps=tuple(int(x) for x in s.steps),
+            )
+
+        return self.retry(r, "Status", call)
+
+    def register(self, r: RankLink) -> pb.RegisterResponse:
+        req = pb.RegisterRequest(
+            consumer=self.config.consumer, lease_ttl_seconds=self.config.lease_ttl_s
+        )
+        return self.retry(
+            r,
+            "Register",
+            lambda ch, timeout, md: pb_grpc.DeltaServiceStub(ch).Register(
+                req, timeout=timeout, metadata=md
+            ),
+        )
+
+    def flush_pending(self, r: RankLink) -> Cursor | None:
+        """Commit the rank's pending cursor, if any; keep it pending on failure."""
+        with r.lock:
+            cursor = r.pending
+        if cursor is None:
+            return None
+        req = pb.CommitRequest(consumer=self.config.consumer, cursor=wire.cursor_to_pb(cursor))
+        started = time.monotonic()
+        try:
+            resp = self.retry(
+                r,
+                "Commit",
+                lambda ch, timeout, md: pb_grpc.DeltaServiceStub(ch).Commit(
+                    req, timeout=timeout, metadata=md
+                ),
+            )
+            stored: Cursor | None = wire.cursor_from_pb(resp.committed)
+            log.debug(
+                "commit %s rank %d seq %d step %d in %.0f ms",
+                self.config.consumer, r.rank, cursor.seq, cursor.step,
+                (time.monotonic() - started) * 1000,
+            )  # fmt: skip
+        except Rejected as e:
+            # The server refuses this cursor for good (older generation, superseded pull, or
+            # a consumer its Redis no longer knows: forgotten, or the keys were lost): the
+            # next pull re-sends whatever is still owed, or resyncs from the base, so
+            # dropping it loses nothing.
+            log.warning("rank %d: commit of seq %d rejected: %s", r.rank, cursor.seq, e)
+            stored = None if e.code == grpc.StatusCode.NOT_FOUND else r.committed
+        with r.lock:
+            if r.pending == cursor:
+                r.pending = None
+            r.committed = stored
+        return stored
+
+    def _heartbeat_loop(self) -> None:
+        interval = max(0.05, self.config.heartbeat_interval_s)
+        req = pb.HeartbeatRequest(consumer=self.config.consumer)
+        while not self.closed.wait(interval):
+            for r in self.ranks:
+                if self.closed.is_set():
+                    return
+                stub = r.stub
+                if stub is None:
+                    continue
+                try:
+                    stub.Heartbeat(
+                        req, timeout=min(interval, self.config.rpc_deadline_s),
+                        metadata=self.auth.metadata(),
+                    )  # fmt: skip
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.NOT_FOUND:  # lease expired: register again
+                        try:
+                            self.register(r)
+                        except DeltadError as err:
+                            log.warning("rank %d: re-register failed: %s", r.rank, err)
+                    else:
+                        log.debug("rank %d: heartbeat failed: %s", r.rank, e.code())
+
+    # ---- discovery -------------------------------------------------------------------------
+
+    def _registry(self) -> dict[int, str]:
+        """rank -> endpoint, as the sidecars registered themselves in Redis."""
+        from deltad.redisutil import connect
+
+        assert self.config.redis_url is not None
+        try:
+            with self._redis_lock:
+                if self._redis is None:
+                    self._redis = connect(
+                        self.config.redis_url, attempts=self.config.max_retries + 1
+                    )
+                client = self._redis
+            raw = client.hgetall(RedisKeys(self.config.model).ranks())
+        except Exception as e:  # redis errors and OffsetStoreError alike
+            raise ConsumerError(f"sidecar discovery in redis failed: {e}") from e
+        out: dict[int, str] = {}
+        for k, v in raw.items():
+            try:
+                out[int(k)] = str(json.loads(v)["endpoint"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring bad ranks entry %r", k)
+        return out
+
+    def _discover_all(self) -> list[str]:
+        """Every rank's endpoint; waits (bounded) until all ranks 0..world-1 registered."""
+        deadline = time.monotonic() + self.config.discovery_timeout_s
+        delay = self.config.backoff_initial_s
+        found: dict[int, str] = {}
+        while True:
+            found = self._registry()
+            world = self._world_size(found)
+            if world and all(r in found for r in range(world)):
+                return [found[r] for r in range(world)]
+            if time.monotonic() >= deadline:
+                raise SidecarUnavailableError(
+                    f"model {self.config.model}: ranks {sorted(found)} registered in redis, "
+                    f"not all of 0..{max(world, 1) - 1} after {self.config.discovery_timeout_s}s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, self.config.backoff_max_s)
+
+    def _world_size(self, found: dict[int, str]) -> int:
+        """World size as a registered sidecar's Status reports it (0 if none answers)."""
+        for rank in sorted(found):
+            channel = self.auth.channel(found[rank], CHANNEL_OPTIONS)
+            try:
+                s = pb_grpc.DeltaServiceStub(channel).Status(
+                    pb.StatusRequest(), timeout=min(2.0, self.config.rpc_deadline_s),
+                    metadata=self.auth.metadata(),
+                )  # fmt: skip
+                return int(s.world_size)
+            except grpc.RpcError:
+                continue
+            finally:
+                channel.close()
+        return 0
+
+    def _rediscover(self, r: RankLink) -> None:
+        """Reopen the rank's channel if its sidecar registered a new endpoint."""
+        try:
+            endpoint = self._registry().get(r.rank)
+        except ConsumerError as e:
+            log.debug("rediscovery failed: %s", e)
+            return
+        if endpoint and endpoint != r.endpoint:
+            log.info("rank %d: sidecar moved %s -> %s", r.rank, r.endpoint, endpoint)
+            r.endpoint = endpoint
+            if r.channel is not None:
+                r.channel.close()
+            self.open(r)
+
+
+def retry_after(e: grpc.RpcError) -> float | None:
+    """The wait (seconds) a sidecar suggested in a refusal's trailing metadata, if any."""
+    try:
+        for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
+            if key == wire.RETRY_AFTER_KEY:
+                return min(60.0, max(0.0, int(value) / 1000))
+    except (ValueError, TypeError, AttributeError):
+        pass
+    return None

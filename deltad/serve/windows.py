@@ -1,0 +1,210 @@
+"""GetDelta of one sidecar: decide the window (:func:`deltad.serve.decide.decide_window`, a
+pure function), load what it names (the cursor, owed rows), plan and stream it (header,
+chunks, trailer: pre-serialized bytes), record the pull, optionally commit it. At ``-v`` one
+log line per pull (consumer, rank, window seq range, rows, bytes, ms).
+
+The request's own fields were checked at the edge (deltad.serve.edge); what depends on the
+log (unknown tables, tables a packed dtype cannot serve) is checked here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import NoReturn
+
+import grpc
+
+from deltad import wire
+from deltad.config import ServerConfig, clip
+from deltad.errors import OffsetStoreError, SpoolError
+from deltad.serve import encode
+from deltad.serve.decide import LogView, WindowAsk, decide_window
+from deltad.serve.log import LogSnapshot, SegmentLog
+from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.offsets import CommitRejected, OffsetStore, PullRecord
+from deltad.serve.owed import OwedStore
+from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window
+from deltad.serve.runs import RunCache
+from deltad.serve.streams import StreamSlots
+from deltad.v1 import delta_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MIN_CHUNK_BYTES = 64 * 1024
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
+    context.abort(code, msg)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class WindowServer:
+    """Serves GetDelta for one rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        seglog: SegmentLog,
+        store: OffsetStore,
+        owed: OwedStore,
+        metrics: SidecarMetrics,
+        streams: StreamSlots,
+    ) -> None:
+        self.config = config
+        self.log = seglog
+        self.store = store
+        self.owed = owed
+        self.metrics = metrics
+        self.streams = streams
+        self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
+        self.runs = RunCache(config.run_cache_bytes)
+
+    def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
+        snap = self.log.snapshot()
+        if snap is None:
+            _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"no base segment for model {self.config.model!r} rank {self.config.rank} "
+                f"in {self.config.spool_dir} yet",
+            )
+        return snap
+
+    def spec(
+        self, req: pb.GetDeltaRequest, snap: LogSnapshot, context: grpc.ServicerContext
+    ) -> WindowSpec:
+        """The request's form, tables and limits as a WindowSpec (the window's seqs still
+        to be decided); NOT_FOUND for unknown tables, INVALID_ARGUMENT for tables a packed
+        dtype cannot serve here (column-wise shards)."""
+        form, dtype = wire.form_from_pb(req.form), wire.dtype_from_pb(req.dtype)
+        known = {t.name for t in snap.manifest.tables}
+        unknown = sorted(set(req.tables) - known)
+        if unknown:
+            _abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"{len(unknown)} unknown table(s) {clip(unknown, 256)}; model "
+                f"{self.config.model!r} has {clip(sorted(known), 512)}",
+            )
+        tables = tuple(sorted(set(req.tables)))
+        align = 0
+        if dtype.packed:  # slices that cannot be packed (column-wise) travel as fp32
+            align = wire.check_row_alignment(req.row_alignment)  # checked at the edge
+        # a chunk and its framing fit in the server's send limit and in every consumer's
+        # receive limit (a larger --max-message-bytes must not make pulls fail)
+        limit = min(self.config.max_message_bytes, wire.CONSUMER_MAX_MESSAGE_BYTES)
+        cap = max(MIN_CHUNK_BYTES, limit - 64 * 1024)
+        chunk = min(max(req.chunk_bytes or self.config.chunk_bytes, MIN_CHUNK_BYTES), cap)
+        return WindowSpec(
+            self.config.rank, snap.generation, False, -1, -1, form, dtype, tables, int(req.k),
+            float(req.fraction), int(req.max_rows), chunk, align, req.with_dense,
+        )  # fmt: skip
+
+    def serve(self, req: pb.GetDeltaRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The consumer's window after its committed cursor: header, chunks, trailer."""
+        started = time.monotonic()
+        consumer = req.consumer
+        snap = self.snapshot(context)
+        shape = self.spec(req, snap, context)
+        slot = self.streams.acquire(context, consumer)
+        try:
+            rank, gen = self.config.rank, snap.generation
+            try:
+                stored = self.store.get_cursor(consumer, rank)
+                self.store.touch(consumer, self.config.lease_ttl_s)
+            except OffsetStoreError as e:
+                _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            decision = decide_window(WindowAsk.of(req), stored, LogView.of(snap))
+            if decision.refusal:
+                _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
+            owed = {}
+            if decision.owed_token:
+                try:
+                    owed = self.owed.load(consumer, decision.owed_token, gen)
+                except SpoolError as e:
+                    # The rows owed to it are unknown (file lost or corrupt): the consumer
+                    # gets the full tables again, never a window missing them.
+                    log.warning("%s: resync from the base: %s", consumer, e)
+                    decision = decision.resynced("owed rows lost")
+            to_seq, to_step = decision.to_seq, decision.to_step
+            spec = replace(shape, resync=decision.resync, from_seq=decision.from_seq, to_seq=to_seq)
+            # The window is planned here (header, owed rows); its chunks are merged and
+            # encoded as the stream sends them (see build_window).
+            win: EncodedWindow
+            if owed:
+                win, hit = (
+                    build_window(snap, spec, to_step, owed, kept=False, runs=self.runs),
+                    False,
+                )
+            else:
+                win, hit = self.cache.get(
+                    spec,
+                    lambda kept: build_window(snap, spec, to_step, {}, kept=kept, runs=self.runs),
+                )
+            pull_id = uuid.uuid4().hex
+            token = pull_id if win.owed else ""
+            try:
+                if win.owed:
+                    self.owed.save(consumer, token, gen, to_seq, win.owed)
+                self.store.record_pull(
+                    consumer, rank, PullRecord(pull_id, gen, to_seq, to_step, token, win.owed_rows)
+                )
+                self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
+            except OffsetStoreError as e:
+                _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            except SpoolError as e:
+                _abort(context, grpc.StatusCode.INTERNAL, str(e))
+            if hit:
+                self.metrics.cache_hits.inc()
+            yield win.header
+            for c in win.iter_chunks():
+                if time.monotonic() > slot.deadline:
+                    _abort(
+                        context,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"GetDelta stream exceeded stream_deadline_s="
+                        f"{self.config.stream_deadline_s}",
+                    )
+                yield c
+            if not hit:
+                self.metrics.merge_seconds.observe(win.merge_seconds)
+            cursor = pb.Cursor(
+                consumer=consumer, rank=rank, generation=gen, seq=to_seq, step=to_step,
+                pull_id=pull_id,
+            )  # fmt: skip
+            committed = False
+            if req.auto_commit:
+                try:
+                    self.store.commit(
+                        consumer, rank, pull_id=pull_id, generation=gen, seq=to_seq, step=to_step
+                    )
+                    committed = True
+                except CommitRejected as e:
+                    log.warning("auto-commit of %s refused: %s", consumer, e)
+                except OffsetStoreError as e:
+                    _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            self.metrics.rows_served.inc(win.rows)
+            self.metrics.bytes_served.inc(win.payload_bytes)
+            self.metrics.pulls.inc()
+            yield encode.encode_trailer(
+                pb.DeltaTrailer(
+                    cursor=cursor,
+                    rows=win.rows,
+                    bytes=win.payload_bytes,
+                    committed=committed,
+                    merge_seconds=0.0 if hit else win.merge_seconds,
+                )
+            )
+            log.info(
+                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes, %.0f ms",
+                consumer, rank, decision.from_seq, to_seq, to_step,
+                "resync: " if decision.resync else "", decision.reason,
+                ", committed" if committed else "", win.rows, win.payload_bytes,
+                (time.monotonic() - started) * 1000,
+            )  # fmt: skip
+        finally:
+            slot.release()
