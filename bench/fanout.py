@@ -880,9 +880,14 @@ def cursors(ctx: Context) -> dict[str, Any]:
       ``i % 16`` (diff) and commits (untimed), then all pull to the head at once: N windows
       ``(cursor, 16]`` of deltas (staggered predictors catching up).
 
-    Also the bootstrap herd: 1, 2 and 8 (quick: 1, 2, 4) fresh consumers pulling one window of a
-    cold sidecar at once (concurrent identical windows are built once, see
+    Also the bootstrap herd: 1, 2 and 8 (quick: 1, 2, 4) fresh consumers pulling one window at
+    once (concurrent identical windows are built once, see
     :class:`deltad.serve.pull.WindowCache`): pull p50 and sidecar CPU against one.
+
+    Every run has an unmeasured warm-up round first (see :func:`_cursor_run`): a fresh
+    process's first distinct windows pay first-touch page faults on every byte they keep
+    (~140 k minor faults for 16 x 32 MB), which a long-lived sidecar pays once; both rounds'
+    CPU and minor faults are recorded (``cold_*`` is the warm-up round).
     """
     from bench import deltad_procs
     from bench.datagen import write_spool
