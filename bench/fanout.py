@@ -922,6 +922,8 @@ def cursors(ctx: Context) -> dict[str, Any]:
                 for h in herd:
                     ctx.status(f"fanout bootstrap herd x{h} round {r + 1}")
                     runs.append(_cursor_run(ctx, kids, spool, workers[:h], "herd", True, r))
+            ctx.status("fanout: a predictor's bootstrap RSS")
+            memory = _bootstrap_rss(ctx, kids, spool)
         finally:
             for w in workers:
                 w.close()
@@ -1012,8 +1014,37 @@ def cursors(ctx: Context) -> dict[str, Any]:
         if "target" in line:
             v = line["value"]
             line["met"] = bool(isinstance(v, float) and v <= 2.0)
+    headline.append(
+        {
+            "metric": "bootstrap: predictor peak RSS over its RSS before / its tables",
+            "value": ratio(memory["peak_rss"] - memory["rss_before"], memory["tables_bytes"]),
+            "unit": "x",
+        }
+    )
     return {"window_bytes_fp32": window, "consumers": n, "points": points, "runs": runs,
-            "headline": headline}  # fmt: skip
+            "bootstrap_rss": memory, "headline": headline}  # fmt: skip
+
+
+def _bootstrap_rss(ctx: Context, kids: Children, spool: Path) -> dict[str, Any]:
+    """A fresh predictor process bootstraps (base window into a TensorDictApplier): its RSS
+    before, its peak, its tables' bytes; and the sidecar's peak RSS against its log."""
+    from bench import deltad_procs
+    from bench.common import proc_peak_rss
+
+    side = deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
+    w = ClientWorker(kids)
+    try:
+        _settle(CpuMonitor(side.proc.pid))
+        out: dict[str, Any] = w.call(
+            "call", module="bench.throughput", func="client_bootstrap_rss",
+            kwargs={"endpoint": side.endpoint, "model": side.model, "consumer": "rss-0"},
+        )  # fmt: skip
+        out["sidecar_peak_rss"] = proc_peak_rss(side.proc.pid) or 0
+        out["log_bytes"] = sum(p.stat().st_size for p in spool.rglob("seg-*"))
+    finally:
+        w.close()
+        side.stop()
+    return out
 
 
 def _cursor_run(

@@ -197,6 +197,57 @@ def client_decompose(
     }
 
 
+def client_bootstrap_rss(
+    state: dict[str, Any], endpoint: str, model: str, consumer: str
+) -> dict[str, Any]:
+    """Runs in a fresh client worker: one predictor's bootstrap (pull the base window, apply
+    it into a :class:`~deltad.consume.appliers.TensorDictApplier`), with the process's RSS
+    before and its peak (VmHWM, reset first through ``/proc/self/clear_refs``) during it."""
+    import gc
+
+    from deltad.config import ConsumerConfig, PullOptions
+    from deltad.consume.appliers import TensorDictApplier
+    from deltad.consume.client import DeltaConsumer
+    from deltad.perf import tune_malloc, tune_threads
+    from deltad.types import WireDtype
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    tune_malloc()
+    tune_threads()
+    cfg = ConsumerConfig(
+        consumer=consumer,
+        model=model,
+        sidecars=(endpoint,),
+        pull=PullOptions(wire_dtype=WireDtype.FP32),
+        align_steps=False,
+        rpc_deadline_s=600.0,
+    )
+    c = DeltaConsumer(cfg).connect()
+    applier = TensorDictApplier()
+    try:
+        gc.collect()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # peak RSS := current RSS
+        except OSError:
+            pass
+        before = status("VmRSS:")
+        res = c.sync(applier.apply)
+        peak = status("VmHWM:")
+        tables = sum(t.nbytes for t in applier.tables().values())
+        nbytes = res.bytes
+        del res
+    finally:
+        c.close()
+    return {"rss_before": before, "peak_rss": peak, "tables_bytes": tables, "bytes": nbytes}
+
+
 def client_warm(state: dict[str, Any]) -> dict[str, Any]:
     """Runs in the client worker: import the consumer library before any timing."""
     import deltad.consume.client
