@@ -31,7 +31,7 @@ from deltad.serve.merge import merge_chunks
 DIRECT_MAX = 4
 
 Part = dict[ChunkKey, SegmentChunk]
-RunId = tuple[int, tuple[tuple[int, int, str], ...]]
+RunId = tuple[int, tuple[tuple[int, int, str, int, float], ...]]
 
 
 def cover(lo: int, hi: int) -> list[tuple[int, int]]:
@@ -49,7 +49,10 @@ def cover(lo: int, hi: int) -> list[tuple[int, int]]:
 
 
 def _run_id(generation: int, entries: Sequence[LogEntry]) -> RunId:
-    return generation, tuple((e.first_seq, e.seq, str(e.path)) for e in entries)
+    # (a file rewritten under the same name and seqs differs in size or creation time)
+    return generation, tuple(
+        (e.first_seq, e.seq, str(e.path), e.nbytes, e.created_unix) for e in entries
+    )
 
 
 class RunCache:
