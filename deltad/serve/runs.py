@@ -10,8 +10,8 @@ falls back to the slow many-chunk path.
 
 Runs are built lazily (the first window that needs one merges it, from the runs one level
 below when they are cached) and kept in an LRU under a byte budget. A run is identified by
-the exact entries it covers (generation, first_seq, seq and path of each), so a retention
-merge or a new generation simply stops hitting old runs, which age out; :meth:`RunCache.prune`
+the exact entries it covers (generation; first_seq, seq, path, size and creation time of
+each), so a retention merge or a new generation simply stops hitting old runs, which age out; :meth:`RunCache.prune`
 drops those of other generations at once. Merging merged runs is exact: the union of ids with
 the latest value is associative, so a window built from runs is bit-equal to one merged from
 its segments (tests/test_runs.py).
