@@ -10,7 +10,7 @@ their tables; the demo then checks
 
 * the rows/fp32 predictor's tables are bit-equal to the trainer's final tables;
 * the top-k/int8 predictor, once no rows are owed, is within the int8 row-wise rounding
-  bound of the trainer's final tables: ``|served - trained| <= (row max - row min) / 510``
+  bound of the trainer's final tables: ``|served - trained| <= (row max - row min + 1e-8) / 510``
   per row (plus float32 rounding of code * scale + bias);
 * the serving-int8 predictor's weights (every table byte and the dense parameters and
   buffers) and its forward output on a fixed batch are bit-equal to the trainer's final
@@ -195,11 +195,12 @@ class Demo:
         )
         redis = EmbeddedRedis(self.work / "redis")
         url = redis.start()
+        # The URL holds the offset store's password: children get it in their environment,
+        # never on a command line (where `ps` shows it).
+        self.env["DELTAD_REDIS_URL"] = url
         try:
             trainer = self.spawn("trainer", self.trainer_argv())
-            sidecars = [
-                self.spawn(f"sidecar-{r}", self.serve_argv(r, url)) for r in range(a.world_size)
-            ]
+            sidecars = [self.spawn(f"sidecar-{r}", self.serve_argv(r)) for r in range(a.world_size)]
             endpoints = [self.wait_serving(s) for s in sidecars]
             preds = {
                 "rows-fp32": ["--form", "rows", "--dtype", "fp32"],
@@ -231,7 +232,7 @@ class Demo:
             self.predictors = list(preds)
             logs = {}
             for name, extra in preds.items():
-                self.spawn(name, self.consume_argv(name, url, extra))
+                self.spawn(name, self.consume_argv(name, extra))
                 logs[name] = PredictorLog(self.logs / f"{name}.jsonl")
             self.follow_training(trainer, endpoints, logs)
             final_step = self.final_head_step(endpoints)
@@ -270,22 +271,20 @@ class Demo:
             "--no-progress",
         ]  # fmt: skip
 
-    def serve_argv(self, rank: int, redis_url: str) -> list[str]:
+    def serve_argv(self, rank: int) -> list[str]:
         return [
             "serve",
             "--spool", str(self.spool),
             "--model", MODEL,
             "--rank", str(rank),
             "--listen", "127.0.0.1:0",
-            "--redis-url", redis_url,
         ]  # fmt: skip
 
-    def consume_argv(self, name: str, redis_url: str, extra: list[str]) -> list[str]:
+    def consume_argv(self, name: str, extra: list[str]) -> list[str]:
         return [
             "consume",
             "--consumer", name,
             "--model", MODEL,
-            "--redis-url", redis_url,
             "--interval", str(self.args.pull_interval),
             "--json-log", str(self.logs / f"{name}.jsonl"),
             *([] if name == SERVING else ["--final-tables", str(self.work / f"{name}-final.pt")]),
@@ -393,6 +392,7 @@ class Demo:
     def report(self, logs: dict[str, PredictorLog], elapsed: float, final_step: int) -> Report:
         import torch
 
+        from deltad import wire
         from deltad.reference.consumers.predictor import percentile
 
         a = self.args
@@ -450,14 +450,14 @@ class Demo:
             if n not in topk:
                 continue
             ref = t.to(torch.float32)
-            bound = (ref.amax(dim=1) - ref.amin(dim=1) + 1e-8) / 510.0  # wire.int8_error_bound
+            bound = wire.int8_error_bound(ref)
             bound = bound * (1 + BOUND_SLACK) + ref.abs().amax(dim=1) * BOUND_SLACK
             err = (topk[n].to(torch.float32) - ref).abs().amax(dim=1)
             within = within and bool((err <= bound).all())
             worst = max(worst, float((err / bound.clamp_min(1e-12)).max()))
         out.append(
             f"check topk-int8: every element within its row's int8 bound "
-            f"(row max - row min) / 510 once nothing is owed: {'ok' if within else 'FAILED'} "
+            f"(row max - row min + 1e-8) / 510 once nothing is owed: {'ok' if within else 'FAILED'} "
             f"(worst error = {worst:.2f} x bound)"
         )
         if not within:
