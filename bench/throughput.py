@@ -78,8 +78,10 @@ def client_pull(
     max_step: int | None = None,
     start_at: float | None = None,
     keep: bool = False,
+    commit: bool = False,
 ) -> dict[str, Any]:
-    """Runs in the client worker: one consumer pulls its whole window once.
+    """Runs in the client worker: one consumer pulls its whole window once (and commits it
+    with ``commit``: a later call of the same consumer starts from there).
 
     By default a fresh :class:`DeltaConsumer` (new channel) per call. With ``keep`` the
     consumer and its channel stay in ``state`` and the call pulls again without committing,
@@ -111,6 +113,11 @@ def client_pull(
         if keep:
             state[key] = c
             state.setdefault("_close", []).append(c.close)
+    elif (c.config.pull.max_step, c.config.pull.wire_dtype) != (max_step, WireDtype(dtype)):
+        import dataclasses  # a kept consumer, pulling to another step or in another dtype now
+
+        pull = dataclasses.replace(c.config.pull, max_step=max_step, wire_dtype=WireDtype(dtype))
+        c.config = dataclasses.replace(c.config, pull=pull)
     try:
         if start_at is not None:
             time.sleep(max(0.0, start_at - time.time()))
@@ -122,6 +129,8 @@ def client_pull(
         rows = res.rows
         nbytes = res.bytes
         dense_bytes = res.dense_bytes
+        if commit:
+            c.commit(res)
         vals = sum(s.values.numel() for d in res.deltas for s in d.shards if s.values is not None)
         del res
     finally:
@@ -186,6 +195,57 @@ def client_decompose(
         "message_bytes": nbytes,
         "rows": rows,
     }
+
+
+def client_bootstrap_rss(
+    state: dict[str, Any], endpoint: str, model: str, consumer: str
+) -> dict[str, Any]:
+    """Runs in a fresh client worker: one predictor's bootstrap (pull the base window, apply
+    it into a :class:`~deltad.consume.appliers.TensorDictApplier`), with the process's RSS
+    before and its peak (VmHWM, reset first through ``/proc/self/clear_refs``) during it."""
+    import gc
+
+    from deltad.config import ConsumerConfig, PullOptions
+    from deltad.consume.appliers import TensorDictApplier
+    from deltad.consume.client import DeltaConsumer
+    from deltad.perf import tune_malloc, tune_threads
+    from deltad.types import WireDtype
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    tune_malloc()
+    tune_threads()
+    cfg = ConsumerConfig(
+        consumer=consumer,
+        model=model,
+        sidecars=(endpoint,),
+        pull=PullOptions(wire_dtype=WireDtype.FP32),
+        align_steps=False,
+        rpc_deadline_s=600.0,
+    )
+    c = DeltaConsumer(cfg).connect()
+    applier = TensorDictApplier()
+    try:
+        gc.collect()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # peak RSS := current RSS
+        except OSError:
+            pass
+        before = status("VmRSS:")
+        res = c.sync(applier.apply)
+        peak = status("VmHWM:")
+        tables = sum(t.nbytes for t in applier.tables().values())
+        nbytes = res.bytes
+        del res
+    finally:
+        c.close()
+    return {"rss_before": before, "peak_rss": peak, "tables_bytes": tables, "bytes": nbytes}
 
 
 def client_warm(state: dict[str, Any]) -> dict[str, Any]:

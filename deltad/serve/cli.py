@@ -127,6 +127,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("grace-period", float, 10.0, "seconds streams may finish after SIGTERM"),
         ("window-cache-entries", int, 8, "encoded windows kept for consumers at one cursor"),
         ("window-cache-bytes", int, 1 << 30, "byte budget of those windows"),
+        (
+            "run-cache-bytes",
+            int,
+            512 << 20,
+            "byte budget of pre-merged runs of deltas (windows at any cursor; 0 = off)",
+        ),
         ("merge-min-segments", int, 4, "retention: merge runs of at least this many segments"),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
         (
@@ -235,6 +241,7 @@ def build_config(args: argparse.Namespace) -> Any:
         metrics_listen=args.metrics_listen or None,
         window_cache_entries=value(args.window_cache_entries),
         window_cache_bytes=value(args.window_cache_bytes),
+        run_cache_bytes=value(args.run_cache_bytes),
         merge_min_segments=value(args.merge_min_segments),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),

@@ -18,7 +18,8 @@ from deltad import wire
 from deltad.segment.format import ShardRows
 from deltad.serve import encode
 from deltad.serve.log import DenseEntry, LogSnapshot
-from deltad.serve.merge import merge_entries, merge_rows, plan_shard
+from deltad.serve.merge import merge_rows, plan_shard
+from deltad.serve.runs import RunCache
 from deltad.types import Form, Shard, ShardKey, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -299,6 +300,7 @@ def build_window(
     *,
     kept: bool = True,
     lazy: bool = True,
+    runs: RunCache | None = None,
 ) -> EncodedWindow:
     """Plan the window ``spec`` over ``snap`` for a consumer owed ``owed``; merge and encode it.
 
@@ -314,14 +316,15 @@ def build_window(
 
     A base window (resync) is always complete: top-k and max_rows do not apply to it, and
     rows owed from the previous generation are dropped.
+
+    With ``runs``, a window of many deltas is merged from a few pre-merged runs of them
+    (:mod:`deltad.serve.runs`; bit-equal), so its cost does not grow with its segment count.
     """
     t0 = time.perf_counter()
     keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
     if spec.resync:
         owed = {}
-        window = list(snap.upto(spec.to_seq))
-    else:
-        window = snap.after(spec.from_seq, spec.to_seq)
+    parts = window_parts(snap, spec, runs)
     complete = spec.resync or (spec.form is not Form.TOPK and not spec.max_rows and not owed)
     with_values = spec.form is not Form.IDS or not complete
     new_owed = {k: v for k, v in owed.items() if k not in keys}
@@ -329,12 +332,12 @@ def build_window(
     plan: list[tuple[ShardRows | None, ShardLine]] = []
     by_key: dict[ShardKey, list[ShardRows]] = {}
     sources: dict[int, _MergedShard] = {}
+    wanted = set(keys)
+    for part in parts:
+        for key, c in part.items():
+            if key in wanted:
+                by_key.setdefault(key, []).append(c)
     if complete:
-        wanted = set(keys)
-        for e in window:
-            for key, c in e.shards.items():
-                if key in wanted:
-                    by_key.setdefault(key, []).append(c)
         for key in keys:
             cs = by_key.get(key)
             if cs is None:
@@ -347,7 +350,7 @@ def build_window(
                 sources[len(plan)] = src
                 plan.append((None, ShardLine(cs[-1].shard, src.ids.numel())))
     else:
-        merged = merge_entries(window, keys, with_values=with_values)
+        merged = {k: merge_rows(cs, with_values=with_values) for k, cs in by_key.items()}
         head_state = snap.upto(spec.to_seq)
         held_state = [] if spec.resync else snap.upto(spec.from_seq)
         budget = spec.max_rows if spec.max_rows and not spec.resync else None
@@ -411,6 +414,31 @@ def build_window(
         if msg is not None:
             out.append(msg)
     return win.finish_with(out)
+
+
+def window_parts(
+    snap: LogSnapshot, spec: WindowSpec, runs: RunCache | None = None
+) -> list[dict[ShardKey, ShardRows]]:
+    """The chunks of the window ``spec`` over ``snap``, oldest first, as a list of parts (one
+    per entry, or pre-merged runs of them from ``runs``): merged oldest first, they give the
+    window. A resync window is the base and the deltas up to ``to_seq``; otherwise the entries
+    holding segments in ``(from_seq, to_seq]`` (see :meth:`LogSnapshot.after`)."""
+    entries = snap.entries
+    if spec.resync:
+        lo = 0
+    else:
+        lo = next((i for i, e in enumerate(entries) if e.seq > spec.from_seq), len(entries))
+    hi = lo
+    while hi < len(entries) and entries[hi].seq <= spec.to_seq:
+        hi += 1
+    head: list[dict[ShardKey, ShardRows]] = []
+    if lo == 0 and hi > 0:  # the base: whole, never part of a run
+        head, lo = [entries[0].shards], 1
+    if hi <= lo:
+        return head
+    if runs is None:
+        return head + [e.shards for e in entries[lo:hi]]
+    return head + runs.window_parts(snap.generation, entries[1:], lo - 1, hi - 1)
 
 
 def window_dense(snap: LogSnapshot, spec: WindowSpec) -> DenseEntry | None:

@@ -66,6 +66,7 @@ class DeltaServicer:
         #: GetDelta itself
         self.windows = WindowServer(config, seglog, store, owed, metrics, self.streams)
         self.cache = self.windows.cache
+        self.runs = self.windows.runs
         #: Set by a relay (deltad.serve.relay): the upstream it mirrors, shown in Status.
         self.upstream = ""
 

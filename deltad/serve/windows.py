@@ -28,6 +28,7 @@ from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.serve.owed import OwedStore
 from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window
+from deltad.serve.runs import RunCache
 from deltad.serve.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
@@ -60,6 +61,7 @@ class WindowServer:
         self.metrics = metrics
         self.streams = streams
         self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
+        self.runs = RunCache(config.run_cache_bytes)
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -134,10 +136,14 @@ class WindowServer:
             # encoded as the stream sends them (see build_window).
             win: EncodedWindow
             if owed:
-                win, hit = build_window(snap, spec, to_step, owed, kept=False), False
+                win, hit = (
+                    build_window(snap, spec, to_step, owed, kept=False, runs=self.runs),
+                    False,
+                )
             else:
                 win, hit = self.cache.get(
-                    spec, lambda kept: build_window(snap, spec, to_step, {}, kept=kept)
+                    spec,
+                    lambda kept: build_window(snap, spec, to_step, {}, kept=kept, runs=self.runs),
                 )
             pull_id = uuid.uuid4().hex
             token = pull_id if win.owed else ""
