@@ -119,6 +119,15 @@ class PredictorLog:
                 self.freshness.append(float(rec["freshness_s"]))
 
 
+def _tables_line(truth: dict[str, Any], rows_total: int, dim: int) -> str:
+    """``5 tables x 100000 rows x dim 16`` (rows per table), or each table's rows if they differ."""
+    counts = {n: int(t.shape[0]) for n, t in truth.items()}
+    if len(set(counts.values())) == 1:
+        return f"{len(counts)} tables x {next(iter(counts.values()))} rows x dim {dim}"
+    each = ", ".join(f"{n} {c}" for n, c in counts.items())
+    return f"{len(counts)} tables ({each} rows; {rows_total} in all), dim {dim}"
+
+
 class Demo:
     """Runs the children, follows them, and writes the report."""
 
@@ -410,8 +419,7 @@ class Demo:
         segs = [int(r["segments"]) for r in result["ranks"]]
         out = [
             "",
-            f"deltad demo: {a.world_size} ranks, {len(truth)} tables ({rows_total} rows, "
-            f"dim {a.dim}), trained {result['steps']} steps in {a.duration:.0f}s, "
+            f"deltad demo: {a.world_size} ranks, {_tables_line(truth, rows_total, a.dim)}, trained {result['steps']} steps in {a.duration:.0f}s, "
             f"{sum(segs)} segments ({', '.join(map(str, segs))} per rank), "
             f"publish every {a.publish_every}s; run time {elapsed:.0f}s",
             f"{'predictor':<12} {'pulls':>6} {'rows':>10} {'bytes':>12} {'dense':>10} "
