@@ -194,7 +194,7 @@ def test_killed_writer_leaves_no_visible_partial_segment(tmp_path: Path) -> None
         import torch, sys
         from deltad.segment.format import ShardRows, write_segment
         from deltad.segment.spool import SpoolLayout
-        from deltad.types import SegmentKind
+        from deltad.types import SegmentKind, Shard
         lay = SpoolLayout({str(tmp_path)!r}, "m")
         ids = torch.arange(2_000_000)
         vals = torch.randn(2_000_000, 16)

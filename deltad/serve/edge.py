@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -30,6 +30,7 @@ from deltad.errors import OffsetStoreError
 from deltad.serve import auth
 from deltad.serve.auth import Credentials, Grant
 from deltad.serve.decide import check_request
+from deltad.serve.grpcutil import abort as _abort
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,6 @@ class RateLimitedLog:
             skipped, self._skipped, self._last = self._skipped, 0, now
         log.warning(msg + " (%d more like it not logged)", *args, skipped)
         return True
-
-
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
-    context.abort(code, msg)
-    raise AssertionError("unreachable")
 
 
 class Gate(grpc.ServerInterceptor):

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
 from deltad.config import ServerConfig, clip
 from deltad.errors import OffsetStoreError
+from deltad.serve.grpcutil import abort as _abort
 from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.offsets import CommitRejected, OffsetStore, StoredCursor
@@ -38,11 +39,6 @@ _REJECT_CODES = {
     "old_generation": grpc.StatusCode.FAILED_PRECONDITION,
     "behind": grpc.StatusCode.FAILED_PRECONDITION,
 }
-
-
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
-    context.abort(code, msg)
-    raise AssertionError("unreachable")  # context.abort raises
 
 
 class DeltaServicer:

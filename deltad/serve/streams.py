@@ -14,14 +14,10 @@ import grpc
 
 from deltad import wire
 from deltad.config import ServerConfig
+from deltad.serve.grpcutil import abort as _abort
 from deltad.serve.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
-
-
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
-    context.abort(code, msg)
-    raise AssertionError("unreachable")  # context.abort raises
 
 
 class StreamSlot:

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import NoReturn
 
 import grpc
 
@@ -23,6 +22,7 @@ from deltad.config import ServerConfig, clip
 from deltad.errors import OffsetStoreError, SpoolError
 from deltad.serve import encode
 from deltad.serve.decide import LogView, WindowAsk, decide_window
+from deltad.serve.grpcutil import abort as _abort
 from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.offsets import CommitRejected, OffsetStore, PendingPull
@@ -35,11 +35,6 @@ from deltad.v1 import delta_pb2 as pb
 log = logging.getLogger(__name__)
 
 MIN_CHUNK_BYTES = 64 * 1024
-
-
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
-    context.abort(code, msg)
-    raise AssertionError("unreachable")  # context.abort raises
 
 
 class WindowServer:
