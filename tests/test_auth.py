@@ -251,6 +251,7 @@ def _serve_cli(spool: Path, url: str, tokens: Path) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # subprocesses that import torch
 def test_serve_refuses_to_start_on_a_file_without_usable_lines(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:

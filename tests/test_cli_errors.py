@@ -48,6 +48,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # subprocesses that import torch
 @pytest.mark.parametrize(("cmd", "args", "env", "message"), CASES)
 def test_a_config_error_is_one_line_and_exit_2(
     tmp_path: Path, cmd: str, args: list[str], env: dict[str, str], message: str
@@ -62,6 +63,7 @@ def test_a_config_error_is_one_line_and_exit_2(
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow  # subprocesses that import torch
 def test_consume_refuses_partial_or_foreign_tables_and_an_unreachable_setup(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:

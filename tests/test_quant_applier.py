@@ -324,6 +324,7 @@ def test_forwards_run_during_applies() -> None:
     assert_same(served, quantize_model(fm, ServeDtype.INT8))
 
 
+@pytest.mark.slow  # subprocesses that import torch
 def test_consume_serve_dtype_flag_errors() -> None:
     """`deltad consume`: bf16 and contradictory serving flags exit 2 with one clear line."""
     import subprocess

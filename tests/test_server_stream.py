@@ -251,15 +251,19 @@ def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dty
     return ShardRows(Shard("t", 10_000, width, 1000, 6000, 0, width), ids.sort().values, values)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize(
     "layout",
     [
         "base+deltas",  # a chunk holding every row of the shard, then sparse deltas
         "deltas",  # no full chunk: union of sparse chunks
-        "dense-overlap",  # heavy overlap, no full chunk
-        "full-last",  # the newest chunk holds every row (older ones never show)
-        "one-row-chunks",
+        # heavy overlap, no full chunk
+        pytest.param("dense-overlap", marks=pytest.mark.slow),
+        # the newest chunk holds every row (older ones never show)
+        pytest.param("full-last", marks=pytest.mark.slow),
+        pytest.param("one-row-chunks", marks=pytest.mark.slow),
     ],
 )
 def test_range_merge_equals_merge_rows(layout: str, dtype: torch.dtype) -> None:
