@@ -798,13 +798,28 @@ def scale_model(
         if fresh and max(fresh) > 0 and 0 in fresh
         else None
     )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for d_mb in delta_mb_per_s:
         d_gb = d_mb / 1000
         f_cpu = core_budget / (d_gb * c_send) if c_send > 0 else float("inf")
         f_nic = nic_gbps / d_gb
         fanout = max(1, int(min(f_cpu, f_nic)))
-        # levels: the sidecar serves min(F, relays of level 1); each level multiplies by F
+        # levels: the sidecar serves min(F, relays of level 1); each level multiplies by F.
+        # A node that cannot serve two consumers at this rate (F = 1) never reaches them all:
+        # no tree does, so the row says so instead of looping (bounded: F >= 2 doubles reach).
+        if fanout < 2 and predictors > 1:
+            rows.append(
+                {
+                    "delta_mb_per_s_per_rank": d_mb,
+                    "fanout_per_node": fanout,
+                    "limited_by": "cpu" if f_cpu < f_nic else "nic",
+                    "relay_levels": None,
+                    "relays": [],
+                    "relays_total": None,
+                    "note": "one node cannot serve two consumers at this delta rate",
+                }
+            )
+            continue
         levels, reach = 0, fanout
         while reach < predictors:
             levels += 1

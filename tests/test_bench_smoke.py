@@ -62,7 +62,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=480,
+        timeout=900,
     )
     path = out / "results.json"
     assert path.exists(), (
@@ -167,3 +167,19 @@ def test_plots_written(results: dict[str, Any]) -> None:
             assert "plot_error" not in res, (name, res.get("plot_error"))
             for p in res.get("plots", []):
                 assert Path(p).stat().st_size > 0
+
+
+def test_the_scale_model_ends_when_a_node_cannot_fan_out() -> None:
+    """A measured send cost so high that one node serves one consumer (F = 1) used to loop
+    forever growing a tree that never reaches the predictors (a tiny, loaded run hung)."""
+    from bench.fanout import scale_model
+
+    tree = {
+        "points": [{"consumers": 2, "serving_cpu_s_per_gb": 40.0}],
+        "mirror": [],
+        "idle_cores": [0.02, 0.03],
+        "freshness": [{"level": 0, "p99_s": 0.05}, {"level": 1, "p99_s": 0.09}],
+    }
+    rows = {r["delta_mb_per_s_per_rank"]: r for r in scale_model(tree)["rows"]}
+    assert rows[1.0]["fanout_per_node"] == 12 and rows[1.0]["relay_levels"] == 3
+    assert rows[10.0]["fanout_per_node"] == 1 and rows[10.0]["relay_levels"] is None
