@@ -275,8 +275,12 @@ class RelayConfig:
     token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    #: Seconds between upstream Status polls when nothing is new.
+    #: Seconds between upstream Status polls when nothing is new and the upstream does not
+    #: hold a long poll (older servers, or one with all its waiter places taken).
     poll_interval_s: float = 0.05
+    #: Longest wait of one long-polling Status call (the upstream answers as soon as its head
+    #: moves); 0 polls every ``poll_interval_s`` instead. Capped at a third of the lease.
+    long_poll_s: float = 10.0
     #: Deadline of one upstream RPC (a GetDelta stream of a whole base included).
     rpc_deadline_s: float = 300.0
     #: The relay's lease at the upstream; renewed every third of it.
@@ -292,6 +296,8 @@ class RelayConfig:
         check_name("upstream consumer", self.consumer)
         if self.poll_interval_s <= 0 or self.rpc_deadline_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("relay poll interval, RPC deadline and lease TTL must be > 0")
+        if not 0 <= self.long_poll_s <= 3600:
+            raise ConfigError(f"relay long_poll_s must be in [0, 3600], not {self.long_poll_s}")
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError("relay backoff_initial_s must be > 0 and <= backoff_max_s")
         self.tls_ca, self.tls_cert, self.tls_key, self.token_file = check_client_auth(

@@ -22,6 +22,9 @@ The knobs (default in brackets):
   hook blocks (>= 1).
 * ``MERGE_MAX_BYTES_PER_ROUND`` [1 GiB]: the sidecar's retention: most input bytes one
   background round may merge (bounded work per round, >= 1).
+* ``STATUS_WAITERS`` [64]: long-polling Status calls a sidecar holds at once (each holds an RPC
+  worker thread; past it a Status answers at once and says it did not wait; >= 0).
+* ``STATUS_MAX_WAIT_S`` [30]: longest a long-polling Status call is held (> 0).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ COPY_POOL_HEADROOM: float = _knob("COPY_POOL_HEADROOM", 0.125, float, lambda v: 
 FOLD_IN_BACKGROUND: bool = _knob("FOLD_IN_BACKGROUND", True, _parse_bool, lambda v: True)
 MAX_PENDING_FOLDS: int = _knob("MAX_PENDING_FOLDS", 16, int, lambda v: v >= 1)
 MERGE_MAX_BYTES_PER_ROUND: int = _knob("MERGE_MAX_BYTES_PER_ROUND", 1 << 30, int, lambda v: v >= 1)
+STATUS_WAITERS: int = _knob("STATUS_WAITERS", 64, int, lambda v: v >= 0)
+STATUS_MAX_WAIT_S: float = _knob("STATUS_MAX_WAIT_S", 30.0, float, lambda v: v > 0)
 
 #: The knobs' names.
 NAMES = tuple(_CHECKS)

@@ -156,8 +156,12 @@ class SidecarServer:
         ]
         server = grpc.server(
             futures.ThreadPoolExecutor(
-                # GetDelta calls waiting in line hold a worker too
-                max_workers=cfg.max_concurrent_streams + cfg.max_queued_streams + 8,
+                # GetDelta calls waiting in line hold a worker too, and so do long-polling
+                # Status calls (at most knobs.STATUS_WAITERS of them)
+                max_workers=cfg.max_concurrent_streams
+                + cfg.max_queued_streams
+                + 8
+                + knobs.STATUS_WAITERS,
                 thread_name_prefix="deltad-rpc",
             ),
             interceptors=interceptors,

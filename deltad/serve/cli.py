@@ -186,6 +186,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "re-read when it changes [DELTAD_UPSTREAM_TOKEN_FILE]",
     )
     a(
+        "--upstream-long-poll",
+        type=float,
+        default=_typed_env("UPSTREAM_LONG_POLL", float, 10.0),
+        metavar="SECONDS",
+        help="longest wait of one long-polling Status call at the upstream, which answers as "
+        "soon as its head moves (0: poll every 50 ms instead) [DELTAD_UPSTREAM_LONG_POLL]",
+    )
+    a(
         "--metrics-port",
         type=int,
         default=_typed_env("METRICS_PORT", int, None),
@@ -270,6 +278,7 @@ def build_relay_config(args: argparse.Namespace) -> Any:
         tls_ca=Path(args.upstream_tls_ca) if args.upstream_tls_ca else None,
         tls_cert=Path(args.upstream_tls_cert) if args.upstream_tls_cert else None,
         tls_key=Path(args.upstream_tls_key) if args.upstream_tls_key else None,
+        long_poll_s=args.upstream_long_poll,
     )
 
 

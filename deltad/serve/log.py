@@ -169,6 +169,8 @@ class SegmentLog:
         self._unreadable: dict[Path, str] = {}  # path -> the error last logged for it
         self._lock = threading.Lock()
         self._snapshot: LogSnapshot | None = None
+        #: Notified whenever a new snapshot is published (long-polling Status waits on it).
+        self._changed = threading.Condition()
         self._known: dict[Path, LogEntry] = {}
         self._dense: dict[Path, DenseEntry] = {}
         self._generation: int | None = None
@@ -394,7 +396,7 @@ class SegmentLog:
         entries = sorted(self._known.values(), key=lambda e: e.seq)
         bases = [e for e in entries if e.first_seq == 0]
         if not bases:
-            self._snapshot = None
+            self._set_snapshot(None)
             return
         run = [bases[-1]]
         gap = False
@@ -427,7 +429,29 @@ class SegmentLog:
             if cur is not None and cur.generation == generation
             else self.manifest(generation)
         )
-        self._snapshot = LogSnapshot(generation, manifest, tuple(run), dense)
+        self._set_snapshot(LogSnapshot(generation, manifest, tuple(run), dense))
+
+    def _set_snapshot(self, snap: LogSnapshot | None) -> None:
+        changed = snap is not self._snapshot
+        self._snapshot = snap
+        if changed:
+            with self._changed:
+                self._changed.notify_all()
+
+    def wait_past(self, generation: int, seq: int, timeout: float) -> LogSnapshot | None:
+        """The snapshot once its head is past ``(generation, seq)`` or ``timeout`` seconds
+        have passed (whichever first; the snapshot either way). A long-polling reader's wait:
+        woken by each published snapshot, so it sees a new head without polling."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._changed:
+            while True:  # bounded by the deadline
+                snap = self._snapshot
+                if snap is not None and (snap.generation, snap.head.seq) > (generation, seq):
+                    return snap
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return snap
+                self._changed.wait(left)
 
     def replace(self, covered: Sequence[LogEntry], merged: LogEntry) -> bool:
         """Swap ``covered`` (already replaced on disk by ``merged``) for ``merged``; delete

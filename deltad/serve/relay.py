@@ -135,6 +135,7 @@ class RelayMirror:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_problem = ""
+        self._waited_s = 0.0
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -165,8 +166,8 @@ class RelayMirror:
                 if self._last_problem:
                     log.info("upstream %s: mirroring again", c.upstream)
                     self._last_problem = ""
-                if not pulled:
-                    self._stop.wait(c.poll_interval_s)
+                if not pulled:  # a long poll that ran out waited already: at most top up
+                    self._stop.wait(max(0.0, c.poll_interval_s - self._waited_s))
                 continue
             except UpstreamError as e:
                 self.error = e
@@ -209,10 +210,7 @@ class RelayMirror:
         if self._pending is not None:
             self._commit()
         asked = time.time()
-        st = self._stub.Status(
-            pb.StatusRequest(), timeout=min(10.0, self.config.rpc_deadline_s),
-            metadata=self._metadata,
-        )  # fmt: skip
+        st = self._status()
         if st.model != self.model or st.rank != self.rank:
             raise UpstreamError(
                 f"upstream {self.config.upstream} serves model {st.model!r} rank {st.rank}; "
@@ -236,6 +234,33 @@ class RelayMirror:
             )
         self._pull(st, asked)
         return True
+
+    def _status(self) -> pb.StatusResponse:
+        """The upstream's Status; a long poll (answered when its head passes the relay's)
+        when the relay holds a log and owes no commit. Sets ``_waited_s``: how long the
+        upstream held the call (0 when it did not wait), so the loop polls again at once
+        after a wait that ran out, and after ``poll_interval_s`` otherwise."""
+        c = self.config
+        loc, wait = self._local, min(c.long_poll_s, c.lease_ttl_s / 3)
+        req = pb.StatusRequest()
+        idle = (
+            loc is not None
+            and self._pending is None
+            and not self._needs_base
+            and self._committed is not None
+            and self._committed >= (loc.generation, loc.seq)
+        )
+        if idle and loc is not None and wait > 0:
+            req = pb.StatusRequest(
+                after_generation=loc.generation, after_seq=loc.seq, wait_ms=int(wait * 1000)
+            )
+        start = time.monotonic()
+        st = self._stub.Status(
+            req, timeout=min(10.0, c.rpc_deadline_s) + req.wait_ms / 1000,
+            metadata=self._metadata,
+        )  # fmt: skip
+        self._waited_s = time.monotonic() - start if st.waited else 0.0
+        return st
 
     def _pull(self, st: pb.StatusResponse, asked: float) -> None:
         req = pb.GetDeltaRequest(

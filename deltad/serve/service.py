@@ -11,12 +11,14 @@ deltad.serve.decide); the requests' own fields are checked once, at the edge
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
+from deltad import knobs
 from deltad.config import ServerConfig, clip
 from deltad.errors import OffsetStoreError
 from deltad.serve.grpcutil import abort as _abort
@@ -65,6 +67,8 @@ class DeltaServicer:
         self.runs = self.windows.runs
         #: Set by a relay (deltad.serve.relay): the upstream it mirrors, shown in Status.
         self.upstream = ""
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -237,12 +241,13 @@ class DeltaServicer:
         return pb.ForgetResponse(forgotten=forgotten)
 
     def Status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        """Model, generation, head, base, log size, quarantine count and local tables."""
+        """Model, generation, head, base, log size, quarantine count and local tables; with
+        ``wait_ms`` a long poll (see StatusRequest)."""
         cfg = self.config
-        snap = self.log.snapshot()
+        snap, waited = self._status_snapshot(req, context)
         resp = pb.StatusResponse(
             model=cfg.model, rank=cfg.rank, quarantined=self.log.quarantined, head_seq=-1,
-            head_step=-1, base_seq=-1, upstream=self.upstream,
+            head_step=-1, base_seq=-1, upstream=self.upstream, waited=waited,
         )  # fmt: skip
         if snap is None:
             return resp
@@ -269,6 +274,38 @@ class DeltaServicer:
                         col_end=sh.col_end, count=sh.rows,
                     )  # fmt: skip
         return resp
+
+    def _status_snapshot(
+        self, req: pb.StatusRequest, context: grpc.ServicerContext
+    ) -> tuple[LogSnapshot | None, bool]:
+        """The snapshot to report, after the long poll's wait if one was asked and a waiter's
+        place is free (``STATUS_WAITERS``); the wait ends early when the head moves, and
+        before the call's own deadline."""
+        if req.wait_ms == 0:
+            return self.log.snapshot(), False
+        with self._waiters_lock:
+            if self._waiters >= knobs.STATUS_WAITERS:
+                return self.log.snapshot(), False
+            self._waiters += 1
+        try:
+            wait = min(req.wait_ms / 1000.0, knobs.STATUS_MAX_WAIT_S)
+            remaining = context.time_remaining()
+            if remaining is not None:  # answer before the caller gives up
+                wait = min(wait, max(0.0, remaining - 0.25))
+            end = time.monotonic() + wait
+            snap = self.log.snapshot()
+            while context.is_active():  # bounded by `end`; a cancelled call stops waiting
+                left = end - time.monotonic()
+                snap = self.log.wait_past(req.after_generation, req.after_seq, min(left, 1.0))
+                if left <= 1.0 or (
+                    snap is not None
+                    and (snap.generation, snap.head.seq) > (req.after_generation, req.after_seq)
+                ):
+                    break
+            return snap, True
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
 
 
 def lag_seconds(snap: LogSnapshot, seq: int, now: float) -> float:
