@@ -38,7 +38,7 @@ from deltad import errors
 from deltad.config import PublisherConfig, check_name
 from deltad.errors import ConfigError, DeltadError
 from deltad.publish.publisher import SegmentPublisher
-from deltad.publish.tracker import _clean_fqn
+from deltad.publish.tracker import clean_fqn
 from deltad.segment.spool import SpoolLayout
 from deltad.types import TrainLoop
 
@@ -454,7 +454,7 @@ def _full_state(dmp: Any, rank: int) -> tuple[dict[str, torch.Tensor], dict[str,
     state: dict[str, torch.Tensor] = {}
     tables: dict[str, torch.Tensor] = {}
     for key, value in dmp.state_dict().items():
-        name = _clean_fqn(key)
+        name = clean_fqn(key)
         if hasattr(value, "local_shards"):
             full = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
             value.gather(dst=0, out=full)

@@ -72,8 +72,8 @@ from deltad.publish.tracker import (
     DeltaTracker,
     DrainedRows,
     TrackedShard,
-    _clean_fqn,
     _sharded_types,
+    clean_fqn,
 )
 from deltad.segment.format import ShardRows, encode_dense, write_dense, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout
@@ -638,7 +638,7 @@ class SegmentPublisher:
         if self._dense_skip is None:  # the sharded modules do not change: found once
             sharded_modules = _sharded_types()
             self._dense_skip = tuple(
-                f"{_clean_fqn(fqn)}."
+                f"{clean_fqn(fqn)}."
                 for fqn, mod in self.model.named_modules()
                 if isinstance(mod, sharded_modules)
             ) + tuple(f"{t.module}." for t in self.tracker.tables)
@@ -647,7 +647,7 @@ class SegmentPublisher:
         out: dict[str, torch.Tensor] = {}
         named = [*self.model.named_parameters(), *self.model.named_buffers()]
         for raw, t in named:
-            name = _clean_fqn(raw)
+            name = clean_fqn(raw)
             if name in out or name.startswith(skip) or isinstance(t, sharded):
                 continue
             out[name] = t

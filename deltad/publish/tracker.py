@@ -299,10 +299,12 @@ class _FoldThread:
             self._stats.background_s += time.thread_time() - c0
 
 
-def _clean_fqn(fqn: str) -> str:
+def clean_fqn(fqn: str) -> str:
+    """``fqn`` without the DistributedModelParallel / DDP wrapper prefixes: the name the
+    unwrapped model (and a predictor's inference model) gives the same module or tensor."""
     for prefix in _DMP_PREFIXES:
         if fqn.startswith(prefix):
-            return _clean_fqn(fqn[len(prefix) :])
+            return clean_fqn(fqn[len(prefix) :])
     return fqn
 
 
@@ -349,13 +351,13 @@ class DeltaTracker:
         for fqn, mod in model.named_modules():
             if mc_type is not None and isinstance(mod, mc_type):
                 raise UnsupportedModelError(
-                    f"{_clean_fqn(fqn)} is a managed-collision module: its EC / EBC is run "
+                    f"{clean_fqn(fqn)} is a managed-collision module: its EC / EBC is run "
                     "through compute(), where TorchRec's tracker hooks never fire, and its "
                     "eviction writes rows in the forward; deltad cannot track it"
                 )
             if not isinstance(mod, (ec_type, ebc_type)):
                 continue
-            name = _clean_fqn(fqn)
+            name = clean_fqn(fqn)
             if any(s in name.split(".") or s == name for s in self.config.fqns_to_skip):
                 continue
             kind = "ebc" if isinstance(mod, ebc_type) else "ec"

@@ -139,6 +139,12 @@ class SpoolLayout:
 
     def dense_files(self, generation: int, rank: int) -> list[tuple[int, Path]]:
         """(seq, path) of the complete dense state files of a rank, by seq."""
+        return self._numbered(generation, rank, DENSE_RE)
+
+    def _numbered(
+        self, generation: int, rank: int, pattern: re.Pattern[str]
+    ) -> list[tuple[int, Path]]:
+        """(number, path) of the rank's files whose whole name matches ``pattern``, sorted."""
         d = self.rank_dir(generation, rank)
         try:
             names = os.listdir(d)
@@ -146,7 +152,7 @@ class SpoolLayout:
             return []
         except OSError as e:
             raise SpoolError(f"cannot list {d}: {e}") from e
-        return sorted((int(m.group(1)), d / n) for n in names if (m := DENSE_RE.fullmatch(n)))
+        return sorted((int(m.group(1)), d / n) for n in names if (m := pattern.fullmatch(n)))
 
     def rebase_request_path(self, generation: int, rank: int) -> Path:
         """Written by the sidecar when a segment of the rank was quarantined or is missing:
@@ -197,16 +203,7 @@ class SpoolLayout:
 
     def segments(self, generation: int, rank: int) -> list[tuple[int, Path]]:
         """(seq, path) of the complete segment files of a rank, by seq."""
-        d = self.rank_dir(generation, rank)
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise SpoolError(f"cannot list {d}: {e}") from e
-        out = [(int(m.group(1)), d / n) for n in names if (m := SEGMENT_RE.fullmatch(n))]
-        out.sort()
-        return out
+        return self._numbered(generation, rank, SEGMENT_RE)
 
     def write_manifest(self, manifest: GenerationManifest, *, fsync: bool = True) -> None:
         try:

@@ -80,22 +80,11 @@ class OwedStore:
     def drop(self, consumer: str) -> int:
         """Delete this rank's owed files of ``consumer`` (forgotten); returns how many."""
         d = self.root / consumer
-        deleted = 0
         try:
             files = [p for p in d.iterdir() if p.name.startswith(f"r{self.rank}-")]
         except (FileNotFoundError, NotADirectoryError):
             return 0
-        for p in files:
-            try:
-                p.unlink()
-                deleted += 1
-            except FileNotFoundError:
-                pass
-        try:
-            d.rmdir()  # only once every rank's files are gone
-        except OSError:
-            pass
-        return deleted
+        return _delete(d, files)
 
     def sweep(self, has_state: Callable[[str], bool], *, min_age_s: float, limit: int = 100) -> int:
         """Delete this rank's owed files of consumers with no state left (``has_state`` is
@@ -118,15 +107,23 @@ class OwedStore:
                 continue
             if not files or has_state(d.name):
                 continue
-            for p in files:
-                try:
-                    if p.stat().st_mtime < cutoff:
-                        p.unlink()
-                        deleted += 1
-                except FileNotFoundError:
-                    pass
-            try:
-                d.rmdir()  # only once every rank's files are gone
-            except OSError:
-                pass
+            deleted += _delete(d, files, older_than=cutoff)
         return deleted
+
+
+def _delete(d: Path, files: list[Path], *, older_than: float | None = None) -> int:
+    """Unlink ``files`` (those modified before ``older_than`` if given), then ``d`` if that
+    left it empty (only once every rank's files are gone); returns how many were deleted."""
+    deleted = 0
+    for p in files:
+        try:
+            if older_than is None or p.stat().st_mtime < older_than:
+                p.unlink()
+                deleted += 1
+        except FileNotFoundError:
+            pass
+    try:
+        d.rmdir()
+    except OSError:
+        pass
+    return deleted
