@@ -125,6 +125,9 @@ def setup_logging(verbose: int, *, json_lines: bool = False) -> None:
     level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
     for name in ("deltad", "trainer", "consumers", "bench"):
         logging.getLogger(name).setLevel(level)
+    # torch.fx warns once per process that is_fx_tracing() also covers torch.export: TorchRec's
+    # inference modules call it, and it says nothing to a deltad user
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
 #: Set by a parent that spawns ``deltad`` children (the demo) to its own pid: the child then
