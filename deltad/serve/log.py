@@ -275,7 +275,8 @@ class SegmentLog:
         if not any(e.first_seq == 0 for e in known.values()):
             return  # this rank's base of the new generation is not there yet
         old = self._generation
-        self._hold_previous(self._snapshot)
+        if old is not None:
+            self._hold_previous(self._snapshot)
         self._generation, self._known, self._dense = generation, known, {}
         if old is not None:
             log.info("rank %d: generation %d -> %d", self.rank, old, generation)
