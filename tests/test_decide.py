@@ -94,6 +94,12 @@ def test_a_cursor_of_the_held_previous_generation_gets_a_generation_diff() -> No
     [
         (cur(0, generation=2), WindowAsk("c"), PREV, "is behind the held log's base 1"),
         (cur(7, generation=2), WindowAsk("c"), PREV, "is past the held log's head 6"),
+        (
+            cur(5, generation=2),
+            WindowAsk("c"),
+            LogView(2, ((1, 10), (3, 30), (6, 60))),  # 4..6 merged
+            "inside a merged segment",
+        ),
         (cur(3, generation=1), WindowAsk("c"), PREV, "the log held is of generation 2"),
         (cur(3, generation=2), WindowAsk("c", no_diff=True), PREV, "no generation diff asked"),
         (cur(3, generation=2), WindowAsk("c"), None, "dropped after 9 s"),

@@ -117,6 +117,9 @@ def _no_diff(ask: WindowAsk, stored: StoredCursor, previous: LogView | None) -> 
         return f"the cursor (seq {stored.seq}) is behind the held log's base {previous.base_seq}"
     if stored.seq > previous.head[0]:
         return f"the cursor (seq {stored.seq}) is past the held log's head {previous.head[0]}"
+    if all(seq != stored.seq for seq, _ in previous.entries):
+        # the state at the cursor is not in the log (merged past an expired consumer)
+        return f"the cursor (seq {stored.seq}) is inside a merged segment of the held log"
     return ""
 
 
