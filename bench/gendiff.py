@@ -117,8 +117,8 @@ def run(ctx: Context) -> dict[str, Any]:
             )
             try:
                 full, diff, herd = (_Predictor(n, ch) for n in ("full", "diff", "herd"))
-                for p in (full, diff, herd):
-                    p.sync()
+                for who in (full, diff, herd):
+                    who.sync()
                 samples: dict[str, list[float]] = {"full_s": [], "diff_s": [], "herd_s": []}
                 sizes: dict[str, int] = {}
                 for r in range(repeats):
@@ -134,8 +134,8 @@ def run(ctx: Context) -> dict[str, Any]:
                             break
                         time.sleep(0.02)
                     order = [("full", full), ("diff", diff)]
-                    for name, p in order if r % 2 == 0 else order[::-1]:
-                        s, nbytes, resync, diff_from = p.sync(no_generation_diff=name == "full")
+                    for name, who in order if r % 2 == 0 else order[::-1]:
+                        s, nbytes, resync, diff_from = who.sync(no_generation_diff=name == "full")
                         assert resync == (name == "full") and (diff_from is None) == resync
                         samples[f"{name}_s"].append(s)
                         sizes[f"{name}_bytes"] = nbytes
