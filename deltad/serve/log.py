@@ -267,6 +267,7 @@ class SegmentLog:
                 self._scan(self._generation, self._known)
                 self._scan_dense(self._generation)
                 self._publish(self._generation)
+            self.previous()  # drops a held previous generation once its time is up
             return self._snapshot is not before
 
     def _try_switch(self, generation: int) -> None:
