@@ -387,3 +387,32 @@ def test_reference_trainer_restart_is_a_bit_equal_diff(tmp_path: Path, redis_url
         assert equal(applier, truth4)
         total = sum(t.shape[0] for t in truth4.values())
         print(f"reference trainer restart: diff {rows} rows of {total}")
+
+
+def test_the_held_log_is_dropped_once_no_live_consumer_is_at_it(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Retention drops the previous generation's log when the last live consumer standing on
+    it moved on (here: by its diff), long before generation_keep_s."""
+    spool = SpoolWriter(tmp_path / "spool")
+    cfg = server_config(tmp_path / "spool", redis_server.url, retention_interval_s=0.05)
+    srv = SidecarServer(cfg).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        _pull_base(c, "p")
+        _pull_base(c, "q")
+        spool.start_generation(2)
+        wait_for(lambda: srv.log.snapshot().generation == 2, 10, "generation 2")  # type: ignore[union-attr]
+        d = c.pull("p")
+        assert d.generation_diff == 1
+        c.commit(d)
+        time.sleep(0.5)  # rounds of retention: q still stands on generation 1
+        assert srv.log.previous() is not None
+        d = c.pull("q")
+        assert d.generation_diff == 1
+        c.commit(d)
+        wait_for(lambda: srv.log.previous() is None, 10, "the held log dropped")
+        assert "no live consumer was at it" in srv.log.previous_missing
+    finally:
+        c.close()
+        srv.stop(0)

@@ -34,13 +34,14 @@ from dataclasses import replace
 import torch
 
 from deltad import wire
-from deltad.errors import SpoolError
+from deltad.errors import OffsetStoreError, SpoolError
 from deltad.segment.format import ShardRows
 from deltad.serve import encode
 from deltad.serve.decide import LogView, WindowDecision
 from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.merge import merge_rows
 from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.offsets import OffsetStore
 from deltad.serve.owed import OwedStore
 from deltad.serve.pull import EncodedWindow, ShardLine, WindowSpec, window_dense, window_parts
 from deltad.types import Form, ShardKey
@@ -186,6 +187,27 @@ def build_diff_window(
         encode.encode_header(header), spec.to_seq, to_step, rows, {}, time.perf_counter() - t0
     )
     return win.finish_with(out)
+
+
+def drop_unpinned(seglog: SegmentLog, store: OffsetStore) -> bool:
+    """Stop holding the previous generation's log once no live consumer stands on it (no
+    committed cursor or pending pull of that generation with a live lease); True if dropped.
+    Called by retention each round. A consumer whose lease expired pins nothing: back, it
+    resyncs (as it would behind a merged base)."""
+    prev = seglog.previous()
+    if prev is None:
+        return False
+    try:
+        pins = store.pins(seglog.rank, prev.generation)
+    except OffsetStoreError as e:
+        log.warning("cannot read the cursors at generation %d: %s", prev.generation, e)
+        return False
+    if pins:
+        return False
+    seglog.drop_previous(
+        f"generation {prev.generation}'s log was dropped: no live consumer was at it"
+    )
+    return True
 
 
 def with_reason(header: bytes, reason: str) -> bytes:
