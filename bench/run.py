@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.throughput",
         "GetDelta GB/s per window size and wire dtype, vs bare gRPC and raw TCP",
     ),
+    "gendiff": ("bench.gendiff", "trainer restart: generation diff vs full resync, bytes and time"),
     "fanout": ("bench.fanout", "1-16 consumers, same / different windows: throughput, CPU"),
     "tracking": (
         "bench.tracking",

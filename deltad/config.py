@@ -215,6 +215,13 @@ class ServerConfig:
     #: Byte budget of pre-merged runs of deltas (deltad.serve.runs: a window at any cursor is
     #: a merge of a few of them); 0: windows are merged from their segments.
     run_cache_bytes: int = 512 << 20
+    #: Generation diffs (deltad.serve.gendiff): after a switch to a new generation the previous
+    #: generation's log stays in memory this many seconds (its files leave the spool at the
+    #: switch), so consumers still at it get only the rows that differ; 0: never kept (every
+    #: consumer resyncs on a new generation).
+    generation_keep_s: float = 600.0
+    #: ... and only if its rows take at most this many bytes (a bigger one is not kept).
+    generation_keep_bytes: int = 4 << 30
     #: Retention: merge runs of at least this many segments between live cursors.
     merge_min_segments: int = 4
     # Retention's bound on one round's merge input: deltad.knobs.MERGE_MAX_BYTES_PER_ROUND.
@@ -238,6 +245,8 @@ class ServerConfig:
             raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
         if self.run_cache_bytes < 0:
             raise ConfigError("run_cache_bytes must be >= 0 (0 = no runs)")
+        if self.generation_keep_s < 0 or self.generation_keep_bytes < 0:
+            raise ConfigError("generation_keep_s and generation_keep_bytes must be >= 0 (0 = off)")
         if self.max_queued_streams < 0 or self.stream_queue_wait_s < 0:
             raise ConfigError("max_queued_streams and stream_queue_wait_s must be >= 0")
         if self.stream_deadline_s <= 0 or self.lease_ttl_s <= 0 or self.grace_period_s < 0:

@@ -67,10 +67,16 @@ class SpoolWriter:
             for i in range(self.col_split)
         ]
 
-    def start_generation(self, generation: int, start_step: int = 0) -> None:
-        """A new generation: fresh tables, manifest, base segment (seq 0)."""
+    def start_generation(
+        self, generation: int, start_step: int = 0, truth: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """A new generation: fresh tables (or ``truth``), manifest, base segment (seq 0)."""
         self.generation = generation
-        self.truth = {t: torch.randn(n, d, generator=self.gen) for t, (n, d) in self.specs.items()}
+        self.truth = (
+            truth
+            if truth is not None
+            else {t: torch.randn(n, d, generator=self.gen) for t, (n, d) in self.specs.items()}
+        )
         self.seq, self.step = -1, start_step
         self.layout.write_manifest(
             GenerationManifest(

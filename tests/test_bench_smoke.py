@@ -153,6 +153,10 @@ def test_values_are_sane(results: dict[str, Any]) -> None:
             assert _nonneg(p["lag_p50_s"]) and _nonneg(p["lag_p99_s"])
             assert p["lag_p99_s"] >= p["lag_p50_s"]
             assert _pos(p["peak_rss_bytes"].get("trainer"))
+    if r := _ok(results, "gendiff"):
+        for p in r["points"]:
+            assert 0 < p["diff_bytes"] < p["full_bytes"] and _pos(_med(p["diff_s"]))
+            assert _pos(_med(p["full_s"])) and _pos(_med(p["herd_s"]))
     if r := _ok(results, "fidelity"):
         for p in r["points"]:
             assert _nonneg(p["bytes_per_hour"]) and _pos(p["full_sync_bytes_per_hour"])

@@ -32,7 +32,11 @@ def test_after_the_cursor_up_to_the_head() -> None:
     ("stored", "ask", "reason"),
     [
         (None, WindowAsk("c"), "no cursor"),
-        (cur(9, generation=2), WindowAsk("c"), "new generation"),
+        (
+            cur(9, generation=2),
+            WindowAsk("c"),
+            "new generation: the previous generation's log is not held",
+        ),
         (cur(2), WindowAsk("c"), "behind the base"),  # merged past an expired consumer
         (cur(6), WindowAsk("c", from_base=True), "asked"),
     ],
@@ -60,7 +64,60 @@ def test_a_window_never_ends_before_the_cursor() -> None:
     assert window(d) == (True, -1, 8, 80, "asked")
     # ...but a cursor of an older generation does not hold a resync back
     d = decide_window(WindowAsk("c", max_step=55), cur(7, generation=2), LOG)
-    assert window(d) == (True, -1, 5, 50, "new generation")
+    assert window(d) == (
+        True,
+        -1,
+        5,
+        50,
+        "new generation: the previous generation's log is not held",
+    )
+
+
+#: generation 2, held after the switch to LOG's generation 3: base at seq 1, deltas 2..6
+PREV = LogView(2, ((1, 10), (2, 20), (3, 30), (4, 40), (5, 50), (6, 60)))
+
+
+def test_a_cursor_of_the_held_previous_generation_gets_a_generation_diff() -> None:
+    d = decide_window(WindowAsk("c", max_step=65), cur(3, generation=2, owed="t"), LOG, PREV)
+    assert window(d) == (False, -1, 6, 60, "generation diff")
+    assert d.diff_from == (2, 3) and d.owed_token == "t"  # the old owed rows go in the diff
+    # at the held log's base and head: a diff too
+    for seq in (1, 6):
+        assert decide_window(WindowAsk("c"), cur(seq, generation=2), LOG, PREV).diff_from == (
+            2,
+            seq,
+        )
+
+
+@pytest.mark.parametrize(
+    ("stored", "ask", "previous", "why"),
+    [
+        (cur(0, generation=2), WindowAsk("c"), PREV, "is behind the held log's base 1"),
+        (cur(7, generation=2), WindowAsk("c"), PREV, "is past the held log's head 6"),
+        (
+            cur(5, generation=2),
+            WindowAsk("c"),
+            LogView(2, ((1, 10), (3, 30), (6, 60))),  # 4..6 merged
+            "inside a merged segment",
+        ),
+        (cur(3, generation=1), WindowAsk("c"), PREV, "the log held is of generation 2"),
+        (cur(3, generation=2), WindowAsk("c", no_diff=True), PREV, "no generation diff asked"),
+        (cur(3, generation=2), WindowAsk("c"), None, "dropped after 9 s"),
+    ],
+)
+def test_no_generation_diff_is_a_resync_that_says_why(
+    stored: StoredCursor, ask: WindowAsk, previous: LogView | None, why: str
+) -> None:
+    d = decide_window(ask, stored, LOG, previous, "generation 2's log was dropped after 9 s")
+    assert d.resync and d.diff_from is None and d.owed_token == "" and d.from_seq == -1
+    assert d.reason.startswith("new generation: ") and why in d.reason, d.reason
+    # from_base keeps meaning a full resync, whatever is held
+    d = decide_window(WindowAsk("c", from_base=True), cur(3, generation=2), LOG, PREV)
+    assert d.resync and d.diff_from is None and d.reason == "asked"
+    # a diff turned down later (tables changed): a resync with the reason, no diff left
+    d = decide_window(WindowAsk("c"), cur(3, generation=2, owed="t"), LOG, PREV)
+    r = d.resynced("new generation: tables changed: t0")
+    assert r.resync and r.diff_from is None and r.owed_token == "" and r.from_seq == -1
 
 
 def test_owed_rows_come_with_a_window_after_the_cursor_only() -> None:

@@ -115,7 +115,10 @@ def test_new_generation_means_resync_never_cross_generation_deltas(
     wait_for(lambda: sidecar.log.snapshot().head.seq == 1)  # type: ignore[union-attr]
     assert _code(client.commit, stale) == grpc.StatusCode.FAILED_PRECONDITION
     d = client.pull("g")
-    assert d.resync and d.generation == 2 and d.from_seq == -1 and d.to_seq == 1
+    # the sidecar holds generation 1's log: a generation diff against the committed cursor
+    # (every row: the new tables are fresh), never a delta of generation 1's seqs
+    assert d.generation_diff == 1 and not d.resync
+    assert d.generation == 2 and d.from_seq == -1 and d.to_seq == 1
     rep.apply(d)
     client.commit(d)
     assert all(torch.equal(rep.tables[t], spool.truth[t]) for t in spool.specs)

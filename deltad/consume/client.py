@@ -83,6 +83,17 @@ class PullResult:
         return any(d.resync for d in self.deltas)
 
     @property
+    def generation_diff(self) -> bool:
+        """A rank moved to a new generation by a generation diff (only the rows that differ,
+        applied in place) rather than a full resync."""
+        return any(d.generation_diff is not None for d in self.deltas)
+
+    @property
+    def resync_reasons(self) -> dict[int, str]:
+        """Why each resynced rank resynced, as its sidecar said (e.g. "new generation: ...")."""
+        return {d.rank: d.resync_reason for d in self.deltas if d.resync}
+
+    @property
     def served_step(self) -> int | None:
         """The step the predictor serves once it applied this pull (= ``step``)."""
         return self.step

@@ -474,6 +474,10 @@ class WindowAssembler:
             dense=dense,
             dense_step=h.dense.step if h.HasField("dense") else None,
             dense_bytes=self.dense_bytes,
+            generation_diff=(
+                h.diff_from_generation if h.HasField("diff_from_generation") else None
+            ),
+            resync_reason=h.resync_reason,
         )
 
 

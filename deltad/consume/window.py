@@ -61,6 +61,11 @@ class RankDelta:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     dense_step: int | None = None
     dense_bytes: int = 0
+    #: A generation diff (DeltaHeader.diff_from_generation): the older generation the cursor
+    #: was of; the rows are applied in place like a delta's. None: not a diff.
+    generation_diff: int | None = None
+    #: A resync's reason as the sidecar gave it ("new generation: ..."; "" if none).
+    resync_reason: str = ""
 
     @property
     def slices(self) -> list[ShardUpdate]:

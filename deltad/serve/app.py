@@ -130,7 +130,11 @@ class SidecarServer:
     def _start(self, cfg: ServerConfig) -> None:
         self.store = OffsetStore.from_url(self.redis_url, cfg.model)
         self.log = SegmentLog(
-            self.layout, cfg.rank, on_quarantine=lambda p, r: self.metrics.quarantined.inc()
+            self.layout,
+            cfg.rank,
+            on_quarantine=lambda p, r: self.metrics.quarantined.inc(),
+            keep_previous_s=cfg.generation_keep_s,
+            keep_previous_bytes=cfg.generation_keep_bytes,
         )
         self.log.refresh()
         snap = self.log.snapshot()

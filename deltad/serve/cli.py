@@ -133,6 +133,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             512 << 20,
             "byte budget of pre-merged runs of deltas (windows at any cursor; 0 = off)",
         ),
+        (
+            "generation-keep",
+            float,
+            600.0,
+            "seconds the previous generation's log stays in memory for generation diffs (0 = off)",
+        ),
+        (
+            "generation-keep-bytes",
+            int,
+            4 << 30,
+            "byte budget of that log (a bigger one is not kept: consumers resync)",
+        ),
         ("merge-min-segments", int, 4, "retention: merge runs of at least this many segments"),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
         (
@@ -250,6 +262,8 @@ def build_config(args: argparse.Namespace) -> Any:
         window_cache_entries=value(args.window_cache_entries),
         window_cache_bytes=value(args.window_cache_bytes),
         run_cache_bytes=value(args.run_cache_bytes),
+        generation_keep_s=value(args.generation_keep),
+        generation_keep_bytes=value(args.generation_keep_bytes),
         merge_min_segments=value(args.merge_min_segments),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),

@@ -65,6 +65,8 @@ class WindowAsk:
     consumer: str
     from_base: bool = False
     max_step: int | None = None
+    #: no generation diff: a cursor of an older generation resyncs (GetDeltaRequest field 14)
+    no_diff: bool = False
 
     @classmethod
     def of(cls, req: Any) -> WindowAsk:
@@ -72,6 +74,7 @@ class WindowAsk:
             req.consumer,
             bool(req.from_base),
             int(req.max_step) if req.HasField("max_step") else None,
+            bool(req.no_generation_diff),
         )
 
 
@@ -86,22 +89,55 @@ class WindowDecision:
     to_step: int
     #: Rows owed from the cursor's top-k pull to load first ("" none; never with a resync).
     owed_token: str = ""
-    #: Why (for the log line): "asked", "no cursor", "new generation", "behind the base",
-    #: "cursor" (an ordinary window after the cursor).
+    #: Why (for the log line and a resync's header): "asked", "no cursor", "new generation:
+    #: <why no diff>", "behind the base", "generation diff", "cursor" (an ordinary window).
     reason: str = "cursor"
     refusal: str = ""
+    #: A generation diff (see deltad.serve.gendiff): the cursor's (older generation, seq),
+    #: whose held log the window is diffed against; None otherwise.
+    diff_from: tuple[int, int] | None = None
 
     def resynced(self, reason: str) -> WindowDecision:
         """The same window served from the base instead (the owed rows could not be read)."""
-        return replace(self, resync=True, from_seq=-1, owed_token="", reason=reason)
+        return replace(self, resync=True, from_seq=-1, owed_token="", reason=reason, diff_from=None)
 
 
-def decide_window(ask: WindowAsk, stored: StoredCursor | None, log: LogView) -> WindowDecision:
+def _no_diff(ask: WindowAsk, stored: StoredCursor, previous: LogView | None) -> str:
+    """Why a cursor of an older generation cannot get a generation diff ("" if it can)."""
+    if ask.no_diff:
+        return "no generation diff asked"
+    if previous is None:
+        return "the previous generation's log is not held"
+    if previous.generation != stored.generation:
+        return (
+            f"the cursor is of generation {stored.generation}; the log held is of "
+            f"generation {previous.generation}"
+        )
+    if stored.seq < previous.base_seq:
+        return f"the cursor (seq {stored.seq}) is behind the held log's base {previous.base_seq}"
+    if stored.seq > previous.head[0]:
+        return f"the cursor (seq {stored.seq}) is past the held log's head {previous.head[0]}"
+    if all(seq != stored.seq for seq, _ in previous.entries):
+        # the state at the cursor is not in the log (merged past an expired consumer)
+        return f"the cursor (seq {stored.seq}) is inside a merged segment of the held log"
+    return ""
+
+
+def decide_window(
+    ask: WindowAsk,
+    stored: StoredCursor | None,
+    log: LogView,
+    previous: LogView | None = None,
+    previous_missing: str = "",
+) -> WindowDecision:
     """The window for ``ask`` given the consumer's committed cursor and the log.
 
     * a cursor of a newer generation than the log: refused (this sidecar is behind);
-    * no cursor, one of an older generation, one behind the base (merged past an expired
-      consumer), or ``from_base`` asked: a resync from the base;
+    * a cursor of an older generation whose log ``previous`` still holds it: a generation
+      diff (``diff_from``), unless ``from_base`` or ``no_diff`` is asked;
+    * no cursor, one of an older generation (``previous_missing``: why its log is not held),
+      one behind the base (merged past an expired consumer), or ``from_base`` asked: a
+      resync from the base;
     * otherwise the segments after the cursor.
 
     The window ends at the newest entry with step <= ``max_step`` (the head without one); a
@@ -117,8 +153,19 @@ def decide_window(ask: WindowAsk, stored: StoredCursor | None, log: LogView) -> 
         )  # fmt: skip
     if stored is None:
         reason = "no cursor"
+    elif stored.generation < gen and not ask.from_base:
+        why = _no_diff(ask, stored, previous)
+        if not why:
+            to_seq, to_step = log.last_at_or_before_step(ask.max_step)
+            return WindowDecision(
+                gen, False, -1, to_seq, to_step, stored.owed_token, "generation diff",
+                diff_from=(stored.generation, stored.seq),
+            )  # fmt: skip
+        if previous is None and previous_missing:
+            why = previous_missing
+        reason = f"new generation: {why}"
     elif stored.generation < gen:
-        reason = "new generation"
+        reason = "asked"
     elif stored.seq < log.base_seq:
         reason = "behind the base"
     elif ask.from_base:

@@ -18,6 +18,11 @@ it covers. Predictors stall for at most: ``GAP_GRACE_S`` (a missing segment only
 trainer's publish interval + one base write + one poll.
 
 Readers take an immutable :class:`LogSnapshot`; retention swaps entries with :meth:`replace`.
+
+At a switch the previous generation's snapshot stays in memory (its files leave the spool as
+before) for ``keep_previous_s`` seconds if its rows take at most ``keep_previous_bytes``:
+:meth:`SegmentLog.previous` hands it to generation diffs (deltad.serve.gendiff). A restarted
+sidecar holds no previous generation (its consumers at one resync, and are told why).
 """
 
 from __future__ import annotations
@@ -160,6 +165,8 @@ class SegmentLog:
         rank: int,
         *,
         on_quarantine: Callable[[Path, str], None] | None = None,
+        keep_previous_s: float = 0.0,
+        keep_previous_bytes: int = 0,
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -179,6 +186,13 @@ class SegmentLog:
         self._requested: dict[int, float] = {}  # generation -> monotonic time of the request
         #: Fresh bases asked of the publisher (rebase.request files written).
         self.rebase_requests = 0
+        self.keep_previous_s = keep_previous_s
+        self.keep_previous_bytes = keep_previous_bytes
+        #: The previous generation's log after a switch (see :meth:`previous`) and the
+        #: monotonic time it is dropped at; why it is not held ("" while it is).
+        self._previous: LogSnapshot | None = None
+        self._previous_until = 0.0
+        self.previous_missing = "no generation switch since this sidecar started"
 
     def manifest(self, generation: int) -> GenerationManifest:
         """The manifest of ``generation`` (read once); SpoolError if unreadable."""
@@ -226,6 +240,24 @@ class SegmentLog:
         wait for an indexing round (a large base's verified copy takes a while)."""
         return self._snapshot
 
+    def previous(self) -> LogSnapshot | None:
+        """The previous generation's log, while it is held (None: not held; the reason is
+        :attr:`previous_missing`)."""
+        prev = self._previous
+        if prev is not None and time.monotonic() >= self._previous_until:
+            self.drop_previous(
+                f"generation {prev.generation}'s log was dropped after "
+                f"{self.keep_previous_s:g} s (generation_keep_s)"
+            )
+            return None
+        return prev
+
+    def drop_previous(self, reason: str) -> None:
+        """Stop holding the previous generation's log (``reason``: what consumers are told)."""
+        if self._previous is not None:
+            log.info("rank %d: %s", self.rank, reason)
+        self._previous, self.previous_missing = None, reason
+
     def refresh(self) -> bool:
         """Index new files, maybe switch generation; True if the served log changed."""
         with self._lock:
@@ -237,6 +269,7 @@ class SegmentLog:
                 self._scan(self._generation, self._known)
                 self._scan_dense(self._generation)
                 self._publish(self._generation)
+            self.previous()  # drops a held previous generation once its time is up
             return self._snapshot is not before
 
     def _try_switch(self, generation: int) -> None:
@@ -245,10 +278,33 @@ class SegmentLog:
         if not any(e.first_seq == 0 for e in known.values()):
             return  # this rank's base of the new generation is not there yet
         old = self._generation
+        if old is not None:
+            self._hold_previous(self._snapshot)
         self._generation, self._known, self._dense = generation, known, {}
         if old is not None:
             log.info("rank %d: generation %d -> %d", self.rank, old, generation)
             self._drop_generation(old)
+
+    def _hold_previous(self, snap: LogSnapshot | None) -> None:
+        """Keep ``snap`` (the log being switched away from) for generation diffs, within the
+        time and byte bounds."""
+        if snap is None:
+            self.drop_previous("the previous generation had no base on this rank")
+        elif self.keep_previous_s <= 0:
+            self.drop_previous("previous generations are not kept (generation_keep_s = 0)")
+        elif snap.nbytes > self.keep_previous_bytes:
+            self.drop_previous(
+                f"generation {snap.generation}'s log ({snap.nbytes} bytes) is over "
+                f"generation_keep_bytes = {self.keep_previous_bytes}"
+            )
+        else:
+            self._previous, self.previous_missing = snap, ""
+            self._previous_until = time.monotonic() + self.keep_previous_s
+            log.info(
+                "rank %d: holding generation %d's log (%d bytes, seq %d..%d) for %g s",
+                self.rank, snap.generation, snap.nbytes, snap.base.seq, snap.head.seq,
+                self.keep_previous_s,
+            )  # fmt: skip
 
     def _drop_generation(self, generation: int) -> None:
         d = self.layout.rank_dir(generation, self.rank)

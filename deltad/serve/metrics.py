@@ -39,6 +39,14 @@ class SidecarMetrics:
         self.rows_served = counter("deltad_served_rows", "Rows sent by GetDelta")
         self.pulls = counter("deltad_pulls", "GetDelta streams completed")
         self.cache_hits = counter("deltad_window_cache_hits", "Windows served from the cache")
+        self.generation_diffs = counter(
+            "deltad_generation_diffs",
+            "Consumers moved to a new generation by a generation diff (the rows that differ)",
+        )
+        self.generation_resyncs = counter(
+            "deltad_generation_resyncs",
+            "Consumers moved to a new generation by a full resync (no diff possible)",
+        )
         self.rpc_requests = Counter(
             "deltad_rpc_requests",
             "RPCs handled, by method and gRPC status code",

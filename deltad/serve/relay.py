@@ -32,7 +32,9 @@ the local head (the relay's spool was lost) makes it ask for the full tables (``
 
 Generations: a resync of a newer upstream generation writes that generation's manifest (tables
 from the upstream's Status) and its base; the relay's log switches to it like a sidecar's does
-when its trainer restarts, and its consumers resync.
+when its trainer restarts. The mirror asks for no generation diff (it needs a base to write);
+the relay's own consumers get generation diffs from the previous generation's log it holds
+(deltad.serve.gendiff), or resync.
 """
 
 from __future__ import annotations
@@ -265,7 +267,7 @@ class RelayMirror:
     def _pull(self, st: pb.StatusResponse, asked: float) -> None:
         req = pb.GetDeltaRequest(
             consumer=self.config.consumer, form=pb.FORM_ROWS, dtype=pb.WIRE_DTYPE_FP32,
-            from_base=self._needs_base,
+            from_base=self._needs_base, no_generation_diff=True,
         )  # fmt: skip
         d = decode.pull(
             self._channel, req, timeout=self.config.rpc_deadline_s, metadata=self._metadata

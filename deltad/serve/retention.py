@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from deltad.errors import OffsetStoreError, SegmentCorruptError, SpoolError
 from deltad.segment.format import write_segment
+from deltad.serve.gendiff import drop_unpinned
 from deltad.serve.log import LogEntry, SegmentLog
 from deltad.serve.merge import merge_entries
 from deltad.serve.offsets import OffsetStore
@@ -95,6 +96,7 @@ class Retention:
         """Do at most one merge; True if the log changed. Dense states older than the newest
         one at or before the base are deleted (the newest dense state is always kept)."""
         self.seglog.prune_dense()
+        drop_unpinned(self.seglog, self.store)  # the previous generation, once nobody is at it
         covered = self.plan()
         if not covered or len(covered) < 2:
             return False

@@ -22,6 +22,7 @@ from deltad.config import ServerConfig, clip
 from deltad.errors import OffsetStoreError, SpoolError
 from deltad.serve import encode
 from deltad.serve.decide import LogView, WindowAsk, decide_window
+from deltad.serve.gendiff import GenerationDiffs, with_reason
 from deltad.serve.grpcutil import abort as _abort
 from deltad.serve.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
@@ -57,6 +58,7 @@ class WindowServer:
         self.streams = streams
         self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
         self.runs = RunCache(config.run_cache_bytes)
+        self.gendiff = GenerationDiffs(seglog, owed, metrics, config.window_cache_bytes)
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -113,11 +115,14 @@ class WindowServer:
                 self.store.touch(consumer, self.config.lease_ttl_s)
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            decision = decide_window(WindowAsk.of(req), stored, LogView.of(snap))
+            decision = decide_window(
+                WindowAsk.of(req), stored, LogView.of(snap), *self.gendiff.previous()
+            )
             if decision.refusal:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
+            diff, diff_hit, decision = self.gendiff.window(consumer, snap, shape, decision)
             owed = {}
-            if decision.owed_token:
+            if decision.owed_token and diff is None:
                 try:
                     owed = self.owed.load(consumer, decision.owed_token, gen)
                 except SpoolError as e:
@@ -130,7 +135,9 @@ class WindowServer:
             # The window is planned here (header, owed rows); its chunks are merged and
             # encoded as the stream sends them (see build_window).
             win: EncodedWindow
-            if owed:
+            if diff is not None:
+                win, hit = diff, diff_hit
+            elif owed:
                 win, hit = (
                     build_window(snap, spec, to_step, owed, kept=False, runs=self.runs),
                     False,
@@ -155,7 +162,7 @@ class WindowServer:
                 _abort(context, grpc.StatusCode.INTERNAL, str(e))
             if hit:
                 self.metrics.cache_hits.inc()
-            yield win.header
+            yield with_reason(win.header, decision.reason) if decision.resync else win.header
             for c in win.iter_chunks():
                 if time.monotonic() > slot.deadline:
                     _abort(
