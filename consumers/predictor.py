@@ -73,6 +73,8 @@ class PullLogLine:
     bytes: int
     owed: int
     resync: bool
+    #: a new generation that came as the rows that differ, not as a full resync
+    generation_diff: bool = False
     missing: dict[int, str] = field(default_factory=dict)
     pull_s: float = 0.0
     apply_s: float = 0.0
@@ -212,7 +214,13 @@ class SyncLoop:
     ) -> PullLogLine:
         fresh = None
         if r.deltas and r.step is not None:
-            new_step = r.resync or self.served_step is None or r.step > self.served_step
+            # a new generation (resync or diff) may start below the step served before
+            new_step = (
+                r.resync
+                or r.generation_diff
+                or self.served_step is None
+                or r.step > self.served_step
+            )
             if new_step and r.source_unix is not None:
                 fresh = max(0.0, applied_unix - r.source_unix)
                 self.freshness.append(fresh)
@@ -232,6 +240,7 @@ class SyncLoop:
             bytes=r.bytes,
             owed=sum(s.owed for d in r.deltas for s in d.shards),
             resync=r.resync,
+            generation_diff=r.generation_diff,
             missing=r.missing,
             pull_s=pull_s,
             apply_s=apply_s,
