@@ -7,10 +7,14 @@ appliers. This is the contract between the two sides of the stream.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltad.types import Cursor, Form, Shard, WireDtype
+
+if TYPE_CHECKING:
+    from deltad.consume.appliers import ResyncStage
 
 
 @dataclass
@@ -61,6 +65,9 @@ class RankDelta:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     dense_step: int | None = None
     dense_bytes: int = 0
+    #: A resync streamed into an applier's stage (``pull(applier=...)``): the rows of its
+    #: staged shards are there, not in :attr:`shards`; ``applier.apply`` installs them.
+    stage: ResyncStage | None = None
 
     @property
     def slices(self) -> list[ShardUpdate]:
