@@ -281,7 +281,7 @@ def test_deadline_mid_bootstrap_installs_nothing_and_the_next_pull_bootstraps(
         assert torch.equal(applier.tables()[n], t), n
     # rows came chunk by chunk: many stage writes, none of them the whole table
     last = [n for _, n in applier.chunks[-200:]]
-    assert len(applier.chunks) > 10 and max(last) < 2000
+    assert len(applier.chunks) >= 3 and max(last) < 2000
 
 
 def test_a_failed_apply_discards_the_stage_and_keeps_the_tables(
