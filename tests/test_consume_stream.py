@@ -30,6 +30,7 @@ from deltad.consume.appliers import ResyncStage, TensorDictApplier, _TensorStage
 from deltad.consume.client import DeltaConsumer, PullResult
 from deltad.consume.quant import QuantApplier, packed_wire_dtype, quantize_model
 from deltad.consume.window import ShardUpdate
+from deltad.errors import ConsumerError
 from deltad.serve.app import SidecarServer
 from deltad.types import ServeDtype, WireDtype
 
@@ -213,16 +214,24 @@ def test_sidecar_stopped_mid_bootstrap_installs_nothing_then_a_retry_bootstraps(
     for held in (False, True):
         applier = _Hooked()
         if held:  # tables held from an earlier consumer: a resync over same-shape tables
-            with sidecars(tmp_path / "spool", redis_url, world, 1 << 16) as servers:
-                with consumer("earlier", servers) as c:
-                    streamed(c, applier)
+            with (
+                sidecars(tmp_path / "spool", redis_url, world, 1 << 16) as servers,
+                consumer("earlier", servers) as c,
+            ):
+                streamed(c, applier)
             for t in applier.tables().values():
                 t.add_(1.0)  # held values that are not the trainer's: must survive the break
         before = _snapshot(applier)
         stopped: list[SidecarServer] = []
         with sidecars(tmp_path / "spool", redis_url, world, 1 << 16) as servers:
 
-            def stop_victim(rank: int, update: ShardUpdate, stage: ResyncStage) -> None:
+            def stop_victim(
+                rank: int,
+                update: ShardUpdate,
+                stage: ResyncStage,
+                stopped: list[SidecarServer] = stopped,
+                servers: list[SidecarServer] = servers,
+            ) -> None:
                 if rank == victim and not stopped:
                     stopped.append(servers[victim])
                     servers[victim].stop(0)  # the server goes away mid-stream
@@ -243,10 +252,11 @@ def test_sidecar_stopped_mid_bootstrap_installs_nothing_then_a_retry_bootstraps(
             finally:
                 c.close()
         applier.on_write = None
-        with sidecars(tmp_path / "spool", redis_url, world, 1 << 16) as servers:
-            with consumer(f"fresh-{held}", servers) as c:
-                r = streamed(c, applier)
-                assert r.step == 10
+        with (
+            sidecars(tmp_path / "spool", redis_url, world, 1 << 16) as servers,
+            consumer(f"fresh-{held}", servers) as c,
+        ):
+            assert streamed(c, applier).step == 10
         got = applier.tables()
         for n, t in truth.items():
             assert torch.equal(got[n], t), n
@@ -269,14 +279,15 @@ def test_deadline_mid_bootstrap_installs_nothing_and_the_next_pull_bootstraps(
             time.sleep(2.5)  # past the 1 s deadline
 
     applier = _Hooked(stall)
-    with sidecars(tmp_path / "spool", redis_url, 1) as servers:
-        with consumer("slow", servers, rpc_deadline_s=1.0, align_steps=False) as c:
-            r = c.sync(applier.apply)
-            assert not r.deltas and 0 in r.missing
-            assert applier.tables() == {}
-            assert applier.stages[-1].discarded is not None
-            r = streamed(c, applier)
-            assert r.step == 0
+    with (
+        sidecars(tmp_path / "spool", redis_url, 1) as servers,
+        consumer("slow", servers, rpc_deadline_s=1.0, align_steps=False) as c,
+    ):
+        r = c.sync(applier.apply)
+        assert not r.deltas and 0 in r.missing
+        assert applier.tables() == {}
+        assert applier.stages[-1].discarded is not None
+        assert streamed(c, applier).step == 0
     for n, t in truth.items():
         assert torch.equal(applier.tables()[n], t), n
     # rows came chunk by chunk: many stage writes, none of them the whole table
@@ -293,18 +304,21 @@ def test_a_failed_apply_discards_the_stage_and_keeps_the_tables(
     trainer = FakeTrainer(tmp_path / "spool", world_size=1, tables={"t0": (500, 8)})
     trainer.start(0)
     applier = TensorDictApplier({"t0": torch.full((500, 8), 7.0)})
-    with sidecars(tmp_path / "spool", redis_url, 1) as servers:
-        with consumer("c", servers, align_steps=False) as c:
-            r = c.pull(applier=applier)
-            assert r.deltas[0].stage is not None
-            replaced = torch.full((500, 8), 9.0)
-            applier.tables()["t0"] = replaced
-            with pytest.raises(Exception, match="replaced while its resync was staged"):
-                applier.apply(r.deltas)
-            assert applier.tables()["t0"] is replaced and bool((replaced == 9.0).all())
-            assert r.deltas[0].stage.discarded is not None
-            with pytest.raises(Exception, match="discarded"):
-                applier.apply(r.deltas)  # a discarded stage is never installed later
-            r = streamed(c, applier)
+    with (
+        sidecars(tmp_path / "spool", redis_url, 1) as servers,
+        consumer("c", servers, align_steps=False) as c,
+    ):
+        r = c.pull(applier=applier)
+        stage = r.deltas[0].stage
+        assert stage is not None
+        replaced = torch.full((500, 8), 9.0)
+        applier.tables()["t0"] = replaced
+        with pytest.raises(ConsumerError, match="replaced while its resync was staged"):
+            applier.apply(r.deltas)
+        assert applier.tables()["t0"] is replaced and bool((replaced == 9.0).all())
+        assert stage.discarded is not None
+        with pytest.raises(ConsumerError, match="discarded"):
+            applier.apply(r.deltas)  # a discarded stage is never installed later
+        streamed(c, applier)
     assert torch.equal(applier.tables()["t0"], trainer.history[0]["t0"])
     assert applier.tables()["t0"] is replaced  # installed in place, as an assembled resync
