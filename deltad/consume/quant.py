@@ -445,7 +445,7 @@ class QuantApplier(Applier):
             t0 = time.perf_counter()
             stages = stages_of(deltas, self)
             try:
-                staged: list[tuple[QuantTable, torch.Tensor, torch.Tensor]] = []
+                staged: list[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = []
                 for st in stages:
                     st.prepare()
                     assert isinstance(st, _QuantStage)
@@ -616,14 +616,19 @@ class QuantApplier(Applier):
         self,
         plan: list[tuple[QuantTable, torch.Tensor, torch.Tensor]],
         dense: list[tuple[torch.Tensor, Any]],
-        staged: Sequence[tuple[QuantTable, torch.Tensor, torch.Tensor]] = (),
+        staged: Sequence[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = (),
     ) -> ApplyStats:
-        """Copy ``staged`` (``(table, ids, staging rows)``: rows ``ids`` of the staging copy,
-        first), then ``plan`` (``(table, ids, rows)``), then ``dense``, chunk by chunk."""
+        """Copy ``staged`` (``(table, ids, staging rows)``: rows ``ids`` -- None: every row --
+        of the staging copy) first, then ``plan`` (``(table, ids, rows)``), then ``dense``,
+        chunk by chunk."""
         stats = ApplyStats()
-        #: (table, ids, rows, staged): staged chunks' rows are gathered at copy time
-        chunks: list[tuple[QuantTable, torch.Tensor, torch.Tensor, bool]] = []
+        #: (table, ids or a row range, rows, staged): staged rows are gathered at copy time
+        chunks: list[tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool]] = []
         for t, ids, rows in staged:
+            if ids is None:  # every row: contiguous ranges, no index
+                for i in range(0, t.num_rows, self.chunk_rows):
+                    chunks.append((t, slice(i, min(t.num_rows, i + self.chunk_rows)), rows, True))
+                continue
             for i in range(0, ids.numel(), self.chunk_rows):
                 chunks.append((t, ids[i : i + self.chunk_rows], rows, True))
         for t, ids, rows in plan:
@@ -633,12 +638,18 @@ class QuantApplier(Applier):
                 )
         t0 = time.perf_counter()
 
-        def gather(c: tuple[QuantTable, torch.Tensor, torch.Tensor, bool]) -> torch.Tensor:
-            return c[2].index_select(0, c[1]) if c[3] else c[2]
+        def gather(c: tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool]) -> torch.Tensor:
+            if not c[3]:
+                return c[2]
+            return c[2][c[1]] if isinstance(c[1], slice) else c[2].index_select(0, c[1])
 
-        def copy_rows(t: QuantTable, ids: torch.Tensor, rows: torch.Tensor) -> None:
-            _copy_rows(t.rows, ids, rows)
-            stats.rows += int(ids.numel())
+        def copy_rows(t: QuantTable, ids: torch.Tensor | slice, rows: torch.Tensor) -> None:
+            if isinstance(ids, slice):
+                t.rows[ids].copy_(rows)
+                stats.rows += int(rows.shape[0])
+            else:
+                _copy_rows(t.rows, ids, rows)
+                stats.rows += int(ids.numel())
             stats.chunks += 1
 
         def copy_dense() -> None:
@@ -728,11 +739,11 @@ class _QuantStage(ResyncStage):
         written[ids] = True
         return n
 
-    def copies(self) -> list[tuple[QuantTable, torch.Tensor, torch.Tensor]]:
-        """``(table, ids, staging rows)``: the rows to copy into the serving tables."""
-        out = []
+    def copies(self) -> list[tuple[QuantTable, torch.Tensor | None, torch.Tensor]]:
+        """``(table, ids or None: every row, staging rows)``: the rows to copy in."""
+        out: list[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = []
         for t, buf, written in self._bufs.values():
-            out.append((t, written.nonzero().squeeze(1), buf))
+            out.append((t, None if bool(written.all()) else written.nonzero().squeeze(1), buf))
         return out
 
     def commit(self) -> None:
