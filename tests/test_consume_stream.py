@@ -27,7 +27,7 @@ from spoolkit import FakeTrainer
 
 from deltad.config import ConsumerConfig, PullOptions, ServerConfig
 from deltad.consume.appliers import ResyncStage, TensorDictApplier, _TensorStage
-from deltad.consume.client import DeltaConsumer, PullResult
+from deltad.consume.client import DeltaConsumer, PullResult, _applier_of
 from deltad.consume.quant import QuantApplier, packed_wire_dtype, quantize_model
 from deltad.consume.window import ShardUpdate
 from deltad.errors import ConsumerError
@@ -322,3 +322,20 @@ def test_a_failed_apply_discards_the_stage_and_keeps_the_tables(
         streamed(c, applier)
     assert torch.equal(applier.tables()["t0"], trainer.history[0]["t0"])
     assert applier.tables()["t0"] is replaced  # installed in place, as an assembled resync
+
+
+def test_sync_streams_only_into_appliers_whose_apply_installs_stages() -> None:
+    """``sync(applier.apply)`` streams for deltad's own ``apply`` (and for an applier passed
+    itself); a plain callable, or a subclass that overrides ``apply`` (it may not install
+    stages), gets assembled windows."""
+
+    class Custom(TensorDictApplier):
+        def apply(self, deltas: Any) -> int:
+            return 0
+
+    plain, hooked, custom = TensorDictApplier(), _Hooked(), Custom()
+    assert _applier_of(plain.apply) is plain
+    assert _applier_of(hooked.apply) is hooked  # overrides stage(), not apply
+    assert _applier_of(custom) is custom
+    assert _applier_of(custom.apply) is None
+    assert _applier_of(lambda deltas: plain.apply(deltas)) is None

@@ -327,8 +327,9 @@ class DeltaConsumer:
     def sync(self, apply: Callable[[Sequence[RankDelta]], object] | Applier) -> PullResult:
         """pull, ``apply(deltas)`` (e.g. ``applier.apply``), commit; return the pull.
 
-        An applier's own ``apply`` (``applier.apply``, or the applier itself) streams resync
-        windows into its stage (see :meth:`pull`); any other callable gets assembled windows.
+        ``applier.apply`` of deltad's appliers (or an applier itself) streams resync windows
+        into the applier's stage (see :meth:`pull`); any other callable, or the ``apply`` of a
+        subclass that overrides it, gets assembled windows.
         """
         applier = _applier_of(apply)
         fn = apply.apply if isinstance(apply, Applier) else apply
@@ -436,13 +437,16 @@ class DeltaConsumer:
 
 def _applier_of(apply: object) -> Applier | None:
     """The applier whose stage ``sync(apply)`` streams into: ``apply`` itself, or the applier
-    of a bound ``applier.apply``; None for any other callable (assembled windows)."""
+    of a bound ``applier.apply`` whose ``apply`` is this library's (a subclass that overrides
+    ``apply`` may not install stages: it gets assembled windows, unless it passes itself);
+    None for any other callable (assembled windows)."""
     if isinstance(apply, Applier):
         return apply
     owner = getattr(apply, "__self__", None)
-    if isinstance(owner, Applier) and getattr(apply, "__name__", "") == "apply":
-        return owner
-    return None
+    if not isinstance(owner, Applier) or getattr(apply, "__name__", "") != "apply":
+        return None
+    module = getattr(getattr(type(owner), "apply", None), "__module__", "") or ""
+    return owner if module.startswith("deltad.consume.") else None
 
 
 def _dense_target(statuses: list[RankStatus], target: int) -> int:
