@@ -51,7 +51,7 @@ def run(ctx: Context) -> dict[str, Any]:
             deltad_procs.write_bench_spool(spool, rows=rows, tables=TABLES, dim=DIM)
             side = deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
             try:
-                for applier, wire in CASES:
+                for applier, wire in ctx.cache.get("bootstrap_mem_cases", CASES):
                     for path in ("assembled", "streamed"):
                         for rep in range(repeats):
                             ctx.status(f"bootstrap memory {mb} MB {applier} {wire} {path}")
@@ -91,7 +91,7 @@ def run(ctx: Context) -> dict[str, Any]:
         return min(xs) if xs else None
 
     headline = []
-    for applier, wire in CASES:
+    for applier, wire in ctx.cache.get("bootstrap_mem_cases", CASES):
         for path in ("streamed", "assembled"):
             headline.append(
                 {

@@ -247,8 +247,24 @@ def _write(t: torch.Tensor, s: ShardUpdate) -> int:
         if (s.shard.col_start, s.shard.col_end) == (0, t.shape[1])
         else t[:, s.shard.col_start : s.shard.col_end]
     )
-    target.index_copy_(0, ids, values)
+    start = row_run(ids)
+    if start is not None:  # a base's rows come in order: a plain copy
+        target[start : start + n].copy_(values)
+    else:
+        target.index_copy_(0, ids, values)
     return n
+
+
+def row_run(ids: torch.Tensor) -> int | None:
+    """``ids[0]`` if ``ids`` are ``ids[0], ids[0] + 1, ...`` (rows in order, as a base sends
+    them: copied as one block instead of row by row), else None."""
+    n = ids.numel()
+    if n < 2:
+        return int(ids[0]) if n == 1 else None
+    start = int(ids[0])
+    if int(ids[-1]) - start != n - 1:
+        return None
+    return start if bool((ids[1:] - ids[:-1] == 1).all()) else None
 
 
 class TensorDictApplier(Applier):

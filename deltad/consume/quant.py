@@ -77,7 +77,7 @@ from typing import Any, TypeVar
 import torch
 
 from deltad import wire
-from deltad.consume.appliers import Applier, ResyncStage, stages_of
+from deltad.consume.appliers import Applier, ResyncStage, row_run, stages_of
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConfigError, ConsumerError, UnsupportedModelError
 from deltad.types import ApplyConsistency, ServeDtype, Shard, WireDtype
@@ -735,8 +735,13 @@ class _QuantStage(ResyncStage):
         else:
             assert update.values is not None
             rows = t.pack(update.values)
-        _copy_rows(buf, ids, rows)
-        written[ids] = True
+        start = row_run(ids)
+        if start is not None:  # a base's rows come in order: one block copy
+            buf[start : start + n].copy_(rows)
+            written[start : start + n] = True
+        else:
+            _copy_rows(buf, ids, rows)
+            written[ids] = True
         return n
 
     def copies(self) -> list[tuple[QuantTable, torch.Tensor | None, torch.Tensor]]:
