@@ -52,7 +52,7 @@ class ResyncStage(abc.ABC):
     def __init__(self, applier: Applier) -> None:
         self.applier = applier
         self._lock = threading.Lock()
-        #: ranks that wrote (or opened) anything here: a failure of one of them discards it
+        #: ranks that took a shard here: a failure of one of them discards the stage
         self.ranks: set[int] = set()
         self.rows = 0  # rows written so far
         self.installed = False
@@ -66,12 +66,14 @@ class ResyncStage(abc.ABC):
         and ``apply`` writes them as before. Raises ConsumerError if they cannot be applied."""
         with self._lock:
             self._usable()
-            self.ranks.add(rank)
             try:
-                return self._open(shard, packed_row_bytes)
+                taken = self._open(shard, packed_row_bytes)
             except ConsumerError as e:
                 self.error = self.error or e
                 raise
+            if taken:
+                self.ranks.add(rank)
+            return taken
 
     def write(self, rank: int, update: ShardUpdate) -> None:
         """One chunk of an opened shard: check it, write its rows into the staged table."""
