@@ -153,6 +153,9 @@ def test_values_are_sane(results: dict[str, Any]) -> None:
             assert _nonneg(p["lag_p50_s"]) and _nonneg(p["lag_p99_s"])
             assert p["lag_p99_s"] >= p["lag_p50_s"]
             assert _pos(p["peak_rss_bytes"].get("trainer"))
+    if r := _ok(results, "bootstrap_mem"):
+        for p in r["points"]:
+            assert _pos(p["tables_bytes"]) and p["peak_rss"] >= p["rss_before"] > 0
     if r := _ok(results, "fidelity"):
         for p in r["points"]:
             assert _nonneg(p["bytes_per_hour"]) and _pos(p["full_sync_bytes_per_hour"])
