@@ -29,10 +29,10 @@ from deltad.config import ConsumerConfig, PullOptions, ServerConfig
 from deltad.consume.appliers import ResyncStage, TensorDictApplier, _TensorStage
 from deltad.consume.client import DeltaConsumer, PullResult, _applier_of
 from deltad.consume.quant import QuantApplier, packed_wire_dtype, quantize_model
-from deltad.consume.window import ShardUpdate
+from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConsumerError
 from deltad.serve.app import SidecarServer
-from deltad.types import ServeDtype, WireDtype
+from deltad.types import Cursor, Form, ServeDtype, Shard, WireDtype
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -339,3 +339,46 @@ def test_sync_streams_only_into_appliers_whose_apply_installs_stages() -> None:
     assert _applier_of(custom) is custom
     assert _applier_of(custom.apply) is None
     assert _applier_of(lambda deltas: plain.apply(deltas)) is None
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["fresh", "held"])
+def test_a_staged_resync_and_another_ranks_delta_equal_the_assembled_apply(held: bool) -> None:
+    """One pull where rank 0 resyncs (streamed: rows 0..4 and 9 in two chunks, columns 0..4
+    of rows 5..6 in a third) and rank 1 sends a plain delta into the same table (rows 7, 8):
+    applying both gives the same table as applying the assembled windows, fresh or over a
+    held table (whose rows no window carries keep their values, in place)."""
+    gen = torch.Generator().manual_seed(0)
+    full = Shard.columns_of("t", 10, 8, 0, 8)
+    cols = Shard.columns_of("t", 10, 8, 0, 4)
+    parts = [
+        ShardUpdate(full, torch.arange(0, 3), torch.randn(3, 8, generator=gen)),
+        ShardUpdate(full, torch.tensor([3, 4, 9]), torch.randn(3, 8, generator=gen)),
+        ShardUpdate(cols, torch.tensor([5, 6]), torch.randn(2, 4, generator=gen)),
+    ]
+    other = ShardUpdate(full, torch.tensor([7, 8]), torch.randn(2, 8, generator=gen))
+
+    def delta(rank: int, shards: list[ShardUpdate], resync: bool) -> RankDelta:
+        return RankDelta(
+            rank=rank, generation=1, resync=resync, from_seq=0, to_seq=1, to_step=10,
+            form=Form.ROWS, wire_dtype=WireDtype.FP32, cursor=Cursor("c", rank, 1, 1, 10),
+            shards=shards, rows=sum(s.ids.numel() for s in shards),
+        )  # fmt: skip
+
+    start = torch.randn(10, 8, generator=gen)
+    a = TensorDictApplier({"t": start.clone()} if held else None)
+    a.apply([delta(0, parts, True), delta(1, [other], False)])
+    b = TensorDictApplier({"t": start.clone()} if held else None)
+    kept = b.tables().get("t")
+    stage = b.stage()
+    assert stage.open(0, full, 0) and stage.open(0, cols, 0)
+    for p in parts:
+        stage.write(0, p)
+    assert torch.equal(b.tables()["t"], start) if held else b.tables() == {}  # nothing yet
+    d0 = delta(0, [], True)
+    d0.stage, d0.rows = stage, 8
+    assert b.apply([d0, delta(1, [other], False)]) == 10
+    assert torch.equal(b.tables()["t"], a.tables()["t"])
+    if held:
+        assert b.tables()["t"] is kept
+        assert torch.equal(b.tables()["t"][5:7, 4:], start[5:7, 4:])  # columns not sent
+    assert stage.installed
