@@ -44,6 +44,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "stall": ("bench.stall", "publish stall per segment and background write rate vs size"),
     "freshness": ("bench.freshness", "trainer step -> predictor serving it: p50/p99 lag"),
     "fidelity": ("bench.fidelity", "bytes per predictor-hour vs row error, rows/top-k/dtypes"),
+    "bootstrap_mem": (
+        "bench.bootstrap_mem",
+        "predictor bootstrap peak RSS / tables, assembled vs streamed",
+    ),
     "serving": (
         "bench.serving",
         "int8 serving model: forward p50/p99 under apply vs idle; apply rows/s vs bare fbgemm",

@@ -191,7 +191,8 @@ class SyncLoop:
     def pull_once(self, consumer: DeltaConsumer, n: int) -> PullLogLine:
         """One pull, apply (not for the ids form), commit; the record of what happened."""
         t0 = time.monotonic()
-        result = consumer.pull()
+        ids_only = consumer.config.pull.form is Form.IDS
+        result = consumer.pull(applier=None if ids_only else self.applier)  # resyncs: streamed
         t1 = time.monotonic()
         if result.deltas and consumer.config.pull.form is not Form.IDS:
             if self.forwards is not None:

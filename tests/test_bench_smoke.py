@@ -157,6 +157,9 @@ def test_values_are_sane(results: dict[str, Any]) -> None:
         for p in r["points"]:
             assert 0 < p["diff_bytes"] < p["full_bytes"] and _pos(_med(p["diff_s"]))
             assert _pos(_med(p["full_s"])) and _pos(_med(p["herd_s"]))
+    if r := _ok(results, "bootstrap_mem"):
+        for p in r["points"]:
+            assert _pos(p["tables_bytes"]) and p["peak_rss"] >= p["rss_before"] > 0
     if r := _ok(results, "fidelity"):
         for p in r["points"]:
             assert _nonneg(p["bytes_per_hour"]) and _pos(p["full_sync_bytes_per_hour"])

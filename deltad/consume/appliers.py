@@ -10,6 +10,16 @@ are the largest thing on the host, to protect a write that takes milliseconds. I
 any is bad), then writes all of them while holding :attr:`Applier.lock`; a reader that
 looks rows up inside ``with applier.reading():`` sees either none or all of a window,
 across all ranks of one aligned pull.
+
+Streamed resyncs (bootstrap memory): a resync window carries every row of its tables, so
+assembling it and then writing it costs twice the tables. :meth:`Applier.stage` (the one hook
+for this) returns a :class:`ResyncStage`: the consumer library (``DeltaConsumer.sync`` /
+``pull(applier=...)``) writes each RowChunk of a resync window into the stage's tables as it
+arrives, one chunk's rows at a time, and :meth:`Applier.apply` installs the stage with the rest
+of the window (the windows carry it in ``RankDelta.stage``). A stage is installed whole or
+not at all: a broken stream, a failed check or a dropped multi-rank pull discards it and the
+held tables never saw any of it. Appliers whose ``stage()`` returns None (the default, e.g.
+:class:`TorchRecApplier`) get assembled windows as before.
 """
 
 from __future__ import annotations
@@ -23,6 +33,99 @@ import torch
 
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConsumerError
+from deltad.types import Shard
+
+
+class ResyncStage(abc.ABC):
+    """Tables a resync window's rows are written into as its chunks arrive, installed by
+    :meth:`Applier.apply` only once every rank's stream completed and the pull was kept.
+
+    One stage serves one pull of every rank (several threads at once): ranks' windows fill
+    disjoint parts of it (row-wise shards: other rows of a table; column-wise: other columns;
+    table-wise: other tables). The consumer library calls :meth:`open` for every table slice
+    of a resync window's header, :meth:`write` for each of its chunks, then hands the windows
+    to ``apply`` (which calls :meth:`prepare` and :meth:`commit` under the applier's lock) or
+    calls :meth:`discard`. Implementations override :meth:`_open`, :meth:`_write`,
+    :meth:`commit` and :meth:`_release`.
+    """
+
+    def __init__(self, applier: Applier) -> None:
+        self.applier = applier
+        self._lock = threading.Lock()
+        #: ranks that took a shard here: a failure of one of them discards the stage
+        self.ranks: set[int] = set()
+        self.rows = 0  # rows written so far
+        self.installed = False
+        self.discarded: str | None = None  # why, once discarded
+        #: the applier refused a shard (ConsumerError): the pull raises it, as apply would
+        self.error: ConsumerError | None = None
+
+    def open(self, rank: int, shard: Shard, packed_row_bytes: int) -> bool:
+        """A resync window's header announces ``shard`` (``packed_row_bytes``: > 0 if its rows
+        come packed). True: its rows go here, chunk by chunk; False: they stay in the window
+        and ``apply`` writes them as before. Raises ConsumerError if they cannot be applied."""
+        with self._lock:
+            self._usable()
+            try:
+                taken = self._open(shard, packed_row_bytes)
+            except ConsumerError as e:
+                self.error = self.error or e
+                raise
+            if taken:
+                self.ranks.add(rank)
+            return taken
+
+    def write(self, rank: int, update: ShardUpdate) -> None:
+        """One chunk of an opened shard: check it, write its rows into the staged table."""
+        self._usable()
+        try:
+            n = self._write(update)
+        except ConsumerError as e:
+            self.error = self.error or e
+            raise
+        with self._lock:
+            self.rows += n
+
+    def touched(self, rank: int) -> bool:
+        """Whether ``rank`` put anything here (its failed stream then spoils the stage)."""
+        with self._lock:
+            return rank in self.ranks
+
+    def prepare(self) -> None:
+        """Under the applier's lock, before anything is written: raise ConsumerError if the
+        stage cannot be installed (discarded, installed already, or the tables changed)."""
+        self._usable()
+
+    def discard(self, why: str = "discarded") -> None:
+        """Drop the staged tables (the held tables never saw them)."""
+        with self._lock:
+            if self.installed or self.discarded is not None:
+                return
+            self.discarded = why
+            self._release()
+
+    def _usable(self) -> None:
+        if self.installed:
+            raise ConsumerError("this pull's staged resync was installed already")
+        if self.discarded is not None:
+            raise ConsumerError(f"this pull's staged resync was discarded ({self.discarded})")
+
+    @abc.abstractmethod
+    def _open(self, shard: Shard, packed_row_bytes: int) -> bool:
+        """:meth:`open` under the stage's lock."""
+
+    @abc.abstractmethod
+    def _write(self, update: ShardUpdate) -> int:
+        """:meth:`write`: the rows written (threads of other ranks write at the same time)."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Under the applier's lock, after :meth:`prepare` passed: the staged rows replace the
+        held ones (must not fail); then release the staged tables."""
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Drop every reference to staged tables."""
 
 
 class Applier(abc.ABC):
@@ -45,6 +148,11 @@ class Applier(abc.ABC):
         with self.lock:
             yield
 
+    def stage(self) -> ResyncStage | None:
+        """A new stage to stream one pull's resync windows into, or None (the default): this
+        applier takes assembled windows only. See :class:`ResyncStage`."""
+        return None
+
     def _begin(self) -> None:
         """A window's checks start: tables ``table`` allocates now are staged, not held."""
         return None  # tables that are never replaced (TorchRecApplier) stage nothing
@@ -61,8 +169,11 @@ class Applier(abc.ABC):
         """Write every shard update of ``deltas`` atomically; return the number of rows written."""
         with self.lock:
             plan: list[tuple[torch.Tensor, ShardUpdate]] = []
+            stages = stages_of(deltas, self)
             self._begin()
             try:
+                for st in stages:
+                    st.prepare()
                 for d in deltas:
                     for s in d.shards:
                         if s.values is None:
@@ -77,13 +188,35 @@ class Applier(abc.ABC):
                         plan.append((t, s))
             except BaseException:
                 self._discard()
+                for st in stages:
+                    st.discard("apply failed its checks")
                 raise
-            self._install()
             rows = 0
             with torch.no_grad():
+                for st in stages:  # before the rest: other ranks' rows may go on top
+                    rows += st.rows
+                    st.commit()
+                self._install()
                 for t, s in plan:
                     rows += _write(t, s)
             return rows
+
+
+def stages_of(deltas: Sequence[RankDelta], applier: Applier) -> list[ResyncStage]:
+    """The distinct stages ``deltas`` were streamed into; ConsumerError if one belongs to
+    another applier (its rows would be lost)."""
+    out: list[ResyncStage] = []
+    for d in deltas:
+        st = getattr(d, "stage", None)
+        if st is None or any(st is x for x in out):
+            continue
+        if not isinstance(st, ResyncStage) or st.applier is not applier:
+            raise ConsumerError(
+                f"rank {d.rank}: this window was staged into another applier (pull(applier=) "
+                f"and apply must use the same one)"
+            )
+        out.append(st)
+    return out
 
 
 def _check(t: torch.Tensor, s: ShardUpdate) -> None:
@@ -116,8 +249,24 @@ def _write(t: torch.Tensor, s: ShardUpdate) -> int:
         if (s.shard.col_start, s.shard.col_end) == (0, t.shape[1])
         else t[:, s.shard.col_start : s.shard.col_end]
     )
-    target.index_copy_(0, ids, values)
+    start = row_run(ids)
+    if start is not None:  # a base's rows come in order: a plain copy
+        target[start : start + n].copy_(values)
+    else:
+        target.index_copy_(0, ids, values)
     return n
+
+
+def row_run(ids: torch.Tensor) -> int | None:
+    """``ids[0]`` if ``ids`` are ``ids[0], ids[0] + 1, ...`` (rows in order, as a base sends
+    them: copied as one block instead of row by row), else None."""
+    n = ids.numel()
+    if n < 2:
+        return int(ids[0]) if n == 1 else None
+    start = int(ids[0])
+    if int(ids[-1]) - start != n - 1:
+        return None
+    return start if bool((ids[1:] - ids[:-1] == 1).all()) else None
 
 
 class TensorDictApplier(Applier):
@@ -159,6 +308,96 @@ class TensorDictApplier(Applier):
 
     def tables(self) -> dict[str, torch.Tensor]:
         return self._tables
+
+    def stage(self) -> ResyncStage:
+        """Resync rows streamed into staged tables (see :class:`ResyncStage`)."""
+        return _TensorStage(self)
+
+
+#: rows per copy when a staged table's written rows go into a held one
+_COPY_ROWS = 65536
+
+
+class _TensorStage(ResyncStage):
+    """A :class:`TensorDictApplier`'s stage. A table the applier does not hold (or holds in
+    another shape) is staged as a new zero table and installed as it is, as ``apply`` does with
+    an assembled resync; a held table of the same shape is staged in a scratch tensor whose
+    written cells (rows x the shard's columns, tracked per column range) are copied into the
+    held table in place at install, so the rows a window does not carry keep their values and
+    references to the held tensor stay valid, exactly as an assembled resync writes it."""
+
+    def __init__(self, applier: TensorDictApplier) -> None:
+        super().__init__(applier)
+        self._applier = applier
+        self._fresh: dict[str, torch.Tensor] = {}
+        #: name -> (scratch, held)
+        self._over: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: (name, col_start, col_end) -> bool [num_rows]: rows written (tables in _over)
+        self._written: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        t = self._fresh.get(name)
+        return t if t is not None else self._over[name][0] if name in self._over else None
+
+    def _open(self, shard: Shard, packed_row_bytes: int) -> bool:
+        if packed_row_bytes:  # packed rows are for QuantApplier: apply refuses them as before
+            return False
+        name, shape = shard.table, (shard.num_rows, shard.dim)
+        t = self._target(name)
+        if t is None:
+            held = self._applier._tables.get(name)
+            if held is None or tuple(held.shape) != shape:
+                dtype = self._applier.dtype if held is None else held.dtype
+                self._fresh[name] = t = torch.zeros(*shape, dtype=dtype)
+            else:
+                t = torch.empty_like(held)  # pages are touched only where rows are written
+                self._over[name] = (t, held)
+        if tuple(t.shape) != shape:
+            raise ConsumerError(f"table {name}: staged shape {tuple(t.shape)} != sent {shape}")
+        key = (name, shard.col_start, shard.col_end)
+        if name in self._over and key not in self._written:
+            self._written[key] = torch.zeros(shard.num_rows, dtype=torch.bool)
+        return True
+
+    def _write(self, update: ShardUpdate) -> int:
+        s = update.shard
+        t = self._target(s.table)
+        if t is None:
+            raise ConsumerError(f"table {s.table}: rows of a slice the header did not announce")
+        _check(t, update)
+        with torch.no_grad():
+            n = _write(t, update)
+        mask = self._written.get((s.table, s.col_start, s.col_end))
+        if mask is not None and n:
+            mask[update.ids] = True
+        return n
+
+    def prepare(self) -> None:
+        super().prepare()
+        for name, (_, held) in self._over.items():
+            if self._applier._tables.get(name) is not held:
+                raise ConsumerError(f"table {name} was replaced while its resync was staged")
+        self._applier._staged.update(self._fresh)  # installed with the window
+
+    def commit(self) -> None:
+        for (name, a, b), mask in self._written.items():
+            scratch, held = self._over[name]
+            ids = mask.nonzero().squeeze(1)
+            whole = (a, b) == (0, held.shape[1])
+            if ids.numel() == held.shape[0] and whole:
+                held.copy_(scratch)
+                continue
+            src = scratch if whole else scratch[:, a:b]
+            dst = held if whole else held[:, a:b]
+            for i in range(0, ids.numel(), _COPY_ROWS):
+                part = ids[i : i + _COPY_ROWS]
+                dst.index_copy_(0, part.to(dst.device), src.index_select(0, part.to(src.device)))
+        with self._lock:
+            self.installed = True
+            self._release()
+
+    def _release(self) -> None:
+        self._fresh, self._over, self._written = {}, {}, {}
 
 
 class TorchRecApplier(Applier):

@@ -23,6 +23,14 @@ Otherwise the whole pull is dropped uncommitted (``PullResult.missing`` says why
 rows come again next time. A commit that fails (sidecar down) stays pending and is retried
 before that rank's next pull; commits only move forward, so none is lost or duplicated.
 
+Bootstrap memory: ``c.sync(applier.apply)`` (or ``c.pull(applier=applier)`` then
+``applier.apply(result.deltas)``) streams every resync window's rows into the applier's staged
+tables as the chunks arrive (:class:`deltad.consume.appliers.ResyncStage`), instead of
+assembling the whole window first: a bootstrap costs the tables once, not twice. One stage
+serves all ranks of a pull; it is discarded (the held tables untouched, the ranks' rows come
+again next pull) whenever the pull's windows are not all handed to the caller: a rank that
+failed after it staged rows, a dropped aligned pull, the applier refusing a table.
+
 ``auto_commit`` (at-most-once, for simple readers): without alignment the server commits as
 each stream completes; with alignment the client commits right after every rank answered,
 so a pull it drops (ranks disagree) is never committed.
@@ -36,11 +44,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import grpc
 import torch
 
 from deltad import wire
 from deltad.config import ConsumerConfig
 from deltad.consume import decode
+from deltad.consume.appliers import Applier, ResyncStage
 from deltad.consume.sidecars import RankLink, RankStatus, Sidecars
 from deltad.consume.window import Cursor, RankDelta
 from deltad.errors import ConfigError, ConsumerError, OverloadedError, SidecarUnavailableError
@@ -205,10 +215,22 @@ class DeltaConsumer:
             out.append(res)
         return out
 
-    def pull(self) -> PullResult:
-        """Read every rank's window (aligned on one trainer step when ``align_steps``)."""
+    def pull(self, *, applier: Applier | None = None) -> PullResult:
+        """Read every rank's window (aligned on one trainer step when ``align_steps``).
+
+        With ``applier``, resync windows are streamed into its stage (:meth:`Applier.stage`)
+        as they arrive: apply the result with that applier (``applier.apply(result.deltas)``).
+        """
         started = time.monotonic()
-        result = self._pull()
+        stage = applier.stage() if applier is not None else None
+        try:
+            result = self._pull(stage)
+        except BaseException:
+            if stage is not None:
+                stage.discard("the pull failed")
+            raise
+        if stage is not None:
+            result = self._keep_stage(result, stage)
         log.info(
             "pull %s step %s: %s: %d rows, %d bytes, %.0f ms%s",
             self.config.consumer, result.step,
@@ -221,7 +243,40 @@ class DeltaConsumer:
         )  # fmt: skip
         return result
 
-    def _pull(self) -> PullResult:
+    def _keep_stage(self, result: PullResult, stage: ResyncStage) -> PullResult:
+        """Discard ``stage`` unless every rank that staged rows into it delivered its window
+        in ``result``: a rank that failed mid-stream left rows of a window that will not be
+        applied, which nothing can tell from the rows other ranks staged next to them (a
+        row-wise shard shares its tables). The windows that were streamed go with it: their
+        ranks count as missing and ask for their full tables again."""
+        if stage.error is not None:
+            stage.discard(str(stage.error))
+            for d in result.deltas:
+                if d.stage is stage:
+                    self._ranks[d.rank].needs_base = True
+            raise stage.error  # the applier refused the window, as apply would have
+        delivered = {d.rank for d in result.deltas if d.stage is stage}
+        spoiled = sorted(stage.ranks - delivered)
+        if not spoiled:
+            if not delivered:
+                stage.discard("nothing streamed")
+            return result
+        why = f"resync discarded: rank(s) {spoiled} failed after staging rows"
+        stage.discard(why)
+        kept = []
+        for d in result.deltas:
+            if d.stage is stage:  # (auto-committed or not) the full tables come again
+                result.missing[d.rank] = why
+                self._ranks[d.rank].needs_base = True
+            else:
+                kept.append(d)
+        result.deltas = kept
+        if not kept:
+            result.step = None
+        log.warning("pull %s: %s", self.config.consumer, why)
+        return result
+
+    def _pull(self, stage: ResyncStage | None = None) -> PullResult:
         self._require_connected()
         result = PullResult(pulled_unix=time.time())
         flushed = self._parallel(self._sidecars.flush_pending)
@@ -229,11 +284,11 @@ class DeltaConsumer:
             if isinstance(res, Exception):
                 result.missing[r.rank] = f"pending commit: {res}"
         if self.config.align_steps:
-            return self._handed(self._pull_aligned(result))
+            return self._handed(self._pull_aligned(result, stage))
         # A rank whose commit is still pending is not pulled: a new pull would supersede it.
         ready = [r for r in self._ranks if r.rank not in result.missing]
         deltas = _raise_overloaded(
-            self._parallel(lambda r: self._get_delta(r, self.config.pull.max_step), ready)
+            self._parallel(lambda r: self._get_delta(r, self.config.pull.max_step, stage), ready)
         )
         for r, got in zip(ready, deltas, strict=True):
             if isinstance(got, RankDelta):
@@ -280,17 +335,36 @@ class DeltaConsumer:
                 done.append(r.rank)
         return done
 
-    def sync(self, apply: Callable[[Sequence[RankDelta]], object]) -> PullResult:
-        """pull, ``apply(deltas)`` (e.g. ``applier.apply``), commit; return the pull."""
-        result = self.pull()
-        if result.deltas:
-            apply(result.deltas)
-            self.commit(result)
+    def sync(self, apply: Callable[[Sequence[RankDelta]], object] | Applier) -> PullResult:
+        """pull, ``apply(deltas)`` (e.g. ``applier.apply``), commit; return the pull.
+
+        ``applier.apply`` of deltad's appliers (or an applier itself) streams resync windows
+        into the applier's stage (see :meth:`pull`); any other callable, or the ``apply`` of a
+        subclass that overrides it, gets assembled windows.
+        """
+        applier = _applier_of(apply)
+        fn = apply.apply if isinstance(apply, Applier) else apply
+        result = self.pull(applier=applier)
+        try:
+            if result.deltas:
+                fn(result.deltas)
+                self.commit(result)
+        finally:  # an apply that failed leaves its stage: drop the staged tables now
+            for d in result.deltas:
+                if d.stage is not None:
+                    d.stage.discard("apply did not install it")
         return result
 
     # ---- pulls -----------------------------------------------------------------------------
 
-    def _pull_aligned(self, result: PullResult) -> PullResult:
+    def _pull_aligned(self, result: PullResult, stage: ResyncStage | None = None) -> PullResult:
+        # Streaming into ``stage`` does not change what this keeps: windows are staged as they
+        # arrive, but whenever this returns without handing every rank's window to the caller
+        # (a rank missing, ranks at other generations or steps), the staged rows of the ranks
+        # that did answer belong to no kept window, and pull() discards the stage
+        # (_keep_stage: a stage is kept only if every rank that touched it is in
+        # result.deltas). The target step is chosen from Status before any GetDelta, so
+        # every rank's window ends at one step or the pull is dropped whole.
         statuses: dict[int, RankStatus] = {}
         for r, st in zip(self._ranks, self._parallel(self._sidecars.status), strict=True):
             if isinstance(st, RankStatus):
@@ -313,7 +387,7 @@ class DeltaConsumer:
             target = _dense_target(list(statuses.values()), target)
         result.head_step = max(s.head_step for s in statuses.values())
         deltas: list[RankDelta] = []
-        got_all = _raise_overloaded(self._parallel(lambda r: self._get_delta(r, target)))
+        got_all = _raise_overloaded(self._parallel(lambda r: self._get_delta(r, target, stage)))
         for r, got in zip(self._ranks, got_all, strict=True):
             if isinstance(got, RankDelta):
                 deltas.append(got)
@@ -346,16 +420,21 @@ class DeltaConsumer:
             req.max_step = max_step
         return req
 
-    def _get_delta(self, r: RankLink, max_step: int | None) -> RankDelta:
+    def _get_delta(
+        self, r: RankLink, max_step: int | None, stage: ResyncStage | None = None
+    ) -> RankDelta:
         req = self._request(r, max_step)
         started = time.monotonic()
-        delta = self._sidecars.retry(
-            r,
-            "GetDelta",
-            lambda ch, timeout, md: decode.pull(
-                ch, req, timeout=timeout, metadata=md, pool=r.buffers
-            ),
-        )
+
+        def call(ch: grpc.Channel, timeout: float, md: Sequence[tuple[str, str]]) -> RankDelta:
+            if stage is not None and stage.touched(r.rank):
+                # an earlier attempt staged rows and broke: they cannot be told apart from
+                # the rows a retry would stage, so this pull's stage is spoiled (pull()
+                # discards it; the next pull starts over)
+                raise ConsumerError(f"rank {r.rank}: a resync stream broke after staging rows")
+            return decode.pull(ch, req, timeout=timeout, metadata=md, pool=r.buffers, stage=stage)
+
+        delta = self._sidecars.retry(r, "GetDelta", call)
         if delta.committed:
             r.committed = delta.cursor
         log.debug(
@@ -365,6 +444,20 @@ class DeltaConsumer:
             (time.monotonic() - started) * 1000,
         )  # fmt: skip
         return delta
+
+
+def _applier_of(apply: object) -> Applier | None:
+    """The applier whose stage ``sync(apply)`` streams into: ``apply`` itself, or the applier
+    of a bound ``applier.apply`` whose ``apply`` is this library's (a subclass that overrides
+    ``apply`` may not install stages: it gets assembled windows, unless it passes itself);
+    None for any other callable (assembled windows)."""
+    if isinstance(apply, Applier):
+        return apply
+    owner = getattr(apply, "__self__", None)
+    if not isinstance(owner, Applier) or getattr(apply, "__name__", "") != "apply":
+        return None
+    module = getattr(getattr(type(owner), "apply", None), "__module__", "") or ""
+    return owner if module.startswith("deltad.consume.") else None
 
 
 def _dense_target(statuses: list[RankStatus], target: int) -> int:

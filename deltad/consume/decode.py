@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -43,6 +43,9 @@ from deltad.wire import (
     packed_refusal,
     packed_row_bytes,
 )
+
+if TYPE_CHECKING:
+    from deltad.consume.appliers import ResyncStage
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -94,8 +97,11 @@ class _Slot:
         pool: BufferPool | None,
         row_bytes: int = 0,
         dtype: WireDtype = WireDtype.FP32,
+        streamed: bool = False,
     ) -> None:
         self.meta = s
+        #: rows go to a ResyncStage chunk by chunk: nothing is kept here
+        self.streamed = streamed
         #: the dtype of this slice's values (a packed response's fp32 slices differ)
         self.dtype = dtype
         self.count = s.count
@@ -107,7 +113,9 @@ class _Slot:
         self.ids = self.values = None
         self.ids_np: Any = None
         self.values_np: Any = None
-        if zero_copy:
+        if streamed:
+            pass
+        elif zero_copy:
             self.parts = []
         else:
             empty = torch.empty if pool is None else pool.take
@@ -131,6 +139,15 @@ class _Slot:
                 return ShardUpdate(shard, ids, None, owed, values)
             return ShardUpdate(shard, ids, values, owed)
 
+        if self.streamed:  # rows are in the stage; only what is owed stays with the window
+            if not m.owed:
+                return []
+            none = (
+                torch.empty(0, self.row_bytes, dtype=torch.uint8)
+                if self.row_bytes
+                else torch.empty(0, self.width)
+            )
+            return [update(torch.empty(0, dtype=torch.int64), none, m.owed)]
         if self.parts is None:
             assert self.ids is not None
             return [update(self.ids, self.values, m.owed)]
@@ -168,11 +185,26 @@ class WindowAssembler:
 
     With a :class:`~deltad.buffers.BufferPool` the copy mode fills buffers of earlier pulls
     that nothing references any more, so its pages are already mapped (see that module).
+
+    With a :class:`~deltad.consume.appliers.ResyncStage` (``stage``), a *resync* window's
+    slices that the stage takes (:meth:`ResyncStage.open <deltad.consume.appliers.ResyncStage.open>`)
+    are not assembled: each RowChunk's rows are decoded from the received bytes (fp32 and
+    packed rows as views of them, other dtypes dequantized per chunk) and written into the
+    stage's tables as the chunk arrives, then dropped. The result carries the stage
+    (``RankDelta.stage``) and only the slices the stage left. Other windows are assembled.
     """
 
-    def __init__(self, *, zero_copy: bool = False, pool: BufferPool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        zero_copy: bool = False,
+        pool: BufferPool | None = None,
+        stage: ResyncStage | None = None,
+    ) -> None:
         self.zero_copy = zero_copy
         self.pool = pool
+        self.stage = stage
+        self.streaming = False  # this window's rows go to ``stage``
         self.header: pb.DeltaHeader | None = None
         self.trailer: pb.DeltaTrailer | None = None
         self.form = Form.ROWS
@@ -302,9 +334,17 @@ class WindowAssembler:
                     )
             row_bytes.append(rb)
             dtypes.append(dtype)
+        streamed = [False] * len(h.slices)
+        if self.stage is not None and h.resync and with_values:
+            # every slice is opened before any row arrives: a table the applier refuses
+            # fails the pull before anything is staged for it
+            for i, s in enumerate(h.slices):
+                shard = Shard.columns_of(s.table, s.num_rows, s.dim, s.col_start, s.col_end)
+                streamed[i] = self.stage.open(h.rank, shard, row_bytes[i])
+            self.streaming = any(streamed)
         self.slots = [
-            _Slot(s, with_values, self.zero_copy, self.pool, rb, dt)
-            for s, rb, dt in zip(h.slices, row_bytes, dtypes, strict=True)
+            _Slot(s, with_values, self.zero_copy, self.pool, rb, dt, st)
+            for s, rb, dt, st in zip(h.slices, row_bytes, dtypes, streamed, strict=True)
         ]
         if h.HasField("dense"):
             self._on_dense_info(h.dense)
@@ -368,7 +408,9 @@ class WindowAssembler:
             raise StreamDecodeError(
                 f"chunk rows {offset}..{end} of slice {index}: expected row {slot.filled} next"
             )
-        if slot.parts is not None:
+        if slot.streamed:
+            self._stream_chunk(slot, count, ids, scale_bias, values)
+        elif slot.parts is not None:
             vals = None
             if slot.with_values and slot.row_bytes:
                 if len(values) != count * slot.row_bytes:
@@ -395,6 +437,29 @@ class WindowAssembler:
                 self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
         slot.filled += count
         self.bytes += len(ids) + len(scale_bias) + len(values)
+
+    def _stream_chunk(
+        self, slot: _Slot, count: int, ids: memoryview, scale_bias: memoryview, values: memoryview
+    ) -> None:
+        """One chunk of a streamed slice into the stage: ids, fp32 and packed rows as views of
+        the received bytes; fp16 / bf16 / int8 dequantized into a chunk-sized buffer."""
+        assert self.stage is not None and self.header is not None
+        packed = vals = None
+        if slot.row_bytes:
+            if len(values) != count * slot.row_bytes:
+                raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
+            packed = _view(values, torch.uint8).view(count, slot.row_bytes)
+        elif slot.dtype is WireDtype.FP32 and len(values) == count * slot.width * 4:
+            vals = _view(values, torch.float32).view(count, slot.width)
+        else:
+            out = np.empty((count, slot.width), dtype=np.float32)
+            self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
+            vals = torch.from_numpy(out)
+        m = slot.meta
+        shard = Shard.columns_of(m.table, m.num_rows, m.dim, m.col_start, m.col_end)
+        self.stage.write(
+            self.header.rank, ShardUpdate(shard, _view(ids, torch.int64), vals, 0, packed)
+        )
 
     def _fill_values(
         self,
@@ -478,6 +543,7 @@ class WindowAssembler:
                 h.diff_from_generation if h.HasField("diff_from_generation") else None
             ),
             resync_reason=h.resync_reason,
+            stage=self.stage if self.streaming else None,
         )
 
 
@@ -486,10 +552,11 @@ def decode_stream(
     *,
     zero_copy: bool = False,
     pool: BufferPool | None = None,
+    stage: ResyncStage | None = None,
 ) -> RankDelta:
     """Decode a whole GetDelta stream (parsed messages or raw bytes) into a RankDelta
-    (``zero_copy``, ``pool``: see :class:`WindowAssembler`)."""
-    asm = WindowAssembler(zero_copy=zero_copy, pool=pool)
+    (``zero_copy``, ``pool``, ``stage``: see :class:`WindowAssembler`)."""
+    asm = WindowAssembler(zero_copy=zero_copy, pool=pool, stage=stage)
     for m in messages:
         asm.add(m)
     return asm.result()
@@ -512,11 +579,12 @@ def pull(
     metadata: Sequence[tuple[str, str]] | None = None,
     zero_copy: bool = False,
     pool: BufferPool | None = None,
+    stage: ResyncStage | None = None,
 ) -> RankDelta:
     """Run one GetDelta on ``channel`` over the raw fast path and decode it.
 
     gRPC errors propagate as ``grpc.RpcError``; a malformed stream raises StreamDecodeError.
-    ``zero_copy``, ``pool``: see :class:`WindowAssembler`.
+    ``zero_copy``, ``pool``, ``stage``: see :class:`WindowAssembler`.
     """
     stream = raw_get_delta(channel)(request, timeout=timeout, metadata=metadata)
-    return decode_stream(stream, zero_copy=zero_copy, pool=pool)
+    return decode_stream(stream, zero_copy=zero_copy, pool=pool, stage=stage)

@@ -51,6 +51,14 @@ applier packs every row *before* it takes the write lock, then
 Writers wait for forwards in flight and new forwards wait for a waiting writer (writer
 preference), so an apply is never starved by a stream of forwards.
 
+Streamed resyncs (:meth:`QuantApplier.stage`, used by ``DeltaConsumer.sync(applier.apply)``):
+a resync window's whole-row shards are packed chunk by chunk, as they arrive, into a staging
+copy of each table's rows (``[num_rows, row_bytes]`` uint8, pages touched only where rows are
+written, plus a 1-byte written mask per row); the serving rows are untouched until ``apply``
+copies the written rows in, under the same consistency as any window (``CHUNK``: write lock
+per ``chunk_rows`` rows; ``WINDOW``: one hold for the whole window). A stream that breaks
+discards the staging copy. Column shards still take the assembled path (the shadow above).
+
 Sharded quantized models: torchrec 1.8 cannot shard a quantized model for inference on a
 CPU-only build (``shard_quant_model(..., compute_device="cpu")`` asserts CUDA); see
 ``tests/test_quant_applier.py::test_shard_quant_model_needs_cuda``. The applier therefore
@@ -69,10 +77,10 @@ from typing import Any, TypeVar
 import torch
 
 from deltad import wire
-from deltad.consume.appliers import Applier
+from deltad.consume.appliers import Applier, ResyncStage, row_run, stages_of
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConfigError, ConsumerError, UnsupportedModelError
-from deltad.types import ApplyConsistency, ServeDtype, WireDtype
+from deltad.types import ApplyConsistency, ServeDtype, Shard, WireDtype
 
 #: fp16 scale + fp16 bias in front of an int8 / int4 row (fbgemm's default layout)
 SCALE_BIAS_BYTES = 4
@@ -383,6 +391,10 @@ class QuantApplier(Applier):
     def table(self, name: str, num_rows: int, dim: int, *, resync: bool) -> torch.Tensor:
         return self._table(name, num_rows, dim).rows
 
+    def stage(self) -> ResyncStage:
+        """Resync rows streamed into staging copies (see the module docstring)."""
+        return _QuantStage(self)
+
     def tables(self) -> dict[str, torch.Tensor]:
         """``{table: uint8 [num_rows, row_bytes]}`` views of the serving rows (not copies)."""
         return {n: t.rows for n, t in self._tables.items()}
@@ -431,13 +443,28 @@ class QuantApplier(Applier):
         """
         with self._apply_mutex:
             t0 = time.perf_counter()
-            plan = self._plan(deltas)
-            dense: dict[str, torch.Tensor] = {}
-            for d in deltas:
-                dense.update(getattr(d, "dense", None) or {})
-            dense_plan = self._plan_dense(dense)
+            stages = stages_of(deltas, self)
+            try:
+                staged: list[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = []
+                for st in stages:
+                    st.prepare()
+                    assert isinstance(st, _QuantStage)
+                    staged += st.copies()
+                plan = self._plan(deltas)
+                dense: dict[str, torch.Tensor] = {}
+                for d in deltas:
+                    dense.update(getattr(d, "dense", None) or {})
+                dense_plan = self._plan_dense(dense)
+            except BaseException:
+                for st in stages:
+                    st.discard("apply failed its checks")
+                raise
+            for t, _, _ in staged:  # a base restarts the table: columns seen before are void
+                self._shadows.pop(t.name, None)
             t1 = time.perf_counter()
-            stats = self._write(plan, dense_plan)
+            stats = self._write(plan, dense_plan, staged)
+            for st in stages:
+                st.commit()
             stats.pack_s = t1 - t0
             self.stats = stats
             return stats.rows
@@ -459,7 +486,7 @@ class QuantApplier(Applier):
             )
         return t
 
-    def _check(self, d: RankDelta, s: ShardUpdate) -> QuantTable:
+    def _check(self, d: RankDelta | None, s: ShardUpdate) -> QuantTable:
         t = self._table(s.shard.table, s.shard.num_rows, s.shard.dim)
         if not 0 <= s.shard.col_start < s.shard.col_end <= s.shard.dim:
             raise ConsumerError(
@@ -485,6 +512,8 @@ class QuantApplier(Applier):
         elif s.values is None:
             raise ConsumerError(
                 f"rank {d.rank}: table {s.shard.table} has no values (form {d.form.value})"
+                if d is not None
+                else f"table {s.shard.table}: no values"
             )
         elif s.values.shape != (n, s.shard.width):
             raise ConsumerError(
@@ -517,14 +546,7 @@ class QuantApplier(Applier):
             ids = s.ids.to(dtype=torch.int64, device="cpu")
             packed = getattr(s, "packed", None)
             if packed is not None:
-                rows = packed.to("cpu")
-                if rows.shape[1] > t.row_bytes:  # a larger wire alignment: padding only
-                    rows = rows[:, : t.row_bytes]
-                if rows.shape[1] != t.row_bytes:
-                    padded = torch.zeros(rows.shape[0], t.row_bytes, dtype=torch.uint8)
-                    padded[:, : rows.shape[1]] = rows
-                    rows = padded
-                full.setdefault(t.name, []).append((ids, rows.contiguous()))
+                full.setdefault(t.name, []).append((ids, _table_rows(t, packed)))
             elif (s.shard.col_start, s.shard.col_end) == (0, s.shard.dim):
                 assert s.values is not None
                 full.setdefault(t.name, []).append((ids, t.pack(s.values)))
@@ -594,17 +616,40 @@ class QuantApplier(Applier):
         self,
         plan: list[tuple[QuantTable, torch.Tensor, torch.Tensor]],
         dense: list[tuple[torch.Tensor, Any]],
+        staged: Sequence[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = (),
     ) -> ApplyStats:
+        """Copy ``staged`` (``(table, ids, staging rows)``: rows ``ids`` -- None: every row --
+        of the staging copy) first, then ``plan`` (``(table, ids, rows)``), then ``dense``,
+        chunk by chunk."""
         stats = ApplyStats()
-        chunks: list[tuple[QuantTable, torch.Tensor, torch.Tensor]] = []
+        #: (table, ids or a row range, rows, staged): staged rows are gathered at copy time
+        chunks: list[tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool]] = []
+        for t, ids, rows in staged:
+            if ids is None:  # every row: contiguous ranges, no index
+                for i in range(0, t.num_rows, self.chunk_rows):
+                    chunks.append((t, slice(i, min(t.num_rows, i + self.chunk_rows)), rows, True))
+                continue
+            for i in range(0, ids.numel(), self.chunk_rows):
+                chunks.append((t, ids[i : i + self.chunk_rows], rows, True))
         for t, ids, rows in plan:
             for i in range(0, ids.numel(), self.chunk_rows):
-                chunks.append((t, ids[i : i + self.chunk_rows], rows[i : i + self.chunk_rows]))
+                chunks.append(
+                    (t, ids[i : i + self.chunk_rows], rows[i : i + self.chunk_rows], False)
+                )
         t0 = time.perf_counter()
 
-        def copy_rows(t: QuantTable, ids: torch.Tensor, rows: torch.Tensor) -> None:
-            _copy_rows(t.rows, ids, rows)
-            stats.rows += int(ids.numel())
+        def gather(c: tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool]) -> torch.Tensor:
+            if not c[3]:
+                return c[2]
+            return c[2][c[1]] if isinstance(c[1], slice) else c[2].index_select(0, c[1])
+
+        def copy_rows(t: QuantTable, ids: torch.Tensor | slice, rows: torch.Tensor) -> None:
+            if isinstance(ids, slice):
+                t.rows[ids].copy_(rows)
+                stats.rows += int(rows.shape[0])
+            else:
+                _copy_rows(t.rows, ids, rows)
+                stats.rows += int(ids.numel())
             stats.chunks += 1
 
         def copy_dense() -> None:
@@ -617,14 +662,15 @@ class QuantApplier(Applier):
                 with self.serving_lock.write():
                     h = time.perf_counter()
                     for c in chunks:
-                        copy_rows(*c)
+                        copy_rows(c[0], c[1], gather(c))
                     copy_dense()
                     stats.max_hold_s = time.perf_counter() - h
             else:
                 for c in chunks:
+                    rows = gather(c)  # outside the lock
                     with self.serving_lock.write():
                         h = time.perf_counter()
-                        copy_rows(*c)
+                        copy_rows(c[0], c[1], rows)
                         stats.max_hold_s = max(stats.max_hold_s, time.perf_counter() - h)
                 if dense:
                     with self.serving_lock.write():
@@ -633,6 +679,86 @@ class QuantApplier(Applier):
                         stats.max_hold_s = max(stats.max_hold_s, time.perf_counter() - h)
         stats.copy_s = time.perf_counter() - t0
         return stats
+
+
+def _table_rows(t: QuantTable, packed: torch.Tensor) -> torch.Tensor:
+    """Packed wire rows (checked: :meth:`QuantApplier._check`) as ``t``'s padded rows."""
+    rows = packed.to("cpu")
+    if rows.shape[1] > t.row_bytes:  # a larger wire alignment: padding only
+        rows = rows[:, : t.row_bytes]
+    if rows.shape[1] != t.row_bytes:
+        padded = torch.zeros(rows.shape[0], t.row_bytes, dtype=torch.uint8)
+        padded[:, : rows.shape[1]] = rows
+        rows = padded
+    return rows.contiguous()
+
+
+class _QuantStage(ResyncStage):
+    """A :class:`QuantApplier`'s stage: per table a staging copy of its rows and a mask of
+    the rows written; whole-row shards only (column shards stay in the window)."""
+
+    def __init__(self, applier: QuantApplier) -> None:
+        super().__init__(applier)
+        self._applier = applier
+        #: name -> (table, staging rows uint8 [num_rows, row_bytes], written bool [num_rows])
+        self._bufs: dict[str, tuple[QuantTable, torch.Tensor, torch.Tensor]] = {}
+
+    def _open(self, shard: Shard, packed_row_bytes: int) -> bool:
+        t = self._applier._table(shard.table, shard.num_rows, shard.dim)
+        if not shard.covers_full_row:
+            return False  # the shadow of the assembled path merges columns
+        if packed_row_bytes and packed_row_bytes < t.data_bytes:
+            raise ConsumerError(
+                f"table {t.name}: packed rows of {packed_row_bytes} bytes, the table's "
+                f"{t.dtype.value} rows have {t.data_bytes}"
+            )
+        if t.name not in self._bufs:
+            self._bufs[t.name] = (
+                t,
+                torch.empty(t.num_rows, t.row_bytes, dtype=torch.uint8),
+                torch.zeros(t.num_rows, dtype=torch.bool),
+            )
+        return True
+
+    def _write(self, update: ShardUpdate) -> int:
+        entry = self._bufs.get(update.shard.table)
+        if entry is None:
+            raise ConsumerError(f"table {update.shard.table}: rows of a slice not announced")
+        t, buf, written = entry
+        self._applier._check(None, update)
+        n = update.ids.numel()
+        if n == 0:
+            return 0
+        ids = update.ids.to(dtype=torch.int64, device="cpu")
+        if update.packed is not None:
+            rows = _table_rows(t, update.packed)
+        else:
+            assert update.values is not None
+            rows = t.pack(update.values)
+        start = row_run(ids)
+        if start is not None:  # a base's rows come in order: one block copy
+            buf[start : start + n].copy_(rows)
+            written[start : start + n] = True
+        else:
+            _copy_rows(buf, ids, rows)
+            written[ids] = True
+        return n
+
+    def copies(self) -> list[tuple[QuantTable, torch.Tensor | None, torch.Tensor]]:
+        """``(table, ids or None: every row, staging rows)``: the rows to copy in."""
+        out: list[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = []
+        for t, buf, written in self._bufs.values():
+            out.append((t, None if bool(written.all()) else written.nonzero().squeeze(1), buf))
+        return out
+
+    def commit(self) -> None:
+        """The applier copied :meth:`copies` in: release the staging copies."""
+        with self._lock:
+            self.installed = True
+            self._release()
+
+    def _release(self) -> None:
+        self._bufs = {}
 
 
 def _copy_rows(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -7,10 +7,14 @@ appliers. This is the contract between the two sides of the stream.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltad.types import Cursor, Form, Shard, WireDtype
+
+if TYPE_CHECKING:
+    from deltad.consume.appliers import ResyncStage
 
 
 @dataclass
@@ -66,6 +70,9 @@ class RankDelta:
     generation_diff: int | None = None
     #: A resync's reason as the sidecar gave it ("new generation: ..."; "" if none).
     resync_reason: str = ""
+    #: A resync streamed into an applier's stage (``pull(applier=...)``): the rows of its
+    #: staged shards are there, not in :attr:`shards`; ``applier.apply`` installs them.
+    stage: ResyncStage | None = None
 
     @property
     def slices(self) -> list[ShardUpdate]:
