@@ -47,6 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-rows", type=int, default=0, help="cap on rows per pull (0: none)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between pulls")
+    p.add_argument(
+        "--long-poll",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="follow the trainer: between pulls wait up to this long for a rank to publish "
+        "(a long poll the sidecars answer as soon as their head moves) and pull at once; "
+        "0: pull every --interval",
+    )
     p.add_argument("--duration", type=float, default=0.0, help="stop after N seconds (0: run)")
     p.add_argument("--pulls", type=int, default=0, help="stop after N pulls (0: run)")
     p.add_argument("--no-align", action="store_true", help="do not align ranks on one step")
@@ -141,8 +150,10 @@ def run(args: argparse.Namespace) -> int:
 
     from .predictor import SyncLoop, SyncLoopConfig
 
-    if args.pulls < 0 or args.duration < 0 or args.interval < 0:
-        raise ConfigError("--pulls, --duration and --interval must be >= 0 (0: no limit)")
+    if args.pulls < 0 or args.duration < 0 or args.interval < 0 or args.long_poll < 0:
+        raise ConfigError(
+            "--pulls, --duration, --interval and --long-poll must be >= 0 (0: no limit / off)"
+        )
     if not args.sidecar and not args.redis_url:
         raise ConfigError("give --sidecar HOST:PORT (once per rank) or --redis-url")
     if args.sidecar and os.environ.get("DELTAD_REDIS_URL") == args.redis_url:
@@ -222,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         SyncLoopConfig(
             consumer=consumer,
             interval_s=args.interval,
+            long_poll_s=args.long_poll,
             duration_s=args.duration,
             pulls=args.pulls,
             init_tables=args.init_tables,

@@ -46,6 +46,10 @@ class SyncLoopConfig:
 
     consumer: ConsumerConfig
     interval_s: float = 0.5
+    #: > 0: follow the trainer: between pulls wait up to this long for a rank to publish
+    #: (DeltaConsumer.wait_for_new, a long poll) and pull at once when one does; sidecars that
+    #: do not hold the call leave it polling every ``interval_s``. 0: pull every interval.
+    long_poll_s: float = 0.0
     #: Stop after this many seconds / pulls (0 = no limit; SIGTERM / stop() also stop it).
     duration_s: float = 0.0
     pulls: int = 0
@@ -166,7 +170,15 @@ class SyncLoop:
                         break
                     started = time.monotonic()
                     n += 1
-                    self._emit(self.pull_once(consumer, n))
+                    rec = self.pull_once(consumer, n)
+                    self._emit(rec)
+                    if c.long_poll_s > 0 and not rec.owed and not rec.missing:
+                        wait = c.long_poll_s
+                        if deadline is not None:
+                            wait = min(wait, max(0.0, deadline - time.monotonic()))
+                        started = time.monotonic()  # the interval counts from the answer
+                        if consumer.wait_for_new(wait, stop=self.stop_event):
+                            continue
                     pause = c.interval_s - (time.monotonic() - started)
                     if pause > 0:
                         self.stop_event.wait(pause)

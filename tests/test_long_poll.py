@@ -175,3 +175,73 @@ def test_a_relay_without_long_polls_polls(tmp_path: Path, redis_url: str) -> Non
 def test_relay_long_poll_config_is_checked() -> None:
     with pytest.raises(ConfigError, match="long_poll_s"):
         RelayConfig(upstream="h:1", long_poll_s=-1)
+
+
+@contextlib.contextmanager
+def _sidecars(tmp_path: Path, redis_url: str, world: int) -> Iterator[list[SidecarServer]]:
+    servers = [
+        SidecarServer(server_config(tmp_path / "spool", r, redis_url)).start() for r in range(world)
+    ]
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop(0.2)
+
+
+def test_a_consumer_waits_for_any_rank_to_publish(tmp_path: Path, redis_url: str) -> None:
+    ft = FakeTrainer(tmp_path / "spool", world_size=2)
+    ft.start(0)
+    with (
+        _sidecars(tmp_path, redis_url, 2) as servers,
+        predictor("w", [s.endpoint for s in servers], dense=False) as c,
+    ):
+        assert c.wait_for_new(5.0)  # nothing pulled yet: a pull is due at once
+        applier = TensorDictApplier()
+        c.sync(applier.apply)
+        start = time.monotonic()
+        assert not c.wait_for_new(1.2)  # nothing new: the wait runs out
+        assert time.monotonic() - start >= 1.0
+        got: list[bool] = []
+        t = threading.Thread(target=lambda: got.append(c.wait_for_new(25.0)))
+        t.start()
+        time.sleep(0.5)
+        assert not got
+        ft.step(10, ranks=[1])  # one rank publishes: enough to wake the wait
+        t.join(timeout=20)
+        assert got == [True]
+        ft.step(10, ranks=[0])
+        wait_for(lambda: c.sync(applier.apply).step == 10, 30, "both ranks at step 10")
+        assert equal(applier, ft.history[10])
+
+
+def test_a_following_predictor_pulls_when_the_trainer_publishes(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """`deltad consume --long-poll`: with a 30 s interval, new steps still arrive within
+    moments, because each publish answers the predictor's held Status."""
+    from deltad.reference.consumers.predictor import SyncLoop, SyncLoopConfig
+
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    with _sidecars(tmp_path, redis_url, 1) as servers:
+        loop = SyncLoop(
+            SyncLoopConfig(
+                consumer=predictor("f", [servers[0].endpoint], dense=False).config,
+                interval_s=30.0, long_poll_s=20.0, duration_s=100.0,
+            )
+        )  # fmt: skip
+        t = threading.Thread(target=loop.run)
+        t.start()
+        try:
+            wait_for(lambda: loop.served_step == 0, 30, "bootstrapped")
+            for step in (10, 20, 30):
+                ft.step(step)
+                wait_for(lambda s=step: loop.served_step == s, 15, f"step {step} served")  # type: ignore[misc]
+            assert equal(loop.applier, ft.history[30])  # type: ignore[arg-type]
+        finally:
+            stopped = time.monotonic()
+            loop.stop()
+            t.join(timeout=30)
+        assert not t.is_alive()
+        assert time.monotonic() - stopped < 10  # stop() ends the held wait, not its 20 s

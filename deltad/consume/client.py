@@ -39,6 +39,7 @@ so a pull it drops (ranks disagree) is never committed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -355,6 +356,45 @@ class DeltaConsumer:
                     d.stage.discard("apply did not install it")
         return result
 
+    def wait_for_new(self, timeout_s: float, *, stop: threading.Event | None = None) -> bool:
+        """Block until a rank publishes past what this consumer has seen of it (its last
+        window or Status), or ``timeout_s``; True if something is new (pull now).
+
+        A long poll: one held Status per rank, answered by the sidecar (or relay) as soon as
+        its head moves, so a follower pulls within milliseconds of a publish without polling.
+        False also comes at once from a sidecar that does not hold the call (busy, or older):
+        then wait your poll interval before pulling. Never raises for an unreachable sidecar
+        (the next pull reports it). ``stop``, once set, ends the wait early (False).
+        """
+        self._require_connected()
+        if timeout_s <= 0 or any(r.needs_base or r.seen[1] < 0 for r in self._ranks):
+            return True  # nothing seen yet: a pull is due anyway
+        answered = threading.Event()
+        calls = []
+        for r in self._ranks:
+            try:
+                call = self._sidecars.wait_past(r, timeout_s)
+            except grpc.RpcError:
+                return False
+            call.add_done_callback(lambda _: answered.set())
+            calls.append((r, call))
+        try:
+            end = time.monotonic() + timeout_s + 1.0  # each call has its own deadline too
+            while not answered.wait(0.1 if stop is not None else timeout_s + 1.0):
+                if (stop is not None and stop.is_set()) or time.monotonic() >= end:
+                    break
+            moved = False
+            for r, call in calls:
+                if not call.done() or call.cancelled() or call.exception() is not None:
+                    continue
+                st = call.result()
+                if (st.generation, st.head_seq) > r.seen:
+                    moved = True
+            return moved
+        finally:
+            for _, call in calls:
+                call.cancel()
+
     # ---- pulls -----------------------------------------------------------------------------
 
     def _pull_aligned(self, result: PullResult, stage: ResyncStage | None = None) -> PullResult:
@@ -435,6 +475,7 @@ class DeltaConsumer:
             return decode.pull(ch, req, timeout=timeout, metadata=md, pool=r.buffers, stage=stage)
 
         delta = self._sidecars.retry(r, "GetDelta", call)
+        r.seen = max(r.seen, (delta.generation, delta.to_seq))
         if delta.committed:
             r.committed = delta.cursor
         log.debug(

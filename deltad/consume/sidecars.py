@@ -105,6 +105,9 @@ class RankLink:
         self.committed: Cursor | None = None
         #: The caller's tables hold nothing of this rank yet: ask for the full tables.
         self.needs_base = True
+        #: The newest (generation, head seq) this consumer has seen of the rank (Status,
+        #: windows): what a long poll waits to see passed (DeltaConsumer.wait_for_new).
+        self.seen: tuple[int, int] = (0, -1)
         self.lock = threading.Lock()
 
 
@@ -269,6 +272,7 @@ class Sidecars:
             s = pb_grpc.DeltaServiceStub(ch).Status(
                 pb.StatusRequest(), timeout=timeout, metadata=md
             )
+            r.seen = max(r.seen, (int(s.generation), int(s.head_seq)))
             return RankStatus(
                 rank=int(s.rank),
                 world_size=int(s.world_size),
@@ -282,6 +286,19 @@ class Sidecars:
             )
 
         return self.retry(r, "Status", call)
+
+    def wait_past(self, r: RankLink, wait_s: float) -> grpc.Future:
+        """A long-polling Status of the rank (one attempt, not retried), answered when its
+        head passes ``r.seen`` or after ``wait_s``; a grpc Future (``cancel()`` ends it)."""
+        self._fresh(r)
+        assert r.channel is not None
+        req = pb.StatusRequest(
+            after_generation=r.seen[0], after_seq=r.seen[1], wait_ms=int(wait_s * 1000)
+        )
+        return pb_grpc.DeltaServiceStub(r.channel).Status.future(
+            req, timeout=wait_s + min(10.0, self.config.rpc_deadline_s),
+            metadata=self.auth.metadata(),
+        )  # fmt: skip
 
     def register(self, r: RankLink) -> pb.RegisterResponse:
         req = pb.RegisterRequest(
