@@ -295,6 +295,7 @@ class Demo:
             "--consumer", name,
             "--model", MODEL,
             "--interval", str(self.args.pull_interval),
+            "--long-poll", "5",  # pull as soon as a rank publishes (the interval: a fallback)
             "--json-log", str(self.logs / f"{name}.jsonl"),
             *([] if name == SERVING else ["--final-tables", str(self.work / f"{name}-final.pt")]),
             *extra,
