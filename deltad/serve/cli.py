@@ -133,6 +133,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             512 << 20,
             "byte budget of pre-merged runs of deltas (windows at any cursor; 0 = off)",
         ),
+        (
+            "spill-max-bytes",
+            int,
+            8 << 30,
+            "disk bytes of the merged base spilled to an unnamed file in the spool, for "
+            "bootstraps bigger than the window cache (0 = off)",
+        ),
         ("merge-min-segments", int, 4, "retention: merge runs of at least this many segments"),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
         (
@@ -242,6 +249,7 @@ def build_config(args: argparse.Namespace) -> Any:
         window_cache_entries=value(args.window_cache_entries),
         window_cache_bytes=value(args.window_cache_bytes),
         run_cache_bytes=value(args.run_cache_bytes),
+        spill_max_bytes=value(args.spill_max_bytes),
         merge_min_segments=value(args.merge_min_segments),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),

@@ -25,11 +25,17 @@ from deltad.serve.log import LogEntry
 from deltad.types import Form, ShardKey
 
 
-def merge_rows(parts: Sequence[ShardRows], *, with_values: bool = True) -> ShardRows:
+def merge_rows(
+    parts: Sequence[ShardRows], *, with_values: bool = True, out: torch.Tensor | None = None
+) -> ShardRows:
     """Latest-value merge of one shard's parts (its rows in each segment), oldest first
-    (views when only one)."""
+    (views when only one). ``out``: the values go there (``[rows of the union, width]``, e.g.
+    a mapped file) instead of a new tensor."""
     last = parts[-1]
     if len(parts) == 1:
+        if out is not None:
+            out.copy_(last.values)
+            return last.with_rows(last.ids, out)
         return last.with_rows(last.ids, last.values)
     row_start = min(c.shard.row_start for c in parts)
     n = max(c.shard.row_end for c in parts) - row_start
@@ -40,11 +46,11 @@ def merge_rows(parts: Sequence[ShardRows], *, with_values: bool = True) -> Shard
         ids = torch.unique(torch.cat([c.ids for c in parts]))
         if not with_values:
             return last.with_rows(ids, last.values[:0])
-        values = torch.empty(ids.numel(), width, dtype=last.values.dtype)
-        out = _rows(values)
+        values = _values_out(out, ids.numel(), width, last.values.dtype)
+        rows = _rows(values)
         for c in parts:
             if c.ids.numel():
-                out[torch.searchsorted(ids, c.ids).numpy()] = _rows(c.values)
+                rows[torch.searchsorted(ids, c.ids).numpy()] = _rows(c.values)
         return last.with_rows(ids, values)
     touched = torch.zeros(n, dtype=torch.bool)
     for c in parts:
@@ -53,7 +59,7 @@ def merge_rows(parts: Sequence[ShardRows], *, with_values: bool = True) -> Shard
     ids = local + row_start if row_start else local
     if not with_values:
         return last.with_rows(ids, last.values[:0])
-    values = torch.empty(ids.numel(), width, dtype=last.values.dtype)
+    values = _values_out(out, ids.numel(), width, last.values.dtype)
     if values.numel() == 0:
         return last.with_rows(ids, values)
     # slot[row] = position of the row in ``ids``: a running count of the marks (one pass;
@@ -61,6 +67,14 @@ def merge_rows(parts: Sequence[ShardRows], *, with_values: bool = True) -> Shard
     slot = torch.cumsum(touched, 0, dtype=torch.int32 if n < 2**31 else torch.int64).sub_(1)
     _copy_oldest_first(parts, row_start, ids, slot, values, parallel=total >= PARALLEL_MIN_IDS)
     return last.with_rows(ids, values)
+
+
+def _values_out(out: torch.Tensor | None, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    if out is None:
+        return torch.empty(n, width, dtype=dtype)
+    if tuple(out.shape) != (n, width) or out.dtype != dtype:
+        raise ValueError(f"merge output {tuple(out.shape)} {out.dtype} != ({n}, {width}) {dtype}")
+    return out
 
 
 #: below this many ids a merge copies in the calling thread (a thread hop costs more)

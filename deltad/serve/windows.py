@@ -29,6 +29,7 @@ from deltad.serve.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.serve.owed import OwedStore
 from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.runs import RunCache
+from deltad.serve.spill import SpillStore
 from deltad.serve.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
@@ -57,6 +58,8 @@ class WindowServer:
         self.streams = streams
         self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
         self.runs = RunCache(config.run_cache_bytes)
+        # bootstraps bigger than the window cache start from a spilled merged base
+        self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -130,6 +133,8 @@ class WindowServer:
             # The window is planned here (header, owed rows); its chunks are merged and
             # encoded as the stream sends them (see build_window).
             win: EncodedWindow
+            # (a base window that the window cache cannot keep: from the spilled base)
+            spill = self.spill if spec.resync and snap.base.nbytes > self.cache.max_bytes else None
             if owed:
                 win, hit = (
                     build_window(snap, spec, to_step, owed, kept=False, runs=self.runs),
@@ -138,7 +143,9 @@ class WindowServer:
             else:
                 win, hit = self.cache.get(
                     spec,
-                    lambda kept: build_window(snap, spec, to_step, {}, kept=kept, runs=self.runs),
+                    lambda kept: build_window(
+                        snap, spec, to_step, {}, kept=kept, runs=self.runs, spill=spill
+                    ),
                 )
             pull_id = uuid.uuid4().hex
             token = pull_id if win.owed else ""
