@@ -179,18 +179,21 @@ class SpillStore:
     ) -> list[Part] | None:
         """Parts of the base window over ``entries[0:hi]`` (``hi`` >= 1): the spill and the
         parts of the deltas after it (``delta_parts(lo, hi)``, positions among the deltas);
-        spilled anew at ``hi`` if none fits or it is more than :data:`REFRESH_AFTER` deltas
-        behind. None: no spill (over ``max_bytes``)."""
-        if self.max_bytes <= 0:
+        spilled anew at ``hi`` if there is none or it is more than :data:`REFRESH_AFTER`
+        deltas behind. None: no spill (over ``max_bytes``, or the spill is newer than ``hi``:
+        a bootstrap at an older head is merged from the base, the spill stays)."""
+        if self.max_bytes <= 0 or hi <= 1:  # (the base alone is not merged)
             return None
         s = self._valid(generation, entries)
-        if s is None or s.count > hi - 1 or hi - 1 - s.count > REFRESH_AFTER:
+        if s is None or hi - 1 - s.count > REFRESH_AFTER:
             with self._build:  # concurrent bootstraps spill once
                 s = self._valid(generation, entries)
-                if s is None or s.count > hi - 1 or hi - 1 - s.count > REFRESH_AFTER:
+                if s is None or hi - 1 - s.count > REFRESH_AFTER:
                     s = self._write(generation, entries, hi, delta_parts, s)
                     if s is None:
                         return None
+        if s.count > hi - 1:  # a head older than the spill (rare): from the base
+            return None
         with self._lock:
             self.hits += 1
         return [s.part, *delta_parts(s.count, hi - 1)]
@@ -203,7 +206,7 @@ class SpillStore:
         delta_parts: Callable[[int, int], list[Part]],
         old: Spill | None,
     ) -> Spill | None:
-        if old is not None and old.count <= hi - 1:
+        if old is not None:  # (older than hi: see base_parts)
             parts = [old.part, *delta_parts(old.count, hi - 1)]
         else:
             parts = [entries[0].shards, *delta_parts(0, hi - 1)]
