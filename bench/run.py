@@ -36,6 +36,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "GetDelta GB/s per window size and wire dtype, vs bare gRPC and raw TCP",
     ),
     "fanout": ("bench.fanout", "1-16 consumers, same / different windows: throughput, CPU"),
+    "sidecar_mem": (
+        "bench.sidecar_mem",
+        "sidecar RSS vs log + cache; spilled bootstraps; encode-once",
+    ),
     "tracking": (
         "bench.tracking",
         "training-step overhead: deltad tracker+publisher vs none vs torchrec's tracker",
