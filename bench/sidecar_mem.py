@@ -55,7 +55,7 @@ def _status_kb(pid: int) -> dict[str, int]:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 k, _, v = line.partition(":")
-                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                     out[k] = int(v.split()[0]) * 1024
     except OSError:
         pass
@@ -176,11 +176,13 @@ def run(ctx: Context) -> dict[str, Any]:
                             "run_cache_bytes": run_cache, "peak_rss": hwm,
                             "peak_rss_anon": pk.peak.get("RssAnon", 0),
                             "peak_rss_file": pk.peak.get("RssFile", 0),
+                            "peak_rss_shmem": pk.peak.get("RssShmem", 0),
                             "sidecar_cpu_s": cpu_s,
                             "pull_s": [x["seconds"] for x in res],
                             "bytes": [x["bytes"] for x in res],
                             "ratio": (hwm - base_rss) / budget,
                             "ratio_anon": (pk.peak.get("RssAnon", 0) - base_anon) / budget,
+                            "log_plus_cache_bytes": budget,
                         }
                     )  # fmt: skip
                 finally:
@@ -265,15 +267,29 @@ def _headline(result: dict[str, Any], fan: list[int]) -> list[dict[str, Any]]:
         },
         {
             "metric": "the same, anonymous memory only (the spill is page cache)",
-            "value": mem["bounded"]["ratio_anon"], "unit": "x",
+            "value": mem["bounded"]["ratio_anon"], "unit": "x", "target": "<= 1.2x",
+            "met": bool(mem["bounded"]["ratio_anon"] <= 1.2),
         },
         {
-            "metric": f"the same with every live window kept whole (cache fits all {n})",
-            "value": mem["kept"]["ratio"], "unit": "x",
+            "metric": f"every live window kept whole (the old behaviour; cache fits all {n}): "
+            "peak RSS over baseline / the bounded run's (log + cache budgets)",
+            "value": (mem["kept"]["peak_rss"] - result["baseline"].get("VmRSS", 0))
+            / mem["bounded"]["log_plus_cache_bytes"],
+            "unit": "x",
+        },
+        {
+            "metric": "the same, anonymous memory only",
+            "value": (mem["kept"]["peak_rss_anon"] - result["baseline"].get("RssAnon", 0))
+            / mem["bounded"]["log_plus_cache_bytes"],
+            "unit": "x",
         },
         {
             "metric": "sidecar CPU, 2nd-3rd bootstrap over the cache, spill / no spill",
             "value": ratio(later_on, later_off), "unit": "x",
+        },
+        {
+            "metric": "sidecar CPU, 1st bootstrap (writes the spill), spill / no spill",
+            "value": ratio(boot[True]["cpu_s"][0], boot[False]["cpu_s"][0]), "unit": "x",
         },
         {
             "metric": f"sidecar CPU per extra consumer at one cursor ({lo}->{hi}) / bare gRPC "
