@@ -158,6 +158,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 side.stop()
             base_rss = result["baseline"].get("VmRSS", 0)
             base_anon = result["baseline"].get("RssAnon", 0)
+            base_shmem = result["baseline"].get("RssShmem", 0)
             # memory: N distinct base windows at once
             mem = []
             for name, cache in (("kept", n * window * 2), ("bounded", window // 2)):
@@ -182,6 +183,10 @@ def run(ctx: Context) -> dict[str, Any]:
                             "bytes": [x["bytes"] for x in res],
                             "ratio": (hwm - base_rss) / budget,
                             "ratio_anon": (pk.peak.get("RssAnon", 0) - base_anon) / budget,
+                            "ratio_private": (
+                                pk.peak.get("RssAnon", 0) + pk.peak.get("RssShmem", 0)
+                                - base_anon - base_shmem
+                            ) / budget,
                             "log_plus_cache_bytes": budget,
                         }
                     )  # fmt: skip
@@ -223,11 +228,17 @@ def run(ctx: Context) -> dict[str, Any]:
                         try:
                             _pull(workers[:k], side, f"w-{k}-{r}", [DELTAS - 1] * k)
                             res, cpu_s = _pull(workers[:k], side, f"f-{k}-{r}", [DELTAS] * k)
+                            # the same window again, cached: the send path alone
+                            _, cached_s = _pull(workers[:k], side, f"g-{k}-{r}", [DELTAS] * k)
+                            idle = CpuMonitor(side.proc.pid)  # its background threads alone
+                            time.sleep(2.0)
+                            idle_rate = idle.seconds() / 2.0
                         finally:
                             side.stop()
                         fanout.append(
                             {"consumers": k, "round": r, "cpu_s": cpu_s, "bytes": res[0]["bytes"],
-                             "pull_s": [x["seconds"] for x in res]}
+                             "cached_cpu_s": cached_s, "pull_s": [x["seconds"] for x in res],
+                             "idle_cpu_per_s": idle_rate}
                         )  # fmt: skip
                         floor.append(_floor(bare_pid, bare_port, workers[:k], res[0]["bytes"], r))
             finally:
@@ -253,8 +264,11 @@ def _headline(result: dict[str, Any], fan: list[int]) -> list[dict[str, Any]]:
     s_per = f_per = None
     s1, sk = cpu(eo["sidecar"], "cpu_s", lo), cpu(eo["sidecar"], "cpu_s", hi)
     f1, fk = cpu(eo["floor"], "server_cpu_s", lo), cpu(eo["floor"], "server_cpu_s", hi)
-    if None not in (s1, sk, f1, fk):
+    c1, ck = cpu(eo["sidecar"], "cached_cpu_s", lo), cpu(eo["sidecar"], "cached_cpu_s", hi)
+    c_per = None
+    if None not in (s1, sk, f1, fk, c1, ck):
         s_per, f_per = (sk - s1) / (hi - lo), (fk - f1) / (hi - lo)  # type: ignore[operator]
+        c_per = (ck - c1) / (hi - lo)  # type: ignore[operator]
     n = result["consumers"]
     later_on = med(summarize(boot[True]["cpu_s"][1:3]))
     later_off = med(summarize(boot[False]["cpu_s"][1:3]))
@@ -266,9 +280,10 @@ def _headline(result: dict[str, Any], fan: list[int]) -> list[dict[str, Any]]:
             "met": bool(mem["bounded"]["ratio"] <= 1.2),
         },
         {
-            "metric": "the same, anonymous memory only (the spill is page cache)",
-            "value": mem["bounded"]["ratio_anon"], "unit": "x", "target": "<= 1.2x",
-            "met": bool(mem["bounded"]["ratio_anon"] <= 1.2),
+            "metric": "the same, private memory only (anonymous + the log's sealed copies; "
+            "not the spill's page cache)",
+            "value": mem["bounded"]["ratio_private"], "unit": "x", "target": "<= 1.2x",
+            "met": bool(mem["bounded"]["ratio_private"] <= 1.2),
         },
         {
             "metric": f"every live window kept whole (the old behaviour; cache fits all {n}): "
@@ -277,12 +292,7 @@ def _headline(result: dict[str, Any], fan: list[int]) -> list[dict[str, Any]]:
             / mem["bounded"]["log_plus_cache_bytes"],
             "unit": "x",
         },
-        {
-            "metric": "the same, anonymous memory only",
-            "value": (mem["kept"]["peak_rss_anon"] - result["baseline"].get("RssAnon", 0))
-            / mem["bounded"]["log_plus_cache_bytes"],
-            "unit": "x",
-        },
+
         {
             "metric": "sidecar CPU, 2nd-3rd bootstrap over the cache, spill / no spill",
             "value": ratio(later_on, later_off), "unit": "x",
@@ -296,6 +306,10 @@ def _headline(result: dict[str, Any], fan: list[int]) -> list[dict[str, Any]]:
             "floor",
             "value": ratio(s_per, f_per), "unit": "x", "target": "<= 1.1x",
             "met": bool(s_per is not None and f_per and s_per / f_per <= 1.1),
+        },
+        {
+            "metric": "the same, window already cached (the send path alone) / floor",
+            "value": ratio(c_per, f_per), "unit": "x",
         },
         {"metric": "sidecar CPU per extra consumer", "value": s_per, "unit": "s"},
         {"metric": "bare gRPC floor CPU per extra stream", "value": f_per, "unit": "s"},
