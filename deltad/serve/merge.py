@@ -52,6 +52,19 @@ def merge_rows(
             if c.ids.numel():
                 rows[torch.searchsorted(ids, c.ids).numpy()] = _rows(c.values)
         return last.with_rows(ids, values)
+    slot_dtype = torch.int32 if n < 2**31 else torch.int64
+    if any(c.ids.numel() == n for c in parts):
+        # a part holds every row of the range (a base): the union is all of it, no marks
+        # (measured: 0.16 s of marks and nonzero over a 128 MB base saved)
+        ids = torch.arange(row_start, row_start + n, dtype=torch.int64)
+        if not with_values:
+            return last.with_rows(ids, last.values[:0])
+        values = _values_out(out, n, width, last.values.dtype)
+        if values.numel() == 0:
+            return last.with_rows(ids, values)
+        slot = torch.arange(n, dtype=slot_dtype)
+        _copy_oldest_first(parts, row_start, ids, slot, values, parallel=total >= PARALLEL_MIN_IDS)
+        return last.with_rows(ids, values)
     touched = torch.zeros(n, dtype=torch.bool)
     for c in parts:
         touched[c.ids - row_start if row_start else c.ids] = True
@@ -64,7 +77,7 @@ def merge_rows(
         return last.with_rows(ids, values)
     # slot[row] = position of the row in ``ids``: a running count of the marks (one pass;
     # int32 where it fits: half the bytes of int64, 0.065 -> 0.035 s over 10 M rows).
-    slot = torch.cumsum(touched, 0, dtype=torch.int32 if n < 2**31 else torch.int64).sub_(1)
+    slot = torch.cumsum(touched, 0, dtype=slot_dtype).sub_(1)
     _copy_oldest_first(parts, row_start, ids, slot, values, parallel=total >= PARALLEL_MIN_IDS)
     return last.with_rows(ids, values)
 
@@ -135,12 +148,14 @@ def _copy_oldest_first(
     blocks = max(workers, min(by_size, MAX_BLOCK_VISITS // max(1, len(parts))))
     # block boundaries as ids, so each part's (sorted) ids split with one searchsorted
     cuts = ids[torch.arange(1, blocks, dtype=torch.int64) * n // blocks]
-    dests, bounds, rows = [], [], []
+    dests: list[Any] = []
+    bounds, rows = [], []
     for c in parts:
         if c.ids.numel() == 0:
             continue
         local = c.ids - row_start if row_start else c.ids
-        dests.append(slot[local].numpy())
+        # a part with every row of the union lands row for row: a slice copy (None)
+        dests.append(None if c.ids.numel() == n else slot[local].numpy())
         bounds.append([0, *torch.searchsorted(c.ids, cuts).tolist(), c.ids.numel()])
         rows.append(_rows(c.values))
 
@@ -149,7 +164,10 @@ def _copy_oldest_first(
             for d, bs, r in zip(dests, bounds, rows, strict=True):
                 lo, hi = bs[b], bs[b + 1]
                 if hi > lo:
-                    out[d[lo:hi]] = r[lo:hi]
+                    if d is None:
+                        out[lo:hi] = r[lo:hi]
+                    else:
+                        out[d[lo:hi]] = r[lo:hi]
 
     if workers == 1:
         run(0, blocks)
