@@ -154,6 +154,10 @@ def run(ctx: Context) -> dict[str, Any]:
             try:
                 _pull(workers[:1], side, "base", [DELTAS])
                 result["baseline"] = _status_kb(side.proc.pid)
+                # a pull's fixed cost (register, Redis, commit; ~no bytes): 8 fresh consumers
+                k = fan[-1]
+                _, fixed = _pull(workers[:k], side, "fixed", [DELTAS] * k)
+                result["fixed_cpu_s_per_pull"] = fixed / k
             finally:
                 side.stop()
             base_rss = result["baseline"].get("VmRSS", 0)
@@ -310,6 +314,10 @@ def _headline(result: dict[str, Any], fan: list[int]) -> list[dict[str, Any]]:
         {
             "metric": "the same, window already cached (the send path alone) / floor",
             "value": ratio(c_per, f_per), "unit": "x",
+        },
+        {
+            "metric": "a pull's fixed sidecar CPU (register, Redis, commit; tiny window)",
+            "value": result.get("fixed_cpu_s_per_pull"), "unit": "s",
         },
         {"metric": "sidecar CPU per extra consumer", "value": s_per, "unit": "s"},
         {"metric": "bare gRPC floor CPU per extra stream", "value": f_per, "unit": "s"},

@@ -443,11 +443,17 @@ def window_parts(
     while hi < len(entries) and entries[hi].seq <= spec.to_seq:
         hi += 1
     head: list[dict[ShardKey, ShardRows]] = []
-    if lo == 0 and hi > 0 and spill is not None and runs is not None:
+    if lo == 0 and hi > 1 and spill is not None and runs is not None:
         gen, deltas = snap.generation, entries[1:]
-        got = spill.base_parts(gen, entries, hi, lambda a, b: runs.window_parts(gen, deltas, a, b))
+        direct = [entries[0].shards, *runs.window_parts(gen, deltas, 0, hi - 1)]
+        if spill.only_when_merged and ranged(direct):
+            return direct  # streamed range by range: one copy, no merge to save
+        got = spill.base_parts(
+            gen, entries, hi, lambda a, b: runs.window_parts(gen, deltas, a, b), ranged
+        )
         if got is not None:
             return got
+        return direct
     if lo == 0 and hi > 0:  # the base: whole, never part of a run
         head, lo = [entries[0].shards], 1
     if hi <= lo:
@@ -457,6 +463,10 @@ def window_parts(
     return head + runs.window_parts(snap.generation, entries[1:], lo - 1, hi - 1)
 
 
+#: a complete window's shard is streamed range by range from at most this many parts whose
+#: rows are at most this many times its union (else merged whole first: _MergedShard)
+RANGED_MAX_PARTS = 8
+RANGED_MAX_OVERLAP = 2
 #: framing of one serialized RowChunk / DenseChunk message at most (tags and varints)
 _CHUNK_FRAMING = 64
 
@@ -482,6 +492,19 @@ def window_bound(spec: WindowSpec, lines: list[ShardLine], dense: DenseEntry | N
         for t in dense.state.header.tensors:
             total += t.nbytes + (t.nbytes // step + 1) * _CHUNK_FRAMING
     return total
+
+
+def ranged(parts: list[dict[ShardKey, ShardRows]]) -> bool:
+    """Whether a base window of ``parts`` (the base first) is sure to stream range by range
+    (:class:`_MergedShard` ``ranged``: few parts, little overlap) rather than merge whole
+    shards first."""
+    if len(parts) > RANGED_MAX_PARTS:
+        return False
+    for key, base in parts[0].items():
+        total = sum(p[key].ids.numel() for p in parts if key in p)
+        if total > RANGED_MAX_OVERLAP * base.ids.numel():  # (the union holds the base's ids)
+            return False
+    return True
 
 
 def window_dense(snap: LogSnapshot, spec: WindowSpec) -> DenseEntry | None:
@@ -527,7 +550,9 @@ class _MergedShard:
         # Range by range writes every part's rows (oldest first) and loops over the parts
         # per range: heavy overlap or many segments take merge_rows (one merge, all threads).
         total = sum(c.ids.numel() for c in parts)
-        self.ranged = len(parts) <= 8 and total <= 2 * self.ids.numel()
+        self.ranged = (
+            len(parts) <= RANGED_MAX_PARTS and total <= RANGED_MAX_OVERLAP * self.ids.numel()
+        )
 
     def encode(
         self, index: int, dtype: WireDtype, chunk_bytes: int, alignment: int = 0

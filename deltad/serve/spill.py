@@ -12,6 +12,13 @@ pre-merged runs of deltas ``p..`` (:mod:`deltad.serve.runs`), on the cheap range
 more than :data:`REFRESH_AFTER` deltas sit beyond the spill, the next bootstrap spills anew
 at its head (from the old spill and those runs: one pass over the base).
 
+It is used only where it saves a merge: a base window whose base and runs stream range by
+range (few parts, little overlap: one copy of each row into the messages, no merge) is
+served from them, since a spill would save nothing (measured, 512 MB, base + 16 deltas of
+1 %: a later bootstrap costs the same CPU either way, and writing the spill costs the first
+one 1.7-2x). It pays when the deltas since the base overlap heavily or are many: their parts
+would be merged whole (a shard-sized temporary per shard and a full merge per bootstrap).
+
 A spill is identified by the exact entries it covers (generation; first_seq, seq, path, size,
 creation time of each, as a run): a retention merge of those entries, a new base or a new
 generation makes it stale (it is dropped at the next lookup). Its disk use is bounded by
@@ -143,9 +150,12 @@ def write_spill(directory: Path, parts: Sequence[Part], max_bytes: int) -> tuple
 class SpillStore:
     """The one spill of a rank (see the module docstring); thread-safe, one build at a time."""
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    def __init__(self, directory: Path, max_bytes: int, *, only_when_merged: bool = True) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
+        #: used only for a base window that would otherwise merge whole shards (see
+        #: :func:`deltad.serve.pull.window_parts`); False: for every base window (tests)
+        self.only_when_merged = only_when_merged
         self._lock = threading.Lock()
         self._build = threading.Lock()
         self._spill: Spill | None = None
@@ -176,27 +186,40 @@ class SpillStore:
         entries: Sequence[LogEntry],
         hi: int,
         delta_parts: Callable[[int, int], list[Part]],
+        cheap: Callable[[list[Part]], bool] = lambda parts: True,
     ) -> list[Part] | None:
         """Parts of the base window over ``entries[0:hi]`` (``hi`` >= 1): the spill and the
         parts of the deltas after it (``delta_parts(lo, hi)``, positions among the deltas);
-        spilled anew at ``hi`` if there is none or it is more than :data:`REFRESH_AFTER`
-        deltas behind. None: no spill (over ``max_bytes``, or the spill is newer than ``hi``:
+        spilled anew at ``hi`` if there is none, it is more than :data:`REFRESH_AFTER`
+        deltas behind, or the parts after it are not ``cheap`` (would be merged whole). None: no spill (over ``max_bytes``, or the spill is newer than ``hi``:
         a bootstrap at an older head is merged from the base, the spill stays)."""
         if self.max_bytes <= 0 or hi <= 1:  # (the base alone is not merged)
             return None
+
+        def parts_of(s: Spill | None) -> list[Part] | None:
+            if s is None or s.count > hi - 1 or hi - 1 - s.count > REFRESH_AFTER:
+                return None
+            parts = [s.part, *delta_parts(s.count, hi - 1)]
+            return parts if cheap(parts) else None
+
         s = self._valid(generation, entries)
-        if s is None or hi - 1 - s.count > REFRESH_AFTER:
+        if s is not None and s.count > hi - 1:  # a head older than the spill (rare)
+            return None
+        parts = parts_of(s)
+        if parts is None:
             with self._build:  # concurrent bootstraps spill once
                 s = self._valid(generation, entries)
-                if s is None or hi - 1 - s.count > REFRESH_AFTER:
+                if s is not None and s.count > hi - 1:
+                    return None
+                parts = parts_of(s)
+                if parts is None:
                     s = self._write(generation, entries, hi, delta_parts, s)
                     if s is None:
                         return None
-        if s.count > hi - 1:  # a head older than the spill (rare): from the base
-            return None
+                    parts = [s.part]
         with self._lock:
             self.hits += 1
-        return [s.part, *delta_parts(s.count, hi - 1)]
+        return parts
 
     def _write(
         self,
