@@ -15,9 +15,12 @@ consumer processes; a fresh ``deltad serve`` (no retention) per measurement.
   after one pull (python + torch + grpc, measured in the same run). Ratio: (peak RSS -
   baseline) / (log + cache). The spill is a mapped file (page cache): its resident pages
   count in RSS as ``RssFile`` but not in ``RssAnon``; both peaks are sampled (every 10 ms).
-* **bootstrap**: with a window cache of half a window, 3 fresh consumers bootstrap one after
-  another (then one more after a new delta): sidecar CPU per bootstrap with the spill and
-  without it (``--spill-max-bytes 0``: each one merges the base and the deltas again).
+* **bootstrap**: a second spool (a quarter of the window; 13 heavy deltas of 30 % skewed
+  rows, so that the base and its runs would be merged whole: where the spill is used) and a
+  window cache of half its window; 5 fresh consumers bootstrap one after another: sidecar
+  CPU per bootstrap with the spill and without it (``--spill-max-bytes 0``: each one merges
+  the base and the runs again). With light deltas the spill is not used (a bootstrap then
+  streams the base and runs range by range: one copy, no merge).
 * **encode-once**: N = 1 and 8 fresh consumers pull one base window at once from a fresh
   sidecar (after a warm-up round at another head: a long-lived sidecar's warm heap), vs a
   bare gRPC server streaming the same bytes in 2 MB messages built once and shared
@@ -47,6 +50,7 @@ from bench.wire_baselines import ClientWorker, grpc_server_main, start_server
 DIM = 64
 TABLES = 4
 DELTAS = 16
+HEAVY_DELTAS = 13
 
 
 def _status_kb(pid: int) -> dict[str, int]:
@@ -141,6 +145,14 @@ def run(ctx: Context) -> dict[str, Any]:
         kw = {"model": deltad_procs.MODEL, "tables": TABLES, "dim": DIM, "deltas": DELTAS}
         write_spool(spool, rows_per_table=rows, delta_fraction=0.01, **kw)  # type: ignore[arg-type]
         write_spool(tiny, rows_per_table=64, delta_fraction=0.1, **kw)  # type: ignore[arg-type]
+        # bootstraps: heavy deltas (13 of 30 % skewed rows: base + runs 8, 4, 1 overlap
+        # beyond what streams range by range, so a bootstrap without the spill merges whole
+        # shards), a quarter of the window
+        heavy, h_window = work / "heavy", window // 4
+        kw_h = {**kw, "deltas": HEAVY_DELTAS}
+        h_rows = h_window // (8 + DIM * 4) // TABLES
+        write_spool(heavy, rows_per_table=h_rows, delta_fraction=0.3, **kw_h)  # type: ignore[arg-type]
+        result["heavy_log_bytes"] = sum(p.stat().st_size for p in heavy.rglob("seg-*"))
         log_bytes = sum(p.stat().st_size for p in spool.rglob("seg-*"))
         result["log_bytes"] = log_bytes
         workers = [ClientWorker(kids) for _ in range(max(n, *fan))]
@@ -201,14 +213,15 @@ def run(ctx: Context) -> dict[str, Any]:
             boot = []
             for spill in (True, False):
                 ctx.status(f"sidecar_mem: sequential bootstraps, spill={spill}")
-                side = _sidecar(kids, spool, ctx, window // 2, run_cache, spill=spill)
+                side = _sidecar(kids, heavy, ctx, h_window // 2, 4 * h_window, spill=spill)
                 try:
                     cpus = [
-                        _pull(workers[:1], side, f"b-{spill}-{i}", [DELTAS])[1] for i in range(3)
+                        _pull(workers[:1], side, f"b-{spill}-{i}", [HEAVY_DELTAS])[1]
+                        for i in range(3)
                     ]
                     with _Peaks(side.proc.pid) as pk:
                         cpus += [
-                            _pull(workers[:1], side, f"b2-{spill}-{i}", [DELTAS])[1]
+                            _pull(workers[:1], side, f"b2-{spill}-{i}", [HEAVY_DELTAS])[1]
                             for i in range(2)
                         ]
                     boot.append(
