@@ -260,3 +260,60 @@ def test_a_sidecar_bootstraps_from_one_spill(tmp_path: Path, redis_server: Embed
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_concurrent_pulls_stay_within_the_cache_budget(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Real sidecar, Redis, gRPC: 8 consumers pull distinct windows (table subsets, chunk
+    sizes) at once, twice, through a window cache that fits about one of them: every window is
+    bit-equal to the truth and the cache's own accounting (cached + reserved for live
+    windows), sampled while they stream, never exceeds its budget."""
+    spool = SpoolWriter(tmp_path / "spool", tables={"t0": (6000, 16), "t1": (3000, 8)})
+    for _ in range(3):
+        spool.delta(n=500)
+    budget = 450_000  # the whole base window is ~500 kB; t0 alone ~400 kB
+    cfg = server_config(tmp_path / "spool", redis_server.url, window_cache_bytes=budget)
+    srv = SidecarServer(cfg).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    cache = srv.servicer.windows.cache
+    over, errors = [0], []
+    stop = threading.Event()
+    asks = [(t, cb) for t in (["t0"], ["t1"], ["t0", "t1"], []) for cb in (64 << 10, 96 << 10)]
+
+    def sample() -> None:
+        while not stop.is_set():
+            over[0] += cache.nbytes > budget
+            stop.wait(0.0005)
+
+    def consumer(i: int) -> None:
+        tables, chunk = asks[i]
+        try:
+            for r in range(2):
+                rep = Replica()
+                d = c.pull(f"c{i}-{r}", tables=tables, chunk_bytes=chunk)
+                rep.apply(d)
+                for t in tables or spool.specs:
+                    assert torch.equal(rep.tables[t], spool.truth[t]), (i, t)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    try:
+        wait_for(lambda: srv.log.snapshot().head.seq == 3, what="seq 3")  # type: ignore[union-attr]
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        threads = [threading.Thread(target=consumer, args=(i,)) for i in range(len(asks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stop.set()
+        sampler.join(10)
+        assert not errors, errors[0]
+        assert not any(t.is_alive() for t in threads)
+        assert over[0] == 0 and cache.peak_bytes <= budget
+        assert cache.unkept > 0  # some were streamed without being kept
+    finally:
+        stop.set()
+        c.close()
+        srv.stop(0)
