@@ -317,3 +317,28 @@ def test_concurrent_pulls_stay_within_the_cache_budget(
         stop.set()
         c.close()
         srv.stop(0)
+
+
+def test_a_window_built_but_never_read_gives_its_reservation_back(tmp_path: Path) -> None:
+    snap = _snapshot(tmp_path)
+    spec = _base_spec(snap, DELTAS, Form.ROWS, WireDtype.FP32)
+    want = _window(snap, spec)
+    cache = WindowCache(entries=4, max_bytes=1 << 30)
+    win, hit = cache.get(
+        spec, lambda kept: build_window(snap, spec, spec.to_seq * 10, {}, kept=kept)
+    )
+    assert not hit and win.kept and cache.nbytes == win.bound > 0
+    cache.abandon(spec, win)  # e.g. its pull failed before streaming
+    assert cache.nbytes == 0
+    # a reader that had it already still gets every byte; it is not cached afterwards
+    assert (win.header, b"".join(win.iter_chunks()), win.rows) == want
+    assert cache.nbytes == 0 and spec not in cache._lru
+    # once a reader is streaming it, abandoning is a no-op (the window completes normally)
+    other = _base_spec(snap, DELTAS - 1, Form.ROWS, WireDtype.FP32)
+    w2, _ = cache.get(other, lambda kept: build_window(snap, other, 0, {}, kept=kept))
+    it = w2.iter_chunks()
+    next(it)
+    cache.abandon(other, w2)
+    assert cache.nbytes == w2.bound
+    list(it)
+    assert cache.nbytes == w2.nbytes  # now cached

@@ -655,6 +655,7 @@ class WindowCache:
         self._lru_bytes = 0
         self._live: dict[WindowSpec, EncodedWindow] = {}
         self._reserved = 0
+        self._held: dict[int, int] = {}  # id(live window) -> bytes reserved for it
         self._building: dict[WindowSpec, threading.Lock] = {}
         self.hits = 0
         #: windows streamed without being kept (did not fit), and the most bytes held at once
@@ -709,6 +710,7 @@ class WindowCache:
                     if win.bound <= self.max_bytes and self._evict(win.bound):
                         self._live[spec] = win
                         self._reserved += win.bound
+                        self._held[id(win)] = win.bound
                         self.peak_bytes = max(self.peak_bytes, self.nbytes)
                     else:  # streamed by its one reader, chunks dropped as they are sent
                         win.kept = False
@@ -720,11 +722,23 @@ class WindowCache:
             win.on_done(lambda w: self._done(spec, w))
         return win, False
 
+    def abandon(self, spec: WindowSpec, win: EncodedWindow) -> None:
+        """The caller that built ``win`` will not read it (its pull failed first): release
+        its reservation unless somebody else reads it already (then it completes normally)."""
+        with self._lock:
+            if self._live.get(spec) is not win or win.done or win._readers:
+                return
+            del self._live[spec]
+            self._reserved -= self._held.pop(id(win), 0)
+
     def _done(self, spec: WindowSpec, win: EncodedWindow) -> None:
         with self._lock:
             if self._live.get(spec) is win:
                 del self._live[spec]
-            self._reserved -= win.bound
+            held = self._held.pop(id(win), None)
+            if held is None:  # abandoned: neither reserved nor cached any more
+                return
+            self._reserved -= held
             if win.nbytes > win.bound:  # a bug: the bound must hold
                 log.error("window of %d bytes over its bound %d", win.nbytes, win.bound)
             if win.failed or win.nbytes > self.max_bytes or not self._evict(win.nbytes):

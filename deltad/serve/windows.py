@@ -109,6 +109,8 @@ class WindowServer:
         snap = self.snapshot(context)
         shape = self.spec(req, snap, context)
         slot = self.streams.acquire(context, consumer)
+        win: EncodedWindow | None = None
+        hit = False
         try:
             rank, gen = self.config.rank, snap.generation
             try:
@@ -132,7 +134,6 @@ class WindowServer:
             spec = replace(shape, resync=decision.resync, from_seq=decision.from_seq, to_seq=to_seq)
             # The window is planned here (header, owed rows); its chunks are merged and
             # encoded as the stream sends them (see build_window).
-            win: EncodedWindow
             # (a base window that the window cache cannot keep: from the spilled base)
             spill = self.spill if spec.resync and snap.base.nbytes > self.cache.max_bytes else None
             if owed:
@@ -210,3 +211,5 @@ class WindowServer:
             )  # fmt: skip
         finally:
             slot.release()
+            if win is not None and not hit:  # (built but never read: free its reservation)
+                self.cache.abandon(spec, win)
