@@ -80,8 +80,11 @@ class EncodedWindow:
         self.merge_seconds = merge_seconds
         self.payload_bytes = 0
         self.kept = kept
-        #: an upper bound of :attr:`nbytes` known at once (what the cache reserves for it)
-        self.bound = len(header)
+        #: an upper bound of :attr:`nbytes` known at once (what the cache reserves for it;
+        #: set by build_window). None: unknown, and the cache reserves nothing while it is
+        #: live (the budget then holds only once it is done; windows built elsewhere should
+        #: set it, see :func:`window_bound`)
+        self.bound: int | None = None
         self._cond = threading.Condition()
         self._chunks: list[bytes] = []
         self._produce: Iterator[tuple[bytes | None, float]] | None = None
@@ -392,7 +395,7 @@ def build_window(
         time.perf_counter() - t0,
         kept=kept,
     )
-    win.bound += bound
+    win.bound = len(win.header) + bound
 
     def produce() -> Iterator[tuple[bytes | None, float]]:
         """(chunk, seconds spent on it), shard by shard."""
@@ -707,10 +710,11 @@ class WindowCache:
             try:
                 win = build(True)
                 with self._lock:
-                    if win.bound <= self.max_bytes and self._evict(win.bound):
+                    need = win.bound or 0
+                    if need <= self.max_bytes and self._evict(need):
                         self._live[spec] = win
-                        self._reserved += win.bound
-                        self._held[id(win)] = win.bound
+                        self._reserved += need
+                        self._held[id(win)] = need
                         self.peak_bytes = max(self.peak_bytes, self.nbytes)
                     else:  # streamed by its one reader, chunks dropped as they are sent
                         win.kept = False
@@ -739,7 +743,7 @@ class WindowCache:
             if held is None:  # abandoned: neither reserved nor cached any more
                 return
             self._reserved -= held
-            if win.nbytes > win.bound:  # a bug: the bound must hold
+            if win.bound is not None and win.nbytes > win.bound:  # a bug: it must hold
                 log.error("window of %d bytes over its bound %d", win.nbytes, win.bound)
             if win.failed or win.nbytes > self.max_bytes or not self._evict(win.nbytes):
                 return
