@@ -37,6 +37,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "gendiff": ("bench.gendiff", "trainer restart: generation diff vs full resync, bytes and time"),
     "fanout": ("bench.fanout", "1-16 consumers, same / different windows: throughput, CPU"),
+    "sidecar_mem": (
+        "bench.sidecar_mem",
+        "sidecar RSS vs log + cache; spilled bootstraps; encode-once",
+    ),
     "tracking": (
         "bench.tracking",
         "training-step overhead: deltad tracker+publisher vs none vs torchrec's tracker",

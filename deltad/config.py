@@ -222,6 +222,10 @@ class ServerConfig:
     generation_keep_s: float = 600.0
     #: ... and only if its rows take at most this many bytes (a bigger one is not kept).
     generation_keep_bytes: int = 4 << 30
+    #: Disk bytes of the merged base spilled to an unnamed file (deltad.serve.spill) from
+    #: which bootstraps larger than the window cache stream (with runs); 0: each such
+    #: bootstrap merges the base and the deltas again.
+    spill_max_bytes: int = 8 << 30
     #: Retention: merge runs of at least this many segments between live cursors.
     merge_min_segments: int = 4
     # Retention's bound on one round's merge input: deltad.knobs.MERGE_MAX_BYTES_PER_ROUND.
@@ -247,6 +251,8 @@ class ServerConfig:
             raise ConfigError("run_cache_bytes must be >= 0 (0 = no runs)")
         if self.generation_keep_s < 0 or self.generation_keep_bytes < 0:
             raise ConfigError("generation_keep_s and generation_keep_bytes must be >= 0 (0 = off)")
+        if self.spill_max_bytes < 0:
+            raise ConfigError("spill_max_bytes must be >= 0 (0 = no spill)")
         if self.max_queued_streams < 0 or self.stream_queue_wait_s < 0:
             raise ConfigError("max_queued_streams and stream_queue_wait_s must be >= 0")
         if self.stream_deadline_s <= 0 or self.lease_ttl_s <= 0 or self.grace_period_s < 0:

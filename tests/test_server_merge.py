@@ -79,3 +79,32 @@ def test_parallel_merge_of_a_row_wise_shard(
     assert sum(c.ids.numel() for c in chunks) >= merge.PARALLEL_MIN_IDS
     assert torch.equal(merged.ids, expect + start)
     assert torch.equal(merged.values, truth[expect])
+
+
+@pytest.mark.parametrize("base_at", [0, 2])
+@pytest.mark.parametrize("rows", [1000, 300_000])
+def test_merge_with_a_part_holding_every_row(base_at: int, rows: int) -> None:
+    """A base (every row of the shard) among the parts takes the no-marks path and slice
+    copies; same union and latest values as a replay, also into a given ``out``."""
+    start = 700
+    gen = torch.Generator().manual_seed(rows + base_at)
+    shard = Shard("t", start + rows, 4, start, start + rows, 0, 4)
+    truth = torch.zeros(rows, 4)
+    chunks = []
+    for i in range(5):
+        if i == base_at:
+            local = torch.arange(rows)
+        else:
+            local = torch.randint(0, rows, (rows // 7,), generator=gen).unique()
+        vals = torch.randn(local.numel(), 4, generator=gen)
+        chunks.append(ShardRows(shard, local + start, vals))
+        truth[local] = vals
+    expect = torch.arange(rows) + start
+    merged = merge_rows(chunks)
+    assert torch.equal(merged.ids, expect) and torch.equal(merged.values, truth)
+    out = torch.full((rows, 4), float("nan"))
+    assert merge_rows(chunks, out=out).values.data_ptr() == out.data_ptr()
+    assert torch.equal(out, truth)
+    assert torch.equal(merge_rows(chunks, with_values=False).ids, expect)
+    with pytest.raises(ValueError, match="merge output"):
+        merge_rows(chunks, out=torch.empty(rows - 1, 4))

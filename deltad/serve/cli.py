@@ -145,6 +145,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             4 << 30,
             "byte budget of that log (a bigger one is not kept: consumers resync)",
         ),
+        (
+            "spill-max-bytes",
+            int,
+            8 << 30,
+            "disk bytes of the merged base spilled to an unnamed file in the spool, for "
+            "bootstraps bigger than the window cache (0 = off)",
+        ),
         ("merge-min-segments", int, 4, "retention: merge runs of at least this many segments"),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
         (
@@ -264,6 +271,7 @@ def build_config(args: argparse.Namespace) -> Any:
         run_cache_bytes=value(args.run_cache_bytes),
         generation_keep_s=value(args.generation_keep),
         generation_keep_bytes=value(args.generation_keep_bytes),
+        spill_max_bytes=value(args.spill_max_bytes),
         merge_min_segments=value(args.merge_min_segments),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),

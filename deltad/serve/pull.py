@@ -20,6 +20,7 @@ from deltad.serve import encode
 from deltad.serve.log import DenseEntry, LogSnapshot
 from deltad.serve.merge import merge_rows, plan_shard
 from deltad.serve.runs import RunCache
+from deltad.serve.spill import SpillStore
 from deltad.types import Form, Shard, ShardKey, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -79,6 +80,11 @@ class EncodedWindow:
         self.merge_seconds = merge_seconds
         self.payload_bytes = 0
         self.kept = kept
+        #: an upper bound of :attr:`nbytes` known at once (what the cache reserves for it;
+        #: set by build_window). None: unknown, and the cache reserves nothing while it is
+        #: live (the budget then holds only once it is done; windows built elsewhere should
+        #: set it, see :func:`window_bound`)
+        self.bound: int | None = None
         self._cond = threading.Condition()
         self._chunks: list[bytes] = []
         self._produce: Iterator[tuple[bytes | None, float]] | None = None
@@ -301,6 +307,7 @@ def build_window(
     kept: bool = True,
     lazy: bool = True,
     runs: RunCache | None = None,
+    spill: SpillStore | None = None,
 ) -> EncodedWindow:
     """Plan the window ``spec`` over ``snap`` for a consumer owed ``owed``; merge and encode it.
 
@@ -319,12 +326,14 @@ def build_window(
 
     With ``runs``, a window of many deltas is merged from a few pre-merged runs of them
     (:mod:`deltad.serve.runs`; bit-equal), so its cost does not grow with its segment count.
+    With ``spill`` too, a base window starts from the spilled merged base
+    (:mod:`deltad.serve.spill`), not from the base and every delta.
     """
     t0 = time.perf_counter()
     keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
     if spec.resync:
         owed = {}
-    parts = window_parts(snap, spec, runs)
+    parts = window_parts(snap, spec, runs, spill)
     complete = spec.resync or (spec.form is not Form.TOPK and not spec.max_rows and not owed)
     with_values = spec.form is not Form.IDS or not complete
     new_owed = {k: v for k, v in owed.items() if k not in keys}
@@ -376,6 +385,7 @@ def build_window(
                 budget -= ws.rows.ids.numel()
             plan.append((ws.rows, ShardLine(ws.rows.shard, ws.rows.ids.numel(), n_owed)))
     dense = window_dense(snap, spec)
+    bound = window_bound(spec, [m for _, m in plan], dense)
     win = EncodedWindow(
         _header(spec, to_step, plan, dense),
         spec.to_seq,
@@ -385,6 +395,7 @@ def build_window(
         time.perf_counter() - t0,
         kept=kept,
     )
+    win.bound = len(win.header) + bound
 
     def produce() -> Iterator[tuple[bytes | None, float]]:
         """(chunk, seconds spent on it), shard by shard."""
@@ -417,7 +428,10 @@ def build_window(
 
 
 def window_parts(
-    snap: LogSnapshot, spec: WindowSpec, runs: RunCache | None = None
+    snap: LogSnapshot,
+    spec: WindowSpec,
+    runs: RunCache | None = None,
+    spill: SpillStore | None = None,
 ) -> list[dict[ShardKey, ShardRows]]:
     """The chunks of the window ``spec`` over ``snap``, oldest first, as a list of parts (one
     per entry, or pre-merged runs of them from ``runs``): merged oldest first, they give the
@@ -432,6 +446,17 @@ def window_parts(
     while hi < len(entries) and entries[hi].seq <= spec.to_seq:
         hi += 1
     head: list[dict[ShardKey, ShardRows]] = []
+    if lo == 0 and hi > 1 and spill is not None and runs is not None:
+        gen, deltas = snap.generation, entries[1:]
+        direct = [entries[0].shards, *runs.window_parts(gen, deltas, 0, hi - 1)]
+        if spill.only_when_merged and ranged(direct):
+            return direct  # streamed range by range: one copy, no merge to save
+        got = spill.base_parts(
+            gen, entries, hi, lambda a, b: runs.window_parts(gen, deltas, a, b), ranged
+        )
+        if got is not None:
+            return got
+        return direct
     if lo == 0 and hi > 0:  # the base: whole, never part of a run
         head, lo = [entries[0].shards], 1
     if hi <= lo:
@@ -439,6 +464,50 @@ def window_parts(
     if runs is None:
         return head + [e.shards for e in entries[lo:hi]]
     return head + runs.window_parts(snap.generation, entries[1:], lo - 1, hi - 1)
+
+
+#: a complete window's shard is streamed range by range from at most this many parts whose
+#: rows are at most this many times its union (else merged whole first: _MergedShard)
+RANGED_MAX_PARTS = 8
+RANGED_MAX_OVERLAP = 2
+#: framing of one serialized RowChunk / DenseChunk message at most (tags and varints)
+_CHUNK_FRAMING = 64
+
+
+def window_bound(spec: WindowSpec, lines: list[ShardLine], dense: DenseEntry | None) -> int:
+    """An upper bound of the encoded chunks' bytes of a window whose header lines are
+    ``lines`` (known before any chunk is produced: the cache reserves it)."""
+    total = 0
+    for m in lines:
+        if not m.count:
+            continue
+        width = m.shard.col_end - m.shard.col_start
+        dtype = m.wire_dtype(spec.dtype) if spec.form is not Form.IDS else None
+        step = encode.rows_per_chunk(width, dtype, spec.chunk_bytes, spec.row_alignment)
+        row = 8
+        if dtype is not None and dtype.packed:
+            row += wire.packed_row_bytes(width, dtype, spec.row_alignment)
+        elif dtype is not None:
+            row += width * wire.WIRE_ITEMSIZE[dtype] + (8 if dtype is WireDtype.INT8 else 0)
+        total += m.count * row + -(-m.count // step) * _CHUNK_FRAMING
+    if dense is not None:
+        step = max(1, spec.chunk_bytes)
+        for t in dense.state.header.tensors:
+            total += t.nbytes + (t.nbytes // step + 1) * _CHUNK_FRAMING
+    return total
+
+
+def ranged(parts: list[dict[ShardKey, ShardRows]]) -> bool:
+    """Whether a base window of ``parts`` (the base first) is sure to stream range by range
+    (:class:`_MergedShard` ``ranged``: few parts, little overlap) rather than merge whole
+    shards first."""
+    if len(parts) > RANGED_MAX_PARTS:
+        return False
+    for key, base in parts[0].items():
+        total = sum(p[key].ids.numel() for p in parts if key in p)
+        if total > RANGED_MAX_OVERLAP * base.ids.numel():  # (the union holds the base's ids)
+            return False
+    return True
 
 
 def window_dense(snap: LogSnapshot, spec: WindowSpec) -> DenseEntry | None:
@@ -484,7 +553,9 @@ class _MergedShard:
         # Range by range writes every part's rows (oldest first) and loops over the parts
         # per range: heavy overlap or many segments take merge_rows (one merge, all threads).
         total = sum(c.ids.numel() for c in parts)
-        self.ranged = len(parts) <= 8 and total <= 2 * self.ids.numel()
+        self.ranged = (
+            len(parts) <= RANGED_MAX_PARTS and total <= RANGED_MAX_OVERLAP * self.ids.numel()
+        )
 
     def encode(
         self, index: int, dtype: WireDtype, chunk_bytes: int, alignment: int = 0
@@ -566,11 +637,17 @@ class _MergedShard:
 
 
 class WindowCache:
-    """LRU of encoded windows; concurrent requests for one window build it once.
+    """LRU of encoded windows under a byte budget that holds the windows being streamed too;
+    concurrent requests for one window build it once.
 
-    A window being built is shared too: the first request plans it and streams it while the
+    A window being built is shared: the first request plans it and streams it while the
     producer fills it; requests arriving meanwhile read along (waiting for chunks not yet
-    produced). A finished window enters the LRU if it fits the byte budget.
+    produced). Such a live window's bytes are reserved in the budget from the start (its
+    :attr:`EncodedWindow.bound`, known once planned), evicting older cached windows if need
+    be; a finished one stays in the LRU. A window that does not fit (bigger than the budget,
+    or the budget is taken by live windows) is streamed without being kept: its one reader
+    produces each chunk and drops it once sent, and nobody else shares it. So the cached
+    and live windows' bytes (:attr:`nbytes`) never exceed ``max_bytes``.
     """
 
     def __init__(self, entries: int, max_bytes: int) -> None:
@@ -578,9 +655,20 @@ class WindowCache:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._lru: OrderedDict[WindowSpec, EncodedWindow] = OrderedDict()
+        self._lru_bytes = 0
         self._live: dict[WindowSpec, EncodedWindow] = {}
+        self._reserved = 0
+        self._held: dict[int, int] = {}  # id(live window) -> bytes reserved for it
         self._building: dict[WindowSpec, threading.Lock] = {}
         self.hits = 0
+        #: windows streamed without being kept (did not fit), and the most bytes held at once
+        self.unkept = 0
+        self.peak_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cached windows plus those reserved for live (kept) ones."""
+        return self._lru_bytes + self._reserved
 
     def _lookup(self, spec: WindowSpec) -> EncodedWindow | None:
         hit = self._lru.get(spec)
@@ -591,6 +679,13 @@ class WindowCache:
         if hit is not None:
             self.hits += 1
         return hit
+
+    def _evict(self, need: int) -> bool:
+        """Drop the oldest cached windows until ``need`` more bytes fit (lock held)."""
+        while self._lru and self._lru_bytes + self._reserved + need > self.max_bytes:
+            _, old = self._lru.popitem(last=False)
+            self._lru_bytes -= old.nbytes
+        return self._lru_bytes + self._reserved + need <= self.max_bytes
 
     def get(
         self, spec: WindowSpec, build: Callable[[bool], EncodedWindow]
@@ -615,22 +710,46 @@ class WindowCache:
             try:
                 win = build(True)
                 with self._lock:
-                    self._live[spec] = win
+                    need = win.bound or 0
+                    if need <= self.max_bytes and self._evict(need):
+                        self._live[spec] = win
+                        self._reserved += need
+                        self._held[id(win)] = need
+                        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+                    else:  # streamed by its one reader, chunks dropped as they are sent
+                        win.kept = False
+                        self.unkept += 1
             finally:
                 with self._lock:
                     self._building.pop(spec, None)
-        win.on_done(lambda w: self._done(spec, w))
+        if win.kept:
+            win.on_done(lambda w: self._done(spec, w))
         return win, False
+
+    def abandon(self, spec: WindowSpec, win: EncodedWindow) -> None:
+        """The caller that built ``win`` will not read it (its pull failed first): release
+        its reservation unless somebody else reads it already (then it completes normally)."""
+        with self._lock:
+            if self._live.get(spec) is not win or win.done or win._readers:
+                return
+            del self._live[spec]
+            self._reserved -= self._held.pop(id(win), 0)
 
     def _done(self, spec: WindowSpec, win: EncodedWindow) -> None:
         with self._lock:
             if self._live.get(spec) is win:
                 del self._live[spec]
-            if win.failed or win.nbytes > self.max_bytes:
+            held = self._held.pop(id(win), None)
+            if held is None:  # abandoned: neither reserved nor cached any more
+                return
+            self._reserved -= held
+            if win.bound is not None and win.nbytes > win.bound:  # a bug: it must hold
+                log.error("window of %d bytes over its bound %d", win.nbytes, win.bound)
+            if win.failed or win.nbytes > self.max_bytes or not self._evict(win.nbytes):
                 return
             self._lru[spec] = win
-            self._lru.move_to_end(spec)
-            total = sum(w.nbytes for w in self._lru.values())
-            while len(self._lru) > self.entries or total > self.max_bytes:
+            self._lru_bytes += win.nbytes
+            while len(self._lru) > self.entries:
                 _, old = self._lru.popitem(last=False)
-                total -= old.nbytes
+                self._lru_bytes -= old.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)

@@ -30,6 +30,7 @@ from deltad.serve.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.serve.owed import OwedStore
 from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.runs import RunCache
+from deltad.serve.spill import SpillStore
 from deltad.serve.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
@@ -59,6 +60,8 @@ class WindowServer:
         self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
         self.runs = RunCache(config.run_cache_bytes)
         self.gendiff = GenerationDiffs(seglog, owed, metrics, config.window_cache_bytes)
+        # bootstraps bigger than the window cache start from a spilled merged base
+        self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -108,6 +111,8 @@ class WindowServer:
         snap = self.snapshot(context)
         shape = self.spec(req, snap, context)
         slot = self.streams.acquire(context, consumer)
+        win: EncodedWindow | None = None
+        hit = False
         try:
             rank, gen = self.config.rank, snap.generation
             try:
@@ -134,7 +139,8 @@ class WindowServer:
             spec = replace(shape, resync=decision.resync, from_seq=decision.from_seq, to_seq=to_seq)
             # The window is planned here (header, owed rows); its chunks are merged and
             # encoded as the stream sends them (see build_window).
-            win: EncodedWindow
+            # (a base window that the window cache cannot keep: from the spilled base)
+            spill = self.spill if spec.resync and snap.base.nbytes > self.cache.max_bytes else None
             if diff is not None:
                 win, hit = diff, diff_hit
             elif owed:
@@ -145,7 +151,9 @@ class WindowServer:
             else:
                 win, hit = self.cache.get(
                     spec,
-                    lambda kept: build_window(snap, spec, to_step, {}, kept=kept, runs=self.runs),
+                    lambda kept: build_window(
+                        snap, spec, to_step, {}, kept=kept, runs=self.runs, spill=spill
+                    ),
                 )
             pull_id = uuid.uuid4().hex
             token = pull_id if win.owed else ""
@@ -210,3 +218,5 @@ class WindowServer:
             )  # fmt: skip
         finally:
             slot.release()
+            if win is not None and not hit:  # (built but never read: free its reservation)
+                self.cache.abandon(spec, win)
