@@ -21,8 +21,9 @@ from typing import Any
 
 from bench.common import FIGURES_DIR, RESULTS_DIR
 
-#: the figures' names (``<name>.png``), in the README's order
-FIGURES = ("fanout", "fanout-memory", "serving", "throughput", "freshness")
+#: the figures' names (``<name>.png``), in the README's order; ``encode-once`` is drawn
+#: once the sidecar_mem benchmark is recorded (``deltad bench --only sidecar_mem --record``)
+FIGURES = ("fanout", "fanout-memory", "encode-once", "serving", "throughput", "freshness")
 
 #: configuration name -> colour, the same in every fan-out panel
 _COLORS = {"direct": "tab:blue", "1 level": "tab:orange", "2 levels": "tab:green"}
@@ -156,11 +157,11 @@ def plot_fanout_memory(results_dir: Path, out_dir: Path) -> Path | None:
     ax_r.set_xticks([x + 0.4 - width / 2 for x in xs], labels, fontsize=7)
     ax_r.set_ylabel("peak RSS per process (MB)")
     ax_r.set_title("peak RSS per process, by tier")
-    ax_r.legend(fontsize=7)
+    ax_r.legend(fontsize=7, loc="lower left")
     ax_p.bar(xs, [(p["consumer_rss_bytes_each"] or 0) / 1e6 for p in pts], 0.6)
     ax_p.set_xticks(xs, labels, fontsize=7)
     ax_p.set_ylabel("MB per consumer")
-    ax_p.set_title("consumer worker RSS growth per hosted consumer")
+    ax_p.set_title("consumer worker: RSS over its baseline / consumers hosted")
     for ax in (ax_r, ax_p):
         ax.grid(alpha=0.3, axis="y")
     return _save(fig, out_dir, "fanout-memory")
@@ -268,9 +269,42 @@ def plot_freshness(results_dir: Path, out_dir: Path) -> Path | None:
     return _save(fig, out_dir, "freshness")
 
 
+def plot_encode_once(results_dir: Path, out_dir: Path) -> Path | None:
+    """Sidecar CPU of N consumers at one cursor against the bare gRPC floor streaming the
+    same bytes to N clients (the sidecar_mem benchmark's ``encode_once``)."""
+    res = load(results_dir, "sidecar_mem")
+    eo = (res or {}).get("encode_once") or {}
+    if not eo.get("sidecar") or not eo.get("floor"):
+        return None
+    import statistics
+
+    def curve(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+        ns = sorted({r["consumers"] for r in rows})
+        return ns, [statistics.median(r[key] for r in rows if r["consumers"] == n) for n in ns]
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ns, ys = curve(eo["sidecar"], "cpu_s")
+    ax.plot(ns, ys, "o-", label="deltad sidecar (window encoded once)")
+    fs, fy = curve(eo["floor"], "server_cpu_s")
+    ax.plot(fs, fy, "s--", label="bare gRPC, prebuilt messages (floor)")
+    if len(ns) > 1 and len(fs) > 1 and fy[-1] != fy[0]:
+        per = (ys[-1] - ys[0]) / (ns[-1] - ns[0])
+        floor = (fy[-1] - fy[0]) / (fs[-1] - fs[0])
+        ax.set_title(f"CPU per extra consumer: {per / floor:.2f}x the floor (goal 1.1x)")
+    ax.set_xlabel("consumers at one cursor")
+    ax.set_ylabel("server CPU seconds per round")
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, out_dir, "encode-once")
+
+
 PLOTTERS: dict[str, Callable[[Path, Path], Path | None]] = {
     "fanout": plot_fanout,
     "fanout-memory": plot_fanout_memory,
+    "encode-once": plot_encode_once,
     "serving": plot_serving,
     "throughput": plot_throughput,
     "freshness": plot_freshness,

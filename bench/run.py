@@ -42,10 +42,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.throughput",
         "GetDelta GB/s per window size and wire dtype, vs bare gRPC and raw TCP",
     ),
-    "fanout": (
-        "bench.fanout",
-        "1-16 consumers, same / different windows; relay trees; 64/256 consumers (fleet)",
-    ),
+    "fanout": ("bench.fanout", "1-16 consumers, same / different windows: throughput, CPU"),
     "tracking": (
         "bench.tracking",
         "training-step overhead: deltad tracker+publisher vs none vs torchrec's tracker",
