@@ -823,7 +823,7 @@ def scale_model(
     ]
 
     def per_consumer_cores(d_gb: float) -> float:
-        if use_split:
+        if fixed is not None and marginal is not None:
             return pulls_per_s * float(fixed) + d_gb * float(marginal)
         return d_gb * c_send
 

@@ -282,6 +282,11 @@ def _run(
         "peak_rss_bytes": {tiers[t]: rss[t] for t in tiers},
         "consumer_worker_rss": [g["rss"] for g in got],
         "consumers_per_worker": per,
+        # > 0: some consumer was still connecting at start_at (its pulls started late)
+        "latest_start_after_start_at_s": max(
+            (x["start_unix"] for x in ok if x.get("first")), default=start_at
+        )
+        - start_at,
     }
 
 
@@ -402,7 +407,7 @@ def client_fleet(
         if c is not None:
             try:
                 time.sleep(max(0.0, start_at - time.time()))
-                for _ in range(pulls):
+                for k in range(pulls):
                     t0 = time.perf_counter()
                     s0 = time.time()
                     try:
@@ -418,6 +423,7 @@ def client_fleet(
                             "error": None,
                             "start_unix": s0,
                             "end_unix": time.time(),
+                            "first": k == 0,
                         }
                     )
                     del r

@@ -123,8 +123,9 @@ def plot_fanout(results_dir: Path, out_dir: Path) -> Path | None:
         ax.set_xlabel("consumers")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    ax_t.legend(fontsize=7)
-    ax_s.legend(fontsize=6)
+    for ax, size in ((ax_t, 7), (ax_s, 6)):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=size)
     fig.suptitle("fan-out: directly and through relay levels (squares: 1-4 consumers, session 6)")
     return _save(fig, out_dir, "fanout")
 

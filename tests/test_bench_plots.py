@@ -42,6 +42,7 @@ def test_every_figure_regenerates_from_the_committed_results(tmp_path: Path) -> 
 
 def test_every_figure_in_the_readme_is_committed_and_drawn() -> None:
     shown = plots.readme_figures(README)
+    assert shown, "bench/README.md embeds no figure"
     assert {Path(f).stem for f in shown} <= set(plots.FIGURES)
     for f in shown:
         path = README.parent / f
