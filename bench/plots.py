@@ -364,6 +364,34 @@ def fleet_table(results_dir: Path = RESULTS_DIR) -> list[str]:
     return lines
 
 
+def model_table(results_dir: Path = RESULTS_DIR) -> list[str]:
+    """The README's scale-model table (markdown lines): :func:`bench.fanout.scale_model` of
+    the recorded fleet run (per-pull and per-GB costs) and the recorded relay tree (mirror,
+    idle and per-hop freshness)."""
+    from bench.fanout import scale_model
+
+    fleet = fleet_result(results_dir)
+    tree = load(results_dir, "fanout-tree")
+    if fleet is None or tree is None:
+        return []
+    model = scale_model(tree, fleet=fleet)
+    lines = [
+        "| delta rate per rank | consumers per node (limit) | relay levels | relays per rank, "
+        "level 1 / 2 | relays in all | serving cores in all | relay idle cores in all "
+        "| freshness p99 at predictors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in model["rows"]:
+        widths = " / ".join(str(x["relays_per_rank"]) for x in r["relays"]) or "0 (sidecar)"
+        lines.append(
+            f"| {r['delta_mb_per_s_per_rank']:g} MB/s | {r['fanout_per_node']} "
+            f"({r['limited_by']}) | {r['relay_levels']} | {widths} | {r.get('relays_total')} "
+            f"| {_f(r.get('serving_cores_total'), 0)} | {_f(r.get('relay_idle_cores_total'), 0)} "
+            f"| {_f(r.get('freshness_p99_s_at_predictor_tier'))} s |"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m bench.plots``."""
     parser = argparse.ArgumentParser(prog="python -m bench.plots", description=__doc__)
@@ -372,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tables", action="store_true", help="print the README's tables")
     args = parser.parse_args(argv)
     if args.tables:
-        print("\n".join(fleet_table(args.results)))
+        print("\n".join([*fleet_table(args.results), "", *model_table(args.results)]))
         return 0
     for path in draw(args.results, args.out):
         print(path)

@@ -52,11 +52,14 @@ def test_every_figure_in_the_readme_is_committed_and_drawn() -> None:
     assert committed == {Path(f).name for f in shown}, "a committed figure the README omits"
 
 
-def test_the_readme_fleet_table_is_the_recorded_one() -> None:
+def test_the_readme_tables_are_the_recorded_ones() -> None:
+    """The fleet table and the scale model's table, as bench.plots prints them from the
+    committed results, are in the README line for line."""
     table = plots.fleet_table(RESULTS_DIR)
-    assert len(table) > 2
+    model = plots.model_table(RESULTS_DIR)
+    assert len(table) > 2 and len(model) > 2
     text = README.read_text()
-    for line in table:
+    for line in [*table, *model]:
         assert line in text, f"bench/README.md lacks the recorded row:\n{line}"
 
 
