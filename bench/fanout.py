@@ -22,6 +22,10 @@ overload (:func:`_overload`: 128 and 256 consumers on one sidecar, 0 failed pull
 :func:`scale_model`,
 the extrapolation to 4,096 predictors x 64 ranks documented in bench/README.md.
 
+**Fleet** (:mod:`bench.fleet`, key ``fleet``): 64 and 256 consumers in worker processes,
+directly and through one and two relay levels of ``deltad serve`` processes; its per-pull
+and per-GB costs feed :func:`scale_model`.
+
 **Floor** (baseline, same run): a bare gRPC server (:mod:`bench.wire_baselines`) streams
 the same number of bytes to N clients at once from messages built once and shared, so each
 stream costs only gRPC's send path and the kernel's loopback copy. Its CPU per extra stream
