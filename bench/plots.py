@@ -248,12 +248,15 @@ def plot_freshness(results_dir: Path, out_dir: Path) -> Path | None:
     fig, (ax_p, ax_l) = plt.subplots(1, 2, figsize=(11, 3.8))
     pub = res.get("publish", [])
     xs = [p["interval_s"] for p in pub]
-    ax_p.plot(xs, [p["lag_p50_s"] for p in pub], "o-", label="step -> served p50")
-    ax_p.plot(xs, [p["lag_p99_s"] for p in pub], "o--", label="step -> served p99")
-    ax_p.plot(xs, [p["pipeline_p50_s"] for p in pub], "s-", label="pipeline only p50")
-    ax_p.plot(xs, [p["pipeline_p99_s"] for p in pub], "s--", label="pipeline only p99")
+    for key, mark, c, lab in (
+        ("lag", "o", "tab:blue", "step -> served"),
+        ("pipeline", "s", "tab:green", "pipeline only"),
+    ):
+        ax_p.plot(xs, [p[f"{key}_p50_s"] for p in pub], mark + "-", color=c, label=f"{lab} p50")
+        ax_p.plot(xs, [p[f"{key}_p99_s"] for p in pub], mark + "--", color=c, label=f"{lab} p99")
     ax_p.set_xscale("log")
     ax_p.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax_p.minorticks_off()
     ax_p.set_xlabel("publish interval (s)")
     ax_p.set_ylabel("seconds")
     ax_p.set_title("freshness: trainer step -> predictor serving it")
