@@ -93,9 +93,12 @@ def run(ctx: Context) -> dict[str, Any]:
         for w in workers:
             w.recv("client_warm", 300.0)
         nodes: dict[int, list[Any]] = {0: [], 1: [], 2: []}
+        side_ports: list[int] = []  # each node's /metrics port, in start order
         try:
             ctx.status("fleet: sidecar and relays")
-            side = deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
+            side = deltad_procs.start_sidecar(
+                kids, spool, ctx, extra=[*deltad_procs.NO_RETENTION, *_metrics_flags(side_ports)]
+            )
             nodes[0].append(side)
             head = _head(side.endpoint)
             for lv in (1, 2):
@@ -104,9 +107,12 @@ def run(ctx: Context) -> dict[str, Any]:
                     relay = deltad_procs.start_sidecar(
                         kids, rdir / f"l{lv}-{i}", ctx, require_head=False,
                         extra=[*deltad_procs.NO_RETENTION, "--upstream", up.endpoint,
-                               "--upstream-consumer", f"fleet-relay-{lv}-{i}"],
+                               "--upstream-consumer", f"fleet-relay-{lv}-{i}",
+                               *_metrics_flags(side_ports)],
                     )  # fmt: skip
                     nodes[lv].append(relay)
+            for p, port in zip((p for lv in (0, 1, 2) for p in nodes[lv]), side_ports, strict=True):
+                p.metrics_port = port
             every = [p for lv in (0, 1, 2) for p in nodes[lv]]
             if not _wait(lambda: all(_head(p.endpoint) == head for p in every), 300.0, 0.1):
                 raise RuntimeError("a relay never mirrored the sidecar's log")
@@ -246,6 +252,7 @@ def _run(
                     "model": serving[0].model, "start_at": start_at, "pulls": pulls},
         )  # fmt: skip
         sent.append(w)
+    rpc0 = _getdelta_codes(serving)
     time.sleep(max(0.0, start_at - time.time()))
     mons = {t: [CpuMonitor(pid) for pid in ps] for t, ps in pids.items()}
     wmons = [CpuMonitor(w.proc.pid) for w in sent]
@@ -254,6 +261,10 @@ def _run(
     span = time.monotonic() - t0
     cpu = {t: sum(m.seconds() for m in ms) for t, ms in mons.items()}
     worker_cpu = sum(m.seconds() for m in wmons)
+    rpc1 = _getdelta_codes(serving)
+    codes: dict[str, int] = {}
+    if rpc0 is not None and rpc1 is not None:
+        codes = {c: rpc1.get(c, 0) - rpc0.get(c, 0) for c in rpc1}
     rss = {t: max((proc_peak_rss(pid) or 0 for pid in ps), default=0) for t, ps in pids.items()}
     results = [x for g in got for x in g["pulls"]]
     full = max((x["bytes"] for x in results), default=0)
@@ -282,12 +293,49 @@ def _run(
         "peak_rss_bytes": {tiers[t]: rss[t] for t in tiers},
         "consumer_worker_rss": [g["rss"] for g in got],
         "consumers_per_worker": per,
+        # GetDelta calls the serving nodes answered, by gRPC code (their /metrics): refusals
+        # (RESOURCE_EXHAUSTED, with a retry hint the consumers honour) are not failures
+        "getdelta_codes": {c: v for c, v in codes.items() if v},
         # > 0: some consumer was still connecting at start_at (its pulls started late)
         "latest_start_after_start_at_s": max(
             (x["start_unix"] for x in ok if x.get("first")), default=start_at
         )
         - start_at,
     }
+
+
+def _metrics_flags(ports: list[int]) -> list[str]:
+    """``deltad serve`` flags for /metrics on a free local port (appended to ``ports``)."""
+    from bench.common import free_port
+
+    ports.append(free_port())
+    return ["--metrics-port", str(ports[-1]), "--metrics-listen", "127.0.0.1"]
+
+
+def _getdelta_codes(serving: list[Any]) -> dict[str, int] | None:
+    """GetDelta calls answered so far by these nodes, by gRPC code (summed), from their
+    Prometheus /metrics; None if a node has no metrics port or does not answer."""
+    import re
+    import urllib.request
+
+    out: dict[str, int] = {}
+    pat = re.compile(r"^deltad_rpc_requests_total\{([^}]*)\}\s+([0-9.e+]+)$")
+    for node in serving:
+        port = getattr(node, "metrics_port", None)
+        if port is None:
+            return None
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5.0) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            m = pat.match(line)
+            if m and 'method="GetDelta"' in m.group(1):
+                code = re.search(r'code="([^"]*)"', m.group(1))
+                key = code.group(1) if code else "?"
+                out[key] = out.get(key, 0) + int(float(m.group(2)))
+    return out
 
 
 def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -330,9 +378,18 @@ def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 },
                 "consumer_worker_peak_rss_bytes": max((x["peak"] for x in wrss), default=0),
                 "consumer_rss_bytes_each": percentile(per_consumer, 50),
+                "getdelta_codes": _sum_codes(rs),
             }
         )
     return points
+
+
+def _sum_codes(rs: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rs:
+        for c, v in r.get("getdelta_codes", {}).items():
+            out[c] = out.get(c, 0) + v
+    return out
 
 
 def _headline(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
