@@ -31,6 +31,10 @@ import psutil
 #: The repository root (``bench/``'s parent): children get it on PYTHONPATH.
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = Path(__file__).resolve().parent / "out"
+#: recorded results (committed): what bench/README.md quotes and bench.plots draws
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: figures drawn from RESULTS_DIR by ``python -m bench.plots`` (committed, in the README)
+FIGURES_DIR = Path(__file__).resolve().parent / "figures"
 
 GB = 1e9
 MB = 1 << 20

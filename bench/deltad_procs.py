@@ -55,6 +55,8 @@ class Sidecar:
     spool: Path
     log_path: Path
     children: Children
+    #: its Prometheus /metrics port, where the caller asked for one (``--metrics-port``)
+    metrics_port: int | None = None
 
     def stop(self) -> None:
         self.children.stop_popen(self.proc)

@@ -22,6 +22,10 @@ overload (:func:`_overload`: 128 and 256 consumers on one sidecar, 0 failed pull
 :func:`scale_model`,
 the extrapolation to 4,096 predictors x 64 ranks documented in bench/README.md.
 
+**Fleet** (:mod:`bench.fleet`, key ``fleet``): 64 and 256 consumers in worker processes,
+directly and through one and two relay levels of ``deltad serve`` processes; its per-pull
+and per-GB costs feed :func:`scale_model`.
+
 **Floor** (baseline, same run): a bare gRPC server (:mod:`bench.wire_baselines`) streams
 the same number of bytes to N clients at once from messages built once and shared, so each
 stream costs only gRPC's send path and the kernel's loopback copy. Its CPU per extra stream
@@ -178,11 +182,16 @@ def run(ctx: Context) -> dict[str, Any]:
     floor_ratio = ratio(c1 + (n8 - 1) * floor_per, c1) if c1 and floor_per is not None else None
     result["per_extra_consumer_cpu_s"] = {"deltad": deltad_per, "bare_grpc_floor": floor_per}
     result["tree"] = tree
-    result["scale_model"] = scale_model(tree)
     ctx.status("fanout: cursors")
     result["cursors"] = cursors(ctx)
+    ctx.status("fanout: fleet")
+    from bench import fleet
+
+    result["fleet"] = fleet.run(ctx)
+    result["scale_model"] = scale_model(tree, fleet=result["fleet"])
     top = [p for p in points if p["consumers"] == max(counts)]
     result["headline"] = [
+        *result["fleet"]["headline"],
         *result["cursors"]["headline"],
         *_tree_headline(tree, max(counts)),
         {
@@ -770,6 +779,8 @@ def scale_model(
     delta_mb_per_s: tuple[float, ...] = (1.0, 10.0, 50.0),
     core_budget: float = 0.5,
     nic_gbps: float = 1.25,
+    fleet: dict[str, Any] | None = None,
+    pulls_per_s: float = 1.0,
 ) -> dict[str, Any]:
     """Extrapolate the measured per-GB costs to ``predictors`` x ``ranks``.
 
@@ -781,6 +792,11 @@ def scale_model(
     and its spool poll, measured in cores). Relays per level follow from F; freshness p99 at level L is the measured p99 of
     level L (the sidecar's poll plus L relay hops), extended linearly with the measured
     per-hop increment for deeper trees.
+
+    With a measured ``fleet`` (:mod:`bench.fleet`: 64/256 consumers per node) the consumer's
+    cost on its node is ``pulls_per_s x fixed + D x marginal``: the fleet's sidecar CPU per
+    pull split at two window sizes into a fixed part per pull and a part per GB. Without it
+    (or if the split is missing), ``D x c_send``.
     """
     pts = tree.get("points", [])
     if not pts:
@@ -798,10 +814,28 @@ def scale_model(
         if fresh and max(fresh) > 0 and 0 in fresh
         else None
     )
+    split = (fleet or {}).get("per_pull_cost") or {}
+    fixed = split.get("fixed_cpu_s_per_pull")
+    marginal = split.get("cpu_s_per_gb_marginal")
+    use_split = fixed is not None and marginal is not None
+    fleet_pts = (fleet or {}).get("points") or []
+    fleet_top = max((p["consumers"] for p in fleet_pts), default=None)
+    fleet_send = [
+        p["serving_cpu_s_per_gb"]
+        for p in fleet_pts
+        if p["consumers"] == fleet_top and p["serving_cpu_s_per_gb"] is not None
+    ]
+
+    def per_consumer_cores(d_gb: float) -> float:
+        if fixed is not None and marginal is not None:
+            return pulls_per_s * float(fixed) + d_gb * float(marginal)
+        return d_gb * c_send
+
     rows: list[dict[str, Any]] = []
     for d_mb in delta_mb_per_s:
         d_gb = d_mb / 1000
-        f_cpu = core_budget / (d_gb * c_send) if c_send > 0 else float("inf")
+        one = per_consumer_cores(d_gb)
+        f_cpu = core_budget / one if one > 0 else float("inf")
         f_nic = nic_gbps / d_gb
         fanout = max(1, int(min(f_cpu, f_nic)))
         # levels: the sidecar serves min(F, relays of level 1); each level multiplies by F.
@@ -849,8 +883,9 @@ def scale_model(
                 "node_out_bytes_per_s": min(fanout, predictors) * d_mb * 1e6,
                 "predictor_in_bytes_per_s": ranks * d_mb * 1e6,
                 "relay_mirror_cores": d_gb * c_mirror if c_mirror is not None else None,
-                # every predictor-rank stream costs its serving node D * c_send
-                "serving_cores_total": predictors * ranks * d_gb * c_send,
+                # every predictor-rank stream costs its serving node per_consumer_cores
+                "serving_cores_per_consumer": one,
+                "serving_cores_total": predictors * ranks * one,
                 "relays_total": sum(x["relays"] for x in per_level),
                 "relay_idle_cores_total": (
                     idle_relay * sum(x["relays"] for x in per_level)
@@ -866,6 +901,12 @@ def scale_model(
         "core_budget_per_node": core_budget,
         "nic_gb_per_s": nic_gbps,
         "c_send_cpu_s_per_gb": c_send,
+        "cost_model": "pulls_per_s x fixed + D x marginal" if use_split else "D x c_send",
+        "pulls_per_s": pulls_per_s if use_split else None,
+        "fixed_cpu_s_per_pull": fixed,
+        "marginal_cpu_s_per_gb": marginal,
+        "fleet_consumers": fleet_top,
+        "fleet_serving_cpu_s_per_gb": max(fleet_send) if fleet_send else None,
         "c_mirror_cpu_s_per_gb": c_mirror,
         "relay_idle_cores": idle_relay,
         "idle_cores_by_level": idle,

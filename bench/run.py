@@ -20,7 +20,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import OUT_DIR, Context, NotAvailable, machine_info, self_peak_rss
+from bench.common import (
+    OUT_DIR,
+    RESULTS_DIR,
+    Context,
+    NotAvailable,
+    machine_info,
+    self_peak_rss,
+)
 
 MALLOC_TUNING = {
     "MALLOC_MMAP_MAX_": "0",
@@ -89,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(the allocator setting of deltad.perf.tune_malloc for large buffers)",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="also write each finished benchmark to bench/results/<name>.json (committed; "
+        "python -m bench.plots draws bench/figures from them)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
@@ -125,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 0:
         raise ConfigError(f"--repeats must be >= 0 (0: the preset), not {args.repeats}")
+    if args.record and args.tiny:
+        raise ConfigError("--record keeps results for the README: not with --tiny")
     names = _selected(args.only)
 
     def on_term(signum: int, frame: Any) -> None:
@@ -194,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
             except Exception as e:  # a plot must never lose the numbers
                 res["plot_error"] = f"{type(e).__name__}: {e}"
         _write(results, out_dir)
+        if args.record and res["status"] == "ok":
+            record(name, res, results["meta"])
     for cleanup in ctx.cleanups:
         try:
             cleanup()
@@ -211,6 +228,23 @@ def run(args: argparse.Namespace) -> int:
     for line in summary_lines(results):
         print(line)
     return 1 if failed else 0
+
+
+def record(
+    name: str, result: dict[str, Any], meta: dict[str, Any], results_dir: Path = RESULTS_DIR
+) -> Path:
+    """Write one benchmark's result as ``results_dir/<name>.json`` (``{"source", "meta",
+    "result"}``): the recorded data that bench/README.md quotes and bench.plots draws."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    meta = {**meta, "loadavg_recorded": os.getloadavg()}
+    meta["recorded_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    doc = {"source": f"deltad bench --record ({meta.get('preset')})", "meta": meta}
+    doc["result"] = {k: v for k, v in result.items() if k != "plots"}
+    path = results_dir / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_clean(doc), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def _write(results: dict[str, Any], out_dir: Path) -> Path:

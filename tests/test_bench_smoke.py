@@ -146,6 +146,23 @@ def test_values_are_sane(results: dict[str, Any]) -> None:
         assert [f["level"] for f in tree["freshness"] if _pos(f["p99_s"])] == [0, 1, 2]
         assert tree["overload"] and all(o["failed"] == 0 for o in tree["overload"])
         assert r["scale_model"]["rows"]
+        fleet = r["fleet"]  # many consumers in worker processes: direct, 1 and 2 relay levels
+        assert {(p["config"], p["level"]) for p in fleet["points"]} == {
+            ("direct", 0),
+            ("1 level", 1),
+            ("2 levels", 2),
+        }
+        assert {p["consumers"] for p in fleet["points"]} == set(fleet["counts"])
+        for p in fleet["points"]:
+            assert p["failed"] == 0, p
+            assert p["pulls"] == p["consumers"] * fleet["pulls_per_consumer"]
+            assert _pos(p["p50_s"]) and p["p99_s"] >= p["p50_s"] and _pos(p["aggregate_gbps"])
+            assert all(_nonneg(v) for v in p["cpu_s_per_gb"].values())
+            assert all(_pos(v) for v in p["peak_rss_bytes"].values())
+        split = fleet["per_pull_cost"]
+        # (10 ms CPU ticks: a tiny run's split may round to 0)
+        assert _nonneg(split["fixed_cpu_s_per_pull"]) and _nonneg(split["cpu_s_per_gb_marginal"])
+        assert r["scale_model"]["cost_model"] == "pulls_per_s x fixed + D x marginal"
     if r := _ok(results, "freshness"):
         measured = [p for p in r["points"] if p["steps_measured"]]
         assert measured
