@@ -1224,52 +1224,24 @@ def tree_only(ctx: Context) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.fanout --tree [--record]``: only the relay tree; ``--record`` writes
-    ``bench/results/fanout-tree.json`` (the scale model's relay inputs and the figures)."""
-    import argparse
-    import json
-    import os
+    """``python -m bench.fanout``: only the relay tree (the rest runs in ``deltad bench --only
+    fanout``); ``--record`` writes ``bench/results/fanout-tree.json`` (the scale model's relay
+    inputs and the figures). Default sizes: the full preset's; ``--quick``: 16 MB, 1-4."""
+    from bench.run import run_part
 
-    from bench.common import OUT_DIR, machine_info
-    from bench.run import _clean, record
+    def report(res: dict[str, Any]) -> None:
+        print("idle cores per level:", [round(x, 4) for x in res["idle_cores"]])
+        print("freshness:", [(f["level"], f["p50_s"], f["p99_s"]) for f in res["freshness"]])
+        for m in res["mirror"]:
+            print(f"mirror level {m['level']}: {m['relay_cpu_s_per_gb']:.2f} CPU-s/GB")
+        for p in res["points"]:
+            print(
+                f"level {p['level']} x{p['consumers']}: p50 {p['p50_s']:.3f} "
+                f"p99 {p['p99_s']:.3f} s, serving {p['serving_cpu_s_per_gb']:.2f} "
+                f"sidecar {p['sidecar_cpu_s_per_gb']:.2f} s/GB"
+            )
 
-    parser = argparse.ArgumentParser(prog="python -m bench.fanout", description=main.__doc__)
-    parser.add_argument("--tree", action="store_true", required=True, help="the relay tree")
-    parser.add_argument("--full", action="store_true", help="128 MB window, 1-16 consumers")
-    parser.add_argument("--tiny", action="store_true", help="smoke size")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds per configuration")
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
-    parser.add_argument("--out", type=Path, default=OUT_DIR)
-    parser.add_argument("--record", action="store_true", help="write bench/results/")
-    args = parser.parse_args(argv)
-    if args.record and args.tiny:
-        parser.error("--record keeps results for the README: not with --tiny")
-    ctx = Context(
-        quick=not args.full, tiny=args.tiny, repeats=args.repeats, out_dir=args.out,
-        work_dir=args.work_dir,
-    )  # fmt: skip
-    meta = {
-        **machine_info(),
-        "preset": "tiny" if args.tiny else "full" if args.full else "quick",
-        "repeats": args.repeats,
-        "command": "python -m bench.fanout " + " ".join(argv or []),
-    }
-    res = tree_only(ctx)
-    meta["loadavg_end"] = os.getloadavg()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fanout-tree.json").write_text(json.dumps(_clean({"meta": meta, "result": res})))
-    if args.record:
-        print(record("fanout-tree", res, meta))
-    print("idle cores per level:", [round(x, 4) for x in res["idle_cores"]])
-    print("freshness:", [(f["level"], f["p50_s"], f["p99_s"]) for f in res["freshness"]])
-    for m in res["mirror"]:
-        print(f"mirror level {m['level']}: {m['relay_cpu_s_per_gb']:.2f} CPU-s/GB")
-    for p in res["points"]:
-        print(
-            f"level {p['level']} x{p['consumers']}: p50 {p['p50_s']:.3f} p99 {p['p99_s']:.3f} s, "
-            f"serving {p['serving_cpu_s_per_gb']:.2f} sidecar {p['sidecar_cpu_s_per_gb']:.2f} s/GB"
-        )
-    return 0
+    return run_part("python -m bench.fanout", main.__doc__, "fanout-tree", tree_only, report, argv)
 
 
 if __name__ == "__main__":

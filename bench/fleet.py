@@ -539,50 +539,18 @@ def _reset_hwm_self() -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.fleet``: only this part of the fan-out benchmark; ``--record``
     writes ``bench/results/fanout-fleet.json`` (what bench/README.md and bench.plots use)."""
-    import argparse
-    import json
-    import os
-    from pathlib import Path
+    from bench.run import run_part
 
-    from bench.common import OUT_DIR, machine_info
-    from bench.run import _clean, record
+    def report(res: dict[str, Any]) -> None:
+        for p in res["points"]:
+            print(
+                f"{p['config']:>8} x{p['consumers']:<4} failed {p['failed']} "
+                f"p50 {p['p50_s']:.3f} p99 {p['p99_s']:.3f} s, {p['aggregate_gbps']:.2f} GB/s, "
+                f"serving {p['serving_cpu_s_per_gb']:.2f} s/GB"
+            )
+        print("per pull:", res["per_pull_cost"])
 
-    parser = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="1 MB window, 2 pulls each")
-    parser.add_argument("--tiny", action="store_true", help="smoke size (4/8 consumers)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds per configuration")
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
-    parser.add_argument("--out", type=Path, default=OUT_DIR)
-    parser.add_argument("--record", action="store_true", help="write bench/results/")
-    args = parser.parse_args(argv)
-    if args.record and args.tiny:
-        parser.error("--record keeps results for the README: not with --tiny")
-    ctx = Context(
-        quick=args.quick or args.tiny, tiny=args.tiny, repeats=args.repeats,
-        out_dir=args.out, work_dir=args.work_dir,
-    )  # fmt: skip
-    meta = {
-        **machine_info(),
-        "preset": "tiny" if args.tiny else "quick" if args.quick else "full",
-        "repeats": args.repeats,
-        "command": "python -m bench.fleet " + " ".join(argv or []),
-    }
-    t0 = time.monotonic()
-    res = {"status": "ok", **run(ctx), "wall_seconds": 0.0}
-    res["wall_seconds"] = time.monotonic() - t0
-    meta["loadavg_end"] = os.getloadavg()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fleet.json").write_text(json.dumps(_clean({"meta": meta, "result": res})))
-    if args.record:
-        print(record("fanout-fleet", res, meta))
-    for p in res["points"]:
-        print(
-            f"{p['config']:>8} x{p['consumers']:<4} failed {p['failed']} "
-            f"p50 {p['p50_s']:.3f} p99 {p['p99_s']:.3f} s, {p['aggregate_gbps']:.2f} GB/s, "
-            f"serving {p['serving_cpu_s_per_gb']:.2f} s/GB"
-        )
-    print("per pull:", res["per_pull_cost"])
-    return 0
+    return run_part("python -m bench.fleet", main.__doc__, "fanout-fleet", run, report, argv)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +246,49 @@ def record(
     tmp.write_text(json.dumps(_clean(doc), indent=1) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def run_part(
+    prog: str,
+    doc: str | None,
+    name: str,
+    fn: Callable[[Context], dict[str, Any]],
+    report: Callable[[dict[str, Any]], None],
+    argv: list[str] | None,
+) -> int:
+    """``python -m bench.<part>``: one part of a benchmark alone (``fn(ctx)``), written to
+    ``--out/<name>.json``; with ``--record`` to ``bench/results/<name>.json`` too; then
+    ``report(result)`` prints its figures."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    parser.add_argument("--quick", action="store_true", help="the quick preset's sizes")
+    parser.add_argument("--tiny", action="store_true", help="smoke size")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds per configuration")
+    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--record", action="store_true", help="write bench/results/")
+    args = parser.parse_args(argv)
+    if args.record and args.tiny:
+        parser.error("--record keeps results for the README: not with --tiny")
+    ctx = Context(
+        quick=args.quick or args.tiny, tiny=args.tiny, repeats=args.repeats,
+        out_dir=args.out, work_dir=args.work_dir,
+    )  # fmt: skip
+    meta = {
+        **machine_info(),
+        "preset": "tiny" if args.tiny else "quick" if args.quick else "full",
+        "repeats": args.repeats,
+        "command": f"{prog} " + " ".join(argv or []),
+    }
+    t0 = time.monotonic()
+    res = {"status": "ok", **fn(ctx), "wall_seconds": 0.0}
+    res["wall_seconds"] = time.monotonic() - t0
+    meta["loadavg_end"] = os.getloadavg()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(_clean({"meta": meta, "result": res})))
+    if args.record:
+        print(record(name, res, meta))
+    report(res)
+    return 0
 
 
 def _write(results: dict[str, Any], out_dir: Path) -> Path:
