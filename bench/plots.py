@@ -126,7 +126,7 @@ def plot_fanout(results_dir: Path, out_dir: Path) -> Path | None:
     for ax, size in ((ax_t, 7), (ax_s, 6)):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=size)
-    fig.suptitle("fan-out: directly and through relay levels (squares: 1-4 consumers, session 6)")
+    fig.suptitle("fan-out: directly and through relay levels (squares: 1-4 consumers, tree run)")
     return _save(fig, out_dir, "fanout")
 
 
