@@ -403,16 +403,24 @@ def test_the_held_log_is_dropped_once_no_live_consumer_is_at_it(
         _pull_base(c, "q")
         spool.start_generation(2)
         wait_for(lambda: srv.log.snapshot().generation == 2, 10, "generation 2")  # type: ignore[union-attr]
+        cache = srv.servicer.cache
+        before = cache.nbytes
         d = c.pull("p")
         assert d.generation_diff == 1
         c.commit(d)
+        assert cache.nbytes > before  # the cached diff counts in the window cache's budget
         time.sleep(0.5)  # rounds of retention: q still stands on generation 1
         assert srv.log.previous() is not None
-        d = c.pull("q")
+        held = cache.nbytes
+        assert held <= cache.max_bytes
+        d = c.pull("q")  # the same old cursor: the cached diff
         assert d.generation_diff == 1
         c.commit(d)
         wait_for(lambda: srv.log.previous() is None, 10, "the held log dropped")
         assert "no live consumer was at it" in srv.log.previous_missing
+        c.pull("p")  # the next GetDelta sees the held log gone: its diffs give their bytes back
+        assert srv.servicer.windows.gendiff._cached_generation is None
+        assert cache.nbytes < held
     finally:
         c.close()
         srv.stop(0)

@@ -43,7 +43,14 @@ from deltad.serve.merge import merge_rows
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.offsets import OffsetStore
 from deltad.serve.owed import OwedStore
-from deltad.serve.pull import EncodedWindow, ShardLine, WindowSpec, window_dense, window_parts
+from deltad.serve.pull import (
+    EncodedWindow,
+    ShardLine,
+    WindowCache,
+    WindowSpec,
+    window_dense,
+    window_parts,
+)
 from deltad.types import Form, ShardKey
 from deltad.v1 import delta_pb2 as pb
 
@@ -221,18 +228,24 @@ class GenerationDiffs:
     """The generation diffs of one rank's sidecar (called by deltad.serve.windows)."""
 
     def __init__(
-        self, seglog: SegmentLog, owed: OwedStore, metrics: SidecarMetrics, max_bytes: int
+        self, seglog: SegmentLog, owed: OwedStore, metrics: SidecarMetrics, budget: WindowCache
     ) -> None:
         self.log = seglog
         self.owed = owed
         self.metrics = metrics
-        self.max_bytes = max_bytes
+        #: cached diffs count against the window cache's byte budget (WindowCache.hold)
+        self.budget = budget
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[int, int, WindowSpec], EncodedWindow] = OrderedDict()
+        self._cached_generation: int | None = None  # of the held log the cached diffs are from
 
     def previous(self) -> tuple[LogView | None, str]:
         """The held previous generation's log view (None: not held) and why it is not."""
         prev = self.log.previous()
+        cached = self._cached_generation
+        if cached is not None and (prev is None or prev.generation != cached):
+            with self._lock:  # the held log is gone: its cached diffs give their bytes back
+                self._drop_all()
         return (None if prev is None else LogView.of(prev)), self.log.previous_missing
 
     def window(
@@ -249,7 +262,7 @@ class GenerationDiffs:
         prev = self.log.previous()
         if prev is None:
             with self._lock:
-                self._cache.clear()
+                self._drop_all()
         try:
             if prev is None or prev.generation != gen:
                 raise Incompatible(self.log.previous_missing or "the held log moved on")
@@ -282,9 +295,17 @@ class GenerationDiffs:
                 self._cache.move_to_end(key)
                 return win, True
             win = build_diff_window(prev, seq, snap, spec, to_step, {})
-            if win.nbytes <= self.max_bytes:
+            if self.budget.hold(win.nbytes):
+                if self._cached_generation != prev.generation:
+                    self._drop_all()
                 self._cache[key] = win
-                total = sum(w.nbytes for w in self._cache.values())
-                while len(self._cache) > CACHE_ENTRIES or total > self.max_bytes:
-                    total -= self._cache.popitem(last=False)[1].nbytes
+                self._cached_generation = prev.generation
+                while len(self._cache) > CACHE_ENTRIES:
+                    self.budget.release(self._cache.popitem(last=False)[1].nbytes)
             return win, False
+
+    def _drop_all(self) -> None:
+        """Forget the cached diffs (the held log is gone), giving their bytes back."""
+        while self._cache:
+            self.budget.release(self._cache.popitem()[1].nbytes)
+        self._cached_generation = None

@@ -680,6 +680,21 @@ class WindowCache:
             self.hits += 1
         return hit
 
+    def hold(self, nbytes: int) -> bool:
+        """Count ``nbytes`` kept outside the LRU (cached generation diffs) against the budget,
+        evicting older cached windows for room; False (nothing held) if they do not fit."""
+        with self._lock:
+            if nbytes > self.max_bytes or not self._evict(nbytes):
+                return False
+            self._reserved += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back bytes taken by :meth:`hold`."""
+        with self._lock:
+            self._reserved -= nbytes
+
     def _evict(self, need: int) -> bool:
         """Drop the oldest cached windows until ``need`` more bytes fit (lock held)."""
         while self._lru and self._lru_bytes + self._reserved + need > self.max_bytes:

@@ -59,7 +59,7 @@ class WindowServer:
         self.streams = streams
         self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
         self.runs = RunCache(config.run_cache_bytes)
-        self.gendiff = GenerationDiffs(seglog, owed, metrics, config.window_cache_bytes)
+        self.gendiff = GenerationDiffs(seglog, owed, metrics, self.cache)
         # bootstraps bigger than the window cache start from a spilled merged base
         self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
 
