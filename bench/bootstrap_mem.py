@@ -106,11 +106,9 @@ def run(ctx: Context) -> dict[str, Any]:
 
 
 def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    return 0
+    from bench.common import proc_status_bytes
+
+    return proc_status_bytes(key) or 0
 
 
 def _quant_model(rows_per_table: int) -> Any:

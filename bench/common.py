@@ -185,10 +185,16 @@ def self_peak_rss() -> int:
 
 def proc_peak_rss(pid: int) -> int | None:
     """Peak RSS (VmHWM) of a live process, bytes; None if it is gone."""
+    return proc_status_bytes("VmHWM:", pid)
+
+
+def proc_status_bytes(key: str, pid: int | str = "self") -> int | None:
+    """A kB line of ``/proc/<pid>/status`` (``"VmRSS:"``, ``"VmHWM:"``, ...), in bytes; None
+    if the process is gone or has no such line."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None

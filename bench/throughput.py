@@ -205,6 +205,7 @@ def client_bootstrap_rss(
     before and its peak (VmHWM, reset first through ``/proc/self/clear_refs``) during it."""
     import gc
 
+    from bench.common import proc_status_bytes
     from deltad.config import ConsumerConfig, PullOptions
     from deltad.consume.appliers import TensorDictApplier
     from deltad.consume.client import DeltaConsumer
@@ -212,11 +213,7 @@ def client_bootstrap_rss(
     from deltad.types import WireDtype
 
     def status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-        return 0
+        return proc_status_bytes(key) or 0
 
     tune_malloc()
     tune_threads()
