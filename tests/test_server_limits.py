@@ -75,6 +75,19 @@ def test_tokens_health_reflection_metrics(tmp_path: Path, redis_server: Embedded
         # every RPC is counted by method and code, refused ones included
         assert b'deltad_rpc_requests_total{code="OK",method="ListConsumers"' in text
         assert b'deltad_rpc_duration_seconds_count{method="GetDelta"' in text
+        # memory near the data, read at scrape time: the log it serves and the window cache
+        # holding the window just pulled (both > 0), nothing held for diffs, no long poll
+        values = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.decode().splitlines()
+            if line.startswith("deltad_") and "{" in line
+        }
+        assert values["deltad_log_bytes"] == srv.log.snapshot().nbytes > 0  # type: ignore[union-attr]
+        assert 0 < values["deltad_window_cache_bytes"] <= srv.config.window_cache_bytes
+        assert values["deltad_previous_generation_bytes"] == 0
+        assert values["deltad_status_waiters"] == 0
+        for gauge in ("deltad_run_cache_bytes", "deltad_spill_bytes", "deltad_windows_unkept"):
+            assert values[gauge] >= 0
         c.close()
     finally:
         srv.stop(0)

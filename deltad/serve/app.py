@@ -142,6 +142,7 @@ class SidecarServer:
         owed = OwedStore(self.layout.sidecar_dir, cfg.model, cfg.rank, world)
         self.owed = owed
         self.servicer = DeltaServicer(cfg, self.log, self.store, owed, self.metrics)
+        self.metrics.track_sidecar(self.servicer, self.log)
         self.retention = Retention(
             self.log,
             self.store,

@@ -101,6 +101,54 @@ class SidecarMetrics:
         self._lagging: set[str] = set()
         self._http: Any = None
 
+    def track(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        """A gauge read at scrape time (``read()``; an exception reads as NaN)."""
+
+        def value() -> float:
+            try:
+                return float(read())
+            except Exception:
+                return float("nan")
+
+        Gauge(name, doc, list(self._labels), registry=self.registry).labels(
+            **self._labels
+        ).set_function(value)
+
+    def track_sidecar(self, servicer: Any, seglog: Any) -> None:
+        """The memory and long polls of one sidecar, read at scrape time: the log it serves
+        (private copies), the previous generation it holds for diffs, the window cache (cached
+        and live windows), the pre-merged runs, the spilled base, windows streamed unkept,
+        Status calls held."""
+        snap = lambda: seglog.snapshot()  # noqa: E731
+        prev = lambda: seglog.previous()  # noqa: E731
+        windows = servicer.windows
+        self.track(
+            "deltad_log_bytes", "Bytes of the served log (private copies of its segments)",
+            lambda: 0 if (x := snap()) is None else x.nbytes,
+        )  # fmt: skip
+        self.track(
+            "deltad_previous_generation_bytes",
+            "Bytes of the previous generation's log held for generation diffs (0: none held)",
+            lambda: 0 if (x := prev()) is None else x.nbytes,
+        )
+        self.track(
+            "deltad_window_cache_bytes", "Bytes of cached and live windows (the budget holds both)",
+            lambda: windows.cache.nbytes,
+        )  # fmt: skip
+        self.track(
+            "deltad_windows_unkept", "Windows streamed without being kept (over the budget)",
+            lambda: windows.cache.unkept,
+        )  # fmt: skip
+        self.track(
+            "deltad_run_cache_bytes", "Bytes of pre-merged runs", lambda: windows.runs.nbytes
+        )
+        self.track(
+            "deltad_spill_bytes", "Disk bytes of the spilled merged base", lambda: windows.spill.nbytes
+        )  # fmt: skip
+        self.track(
+            "deltad_status_waiters", "Long-polling Status calls held", lambda: servicer._waiters
+        )  # fmt: skip
+
     def set_lag(self, consumer: str, segments: int, seconds: float) -> None:
         self.lag_segments.labels(**self._labels, consumer=consumer).set(segments)
         self.lag_seconds.labels(**self._labels, consumer=consumer).set(seconds)
