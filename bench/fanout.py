@@ -1194,8 +1194,8 @@ def _minflt(pid: int) -> int:
 
 
 def tree_only(ctx: Context) -> dict[str, Any]:
-    """Only the relay tree (:func:`_tree`): its own spool and consumer workers, the quick
-    preset's sizes unless full. What ``python -m bench.fanout --tree`` runs."""
+    """Only the relay tree (:func:`_tree`): its own spool and consumer workers, at the
+    context's preset sizes. What ``python -m bench.fanout`` runs."""
     from bench import deltad_procs
     from bench.datagen import write_spool
 
