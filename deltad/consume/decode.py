@@ -412,17 +412,9 @@ class WindowAssembler:
             self._stream_chunk(slot, count, ids, scale_bias, values)
         elif slot.parts is not None:
             vals = None
-            if slot.with_values and slot.row_bytes:
-                if len(values) != count * slot.row_bytes:
-                    raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
-                vals = _view(values, torch.uint8).view(count, slot.row_bytes)
-            elif slot.with_values:
-                if slot.dtype is WireDtype.FP32 and len(values) == count * slot.width * 4:
-                    vals = _view(values, torch.float32).view(count, slot.width)
-                else:
-                    out = np.empty((count, slot.width), dtype=np.float32)
-                    self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
-                    vals = torch.from_numpy(out)
+            if slot.with_values:
+                packed, floats = self._chunk_values(slot, count, scale_bias, values)
+                vals = packed if packed is not None else floats
             slot.parts.append((offset, _view(ids, torch.int64), vals))
         else:
             slot.ids_np[offset:end] = np.frombuffer(ids, dtype=np.int64)
@@ -444,22 +436,27 @@ class WindowAssembler:
         """One chunk of a streamed slice into the stage: ids, fp32 and packed rows as views of
         the received bytes; fp16 / bf16 / int8 dequantized into a chunk-sized buffer."""
         assert self.stage is not None and self.header is not None
-        packed = vals = None
-        if slot.row_bytes:
-            if len(values) != count * slot.row_bytes:
-                raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
-            packed = _view(values, torch.uint8).view(count, slot.row_bytes)
-        elif slot.dtype is WireDtype.FP32 and len(values) == count * slot.width * 4:
-            vals = _view(values, torch.float32).view(count, slot.width)
-        else:
-            out = np.empty((count, slot.width), dtype=np.float32)
-            self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
-            vals = torch.from_numpy(out)
+        packed, vals = self._chunk_values(slot, count, scale_bias, values)
         m = slot.meta
         shard = Shard.columns_of(m.table, m.num_rows, m.dim, m.col_start, m.col_end)
         self.stage.write(
             self.header.rank, ShardUpdate(shard, _view(ids, torch.int64), vals, 0, packed)
         )
+
+    def _chunk_values(
+        self, slot: _Slot, count: int, scale_bias: memoryview, values: memoryview
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One chunk's values: (packed rows, None) as a view of the received bytes, or (None,
+        float32 rows): fp32 as a view, fp16 / bf16 / int8 dequantized into a chunk buffer."""
+        if slot.row_bytes:
+            if len(values) != count * slot.row_bytes:
+                raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
+            return _view(values, torch.uint8).view(count, slot.row_bytes), None
+        if slot.dtype is WireDtype.FP32 and len(values) == count * slot.width * 4:
+            return None, _view(values, torch.float32).view(count, slot.width)
+        out = np.empty((count, slot.width), dtype=np.float32)
+        self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
+        return None, torch.from_numpy(out)
 
     def _fill_values(
         self,
