@@ -924,7 +924,7 @@ NO_RUNS = ["--run-cache-bytes", "0"]
 
 def cursors(ctx: Context) -> dict[str, Any]:
     """N consumers at N different cursors vs N at one cursor, with pre-merged runs
-    (:mod:`deltad.serve.runs`, the default) and without (``--run-cache-bytes 0``), same run.
+    (:mod:`deltad.serve.index.runs`, the default) and without (``--run-cache-bytes 0``), same run.
 
     Own spool (base + 16 deltas of 1 % skewed rows, 4 tables, dim 64) and N worker processes;
     a fresh sidecar per run (no retention). Modes:
@@ -938,7 +938,7 @@ def cursors(ctx: Context) -> dict[str, Any]:
 
     Also the bootstrap herd: 1, 2 and 8 (quick: 1, 2, 4) fresh consumers pulling one window at
     once (concurrent identical windows are built once, see
-    :class:`deltad.serve.pull.WindowCache`): pull p50 and sidecar CPU against one.
+    :class:`deltad.serve.windows.pull.WindowCache`): pull p50 and sidecar CPU against one.
 
     Every run has an unmeasured warm-up round first (see :func:`_cursor_run`): a fresh
     process's first distinct windows pay first-touch page faults on every byte they keep

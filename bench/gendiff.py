@@ -12,7 +12,7 @@ pull's start to its tables applied, and payload bytes. The order of the two alte
 repeats (one new generation per repeat), so both see the same background load.
 
 The sidecar computes a diff by merging the old state at the cursor and the new head and
-comparing them bit-exactly (deltad.serve.gendiff): a cost the full resync does not have, paid
+comparing them bit-exactly (deltad.serve.windows.gendiff): a cost the full resync does not have, paid
 once per cursor.
 """
 
@@ -90,7 +90,7 @@ def run(ctx: Context) -> dict[str, Any]:
     """Sweep the fraction of rows a restart changes."""
     from deltad.config import ServerConfig
     from deltad.redisutil import EmbeddedRedis
-    from deltad.serve.app import SidecarServer
+    from deltad.serve.edge.app import SidecarServer
 
     n_tables = ctx.pick(4, 2, 2)
     rows = ctx.pick(250_000, 100_000, 5_000)

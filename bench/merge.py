@@ -26,11 +26,11 @@ DIM = 16
 def merge_function() -> tuple[Callable[..., Any] | None, str]:
     """deltad's window merge as ``f(segments) -> merged``, or (None, why not)."""
     try:
-        from deltad.serve.merge import merge_rows
+        from deltad.serve.index.merge import merge_rows
     except Exception as e:
         return (
             None,
-            f"deltad.serve.merge.merge_rows cannot be imported ({type(e).__name__}: {e})",
+            f"deltad.serve.index.merge.merge_rows cannot be imported ({type(e).__name__}: {e})",
         )
 
     def merge(segs: Sequence[Any], with_values: bool = True) -> Any:
@@ -95,7 +95,7 @@ def run(ctx: Context) -> dict[str, Any]:
     result: dict[str, Any] = {"dim": DIM, "points": points}
     if merge is None:
         raise NotAvailable(how, result)
-    result["merge_function"] = f"deltad.serve.merge.{how}"
+    result["merge_function"] = f"deltad.serve.index.merge.{how}"
     big = max(points, key=lambda p: (p["ids"], -p["segments"]))
     worst = max(points, key=lambda p: p.get("ratio") or 0.0)
     result["headline"] = [

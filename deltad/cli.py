@@ -18,6 +18,7 @@ from types import ModuleType
 
 from deltad import __version__
 from deltad.errors import DeltadError
+from deltad.parent import die_with_parent
 
 
 def _bench_commands() -> ModuleType | None:
@@ -130,27 +131,8 @@ def setup_logging(verbose: int, *, json_lines: bool = False) -> None:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
-#: Set by a parent that spawns ``deltad`` children (the demo) to its own pid: the child then
-#: asks for SIGTERM when that parent dies. Done here, after exec, instead of in a Popen
-#: ``preexec_fn``, which runs Python between fork and exec and is unsafe in a threaded parent.
-PARENT_PID_ENV = "DELTAD_PARENT_PID"
-
-
-def _die_with_parent() -> bool:
-    """PR_SET_PDEATHSIG from ``DELTAD_PARENT_PID``; False if that parent is already gone."""
-    want = os.environ.pop(PARENT_PID_ENV, None)  # not for this process's own children
-    if not want or not sys.platform.startswith("linux"):
-        return True
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    return str(os.getppid()) == want  # it died before the prctl: nobody would signal us
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    if not _die_with_parent():
+    if not die_with_parent():
         print("deltad: parent process already exited", file=sys.stderr)
         return 1
     parser = build_parser()

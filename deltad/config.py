@@ -187,7 +187,7 @@ class ServerConfig:
     #: Bearer tokens with full access (every consumer, consume and admin), for library use;
     #: sent as metadata ``authorization: Bearer <t>``. Scoped credentials: ``tokens_file``.
     tokens: tuple[str, ...] = ()
-    #: Scoped credentials, ``TOKEN CONSUMERS ROLES`` per line (deltad.serve.auth); reloaded
+    #: Scoped credentials, ``TOKEN CONSUMERS ROLES`` per line (deltad.serve.edge.auth); reloaded
     #: on SIGHUP by `deltad serve`. Neither this nor ``tokens``: no authorization.
     tokens_file: Path | None = None
     #: Most consumer names the offset store knows (new ones beyond: RESOURCE_EXHAUSTED);
@@ -212,17 +212,17 @@ class ServerConfig:
     window_cache_entries: int = 8
     #: Byte budget of those cached (encoded) windows; bigger windows are not cached.
     window_cache_bytes: int = 1 << 30
-    #: Byte budget of pre-merged runs of deltas (deltad.serve.runs: a window at any cursor is
+    #: Byte budget of pre-merged runs of deltas (deltad.serve.index.runs: a window at any cursor is
     #: a merge of a few of them); 0: windows are merged from their segments.
     run_cache_bytes: int = 512 << 20
-    #: Generation diffs (deltad.serve.gendiff): after a switch to a new generation the previous
+    #: Generation diffs (deltad.serve.windows.gendiff): after a switch to a new generation the previous
     #: generation's log stays in memory this many seconds (its files leave the spool at the
     #: switch), so consumers still at it get only the rows that differ; 0: never kept (every
     #: consumer resyncs on a new generation).
     generation_keep_s: float = 600.0
     #: ... and only if its rows take at most this many bytes (a bigger one is not kept).
     generation_keep_bytes: int = 4 << 30
-    #: Disk bytes of the merged base spilled to an unnamed file (deltad.serve.spill) from
+    #: Disk bytes of the merged base spilled to an unnamed file (deltad.serve.index.spill) from
     #: which bootstraps larger than the window cache stream (with runs); 0: each such
     #: bootstrap merges the base and the deltas again.
     spill_max_bytes: int = 8 << 30
@@ -276,7 +276,7 @@ class ServerConfig:
 @dataclass
 class RelayConfig:
     """`deltad serve --upstream`: a relay mirrors one rank's log from an upstream sidecar (or
-    relay) into its own spool and serves it like a sidecar (see deltad.serve.relay)."""
+    relay) into its own spool and serves it like a sidecar (see deltad.serve.relay.server)."""
 
     #: host:port of the upstream sidecar or relay (same model and rank).
     upstream: str

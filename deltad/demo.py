@@ -39,7 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deltad.cli import PARENT_PID_ENV
+from deltad.parent import PARENT_PID_ENV
 
 MODEL = "demo"
 #: pooled tables of the trainer and of the serving predictor's model code

@@ -44,7 +44,7 @@ class SegmentKind(enum.Enum):
 
 
 class Role(enum.Enum):
-    """What a credential may do (a tokens-file line's ROLES field, see deltad.serve.auth)."""
+    """What a credential may do (a tokens-file line's ROLES field, see deltad.serve.edge.auth)."""
 
     CONSUME = "consume"  # GetDelta, Commit, Register, Heartbeat for its consumers; Status
     ADMIN = "admin"  # also ListConsumers across every consumer

@@ -1,7 +1,7 @@
 """The GetDelta wire's shared definitions: method name, limits, enum and cursor mappings, and
 the value codec (:func:`quantize` / :func:`dequantize`) that both sides agree on.
 
-The serving side's encoder is :mod:`deltad.serve.encode`; the consuming side's decoder is
+The serving side's encoder is :mod:`deltad.serve.windows.encode`; the consuming side's decoder is
 :mod:`deltad.consume.decode`.
 
 Quantization (values on the wire): fp32, fp16, bf16 casts; int8 is row-wise affine:

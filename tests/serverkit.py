@@ -20,7 +20,7 @@ from deltad.consume.window import RankDelta
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.types import Form, SegmentKind, Shard, WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc

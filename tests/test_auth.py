@@ -21,9 +21,9 @@ from deltad.consume import decode
 from deltad.errors import ConfigError
 from deltad.keys import RedisKeys
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve.app import SidecarServer
-from deltad.serve.auth import parse_tokens
-from deltad.serve.offsets import OffsetStore
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.edge.auth import parse_tokens
+from deltad.serve.state.offsets import OffsetStore
 from deltad.types import Role
 from deltad.v1 import delta_pb2 as pb
 

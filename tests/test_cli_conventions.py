@@ -85,7 +85,7 @@ def test_verbose_logging_is_deltads_own_and_json_lines_parse() -> None:
         "setup_logging(1, json_lines=True); "
         "logging.getLogger('fbgemm_gpu.x').info('noise'); "
         "logging.getLogger('torch.distributed').info('noise'); "
-        "logging.getLogger('deltad.serve.service').info('pull %s', 'ok'); "
+        "logging.getLogger('deltad.serve.edge.service').info('pull %s', 'ok'); "
         "logging.getLogger('deltad.consume.client').debug('hidden at -v')"
     )
     out = subprocess.run(
@@ -94,5 +94,5 @@ def test_verbose_logging_is_deltads_own_and_json_lines_parse() -> None:
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stderr.splitlines() if line.strip()]
     assert [(r["logger"], r["level"], r["msg"]) for r in lines] == [
-        ("deltad.serve.service", "INFO", "pull ok")
+        ("deltad.serve.edge.service", "INFO", "pull ok")
     ]

@@ -14,7 +14,7 @@ from serverkit import SpoolWriter, redis_server, server_config
 from spoolkit import child_env
 
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 
 __all__ = ["redis_server"]
 

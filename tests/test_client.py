@@ -25,7 +25,7 @@ from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer, PullResult
 from deltad.errors import ConfigError
 from deltad.keys import RedisKeys
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 
 pytestmark = pytest.mark.timeout(120)
 

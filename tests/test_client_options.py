@@ -17,7 +17,7 @@ from deltad.consume.appliers import TensorDictApplier, TorchRecApplier
 from deltad.consume.client import DeltaConsumer
 from deltad.errors import ConsumerError, SidecarUnavailableError
 from deltad.keys import RedisKeys
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.types import Form, WireDtype
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,7 +11,7 @@ from deltad.reference.consumers.predictor import SyncLoop, SyncLoopConfig, perce
 from spoolkit import FakeTrainer
 
 from deltad.config import ConsumerConfig, ServerConfig
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -31,7 +31,7 @@ from deltad.consume.client import DeltaConsumer, PullResult, _applier_of
 from deltad.consume.quant import QuantApplier, packed_wire_dtype, quantize_model
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConsumerError
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.types import Cursor, Form, ServeDtype, Shard, WireDtype
 
 pytestmark = pytest.mark.timeout(300)

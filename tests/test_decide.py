@@ -1,5 +1,5 @@
 """The GetDelta window decision and the request check, alone: pure functions of (request,
-stored cursor, log view), no servers (deltad.serve.decide)."""
+stored cursor, log view), no servers (deltad.serve.windows.decide)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from deltad.serve.decide import LogView, WindowAsk, check_request, decide_window
-from deltad.serve.offsets import StoredCursor
+from deltad.serve.state.offsets import StoredCursor
+from deltad.serve.windows.decide import LogView, WindowAsk, check_request, decide_window
 from deltad.v1 import delta_pb2 as pb
 
 #: generation 3: base at seq 4 (step 40, a merge), deltas 5..8 at steps 50..80

@@ -26,8 +26,8 @@ from deltad.consume.client import DeltaConsumer, RankStatus, _dense_target
 from deltad.publish.publisher import SegmentPublisher
 from deltad.segment.format import decode_dense, encode_dense, read_dense, read_segment, write_dense
 from deltad.segment.spool import SpoolLayout
-from deltad.serve import encode
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.windows import encode
 from deltad.v1 import delta_pb2 as pb
 
 STEPS = 7

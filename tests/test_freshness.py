@@ -15,7 +15,7 @@ from deltad.errors import SegmentCorruptError
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import read_header, write_segment
 from deltad.segment.validate import check_header
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.status import render
 from deltad.types import SegmentKind
 from deltad.v1 import delta_pb2 as pb

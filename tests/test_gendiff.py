@@ -1,4 +1,4 @@
-"""Generation diffs (deltad.serve.gendiff): after a trainer restart a predictor at the old
+"""Generation diffs (deltad.serve.windows.gendiff): after a trainer restart a predictor at the old
 generation gets only the rows that differ, applied in place, and ends bit-equal to the new
 generation; where no diff can be made it resyncs and the header says why. Real sidecars on port
 0 (in-process and `deltad serve` subprocesses), real Redis, real DeltaConsumers; the reference
@@ -25,7 +25,7 @@ from test_relay import at_step, equal, predictor, status, tree
 from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.window import RankDelta
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.types import Form, WireDtype
 
 pytestmark = pytest.mark.timeout(180)

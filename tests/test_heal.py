@@ -24,8 +24,8 @@ from deltad.publish.publisher import SegmentPublisher
 from deltad.publish.tracker import TrackedShard
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import TableInfo
-from deltad.serve.app import SidecarServer
-from deltad.serve.log import GAP_GRACE_S
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.index.log import GAP_GRACE_S
 from deltad.types import Shard
 
 __all__ = ["redis_server"]

@@ -19,8 +19,8 @@ from test_relay import at_step, db, equal, predictor, server_config
 from deltad import knobs
 from deltad.config import ConfigError, RelayConfig
 from deltad.consume.appliers import TensorDictApplier
-from deltad.serve.app import SidecarServer
-from deltad.serve.relay import RelayServer
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.relay.server import RelayServer
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 

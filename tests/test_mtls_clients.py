@@ -26,9 +26,9 @@ from deltad.consume.client import DeltaConsumer
 from deltad.errors import ConsumerError
 from deltad.healthcheck import main as healthcheck_main
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve import app
-from deltad.serve.app import SidecarServer
-from deltad.serve.relay import RelayServer
+from deltad.serve.edge import app
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.relay.server import RelayServer
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 

@@ -10,7 +10,7 @@ from serverkit import redis_server
 
 from deltad.errors import OffsetStoreError
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve.offsets import CommitRejected, OffsetStore, PendingPull
+from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
 
 __all__ = ["redis_server"]
 

@@ -22,7 +22,7 @@ from deltad.consume import decode
 from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer, PullResult
 from deltad.errors import OverloadedError
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.v1 import delta_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)

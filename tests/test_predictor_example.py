@@ -13,7 +13,7 @@ import torch
 from serverkit import SpoolWriter, server_config, wait_for
 
 from deltad import ConsumerConfig, DeltaConsumer, TensorDictApplier
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -189,7 +189,7 @@ def test_background_copies_are_a_consistent_cut(tmp_path: Path, barrier: bool) -
 
 
 def _write_failure_worker(rank: int, world_size: int, spool: str) -> None:
-    from deltad.serve.log import SegmentLog
+    from deltad.serve.index.log import SegmentLog
 
     dmp = toy_dmp(world_size)
     tracker = DeltaTracker(dmp)
@@ -538,7 +538,7 @@ def _per_host_worker(rank: int, world_size: int, root: str) -> None:
 def test_a_spool_per_host_gets_everything_its_sidecar_needs(tmp_path: Path) -> None:
     """With a spool per rank's host, rank 1's sidecar sees its generation (the manifest was
     rank 0's alone, so that sidecar never served) and serves base and deltas."""
-    from deltad.serve.log import SegmentLog
+    from deltad.serve.index.log import SegmentLog
 
     spawn(_per_host_worker, 2, tmp_path, str(tmp_path))
     manifests = []

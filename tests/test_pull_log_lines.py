@@ -13,7 +13,7 @@ from serverkit import SpoolWriter, server_config, wait_for
 from deltad.config import ConsumerConfig
 from deltad.consume.client import DeltaConsumer
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,13 +41,13 @@ def test_one_line_per_pull_and_per_commit(
             wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == 1)
             second = c.pull()
             c.commit(second)
-        served = _lines(caplog, "deltad.serve.windows", "pull pred")
+        served = _lines(caplog, "deltad.serve.windows.getdelta", "pull pred")
         assert len(served) == 2, served
         assert served[0].startswith("pull pred rank 0 seq -1..0 step 0 (resync: no cursor)")
         assert f"{first.rows} rows, " in served[0] and served[0].endswith(" ms")
         assert served[1].startswith("pull pred rank 0 seq 0..1 step 10 (cursor)")
         assert f"{second.rows} rows" in served[1]
-        commits = _lines(caplog, "deltad.serve.service", "commit pred")
+        commits = _lines(caplog, "deltad.serve.edge.service", "commit pred")
         assert [m.split(":")[0] for m in commits] == [
             "commit pred rank 0 seq 0 step 0 (owed rows 0)",
             "commit pred rank 0 seq 1 step 10 (owed rows 0)",

@@ -27,7 +27,7 @@ from spoolkit import child_env, wait_for
 from deltad.config import ConsumerConfig, PullOptions, ServerConfig
 from deltad.consume.client import DeltaConsumer
 from deltad.consume.quant import packed_wire_dtype, quantize_model
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.types import Form, ServeDtype, WireDtype
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]

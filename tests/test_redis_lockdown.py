@@ -22,7 +22,7 @@ from spoolkit import child_env, read_serving_line, stop_process
 
 from deltad.errors import OffsetStoreError
 from deltad.redisutil import DISABLED_COMMANDS, EmbeddedRedis, answers, connect
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""Relay sidecars (deltad.serve.relay): trees of real sidecars and relays on port 0, each with
+"""Relay sidecars (deltad.serve.relay.server): trees of real sidecars and relays on port 0, each with
 its own real Redis; predictors are real DeltaConsumers. The trainer is tests/spoolkit's
 FakeTrainer (the reference trainer's chain and kill -9 are in test_relay_slow.py)."""
 
@@ -21,8 +21,8 @@ from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer
 from deltad.segment.format import read_segment
 from deltad.segment.spool import SpoolLayout
-from deltad.serve.app import SidecarServer
-from deltad.serve.relay import RelayServer
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.relay.server import RelayServer
 from deltad.types import Form, SegmentKind, Shard
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc

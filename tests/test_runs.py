@@ -1,4 +1,4 @@
-"""Windows built from pre-merged runs (deltad.serve.runs) are bit-equal to windows merged from
+"""Windows built from pre-merged runs (deltad.serve.index.runs) are bit-equal to windows merged from
 their segments, at every cursor, for every form; runs are reused and bounded."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from spoolkit import FakeTrainer
 
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import SpoolLayout
-from deltad.serve.app import SidecarServer
-from deltad.serve.log import LogSnapshot, SegmentLog
-from deltad.serve.pull import WindowSpec, build_window
-from deltad.serve.runs import RunCache, cover
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.index.log import LogSnapshot, SegmentLog
+from deltad.serve.index.runs import RunCache, cover
+from deltad.serve.windows.pull import WindowSpec, build_window
 from deltad.types import Form, WireDtype
 
 DELTAS = 21

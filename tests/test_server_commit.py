@@ -12,7 +12,7 @@ from serverkit import Client, Replica, SpoolWriter, client, redis_server, sideca
 
 from deltad import wire
 from deltad.consume import decode
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 

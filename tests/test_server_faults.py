@@ -20,8 +20,8 @@ from serverkit import Client, Replica, SpoolWriter, redis_server, server_config,
 
 from deltad.consume import decode, window
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve.app import SidecarServer
-from deltad.serve.offsets import OffsetStore
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.state.offsets import OffsetStore
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 

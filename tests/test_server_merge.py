@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltad.segment.format import ShardRows
-from deltad.serve.merge import merge_rows
+from deltad.serve.index.merge import merge_rows
 from deltad.types import Shard
 
 
@@ -51,7 +51,7 @@ def test_parallel_merge_of_a_row_wise_shard(
     """Above PARALLEL_MIN_IDS the copies run in a run of blocks per thread (one block per
     thread here, or hundreds of small ones); the latest value still wins across block
     boundaries, on a shard that does not start at row 0."""
-    from deltad.serve import merge
+    from deltad.serve.index import merge
 
     monkeypatch.setattr(merge, "BLOCK_BYTES", block_bytes)
     start, rows = 300_000, 200_000

@@ -20,7 +20,7 @@ from serverkit import (
 )
 
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 

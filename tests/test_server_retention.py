@@ -11,9 +11,9 @@ from serverkit import Client, Replica, SpoolWriter, redis_server, server_config,
 
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import read_header, write_segment
-from deltad.serve.app import SidecarServer
-from deltad.serve.log import SegmentLog
-from deltad.serve.merge import merge_entries
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.index.log import SegmentLog
+from deltad.serve.index.merge import merge_entries
 from deltad.types import SegmentKind
 from deltad.v1 import delta_pb2 as pb
 
@@ -171,7 +171,7 @@ def test_a_merge_overtaken_by_a_new_generation_leaves_no_file_behind(
 ) -> None:  # type: ignore[no-untyped-def]
     """The trainer restarts (new generation) while a merge of the old one runs: the merged
     file, written into the dropped generation's directory, is deleted, not leaked."""
-    import deltad.serve.retention as retention
+    import deltad.serve.index.retention as retention
 
     spool, srv, c = setup
     for _ in range(4):
@@ -201,7 +201,7 @@ def test_a_directory_named_like_a_segment_is_quarantined_once(
     path = spool.layout.segment_path(1, 0, 1)
     path.mkdir()  # not a regular file: quarantined (moved away), never opened as a segment
     seglog = SegmentLog(spool.layout, 0)
-    with caplog.at_level("WARNING", logger="deltad.serve.log"):
+    with caplog.at_level("WARNING", logger="deltad.serve.index.log"):
         for _ in range(5):
             seglog.refresh()
     assert sum(r.message.startswith("quarantined segment") for r in caplog.records) == 1

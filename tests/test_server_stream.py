@@ -14,10 +14,10 @@ from serverkit import SpoolWriter
 from deltad import perf
 from deltad.consume import decode
 from deltad.segment.format import ShardRows
-from deltad.serve import encode
-from deltad.serve.log import LogSnapshot, SegmentLog
-from deltad.serve.merge import merge_rows
-from deltad.serve.pull import (
+from deltad.serve.index.log import LogSnapshot, SegmentLog
+from deltad.serve.index.merge import merge_rows
+from deltad.serve.windows import encode
+from deltad.serve.windows.pull import (
     EncodedWindow,
     WindowCache,
     WindowSpec,

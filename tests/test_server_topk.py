@@ -6,7 +6,7 @@ import torch
 from serverkit import Client, Replica, SpoolWriter, client, redis_server, sidecar, spool, wait_for
 
 from deltad.consume.window import RankDelta
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.types import Form
 
 __all__ = ["client", "redis_server", "sidecar", "spool"]

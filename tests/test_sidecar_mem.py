@@ -19,12 +19,12 @@ from spoolkit import FakeTrainer
 
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import SpoolLayout
-from deltad.serve.app import SidecarServer
-from deltad.serve.log import LogSnapshot, SegmentLog
-from deltad.serve.merge import merge_entries
-from deltad.serve.pull import WindowCache, WindowSpec, build_window
-from deltad.serve.runs import RunCache
-from deltad.serve.spill import SpillStore
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.index.log import LogSnapshot, SegmentLog
+from deltad.serve.index.merge import merge_entries
+from deltad.serve.index.runs import RunCache
+from deltad.serve.index.spill import SpillStore
+from deltad.serve.windows.pull import WindowCache, WindowSpec, build_window
 from deltad.types import Form, WireDtype
 
 DELTAS = 21

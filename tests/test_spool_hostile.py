@@ -26,8 +26,8 @@ from deltad.segment.format import (
     encode_dense,
     write_segment,
 )
-from deltad.serve.app import SidecarServer
-from deltad.serve.log import SegmentLog
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.index.log import SegmentLog
 from deltad.types import SegmentKind, Shard
 
 __all__ = ["redis_server"]

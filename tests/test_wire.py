@@ -12,7 +12,7 @@ import torch
 from deltad import errors, wire
 from deltad.buffers import BufferPool
 from deltad.consume import decode
-from deltad.serve import encode
+from deltad.serve.windows import encode
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 

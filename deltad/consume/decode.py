@@ -45,7 +45,7 @@ from deltad.wire import (
 )
 
 if TYPE_CHECKING:
-    from deltad.consume.appliers import ResyncStage
+    from deltad.consume.window import ResyncStage
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:

@@ -6,15 +6,14 @@ appliers. This is the contract between the two sides of the stream.
 
 from __future__ import annotations
 
+import abc
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from deltad.errors import ConsumerError
 from deltad.types import Cursor, Form, Shard, WireDtype
-
-if TYPE_CHECKING:
-    from deltad.consume.appliers import ResyncStage
 
 
 @dataclass
@@ -82,3 +81,96 @@ class RankDelta:
     @property
     def empty(self) -> bool:
         return self.rows == 0 and not self.resync
+
+
+class ResyncStage(abc.ABC):
+    """Tables a resync window's rows are written into as its chunks arrive, installed by
+    :meth:`Applier.apply` only once every rank's stream completed and the pull was kept.
+
+    One stage serves one pull of every rank (several threads at once): ranks' windows fill
+    disjoint parts of it (row-wise shards: other rows of a table; column-wise: other columns;
+    table-wise: other tables). The consumer library calls :meth:`open` for every table slice
+    of a resync window's header, :meth:`write` for each of its chunks, then hands the windows
+    to ``apply`` (which calls :meth:`prepare` and :meth:`commit` under the applier's lock) or
+    calls :meth:`discard`. Implementations override :meth:`_open`, :meth:`_write`,
+    :meth:`commit` and :meth:`_release`.
+    """
+
+    def __init__(self, applier: object) -> None:
+        #: the applier whose ``apply`` installs this stage
+        self.applier = applier
+        self._lock = threading.Lock()
+        #: ranks that took a shard here: a failure of one of them discards the stage
+        self.ranks: set[int] = set()
+        self.rows = 0  # rows written so far
+        self.installed = False
+        self.discarded: str | None = None  # why, once discarded
+        #: the applier refused a shard (ConsumerError): the pull raises it, as apply would
+        self.error: ConsumerError | None = None
+
+    def open(self, rank: int, shard: Shard, packed_row_bytes: int) -> bool:
+        """A resync window's header announces ``shard`` (``packed_row_bytes``: > 0 if its rows
+        come packed). True: its rows go here, chunk by chunk; False: they stay in the window
+        and ``apply`` writes them as before. Raises ConsumerError if they cannot be applied."""
+        with self._lock:
+            self._usable()
+            try:
+                taken = self._open(shard, packed_row_bytes)
+            except ConsumerError as e:
+                self.error = self.error or e
+                raise
+            if taken:
+                self.ranks.add(rank)
+            return taken
+
+    def write(self, rank: int, update: ShardUpdate) -> None:
+        """One chunk of an opened shard: check it, write its rows into the staged table."""
+        self._usable()
+        try:
+            n = self._write(update)
+        except ConsumerError as e:
+            self.error = self.error or e
+            raise
+        with self._lock:
+            self.rows += n
+
+    def touched(self, rank: int) -> bool:
+        """Whether ``rank`` put anything here (its failed stream then spoils the stage)."""
+        with self._lock:
+            return rank in self.ranks
+
+    def prepare(self) -> None:
+        """Under the applier's lock, before anything is written: raise ConsumerError if the
+        stage cannot be installed (discarded, installed already, or the tables changed)."""
+        self._usable()
+
+    def discard(self, why: str = "discarded") -> None:
+        """Drop the staged tables (the held tables never saw them)."""
+        with self._lock:
+            if self.installed or self.discarded is not None:
+                return
+            self.discarded = why
+            self._release()
+
+    def _usable(self) -> None:
+        if self.installed:
+            raise ConsumerError("this pull's staged resync was installed already")
+        if self.discarded is not None:
+            raise ConsumerError(f"this pull's staged resync was discarded ({self.discarded})")
+
+    @abc.abstractmethod
+    def _open(self, shard: Shard, packed_row_bytes: int) -> bool:
+        """:meth:`open` under the stage's lock."""
+
+    @abc.abstractmethod
+    def _write(self, update: ShardUpdate) -> int:
+        """:meth:`write`: the rows written (threads of other ranks write at the same time)."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Under the applier's lock, after :meth:`prepare` passed: the staged rows replace the
+        held ones (must not fail); then release the staged tables."""
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Drop every reference to staged tables."""

@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
 
     tune_malloc()
     tune_threads()
-    from deltad.serve.app import SidecarServer
+    from deltad.serve.edge.app import SidecarServer
 
     config = build_config(args)
     stop, reload = threading.Event(), threading.Event()
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, on_hup)
     server: Any
     if relay is not None:
-        from deltad.serve.relay import RelayServer
+        from deltad.serve.relay.server import RelayServer
 
         server = RelayServer(config, relay).start()
     else:

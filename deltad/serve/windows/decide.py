@@ -3,8 +3,8 @@
 No I/O, no gRPC: :func:`decide_window` says which window a consumer gets: the full tables
 (a resync: from the base) or the segments after its cursor, up to which seq and step, and
 whether rows owed from a top-k pull must be loaded. :func:`check_request` is the one check of
-a request's own fields, made at the edge (deltad.serve.edge) before the servicer runs.
-The servicer (deltad.serve.service) loads what the decision names and streams it.
+a request's own fields, made at the edge (deltad.serve.edge.gate) before the servicer runs.
+The servicer (deltad.serve.edge.service) loads what the decision names and streams it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 from deltad import wire
 from deltad.config import check_name
 from deltad.errors import ConfigError
-from deltad.serve.log import LogSnapshot
-from deltad.serve.offsets import StoredCursor
+from deltad.serve.index.log import LogSnapshot
+from deltad.serve.state.offsets import StoredCursor
 from deltad.types import Form
 
 #: k, max_rows above this are rejected as absurd.
@@ -93,7 +93,7 @@ class WindowDecision:
     #: <why no diff>", "behind the base", "generation diff", "cursor" (an ordinary window).
     reason: str = "cursor"
     refusal: str = ""
-    #: A generation diff (see deltad.serve.gendiff): the cursor's (older generation, seq),
+    #: A generation diff (see deltad.serve.windows.gendiff): the cursor's (older generation, seq),
     #: whose held log the window is diffed against; None otherwise.
     diff_from: tuple[int, int] | None = None
 

@@ -14,7 +14,7 @@ A tokens file has one credential per line, ``TOKEN CONSUMERS ROLES``::
 
 A file with no usable line, an old one-field line, an unknown role or a repeated token is
 refused (:class:`ConfigError`): a typo must never turn authorization off. The decisions are
-pure functions of a :class:`Grant`; :mod:`deltad.serve.edge` applies them to each call.
+pure functions of a :class:`Grant`; :mod:`deltad.serve.edge.gate` applies them to each call.
 """
 
 from __future__ import annotations

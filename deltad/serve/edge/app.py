@@ -9,8 +9,8 @@
 
 Besides deltad.v1.DeltaService it serves grpc.health.v1 (no token needed) and server
 reflection; TLS with ``tls_cert``/``tls_key`` (mTLS with ``tls_client_ca``); scoped
-credentials from ``tokens_file`` (bearer tokens and mTLS identities, see deltad.serve.auth),
-checked with the consumer limit at the edge (deltad.serve.edge); :meth:`reload_credentials`
+credentials from ``tokens_file`` (bearer tokens and mTLS identities, see deltad.serve.edge.auth),
+checked with the consumer limit at the edge (deltad.serve.edge.gate); :meth:`reload_credentials`
 (SIGHUP, or by itself within ``CREDENTIALS_WATCH_S`` of a file changing) re-reads the tokens
 file and the TLS files without a restart.
 
@@ -45,14 +45,14 @@ from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
 from deltad.redisutil import EmbeddedRedis, answers
 from deltad.segment.spool import SpoolLayout
-from deltad.serve.auth import Credentials, load_tokens_file
-from deltad.serve.edge import Gate
-from deltad.serve.log import SegmentLog
+from deltad.serve.edge.auth import Credentials, load_tokens_file
+from deltad.serve.edge.gate import Gate
+from deltad.serve.edge.service import SERVICE_NAME, DeltaServicer, handlers
+from deltad.serve.index.log import SegmentLog
+from deltad.serve.index.retention import Retention
 from deltad.serve.metrics import RpcMetricsInterceptor, SidecarMetrics
-from deltad.serve.offsets import OffsetStore
-from deltad.serve.owed import OwedStore
-from deltad.serve.retention import Retention
-from deltad.serve.service import SERVICE_NAME, DeltaServicer, handlers
+from deltad.serve.state.offsets import OffsetStore
+from deltad.serve.state.owed import OwedStore
 
 log = logging.getLogger(__name__)
 

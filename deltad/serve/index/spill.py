@@ -2,13 +2,13 @@
 (base windows) larger than the window cache are not merged again for every bootstrap.
 
 A base window at head ``h`` is the base merged with every delta up to ``h``. Without a spill,
-a base window that does not fit the window cache (:class:`deltad.serve.pull.WindowCache`) is
+a base window that does not fit the window cache (:class:`deltad.serve.windows.pull.WindowCache`) is
 merged again by every bootstrap. With one, the sidecar keeps ``base + deltas[0:p]`` merged
 (:class:`Spill`) in a file opened ``O_TMPFILE`` in a 0700 directory of the spool: it has no
 name, so no other process can open, replace or change it (the spool is hostile input; this
 file is the sidecar's own), and its pages live in the page cache (reclaimable, not the
 process's anonymous memory). A base window at a later head is then the spill plus the few
-pre-merged runs of deltas ``p..`` (:mod:`deltad.serve.runs`), on the cheap ranged path; once
+pre-merged runs of deltas ``p..`` (:mod:`deltad.serve.index.runs`), on the cheap ranged path; once
 more than :data:`REFRESH_AFTER` deltas sit beyond the spill, the next bootstrap spills anew
 at its head (from the old spill and those runs: one pass over the base).
 
@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from deltad.segment.format import ShardRows
-from deltad.serve.log import LogEntry
-from deltad.serve.merge import merge_rows
+from deltad.serve.index.log import LogEntry
+from deltad.serve.index.merge import merge_rows
 from deltad.types import ShardKey
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class SpillStore:
         self.directory = directory
         self.max_bytes = max_bytes
         #: used only for a base window that would otherwise merge whole shards (see
-        #: :func:`deltad.serve.pull.window_parts`); False: for every base window (tests)
+        #: :func:`deltad.serve.windows.pull.window_parts`); False: for every base window (tests)
         self.only_when_merged = only_when_merged
         self._lock = threading.Lock()
         self._build = threading.Lock()

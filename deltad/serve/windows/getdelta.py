@@ -1,9 +1,9 @@
-"""GetDelta of one sidecar: decide the window (:func:`deltad.serve.decide.decide_window`, a
+"""GetDelta of one sidecar: decide the window (:func:`deltad.serve.windows.decide.decide_window`, a
 pure function), load what it names (the cursor, owed rows), plan and stream it (header,
 chunks, trailer: pre-serialized bytes), record the pull, optionally commit it. At ``-v`` one
 log line per pull (consumer, rank, window seq range, rows, bytes, ms).
 
-The request's own fields were checked at the edge (deltad.serve.edge); what depends on the
+The request's own fields were checked at the edge (deltad.serve.edge.gate); what depends on the
 log (unknown tables, tables a packed dtype cannot serve) is checked here.
 """
 
@@ -20,18 +20,18 @@ import grpc
 from deltad import wire
 from deltad.config import ServerConfig, clip
 from deltad.errors import OffsetStoreError, SpoolError
-from deltad.serve import encode
-from deltad.serve.decide import LogView, WindowAsk, decide_window
-from deltad.serve.gendiff import GenerationDiffs, with_reason
-from deltad.serve.grpcutil import abort as _abort
-from deltad.serve.log import LogSnapshot, SegmentLog
+from deltad.serve.edge.grpcutil import abort as _abort
+from deltad.serve.index.log import LogSnapshot, SegmentLog
+from deltad.serve.index.runs import RunCache
+from deltad.serve.index.spill import SpillStore
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.offsets import CommitRejected, OffsetStore, PendingPull
-from deltad.serve.owed import OwedStore
-from deltad.serve.pull import EncodedWindow, WindowCache, WindowSpec, build_window
-from deltad.serve.runs import RunCache
-from deltad.serve.spill import SpillStore
-from deltad.serve.streams import StreamSlots
+from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
+from deltad.serve.state.owed import OwedStore
+from deltad.serve.windows import encode
+from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+from deltad.serve.windows.gendiff import GenerationDiffs, with_reason
+from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec, build_window
+from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)

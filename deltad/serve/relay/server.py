@@ -6,7 +6,7 @@ sidecar (or another relay) into its own spool and serves it to its own predictor
     relay = RelayServer(ServerConfig(spool_dir=..., model="m", rank=0, listen=...),
                         RelayConfig(upstream="sidecar-0:50051", consumer="relay-a")).start()
 
-A relay is an ordinary sidecar (:class:`~deltad.serve.app.SidecarServer`: its own spool, its
+A relay is an ordinary sidecar (:class:`~deltad.serve.edge.app.SidecarServer`: its own spool, its
 own Redis with its own consumers' cursors, retention, every GetDelta form, top-k with owed rows
 per downstream consumer) whose spool is written by :class:`RelayMirror` instead of a trainer.
 The mirror is a consumer of the upstream: rows form, fp32 on the wire (exact for fp32, fp16 and
@@ -34,7 +34,7 @@ Generations: a resync of a newer upstream generation writes that generation's ma
 from the upstream's Status) and its base; the relay's log switches to it like a sidecar's does
 when its trainer restarts. The mirror asks for no generation diff (it needs a base to write);
 the relay's own consumers get generation diffs from the previous generation's log it holds
-(deltad.serve.gendiff), or resync.
+(deltad.serve.windows.gendiff), or resync.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import DeltadError, UpstreamError
 from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
-from deltad.serve.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer
 from deltad.types import SegmentKind, Shard, ShardKey
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
@@ -530,7 +530,7 @@ def clean_temp_files(layout: SpoolLayout, rank: int) -> int:
 class RelayServer:
     """A sidecar whose spool a :class:`RelayMirror` fills from ``relay.upstream``.
 
-    Same surface as :class:`~deltad.serve.app.SidecarServer` (``start``, ``port``,
+    Same surface as :class:`~deltad.serve.edge.app.SidecarServer` (``start``, ``port``,
     ``endpoint``, ``stop``, ``wait``); Status says ``upstream``. ``wait`` also returns when
     the mirror stopped for good (``error``: an upstream of another model or rank).
     """

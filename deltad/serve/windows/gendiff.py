@@ -36,14 +36,14 @@ import torch
 from deltad import wire
 from deltad.errors import OffsetStoreError, SpoolError
 from deltad.segment.format import ShardRows
-from deltad.serve import encode
-from deltad.serve.decide import LogView, WindowDecision
-from deltad.serve.log import LogSnapshot, SegmentLog
-from deltad.serve.merge import merge_rows
+from deltad.serve.index.log import LogSnapshot, SegmentLog
+from deltad.serve.index.merge import merge_rows
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.offsets import OffsetStore
-from deltad.serve.owed import OwedStore
-from deltad.serve.pull import (
+from deltad.serve.state.offsets import OffsetStore
+from deltad.serve.state.owed import OwedStore
+from deltad.serve.windows import encode
+from deltad.serve.windows.decide import LogView, WindowDecision
+from deltad.serve.windows.pull import (
     EncodedWindow,
     ShardLine,
     WindowCache,
@@ -225,7 +225,7 @@ def with_reason(header: bytes, reason: str) -> bytes:
 
 
 class GenerationDiffs:
-    """The generation diffs of one rank's sidecar (called by deltad.serve.windows)."""
+    """The generation diffs of one rank's sidecar (called by deltad.serve.windows.getdelta)."""
 
     def __init__(
         self, seglog: SegmentLog, owed: OwedStore, metrics: SidecarMetrics, budget: WindowCache

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from deltad.segment.format import ShardRows
-from deltad.serve.log import LogEntry
+from deltad.serve.index.log import LogEntry
 from deltad.types import Form, ShardKey
 
 

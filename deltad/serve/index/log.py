@@ -21,7 +21,7 @@ Readers take an immutable :class:`LogSnapshot`; retention swaps entries with :me
 
 At a switch the previous generation's snapshot stays in memory (its files leave the spool as
 before) for ``keep_previous_s`` seconds if its rows take at most ``keep_previous_bytes``:
-:meth:`SegmentLog.previous` hands it to generation diffs (deltad.serve.gendiff). A restarted
+:meth:`SegmentLog.previous` hands it to generation diffs (deltad.serve.windows.gendiff). A restarted
 sidecar holds no previous generation (its consumers at one resync, and are told why).
 """
 

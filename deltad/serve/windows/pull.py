@@ -16,11 +16,11 @@ import torch
 
 from deltad import wire
 from deltad.segment.format import ShardRows
-from deltad.serve import encode
-from deltad.serve.log import DenseEntry, LogSnapshot
-from deltad.serve.merge import merge_rows, plan_shard
-from deltad.serve.runs import RunCache
-from deltad.serve.spill import SpillStore
+from deltad.serve.index.log import DenseEntry, LogSnapshot
+from deltad.serve.index.merge import merge_rows, plan_shard
+from deltad.serve.index.runs import RunCache
+from deltad.serve.index.spill import SpillStore
+from deltad.serve.windows import encode
 from deltad.types import Form, Shard, ShardKey, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -325,9 +325,9 @@ def build_window(
     rows owed from the previous generation are dropped.
 
     With ``runs``, a window of many deltas is merged from a few pre-merged runs of them
-    (:mod:`deltad.serve.runs`; bit-equal), so its cost does not grow with its segment count.
+    (:mod:`deltad.serve.index.runs`; bit-equal), so its cost does not grow with its segment count.
     With ``spill`` too, a base window starts from the spilled merged base
-    (:mod:`deltad.serve.spill`), not from the base and every delta.
+    (:mod:`deltad.serve.index.spill`), not from the base and every delta.
     """
     t0 = time.perf_counter()
     keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
@@ -532,7 +532,7 @@ class _MergedShard:
     """A complete window's shard over several segments' parts (oldest first), merged RowChunk by
     RowChunk.
 
-    Same rows and values as :func:`~deltad.serve.merge.merge_rows` (union of ids, latest
+    Same rows and values as :func:`~deltad.serve.index.merge.merge_rows` (union of ids, latest
     value wins), but the values are never merged into one shard-sized tensor: each RowChunk's
     row range is assembled right before it is encoded, in the message itself (fp32), in a
     reused buffer (other wire dtypes), or taken as a view of the one part that holds all of

@@ -3,11 +3,11 @@ once, before the servicer sees it.
 
 * request bytes that do not parse get INVALID_ARGUMENT (and at most one log line per
   ``LOG_EVERY_S``), never a traceback per request;
-* the caller's :class:`~deltad.serve.auth.Grant` comes from its one ``authorization: Bearer``
+* the caller's :class:`~deltad.serve.edge.auth.Grant` comes from its one ``authorization: Bearer``
   header (two or more: UNAUTHENTICATED) or its mTLS client certificate's CN;
 * out of scope: PERMISSION_DENIED before the servicer runs, so nothing changes;
 * a request whose own fields are invalid (consumer name, form, dtype, k, fraction, row
-  alignment, lease TTL: :func:`deltad.serve.decide.check_request`) gets INVALID_ARGUMENT,
+  alignment, lease TTL: :func:`deltad.serve.windows.decide.check_request`) gets INVALID_ARGUMENT,
   checked here only;
 * a consumer name the offset store does not know yet is admitted only below
   ``max_consumers`` (RESOURCE_EXHAUSTED otherwise, nothing stored);
@@ -27,10 +27,10 @@ from typing import Any
 import grpc
 
 from deltad.errors import OffsetStoreError
-from deltad.serve import auth
-from deltad.serve.auth import Credentials, Grant
-from deltad.serve.decide import check_request
-from deltad.serve.grpcutil import abort as _abort
+from deltad.serve.edge import auth
+from deltad.serve.edge.auth import Credentials, Grant
+from deltad.serve.edge.grpcutil import abort as _abort
+from deltad.serve.windows.decide import check_request
 
 log = logging.getLogger(__name__)
 

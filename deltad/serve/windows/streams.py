@@ -14,7 +14,7 @@ import grpc
 
 from deltad import wire
 from deltad.config import ServerConfig
-from deltad.serve.grpcutil import abort as _abort
+from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)

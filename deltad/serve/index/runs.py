@@ -24,8 +24,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from deltad.segment.format import ShardRows
-from deltad.serve.log import LogEntry
-from deltad.serve.merge import merge_rows
+from deltad.serve.index.log import LogEntry
+from deltad.serve.index.merge import merge_rows
 from deltad.types import ShardKey
 
 #: a window of at most this many entries is merged from its segments (a run does not pay)

@@ -2,10 +2,10 @@
 
 GetDelta streams pre-serialized messages (bytes) through an identity response serializer;
 :func:`handlers` registers the service that way. Every RPC is bounded: GetDelta by a
-concurrency limit and a deadline (deltad.serve.streams), Redis calls by bounded retries (then
-UNAVAILABLE). GetDelta itself is deltad.serve.windows (its window decision a pure function,
-deltad.serve.decide); the requests' own fields are checked once, at the edge
-(deltad.serve.edge). At ``-v``: one log line per pull and per commit.
+concurrency limit and a deadline (deltad.serve.windows.streams), Redis calls by bounded retries (then
+UNAVAILABLE). GetDelta itself is deltad.serve.windows.getdelta (its window decision a pure function,
+deltad.serve.windows.decide); the requests' own fields are checked once, at the edge
+(deltad.serve.edge.gate). At ``-v``: one log line per pull and per commit.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import grpc
 from deltad import knobs
 from deltad.config import ServerConfig, clip
 from deltad.errors import OffsetStoreError
-from deltad.serve.grpcutil import abort as _abort
-from deltad.serve.log import LogSnapshot, SegmentLog
+from deltad.serve.edge.grpcutil import abort as _abort
+from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.offsets import CommitRejected, OffsetStore, StoredCursor
-from deltad.serve.owed import OwedStore
-from deltad.serve.streams import StreamSlots
-from deltad.serve.windows import WindowServer
+from deltad.serve.state.offsets import CommitRejected, OffsetStore, StoredCursor
+from deltad.serve.state.owed import OwedStore
+from deltad.serve.windows.getdelta import WindowServer
+from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class DeltaServicer:
         self.windows = WindowServer(config, seglog, store, owed, metrics, self.streams)
         self.cache = self.windows.cache
         self.runs = self.windows.runs
-        #: Set by a relay (deltad.serve.relay): the upstream it mirrors, shown in Status.
+        #: Set by a relay (deltad.serve.relay.server): the upstream it mirrors, shown in Status.
         self.upstream = ""
         self._waiters = 0
         self._waiters_lock = threading.Lock()
@@ -93,7 +93,7 @@ class DeltaServicer:
 
     def GetDelta(self, req: pb.GetDeltaRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """The consumer's window after its committed cursor: header, chunks, trailer (bytes);
-        see deltad.serve.windows."""
+        see deltad.serve.windows.getdelta."""
         return self.windows.serve(req, context)
 
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:

@@ -11,7 +11,7 @@ base it extends) does the first applicable of:
 
 Merging is lossless (union of ids, latest value wins): the merged file is written atomically
 under the last input's name with ``first_seq..seq``, then the inputs are deleted; a crash in
-between leaves files that :class:`~deltad.serve.log.SegmentLog` deletes as covered.
+between leaves files that :class:`~deltad.serve.index.log.SegmentLog` deletes as covered.
 
 An expired-lease consumer pins nothing: if it comes back behind the merged base it gets a
 resync from that base (a full-table window); if its cursor falls inside a merged delta, the
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 
 from deltad.errors import OffsetStoreError, SegmentCorruptError, SpoolError
 from deltad.segment.format import write_segment
-from deltad.serve.gendiff import drop_unpinned
-from deltad.serve.log import LogEntry, SegmentLog
-from deltad.serve.merge import merge_entries
-from deltad.serve.offsets import OffsetStore
+from deltad.serve.index.log import LogEntry, SegmentLog
+from deltad.serve.index.merge import merge_entries
+from deltad.serve.state.offsets import OffsetStore
+from deltad.serve.windows.gendiff import drop_unpinned
 from deltad.types import SegmentKind
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""The gRPC edge: credentials, the request gate, the servicer and the server that wires them."""

@@ -1,0 +1,1 @@
+"""Per-consumer state: cursors, pulls and leases in Redis, owed rows of top-k consumers."""
