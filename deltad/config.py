@@ -28,6 +28,8 @@ def check_name(kind: str, value: str) -> str:
 
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: The largest --packed-cache-bytes accepted (1 TiB: a typo in a byte count, not a budget).
+MAX_PACKED_CACHE_BYTES = 1 << 40
 
 
 def check_redis_url(url: str) -> str:
@@ -215,6 +217,10 @@ class ServerConfig:
     #: Byte budget of pre-merged runs of deltas (deltad.serve.index.runs: a window at any cursor is
     #: a merge of a few of them); 0: windows are merged from their segments.
     run_cache_bytes: int = 512 << 20
+    #: Byte budget of the log's rows kept packed for the packed wire dtypes
+    #: (deltad.serve.windows.packed: packed once per row version, not per pull); 0: every
+    #: pull packs its rows.
+    packed_cache_bytes: int = 512 << 20
     #: Generation diffs (deltad.serve.windows.gendiff): after a switch to a new generation the previous
     #: generation's log stays in memory this many seconds (its files leave the spool at the
     #: switch), so consumers still at it get only the rows that differ; 0: never kept (every
@@ -249,6 +255,11 @@ class ServerConfig:
             raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
         if self.run_cache_bytes < 0:
             raise ConfigError("run_cache_bytes must be >= 0 (0 = no runs)")
+        if not 0 <= self.packed_cache_bytes <= MAX_PACKED_CACHE_BYTES:
+            raise ConfigError(
+                f"packed_cache_bytes must be in 0..{MAX_PACKED_CACHE_BYTES} (0 = pack per pull), "
+                f"got {self.packed_cache_bytes}"
+            )
         if self.generation_keep_s < 0 or self.generation_keep_bytes < 0:
             raise ConfigError("generation_keep_s and generation_keep_bytes must be >= 0 (0 = off)")
         if self.spill_max_bytes < 0:

@@ -134,6 +134,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "byte budget of pre-merged runs of deltas (windows at any cursor; 0 = off)",
         ),
         (
+            "packed-cache-bytes",
+            int,
+            512 << 20,
+            "byte budget of rows kept packed (packed-int8/int4/fp16 wire dtypes), made once "
+            "per row version instead of once per pull (0 = pack per pull; at most 1 TiB)",
+        ),
+        (
             "generation-keep",
             float,
             600.0,
@@ -269,6 +276,7 @@ def build_config(args: argparse.Namespace) -> Any:
         window_cache_entries=value(args.window_cache_entries),
         window_cache_bytes=value(args.window_cache_bytes),
         run_cache_bytes=value(args.run_cache_bytes),
+        packed_cache_bytes=value(args.packed_cache_bytes),
         generation_keep_s=value(args.generation_keep),
         generation_keep_bytes=value(args.generation_keep_bytes),
         spill_max_bytes=value(args.spill_max_bytes),

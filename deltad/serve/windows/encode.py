@@ -204,6 +204,22 @@ def encode_shard_chunks(
         yield encode_rows(slice_index, off, ids[off:end], vals, dtype, alignment)
 
 
+def encode_packed_chunks(
+    slice_index: int,
+    ids: torch.Tensor,
+    packed: torch.Tensor,
+    chunk_bytes: int,
+) -> Iterator[bytes]:
+    """Serialized RowChunk messages of one shard whose rows are already packed (uint8
+    [n, row_bytes], e.g. from :class:`~deltad.serve.windows.packed.PackedStore`): the same
+    messages as :func:`encode_shard_chunks` of the float rows, each one copy of packed rows."""
+    ids = ids.contiguous()
+    step = max(1, chunk_bytes // (8 + packed.shape[1]))  # (as rows_per_chunk: same chunks)
+    for off in range(0, ids.numel(), step):
+        end = off + step
+        yield encode_chunk(slice_index, off, ids[off:end], packed[off:end])
+
+
 def encode_dense_chunks(state: DenseState, chunk_bytes: int) -> Iterator[bytes]:
     """Serialized DenseChunk messages of a dense state: each tensor's bytes in runs of at
     most ``chunk_bytes``, tensors in the order of its header (``DeltaHeader.dense``)."""

@@ -30,6 +30,7 @@ from deltad.serve.state.owed import OwedStore
 from deltad.serve.windows import encode
 from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
 from deltad.serve.windows.gendiff import GenerationDiffs, with_reason
+from deltad.serve.windows.packed import PackedStore
 from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
@@ -59,6 +60,7 @@ class WindowServer:
         self.streams = streams
         self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
         self.runs = RunCache(config.run_cache_bytes)
+        self.packed = PackedStore(config.packed_cache_bytes)
         self.gendiff = GenerationDiffs(seglog, owed, metrics, self.cache)
         # bootstraps bigger than the window cache start from a spilled merged base
         self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
@@ -145,14 +147,23 @@ class WindowServer:
                 win, hit = diff, diff_hit
             elif owed:
                 win, hit = (
-                    build_window(snap, spec, to_step, owed, kept=False, runs=self.runs),
+                    build_window(
+                        snap, spec, to_step, owed, kept=False, runs=self.runs, packed=self.packed
+                    ),
                     False,
                 )
             else:
                 win, hit = self.cache.get(
                     spec,
                     lambda kept: build_window(
-                        snap, spec, to_step, {}, kept=kept, runs=self.runs, spill=spill
+                        snap,
+                        spec,
+                        to_step,
+                        {},
+                        kept=kept,
+                        runs=self.runs,
+                        spill=spill,
+                        packed=self.packed,
                     ),
                 )
             pull_id = uuid.uuid4().hex

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from deltad.serve.index.merge import merge_rows, plan_shard
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.windows import encode
+from deltad.serve.windows.packed import PackedStore
 from deltad.types import Form, Shard, ShardKey, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -308,6 +309,7 @@ def build_window(
     lazy: bool = True,
     runs: RunCache | None = None,
     spill: SpillStore | None = None,
+    packed: PackedStore | None = None,
 ) -> EncodedWindow:
     """Plan the window ``spec`` over ``snap`` for a consumer owed ``owed``; merge and encode it.
 
@@ -327,7 +329,9 @@ def build_window(
     With ``runs``, a window of many deltas is merged from a few pre-merged runs of them
     (:mod:`deltad.serve.index.runs`; bit-equal), so its cost does not grow with its segment count.
     With ``spill`` too, a base window starts from the spilled merged base
-    (:mod:`deltad.serve.index.spill`), not from the base and every delta.
+    (:mod:`deltad.serve.index.spill`), not from the base and every delta. With ``packed``,
+    packed dtypes copy the parts' rows packed once (:mod:`deltad.serve.windows.packed`)
+    instead of packing them for this window.
     """
     t0 = time.perf_counter()
     keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
@@ -341,6 +345,7 @@ def build_window(
     plan: list[tuple[ShardRows | None, ShardLine]] = []
     by_key: dict[ShardKey, list[ShardRows]] = {}
     sources: dict[int, _MergedShard] = {}
+    whole: set[int] = set()  # plan lines whose rows are one part's, as they are in the log
     wanted = set(keys)
     for part in parts:
         for key, c in part.items():
@@ -353,6 +358,7 @@ def build_window(
                 continue
             if len(cs) == 1 or not with_values:
                 r = merge_rows(cs, with_values=with_values)
+                whole.add(len(plan))
                 plan.append((r, ShardLine(r.shard, r.ids.numel())))
             else:  # the ids now (the count); the values range by range as chunks are encoded
                 src = _MergedShard(cs)
@@ -402,8 +408,15 @@ def build_window(
         t = time.perf_counter()
         for i, (r, m) in enumerate(plan):
             dtype = m.wire_dtype(spec.dtype)
+            rows = None
+            if r is not None and i in whole and packed is not None and with_values:
+                rows = packed.rows(r, dtype, spec.row_alignment)
             if r is None:
-                chunks = sources[i].encode(i, dtype, spec.chunk_bytes, spec.row_alignment)
+                chunks = sources[i].encode(
+                    i, dtype, spec.chunk_bytes, spec.row_alignment, packed=packed
+                )
+            elif rows is not None:
+                chunks = encode.encode_packed_chunks(i, r.ids, rows, spec.chunk_bytes)
             else:
                 values = None if spec.form is Form.IDS else r.values
                 chunks = encode.encode_shard_chunks(
@@ -558,15 +571,26 @@ class _MergedShard:
         )
 
     def encode(
-        self, index: int, dtype: WireDtype, chunk_bytes: int, alignment: int = 0
+        self,
+        index: int,
+        dtype: WireDtype,
+        chunk_bytes: int,
+        alignment: int = 0,
+        *,
+        packed: PackedStore | None = None,
     ) -> Iterator[bytes]:
         """The shard's RowChunk messages (``index`` in the header), in row order
-        (``alignment``: of packed rows)."""
+        (``alignment``: of packed rows; ``packed``: where the parts' packed rows are kept)."""
         ids, cs = self.ids, self.parts
         n = ids.numel()
         if n == 0:
             return
+        prows = self._packed_parts(packed, dtype, alignment)
         if not self.ranged:
+            if prows is not None:  # merged packed: the bytes of packing the merged rows
+                m = merge_rows(prows)
+                yield from encode.encode_packed_chunks(index, m.ids, m.values, chunk_bytes)
+                return
             m = merge_rows(cs)
             yield from encode.encode_shard_chunks(
                 index, m.ids, m.values, dtype, chunk_bytes, alignment
@@ -575,6 +599,41 @@ class _MergedShard:
         last = cs[-1]
         width = last.shard.col_end - last.shard.col_start
         step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment)
+        if prows is not None:  # rows packed once: merged as opaque rows, like fp32 ones
+            yield from self._ranged(index, ids, prows, step, None)
+            return
+        yield from self._ranged(index, ids, cs, step, dtype, alignment)
+
+    def _packed_parts(
+        self, packed: PackedStore | None, dtype: WireDtype, alignment: int
+    ) -> list[ShardRows] | None:
+        """The parts with their rows packed in ``dtype`` (uint8 rows, under a shard whose
+        columns are the packed row's bytes), or None if any of them is not in ``packed``."""
+        if packed is None or not dtype.packed:
+            return None
+        out = []
+        for c in self.parts:
+            rows = packed.rows(c, dtype, alignment)
+            if rows is None:
+                return None
+            shard = replace(c.shard, col_start=0, col_end=rows.shape[1])
+            out.append(ShardRows(shard, c.ids, rows))
+        return out
+
+    def _ranged(
+        self,
+        index: int,
+        ids: torch.Tensor,
+        cs: list[ShardRows],
+        step: int,
+        dtype: WireDtype | None,
+        alignment: int = 0,
+    ) -> Iterator[bytes]:
+        """RowChunks of ``step`` rows, each range merged from ``cs`` right before it is
+        encoded; ``dtype`` None: the parts' values are the wire's bytes already (packed)."""
+        n = ids.numel()
+        last = cs[-1]
+        width = last.shard.col_end - last.shard.col_start
         bounds = torch.arange(0, n + step, step).clamp_(max=n)
         dests, spans = [], []
         for c in cs:
@@ -585,13 +644,15 @@ class _MergedShard:
         # straight into the message when the segment dtype is the wire dtype (one copy in
         # all), else they are merged in ``buf`` and cast into it; int8 quantizes ``buf`` and
         # packed dtypes pack it.
-        wire_torch = wire.WIRE_TORCH_DTYPE.get(dtype)
+        wire_torch = last.values.dtype if dtype is None else wire.WIRE_TORCH_DTYPE.get(dtype)
         direct = last.values.dtype == wire_torch
         buf = torch.empty(0 if direct else min(step, n), width, dtype=last.values.dtype)
         buf_rows = _rows(buf)
         src_rows = [_rows(c.values) for c in cs]
         row_bytes = width * last.values.element_size()
-        wire_row_bytes = width * wire.WIRE_ITEMSIZE[dtype] if wire_torch is not None else 0
+        wire_row_bytes = 0
+        if wire_torch is not None:
+            wire_row_bytes = row_bytes if dtype is None else width * wire.WIRE_ITEMSIZE[dtype]
         for r in range(len(bounds) - 1):
             a, b = int(bounds[r]), int(bounds[r + 1])
             # the newest part holding every row of [a, b): older parts are overwritten by it
@@ -605,7 +666,10 @@ class _MergedShard:
             lo, hi = spans[first][r], spans[first][r + 1]
             if hi - lo == b - a and not later:  # nothing newer in this range: a view
                 vals = cs[first].values[lo:hi]
-                yield encode.encode_rows(index, a, ids[a:b], vals, dtype, alignment)
+                if dtype is None:
+                    yield encode.encode_chunk(index, a, ids[a:b], vals)
+                else:
+                    yield encode.encode_rows(index, a, ids[a:b], vals, dtype, alignment)
                 continue
             msg = None
             if wire_torch is not None:
@@ -626,6 +690,7 @@ class _MergedShard:
                 out[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
             del out
             if msg is None:  # int8, packed: quantize / pack the merged rows
+                assert dtype is not None
                 yield encode.encode_rows(index, a, ids[a:b], buf[: b - a], dtype, alignment)
                 continue
             if not direct:  # cast the merged rows into the message
