@@ -15,13 +15,16 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from deltad import __version__
+from deltad import __version__, wire
+from deltad.serve import memory
 
 
 class SidecarMetrics:
     """The sidecar's counters and gauges; ``serve_http(port)`` exposes them."""
 
     def __init__(self, model: str, rank: int) -> None:
+        #: the runtime's memory (deltad.serve.memory), taken in track_sidecar
+        self.memory = memory.MemoryBaseline()
         self.registry = CollectorRegistry()
         labels = {"model": model, "rank": str(rank)}
         r = self.registry
@@ -145,6 +148,31 @@ class SidecarMetrics:
         self.track(
             "deltad_spill_bytes", "Disk bytes of the spilled merged base", lambda: windows.spill.nbytes
         )  # fmt: skip
+        packed = getattr(windows, "packed", None)
+        self.track(
+            "deltad_packed_cache_bytes",
+            "Bytes of rows kept packed for the packed wire dtypes (packed once per row version)",
+            lambda: 0 if packed is None else packed.nbytes,
+        )
+        # fbgemm's quantizer (~40 MB of heap and code) is part of the runtime: loaded now,
+        # before the baseline is taken, not in the first pull (the warm-up thread then has
+        # nothing left to do)
+        wire.preload_quantizer()
+        base = self.memory = memory.MemoryBaseline()  # (the log indexed, nothing served)
+        self.track(
+            "deltad_rss_bytes", "Resident set of the sidecar process (VmRSS)", memory.rss_bytes
+        )
+        self.track(
+            "deltad_runtime_bytes",
+            "Runtime memory: anonymous memory once the log was indexed, before serving "
+            "(interpreter, libraries' heaps) plus resident library pages",
+            base.runtime,
+        )
+        self.track(
+            "deltad_heap_free_bytes",
+            "Free heap bytes malloc keeps for reuse beyond those at start (freed temporaries)",
+            base.heap_free_growth,
+        )
         self.track(
             "deltad_status_waiters", "Long-polling Status calls held", lambda: servicer._waiters
         )  # fmt: skip
