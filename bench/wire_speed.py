@@ -10,9 +10,9 @@ bytes in messages of the sidecar's chunk size, built once), one client process e
 * **packed-int8**, cache off (every pull merges packed rows; the packed store is warm after
   the untimed warm-up) and cache on (the encoded window is reused): against a bare stream of
   *its* bytes; plus the first packed pull of a fresh sidecar (it packs the log once);
-* **16 cursors**: 16 consumers committed at seqs 0..15 pull to the head (16 distinct windows,
-  cache off, runs on) in fp32 and in packed-int8: the sidecar's CPU for the 16 int8 pulls
-  over its CPU for the 16 fp32 pulls.
+* **16 cursors** (own spool, a 128 MB base window): 16 consumers committed at seqs 0..15 pull
+  to the head (16 distinct windows ``(i, 16]``, cache off, runs on) in fp32 and in
+  packed-int8: the sidecar's CPU for the 16 int8 pulls over its CPU for the 16 fp32 pulls.
 
 Noise: every bare stream is measured twice in a row (``bare`` and ``bare_again``), and the
 fp32 cursor round twice; ``noise`` is their ratio.
@@ -48,11 +48,13 @@ DELTAS = 16
 CHUNK = 2 * MB  # the sidecar's default --chunk-bytes
 
 
-def _pull(w: ClientWorker, side: Any, consumer: str, dtype: str, **kw: Any) -> dict[str, Any]:
+def _pull(
+    w: ClientWorker, side: Any, consumer: str, dtype: str, keep: bool = True, **kw: Any
+) -> dict[str, Any]:
     r: dict[str, Any] = w.call(
         "call", module="bench.throughput", func="client_pull",
         kwargs={"endpoint": side.endpoint, "model": side.model, "consumer": consumer,
-                "dtype": dtype, "keep": True, **kw},
+                "dtype": dtype, "keep": keep, **kw},
     )  # fmt: skip
     return r
 
@@ -131,8 +133,21 @@ def run(ctx: Context) -> dict[str, Any]:
                     },
                     **{d: _summary(v) for d, v in res.items()},
                 }  # fmt: skip
-                if cache == "off":
-                    out["cursors"] = _cursors(ctx, worker, side, cpu)
+            finally:
+                side.stop()
+        # 16 cursors: an own, smaller spool (16 kept consumers hold a base window each)
+        cur_window = ctx.pick(128 * MB, 64 * MB, 4 * MB)
+        with ctx.tmpdir("wirespeed-cursors") as cur_spool:
+            write_spool(
+                cur_spool, model=deltad_procs.MODEL, tables=TABLES,
+                rows_per_table=cur_window // (8 + DIM * 4) // TABLES, dim=DIM, deltas=DELTAS,
+                delta_fraction=0.01,
+            )  # fmt: skip
+            extra = [*deltad_procs.NO_RETENTION, "--window-cache-entries", "0"]
+            side = deltad_procs.start_sidecar(kids, cur_spool, ctx, extra=extra)
+            try:
+                out["cursors"] = _cursors(ctx, worker, side, CpuMonitor(side.proc.pid))
+                out["cursors"]["window_bytes_fp32"] = cur_window
             finally:
                 side.stop()
         worker.close()
@@ -155,7 +170,7 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, Any]:
 
 def _cursors(ctx: Context, worker: ClientWorker, side: Any, cpu: CpuMonitor) -> dict[str, Any]:
     """16 consumers committed at seqs 0..15, then each pulls to the head (not committing, so
-    every round pulls the same 16 windows): sidecar CPU per round and dtype."""
+    every round pulls the same 16 windows ``(i, 16]``): sidecar CPU per round and dtype."""
     names = [f"cur-{i}" for i in range(DELTAS)]
     for i, n in enumerate(names):  # (untimed) each consumer to its cursor, committed
         _pull(worker, side, n, "fp32", max_step=i * 10, commit=True)
@@ -221,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = machine_info()
     result["seconds"] = time.time() - t0
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = json.dumps(result, indent=1, default=str)
+    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    source = f"python -m bench.wire_speed {argv_text} ({result['date']})"
+    text = json.dumps({"source": source, "result": result}, indent=1, default=str)
     if a.record:
         path = Path(__file__).parent / "results" / "wire-speed.json"
         path.write_text(text)

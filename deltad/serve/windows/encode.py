@@ -47,6 +47,14 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(arr)
 
 
+def copy_bytes(dst: Any, src: torch.Tensor) -> None:
+    """Copy the bytes of tensor ``src`` into the numpy array ``dst`` (a field of a
+    :class:`ChunkMessage`) as one flat byte copy (a memcpy). A message's fields sit at any
+    byte offset, where numpy's typed copies (int64 ids, rows as void elements) take a slower
+    unaligned / per-element path."""
+    dst.view(np.uint8)[:] = np.frombuffer(_bytes_view(src.contiguous()), dtype=np.uint8)
+
+
 def encode_header(header: pb.DeltaHeader) -> bytes:
     return pb.GetDeltaResponse(header=header).SerializeToString()
 
@@ -136,7 +144,7 @@ def encode_chunk(
         0 if vals is None else len(vals),
         0 if sb is None else len(sb),
     )
-    m.ids[:] = ids.numpy()
+    copy_bytes(m.ids, ids)
     if sb is not None:
         m.scale_bias.view(np.uint8)[:] = np.frombuffer(sb, dtype=np.uint8)
     if vals is not None:
@@ -174,7 +182,7 @@ def encode_rows(
     n, dim = values.shape
     row_bytes = packed_row_bytes(dim, dtype, alignment)
     m = ChunkMessage(slice_index, offset, n, n * row_bytes)
-    m.ids[:] = ids.numpy()
+    copy_bytes(m.ids, ids)
     if n:
         pack_rows(values, dtype, torch.from_numpy(m.values).view(n, row_bytes))
     data = m.data

@@ -674,14 +674,18 @@ class _MergedShard:
             msg = None
             if wire_torch is not None:
                 msg = encode.ChunkMessage(index, a, b - a, (b - a) * wire_row_bytes)
-                msg.ids[:] = ids[a:b].numpy()
+                encode.copy_bytes(msg.ids, ids[a:b])
             if direct:
                 assert msg is not None
                 out = msg.values.view(np.dtype((np.void, row_bytes)))
             else:
                 out = buf_rows[: b - a]
             if hi - lo == b - a:
-                out[:] = src_rows[first][lo:hi]
+                if direct:  # (one flat byte copy into the message: see encode.copy_bytes)
+                    assert msg is not None
+                    encode.copy_bytes(msg.values, cs[first].values[lo:hi])
+                else:
+                    out[:] = src_rows[first][lo:hi]
                 todo = later
             else:  # no one part covers the range; together they cover every row of it
                 todo = [j for j in range(len(cs)) if spans[j][r + 1] > spans[j][r]]
