@@ -1,0 +1,269 @@
+"""Managed-collision tables through the sidecar: merges keep each slot's newest identity, every
+form and wire dtype carries raw ids (ids: admitted and evicted; top-k never owes a slot with a
+stale identity), generation diffs and relays carry them, and hostile version-3 files are
+refused. Real sidecars, real Redis, hand-written version-3 segments (tests/spoolkit.ZchWriter)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from serverkit import Client, server_config, wait_for
+from spoolkit import ZchWriter
+
+from deltad import wire
+from deltad.consume import decode
+from deltad.consume.window import RankDelta
+from deltad.redisutil import EmbeddedRedis
+from deltad.segment.format import ShardRows, read_segment
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.index.merge import merge_rows
+from deltad.types import EMPTY_RAW_ID, Form, Shard, WireDtype
+from deltad.v1 import delta_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+E = EMPTY_RAW_ID
+
+
+class ZchReplica:
+    """What a consumer of managed-collision tables holds: rows and slot -> raw id maps."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, torch.Tensor] = {}
+        self.raw: dict[str, torch.Tensor] = {}
+        self.evicted: dict[str, set[int]] = {}
+        self.admitted: dict[str, set[int]] = {}
+
+    def apply(self, d: RankDelta) -> None:
+        self.evicted, self.admitted = {}, {}
+        for s in d.shards:
+            sh = s.shard
+            t = self.tables.setdefault(sh.table, torch.zeros(sh.num_rows, sh.dim))
+            if s.values is not None and s.ids.numel():
+                t[s.ids, sh.col_start : sh.col_end] = s.values
+            if s.raw_ids is None:
+                assert s.evicted_raw_ids is None and s.admitted_raw_ids is None
+                continue
+            assert s.raw_ids.numel() == s.ids.numel()
+            raw = self.raw.setdefault(sh.table, torch.full((sh.num_rows,), E, dtype=torch.int64))
+            raw[s.ids] = s.raw_ids
+            assert s.evicted_raw_ids is not None
+            ev = s.evicted_raw_ids.tolist()
+            assert ev == sorted(set(ev))  # ascending, unique
+            self.evicted.setdefault(sh.table, set()).update(ev)
+            if s.admitted_raw_ids is not None:
+                ad = s.admitted_raw_ids.tolist()
+                assert ad == sorted(set(ad))
+                self.admitted.setdefault(sh.table, set()).update(ad)
+
+    def holds(self, w: ZchWriter) -> bool:
+        return all(torch.equal(self.raw[t], w.raw[t]) for t in w.mc) and all(
+            torch.equal(self.tables[t], w.truth[t]) for t in w.specs
+        )
+
+
+@pytest.fixture
+def zch(tmp_path: Path) -> ZchWriter:
+    return ZchWriter(tmp_path / "spool", mc={"zch": (64, 8)}, tables={"t0": (40, 4)})
+
+
+@pytest.fixture
+def zsidecar(
+    tmp_path: Path, zch: ZchWriter, redis_server: EmbeddedRedis
+) -> Iterator[SidecarServer]:
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
+    yield srv
+    srv.stop(0)
+
+
+@pytest.fixture
+def zclient(zsidecar: SidecarServer) -> Iterator[Client]:
+    c = Client(f"127.0.0.1:{zsidecar.port}")
+    yield c
+    c.close()
+
+
+def _synced(srv: SidecarServer, seq: int) -> None:
+    wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == seq, what=f"seq {seq}")
+
+
+def _rows(ids: list[int], raw: list[int], evicted: list[int] | None = None) -> ShardRows:
+    i = torch.tensor(ids, dtype=torch.int64)
+    return ShardRows(
+        Shard("zch", 16, 2, 0, 16, 0, 2),
+        i,
+        torch.full((len(ids), 2), float(len(ids))),
+        torch.tensor(raw, dtype=torch.int64),
+        torch.tensor(evicted or [], dtype=torch.int64),
+    )
+
+
+def test_a_merge_keeps_the_newest_identity_per_slot_and_evicts_only_raw_ids_not_held() -> None:
+    a = _rows([1, 2], [10, 20], [5])
+    b = _rows([1, 2, 3], [E, 30, 10], [20])  # 10 moves from slot 1 to slot 3, 20 leaves
+    c = _rows([4], [5])  # 5, evicted in a, comes back in slot 4
+    m = merge_rows([a, b, c])
+    assert m.ids.tolist() == [1, 2, 3, 4]
+    assert m.raw_ids is not None and m.raw_ids.tolist() == [E, 30, 10, 5]
+    assert m.evicted is not None and m.evicted.tolist() == [20]
+    # associative: merging merged runs gives the same identities (runs, retention, spills)
+    for parts in ([merge_rows([a, b]), c], [a, merge_rows([b, c])]):
+        r = merge_rows(parts)
+        assert r.raw_ids is not None and r.evicted is not None
+        assert torch.equal(r.raw_ids, m.raw_ids) and torch.equal(r.evicted, m.evicted)
+    # without values (the ids form) the identities still merge
+    ids_only = merge_rows([a, b, c], with_values=False)
+    assert ids_only.raw_ids is not None and torch.equal(ids_only.raw_ids, m.raw_ids)
+    # one part is passed through with its identities
+    one = merge_rows([b])
+    assert one.raw_ids is not None and one.evicted is not None and one.evicted.tolist() == [20]
+
+
+@pytest.mark.parametrize(
+    "dtype", [WireDtype.FP32, WireDtype.FP16, WireDtype.INT8, WireDtype.PACKED_INT8]
+)
+def test_the_rows_form_carries_every_slots_raw_id_in_every_wire_dtype(
+    dtype: WireDtype, zch: ZchWriter, zsidecar: SidecarServer, zclient: Client
+) -> None:
+    rep = ZchReplica()
+    d = zclient.pull("p", dtype=dtype)
+    assert d.resync
+    (mc,) = [s for s in d.shards if s.shard.table == "zch"]
+    assert mc.raw_ids is not None and mc.ids.tolist() == list(range(64))  # the whole map
+    (plain,) = [s for s in d.shards if s.shard.table == "t0"]
+    assert plain.raw_ids is None and plain.evicted_raw_ids is None
+    rep.apply(d)
+    zclient.commit(d)
+    assert torch.equal(rep.raw["zch"], zch.raw["zch"])
+    for _ in range(3):
+        before = zch.raw["zch"].clone()
+        zch.delta(n=4)
+        _synced(zsidecar, zch.seq)
+        d = zclient.pull("p", dtype=dtype)
+        assert not d.resync
+        rep.apply(d)
+        zclient.commit(d)
+        assert torch.equal(rep.raw["zch"], zch.raw["zch"])
+        # every raw id that left the slots is reported evicted; none still held is
+        gone = set(before.tolist()) - set(zch.raw["zch"].tolist())
+        assert gone == rep.evicted["zch"]
+        if dtype is WireDtype.FP32:
+            assert rep.holds(zch)
+
+
+def test_a_window_of_several_segments_reports_the_newest_identity_and_what_left(
+    zch: ZchWriter, zsidecar: SidecarServer, zclient: Client
+) -> None:
+    rep = ZchReplica()
+    d = zclient.pull("p")
+    rep.apply(d)
+    zclient.commit(d)
+    before = zch.raw["zch"].clone()
+    zch.delta(admit={"zch": {1: 111, 40: 222}})  # 1 held 1007: evicted
+    zch.delta(admit={"zch": {2: 111, 41: 1007}}, empty={"zch": [3]})  # 111 moves; 1007 is back
+    zch.delta(admit={"zch": {40: 333}}, touch={"zch": [5]})  # 222 admitted, then evicted
+    _synced(zsidecar, 3)
+    d = zclient.pull("p")
+    rep.apply(d)
+    assert rep.holds(zch)
+    # 1007 came back (not evicted); 2007 (slot 2) and 3007 (slot 3) and 222 left
+    assert rep.evicted["zch"] == {2007, 3007, 222}
+    assert {2007, 3007} == set(before.tolist()) - set(zch.raw["zch"].tolist())
+    (mc,) = [s for s in d.shards if s.shard.table == "zch"]
+    assert mc.ids.tolist() == [1, 2, 3, 5, 40, 41]
+    assert mc.raw_ids is not None and mc.raw_ids.tolist() == [E, 111, E, 5007, 333, 1007]
+
+
+def test_the_ids_form_reports_the_raw_ids_admitted_and_evicted(
+    zch: ZchWriter, zsidecar: SidecarServer, zclient: Client
+) -> None:
+    d = zclient.pull("i", Form.IDS)
+    (mc,) = [s for s in d.shards if s.shard.table == "zch"]
+    assert mc.values is None and mc.raw_ids is not None and mc.admitted_raw_ids is not None
+    assert mc.admitted_raw_ids.tolist() == sorted(x for x in zch.raw["zch"].tolist() if x != E)
+    zclient.commit(d)
+    zch.delta(admit={"zch": {1: 111, 40: 222}}, touch={"zch": [7]})
+    zch.delta(admit={"zch": {2: 111}}, empty={"zch": [3]}, touch={"zch": [8]})
+    _synced(zsidecar, 2)
+    d = zclient.pull("i", Form.IDS)
+    (mc,) = [s for s in d.shards if s.shard.table == "zch"]
+    assert mc.values is None and mc.ids.tolist() == [1, 2, 3, 7, 8, 40]
+    assert mc.raw_ids is not None and mc.raw_ids.tolist() == [E, 111, E, 7007, 8007, 222]
+    assert mc.admitted_raw_ids is not None and mc.admitted_raw_ids.tolist() == [111, 222]
+    assert mc.evicted_raw_ids is not None and mc.evicted_raw_ids.tolist() == [1007, 2007, 3007]
+    (plain,) = [s for s in d.shards if s.shard.table == "t0"]
+    assert plain.raw_ids is None and plain.admitted_raw_ids is None
+
+
+def test_raw_ids_survive_chunking_and_zero_copy_decoding(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Tiny chunks: a window's raw ids, evicted and admitted runs span many RowChunks (and
+    chunks with no rows); assembled and zero-copy decoding agree."""
+    w = ZchWriter(tmp_path / "spool", mc={"zch": (300, 4)}, tables={})
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        d0 = c.pull("z", Form.IDS, chunk_bytes=64)
+        c.commit(d0)
+        before = w.raw["zch"].clone()
+        # 150 slots re-identified, 100 emptied: 250 evicted over few rows per chunk
+        w.delta(
+            admit={"zch": {s: 50_000 + s for s in range(150)}},
+            empty={"zch": list(range(150, 300))},
+        )
+        _synced(srv, 1)
+        for raw in (True, False):  # the fast path, and parsed protos (zero-copy off)
+            for form in (Form.IDS, Form.ROWS):
+                d = c.pull("z", form, chunk_bytes=64, raw=raw)
+                rep = ZchReplica()
+                rep.raw["zch"] = before.clone()
+                rep.apply(d)
+                assert torch.equal(rep.raw["zch"], w.raw["zch"])
+                assert rep.evicted["zch"] == set(before.tolist()) - {E} - set(w.raw["zch"].tolist())
+                if form is Form.IDS:
+                    assert rep.admitted["zch"] == {50_000 + s for s in range(150)}
+        req = pb.GetDeltaRequest(consumer="z", form=wire.form_to_pb(Form.IDS), chunk_bytes=64)
+        zc = decode.pull(c.channel, req, timeout=30, zero_copy=True)
+        rep = ZchReplica()
+        rep.raw["zch"] = before.clone()
+        rep.apply(zc)
+        assert torch.equal(rep.raw["zch"], w.raw["zch"])
+        # the 150 raw ids slots 0..149 held but 50007 (admitted into slot 7)
+        assert len(rep.evicted["zch"]) == 149 and 50_007 not in rep.evicted["zch"]
+    finally:
+        c.close()
+        srv.stop(0)
+
+
+def test_retention_merges_stay_version_3_and_serve_the_same_identities(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    w = ZchWriter(tmp_path / "spool")
+    srv = SidecarServer(
+        server_config(tmp_path / "spool", redis_server.url, merge_min_segments=2)
+    ).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        for _ in range(5):
+            w.delta(n=3)
+        _synced(srv, 5)
+        before = ZchReplica()
+        before.apply(c.pull("early"))
+        assert before.holds(w)
+        assert srv.retention.run_once()
+        snap = srv.log.snapshot()
+        assert snap is not None and snap.base.seq == 5
+        seg = read_segment(snap.base.path)
+        assert seg.header.format_version == 3
+        (mc,) = [s for s in seg.shards if s.shard.table == "zch"]
+        assert mc.raw_ids is not None and torch.equal(mc.raw_ids, w.raw["zch"])
+        after = ZchReplica()
+        after.apply(c.pull("late"))
+        assert after.holds(w)
+    finally:
+        c.close()
+        srv.stop(0)
