@@ -12,12 +12,14 @@ import pytest
 import torch
 from serverkit import Client, server_config, wait_for
 from spoolkit import ZchWriter
+from test_relay import at_step, status, tree
 
 from deltad import wire
 from deltad.consume import decode
 from deltad.consume.window import RankDelta
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import ShardRows, read_segment
+from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.merge import merge_rows
 from deltad.types import EMPTY_RAW_ID, Form, Shard, WireDtype
@@ -267,3 +269,124 @@ def test_retention_merges_stay_version_3_and_serve_the_same_identities(
     finally:
         c.close()
         srv.stop(0)
+
+
+def _reidentified(before: torch.Tensor, after: torch.Tensor) -> set[int]:
+    return set((before != after).nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("how", ["k", "max_rows"])
+def test_topk_never_leaves_a_reidentified_slot_owed_and_converges(
+    how: str, zch: ZchWriter, zsidecar: SidecarServer, zclient: Client
+) -> None:
+    cap = {"k": 1} if how == "k" else {"max_rows": 2}
+    form = Form.TOPK if how == "k" else Form.ROWS
+    rep = ZchReplica()
+    d = zclient.pull("t", form, **cap)
+    assert d.resync  # complete, whatever the cap
+    rep.apply(d)
+    zclient.commit(d)
+    owed_slots: set[int] = set()
+    for round_ in range(4):
+        before = rep.raw["zch"].clone()
+        # rows move in many slots (candidates for top-k), a few slots change identity,
+        # one of them a slot left owed by the previous pull
+        again = sorted(owed_slots)[:1]
+        zch.delta(
+            touch={"zch": list(range(20, 40)), "t0": list(range(10))},
+            admit={"zch": {s: 70_000 + 100 * round_ + s for s in [*again, 50 + round_]}},
+            empty={"zch": [3 + round_]},
+        )
+        _synced(zsidecar, zch.seq)
+        changed = _reidentified(before, zch.raw["zch"])
+        assert changed >= {50 + round_, 3 + round_, *again}
+        d = zclient.pull("t", form, **cap)
+        (mc,) = [s for s in d.shards if s.shard.table == "zch"]
+        sent = set(mc.ids.tolist())
+        assert changed <= sent  # beyond k / max_rows if need be
+        assert mc.owed > 0
+        rep.apply(d)
+        zclient.commit(d)
+        # the consumer's identities are the head's after every pull, whatever is owed
+        assert torch.equal(rep.raw["zch"], zch.raw["zch"])
+        owed_slots = {
+            s for s in range(20, 40) if not torch.equal(rep.tables["zch"][s], zch.truth["zch"][s])
+        }
+        assert owed_slots
+    for _ in range(60):  # training paused: repeated pulls converge bit-exactly
+        d = zclient.pull("t", form, **cap)
+        rep.apply(d)
+        zclient.commit(d)
+        if all(s.owed == 0 for s in d.shards):
+            break
+    assert rep.holds(zch)
+
+
+@pytest.mark.parametrize("form", [Form.ROWS, Form.IDS])
+def test_a_generation_diff_sends_reidentified_slots_even_with_equal_rows(
+    form: Form, zch: ZchWriter, zsidecar: SidecarServer, zclient: Client
+) -> None:
+    rep = ZchReplica()
+    zch.delta(n=3)
+    _synced(zsidecar, 1)
+    d = zclient.pull("g", form)
+    rep.apply(d)
+    zclient.commit(d)
+    old_raw = zch.raw["zch"].clone()
+    # the trainer restarts from the same rows; slots 1 and 60 hold other raw ids (row kept),
+    # slot 2 is emptied (row kept), one ordinary row moves
+    raw = {"zch": old_raw.clone()}
+    raw["zch"][1], raw["zch"][60], raw["zch"][2] = 424_242, 434_343, E
+    truth = {t: v.clone() for t, v in zch.truth.items()}
+    truth["t0"][5] += 1.0
+    zch.start_generation(2, start_step=100, truth=truth, raw=raw)
+    wait_for(lambda: (s := zsidecar.log.snapshot()) is not None and s.generation == 2)
+    d = zclient.pull("g", form)
+    assert d.generation_diff == 1 and not d.resync
+    got = {s.shard.table: s for s in d.shards}
+    assert got["zch"].ids.tolist() == [1, 2, 60]
+    assert got["zch"].raw_ids is not None and got["zch"].raw_ids.tolist() == [424_242, E, 434_343]
+    assert got["zch"].evicted_raw_ids is not None
+    assert set(got["zch"].evicted_raw_ids.tolist()) == {
+        int(old_raw[1]),
+        int(old_raw[2]),
+        int(old_raw[60]),
+    } - {E}
+    assert got["t0"].ids.tolist() == [5] and got["t0"].raw_ids is None
+    if form is Form.IDS:
+        assert got["zch"].admitted_raw_ids is not None
+        assert got["zch"].admitted_raw_ids.tolist() == [424_242, 434_343]
+    else:
+        assert got["zch"].admitted_raw_ids is None
+        rep.apply(d)
+        assert rep.holds(zch)
+
+
+def test_relays_one_and_two_levels_up_carry_identities_bit_equal(
+    tmp_path: Path, redis_url: str
+) -> None:
+    w = ZchWriter(tmp_path / "spool")
+    with tree(tmp_path, redis_url, 1, 2) as levels:
+        reps = {lv: ZchReplica() for lv in (1, 2)}
+        clients = {lv: Client(levels[lv][0]) for lv in (1, 2)}
+        try:
+            for round_ in range(3):
+                if round_:
+                    w.delta(n=4)
+                wait_for(lambda: at_step(levels[2], w.step), 30, f"relays at step {w.step}")
+                for lv, c in clients.items():
+                    d = c.pull("p")
+                    assert d.resync == (round_ == 0)
+                    reps[lv].apply(d)
+                    c.commit(d)
+                    assert reps[lv].holds(w), f"level {lv}, round {round_}"
+            for lv in (1, 2):
+                assert [t.managed_collision for t in status(levels[lv][0]).tables] == [True, False]
+                segs = [
+                    read_segment(p)
+                    for _, p in SpoolLayout(tmp_path / f"relay-{lv}-0", "m").segments(1, 0)
+                ]
+                assert [s.header.format_version for s in segs] == [3, 3, 3]
+        finally:
+            for c in clients.values():
+                c.close()

@@ -356,7 +356,7 @@ def plan_shard(
     if form is Form.TOPK:
         take = min(n, k) if k > 0 else min(n, math.ceil(fraction * n))
     if budget is not None:
-        take = min(take, budget)
+        take = max(0, min(take, budget))
     if forced is not None:
         take = max(take, int(forced.sum()))
     if take >= n:

@@ -410,7 +410,8 @@ def build_window(
             if ws.owed is not None and n_owed:
                 new_owed[key] = ws.owed
             if budget is not None:
-                budget -= ws.rows.ids.numel()
+                # (re-identified slots may go beyond it: nothing is left for the rest)
+                budget = max(0, budget - ws.rows.ids.numel())
             idn = identities(key, ws.rows)
             if idn is not None:
                 idents[len(plan)] = idn
