@@ -5,8 +5,11 @@ refused. Real sidecars, real Redis, hand-written version-3 segments (tests/spool
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,11 +21,12 @@ from deltad import wire
 from deltad.consume import decode
 from deltad.consume.window import RankDelta
 from deltad.redisutil import EmbeddedRedis
-from deltad.segment.format import ShardRows, read_segment
+from deltad.segment.format import ALIGN, MAGICS, ShardRows, checksum, read_segment, write_segment
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.app import SidecarServer
+from deltad.serve.index.log import SegmentLog
 from deltad.serve.index.merge import merge_rows
-from deltad.types import EMPTY_RAW_ID, Form, Shard, WireDtype
+from deltad.types import EMPTY_RAW_ID, Form, SegmentKind, Shard, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -390,3 +394,106 @@ def test_relays_one_and_two_levels_up_carry_identities_bit_equal(
         finally:
             for c in clients.values():
                 c.close()
+
+
+def _zch_segment(w: ZchWriter, seq: int, chunks: list[ShardRows], magic_version: int = 3) -> Path:
+    path = w.layout.segment_path(1, 0, seq)
+    write_segment(
+        path, model="m", generation=1, rank=0, world_size=1, seq=seq, step=99,
+        kind=SegmentKind.DELTA, shards=chunks, fsync=False,
+    )  # fmt: skip
+    return path
+
+
+def _mc(ids: list[int], raw: list[int] | None, evicted: list[int] | None = None) -> ShardRows:
+    i = torch.tensor(ids, dtype=torch.int64)
+    return ShardRows(
+        Shard("zch", 64, 8, 0, 64, 0, 8),
+        i,
+        torch.ones(len(ids), 8),
+        None if raw is None else torch.tensor(raw, dtype=torch.int64),
+        None if evicted is None else torch.tensor(evicted, dtype=torch.int64),
+    )
+
+
+def _plain(ids: list[int], raw: list[int] | None = None) -> ShardRows:
+    i = torch.tensor(ids, dtype=torch.int64)
+    r = None if raw is None else torch.tensor(raw, dtype=torch.int64)
+    return ShardRows(Shard("t0", 40, 4, 0, 40, 0, 4), i, torch.ones(len(ids), 4), r)
+
+
+def _rewrite_v3(path: Path, mutate: Callable[[dict[str, Any]], None], version: int = 3) -> None:
+    """Change a segment's header, keep its payload, and give it a valid checksum again (with
+    the magic of ``version``)."""
+    raw = path.read_bytes()
+    hlen = struct.unpack_from("<I", raw, 8)[0]
+    header = json.loads(raw[16 : 16 + hlen])
+    payload = raw[(16 + hlen + ALIGN - 1) // ALIGN * ALIGN : -16]
+    mutate(header)
+    new = json.dumps(header).encode()
+    magic, end = MAGICS[version]
+    head = struct.pack("<8sII", magic, len(new), 0) + new
+    body = head + b"\0" * ((-len(head)) % ALIGN) + payload
+    path.write_bytes(body + struct.pack("<Q8s", checksum(body, version), end))
+
+
+def _mc_chunk(**kw: object) -> Callable[[dict[str, Any]], None]:
+    def mutate(h: dict[str, Any]) -> None:
+        next(c for c in h["chunks"] if c["table"] == "zch").update(kw)
+
+    return mutate
+
+
+def _hostile_v3(case: str, w: ZchWriter) -> None:
+    ok = [_mc([1, 5], [11, 55], [7]), _plain([2])]
+    if case == "raw ids on an ordinary table":
+        _zch_segment(w, 2, [_mc([1], [11], []), _plain([2], [22])])
+    elif case == "no raw ids on a managed-collision table":
+        _zch_segment(w, 2, [_mc([1, 5], None), _plain([2])])
+    elif case == "evicted not ascending":
+        _zch_segment(w, 2, [_mc([1], [11], [9, 3]), _plain([2])])
+    elif case == "evicted repeated":
+        _zch_segment(w, 2, [_mc([1], [11], [3, 3]), _plain([2])])
+    elif case == "raw ids past the payload":
+        _rewrite_v3(_zch_segment(w, 2, ok), _mc_chunk(raw_ids_offset=1 << 20))
+    elif case == "evicted past the payload":
+        _rewrite_v3(_zch_segment(w, 2, ok), _mc_chunk(evicted_count=1 << 16))
+    elif case == "negative evicted count":
+        _rewrite_v3(_zch_segment(w, 2, ok), _mc_chunk(evicted_count=-1))
+    elif case == "unaligned raw ids offset":
+        _rewrite_v3(_zch_segment(w, 2, ok), _mc_chunk(raw_ids_offset=3))
+    elif case == "string evicted offset":
+        _rewrite_v3(_zch_segment(w, 2, ok), _mc_chunk(evicted_offset="0"))
+    elif case == "identities in a version 2 file":
+        _rewrite_v3(_zch_segment(w, 2, ok), lambda h: h.update(format_version=2), version=2)
+    else:
+        raise AssertionError(case)
+
+
+HOSTILE_V3 = [
+    "raw ids on an ordinary table",
+    "no raw ids on a managed-collision table",
+    "evicted not ascending",
+    "evicted repeated",
+    "raw ids past the payload",
+    "evicted past the payload",
+    "negative evicted count",
+    "unaligned raw ids offset",
+    "string evicted offset",
+    "identities in a version 2 file",
+]
+
+
+@pytest.mark.parametrize("case", HOSTILE_V3)
+def test_a_hostile_version_3_file_is_quarantined_and_never_indexed(
+    case: str, tmp_path: Path
+) -> None:
+    w = ZchWriter(tmp_path / "spool")
+    w.delta(n=2)  # seq 1, valid
+    _hostile_v3(case, w)
+    seglog = SegmentLog(w.layout, 0)
+    seglog.refresh()
+    snap = seglog.snapshot()
+    assert snap is not None and snap.head.seq == 1, case
+    assert seglog.quarantined == 1, case
+    assert not w.layout.segment_path(1, 0, 2).exists(), case
