@@ -26,6 +26,10 @@ from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.index.merge import merge_rows
+from deltad.serve.index.runs import RunCache
+from deltad.serve.index.spill import SpillStore
+from deltad.serve.windows.encode import encode_trailer
+from deltad.serve.windows.pull import WindowSpec, build_window
 from deltad.types import EMPTY_RAW_ID, Form, SegmentKind, Shard, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -497,3 +501,35 @@ def test_a_hostile_version_3_file_is_quarantined_and_never_indexed(
     assert snap is not None and snap.head.seq == 1, case
     assert seglog.quarantined == 1, case
     assert not w.layout.segment_path(1, 0, 2).exists(), case
+
+
+def test_windows_from_runs_and_the_spill_carry_the_same_identities_as_merged_ones(
+    tmp_path: Path,
+) -> None:
+    w = ZchWriter(tmp_path / "spool", mc={"zch": (200, 4)}, tables={"t0": (50, 4)})
+    maps = {0: w.raw["zch"].clone()}
+    for seq in range(1, 22):
+        w.delta(n=6)
+        maps[seq] = w.raw["zch"].clone()
+    log = SegmentLog(w.layout, 0)
+    log.refresh()
+    snap = log.snapshot()
+    assert snap is not None and snap.head.seq == 21
+    runs = RunCache(1 << 30)
+    spill = SpillStore(tmp_path / "spill", 1 << 30, only_when_merged=False)
+
+    def window(spec: WindowSpec, **kw: Any) -> list[bytes]:
+        win = build_window(snap, spec, 0, {}, lazy=False, **kw)
+        return [win.header, *win.chunks]
+
+    for resync, frm, to in [(True, -1, 21), (True, -1, 13), (False, 2, 21), (False, 0, 17)]:
+        for form in (Form.ROWS, Form.IDS):
+            spec = WindowSpec(0, 1, resync, frm, to, form, WireDtype.FP32, (), 0, 0.0, 0, 1024)
+            want = window(spec)
+            assert window(spec, runs=runs, spill=spill) == want, (resync, frm, to, form)
+            d = decode.decode_stream([*want, encode_trailer(pb.DeltaTrailer())])
+            rep = ZchReplica()
+            rep.raw["zch"] = maps[max(frm, 0)].clone()
+            rep.apply(d)
+            assert torch.equal(rep.raw["zch"], maps[to])
+    assert runs.built > 0 and spill.hits > 0
