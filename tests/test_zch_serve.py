@@ -20,6 +20,7 @@ from test_relay import at_step, status, tree
 from deltad import wire
 from deltad.consume import decode
 from deltad.consume.window import RankDelta
+from deltad.errors import StreamDecodeError
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import ALIGN, MAGICS, ShardRows, checksum, read_segment, write_segment
 from deltad.segment.spool import SpoolLayout
@@ -533,3 +534,46 @@ def test_windows_from_runs_and_the_spill_carry_the_same_identities_as_merged_one
             rep.apply(d)
             assert torch.equal(rep.raw["zch"], maps[to])
     assert runs.built > 0 and spill.hits > 0
+
+
+def _stream(identities: bool, chunk: pb.RowChunk, evicted_count: int = 0) -> list[bytes]:
+    header = pb.DeltaHeader(form=pb.FORM_ROWS, dtype=pb.WIRE_DTYPE_FP32)
+    header.slices.add(
+        table="zch", num_rows=8, dim=1, col_start=0, col_end=1, count=chunk.count,
+        identities=identities, evicted_count=evicted_count,
+    )  # fmt: skip
+    return [
+        pb.GetDeltaResponse(header=header).SerializeToString(),
+        pb.GetDeltaResponse(chunk=chunk).SerializeToString(),
+        encode_trailer(pb.DeltaTrailer()),
+    ]
+
+
+def _i64(*xs: int) -> bytes:
+    return torch.tensor(xs, dtype=torch.int64).numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    ("case", "identities", "chunk", "evicted_count"),
+    [
+        ("raw ids on an ordinary slice", False, {"raw_ids": _i64(5)}, 0),
+        ("evicted on an ordinary slice", False, {"evicted": _i64(5)}, 0),
+        ("raw ids missing", True, {}, 0),
+        ("raw ids short", True, {"raw_ids": _i64(5)[:4]}, 0),
+        ("evicted past its count", True, {"raw_ids": _i64(5), "evicted": _i64(1, 2)}, 1),
+        ("evicted missing", True, {"raw_ids": _i64(5)}, 2),
+        ("admitted outside the ids form", True, {"raw_ids": _i64(5), "admitted": _i64(1)}, 0),
+    ],
+)
+def test_a_consumer_refuses_a_stream_whose_identities_do_not_add_up(
+    case: str, identities: bool, chunk: dict[str, bytes], evicted_count: int
+) -> None:
+    c = pb.RowChunk(count=1, ids=_i64(3), values=torch.ones(1).numpy().tobytes(), **chunk)
+    with pytest.raises(StreamDecodeError):
+        decode.decode_stream(_stream(identities, c, evicted_count))
+    ok = pb.RowChunk(count=1, ids=_i64(3), values=torch.ones(1).numpy().tobytes())
+    if identities:
+        ok.raw_ids = _i64(5)
+        ok.evicted = _i64(*range(evicted_count))
+    d = decode.decode_stream(_stream(identities, ok, evicted_count))  # the same, well formed
+    assert (d.shards[0].raw_ids is not None) == identities
