@@ -54,26 +54,32 @@ def merge_identities(
     end was admitted by a later part, which lists that slot, so only delta-sized arrays are
     sorted (measured: ``torch.isin`` against a 1 M-slot map took seconds here).
     """
-    raw = torch.full((ids.numel(),), EMPTY_RAW_ID, dtype=torch.int64)
-    later: list[torch.Tensor] = []
+    n = ids.numel()
+    raw = torch.full((n,), EMPTY_RAW_ID, dtype=torch.int64)
+    # a union that is a whole row range (a base is in it): a slot's place is its offset
+    dense = n > 0 and int(ids[-1]) - int(ids[0]) + 1 == n
+    later = torch.zeros(n, dtype=torch.bool)  # slots listed by a part after the first
     for i, c in enumerate(parts):
         if c.raw_ids is None or c.ids.numel() == 0:
             continue
-        at = None if c.ids.numel() == ids.numel() else torch.searchsorted(ids, c.ids)
-        if at is None:  # every slot of the union (a base): row for row
+        if c.ids.numel() == n:  # every slot of the union (a base): row for row
             raw.copy_(c.raw_ids)
-        else:
-            raw[at] = c.raw_ids
+            later[:] = later.any() or i > 0
+            continue
+        at = c.ids - int(ids[0]) if dense else torch.searchsorted(ids, c.ids)
+        raw[at] = c.raw_ids
         if i:
-            later.append(torch.arange(ids.numel()) if at is None else at)
+            later[at] = True
     gone = [c.evicted.numpy() for c in parts if c.evicted is not None and c.evicted.numel()]
     if not gone:
         return raw, torch.empty(0, dtype=torch.int64)
     cand = np.unique(np.concatenate(gone)) if len(gone) > 1 else gone[0]
-    if later:
-        held = np.sort(raw.numpy()[np.concatenate([a.numpy() for a in later])])
-        at_np = np.searchsorted(held, cand).clip(max=len(held) - 1)
-        cand = cand[held[at_np] != cand]
+    held = raw[later].numpy()
+    if held.size:  # drop the candidates a later-listed slot holds (sorted: search into them)
+        at_np = np.searchsorted(cand, held).clip(max=len(cand) - 1)
+        keep = np.ones(len(cand), dtype=bool)
+        keep[at_np[cand[at_np] == held]] = False
+        cand = cand[keep]
     return raw, torch.from_numpy(np.ascontiguousarray(cand, dtype=np.int64)).clone()
 
 
