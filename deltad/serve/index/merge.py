@@ -1,4 +1,5 @@
-"""Window merge (union of ids, latest value wins), value lookup at a cursor, top-k with owed rows.
+"""Window merge (union of ids, latest value wins), value lookup at a cursor, top-k with owed rows;
+a managed-collision shard's identities (raw ids, evicted) merge with its rows.
 
 The merge of one table shard over several segments uses a mark array over the shard's row
 range instead of ``torch.unique``: every segment's ids are unique, sorted and inside the
@@ -51,8 +52,9 @@ def merge_identities(
 
     "Held at the end" is checked against the slots the parts after the first list, not the
     whole map: a raw id evicted in part ``j`` (held by no slot then) that a slot holds at the
-    end was admitted by a later part, which lists that slot, so only delta-sized arrays are
-    sorted (measured: ``torch.isin`` against a 1 M-slot map took seconds here).
+    end was admitted by a later part, which lists that slot. Only the (delta-sized) evicted
+    candidates are sorted, and those raw ids are searched into them (measured: ``torch.isin``
+    against a 1 M-slot map took seconds here).
     """
     n = ids.numel()
     raw = torch.full((n,), EMPTY_RAW_ID, dtype=torch.int64)
@@ -64,7 +66,8 @@ def merge_identities(
             continue
         if c.ids.numel() == n:  # every slot of the union (a base): row for row
             raw.copy_(c.raw_ids)
-            later[:] = later.any() or i > 0
+            if i:
+                later[:] = True
             continue
         at = c.ids - int(ids[0]) if dense else torch.searchsorted(ids, c.ids)
         raw[at] = c.raw_ids
