@@ -153,6 +153,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "bootstraps bigger than the window cache (0 = off)",
         ),
         ("merge-min-segments", int, 4, "retention: merge runs of at least this many segments"),
+        (
+            "restore-window-steps",
+            int,
+            0,
+            "rollback: keep the state of every segment within this many steps of the head "
+            "(restore points retention never merges away; 0 = off)",
+        ),
+        (
+            "restore-window-seconds",
+            float,
+            0.0,
+            "rollback: ... and of every segment published within this many seconds (0 = off)",
+        ),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
         (
             "forget-after",
@@ -273,6 +286,8 @@ def build_config(args: argparse.Namespace) -> Any:
         generation_keep_bytes=value(args.generation_keep_bytes),
         spill_max_bytes=value(args.spill_max_bytes),
         merge_min_segments=value(args.merge_min_segments),
+        restore_window_steps=value(args.restore_window_steps),
+        restore_window_s=value(args.restore_window_seconds),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),
         max_queued_streams=value(args.max_queued_streams),

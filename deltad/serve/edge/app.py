@@ -51,6 +51,7 @@ from deltad.serve.edge.service import SERVICE_NAME, DeltaServicer, handlers
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.index.retention import Retention
 from deltad.serve.metrics import RpcMetricsInterceptor, SidecarMetrics
+from deltad.serve.rollout import ReleaseState
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.state.owed import OwedStore
 
@@ -148,6 +149,8 @@ class SidecarServer:
             self.store,
             min_segments=cfg.merge_min_segments,
             max_bytes=knobs.MERGE_MAX_BYTES_PER_ROUND,
+            restore_steps=cfg.restore_window_steps,
+            restore_seconds=cfg.restore_window_s,
         )
         store = self.store
         self.gate = Gate(
@@ -238,6 +241,12 @@ class SidecarServer:
         log.debug(
             "serving %s rank %d on %s", cfg.model, cfg.rank, self.endpoint
         )  # printed by the CLI
+
+    def set_release(self, provider: Callable[[], ReleaseState]) -> None:
+        """Serve under the model's release state that ``provider`` returns (called at every
+        GetDelta; it must be cheap: a cached read). Caps and rollback orders then apply to
+        every consumer of this sidecar (deltad.serve.rollout, deltad.serve.windows.rollback)."""
+        self.servicer.windows.release = provider
 
     def _credentials(self) -> Credentials | None:
         cfg = self.config

@@ -13,6 +13,10 @@ Merging is lossless (union of ids, latest value wins): the merged file is writte
 under the last input's name with ``first_seq..seq``, then the inputs are deleted; a crash in
 between leaves files that :class:`~deltad.serve.index.log.SegmentLog` deletes as covered.
 
+Neither kind of merge covers an entry of the restore window (``restore_steps`` /
+``restore_seconds``, :func:`deltad.serve.index.restore.merge_limit`): every step in it stays
+restorable for a rollback.
+
 An expired-lease consumer pins nothing: if it comes back behind the merged base it gets a
 resync from that base (a full-table window); if its cursor falls inside a merged delta, the
 whole merged entry is served (a superset of rows, still exact for ids and rows; top-k held
@@ -28,6 +32,7 @@ from deltad.errors import OffsetStoreError, SegmentCorruptError, SpoolError
 from deltad.segment.format import write_segment
 from deltad.serve.index.log import LogEntry, SegmentLog
 from deltad.serve.index.merge import merge_entries
+from deltad.serve.index.restore import merge_limit
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.windows.gendiff import drop_unpinned
 from deltad.types import SegmentKind
@@ -45,11 +50,15 @@ class Retention:
         *,
         min_segments: int = 4,
         max_bytes: int = 1 << 30,
+        restore_steps: int = 0,
+        restore_seconds: float = 0.0,
     ) -> None:
         self.seglog = seglog
         self.store = store
         self.min_segments = min_segments
         self.max_bytes = max_bytes
+        self.restore_steps = restore_steps
+        self.restore_seconds = restore_seconds
         #: The (first_seq, seq) of a merge that failed unexpectedly: not retried, so one bad
         #: entry cannot make every round fail (other merges still run).
         self._failed: set[tuple[int, int]] = set()
@@ -76,6 +85,9 @@ class Retention:
             return None
         base, deltas = snap.base, snap.entries[1:]
         floor = pins[0] if pins else snap.head.seq
+        limit = merge_limit(snap, steps=self.restore_steps, seconds=self.restore_seconds)
+        if limit is not None:
+            floor = min(floor, limit)
         forward = [e for e in deltas if e.seq <= floor]
         # Rewriting the base costs its size: do it once the deltas it absorbs are many or
         # at least 1/8 of it (write amplification <= 8x), not for every new segment.
@@ -86,7 +98,8 @@ class Retention:
         bounds = [p for p in pins if p > base.seq]
         lo = base.seq
         for hi in [*bounds, snap.head.seq]:
-            run = [e for e in deltas if lo < e.first_seq and e.seq <= hi]
+            end = hi if limit is None else min(hi, limit)
+            run = [e for e in deltas if lo < e.first_seq and e.seq <= end]
             if len(run) >= self.min_segments:
                 return self._bounded(run)
             lo = hi
