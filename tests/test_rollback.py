@@ -22,8 +22,10 @@ from test_relay import at_step, db, equal, predictor
 from deltad.config import RelayConfig
 from deltad.consume.appliers import TensorDictApplier
 from deltad.serve.edge.app import SidecarServer
+from deltad.serve.index.restore import restorable, restorable_steps
 from deltad.serve.relay.server import RelayServer
 from deltad.serve.rollout import Pin, ReleaseState, Rollback
+from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.types import Form, WireDtype
 
 pytestmark = pytest.mark.timeout(180)
@@ -246,3 +248,55 @@ def relay_of(
     ).start()  # fmt: skip
     relay.server.set_release(release)
     return relay
+
+
+def test_a_cursor_moves_back_only_by_committing_a_rollback_pull(redis_url: str) -> None:
+    """The offset store refuses a commit behind the cursor unless it is of the rollback pull
+    the sidecar issued; that commit records the order's epoch, which later commits keep."""
+    s = OffsetStore.from_url(redis_url, "m")
+    s.record_pull("c", 0, PendingPull("p1", 1, 8, 80))
+    assert s.commit("c", 0, pull_id="p1", generation=1, seq=8, step=80).seq == 8
+    s.record_pull("c", 0, PendingPull("p2", 1, 4, 40, rollback_epoch=3))
+    with pytest.raises(CommitRejected) as e:  # an ordinary pull behind the cursor
+        s.commit("c", 0, pull_id="p2", generation=1, seq=4, step=40)
+    assert e.value.reason == "behind"
+    s.record_pull("c", 0, PendingPull("p3", 1, 4, 40, rollback_epoch=3, rollback=True))
+    back = s.commit("c", 0, pull_id="p3", generation=1, seq=4, step=40)
+    assert (back.seq, back.step, back.rollback_epoch) == (4, 40, 3)
+    s.record_pull("c", 0, PendingPull("p4", 1, 6, 60))  # a pull with no order in force
+    fwd = s.commit("c", 0, pull_id="p4", generation=1, seq=6, step=60)
+    assert (fwd.seq, fwd.rollback_epoch) == (6, 3)
+    s.record_pull("c", 0, PendingPull("p5", 2, 0, 100, rollback_epoch=4))  # a new generation
+    assert s.commit("c", 0, pull_id="p5", generation=2, seq=0, step=100).rollback_epoch == 4
+
+
+def test_retention_keeps_every_step_of_the_restore_window_restorable(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """With a restore window of 25 steps and no consumer pinning anything, retention merges
+    the old segments into the base but not those of the last 25 steps nor the one before
+    them: every step from 15 to the head stays restorable; without the window all merge."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    for step in range(5, 45, 5):
+        ft.step(step, touch=10)
+    for window, oldest in ((25, 10), (0, 40)):
+        srv = SidecarServer(
+            server_config(tmp_path / "spool", redis_url, merge_min_segments=2,
+                          restore_window_steps=window)
+        ).start()  # fmt: skip
+        try:
+            wait_for(lambda: srv.log.snapshot().head.step == 40, 30, "the head")  # type: ignore[union-attr]
+            for _ in range(50):
+                if not srv.retention.run_once():
+                    break
+            snap = srv.log.snapshot()
+            assert snap is not None
+            assert restorable_steps(snap) == (oldest, 40)
+            for step in range(oldest, 45, 5):
+                assert restorable(snap, step) == "", step
+            if window:
+                assert "older than the log's base" in restorable(snap, 5)
+                assert [e.step for e in snap.entries] == [10, 15, 20, 25, 30, 35, 40]
+        finally:
+            srv.stop(0)
