@@ -286,7 +286,7 @@ def test_retention_keeps_every_step_of_the_restore_window_restorable(
                           restore_window_steps=window)
         ).start()  # fmt: skip
         try:
-            wait_for(lambda: srv.log.snapshot().head.step == 40, 30, "the head")  # type: ignore[union-attr]
+            wait_for(lambda s=srv: s.log.snapshot().head.step == 40, 30, "the head")  # type: ignore[misc,union-attr]
             for _ in range(50):
                 if not srv.retention.run_once():
                     break
