@@ -184,6 +184,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             help=f"{text} [DELTAD_{env}]",
         )
     a(
+        "--release-state-file",
+        default=_env("RELEASE_STATE_FILE"),
+        help="rollout: read the model's release state (hold, pins, canary, rollback) from this "
+        "JSON file (ReleaseState.to_json), re-read when it changes; unset: the head is "
+        "released [DELTAD_RELEASE_STATE_FILE]",
+    )
+    a(
         "--upstream",
         default=_env("UPSTREAM"),
         help="run as a relay: mirror this rank's log from the sidecar or relay at host:port "
@@ -345,9 +352,14 @@ def run(args: argparse.Namespace) -> int:
     if relay is not None:
         from deltad.serve.relay.server import RelayServer
 
-        server = RelayServer(config, relay).start()
+        server = RelayServer(config, relay)
     else:
-        server = SidecarServer(config).start()
+        server = SidecarServer(config)
+    if args.release_state_file:
+        from deltad.serve.release_file import ReleaseFile
+
+        server.set_release(ReleaseFile(Path(args.release_state_file)))
+    server.start()
     print(f"serving {config.model} rank {config.rank} on {server.endpoint}", flush=True)
     while not stop.wait(0.5):
         if reload.is_set():

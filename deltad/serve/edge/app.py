@@ -107,6 +107,7 @@ class SidecarServer:
         self._tls_lock = threading.Lock()
         self._tls_pending: grpc.ServerCertificateConfiguration | None = None
         self._credential_stamp: tuple[object, ...] = ()
+        self._release: Callable[[], ReleaseState] | None = None
         self.store: OffsetStore
         self.log: SegmentLog
         self.servicer: DeltaServicer
@@ -143,6 +144,8 @@ class SidecarServer:
         owed = OwedStore(self.layout.sidecar_dir, cfg.model, cfg.rank, world)
         self.owed = owed
         self.servicer = DeltaServicer(cfg, self.log, self.store, owed, self.metrics)
+        if self._release is not None:
+            self.servicer.windows.release = self._release
         self.metrics.track_sidecar(self.servicer, self.log)
         self.retention = Retention(
             self.log,
@@ -245,8 +248,11 @@ class SidecarServer:
     def set_release(self, provider: Callable[[], ReleaseState]) -> None:
         """Serve under the model's release state that ``provider`` returns (called at every
         GetDelta; it must be cheap: a cached read). Caps and rollback orders then apply to
-        every consumer of this sidecar (deltad.serve.rollout, deltad.serve.windows.rollback)."""
-        self.servicer.windows.release = provider
+        every consumer of this sidecar (deltad.serve.rollout, deltad.serve.windows.rollback).
+        Before :meth:`start`, or any time after."""
+        self._release = provider
+        if hasattr(self, "servicer"):
+            self.servicer.windows.release = provider
 
     def _credentials(self) -> Credentials | None:
         cfg = self.config
