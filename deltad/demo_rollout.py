@@ -35,7 +35,7 @@ from typing import Any
 from deltad.demo import MODEL, SERVING, TABLES, Demo, DemoFailed, PredictorLog
 from deltad.serve.rollout import Pin, ReleaseState, Rollback
 
-STEPS, START, CANARY, BAD, ROLLBACK = 60, 20, 36, 46, 30
+STEPS, START, CANARY, BAD, ROLLBACK = 40, 10, 24, 31, 18
 CANARY_PRED, MAIN_PRED = "pred-canary-0", "pred-main-0"
 
 
@@ -99,7 +99,7 @@ class BadUpdateDemo(Demo):
             self._until(lambda: _all_at(logs, START), a.settle_timeout, f"fleet at {START}")
             # 2. canary: the canary group first
             self.operator.set(pins=(Pin("pred-canary-*", CANARY),))
-            self._until(lambda: logs[CANARY_PRED].step == CANARY, a.settle_timeout, "canary")
+            self._until(lambda: _all_at({0: logs[CANARY_PRED]}, CANARY), a.settle_timeout, "canary")
             time.sleep(1.0)  # (the others had time to move, were they not held)
             others = {n: lg.max_step for n, lg in logs.items() if n != CANARY_PRED}
             ok = all(s == START for s in others.values())
@@ -233,7 +233,7 @@ class _StepLog(PredictorLog):
             self.rollback_pulls += rec.get("rollback_to") is not None
 
 
-def _all_at(logs: dict[str, _StepLog], step: int) -> bool:
+def _all_at(logs: dict[Any, _StepLog], step: int) -> bool:
     for lg in logs.values():
         lg.refresh()
     return all(lg.step == step for lg in logs.values())

@@ -24,6 +24,7 @@ from deltad.consume.appliers import TensorDictApplier
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.restore import restorable, restorable_steps
 from deltad.serve.relay.server import RelayServer
+from deltad.serve.release_file import ReleaseFile
 from deltad.serve.rollout import Pin, ReleaseState, Rollback
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.types import Form, WireDtype
@@ -300,3 +301,59 @@ def test_retention_keeps_every_step_of_the_restore_window_restorable(
                 assert [e.step for e in snap.entries] == [10, 15, 20, 25, 30, 35, 40]
         finally:
             srv.stop(0)
+
+
+def test_the_release_state_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
+    """`deltad serve --release-state-file`: missing = the head released; a change is seen;
+    a malformed file keeps the last good state."""
+    path = tmp_path / "release.json"
+    src = ReleaseFile(path, every_s=0.0)
+    assert src() == ReleaseState()
+    order = ReleaseState(release_step=5, held=True, rollback=Rollback(5, "*", 1))
+    path.write_text(order.to_json())
+    assert src() == order
+    path.write_text("{not json")
+    assert src() == order
+    path.write_text(ReleaseState(release_step=7).to_json() + "  ")
+    assert src().release_step == 7
+
+
+def test_a_trainer_restarted_after_a_rollback_moves_predictors_by_a_generation_diff(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """After a rollback to step 20 the trainer restarts from its checkpoint at 20 (a new
+    generation; 5 % of its rows differ, then it publishes step 30). Under the same release
+    state (the order still recorded, the cap released) the predictor moves to the new
+    generation with a generation diff, not a resync, and is not rolled back again; a pin
+    recorded before the restart still holds a group at the new generation's start."""
+    ft = trained(tmp_path)
+    release = Release()
+    with (
+        sidecars(tmp_path / "spool", redis_url, 2, release) as servers,
+        predictor("p", [s.endpoint for s in servers]) as c,
+        predictor("pinned-1", [s.endpoint for s in servers]) as pinned,
+    ):
+        eps = [s.endpoint for s in servers]
+        wait_for(lambda: at_step(eps, 40), 30, "sidecars at step 40")
+        applier, other = TensorDictApplier(), TensorDictApplier()
+        assert c.sync(applier.apply).step == 40 and pinned.sync(other.apply).step == 40
+        release.rollback(20)
+        assert c.sync(applier.apply).rollback_to == 20 and equal(applier, ft.history[20])
+        assert pinned.sync(other.apply).step == 20
+        # the trainer restarts from step 20: generation 2
+        back = FakeTrainer(tmp_path / "spool", world_size=2, generation=2, tables=SHAPES, seed=5)
+        back.tables = {n: t.clone() for n, t in ft.history[20].items()}
+        for t in back.tables.values():
+            t[torch.randperm(t.shape[0], generator=back.gen)[: t.shape[0] // 20]] += 1.0
+        back.start(20)
+        back.step(30, touch=10)
+        wait_for(lambda: at_step(eps, 30, 2), 30, "sidecars at generation 2")
+        release.state = release.state.bumped(
+            release_step=None, held=False, pins=(Pin("pinned-*", 20),)
+        )
+        r = c.sync(applier.apply)
+        assert r.step == 30 and r.generation_diff and not r.resync and not r.rolled_back
+        assert equal(applier, back.history[30])
+        assert c.sync(applier.apply).rows == 0  # the order is not replayed
+        r = pinned.sync(other.apply)
+        assert r.step == 20 and r.generation_diff and equal(other, back.history[20])
