@@ -171,7 +171,7 @@ class BadUpdateDemo(Demo):
             f"(rollback pulls {rolled}); fp32 tables bit-equal to the trainer's dump at "
             f"{ROLLBACK}: {'yes' if all(exact) else 'NO'}; serving-int8 bit-equal to the dump "
             f"quantized by torchrec: {'yes' if serving_ok else 'NO'}: {'ok' if ok else 'FAILED'}",
-            "  " + line.splitlines()[0],
+            "  " + line.splitlines()[0].replace("final model", f"model at step {ROLLBACK}"),
         ]
 
     def _until(self, cond: Any, timeout_s: float, what: str) -> None:
