@@ -357,3 +357,37 @@ def test_a_trainer_restarted_after_a_rollback_moves_predictors_by_a_generation_d
         assert c.sync(applier.apply).rows == 0  # the order is not replayed
         r = pinned.sync(other.apply)
         assert r.step == 20 and r.generation_diff and equal(other, back.history[20])
+
+
+def test_retention_keeps_an_orders_step_until_every_consumer_followed_it(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """No restore window: a rollback order to step 20 still keeps step 20 restorable while a
+    live predictor past it has not followed the order: retention merges, but never across
+    the order's restore point, which stays the end of an entry."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    for step in (10, 20, 30, 40):
+        ft.step(step, touch=10)
+    release = Release()
+    with (
+        sidecars(tmp_path / "spool", redis_url, 1, release, restore_window_steps=0,
+                 merge_min_segments=2) as servers,
+        predictor("p", [servers[0].endpoint]) as c,
+    ):  # fmt: skip
+        srv = servers[0]
+        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+        applier = TensorDictApplier()
+        assert c.sync(applier.apply).step == 40
+        release.rollback(20)
+
+        def retain() -> Any:
+            for _ in range(50):
+                if not srv.retention.run_once():
+                    break
+            return srv.log.snapshot()
+
+        snap = retain()  # merges still run, but none crosses step 20
+        assert restorable(snap, 20) == "" and "inside merged" in restorable(snap, 30)
+        assert [e.step for e in snap.entries] == [20, 40]
+        assert c.sync(applier.apply).rollback_to == 20 and equal(applier, ft.history[20])

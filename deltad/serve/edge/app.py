@@ -154,6 +154,7 @@ class SidecarServer:
             max_bytes=knobs.MERGE_MAX_BYTES_PER_ROUND,
             restore_steps=cfg.restore_window_steps,
             restore_seconds=cfg.restore_window_s,
+            release=lambda: self.servicer.windows.release(),
         )
         store = self.store
         self.gate = Gate(
