@@ -107,6 +107,10 @@ def test_a_rollback_takes_two_ranks_back_to_the_step_with_only_the_rows_that_dif
         assert 0 < rows < sum(n for n, _ in SHAPES.values()) // 2
         assert equal(applier, ft.history[20])
         assert [cur.step for cur in c.cursors if cur is not None] == [20, 20]
+        for s in servers:
+            labels = {"model": s.config.model, "rank": str(s.config.rank)}
+            got = s.metrics.registry.get_sample_value("deltad_rollbacks_total", labels)
+            assert got == 1.0
         # followed once: the next pull is an empty window at 20 (held there)
         again = c.sync(applier.apply)
         assert again.step == 20 and again.rows == 0 and not again.rolled_back

@@ -195,6 +195,8 @@ class WindowServer:
                 _abort(context, grpc.StatusCode.INTERNAL, str(e))
             if hit:
                 self.metrics.cache_hits.inc()
+            if decision.rollback_to is not None:
+                self.metrics.rollbacks.inc()
             header = with_reason(win.header, decision.reason) if decision.resync else win.header
             if decision.rollback_to is not None and decision.resync:
                 header = with_rollback(header, decision.rollback_to, decision.rollback_epoch)
