@@ -58,6 +58,10 @@ class ReleaseFile:
             log.info("release state from %s: %s", self.path, state.to_json())
             return state
 
+    def state(self) -> ReleaseState:
+        """The same (the rollout controls' ``RolloutSource`` protocol)."""
+        return self()
+
     def _warn(self, message: str) -> None:
         if message != self._error:
             log.warning("%s (keeping the last state)", message)
