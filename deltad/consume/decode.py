@@ -629,6 +629,7 @@ class WindowAssembler:
                 h.diff_from_generation if h.HasField("diff_from_generation") else None
             ),
             resync_reason=h.resync_reason,
+            rollback_to=h.rollback_to_step if h.HasField("rollback_to_step") else None,
             stage=self.stage if self.streaming else None,
         )
 

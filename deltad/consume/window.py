@@ -86,6 +86,10 @@ class RankDelta:
     generation_diff: int | None = None
     #: A resync's reason as the sidecar gave it ("new generation: ..."; "" if none).
     resync_reason: str = ""
+    #: A rollback (DeltaHeader.rollback_to_step): an operator rolled the model back to this
+    #: step; the window takes the tables (and the dense state) back to ``to_step``, the
+    #: newest step at or before it, and its cursor moves back. None: not a rollback.
+    rollback_to: int | None = None
     #: A resync streamed into an applier's stage (``pull(applier=...)``): the rows of its
     #: staged shards are there, not in :attr:`shards`; ``applier.apply`` installs them.
     stage: ResyncStage | None = None

@@ -61,6 +61,7 @@ from deltad.errors import DeltadError, UpstreamError
 from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.serve.edge.app import SidecarServer
+from deltad.serve.rollout import ReleaseState
 from deltad.types import SegmentKind, Shard, ShardKey
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
@@ -585,6 +586,12 @@ class RelayServer:
             self.server.stop(0)
             raise
         return self
+
+    def set_release(self, provider: Callable[[], ReleaseState]) -> None:
+        """The relay's own consumers are served under ``provider``'s release state, as a
+        sidecar's (:meth:`SidecarServer.set_release`): their caps and rollbacks come from the
+        relay's own log and restore points, so a rollback needs nothing from the upstream."""
+        self.server.set_release(provider)
 
     def stop(self, grace: float | None = None) -> None:
         if self.mirror is not None:

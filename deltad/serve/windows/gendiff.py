@@ -162,11 +162,29 @@ def build_diff_window(
     """The generation diff window ``spec`` (``to_seq`` set) over ``snap`` for a consumer that
     holds ``old`` at ``old_seq`` and is owed ``owed`` (of ``old``'s generation). Raises
     :class:`Incompatible`."""
-    t0 = time.perf_counter()
     compatible(old, snap)
+    old_parts = [e.shards for e in old.upto(old_seq)]
+    return state_diff_window(
+        old_parts, snap, spec, to_step, owed, diff_from_generation=old.generation
+    )
+
+
+def state_diff_window(
+    old_parts: list[dict[ShardKey, ShardRows]],
+    snap: LogSnapshot,
+    spec: WindowSpec,
+    to_step: int,
+    owed: dict[ShardKey, ShardRows],
+    **header_fields: int,
+) -> EncodedWindow:
+    """The window that takes a consumer holding the state of ``old_parts`` (oldest first; the
+    base first) and owed ``owed`` to the state of ``snap`` at ``spec.to_seq``: every row that
+    differs bit-exactly, complete in every form, with the dense state at ``to_seq`` when
+    asked for. ``header_fields``: set on the DeltaHeader (what kind of diff it is: a
+    generation diff, a rollback). Raises :class:`Incompatible`."""
+    t0 = time.perf_counter()
     full = replace(spec, resync=True, from_seq=-1)
     new_parts = window_parts(snap, full)
-    old_parts = [e.shards for e in old.upto(old_seq)]
     keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
     plan: list[ShardRows] = []
     idents: list[encode.Identities | None] = []
@@ -184,14 +202,15 @@ def build_diff_window(
         rank=spec.rank,
         generation=snap.generation,
         resync=False,
-        from_seq=-1,
+        from_seq=spec.from_seq,
         to_seq=spec.to_seq,
         to_step=to_step,
         form=wire.form_to_pb(spec.form),
         dtype=wire.dtype_to_pb(spec.dtype),
         row_alignment=spec.row_alignment if spec.dtype.packed else 0,
-        diff_from_generation=old.generation,
     )
+    for name, value in header_fields.items():
+        setattr(header, name, value)
     if dense is not None:
         header.dense.seq, header.dense.step = dense.seq, dense.step
         for t in dense.state.header.tensors:
@@ -252,6 +271,13 @@ def drop_unpinned(seglog: SegmentLog, store: OffsetStore) -> bool:
         f"generation {prev.generation}'s log was dropped: no live consumer was at it"
     )
     return True
+
+
+def with_rollback(header: bytes, step: int, epoch: int) -> bytes:
+    """A serialized header message marked as following the rollback to ``step`` (``epoch``)."""
+    msg = pb.GetDeltaResponse.FromString(header)
+    msg.header.rollback_to_step, msg.header.rollback_epoch = step, epoch
+    return msg.SerializeToString()
 
 
 def with_reason(header: bytes, reason: str) -> bytes:
