@@ -234,6 +234,13 @@ class ServerConfig:
     spill_max_bytes: int = 8 << 30
     #: Retention: merge runs of at least this many segments between live cursors.
     merge_min_segments: int = 4
+    #: Restore points (deltad.serve.index.restore): retention never merges away the state of a
+    #: segment whose step is within this many steps of the head, or ...
+    restore_window_steps: int = 0
+    #: ... that was published within this many seconds; any step in the window can be
+    #: rolled back to (``deltad rollout rollback``). 0 and 0: no restore window (retention
+    #: merges as before; a rollback then reaches only the steps still in the log).
+    restore_window_s: float = 0.0
     # Retention's bound on one round's merge input: deltad.knobs.MERGE_MAX_BYTES_PER_ROUND.
     retention_interval_s: float = 1.0
     #: Forget a consumer this long after its lease expired and it was last heard of: its
@@ -262,6 +269,8 @@ class ServerConfig:
             )
         if self.generation_keep_s < 0 or self.generation_keep_bytes < 0:
             raise ConfigError("generation_keep_s and generation_keep_bytes must be >= 0 (0 = off)")
+        if self.restore_window_steps < 0 or self.restore_window_s < 0:
+            raise ConfigError("restore_window_steps and restore_window_s must be >= 0 (0 = off)")
         if self.spill_max_bytes < 0:
             raise ConfigError("spill_max_bytes must be >= 0 (0 = no spill)")
         if self.max_queued_streams < 0 or self.stream_queue_wait_s < 0:
