@@ -221,6 +221,12 @@ class ServerConfig:
     #: (deltad.serve.windows.packed: packed once per row version, not per pull); 0: every
     #: pull packs its rows.
     packed_cache_bytes: int = 512 << 20
+    #: GetDelta's prefetching producer (deltad.serve.windows.prefetch): a thread builds up to
+    #: this many chunk messages ahead of the one gRPC is sending; 0: built in the handler
+    #: thread as gRPC asks for each (no overlap of building and sending).
+    prefetch_messages: int = 3
+    #: ... and at most this many bytes of them (one message is always let in).
+    prefetch_bytes: int = 64 << 20
     #: Generation diffs (deltad.serve.windows.gendiff): after a switch to a new generation the previous
     #: generation's log stays in memory this many seconds (its files leave the spool at the
     #: switch), so consumers still at it get only the rows that differ; 0: never kept (every
@@ -266,6 +272,11 @@ class ServerConfig:
             raise ConfigError(
                 f"packed_cache_bytes must be in 0..{MAX_PACKED_CACHE_BYTES} (0 = pack per pull), "
                 f"got {self.packed_cache_bytes}"
+            )
+        if not 0 <= self.prefetch_messages <= 64 or not 1 <= self.prefetch_bytes <= 1 << 30:
+            raise ConfigError(
+                "prefetch_messages must be in 0..64 (0 = off) and prefetch_bytes in 1..1 GiB, "
+                f"got {self.prefetch_messages} and {self.prefetch_bytes}"
             )
         if self.generation_keep_s < 0 or self.generation_keep_bytes < 0:
             raise ConfigError("generation_keep_s and generation_keep_bytes must be >= 0 (0 = off)")

@@ -141,6 +141,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "per row version instead of once per pull (0 = pack per pull; at most 1 TiB)",
         ),
         (
+            "prefetch-messages",
+            int,
+            3,
+            "GetDelta chunk messages a producer thread builds ahead of the one being sent "
+            "(0..64; 0 = build each as gRPC asks for it)",
+        ),
+        ("prefetch-bytes", int, 64 << 20, "byte bound of those prefetched messages (1..1 GiB)"),
+        (
             "generation-keep",
             float,
             600.0,
@@ -297,6 +305,8 @@ def build_config(args: argparse.Namespace) -> Any:
         window_cache_bytes=value(args.window_cache_bytes),
         run_cache_bytes=value(args.run_cache_bytes),
         packed_cache_bytes=value(args.packed_cache_bytes),
+        prefetch_messages=value(args.prefetch_messages),
+        prefetch_bytes=value(args.prefetch_bytes),
         generation_keep_s=value(args.generation_keep),
         generation_keep_bytes=value(args.generation_keep_bytes),
         spill_max_bytes=value(args.spill_max_bytes),

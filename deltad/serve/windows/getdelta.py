@@ -32,6 +32,7 @@ from deltad.serve.windows import encode
 from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
 from deltad.serve.windows.gendiff import GenerationDiffs, with_reason, with_rollback
 from deltad.serve.windows.packed import PackedStore
+from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
 from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.windows.rollback import RollbackWindows
 from deltad.serve.windows.streams import StreamSlots
@@ -212,15 +213,31 @@ class WindowServer:
             if decision.rollback_to is not None and decision.resync:
                 header = with_rollback(header, decision.rollback_to, decision.rollback_epoch)
             yield header
-            for c in win.iter_chunks():
-                if time.monotonic() > slot.deadline:
-                    _abort(
-                        context,
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"GetDelta stream exceeded stream_deadline_s="
-                        f"{self.config.stream_deadline_s}",
-                    )
-                yield c
+            chunks: Iterator[bytes] = win.iter_chunks()
+            ahead = None
+            if self.config.prefetch_messages > 0:  # build the next chunks while gRPC sends
+                ahead = Prefetch(
+                    chunks,
+                    max_items=self.config.prefetch_messages,
+                    max_bytes=self.config.prefetch_bytes,
+                )
+                context.add_callback(ahead.stop)  # cancel / deadline: stop building
+                chunks = ahead
+            try:
+                for c in chunks:
+                    if time.monotonic() > slot.deadline:
+                        _abort(
+                            context,
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"GetDelta stream exceeded stream_deadline_s="
+                            f"{self.config.stream_deadline_s}",
+                        )
+                    yield c
+            except PrefetchStopped:
+                _abort(context, grpc.StatusCode.CANCELLED, "GetDelta stream cancelled")
+            finally:
+                if ahead is not None:
+                    ahead.close()
             if not hit:
                 self.metrics.merge_seconds.observe(win.merge_seconds)
             cursor = pb.Cursor(
