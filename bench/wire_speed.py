@@ -10,6 +10,9 @@ bytes in messages of the sidecar's chunk size, built once), one client process e
 * **packed-int8**, cache off (every pull merges packed rows; the packed store is warm after
   the untimed warm-up) and cache on (the encoded window is reused): against a bare stream of
   *its* bytes; plus the first packed pull of a fresh sidecar (it packs the log once);
+* **prefetch off**: the uncached windows again from a sidecar with ``--prefetch-messages 0``
+  (chunks built in gRPC's handler thread, no overlap of building and sending), and the
+  speed ratio prefetch on / off;
 * **16 cursors** (own spool, a 128 MB base window): 16 consumers committed at seqs 0..15 pull
   to the head (16 distinct windows ``(i, 16]``, cache off, runs on) in fp32 and in
   packed-int8: the sidecar's CPU for the 16 int8 pulls over its CPU for the 16 fp32 pulls.
@@ -17,7 +20,7 @@ bytes in messages of the sidecar's chunk size, built once), one client process e
 Noise: every bare stream is measured twice in a row (``bare`` and ``bare_again``), and the
 fp32 cursor round twice; ``noise`` is their ratio.
 
-``python -m bench.wire_speed [--quick] [--record]`` (results: bench/results/wire-speed.json).
+``python -m bench.wire_speed [--quick] [--send-only] [--record]`` (results: bench/results/wire-speed.json).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def _timed(
     return r, cpu.seconds()
 
 
-def run(ctx: Context) -> dict[str, Any]:
+def run(ctx: Context, send_only: bool = False) -> dict[str, Any]:
     from bench import deltad_procs
     from bench.datagen import write_spool
 
@@ -104,10 +107,13 @@ def run(ctx: Context) -> dict[str, Any]:
         bare_conn, bare_port, _ = start_server(kids, grpc_server_main, 2 * window)
         worker, base_worker = ClientWorker(kids), ClientWorker(kids)
         worker.call("call", module="bench.throughput", func="client_warm", kwargs={})
-        for cache in ("off", "on"):
+        configs = ["off", "off_noprefetch"] + ([] if send_only else ["on"])
+        for cache in configs:
             extra = list(deltad_procs.NO_RETENTION)
-            if cache == "off":
+            if cache.startswith("off"):
                 extra += ["--window-cache-entries", "0"]
+            if cache.endswith("noprefetch"):
+                extra += ["--prefetch-messages", "0"]
             side = deltad_procs.start_sidecar(kids, spool, ctx, extra=extra)
             cpu = CpuMonitor(side.proc.pid)
             try:
@@ -136,6 +142,12 @@ def run(ctx: Context) -> dict[str, Any]:
             finally:
                 side.stop()
         # 16 cursors: an own, smaller spool (16 kept consumers hold a base window each)
+        if send_only:
+            worker.close()
+            base_worker.close()
+            bare_conn.close()
+            out["headline"] = _headline(out)
+            return out
         cur_window = ctx.pick(128 * MB, 64 * MB, 4 * MB)
         with ctx.tmpdir("wirespeed-cursors") as cur_spool:
             write_spool(
@@ -207,6 +219,18 @@ def _headline(out: dict[str, Any]) -> list[dict[str, Any]]:
         }
 
     rows = [cell("cache_off", "fp32"), cell("cache_off", "packed-int8")]
+    rows += [cell("cache_off_noprefetch", "fp32"), cell("cache_off_noprefetch", "packed-int8")]
+    for dtype in ("fp32", "packed-int8"):
+        on, off = out["cache_off"][dtype], out["cache_off_noprefetch"][dtype]
+        rows.append(
+            {
+                "what": f"GetDelta {dtype}, window cache off: prefetch on / off (speed)",
+                "ratio": ratio(med(on["vs_bare"]), med(off["vs_bare"])),
+                "noise": med(on["noise"]),
+            }
+        )
+    if "cache_on" not in out:
+        return rows
     rows.append(cell("cache_on", "packed-int8"))
     cur = out["cursors"]
     cpu = cur["sidecar_cpu_s"]
@@ -226,19 +250,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--record", action="store_true", help="write bench/results/wire-speed.json")
     p.add_argument("--work-dir", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--send-only",
+        action="store_true",
+        help="only the uncached windows, prefetch on and off (no cache-on, no 16 cursors)",
+    )
     a = p.parse_args(argv)
     ctx = Context(quick=a.quick, repeats=a.repeats)
     if a.work_dir is not None:
         ctx.work_dir = a.work_dir
     ctx.status = lambda msg: print(msg, file=sys.stderr, flush=True)
     t0 = time.time()
-    result = run(ctx)
+    result = run(ctx, send_only=a.send_only)
     result["machine"] = machine_info()
     result["seconds"] = time.time() - t0
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     source = f"python -m bench.wire_speed {argv_text} ({result['date']})"
     text = json.dumps({"source": source, "result": result}, indent=1, default=str)
+    if a.out is not None:
+        a.out.write_text(text)
     if a.record:
         path = Path(__file__).parent / "results" / "wire-speed.json"
         path.write_text(text)
