@@ -67,6 +67,7 @@ def test_the_producer_runs_ahead_by_at_most_the_bounds() -> None:
         wait_for(lambda: src.made == 4, timeout_s=10.0, what="the producer to refill")
         assert sum(1 for _ in p) == 99
         assert p.peak_bytes <= 1000
+        assert p.producer_waits >= 1  # it waited for room at least while nobody read
     finally:
         p.close()
     src = Source(100, size=100)

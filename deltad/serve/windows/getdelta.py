@@ -268,10 +268,12 @@ class WindowServer:
                 )
             )
             log.info(
-                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes, %.0f ms",
+                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes%s, %.0f ms",
                 consumer, rank, decision.from_seq, to_seq, to_step,
                 "resync: " if decision.resync else "", decision.reason,
                 ", committed" if committed else "", win.rows, win.payload_bytes,
+                "" if ahead is None else
+                f" (prefetch: sender waited {ahead.reader_waits}x, builder {ahead.producer_waits}x)",
                 (time.monotonic() - started) * 1000,
             )  # fmt: skip
         finally:

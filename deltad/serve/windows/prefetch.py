@@ -56,6 +56,11 @@ class Prefetch:
         self._queued_bytes = 0
         #: the most bytes ever queued at once (tests: the memory bound holds)
         self.peak_bytes = 0
+        #: messages the reader had to wait for (the producer was behind: building is the
+        #: bottleneck) and messages the producer had to wait to queue (the queue was full:
+        #: sending is); logged with the pull at ``-v``
+        self.reader_waits = 0
+        self.producer_waits = 0
         self._done = False  # the producer has put its last message (or failed)
         self._error: BaseException | None = None
         self._stopped = False
@@ -69,6 +74,7 @@ class Prefetch:
         try:
             for item in self._source:
                 with self._cond:
+                    waited = False
                     while (
                         not self._stopped
                         and self._queue
@@ -77,7 +83,9 @@ class Prefetch:
                             or self._queued_bytes + len(item) > self.max_bytes
                         )
                     ):
+                        waited = True
                         self._cond.wait(_POLL_S)
+                    self.producer_waits += waited
                     if self._stopped:
                         break
                     self._queue.append(item)
@@ -105,6 +113,7 @@ class Prefetch:
 
     def __next__(self) -> bytes:
         with self._cond:
+            self.reader_waits += not self._queue and not self._done and not self._stopped
             while not self._queue and not self._done and not self._stopped:
                 self._cond.wait(_POLL_S)
             if self._queue:
