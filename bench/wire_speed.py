@@ -91,7 +91,7 @@ def _timed(
     return r, cpu.seconds()
 
 
-def run(ctx: Context, send_only: bool = False) -> dict[str, Any]:
+def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, Any]:
     from bench import deltad_procs
     from bench.datagen import write_spool
 
@@ -108,6 +108,8 @@ def run(ctx: Context, send_only: bool = False) -> dict[str, Any]:
         worker, base_worker = ClientWorker(kids), ClientWorker(kids)
         worker.call("call", module="bench.throughput", func="client_warm", kwargs={})
         configs = ["off", "off_noprefetch"] + ([] if send_only else ["on"])
+        if swap:  # (the two uncached sidecars in the other order: load drifts over a run)
+            configs[:2] = configs[1::-1]
         for cache in configs:
             extra = list(deltad_procs.NO_RETENTION)
             if cache.startswith("off"):
@@ -250,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--record", action="store_true", help="write bench/results/wire-speed.json")
     p.add_argument("--work-dir", type=Path, default=None)
+    p.add_argument(
+        "--prefetch-off-first", action="store_true", help="the prefetch-off sidecar first"
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the results here")
     p.add_argument(
         "--send-only",
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.work_dir = a.work_dir
     ctx.status = lambda msg: print(msg, file=sys.stderr, flush=True)
     t0 = time.time()
-    result = run(ctx, send_only=a.send_only)
+    result = run(ctx, send_only=a.send_only, swap=a.prefetch_off_first)
     result["machine"] = machine_info()
     result["seconds"] = time.time() - t0
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
