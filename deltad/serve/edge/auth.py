@@ -156,7 +156,7 @@ def load_tokens_file(path: Path) -> Credentials:
 #: Methods that act for the consumer named in the request (role consume or admin).
 CONSUMER_METHODS = frozenset({"GetDelta", "Commit", "Register", "Heartbeat"})
 #: Methods only the admin role may call.
-ADMIN_METHODS = frozenset({"Forget"})
+ADMIN_METHODS = frozenset({"Forget", "Rollout"})
 
 
 def may_call(grant: Grant, method: str, consumer: str | None) -> str | None:

@@ -25,8 +25,10 @@ from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.rollout import Cap, ReleaseState, cap_for, lower
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.serve.state.owed import OwedStore
+from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
 from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
 from deltad.serve.windows.gendiff import GenerationDiffs, with_reason
@@ -62,6 +64,27 @@ class WindowServer:
         self.gendiff = GenerationDiffs(seglog, owed, metrics, self.cache)
         # bootstraps bigger than the window cache start from a spilled merged base
         self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
+        #: the release state applied to every window (deltad.serve.state.release; set by the
+        #: sidecar: Redis, or a relay's upstream); everything released until set
+        self.rollout: RolloutSource = _Released()
+
+    def gate_cap(self, state: ReleaseState, generation: int) -> int | None:
+        """The newest step the validation gate lets any window of ``generation`` end at
+        (None: no gate failure stands), given what an operator released past."""
+        gate = self.log.gate
+        if gate is None:
+            return None
+        accepted = state.gate_accepted_step if state.gate_generation == generation else None
+        return gate.cap(generation, accepted)
+
+    def cap(
+        self, consumer: str, generation: int, *, mirror: bool = False
+    ) -> tuple[Cap, int | None]:
+        """The release state's cap of ``consumer`` (none for a relay's mirror) and the
+        newest step it may be served: that cap's step and the gate's, whichever is lower."""
+        state = self.rollout.state()
+        cap = Cap(None) if mirror else cap_for(state, consumer)
+        return cap, lower(cap.max_step, self.gate_cap(state, generation))
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -120,9 +143,19 @@ class WindowServer:
                 self.store.touch(consumer, self.config.lease_ttl_s)
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            decision = decide_window(
-                WindowAsk.of(req), stored, LogView.of(snap), *self.gendiff.previous()
-            )
+            # the release state and the validation gate bound the window (a window past
+            # the cap is never served; a cursor past it gets an empty window at the cursor)
+            _cap, max_step = self.cap(consumer, gen, mirror=req.mirror)
+            if max_step is not None and max_step < snap.base.step:
+                _abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the base of generation {gen} (step {snap.base.step}) failed the "
+                    f"validation gate; nothing can be served until a new base or generation",
+                )
+            ask = WindowAsk.of(req)
+            ask = replace(ask, max_step=lower(ask.max_step, max_step))
+            decision = decide_window(ask, stored, LogView.of(snap), *self.gendiff.previous())
             if decision.refusal:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
             diff, diff_hit, decision = self.gendiff.window(consumer, snap, shape, decision)
@@ -220,3 +253,10 @@ class WindowServer:
             slot.release()
             if win is not None and not hit:  # (built but never read: free its reservation)
                 self.cache.abandon(spec, win)
+
+
+class _Released:
+    """Everything released (no rollout state known)."""
+
+    def state(self) -> ReleaseState:
+        return ReleaseState()
