@@ -191,7 +191,7 @@ def check_step(step: int, head_step: int | None) -> int:
     return step
 
 
-def _gate_open(state: ReleaseState, generation: int | None) -> int | None:
+def gate_open(state: ReleaseState, generation: int | None) -> int | None:
     """The gate's failed step that still stands in the way (None: none): of ``generation``
     (None: any) and not accepted by an operator."""
     bad = state.gate_bad_step
@@ -224,7 +224,7 @@ def release(
     step, or up to ``head_step`` for a release to the head; a later failure holds again)."""
     if to_step is not None:
         check_step(to_step, head_step)
-    bad = _gate_open(state, generation)
+    bad = gate_open(state, generation)
     gate: dict[str, Any] = {}
     if bad is not None and (to_step is None or to_step >= bad):
         if not force:
@@ -296,7 +296,7 @@ def gate_failed(
         if state.gate_accepted_step is not None and state.gate_accepted_step >= bad_step:
             return state
         known = state.gate_bad_step
-        if _gate_open(state, generation) is not None and known is not None and known <= bad_step:
+        if gate_open(state, generation) is not None and known is not None and known <= bad_step:
             return state
     release_step = good_step if state.release_step is None else min(state.release_step, good_step)
     accepted = state.gate_accepted_step if state.gate_generation == generation else None

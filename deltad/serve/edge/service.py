@@ -25,7 +25,7 @@ from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.edge.rollout_rpc import RolloutControl
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.rollout import cap_for, lower
+from deltad.serve.rollout import cap_for
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, StoredCursor
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.windows.getdelta import WindowServer
@@ -204,10 +204,13 @@ class DeltaServicer:
         now = time.time()
         out = []
         state = self.windows.rollout.state()
-        gate_cap = self.windows.gate_cap(state, snap.generation) if snap is not None else None
         for name in names:
             stored = cursors[name]
-            cap = lower(cap_for(state, name).max_step, gate_cap)
+            cap = (
+                self.windows.cap(name, snap.generation)[1]
+                if snap is not None
+                else cap_for(state, name).max_step
+            )
             info = pb.ConsumerInfo(
                 consumer=name,
                 cursor=self._cursor_pb(name, stored),
@@ -302,12 +305,9 @@ class DeltaServicer:
             f = gate.first_open(gen, accepted)
             if f is not None:
                 resp.gate_bad_step, resp.gate_reason = f.step, f.reason
-        if req.consumer:
-            _, cap = self.windows.cap(req.consumer, gen)
-            resp.cap_step = -1 if cap is None else cap
-        else:
-            cap = self.windows.gate_cap(state, gen)
-            resp.cap_step = -1 if cap is None else cap
+        # no consumer named: the cap of one that matches no pin or canary group
+        _, cap = self.windows.cap(req.consumer, gen)
+        resp.cap_step = -1 if cap is None else cap
 
     def Rollout(self, req: pb.RolloutRequest, context: grpc.ServicerContext) -> pb.RolloutResponse:
         """Read or change the model's release state (admin; see deltad.serve.edge.rollout_rpc)."""

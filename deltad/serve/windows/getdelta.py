@@ -25,7 +25,7 @@ from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.rollout import Cap, ReleaseState, cap_for, lower
+from deltad.serve.rollout import Cap, ReleaseState, cap_for, gate_open, lower
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.state.release import RolloutSource
@@ -83,8 +83,14 @@ class WindowServer:
         """The release state's cap of ``consumer`` (none for a relay's mirror) and the
         newest step it may be served: that cap's step and the gate's, whichever is lower."""
         state = self.rollout.state()
-        cap = Cap(None) if mirror else cap_for(state, consumer)
-        return cap, lower(cap.max_step, self.gate_cap(state, generation))
+        gate = self.gate_cap(state, generation)
+        if mirror:
+            return Cap(None), gate
+        cap = cap_for(state, consumer)
+        # a step another rank's gate failed caps this rank too (every rank agrees)
+        bad = gate_open(state, generation)
+        model_gate = None if bad is None else bad - 1
+        return cap, lower(lower(cap.max_step, gate), model_gate)
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
