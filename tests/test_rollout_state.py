@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from serverkit import SpoolWriter
 from spoolkit import FakeTrainer
 
 from deltad.config import GateConfig
 from deltad.errors import ConfigError, RolloutError, RolloutRefused
 from deltad.redisutil import connect
+from deltad.segment.format import encode_dense, write_dense
 from deltad.serve import rollout as ro
 from deltad.serve.index.gate import SegmentGate, nonfinite
 from deltad.serve.index.log import SegmentLog
@@ -218,3 +220,26 @@ def test_the_gate_norm_and_fraction_limits(tmp_path: Path) -> None:
     ft.step(3, touch=30)  # 30 of t1's 40 rows
     log.refresh()
     assert [f.step for f in seen] == [2, 3] and "of its rows changed" in seen[1].reason
+
+
+def test_the_gate_fails_a_dense_state_with_nan_and_holds_before_its_step(tmp_path: Path) -> None:
+    spool = SpoolWriter(tmp_path / "spool")
+    seen = []
+    gate = SegmentGate(on_fail=seen.append)
+    log = SegmentLog(spool.layout, 0, gate=gate)
+    spool.delta()  # step 10
+
+    def dense(w: torch.Tensor) -> None:
+        data = encode_dense(
+            model=spool.layout.model, generation=1, rank=0, seq=spool.seq, step=spool.step,
+            tensors={"w": w, "n": torch.tensor(3)},
+        )  # fmt: skip
+        write_dense(spool.layout.dense_path(1, 0, spool.seq), data, fsync=False)
+
+    dense(torch.ones(4))
+    spool.delta()  # step 20
+    dense(torch.tensor([1.0, float("nan"), 2.0, float("inf")]))
+    log.refresh()
+    assert [(f.step, f.good_step) for f in seen] == [(20, 10)]
+    assert "dense state: 2 non-finite values in w" in seen[0].reason
+    assert gate.cap(1, None) == 19

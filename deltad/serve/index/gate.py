@@ -66,8 +66,10 @@ class SegmentGate:
         self.on_fail = on_fail
         self._lock = threading.Lock()
         self._generation: int | None = None
-        self._checked: set[tuple[int, int]] = set()  # (first_seq, seq) of entries checked
-        self._dense_checked: set[int] = set()
+        #: the newest seq checked: an entry at or below it was checked (a merge of checked
+        #: segments, the merged base retention writes, is not checked again)
+        self._upto = -1
+        self._dense_upto = -1
         self._failures: list[GateFailure] = []
         self._norms: dict[ShardKey, torch.Tensor] = {}
         self._norm_seq = -1  # the seq the held norms are of
@@ -88,23 +90,22 @@ class SegmentGate:
             started = time.perf_counter()
             if generation != self._generation:
                 self._generation = generation
-                self._checked, self._dense_checked, self._failures = set(), set(), []
+                self._upto, self._dense_upto, self._failures = -1, -1, []
                 self._norms, self._norm_seq = {}, -1
             prev_step = -1
             steps = {e.seq: e.step for e in entries}
             for e in entries:
-                key = (e.first_seq, e.seq)
-                if key not in self._checked:
-                    self._checked.add(key)
+                if e.seq > self._upto:
+                    self._upto = e.seq
                     self.checks += 1
                     why = self._check_entry(e)
                     if why:
                         new.append(GateFailure(generation, e.seq, e.step, prev_step, why))
                 prev_step = e.step
             for d in dense:
-                if d.seq in self._dense_checked:
+                if d.seq <= self._dense_upto:
                     continue
-                self._dense_checked.add(d.seq)
+                self._dense_upto = d.seq
                 self.checks += 1
                 bad = {n: nonfinite(t) for n, t in d.state.tensors.items()}
                 bad = {n: k for n, k in bad.items() if k}

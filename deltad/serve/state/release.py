@@ -43,14 +43,17 @@ class RolloutStore:
         self.key = RedisKeys(model).rollout()
         self.attempts = max(1, attempts)
 
-    def _retry(self, what: str, fn: Callable[[], ReleaseState]) -> ReleaseState:
+    def _retry(
+        self, what: str, fn: Callable[[], ReleaseState], attempts: int | None = None
+    ) -> ReleaseState:
         delay, last = 0.05, None
-        for attempt in range(self.attempts):
+        attempts = self.attempts if attempts is None else max(1, attempts)
+        for attempt in range(attempts):
             try:
                 return fn()
             except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError) as e:
                 last = e
-                if attempt + 1 < self.attempts:
+                if attempt + 1 < attempts:
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
             except redis.RedisError as e:
@@ -59,14 +62,14 @@ class RolloutStore:
             f"release state: redis unavailable during {what} after {self.attempts} attempts: {last}"
         )
 
-    def get(self) -> ReleaseState:
+    def get(self, *, attempts: int | None = None) -> ReleaseState:
         """The stored state (the default, everything released, if none is stored)."""
 
         def run() -> ReleaseState:
             raw = self.client.get(self.key)
             return ReleaseState() if raw is None else ReleaseState.from_json(raw)  # type: ignore[arg-type]
 
-        return self._retry("get", run)
+        return self._retry("get", run, attempts)
 
     def update(self, change: Callable[[ReleaseState], ReleaseState]) -> ReleaseState:
         """Apply ``change`` to the stored state atomically and return the new state (the
@@ -118,7 +121,7 @@ class RolloutView:
             if time.monotonic() - self._read_at < self.ttl_s:
                 return self._state
             try:
-                self._state = self.store.get()
+                self._state = self.store.get(attempts=1)  # fail fast: the last one stays
                 if self._failing:
                     log.info("release state readable again (version %d)", self._state.version)
                 self._failing = False
