@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +14,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from spoolkit import FakeTrainer, child_env, wait_for
+from spoolkit import FakeTrainer, wait_for
 from test_relay import predictor, server_config, tree
 
 from deltad.consume.appliers import TensorDictApplier
@@ -386,31 +384,31 @@ def test_controls_and_the_gate_reach_predictors_through_relays(
 
 
 def test_the_rollout_cli_changes_and_shows_the_state_and_exits_2_on_bad_input(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from deltad.cli import main
+
     with fleet(tmp_path, redis_url) as (_, [eps]):
 
-        def cli(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(
-                [sys.executable, "-m", "deltad", "rollout", *args, "--target", eps[0]],
-                capture_output=True, text=True, timeout=60, env=child_env(),
-            )  # fmt: skip
+        def cli(*args: str) -> tuple[int, str, str]:
+            code = main(["rollout", *args, "--target", eps[0]])
+            out = capsys.readouterr()
+            return code, out.out, out.err
 
-        out = cli("pin", "--group", "eu-*", "--to-step", "1")
-        assert out.returncode == 0, out.stderr
-        assert "pinned eu-* at step 1" in out.stdout and "pin: eu-* at step 1" in out.stdout
-        out = cli("status", "--json")
-        assert out.returncode == 0 and json.loads(out.stdout)["state"]["pins"] == [["eu-*", 1]]
+        code, out, err = cli("pin", "--group", "eu-*", "--to-step", "1")
+        assert code == 0, err
+        assert "pinned eu-* at step 1" in out and "pin: eu-* at step 1" in out
+        code, out, _ = cli("status", "--json")
+        assert code == 0 and json.loads(out)["state"]["pins"] == [["eu-*", 1]]
         for bad, text in (
             (("pin", "--to-step", "1"), "needs --group"),
             (("release", "--to-step", "7"), "past the head step 2"),
             (("canary", "--group", "x", "--force"), "--force goes with release only"),
+            (("unpin", "--group", "nope"), "no pin of group"),
         ):
-            out = cli(*bad)
-            assert out.returncode == 2, out
-            assert len(out.stderr.strip().splitlines()) == 1 and text in out.stderr
-        out = subprocess.run(
-            [sys.executable, "-m", "deltad", "status", "--target", eps[0]],
-            capture_output=True, text=True, timeout=60, env=child_env(),
-        )  # fmt: skip
-        assert "rollout:" in out.stdout and "pin: eu-* at step 1" in out.stdout
+            code, _, err = cli(*bad)
+            assert code == 2, err
+            assert len(err.strip().splitlines()) == 1 and text in err
+        assert main(["status", "--target", eps[0]]) == 0
+        out = capsys.readouterr().out
+        assert "rollout:" in out and "pin: eu-* at step 1" in out
