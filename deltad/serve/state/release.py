@@ -59,7 +59,7 @@ class RolloutStore:
             except redis.RedisError as e:
                 raise OffsetStoreError(f"release state: redis refused {what}: {e}") from e
         raise OffsetStoreError(
-            f"release state: redis unavailable during {what} after {self.attempts} attempts: {last}"
+            f"release state: redis unavailable during {what} after {attempts} attempts: {last}"
         )
 
     def get(self, *, attempts: int | None = None) -> ReleaseState:
