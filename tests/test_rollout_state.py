@@ -243,3 +243,19 @@ def test_the_gate_fails_a_dense_state_with_nan_and_holds_before_its_step(tmp_pat
     assert [(f.step, f.good_step) for f in seen] == [(20, 10)]
     assert "dense state: 2 non-finite values in w" in seen[0].reason
     assert gate.cap(1, None) == 19
+
+
+def test_an_asked_resync_of_a_cursor_past_the_cap_goes_to_the_cursor_not_the_head() -> None:
+    from deltad.serve.state.offsets import StoredCursor
+    from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+    from deltad.serve.windows.getdelta import within_cap
+
+    log = LogView(1, ((0, 0), (1, 10), (2, 20), (3, 30), (4, 40)))
+    cursor = StoredCursor(generation=1, seq=2, step=20, pull_id="x")
+    d = decide_window(WindowAsk("p", from_base=True, max_step=10), cursor, log)
+    assert (d.to_seq, d.to_step) == (4, 40)  # the head: decide_window knows no cap
+    capped = within_cap(d, cursor, log, 10)
+    assert capped.resync and (capped.to_seq, capped.to_step) == (2, 20)
+    assert within_cap(d, cursor, log, None) == d
+    ordinary = decide_window(WindowAsk("p", max_step=10), cursor, log)
+    assert within_cap(ordinary, cursor, log, 10) == ordinary  # empty, at the cursor

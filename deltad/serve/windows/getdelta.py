@@ -26,11 +26,11 @@ from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.rollout import Cap, ReleaseState, cap_for, gate_open, lower
-from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
+from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull, StoredCursor
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
-from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, decide_window
 from deltad.serve.windows.gendiff import GenerationDiffs, with_reason
 from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.windows.streams import StreamSlots
@@ -161,7 +161,9 @@ class WindowServer:
                 )
             ask = WindowAsk.of(req)
             ask = replace(ask, max_step=lower(ask.max_step, max_step))
-            decision = decide_window(ask, stored, LogView.of(snap), *self.gendiff.previous())
+            view = LogView.of(snap)
+            decision = decide_window(ask, stored, view, *self.gendiff.previous())
+            decision = within_cap(decision, stored, view, max_step)
             if decision.refusal:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
             diff, diff_hit, decision = self.gendiff.window(consumer, snap, shape, decision)
@@ -259,6 +261,25 @@ class WindowServer:
             slot.release()
             if win is not None and not hit:  # (built but never read: free its reservation)
                 self.cache.abandon(spec, win)
+
+
+def within_cap(
+    d: WindowDecision, stored: StoredCursor | None, log: LogView, cap: int | None
+) -> WindowDecision:
+    """``d``, unless it is a resync of a cursor past the release cap that decide_window sent
+    to the head (so that its commit is not refused): then to the cursor's own state (the
+    first entry at or after it), no further past the cap than the consumer already is."""
+    if (
+        cap is None
+        or not d.resync
+        or stored is None
+        or stored.generation != d.generation
+        or d.to_step <= cap
+        or d.to_seq <= stored.seq
+    ):
+        return d
+    seq, step = next(e for e in log.entries if e[0] >= stored.seq)
+    return replace(d, to_seq=seq, to_step=step)
 
 
 class _Released:
