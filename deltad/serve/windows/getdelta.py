@@ -151,6 +151,8 @@ class WindowServer:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
             # the release state and the validation gate bound the window (a window past
             # the cap is never served; a cursor past it gets an empty window at the cursor)
+            # (cap.rollback: the rollback order this consumer must follow first; the
+            # rollback data path turns it into the window, see deltad.serve.rollout)
             _cap, max_step = self.cap(consumer, gen, mirror=req.mirror)
             if max_step is not None and max_step < snap.base.step:
                 _abort(
