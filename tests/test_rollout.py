@@ -226,6 +226,7 @@ def test_pins_and_holds_survive_a_sidecar_restart_and_a_new_generation(
 
 def test_rollback_records_an_order_and_caps_the_group(tmp_path: Path, redis_url: str) -> None:
     with fleet(tmp_path, redis_url) as (_, [eps]):
+        assert rollout(eps[0], A.ROLLOUT_STATUS).rollback is None
         s = rollout(eps[0], A.ROLLOUT_ROLLBACK, step=1)
         assert s.rollback is not None and (s.rollback.to_step, s.rollback.group) == (1, "*")
         assert (s.release_step, s.held) == (1, True)
@@ -331,6 +332,7 @@ def test_the_gate_holds_on_a_nan_segment_and_status_metrics_health_say_why(
             assert _metric(bad_srv.metrics_port, "deltad_gate_failures_total") == 1
             assert _metric(bad_srv.metrics_port, "deltad_gate_held") == 1
             assert _metric(bad_srv.metrics_port, "deltad_rollout_held") == 1
+            assert _metric(bad_srv.metrics_port, "deltad_gate_check_seconds") > 0
             # releasing past it is an explicit decision
             with pytest.raises(grpc.RpcError) as e:
                 rollout(eps[0], A.ROLLOUT_RELEASE)
@@ -412,3 +414,26 @@ def test_the_rollout_cli_changes_and_shows_the_state_and_exits_2_on_bad_input(
         assert main(["status", "--target", eps[0]]) == 0
         out = capsys.readouterr().out
         assert "rollout:" in out and "pin: eu-* at step 1" in out
+
+
+def test_a_rollback_outside_the_restore_window_is_refused_when_it_is_known(
+    tmp_path: Path, redis_url: str
+) -> None:
+    ft = FakeTrainer(tmp_path / "spool")
+    ft.start(0)
+    ft.step(1)
+    ft.step(2)
+    srv = SidecarServer(server_config(tmp_path / "spool", 0, redis_url)).start()
+    try:
+        heads([srv.endpoint], 2)
+        control = srv.servicer.rollout_control
+        assert control is not None
+        control.restore_window = lambda: (1, 2)  # the rollback data path fills this hook
+        with pytest.raises(grpc.RpcError) as e:
+            rollout(srv.endpoint, A.ROLLOUT_ROLLBACK, step=0)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "outside the restore window (steps 1..2)" in (e.value.details() or "")
+        s = rollout(srv.endpoint, A.ROLLOUT_ROLLBACK, step=1)
+        assert s.rollback is not None and s.rollback.to_step == 1
+    finally:
+        srv.stop(0.2)

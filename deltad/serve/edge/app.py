@@ -165,6 +165,13 @@ class SidecarServer:
         self.servicer.windows.rollout = self.rollout
         self.servicer.rollout_control = RolloutControl(self.log, self.rollout, self.rollout_store)
         self.metrics.track_sidecar(self.servicer, self.log)
+        gate = self.log.gate
+        if gate is not None:
+            self.metrics.track(
+                "deltad_gate_check_seconds",
+                "Seconds the validation gate spent checking segments and dense states",
+                lambda: gate.seconds,
+            )
         self.retention = Retention(
             self.log,
             self.store,
