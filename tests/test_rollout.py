@@ -437,3 +437,39 @@ def test_a_rollback_outside_the_restore_window_is_refused_when_it_is_known(
         assert s.rollback is not None and s.rollback.to_step == 1
     finally:
         srv.stop(0.2)
+
+
+def test_a_mirror_pull_passes_the_caps_only_with_the_relay_or_admin_role(
+    tmp_path: Path, redis_url: str
+) -> None:
+    from deltad.consume import decode
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("pred-tok  *  consume\nrelay-tok  relay-*  relay\nops-tok  *  admin\n")
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    ft.step(1)
+    cfg = server_config(tmp_path / "spool", 0, redis_url)
+    cfg.tokens_file = tokens
+    srv = SidecarServer(cfg).start()
+
+    def at(srv: SidecarServer, step: int) -> None:
+        wait_for(lambda: (snap := srv.log.snapshot()) is not None and snap.head.step == step)
+
+    try:
+        at(srv, 1)
+        rollout(srv.endpoint, A.ROLLOUT_HOLD, token="ops-tok")
+        ft.step(2)
+        at(srv, 2)
+
+        def pull(name: str, token: str) -> int:
+            req = pb.GetDeltaRequest(consumer=name, form=pb.FORM_ROWS, mirror=True)
+            with grpc.insecure_channel(srv.endpoint) as ch:
+                md = (("authorization", f"Bearer {token}"),)
+                return decode.pull(ch, req, timeout=10, metadata=md).to_step
+
+        assert pull("pred-1", "pred-tok") == 1  # a consumer claiming to be a mirror: capped
+        assert pull("relay-1", "relay-tok") == 2
+        assert pull("relay-2", "ops-tok") == 2
+    finally:
+        srv.stop(0.2)
