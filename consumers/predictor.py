@@ -7,7 +7,9 @@ optionally starting from a ``{table: tensor}`` file, and logs per pull what it s
   step any rank has published;
 * ``freshness_s``: seconds from the creation of the newest segment of ``step`` (the last
   rank to publish it) to the moment its rows were applied, sampled when a new step is served;
-* ``rows`` / ``bytes``: what the pull carried; ``owed``: top-k rows still owed.
+* ``rows`` / ``bytes``: what the pull carried; ``owed``: top-k rows still owed;
+* ``cap_step`` / ``caught_up``: the model's release cap on it (deltad rollout) and whether it
+  serves the newest step it may.
 
 With ``serving`` set it holds a torchrec quantized ClickModel instead
 (:mod:`consumers.serving`), bootstrapped from deltad alone, answers forwards on a fixed batch
@@ -87,6 +89,10 @@ class PullLogLine:
     dense_step: int | None = None
     #: an operator's rollback this pull followed (the step it was ordered to); None: none
     rollback_to: int | None = None
+    #: the model's release cap on this predictor (None: the head) and whether it serves the
+    #: newest step it may (a held predictor is caught up to the release, not behind)
+    cap_step: int | None = None
+    caught_up: bool = False
 
 
 @dataclass
@@ -260,6 +266,8 @@ class SyncLoop:
             pull_s=pull_s,
             apply_s=apply_s,
             dense_bytes=r.dense_bytes,
+            cap_step=r.cap_step,
+            caught_up=r.caught_up,
             dense_step=r.dense_step,
             rollback_to=r.rollback_to,
         )

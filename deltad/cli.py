@@ -36,7 +36,7 @@ def _bench_commands() -> ModuleType | None:
 
 def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     """subcommand -> (module with ``add_arguments(parser)`` and ``run(args) -> int``, help)."""
-    from deltad import demo, status
+    from deltad import demo, rollout_cli, status
     from deltad.reference.consumers import cli as consume_cli
     from deltad.reference.trainer import cli as train_cli
     from deltad.serve import cli as serve_cli
@@ -49,6 +49,11 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
         "serve": (serve_cli, "run the sidecar: index the spool, serve GetDelta over gRPC"),
         "consume": (consume_cli, "run the reference predictor: pull deltas, apply, commit"),
         "status": (status, "print consumers, lag, head and tables of a sidecar"),
+        "rollout": (
+            rollout_cli,
+            "the model's release controls (admin): status, hold, release, pin, unpin, canary, "
+            "rollback",
+        ),
         "demo": (demo, "trainer + sidecars + Redis + predictors on this machine, with a report"),
         "bench": (
             _bench_commands(),

@@ -169,6 +169,53 @@ def check_client_auth(
     return path(tls_ca), path(tls_cert), path(tls_key), path(token_file)
 
 
+@dataclass(frozen=True)
+class GateConfig:
+    """The validation gate's optional per-table limits (deltad.serve.index.gate); non-finite
+    values are refused always. Each limit is ``((table or "*", value), ...)``: the table's own
+    entry wins over "*"; no entry: no limit."""
+
+    #: the largest jump | ||new row|| - ||old row|| | of any row of a segment
+    max_norm_jump: tuple[tuple[str, float], ...] = ()
+    #: the largest fraction of a table's rows (on this rank) one segment may change
+    max_changed_fraction: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for what, limits in (
+            ("max_norm_jump", self.max_norm_jump),
+            ("max_changed_fraction", self.max_changed_fraction),
+        ):
+            for table, value in limits:
+                if not table or not (value > 0):
+                    raise ConfigError(
+                        f"gate {what}: {table}={value}: a table (or *) and a value > 0"
+                    )
+                if what == "max_changed_fraction" and value > 1:
+                    raise ConfigError(f"gate {what}: {table}={value}: a fraction in (0, 1]")
+
+    @staticmethod
+    def limit(limits: tuple[tuple[str, float], ...], table: str) -> float | None:
+        """The limit of ``table`` in ``limits`` (its own entry, else "*", else None)."""
+        own = [v for t, v in limits if t == table]
+        if own:
+            return own[-1]
+        star = [v for t, v in limits if t == "*"]
+        return star[-1] if star else None
+
+    @staticmethod
+    def parse(items: list[str] | tuple[str, ...], what: str) -> tuple[tuple[str, float], ...]:
+        """``TABLE=VALUE`` or ``VALUE`` (every table) flags as limits; ConfigError if bad."""
+        out = []
+        for item in items:
+            table, _, value = item.rpartition("=")
+            try:
+                v = float(value)
+            except ValueError:
+                raise ConfigError(f"--{what} {item!r}: expected [TABLE=]NUMBER") from None
+            out.append((table or "*", v))
+        return tuple(out)
+
+
 @dataclass
 class ServerConfig:
     """`deltad serve`: one sidecar per trainer rank."""
@@ -242,6 +289,8 @@ class ServerConfig:
     forget_after_s: float = 7 * 24 * 3600.0
     #: Seconds between forget sweeps (Redis and owed files), bounded work each.
     forget_interval_s: float = 60.0
+    #: The validation gate's limits (deltad.serve.index.gate; non-finite values: always).
+    gate: GateConfig = field(default_factory=GateConfig)
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)

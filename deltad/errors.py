@@ -54,3 +54,12 @@ class OverloadedError(SidecarUnavailableError):
 
 class StreamDecodeError(ConsumerError):
     """A GetDelta stream is malformed or incomplete."""
+
+
+class RolloutError(DeltadError):
+    """A rollout control's argument is invalid (a step, a group glob): INVALID_ARGUMENT."""
+
+
+class RolloutRefused(RolloutError):
+    """A rollout control is refused as things stand (a step past a gate failure without
+    ``force``, a step outside the restore window, a relay): FAILED_PRECONDITION."""

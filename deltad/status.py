@@ -24,6 +24,17 @@ from deltad.v1 import delta_pb2_grpc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_connection_arguments(p)
+    p.add_argument(
+        "--forget",
+        metavar="CONSUMER",
+        default=None,
+        help="forget this consumer on every rank (admin role): cursor, pull, lease, owed rows",
+    )
+
+
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    """--target, --json and the credentials of a command that talks to one sidecar."""
     p.add_argument("--target", default=os.environ.get("DELTAD_TARGET", "127.0.0.1:50051"))
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--token", default=os.environ.get("DELTAD_TOKEN"), help="bearer token")
@@ -47,12 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="its private key (PEM) [DELTAD_TLS_CLIENT_KEY]",
     )
     p.add_argument("--timeout", type=float, default=10.0)
-    p.add_argument(
-        "--forget",
-        metavar="CONSUMER",
-        default=None,
-        help="forget this consumer on every rank (admin role): cursor, pull, lease, owed rows",
-    )
 
 
 def fetch(
@@ -161,14 +166,35 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
             f"  {t.table:<20} {t.num_rows}x{t.dim} {t.dtype} {t.kind} {t.sharding_type}  "
             f"[{local or 'none on this rank'}]"
         )
+    lines += rollout_lines(s)
     lines.append("consumers:")
-    lines.append(f"  {'name':<24} {'live':<5} {'seq':>8} {'lag seg':>8} {'lag s':>8} {'owed':>8}")
+    lines.append(
+        f"  {'name':<24} {'live':<5} {'seq':>8} {'lag seg':>8} {'lag s':>8} {'owed':>8} {'cap':>8}"
+    )
     for c in consumers.consumers:
+        cap = "head" if c.cap_step < 0 or not s.rollout_state else str(c.cap_step)
         lines.append(
             f"  {c.consumer:<24} {'yes' if c.live else 'no':<5} {c.cursor.seq:>8} "
-            f"{c.lag_segments:>8} {c.lag_seconds:>8.1f} {c.owed_rows:>8}"
+            f"{c.lag_segments:>8} {c.lag_seconds:>8.1f} {c.owed_rows:>8} {cap:>8}"
         )
     return "\n".join(lines)
+
+
+def rollout_lines(s: pb.StatusResponse) -> list[str]:
+    """The release state and this server's validation gate, as ``deltad status`` shows them."""
+    if not s.rollout_state:
+        return []
+    from deltad.serve.rollout import ReleaseState, describe
+
+    lines = ["rollout:"] + [
+        f"  {line}" for line in describe(ReleaseState.from_json(s.rollout_state))
+    ]
+    if s.gate_reason:
+        lines.append(
+            f"  gate here: step {s.gate_bad_step} failed: {s.gate_reason} (serving at most step "
+            f"{s.gate_bad_step - 1})"
+        )
+    return lines
 
 
 def forget(

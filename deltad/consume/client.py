@@ -75,11 +75,27 @@ class PullResult:
     step: int | None = None
     #: Newest step any rank has published.
     head_step: int | None = None
+    #: The newest step the model's release state lets this consumer be served (hold, pin,
+    #: canary, a validation gate failure; None: no cap: the head). Aligned pulls only.
+    cap_step: int | None = None
+    #: The newest step this consumer can reach now: ``head_step`` without a cap, else the
+    #: newest step at or below the cap every rank can end a window at. Aligned pulls only.
+    release_step: int | None = None
     #: When the last segment of ``step`` was created (host clock), if known.
     source_unix: float | None = None
     #: Ranks not read this time, with the reason (the rows come next time).
     missing: dict[int, str] = field(default_factory=dict)
     pulled_unix: float = 0.0
+
+    @property
+    def caught_up(self) -> bool:
+        """Every rank read and the tables serve the newest step this consumer may have: the
+        head, or the release step while a hold, pin or gate caps it (a capped consumer is
+        caught up to the release, not behind)."""
+        if self.missing or self.step is None:
+            return False
+        reach = self.release_step if self.release_step is not None else self.head_step
+        return reach is not None and self.step >= reach
 
     @property
     def rows(self) -> int:
@@ -401,6 +417,8 @@ class DeltaConsumer:
                 st = call.result()
                 if (st.generation, st.head_seq) > r.seen:
                     moved = True
+                if st.rollout_state and r.rollout_version not in (None, st.rollout_version):
+                    moved = True  # released (or held): the cap moved
             return moved
         finally:
             for _, call in calls:
@@ -432,11 +450,18 @@ class DeltaConsumer:
             }
             return result
         target = min(s.head_step for s in statuses.values())
+        caps = [s.cap_step for s in statuses.values() if s.cap_step is not None]
+        result.head_step = max(s.head_step for s in statuses.values())
+        result.release_step = result.head_step
+        if caps:  # the release state caps this consumer: caught up at the release
+            result.cap_step = min(caps)
+            target = min(target, result.cap_step)
+            bound = min(result.head_step, result.cap_step)
+            result.release_step = _reachable(list(statuses.values()), bound)
         if self.config.pull.max_step is not None:
             target = min(target, self.config.pull.max_step)
         if self.config.pull.dense:
             target = _dense_target(list(statuses.values()), target)
-        result.head_step = max(s.head_step for s in statuses.values())
         deltas: list[RankDelta] = []
         got_all = _raise_overloaded(self._parallel(lambda r: self._get_delta(r, target, stage)))
         for r, got in zip(self._ranks, got_all, strict=True):
@@ -525,6 +550,13 @@ def _dense_target(statuses: list[RankStatus], target: int) -> int:
         if all(t in e for e in ends if e):  # a rank that reports no steps: an older sidecar
             return t
     return target
+
+
+def _reachable(statuses: list[RankStatus], bound: int) -> int:
+    """The newest step at or below ``bound`` that a rank can end a window at (as
+    ``head_step`` is the newest any rank published; ``bound`` when ranks report no steps)."""
+    ends = set().union(*(s.steps for s in statuses))
+    return max((t for t in ends if t <= bound), default=bound)
 
 
 def _raise_overloaded(results: list[T | Exception]) -> list[T | Exception]:

@@ -75,6 +75,10 @@ class RankStatus:
     dense_steps: tuple[int, ...] = ()
     #: Steps a window of this rank can end at (its log's entries; empty: not reported).
     steps: tuple[int, ...] = ()
+    #: The newest step the model's release state (and the server's validation gate) lets
+    #: this consumer be served (None: the head; deltad.serve.rollout), and that state's version.
+    cap_step: int | None = None
+    rollout_version: int = 0
 
     @property
     def head_created_unix(self) -> float:
@@ -105,6 +109,9 @@ class RankLink:
         self.committed: Cursor | None = None
         #: The caller's tables hold nothing of this rank yet: ask for the full tables.
         self.needs_base = True
+        #: the release state's version the last Status answered (None: none, or an older
+        #: server); a long poll also ends when it changes
+        self.rollout_version: int | None = None
         #: The newest (generation, head seq) this consumer has seen of the rank (Status,
         #: windows): what a long poll waits to see passed (DeltaConsumer.wait_for_new).
         self.seen: tuple[int, int] = (0, -1)
@@ -270,9 +277,12 @@ class Sidecars:
     def status(self, r: RankLink) -> RankStatus:
         def call(ch: grpc.Channel, timeout: float, md: Any) -> RankStatus:
             s = pb_grpc.DeltaServiceStub(ch).Status(
-                pb.StatusRequest(), timeout=timeout, metadata=md
+                pb.StatusRequest(consumer=self.config.consumer), timeout=timeout, metadata=md
             )
             r.seen = max(r.seen, (int(s.generation), int(s.head_seq)))
+            # a server without release state (older) sends no rollout_state: no cap
+            cap = int(s.cap_step) if s.rollout_state and s.cap_step >= 0 else None
+            r.rollout_version = int(s.rollout_version) if s.rollout_state else None
             return RankStatus(
                 rank=int(s.rank),
                 world_size=int(s.world_size),
@@ -283,6 +293,8 @@ class Sidecars:
                 asked_unix=time.time(),
                 dense_steps=tuple(int(x) for x in s.dense_steps),
                 steps=tuple(int(x) for x in s.steps),
+                cap_step=cap,
+                rollout_version=int(s.rollout_version),
             )
 
         return self.retry(r, "Status", call)
@@ -295,6 +307,8 @@ class Sidecars:
         req = pb.StatusRequest(
             after_generation=r.seen[0], after_seq=r.seen[1], wait_ms=int(wait_s * 1000)
         )
+        if r.rollout_version is not None:  # a release (or hold) ends the wait too
+            req.after_rollout_version = r.rollout_version
         return pb_grpc.DeltaServiceStub(r.channel).Status.future(
             req, timeout=wait_s + min(10.0, self.config.rpc_deadline_s),
             metadata=self.auth.metadata(),

@@ -183,12 +183,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=_typed_env(env, kind, default),
             help=f"{text} [DELTAD_{env}]",
         )
+    # rollout-control (issue 21): the validation gate's optional limits
     a(
-        "--release-state-file",
-        default=_env("RELEASE_STATE_FILE"),
-        help="rollout: read the model's release state (hold, pins, canary, rollback) from this "
-        "JSON file (ReleaseState.to_json), re-read when it changes; unset: the head is "
-        "released [DELTAD_RELEASE_STATE_FILE]",
+        "--gate-max-norm-jump",
+        action="append",
+        default=[x for x in (_env("GATE_MAX_NORM_JUMP") or "").split(",") if x],
+        metavar="[TABLE=]X",
+        help="validation gate: fail a segment in which a row's norm jumps by more than X "
+        "against its previous value (per table, or every table; repeatable; non-finite values "
+        "always fail) [DELTAD_GATE_MAX_NORM_JUMP, comma-separated]",
+    )
+    a(
+        "--gate-max-changed-fraction",
+        action="append",
+        default=[x for x in (_env("GATE_MAX_CHANGED_FRACTION") or "").split(",") if x],
+        metavar="[TABLE=]F",
+        help="validation gate: fail a segment that changes more than this fraction of a "
+        "table's rows on this rank (repeatable) [DELTAD_GATE_MAX_CHANGED_FRACTION]",
     )
     a(
         "--upstream",
@@ -256,7 +267,7 @@ def _no_plain_tokens() -> None:
 
 def build_config(args: argparse.Namespace) -> Any:
     """ServerConfig from parsed flags (ConfigError on bad values)."""
-    from deltad.config import ServerConfig
+    from deltad.config import GateConfig, ServerConfig
 
     if not args.spool:
         raise ConfigError("--spool (or DELTAD_SPOOL) is required")
@@ -299,6 +310,12 @@ def build_config(args: argparse.Namespace) -> Any:
         forget_after_s=value(args.forget_after),
         max_queued_streams=value(args.max_queued_streams),
         stream_queue_wait_s=value(args.stream_queue_wait),
+        gate=GateConfig(
+            max_norm_jump=GateConfig.parse(args.gate_max_norm_jump, "gate-max-norm-jump"),
+            max_changed_fraction=GateConfig.parse(
+                args.gate_max_changed_fraction, "gate-max-changed-fraction"
+            ),
+        ),
     )
 
 
@@ -355,10 +372,6 @@ def run(args: argparse.Namespace) -> int:
         server = RelayServer(config, relay)
     else:
         server = SidecarServer(config)
-    if args.release_state_file:
-        from deltad.serve.release_file import ReleaseFile
-
-        server.set_release(ReleaseFile(Path(args.release_state_file)))
     server.start()
     print(f"serving {config.model} rank {config.rank} on {server.endpoint}", flush=True)
     while not stop.wait(0.5):

@@ -102,6 +102,29 @@ class SidecarMetrics:
             [*labels, "consumer"],
             registry=r,
         )
+        # rollout-control (issue 21): the validation gate and the release state
+        self.gate_failures = counter(
+            "deltad_gate_failures",
+            "Segments and dense states the validation gate failed (never served)",
+        )
+        self.gate_held = Gauge(
+            "deltad_gate_held",
+            "1 while a step the validation gate failed holds this server's windows, else 0",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.rollout_held = Gauge(
+            "deltad_rollout_held",
+            "1 while the model's release state is held (hold, gate or rollback), else 0",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.release_step = Gauge(
+            "deltad_release_step",
+            "The model's release step (-1: the head is released)",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
         self._labels = labels
         self._lagging: set[str] = set()
         self._http: Any = None

@@ -11,7 +11,9 @@ once, before the servicer sees it.
   checked here only;
 * a consumer name the offset store does not know yet is admitted only below
   ``max_consumers`` (RESOURCE_EXHAUSTED otherwise, nothing stored);
-* ListConsumers shows a non-admin credential only its own consumers.
+* ListConsumers shows a non-admin credential only its own consumers;
+* a GetDelta as a relay's mirror (``mirror``: past the release caps) needs the relay or admin
+  role; without it the pull is served capped, as the consumer it names.
 
 Health checks are open; reflection needs a valid credential.
 """
@@ -150,6 +152,11 @@ class Gate(grpc.ServerInterceptor):
     def _check(self, grant: Grant, method: str, req: Any, context: Any) -> None:
         consumer = getattr(req, "consumer", None) if method in auth.CONSUMER_METHODS else None
         why = auth.may_call(grant, method, consumer)
+        if why is None and method == "GetDelta" and getattr(req, "mirror", False):
+            no_mirror = auth.may_mirror(grant)
+            if no_mirror is not None:  # served as the consumer it names: capped
+                req.mirror = False
+                self._bad_log.warning("%s: served capped", no_mirror)
         if why is not None:
             self._denied(why)
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)

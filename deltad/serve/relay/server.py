@@ -61,7 +61,7 @@ from deltad.errors import DeltadError, UpstreamError
 from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.serve.edge.app import SidecarServer
-from deltad.serve.rollout import ReleaseState
+from deltad.serve.state.release import FollowedRollout
 from deltad.types import SegmentKind, Shard, ShardKey
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
@@ -139,6 +139,7 @@ class RelayMirror:
         self._thread: threading.Thread | None = None
         self._last_problem = ""
         self._waited_s = 0.0
+        self._rollout_version = 0
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -214,6 +215,7 @@ class RelayMirror:
             self._commit()
         asked = time.time()
         st = self._status()
+        self._follow(st)
         if st.model != self.model or st.rank != self.rank:
             raise UpstreamError(
                 f"upstream {self.config.upstream} serves model {st.model!r} rank {st.rank}; "
@@ -238,6 +240,14 @@ class RelayMirror:
         self._pull(st, asked)
         return True
 
+    def _follow(self, st: pb.StatusResponse) -> None:
+        """Take the upstream's release state (rollout-control, issue 21): the relay applies
+        it to its own consumers (deltad.serve.state.release.FollowedRollout)."""
+        follow = getattr(self.server, "rollout", None)
+        if isinstance(follow, FollowedRollout):
+            follow.follow(st.rollout_state)
+            self._rollout_version = st.rollout_version
+
     def _status(self) -> pb.StatusResponse:
         """The upstream's Status; a long poll (answered when its head passes the relay's)
         when the relay holds a log and owes no commit. Sets ``_waited_s``: how long the
@@ -255,8 +265,9 @@ class RelayMirror:
         )
         if idle and loc is not None and wait > 0:
             req = pb.StatusRequest(
-                after_generation=loc.generation, after_seq=loc.seq, wait_ms=int(wait * 1000)
-            )
+                after_generation=loc.generation, after_seq=loc.seq, wait_ms=int(wait * 1000),
+                after_rollout_version=self._rollout_version,
+            )  # fmt: skip
         start = time.monotonic()
         st = self._stub.Status(
             req, timeout=min(10.0, c.rpc_deadline_s) + req.wait_ms / 1000,
@@ -268,7 +279,7 @@ class RelayMirror:
     def _pull(self, st: pb.StatusResponse, asked: float) -> None:
         req = pb.GetDeltaRequest(
             consumer=self.config.consumer, form=pb.FORM_ROWS, dtype=pb.WIRE_DTYPE_FP32,
-            from_base=self._needs_base, no_generation_diff=True,
+            from_base=self._needs_base, no_generation_diff=True, mirror=True,
         )  # fmt: skip
         d = decode.pull(
             self._channel, req, timeout=self.config.rpc_deadline_s, metadata=self._metadata
@@ -555,7 +566,7 @@ class RelayServer:
     def __init__(self, config: ServerConfig, relay: RelayConfig) -> None:
         self.config = config
         self.relay = relay
-        self.server = SidecarServer(config)
+        self.server = SidecarServer(config, relay=True)
         self.mirror: RelayMirror | None = None
         self._failed = threading.Event()
 
@@ -586,12 +597,6 @@ class RelayServer:
             self.server.stop(0)
             raise
         return self
-
-    def set_release(self, provider: Callable[[], ReleaseState]) -> None:
-        """The relay's own consumers are served under ``provider``'s release state, as a
-        sidecar's (:meth:`SidecarServer.set_release`): their caps and rollbacks come from the
-        relay's own log and restore points, so a rollback needs nothing from the upstream."""
-        self.server.set_release(provider)
 
     def stop(self, grace: float | None = None) -> None:
         if self.mirror is not None:

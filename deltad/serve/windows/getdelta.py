@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc
@@ -25,11 +25,12 @@ from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.rollout import ReleaseState, cap_for
-from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
+from deltad.serve.rollout import Cap, ReleaseState, cap_for, gate_open, lower
+from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull, StoredCursor
 from deltad.serve.state.owed import OwedStore
+from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
-from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, decide_window
 from deltad.serve.windows.gendiff import GenerationDiffs, with_reason, with_rollback
 from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.windows.rollback import RollbackWindows
@@ -65,10 +66,33 @@ class WindowServer:
         # bootstraps bigger than the window cache start from a spilled merged base
         self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
         self.rollbacks = RollbackWindows(self.cache)
-        #: The model's release state (deltad.serve.rollout): how far each consumer may be
-        #: served and the rollback order it must follow. The default releases the head to
-        #: everyone; the sidecar plugs in the persisted state (SidecarServer.set_release).
-        self.release: Callable[[], ReleaseState] = ReleaseState
+        #: the release state applied to every window (deltad.serve.state.release; set by the
+        #: sidecar: Redis, or a relay's upstream); everything released until set
+        self.rollout: RolloutSource = _Released()
+
+    def gate_cap(self, state: ReleaseState, generation: int) -> int | None:
+        """The newest step the validation gate lets any window of ``generation`` end at
+        (None: no gate failure stands), given what an operator released past."""
+        gate = self.log.gate
+        if gate is None:
+            return None
+        accepted = state.gate_accepted_step if state.gate_generation == generation else None
+        return gate.cap(generation, accepted)
+
+    def cap(
+        self, consumer: str, generation: int, *, mirror: bool = False
+    ) -> tuple[Cap, int | None]:
+        """The release state's cap of ``consumer`` (none for a relay's mirror) and the
+        newest step it may be served: that cap's step and the gate's, whichever is lower."""
+        state = self.rollout.state()
+        gate = self.gate_cap(state, generation)
+        if mirror:
+            return Cap(None), gate
+        cap = cap_for(state, consumer)
+        # a step another rank's gate failed caps this rank too (every rank agrees)
+        bad = gate_open(state, generation)
+        model_gate = None if bad is None else bad - 1
+        return cap, lower(lower(cap.max_step, gate), model_gate)
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -127,13 +151,25 @@ class WindowServer:
                 self.store.touch(consumer, self.config.lease_ttl_s)
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            cap = cap_for(self.release(), consumer)
+            # the release state and the validation gate bound the window (a window past
+            # the cap is never served; a cursor past it gets an empty window at the cursor)
+            # (cap.rollback: the rollback order this consumer must follow first, whatever
+            # the cap; decide_window turns it into a rollback window)
+            cap, max_step = self.cap(consumer, gen, mirror=req.mirror)
+            if max_step is not None and max_step < snap.base.step:
+                _abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the base of generation {gen} (step {snap.base.step}) failed the "
+                    f"validation gate; nothing can be served until a new base or generation",
+                )
             ask = WindowAsk.of(req)
-            if cap.max_step is not None and (ask.max_step is None or ask.max_step > cap.max_step):
-                ask = replace(ask, max_step=cap.max_step)
+            ask = replace(ask, max_step=lower(ask.max_step, max_step))
+            view = LogView.of(snap)
             decision = decide_window(
-                ask, stored, LogView.of(snap), *self.gendiff.previous(), rollback=cap.rollback
+                ask, stored, view, *self.gendiff.previous(), rollback=cap.rollback
             )
+            decision = within_cap(decision, stored, view, max_step)
             if decision.refusal:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
             diff, diff_hit, decision = self.gendiff.window(consumer, snap, shape, decision)
@@ -250,3 +286,29 @@ class WindowServer:
             slot.release()
             if win is not None and not hit:  # (built but never read: free its reservation)
                 self.cache.abandon(spec, win)
+
+
+def within_cap(
+    d: WindowDecision, stored: StoredCursor | None, log: LogView, cap: int | None
+) -> WindowDecision:
+    """``d``, unless it is a resync of a cursor past the release cap that decide_window sent
+    to the head (so that its commit is not refused): then to the cursor's own state (the
+    first entry at or after it), no further past the cap than the consumer already is."""
+    if (
+        cap is None
+        or not d.resync
+        or stored is None
+        or stored.generation != d.generation
+        or d.to_step <= cap
+        or d.to_seq <= stored.seq
+    ):
+        return d
+    seq, step = next(e for e in log.entries if e[0] >= stored.seq)
+    return replace(d, to_seq=seq, to_step=step)
+
+
+class _Released:
+    """Everything released (no rollout state known)."""
+
+    def state(self) -> ReleaseState:
+        return ReleaseState()
