@@ -9,8 +9,10 @@
     deltad rollout pin --group 'pred-eu-*' --step S         # unpin --group 'pred-eu-*'
     deltad rollout rollback --to-step S [--group G]         # order G (default: all) back to S
 
-A release past a step the validation gate failed is refused unless ``--force``; bad steps and
-globs, a missing admin role, a relay as target: exit 2 with one line on stderr.
+A release past a step the validation gate failed is refused unless ``--force``; a rollback to a
+step the answering sidecar's log cannot restore is refused with the reason (see ``status``:
+``restorable: steps A..B``); bad steps and globs, a missing admin role, a relay as target: exit
+2 with one line on stderr.
 """
 
 from __future__ import annotations
@@ -112,12 +114,18 @@ def run(args: argparse.Namespace) -> int:
             "message": resp.message,
             "generation": resp.generation,
             "head_step": resp.head_step,
+            "restore_steps": [resp.restore_oldest_step, resp.restore_newest_step],
         }
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     if resp.message:
         print(resp.message)
     print(f"head step {resp.head_step} (generation {resp.generation})")
+    if resp.restore_oldest_step >= 0:
+        print(
+            f"restorable: steps {resp.restore_oldest_step}..{resp.restore_newest_step} "
+            "(this rank's log; rollback --to-step S within them)"
+        )
     for line in describe(state):
         print(line)
     return 0
