@@ -473,3 +473,20 @@ def test_a_mirror_pull_passes_the_caps_only_with_the_relay_or_admin_role(
         assert pull("relay-2", "ops-tok") == 2
     finally:
         srv.stop(0.2)
+
+
+def test_a_nan_segment_already_in_the_spool_holds_the_model_when_the_sidecars_start(
+    tmp_path: Path, redis_url: str
+) -> None:
+    ft = FakeTrainer(tmp_path / "spool", world_size=2)
+    ft.start(0)
+    ft.step(1)
+    ft.step(2, poison=float("nan"))
+    ft.step(3)
+    with tree(tmp_path, redis_url, 2, 0) as [eps], predictor("p-1", eps) as c:
+        heads(eps, 3)
+        s = rollout(eps[0], A.ROLLOUT_STATUS)
+        assert (s.gate_bad_step, s.gate_good_step, s.release_step, s.held) == (2, 1, 1, True)
+        a = TensorDictApplier()
+        r = c.sync(a.apply)  # a bootstrap: capped below the failed step too
+        assert r.step == 1 and r.caught_up and equal(a, ft.history[1])

@@ -259,3 +259,17 @@ def test_an_asked_resync_of_a_cursor_past_the_cap_goes_to_the_cursor_not_the_hea
     assert within_cap(d, cursor, log, None) == d
     ordinary = decide_window(WindowAsk("p", max_step=10), cursor, log)
     assert within_cap(ordinary, cursor, log, 10) == ordinary  # empty, at the cursor
+
+
+def test_a_window_past_the_cap_is_told_apart_from_a_cursor_already_past_it() -> None:
+    from deltad.serve.state.offsets import StoredCursor
+    from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+    from deltad.serve.windows.getdelta import past_cap
+
+    log = LogView(1, ((3, 30), (4, 40)))  # the base merged forward to step 30
+    fresh = decide_window(WindowAsk("p", max_step=10), None, log)
+    assert (fresh.to_seq, fresh.to_step) == (3, 30) and past_cap(fresh, None, log, 10)
+    cursor = StoredCursor(generation=1, seq=4, step=40, pull_id="x")
+    held = decide_window(WindowAsk("p", max_step=10), cursor, log)
+    assert not past_cap(held, cursor, log, 10)  # an empty window at its cursor
+    assert not past_cap(fresh, None, log, None) and not past_cap(fresh, None, log, 30)

@@ -156,13 +156,6 @@ class WindowServer:
             # (cap.rollback: the rollback order this consumer must follow first, whatever
             # the cap; decide_window turns it into a rollback window)
             cap, max_step = self.cap(consumer, gen, mirror=req.mirror)
-            if max_step is not None and max_step < snap.base.step:
-                _abort(
-                    context,
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"the base of generation {gen} (step {snap.base.step}) failed the "
-                    f"validation gate; nothing can be served until a new base or generation",
-                )
             ask = WindowAsk.of(req)
             ask = replace(ask, max_step=lower(ask.max_step, max_step))
             view = LogView.of(snap)
@@ -170,6 +163,23 @@ class WindowServer:
                 ask, stored, view, *self.gendiff.previous(), rollback=cap.rollback
             )
             decision = within_cap(decision, stored, view, max_step)
+            if past_cap(decision, stored, view, max_step):
+                # the oldest state the log holds (its base) is past the cap already
+                gate = self.gate_cap(self.rollout.state(), gen)
+                if gate is not None and gate < snap.base.step:
+                    _abort(
+                        context,
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"the base of generation {gen} (step {snap.base.step}) failed the "
+                        f"validation gate; nothing can be served until a new base or generation",
+                    )
+                _abort(
+                    context,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the release state caps consumer {consumer!r} at step {max_step}, older "
+                    f"than the oldest state this log holds (step {snap.base.step}): pin or "
+                    f"release a later step",
+                )
             if decision.refusal:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
             diff, diff_hit, decision = self.gendiff.window(consumer, snap, shape, decision)
@@ -305,6 +315,18 @@ def within_cap(
         return d
     seq, step = next(e for e in log.entries if e[0] >= stored.seq)
     return replace(d, to_seq=seq, to_step=step)
+
+
+def past_cap(d: WindowDecision, stored: StoredCursor | None, log: LogView, cap: int | None) -> bool:
+    """Whether ``d`` would take the consumer past ``cap`` (further than its own cursor is
+    already: the log holds nothing at or below the cap for it)."""
+    if cap is None or d.to_step <= cap:
+        return False
+    if stored is not None and stored.generation == d.generation:
+        first = next((e for e in log.entries if e[0] >= stored.seq), None)
+        if first is not None and d.to_seq <= first[0]:
+            return False
+    return True
 
 
 class _Released:
