@@ -58,6 +58,27 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
     assert len(serving) == 1 and float(serving[0].split()[5]) > 0, serving
 
 
+@pytest.mark.timeout(900)
+def test_the_bad_update_scenario_gates_canaries_and_rolls_back_with_deltad_rollout(
+    tmp_path: Path,
+) -> None:
+    """`deltad demo --scenario bad-update`: the operator's steps are `deltad rollout`
+    commands against the real sidecars; all three checks hold, exit 0."""
+    work = tmp_path / "demo"
+    argv = [
+        sys.executable, "-m", "deltad.cli", "demo", "--scenario", "bad-update",
+        "--rows", "2000", "--dim", "16", "--workdir", str(work), "--keep",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=880, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for check in ("gate", "canary", "rollback"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"check {check}:"))
+        assert line.endswith(": ok"), line
+    operator = (work / "logs" / "operator.log").read_text()
+    assert "$ deltad rollout rollback --to-step 18" in operator
+    assert "failed the validation gate" in operator  # the release to the head, refused
+
+
 def test_demo_interrupted_leaves_no_children(tmp_path: Path) -> None:
     work = tmp_path / "demo"
     proc = subprocess.Popen(
