@@ -9,6 +9,7 @@ import yaml
 from test_docker import DOCKER, _check_deltad_argv, _check_healthcheck_argv, _subst
 
 from deltad.cli import build_parser
+from deltad.healthcheck import LIVENESS_SERVICE
 from deltad.serve.cli import build_relay_config
 
 
@@ -39,6 +40,9 @@ def test_relay_tier_deployment_mirrors_the_sidecar_and_serves_predictors() -> No
     assert {"name": "spool", "mountPath": "/spool"} in c["volumeMounts"]
     for probe in ("readinessProbe", "livenessProbe"):
         _check_healthcheck_argv(c[probe]["exec"]["command"])
+    live, ready = c["livenessProbe"]["exec"]["command"], c["readinessProbe"]["exec"]["command"]
+    assert live[live.index("--service") + 1] == LIVENESS_SERVICE  # the process only
+    assert "--service" not in ready  # readiness: the relay and its upstream
     pred = by[("Deployment", "deltad-predictor")]["spec"]["template"]["spec"]["containers"][0]
     pargv = _subst(pred["args"], {"POD_NAME": "deltad-predictor-abc"})
     _check_deltad_argv(pargv)

@@ -187,7 +187,12 @@ def _code_of(context: grpc.ServicerContext, error: BaseException | None) -> grpc
     code = context.code() if hasattr(context, "code") else None
     if isinstance(code, grpc.StatusCode):
         return code
-    return grpc.StatusCode.UNKNOWN if error is not None else grpc.StatusCode.OK
+    if error is None:
+        return grpc.StatusCode.OK
+    # the client went away (its stream closed under the handler): not a server fault
+    if isinstance(error, GeneratorExit) or not context.is_active():
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
 
 
 class RpcMetricsInterceptor(grpc.ServerInterceptor):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -67,6 +67,8 @@ class DeltaServicer:
         self.runs = self.windows.runs
         #: Set by a relay (deltad.serve.relay.server): the upstream it mirrors, shown in Status.
         self.upstream = ""
+        #: Set by the server (deltad.serve.edge.app): why readiness is NOT_SERVING, or "".
+        self.health_reason: Callable[[], str] = lambda: ""
         self._waiters = 0
         self._waiters_lock = threading.Lock()
 
@@ -248,6 +250,7 @@ class DeltaServicer:
         resp = pb.StatusResponse(
             model=cfg.model, rank=cfg.rank, quarantined=self.log.quarantined, head_seq=-1,
             head_step=-1, base_seq=-1, upstream=self.upstream, waited=waited,
+            health_reason=self.health_reason(),
         )  # fmt: skip
         if snap is None:
             return resp
