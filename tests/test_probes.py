@@ -273,3 +273,25 @@ def test_a_client_that_aborts_its_stream_is_counted_as_cancelled(
 
     wait_for(lambda: counted("CANCELLED") + counted("UNKNOWN") >= 1, 30, "the RPC counted")
     assert counted("CANCELLED") == 1 and counted("UNKNOWN") == 0
+
+
+def test_a_consumer_that_stops_before_its_first_commit_is_not_listed_as_live(
+    tmp_path: Path, redis_server: EmbeddedRedis, sidecar_of: list[SidecarServer]
+) -> None:
+    """It failed at once (here: it stopped before committing): its lease ends with it. One
+    that committed keeps its lease (its cursor pins the log until the lease runs out)."""
+    SpoolWriter(tmp_path / "spool")
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
+    sidecar_of.append(srv.start())
+
+    def live() -> dict[str, bool]:
+        _, consumers = status.fetch(srv.endpoint)
+        return {c.consumer: c.live for c in consumers.consumers}
+
+    for name in ("quitter", "worker"):
+        cfg = ConsumerConfig(name, model="m", sidecars=(srv.endpoint,), lease_ttl_s=600.0)
+        with DeltaConsumer(cfg) as c:
+            assert live()[name]
+            if name == "worker":
+                c.commit(c.pull())
+    assert live() == {"quitter": False, "worker": True}

@@ -243,10 +243,12 @@ class RegisterResponse(_message.Message):
     def __init__(self, cursor: _Optional[_Union[Cursor, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("consumer",)
+    __slots__ = ("consumer", "release")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     consumer: str
-    def __init__(self, consumer: _Optional[str] = ...) -> None: ...
+    release: bool
+    def __init__(self, consumer: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_expires_in_seconds",)

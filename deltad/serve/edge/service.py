@@ -181,9 +181,12 @@ class DeltaServicer:
     def Heartbeat(
         self, req: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
-        """Renew a registered consumer's lease."""
+        """Renew a registered consumer's lease (or end it: ``release``)."""
         consumer = req.consumer  # checked at the edge
         try:
+            if req.release:
+                self.store.release(consumer)
+                return pb.HeartbeatResponse(lease_expires_in_seconds=0.0)
             left = self.store.heartbeat(consumer, self.config.lease_ttl_s)
         except OffsetStoreError as e:
             _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))

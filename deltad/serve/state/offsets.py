@@ -294,6 +294,10 @@ class OffsetStore:
         ttl = int(self._retry("heartbeat", lambda: self._heartbeat(keys=keys, args=args)))
         return None if ttl < 0 else ttl / 1000.0
 
+    def release(self, consumer: str) -> None:
+        """End ``consumer``'s lease now (it stays known, with its cursors, until forgotten)."""
+        self._retry("release", lambda: self.client.delete(self.keys.lease(consumer)))
+
     def touch(self, consumer: str, default_ttl_s: float) -> None:
         """Register ``consumer`` if unknown, else renew its lease (GetDelta does this)."""
         if self.heartbeat(consumer, default_ttl_s) is None:
