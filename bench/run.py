@@ -29,6 +29,7 @@ from bench.common import (
     machine_info,
     self_peak_rss,
 )
+from deltad.config import Range
 
 MALLOC_TUNING = {
     "MALLOC_MMAP_MAX_": "0",
@@ -65,6 +66,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "int8 serving model: forward p50/p99 under apply vs idle; apply rows/s vs bare fbgemm",
     ),
 }
+
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {"repeats": Range(0, 1000, note="0 = the preset")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from deltad.config import MAX_COUNT, MAX_SECONDS, Range
+
 if TYPE_CHECKING:
     from deltad.types import WireDtype
 
@@ -136,6 +138,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="DELTAD_TOKEN",
         help="environment variable holding the bearer token (default: DELTAD_TOKEN)",
     )
+
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {
+    "k": Range(0, MAX_COUNT),
+    "fraction": Range(0, 1),
+    "max_rows": Range(0, MAX_COUNT, note="0 = no cap"),
+    "interval": Range(0, 3600),
+    "long_poll": Range(0, 3600, note="0 = off"),
+    "duration": Range(0, MAX_SECONDS, note="0 = no limit"),
+    "pulls": Range(0, MAX_COUNT, note="0 = no limit"),
+    "rpc_deadline": Range(0, 86400, lo_open=True),
+    "max_retries": Range(0, 1000),
+    "discovery_timeout": Range(0, 86400),
+    "reuse_buffers_mb": Range(0, 1 << 30, note="0 = off"),
+    "rows": Range(1, MAX_COUNT),
+    "seq_rows": Range(1, MAX_COUNT),
+    "dim": Range(1, 1 << 16),
+    "chunk_rows": Range(1, MAX_COUNT),
+    "serve_batch_size": Range(1, 1 << 20),
+    "serve_interval": Range(0, 3600),
+    "seed": Range(0, (1 << 63) - 1),
+}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,8 +15,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import NoReturn
 
 from deltad import __version__
+from deltad.config import Range, check_number
 from deltad.errors import DeltadError
 from deltad.parent import die_with_parent
 
@@ -57,8 +59,15 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit 2), as every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="deltad",
         description="Stream fresh embedding rows from an online TorchRec trainer to predictors.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -92,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
             continue
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _ranges=getattr(module, "RANGES", {}))
     return parser
 
 
@@ -131,6 +140,16 @@ def setup_logging(verbose: int, *, json_lines: bool = False) -> None:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
+def check_flags(args: argparse.Namespace, ranges: dict[str, Range]) -> None:
+    """Every numeric flag within its range (ConfigError naming the flag): nan, inf,
+    negative or huge values end here as one line and exit 2. Values still to come from the
+    environment (``deltad serve``) are checked where they are converted."""
+    for dest, rng in ranges.items():
+        v = getattr(args, dest, None)
+        if isinstance(v, int | float):
+            check_number("--" + dest.replace("_", "-"), v, rng)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if not die_with_parent():
         print("deltad: parent process already exited", file=sys.stderr)
@@ -145,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deltad: {args._unavailable}", file=sys.stderr)
         return 2
     try:
+        check_flags(args, args._ranges)
         return int(args._run(args) or 0)
     except DeltadError as e:
         print(f"deltad {args.command}: error: {e}", file=sys.stderr)

@@ -67,6 +67,53 @@ def clip(value: object, limit: int = 64) -> str:
     return f"{text[:limit]}... ({len(text)} chars)"
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: finite, ``lo`` <= v (< v if ``lo_open``) <= ``hi``."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    #: what the low end means, for the message (e.g. "0 = off")
+    note: str = ""
+
+    def text(self) -> str:
+        left = "(" if self.lo_open else "["
+        note = f"; {self.note}" if self.note else ""
+        return f"a finite number in {left}{self.lo:g}, {self.hi:g}]{note}"
+
+
+#: Common upper bounds: a byte budget (1 PiB), seconds (a year), counts.
+MAX_BYTES = float(1 << 50)
+MAX_SECONDS = 365 * 24 * 3600.0
+MAX_COUNT = float(1 << 31)
+
+
+def check_number(name: str, value: object, rng: Range) -> None:
+    """The one range check of every numeric flag, env var and config field: ConfigError
+    naming ``name`` unless ``value`` is a finite number within ``rng`` (nan, inf, negative
+    and huge values are refused here, not found later as a crash or a hot loop)."""
+    import math
+
+    if value is None:
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        v = float(value)  # type: ignore[arg-type]
+        ok = (v > rng.lo if rng.lo_open else v >= rng.lo) and v <= rng.hi
+    if not ok:
+        raise ConfigError(f"{name} must be {rng.text()}, not {clip(value, 32)}")
+
+
+def check_numbers(
+    obj: object, ranges: dict[str, Range], names: dict[str, str] | None = None
+) -> None:
+    """:func:`check_number` over the attributes of ``obj`` named in ``ranges`` (a config
+    dataclass, or parsed flags); ``names`` maps an attribute to the name to report."""
+    for attr, rng in ranges.items():
+        check_number((names or {}).get(attr, attr), getattr(obj, attr), rng)
+
+
 @dataclass
 class TrackerConfig:
     """How the trainer-side tracker records touched rows."""
@@ -239,6 +286,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
         check_name("model", self.model)
+        check_numbers(self, SERVER_RANGES, SERVER_FLAG_NAMES)
+        if self.chunk_bytes > self.max_message_bytes // 2:
+            raise ConfigError("chunk_bytes must be at most half of max_message_bytes")
         if self.rank < 0:
             raise ConfigError("rank must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -271,6 +321,41 @@ class ServerConfig:
             check_redis_url(self.redis_url)
         if self.tokens_file is not None:
             self.tokens_file = Path(self.tokens_file)
+
+
+#: ServerConfig's numeric fields and their ranges (flags: ``deltad serve --help``).
+SERVER_RANGES: dict[str, Range] = {
+    "rank": Range(0, 1 << 16),
+    "max_consumers": Range(0, 1e8, note="0 = no limit"),
+    "max_concurrent_streams": Range(1, 1 << 16),
+    "max_queued_streams": Range(0, 1 << 20),
+    "stream_queue_wait_s": Range(0, 3600),
+    # gRPC keeps message sizes in a signed 32-bit int
+    "max_message_bytes": Range(1 << 20, (1 << 31) - 1),
+    "chunk_bytes": Range(1024, 1 << 30),
+    "stream_deadline_s": Range(0, 7 * 24 * 3600, lo_open=True),
+    "lease_ttl_s": Range(0, 86400, lo_open=True),
+    "poll_interval_s": Range(0.001, 60),
+    "grace_period_s": Range(0, 3600),
+    "metrics_port": Range(0, 65535),
+    "window_cache_entries": Range(0, 1 << 20),
+    "window_cache_bytes": Range(0, MAX_BYTES),
+    "run_cache_bytes": Range(0, MAX_BYTES, note="0 = off"),
+    "generation_keep_s": Range(0, MAX_SECONDS, note="0 = off"),
+    "generation_keep_bytes": Range(0, MAX_BYTES),
+    "spill_max_bytes": Range(0, MAX_BYTES, note="0 = off"),
+    "merge_min_segments": Range(2, 1 << 20),
+    "retention_interval_s": Range(0.001, 3600),
+    "forget_after_s": Range(0, 100 * MAX_SECONDS, note="0 = never"),
+    "forget_interval_s": Range(0.001, 86400),
+}
+#: The `deltad serve` flag of each ServerConfig field, for messages.
+SERVER_FLAG_NAMES: dict[str, str] = {
+    f: "--{} (DELTAD_{})".format(
+        f.removesuffix("_s").replace("_", "-"), f.removesuffix("_s").upper()
+    )
+    for f in SERVER_RANGES
+}
 
 
 @dataclass
@@ -309,6 +394,9 @@ class RelayConfig:
         if not isinstance(self.upstream, str) or not re.fullmatch(r"\S+:\d+", self.upstream):
             raise ConfigError(f"upstream must be host:port, not {clip(self.upstream)}")
         check_name("upstream consumer", self.consumer)
+        check_numbers(
+            self, RELAY_RANGES, {"long_poll_s": "--upstream-long-poll (DELTAD_UPSTREAM_LONG_POLL)"}
+        )
         if self.poll_interval_s <= 0 or self.rpc_deadline_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("relay poll interval, RPC deadline and lease TTL must be > 0")
         if not 0 <= self.long_poll_s <= 3600:
@@ -318,6 +406,16 @@ class RelayConfig:
         self.tls_ca, self.tls_cert, self.tls_key, self.token_file = check_client_auth(
             "upstream ", self.token, self.token_file, self.tls_ca, self.tls_cert, self.tls_key
         )
+
+
+RELAY_RANGES: dict[str, Range] = {
+    "poll_interval_s": Range(0.001, 60),
+    "long_poll_s": Range(0, 3600),
+    "rpc_deadline_s": Range(0, 86400, lo_open=True),
+    "lease_ttl_s": Range(0, 86400, lo_open=True),
+    "backoff_initial_s": Range(0, 3600, lo_open=True),
+    "backoff_max_s": Range(0, 3600, lo_open=True),
+}
 
 
 @dataclass
@@ -347,6 +445,7 @@ class PullOptions:
         self.form = Form(self.form)
         self.wire_dtype = WireDtype(self.wire_dtype)
         self.tables = tuple(self.tables)
+        check_numbers(self, PULL_RANGES)
         if self.k < 0 or self.max_rows < 0:
             raise ConfigError("k and max_rows must be >= 0")
         if not 0.0 <= self.fraction <= 1.0:  # (NaN fails too)
@@ -356,6 +455,14 @@ class PullOptions:
         a = self.row_alignment
         if not 0 <= a <= 4096 or a & (a - 1):
             raise ConfigError(f"row_alignment must be 0 or a power of two <= 4096, not {a}")
+
+
+PULL_RANGES: dict[str, Range] = {
+    "k": Range(0, MAX_COUNT),
+    "fraction": Range(0, 1),
+    "max_rows": Range(0, MAX_COUNT, note="0 = no cap"),
+    "max_step": Range(0, float(1 << 62)),
+}
 
 
 @dataclass
@@ -403,6 +510,7 @@ class ConsumerConfig:
     def __post_init__(self) -> None:
         check_name("consumer", self.consumer)
         check_name("model", self.model)
+        check_numbers(self, CONSUMER_RANGES)
         if self.reuse_buffers_bytes < 0:
             raise ConfigError("reuse_buffers_bytes must be >= 0")
         if self.max_retries < 0 or self.rpc_deadline_s <= 0:
@@ -419,3 +527,16 @@ class ConsumerConfig:
         self.tls_ca, self.tls_cert, self.tls_key, self.token_file = check_client_auth(
             "", self.token, self.token_file, self.tls_ca, self.tls_cert, self.tls_key
         )
+
+
+CONSUMER_RANGES: dict[str, Range] = {
+    "rpc_deadline_s": Range(0, 86400, lo_open=True),
+    "max_retries": Range(0, 1000),
+    "backoff_initial_s": Range(0, 3600, lo_open=True),
+    "backoff_max_s": Range(0, 3600, lo_open=True),
+    "overload_wait_s": Range(0, 86400),
+    "lease_ttl_s": Range(0, 86400, lo_open=True),
+    "heartbeat_interval_s": Range(0, 3600, lo_open=True),
+    "discovery_timeout_s": Range(0, 86400),
+    "reuse_buffers_bytes": Range(0, MAX_BYTES, note="0 = off"),
+}

@@ -39,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 from deltad.parent import PARENT_PID_ENV
 
 MODEL = "demo"
@@ -48,6 +49,19 @@ TABLES = "4"
 SERVING = "serving-int8"
 #: relative slack on the int8 bound for float32 arithmetic in code * scale + bias
 BOUND_SLACK = 1e-5
+
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {
+    "duration": Range(0, MAX_SECONDS, lo_open=True),
+    "rows": Range(1, MAX_COUNT),
+    "dim": Range(1, 1 << 16),
+    "world_size": Range(1, 64),
+    "publish_every": Range(0, 3600, lo_open=True),
+    "pull_interval": Range(0, 3600, lo_open=True),
+    "topk_fraction": Range(0, 1, lo_open=True),
+    "settle_timeout": Range(0, MAX_SECONDS, lo_open=True),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

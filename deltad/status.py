@@ -18,12 +18,16 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from deltad.clientauth import ClientAuth
-from deltad.config import check_client_auth
+from deltad.config import Range, check_client_auth
 from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {"timeout": Range(0, 3600, lo_open=True)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

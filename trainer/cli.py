@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 from deltad.errors import ConfigError
 
 _SHARDINGS = ("tw", "rw", "cw", "twrw")  # also the cycle of --sharding mixed
@@ -67,6 +68,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--result-json", type=Path, help="write the run's stats here")
+
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {
+    "world_size": Range(1, 1 << 12),
+    "rows": Range(1, MAX_COUNT),
+    "seq_rows": Range(1, MAX_COUNT),
+    "dim": Range(1, 1 << 16),
+    "steps": Range(1, MAX_COUNT),
+    "duration": Range(0, MAX_SECONDS, lo_open=True),
+    "batch_size": Range(1, 1 << 24),
+    "publish_every_steps": Range(0, MAX_COUNT),
+    "publish_every_seconds": Range(0, MAX_SECONDS),
+    "generation": Range(1, float(1 << 63) - 1),
+    "seed": Range(0, (1 << 63) - 1),
+    "lr": Range(0, 1e6, lo_open=True),
+}
 
 
 def parse_tables(spec: str, rows: int) -> dict[str, int]:

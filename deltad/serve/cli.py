@@ -15,7 +15,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from deltad.config import RELAY_RANGES, SERVER_RANGES, Range
 from deltad.errors import ConfigError
+
+#: Every numeric flag's range (by argparse dest; the ServerConfig field's, checked again
+#: there for values from the environment).
+RANGES: dict[str, Range] = {
+    **{field.removesuffix("_s"): rng for field, rng in SERVER_RANGES.items()},
+    "upstream_long_poll": RELAY_RANGES["long_poll_s"],
+}
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -300,7 +308,7 @@ def build_relay_config(args: argparse.Namespace) -> Any:
         tls_ca=Path(args.upstream_tls_ca) if args.upstream_tls_ca else None,
         tls_cert=Path(args.upstream_tls_cert) if args.upstream_tls_cert else None,
         tls_key=Path(args.upstream_tls_key) if args.upstream_tls_key else None,
-        long_poll_s=args.upstream_long_poll,
+        long_poll_s=value(args.upstream_long_poll),
     )
 
 
