@@ -32,6 +32,9 @@ from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+#: Longest pull_id a Commit may carry (the server issues 32 hex digits).
+MAX_PULL_ID = 128
+
 SERVICE_NAME = "deltad.v1.DeltaService"
 
 _REJECT_CODES = {
@@ -125,6 +128,12 @@ class DeltaServicer:
             )
         if not c.pull_id:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "cursor has no pull_id")
+        if len(c.pull_id) > MAX_PULL_ID:  # ours are 32 hex digits
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"pull_id {clip(c.pull_id, 40)} is longer than {MAX_PULL_ID} characters",
+            )
         try:
             stored = self.store.commit(
                 consumer,

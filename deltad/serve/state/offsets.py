@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from deltad.config import clip
 from deltad.errors import OffsetStoreError, StaleCursorError
 from deltad.keys import RedisKeys
 from deltad.redisutil import _redact, connect
@@ -260,7 +261,9 @@ class OffsetStore:
         if answer not in ("ok", "same"):
             raise CommitRejected(
                 answer,
-                _REJECT_MESSAGES[answer].format(consumer=consumer, rank=rank, pull_id=pull_id),
+                _REJECT_MESSAGES[answer].format(
+                    consumer=consumer, rank=rank, pull_id=clip(pull_id, 40)
+                ),
             )
         stored = self.get_cursor(consumer, rank)
         assert stored is not None
@@ -404,9 +407,9 @@ class OffsetStore:
 
 _REJECT_MESSAGES = {
     "no_consumer": "consumer {consumer!r} has no cursor and no pull on rank {rank}",
-    "unknown_pull": "pull {pull_id!r} is not the last pull issued to {consumer!r} on rank "
+    "unknown_pull": "pull {pull_id} is not the last pull issued to {consumer!r} on rank "
     "{rank} (superseded by a newer pull, or already replaced by a later commit)",
-    "mismatch": "cursor does not match pull {pull_id!r} of {consumer!r}: send the cursor "
+    "mismatch": "cursor does not match pull {pull_id} of {consumer!r}: send the cursor "
     "back exactly as received",
     "old_generation": "cursor of {consumer!r} is of an older generation than the committed one",
     "behind": "cursor of {consumer!r} is behind the committed one on rank {rank}",
