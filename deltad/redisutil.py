@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 import re
@@ -85,6 +84,15 @@ def _write_private(path: Path, data: str) -> None:
     os.replace(tmp, path)
 
 
+def _is_private_dir(path: Path) -> bool:
+    """Whether ``path`` is a real directory (no symlink) of this user, mode 0700."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077 == 0
+
+
 def _private_dir(path: Path) -> None:
     """Create ``path`` (0700) or check that it is a real directory of ours, then 0700."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -139,12 +147,28 @@ class EmbeddedRedis:
     @property
     def socket_path(self) -> Path:
         """The unix socket: in ``data_dir``, or if that path is too long for a socket, in a
-        0700 directory of this user under the temp dir named after ``data_dir``."""
+        private directory under the temp dir with an unpredictable name (``mkdtemp``, 0700),
+        recorded in ``data_dir/socket.dir`` so every sidecar of the spool and every restart
+        finds the same one. A recorded directory that is gone or not ours is replaced by a
+        new one: nobody can pre-create the name and stop the sidecar from starting."""
         sock = self.data_dir.resolve() / "redis.sock"
         if len(str(sock)) <= _MAX_SOCKET_PATH:
             return sock
-        digest = hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:16]
-        return Path(tempfile.gettempdir()) / f"deltad-redis-{os.getuid()}-{digest}" / "r.sock"
+        record = self.data_dir / "socket.dir"
+        try:
+            fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
+                recorded = os.read(fd, 4096).decode().strip() if st.st_uid == os.getuid() else ""
+            finally:
+                os.close(fd)
+        except (OSError, UnicodeDecodeError):
+            recorded = ""
+        if recorded and _is_private_dir(Path(recorded)):
+            return Path(recorded) / "r.sock"
+        made = Path(tempfile.mkdtemp(prefix="deltad-redis-"))  # 0700, a random name
+        _write_private(record, str(made))
+        return made / "r.sock"
 
     def _secret(self) -> str:
         path = self.data_dir / "secret"
