@@ -282,6 +282,11 @@ class ServerConfig:
     forget_after_s: float = 7 * 24 * 3600.0
     #: Seconds between forget sweeps (Redis and owed files), bounded work each.
     forget_interval_s: float = 60.0
+    #: Disk bytes of owed rows (top-k / row-capped consumers' files in the spool) over every
+    #: consumer of this rank, and per consumer; a pull past either is refused
+    #: (RESOURCE_EXHAUSTED), nothing written. 0: no bound.
+    owed_max_bytes: int = 4 << 30
+    owed_max_consumer_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
@@ -348,6 +353,8 @@ SERVER_RANGES: dict[str, Range] = {
     "retention_interval_s": Range(0.001, 3600),
     "forget_after_s": Range(0, 100 * MAX_SECONDS, note="0 = never"),
     "forget_interval_s": Range(0.001, 86400),
+    "owed_max_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
+    "owed_max_consumer_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
 }
 #: The `deltad serve` flag of each ServerConfig field, for messages.
 SERVER_FLAG_NAMES: dict[str, str] = {

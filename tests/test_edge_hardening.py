@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from serverkit import Client, SpoolWriter, server_config
+from serverkit import Client, SpoolWriter, server_config, wait_for
 
 from deltad import wire
 from deltad.redisutil import EmbeddedRedis
@@ -104,3 +104,72 @@ def test_a_refusal_names_no_tokens_file_path_to_the_client(
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_owed_rows_are_bounded_per_consumer_and_in_total_and_counted(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Top-k consumers leave owed-row files in the spool: one credential naming many
+    consumers could fill the trainer's disk. Past either budget a pull is refused with
+    RESOURCE_EXHAUSTED, nothing is written, and the metrics count it."""
+    from deltad.types import Form
+
+    spool = SpoolWriter(tmp_path / "spool", tables={"t0": (4000, 16)})
+    cfg = server_config(tmp_path / "spool", redis_server.url)
+    probe = SidecarServer(cfg).start()  # how big one consumer's owed file is
+    c = Client(probe.endpoint)
+    try:
+        for name in ("first", "second", "third"):  # bootstrapped: a cursor at the base
+            c.commit(c.pull(name, Form.TOPK, k=10))
+        seq = spool.delta(n=3000)
+        wait_for(lambda: (x := probe.log.snapshot()) is not None and x.head.seq == seq)
+        c.pull("first", Form.TOPK, k=10)
+        one = probe.owed.nbytes
+        assert one > 0 and probe.owed.files == 1
+    finally:
+        c.close()
+        probe.stop(0)
+    cfg = server_config(
+        tmp_path / "spool", redis_server.url, owed_max_bytes=int(one * 2.5),
+        owed_max_consumer_bytes=int(one * 1.5),
+    )  # fmt: skip
+    srv = SidecarServer(cfg).start()
+    c = Client(srv.endpoint)
+    try:
+        assert srv.owed.nbytes == one  # counted from the disk after a restart
+        c.pull("second", Form.TOPK, k=10)
+        with pytest.raises(grpc.RpcError) as err:
+            c.pull("third", Form.TOPK, k=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "owed" in (err.value.details() or "")
+        assert srv.owed.files == 2 and srv.owed.nbytes <= cfg.owed_max_bytes
+        assert not (srv.layout.sidecar_dir / "owed" / "third").exists()
+        c.pull("fourth", Form.ROWS)  # owes nothing: still served
+        refused = srv.metrics.registry.get_sample_value(
+            "deltad_owed_refused_total", {"model": "m", "rank": "0"}
+        )
+        assert refused == 1
+    finally:
+        c.close()
+        srv.stop(0)
+
+
+def test_one_consumers_owed_files_are_bounded_on_their_own(tmp_path: Path) -> None:
+    import torch
+
+    from deltad.errors import OwedBudgetError
+    from deltad.segment.format import ShardRows
+    from deltad.serve.state.owed import OwedStore
+    from deltad.types import Shard
+
+    shard = Shard("t", 1000, 8, 0, 1000, 0, 8)
+    rows = ShardRows(shard, torch.arange(500), torch.ones(500, 8))
+    need = 500 * 8 + 500 * 8 * 4 + 4096
+    store = OwedStore(tmp_path, "m", 0, max_consumer_bytes=int(need * 1.5))
+    store.save("alice", "a1", 1, 1, {rows.key: rows})
+    with pytest.raises(OwedBudgetError, match="alice"):
+        store.save("alice", "a2", 1, 2, {rows.key: rows})
+    store.save("bob", "b1", 1, 1, {rows.key: rows})  # another consumer has its own budget
+    store.gc("alice", set())  # alice's files gone: room again
+    store.save("alice", "a3", 1, 3, {rows.key: rows})
+    assert store.files == 2 and store.refused == 1

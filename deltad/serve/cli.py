@@ -163,6 +163,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("merge-min-segments", int, 4, "retention: merge runs of at least this many segments"),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
         (
+            "owed-max-bytes",
+            int,
+            4 << 30,
+            "disk bytes of owed rows (top-k consumers' files in the spool) over all consumers; "
+            "a pull past it is refused with RESOURCE_EXHAUSTED (0 = no bound)",
+        ),
+        (
+            "owed-max-consumer-bytes",
+            int,
+            1 << 30,
+            "the same per consumer (0 = no bound)",
+        ),
+        (
             "forget-after",
             float,
             7 * 24 * 3600.0,
@@ -283,6 +296,8 @@ def build_config(args: argparse.Namespace) -> Any:
         merge_min_segments=value(args.merge_min_segments),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),
+        owed_max_bytes=value(args.owed_max_bytes),
+        owed_max_consumer_bytes=value(args.owed_max_consumer_bytes),
         max_queued_streams=value(args.max_queued_streams),
         stream_queue_wait_s=value(args.stream_queue_wait),
     )

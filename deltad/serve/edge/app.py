@@ -157,7 +157,10 @@ class SidecarServer:
         self.log.refresh()
         snap = self.log.snapshot()
         world = snap.manifest.world_size if snap is not None else 1
-        owed = OwedStore(self.layout.sidecar_dir, cfg.model, cfg.rank, world)
+        owed = OwedStore(
+            self.layout.sidecar_dir, cfg.model, cfg.rank, world,
+            max_bytes=cfg.owed_max_bytes, max_consumer_bytes=cfg.owed_max_consumer_bytes,
+        )  # fmt: skip
         self.owed = owed
         self.servicer = DeltaServicer(cfg, self.log, self.store, owed, self.metrics)
         self.servicer.health_reason = lambda: self.health_reason
