@@ -28,12 +28,103 @@ def check_name(kind: str, value: str) -> str:
 
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: A Sentinel-managed master: ``redis+sentinel://[[user]:password@]host:port[,host:port...]
+#: /<service>[/<db>][?sentinel_password=...&ssl_ca_certs=...]`` (the hosts are the
+#: sentinels; the password is the data nodes', ``sentinel_password`` the sentinels'). A commit
+#: is acknowledged once ``min_replicas`` replicas (default 1, 0: none) have it (Redis WAIT),
+#: so a failover to a replica loses no committed cursor.
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+#: A Redis Cluster: ``redis+cluster://[[user]:password@]host:port[,host:port...][/0]
+#: [?ssl_ca_certs=...]`` (the hosts are startup nodes; a cluster has database 0 only).
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+@dataclass(frozen=True)
+class RedisNodesUrl:
+    """A parsed Sentinel or Cluster URL (see :data:`SENTINEL_SCHEMES`, :data:`CLUSTER_SCHEMES`)."""
+
+    kind: str  # "sentinel" or "cluster"
+    tls: bool
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None
+    password: str | None
+    service: str
+    db: int
+    options: dict[str, str]
+
+
+def parse_nodes_url(url: str) -> RedisNodesUrl:
+    """Parse a ``redis+sentinel://`` or ``redis+cluster://`` URL; ConfigError naming what is
+    wrong (never the password)."""
+    from urllib.parse import parse_qsl, unquote
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SENTINEL_SCHEMES + CLUSTER_SCHEMES:
+        raise ConfigError(f"not a Sentinel or Cluster Redis URL: scheme {scheme!r:.20}")
+    kind = "sentinel" if scheme in SENTINEL_SCHEMES else "cluster"
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    auth, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = auth.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    nodes = []
+    for item in hosts.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        host = host.strip("[]")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"invalid {kind} Redis URL: each node is host:port, not {item!r:.40}")
+        nodes.append((host, int(port)))
+    parts = [p for p in path.split("/") if p]
+    service = ""
+    if kind == "sentinel":
+        if not parts:
+            raise ConfigError(
+                "invalid sentinel Redis URL: name the master after the hosts "
+                "(redis+sentinel://h1:26379,h2:26379/mymaster/0)"
+            )
+        service, parts = parts[0], parts[1:]
+    if len(parts) > 1 or (parts and not (parts[0].isascii() and parts[0].isdigit())):
+        raise ConfigError(f"invalid {kind} Redis URL: db must be a number, not {path[:20]!r}")
+    db = int(parts[0]) if parts else 0
+    replicas = options_min_replicas(query)
+    if replicas is not None and kind != "sentinel":
+        raise ConfigError("invalid cluster Redis URL: min_replicas is a Sentinel option")
+    if kind == "cluster" and db != 0:
+        raise ConfigError("invalid cluster Redis URL: a Redis Cluster has database 0 only")
+    options = dict(parse_qsl(query))
+    known = {"sentinel_password", "sentinel_username", "ssl_ca_certs", "min_replicas"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"invalid {kind} Redis URL: unknown options {unknown}"[:200])
+    return RedisNodesUrl(
+        kind, scheme.startswith("rediss"), tuple(nodes), username, password, service, db, options
+    )
+
+
+def options_min_replicas(query: str) -> int | None:
+    """The ``min_replicas`` option of a URL's query, if given (ConfigError unless 0..16)."""
+    from urllib.parse import parse_qs
+
+    raw = parse_qs(query).get("min_replicas")
+    if not raw:
+        return None
+    if not raw[-1].isascii() or not raw[-1].isdigit() or int(raw[-1]) > 16:
+        raise ConfigError(f"invalid Redis URL: min_replicas must be 0..16, not {raw[-1][:10]!r}")
+    return int(raw[-1])
 
 
 def check_redis_url(url: str) -> str:
     """Return ``url`` if it is a usable Redis URL (redis://, rediss://, unix://, with an
-    integer db if any), else raise ConfigError naming what is wrong (never the password)."""
+    integer db if any; or a Sentinel or Cluster URL, see :func:`parse_nodes_url`), else raise
+    ConfigError naming what is wrong (never the password)."""
     from urllib.parse import parse_qs, urlsplit
+
+    if url.partition("://")[0] in SENTINEL_SCHEMES + CLUSTER_SCHEMES:
+        parse_nodes_url(url)
+        return url
 
     try:
         parts = urlsplit(url)
@@ -42,7 +133,8 @@ def check_redis_url(url: str) -> str:
         raise ConfigError(f"invalid Redis URL: {e}") from None
     if parts.scheme not in REDIS_SCHEMES:
         raise ConfigError(
-            f"invalid Redis URL scheme {parts.scheme!r:.20}: use redis://, rediss:// or unix://"
+            f"invalid Redis URL scheme {parts.scheme!r:.20}: use redis://, rediss://, unix://, "
+            "redis+sentinel:// or redis+cluster://"
         )
     if parts.scheme != "unix" and not parts.hostname:
         raise ConfigError("invalid Redis URL: no host (redis://host:port/db)")

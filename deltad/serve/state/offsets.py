@@ -9,19 +9,34 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
+from redis.exceptions import RedisClusterException
 
-from deltad.config import clip
+from deltad.config import SENTINEL_SCHEMES, clip, options_min_replicas
 from deltad.errors import OffsetStoreError, StaleCursorError
 from deltad.keys import RedisKeys
 from deltad.redisutil import _redact, connect
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: Errors a retry may outlive.
+_TRANSIENT = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.ReadOnlyError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    RedisClusterException,
+    OSError,
+)
 
 #: Pull records of consumers that never commit disappear after this.
 PULL_TTL_MS = 7 * 24 * 3600 * 1000
@@ -153,14 +168,19 @@ class OffsetStore:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Any,  # redis.Redis (plain or Sentinel's master) or RedisCluster
         model: str,
         *,
         attempts: int = 5,
         backoff_s: float = 0.05,
         url: str = "",
+        min_replicas: int = 0,
     ) -> None:
         self.client = client
+        #: Replicas that must hold a commit before it is acknowledged (Redis WAIT): a
+        #: Sentinel failover promotes a replica, which then has every acknowledged cursor.
+        self.min_replicas = min_replicas
+        self._attached = True
         self.keys = RedisKeys(model)
         self.attempts = max(1, attempts)
         self.backoff_s = backoff_s
@@ -172,7 +192,12 @@ class OffsetStore:
 
     @classmethod
     def from_url(cls, url: str, model: str, **kw: Any) -> OffsetStore:
-        """Connect (bounded retries) and wrap; OffsetStoreError if Redis does not answer."""
+        """Connect (bounded retries) and wrap; OffsetStoreError if Redis does not answer.
+        A Sentinel URL waits for ``min_replicas`` (default 1) replicas on every commit."""
+        scheme, _, rest = url.partition("://")
+        if scheme in SENTINEL_SCHEMES:
+            given = options_min_replicas(rest.partition("?")[2])
+            kw.setdefault("min_replicas", 1 if given is None else given)
         return cls(connect(url, socket_timeout_s=2.0), model, url=url, **kw)
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
@@ -184,8 +209,9 @@ class OffsetStore:
             except redis.AuthenticationError as e:  # a refused password is not transient
                 where = _redact(self.url) if self.url else "redis"
                 raise OffsetStoreError(f"offset store ({where}) refused authentication: {e}") from e
-            except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError) as e:
-                # down, loading its data after a restart, or a replica after a failover
+            except _TRANSIENT as e:
+                # down, loading its data after a restart, a replica after a failover (Sentinel)
+                # or a cluster moving or electing a slot's master
                 last = e
                 if attempt + 1 < self.attempts:
                     time.sleep(delay)
@@ -257,7 +283,20 @@ class OffsetStore:
         """Atomically commit the pull ``pull_id``; CommitRejected if it may not be."""
         keys = [self.keys.cursor(consumer, rank), self.keys.pull(consumer, rank)]
         args = [pull_id, str(generation), str(seq), str(step), repr(time.time())]
-        answer = _s(self._retry("commit", lambda: self._commit(keys=keys, args=args)))
+        replicas = -1
+
+        def run() -> Any:
+            nonlocal replicas
+            if not self.min_replicas:
+                return self._commit(keys=keys, args=args)
+            # WAIT counts the writes of its own connection: one pipeline, one connection
+            pipe = self.client.pipeline(transaction=False)
+            self._commit(keys=keys, args=args, client=pipe)
+            pipe.wait(self.min_replicas, 1000)
+            answer, replicas = pipe.execute()
+            return answer
+
+        answer = _s(self._retry("commit", run))
         if answer not in ("ok", "same"):
             raise CommitRejected(
                 answer,
@@ -265,9 +304,32 @@ class OffsetStore:
                     consumer=consumer, rank=rank, pull_id=clip(pull_id, 40)
                 ),
             )
+        if self.min_replicas and int(replicas) < self.min_replicas and self._replicas_attached():
+            # the consumer retries: the commit is then 'same', and waited for again
+            raise OffsetStoreError(
+                f"commit reached {replicas} of the {self.min_replicas} replica(s) it must reach "
+                "within 1 s (min_replicas): retry"
+            )
         stored = self.get_cursor(consumer, rank)
         assert stored is not None
         return stored
+
+    def _replicas_attached(self) -> bool:
+        """Whether the master has ``min_replicas`` replicas attached: a commit waits for them.
+        With fewer (the replica just promoted has none until the lost node comes back) it
+        cannot, and an acknowledged commit is only as durable as the master's append-only
+        file, as with a single Redis: said once per change, in the log."""
+        info = self._retry("replicas", lambda: self.client.info("replication"))
+        attached = int(info.get("connected_slaves", 0)) >= self.min_replicas
+        if attached != self._attached:
+            self._attached = attached
+            if not attached:
+                log.warning(
+                    "offset store: fewer than %d replica(s) attached: commits are acknowledged "
+                    "without a replica until one is back",
+                    self.min_replicas,
+                )
+        return attached
 
     # --- leases and consumers ------------------------------------------------------------
 
