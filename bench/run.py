@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"run only these benchmarks (repeatable or comma-separated): {', '.join(BENCHMARKS)}",
     )
     parser.add_argument("--repeats", type=int, default=0, help="repeats per point (0: preset)")
-    parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"output dir (default {OUT_DIR})")
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help="output dir")
     parser.add_argument(
         "--work-dir",
         type=Path,

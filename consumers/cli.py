@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the flags of `deltad consume`."""
     p.add_argument("--consumer", required=True, help="consumer name (its cursor in Redis)")
-    p.add_argument("--model", default="model", help="model name (default: model)")
+    p.add_argument("--model", default="model", help="model name")
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--sidecar",
@@ -36,7 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("DELTAD_REDIS_URL"),
         help="discover the sidecars in Redis (RedisKeys.ranks) [DELTAD_REDIS_URL]",
     )
-    p.add_argument("--form", choices=("ids", "rows", "topk"), default="rows")
+    p.add_argument(
+        "--form",
+        choices=("ids", "rows", "topk"),
+        default="rows",
+        help="what a pull returns: changed ids, their rows, or the top-k rows that moved most",
+    )
     p.add_argument("--k", type=int, default=0, help="topk: rows per table per pull")
     p.add_argument(
         "--fraction", type=float, default=0.0, help="topk: fraction of candidate rows (0, 1]"
@@ -73,7 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--final-tables", type=Path, help="torch.save the tables here at the end")
     p.add_argument("--json-log", metavar="PATH", help='JSON line per pull ("-": stdout)')
     p.add_argument("--rpc-deadline", type=float, default=30.0, help="seconds per RPC")
-    p.add_argument("--max-retries", type=int, default=5)
+    p.add_argument(
+        "--max-retries", type=int, default=5, help="retries of a failed RPC, with backoff"
+    )
     p.add_argument(
         "--discovery-timeout", type=float, default=120.0, help="seconds to wait for all ranks"
     )
@@ -91,8 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--serve-dtype",
-        choices=("int8", "int4", "fp16", "fp32", "bf16"),
-        help="quantize the serving model's tables to this dtype (bf16: not supported)",
+        choices=("int8", "int4", "fp16", "fp32"),
+        help="quantize the serving model's tables to this dtype (torchrec 1.8 cannot do bf16)",
     )
     serve.add_argument(
         "--tables",
@@ -136,7 +143,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--token-env",
         default="DELTAD_TOKEN",
-        help="environment variable holding the bearer token (default: DELTAD_TOKEN)",
+        help="environment variable holding the bearer token",
     )
 
 

@@ -59,6 +59,23 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     }
 
 
+#: Options whose default (read from the environment) may hold a secret: never printed.
+_SECRET_WORDS = ("url", "token", "password", "secret")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default once: appended unless its help states it already, and never
+    for a default that says nothing (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        if any(w in action.dest for w in _SECRET_WORDS):  # (a default from the environment)
+            return text
+        return super()._get_help_string(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (exit 2), as every other error."""
 
@@ -70,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="deltad",
         description="Stream fresh embedding rows from an online TorchRec trainer to predictors.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"deltad {__version__}")
     parser.add_argument(
@@ -93,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=help_text,
             description=help_text,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=HelpFormatter,
         )
         if module is None:
             p.set_defaults(

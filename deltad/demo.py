@@ -66,10 +66,10 @@ RANGES: dict[str, Range] = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the flags of `deltad demo`."""
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of training (60)")
-    p.add_argument("--rows", type=int, default=20_000, help="rows per table (20000)")
-    p.add_argument("--dim", type=int, default=16, help="embedding dim (16)")
-    p.add_argument("--world-size", type=int, default=2, help="trainer ranks (2)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of training")
+    p.add_argument("--rows", type=int, default=20_000, help="rows per table")
+    p.add_argument("--dim", type=int, default=16, help="embedding dim")
+    p.add_argument("--world-size", type=int, default=2, help="trainer ranks")
     p.add_argument("--publish-every", type=float, default=0.5, help="seconds between segments")
     p.add_argument("--pull-interval", type=float, default=0.1, help="predictor pull interval")
     p.add_argument("--topk-fraction", type=float, default=0.5, help="top-k predictor fraction")

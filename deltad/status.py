@@ -31,14 +31,18 @@ RANGES: dict[str, Range] = {"timeout": Range(0, 3600, lo_open=True)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=os.environ.get("DELTAD_TARGET", "127.0.0.1:50051"))
+    p.add_argument(
+        "--target",
+        default=os.environ.get("DELTAD_TARGET", "127.0.0.1:50051"),
+        help="host:port of the sidecar or relay [DELTAD_TARGET]",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--token", default=os.environ.get("DELTAD_TOKEN"), help="bearer token")
+    # no --token: a secret on the command line shows in ps and shell history
     p.add_argument(
         "--token-file",
         type=Path,
         default=os.environ.get("DELTAD_TOKEN_FILE"),
-        help="file holding the bearer token [DELTAD_TOKEN_FILE]",
+        help="file holding the bearer token [DELTAD_TOKEN_FILE]; or set DELTAD_TOKEN",
     )
     p.add_argument("--tls-ca", default=os.environ.get("DELTAD_TLS_CA"), help="CA (PEM): use TLS")
     p.add_argument(
@@ -53,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("DELTAD_TLS_CLIENT_KEY"),
         help="its private key (PEM) [DELTAD_TLS_CLIENT_KEY]",
     )
-    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per RPC")
     p.add_argument(
         "--forget",
         metavar="CONSUMER",
@@ -221,6 +225,7 @@ def forget(
 
 
 def run(args: argparse.Namespace) -> int:
+    args.token = None if args.token_file else (os.environ.get("DELTAD_TOKEN") or None)
     check_client_auth("--", args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
     auth = ClientAuth(
         token=args.token,

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="4",
         help="pooled tables: a count (t0..tN-1) or NAME[:ROWS],... (default: %(default)s)",
     )
-    parser.add_argument("--rows", type=int, default=10_000, help="rows per table (default)")
+    parser.add_argument("--rows", type=int, default=10_000, help="rows per table")
     parser.add_argument("--seq-rows", type=int, help="rows of the sequence table (default --rows)")
     parser.add_argument("--dim", type=int, default=16, help="embedding dim (default: %(default)s)")
     parser.add_argument(
@@ -38,11 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--steps", type=int, help="train this many steps (default 100)")
     limit.add_argument("--duration", type=float, help="train this many seconds")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=128, help="samples per rank per step")
     parser.add_argument(
         "--publish-every-steps", type=int, help="publish every N steps (default 10 if no seconds)"
     )
-    parser.add_argument("--publish-every-seconds", type=float, default=0.0)
+    parser.add_argument(
+        "--publish-every-seconds",
+        type=float,
+        default=0.0,
+        help="publish when this many seconds passed since the last segment (0: off)",
+    )
     parser.add_argument("--no-publish", action="store_true", help="no tracker (baseline)")
     parser.add_argument(
         "--no-fsync",
@@ -55,8 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="generation id, larger than every one in the spool (refused otherwise; "
         "default: time-based, past the newest)",
     )
-    parser.add_argument("--loop", choices=_LOOPS, default="plain")
-    parser.add_argument("--input", choices=("kjt", "tensordict"), default="kjt")
+    parser.add_argument(
+        "--loop", choices=_LOOPS, default="plain", help="train loop: plain or a torchrec pipeline"
+    )
+    parser.add_argument(
+        "--input",
+        choices=("kjt", "tensordict"),
+        default="kjt",
+        help="batch input type: KeyedJaggedTensor or TensorDict",
+    )
     parser.add_argument("--final-tables", type=Path, help="torch.save {table: tensor} here")
     parser.add_argument(
         "--final-model",
@@ -64,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.save the final model's state_dict here (unsharded names: every table "
         "gathered, and the dense parameters and buffers)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="data and model seed")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--result-json", type=Path, help="write the run's stats here")
