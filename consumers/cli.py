@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from deltad import output
 from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 
 if TYPE_CHECKING:
@@ -286,18 +286,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print(
+    output.line(
         f"consumer {s.consumer}: {s.pulls} pulls, {s.rows} rows, {s.bytes} bytes, "
-        f"step {s.step}, freshness p50 {_fmt(s.freshness_p50_s)} p99 {_fmt(s.freshness_p99_s)}",
-        file=sys.stderr,
+        f"step {s.step}, freshness p50 {_fmt(s.freshness_p50_s)} p99 {_fmt(s.freshness_p99_s)}"
     )
     if serving is not None:
-        print(
+        output.line(
             f"consumer {s.consumer}: {s.forwards} forwards ({serving.dtype.value}), latency ms "
             f"idle p50 {_ms(s.forward_idle_p50_ms)} p99 {_ms(s.forward_idle_p99_ms)}, during "
             f"apply p50 {_ms(s.forward_apply_p50_ms)} p99 {_ms(s.forward_apply_p99_ms)} "
-            f"({s.forward_apply_samples}), longest lock hold {_ms(s.max_hold_ms)}",
-            file=sys.stderr,
+            f"({s.forward_apply_samples}), longest lock hold {_ms(s.max_hold_ms)}"
         )
     return 0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
-from deltad import __version__
+from deltad import __version__, output
 from deltad.config import Range, check_number
 from deltad.errors import DeltadError
 from deltad.parent import die_with_parent
@@ -140,6 +140,7 @@ class JsonLogFormatter(logging.Formatter):
 def setup_logging(verbose: int, *, json_lines: bool = False) -> None:
     """Logging to stderr: deltad's loggers at INFO (``-v``) or DEBUG (``-vv``); everything
     else (fbgemm, torch, grpc) stays at WARNING whatever the verbosity."""
+    output.use_json(json_lines)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonLogFormatter()
@@ -178,16 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if getattr(args, "_unavailable", None):
-        print(f"deltad: {args._unavailable}", file=sys.stderr)
+        output.line(f"deltad: {args._unavailable}", level="ERROR")
         return 2
     try:
         check_flags(args, args._ranges)
         return int(args._run(args) or 0)
     except DeltadError as e:
-        print(f"deltad {args.command}: error: {e}", file=sys.stderr)
+        output.line(f"deltad {args.command}: error: {e}", level="ERROR")
         return 2
     except KeyboardInterrupt:
-        print(f"deltad {args.command}: interrupted", file=sys.stderr)
+        output.line(f"deltad {args.command}: interrupted", level="WARNING")
         return 130
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from deltad import output
 from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 from deltad.parent import PARENT_PID_ENV
 
@@ -206,15 +207,32 @@ class Demo:
 
     # ---- the run ---------------------------------------------------------------------------
 
+    def discard(self, *, keep_logs: bool = False) -> str:
+        """Remove the temporary work directory (spool, tables, the embedded Redis and its
+        secret; with ``keep_logs`` all but ``logs/``) after an early end, unless ``--keep`` or
+        ``--workdir``; says what it did."""
+        if not self.tmp or self.args.keep:
+            return f"work directory kept: {self.work}"
+        if not keep_logs:
+            shutil.rmtree(self.work, ignore_errors=True)
+            return f"removed its work directory {self.work} (--keep keeps it)"
+        for p in self.work.iterdir() if self.work.is_dir() else ():
+            if p != self.logs:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+        return (
+            f"removed its work directory {self.work} but its logs ({self.logs}; --keep keeps all)"
+        )
+
     def run(self) -> int:
         from deltad.redisutil import EmbeddedRedis
 
         a = self.args
         t_start = time.monotonic()
-        print(
-            f"deltad demo: {a.world_size} ranks, {a.duration:.0f}s of training; "
-            f"logs in {self.logs}",
-            file=sys.stderr,
+        output.line(
+            f"deltad demo: {a.world_size} ranks, {a.duration:.0f}s of training; logs in {self.logs}"
         )
         redis = EmbeddedRedis(self.work / "redis")
         url = redis.start()
@@ -269,7 +287,11 @@ class Demo:
             redis.stop()
         print(report.text)
         if report.failures:
-            print(f"deltad demo: check failed: {'; '.join(report.failures)}", file=sys.stderr)
+            output.line(
+                f"deltad demo: check failed: {'; '.join(report.failures)} (work directory "
+                f"kept for inspection: {self.work})",
+                level="ERROR",
+            )
             return 1
         if self.tmp and not a.keep:
             shutil.rmtree(self.work, ignore_errors=True)
@@ -602,5 +624,8 @@ def run(args: argparse.Namespace) -> int:
         with _terminate_as_interrupt():
             return demo.run()
     except DemoFailed as e:
-        print(f"deltad demo: {e} (work directory {demo.work})", file=sys.stderr)
+        output.line(f"deltad demo: {e}; {demo.discard(keep_logs=True)}", level="ERROR")
         return 1
+    except KeyboardInterrupt:
+        output.line(f"deltad demo: interrupted; {demo.discard()}", level="WARNING")
+        return 130

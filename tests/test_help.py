@@ -48,3 +48,26 @@ def test_no_command_takes_a_token_on_argv_or_prints_a_secret_default(
 def test_serve_dtype_offers_only_what_it_serves() -> None:
     (a,) = [a for a in _subparsers()["consume"]._actions if a.dest == "serve_dtype"]
     assert a.choices is not None and "bf16" not in a.choices
+
+
+def test_log_json_error_lines_are_json_too(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    import logging
+
+    from deltad import output
+    from deltad.cli import main
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        rc = main(["--log-json", "serve", "--spool", "/nonexistent", "--lease-ttl", "nan"])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        output.use_json(False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    record = json.loads(err[0])
+    assert record["level"] == "ERROR" and "--lease-ttl must be" in record["msg"]

@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from deltad import output
 from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 from deltad.errors import ConfigError
 
@@ -175,8 +176,8 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     result = run_training(cfg)
-    text = json.dumps(asdict(result), indent=2)
-    print(text)
+    text = json.dumps(asdict(result), indent=None if output.json_lines() else 2)
+    print(text)  # the result (stdout), one JSON object: one line with --log-json
     if args.result_json:
         try:
             args.result_json.write_text(text)

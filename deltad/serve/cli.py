@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from deltad import output
 from deltad.config import RELAY_RANGES, SERVER_RANGES, Range
 from deltad.errors import ConfigError
 
@@ -356,14 +357,14 @@ def run(args: argparse.Namespace) -> int:
         server = RelayServer(config, relay).start()
     else:
         server = SidecarServer(config).start()
-    print(f"serving {config.model} rank {config.rank} on {server.endpoint}", flush=True)
+    output.line(f"serving {config.model} rank {config.rank} on {server.endpoint}", file=sys.stdout)
     while not stop.wait(0.5):
         if reload.is_set():
             reload.clear()
             server.reload_credentials()  # logs what it did, once
         if server.wait(0):
             break
-    print(f"deltad serve: stopping (grace {config.grace_period_s}s)", file=sys.stderr, flush=True)
+    output.line(f"deltad serve: stopping (grace {config.grace_period_s}s)")
     server.stop(config.grace_period_s)
     if getattr(server, "error", None) is not None:
         return 2  # the relay logged why it stopped
