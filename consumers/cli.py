@@ -193,6 +193,10 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.init_tables is None:
         raise ConfigError("--resume needs --init-tables: the tables its committed cursors describe")
     serving = None
+    if args.serve_dtype is not None or (args.dtype or "").startswith("packed"):
+        from deltad.needs import need
+
+        need("fbgemm_gpu", "torchrec", purpose="deltad consume --serve-dtype (quantized serving)")
     if args.serve_dtype is not None:
         from deltad.reference.trainer.cli import parse_tables
 

@@ -71,3 +71,31 @@ def test_log_json_error_lines_are_json_too(
     assert rc == 2 and len(err) == 1
     record = json.loads(err[0])
     assert record["level"] == "ERROR" and "--lease-ttl must be" in record["msg"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--no-publish", "--steps", "1"],
+        ["consume", "--consumer", "c", "--sidecar", "127.0.0.1:1", "--serve-dtype", "int8"],
+    ],
+)
+def test_a_missing_torchrec_is_an_install_hint_not_a_traceback(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import logging
+    import sys
+
+    from deltad.cli import main
+
+    monkeypatch.setitem(sys.modules, "torchrec", None)  # import torchrec fails, as uninstalled
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        rc = main(argv)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "needs torchrec" in err[0] and "pip install --no-deps torchrec==1.8.0" in err[0]

@@ -138,7 +138,10 @@ def parse_sharding(spec: str, tables: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from deltad.needs import need
     from deltad.types import TrainLoop
+
+    need("fbgemm_gpu", "torchrec", purpose="deltad train (the reference trainer)")
 
     from .train import TrainConfig, run_training
 
