@@ -220,6 +220,7 @@ def test_wait_for_new_waits_for_the_first_publish_and_says_nothing_is_published(
     with DeltaConsumer(cfg) as c:
         res = c.pull()
         assert set(res.missing.values()) == {"nothing published yet"}, res.missing
+        assert not res.caught_up
         assert c.wait_for_new(0.5) is False  # nothing came: it waited, it did not say "pull"
         got: list[bool] = []
         waiter = threading.Thread(target=lambda: got.append(c.wait_for_new(30.0)))
@@ -228,7 +229,7 @@ def test_wait_for_new_waits_for_the_first_publish_and_says_nothing_is_published(
         waiter.join(40)
         assert got == [True]
         res = c.pull()
-        assert not res.missing and res.deltas
+        assert not res.missing and res.deltas and res.caught_up
 
 
 @pytest.mark.slow  # a subprocess that imports torch
@@ -295,3 +296,25 @@ def test_a_consumer_that_stops_before_its_first_commit_is_not_listed_as_live(
             if name == "worker":
                 c.commit(c.pull())
     assert live() == {"quitter": False, "worker": True}
+
+
+def test_caught_up_is_false_while_top_k_rows_are_owed(
+    tmp_path: Path, redis_server: EmbeddedRedis, sidecar_of: list[SidecarServer]
+) -> None:
+    from deltad.config import PullOptions
+    from deltad.types import Form
+
+    spool = SpoolWriter(tmp_path / "spool")
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
+    sidecar_of.append(srv.start())
+    cfg = ConsumerConfig(
+        "topk", model="m", sidecars=(srv.endpoint,), pull=PullOptions(form=Form.TOPK, k=1)
+    )
+    with DeltaConsumer(cfg) as c:
+        first = c.pull()
+        c.commit(first)
+        assert first.caught_up  # the full tables: nothing owed
+        seq = spool.delta(n=50)
+        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == seq)
+        res = c.pull()
+        assert res.step == res.head_step and res.owed > 0 and not res.caught_up

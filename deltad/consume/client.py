@@ -105,6 +105,22 @@ class PullResult:
         return {d.rank: d.resync_reason for d in self.deltas if d.resync}
 
     @property
+    def owed(self) -> int:
+        """Rows still owed after this pull (top-k or ``max_rows``: sent by later pulls)."""
+        return sum(s.owed for d in self.deltas for s in d.shards)
+
+    @property
+    def caught_up(self) -> bool:
+        """Every rank was read, the tables serve the newest step any rank has published, and
+        no row is owed: nothing more to pull until the trainer publishes again."""
+        return (
+            not self.missing
+            and self.step is not None
+            and self.step == self.head_step
+            and self.owed == 0
+        )
+
+    @property
     def served_step(self) -> int | None:
         """The step the predictor serves once it applied this pull (= ``step``)."""
         return self.step
