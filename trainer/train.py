@@ -270,7 +270,7 @@ def _worker(rank: int, cfg: TrainConfig, work: Path) -> None:
     # called without an active exception" after a clean SIGTERM stop.
     # Python's own finalizers still run: multiprocessing's release the semaphores this rank
     # created (skipped, the parent's resource tracker warned of "leaked semaphore objects").
-    multiprocessing.util._run_finalizers(0)
+    multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
