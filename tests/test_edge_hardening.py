@@ -68,6 +68,15 @@ def test_a_huge_pull_id_gets_a_bounded_error_not_resource_exhausted(
                 grpc.StatusCode.FAILED_PRECONDITION,
             ), err.value
             assert len(err.value.details() or "") < 400
+        for req in (  # any other echoed field: bounded too
+            pb.GetDeltaRequest(consumer="c", tables=["t" * 100_000]),
+            pb.GetDeltaRequest(consumer="c", tables=[f"t{i}" * 50 for i in range(2000)]),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in c.stub.GetDelta(req, timeout=10):
+                    pass
+            assert err.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert len(err.value.details() or "") <= 1000
     finally:
         c.close()
         srv.stop(0)
