@@ -177,6 +177,7 @@ def test_k8s_pod_runs_existing_commands() -> None:
         assert side[probe]["grpc"]["port"] == 50051
     # liveness reflects only the process; readiness (the server, "") its dependencies
     assert side["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
+    assert side["startupProbe"]["grpc"]["service"] == LIVENESS_SERVICE  # it kills too
     assert side["readinessProbe"]["grpc"].get("service", "") == ""
 
 
