@@ -199,10 +199,15 @@ def test_a_relay_that_does_not_trust_its_upstreams_certificate_is_not_serving(
 
 
 def test_an_empty_spool_says_it_has_no_segment_yet_and_shows_no_age(
-    tmp_path: Path, redis_server: EmbeddedRedis, sidecar_of: list[SidecarServer]
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    sidecar_of: list[SidecarServer],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="deltad")
     srv = SidecarServer(server_config(tmp_path / "mistyped", redis_server.url))
     sidecar_of.append(srv.start())
+    assert any("no segment of model 'm'" in r.getMessage() for r in caplog.records)
     st, consumers = status.fetch(srv.endpoint)
     text = status.render(st, consumers)
     assert "no segment yet" in text and "age" not in text, text

@@ -156,6 +156,12 @@ class SidecarServer:
         )
         self.log.refresh()
         snap = self.log.snapshot()
+        if snap is None:  # a trainer not started yet, or a mistyped --spool / --model
+            log.warning(
+                "no segment of model %r rank %d in %s yet: serving nothing until the trainer "
+                "publishes there",
+                cfg.model, cfg.rank, cfg.spool_dir,
+            )  # fmt: skip
         world = snap.manifest.world_size if snap is not None else 1
         owed = OwedStore(
             self.layout.sidecar_dir, cfg.model, cfg.rank, world,
