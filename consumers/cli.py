@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--redis-url",
         default=os.environ.get("DELTAD_REDIS_URL"),
-        help="discover the sidecars in Redis (RedisKeys.ranks) [DELTAD_REDIS_URL]",
+        help="discover the sidecars in Redis (RedisKeys.ranks; redis://, rediss://, "
+        "redis+sentinel://, redis+cluster://) [DELTAD_REDIS_URL]",
     )
     p.add_argument(
         "--form",

@@ -87,7 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--redis-url",
         default=_env("REDIS_URL"),
         help="redis:// or rediss://[user:password@]host:port/db (a CA for rediss: append "
-        "?ssl_ca_certs=/path/ca.pem); unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
+        "?ssl_ca_certs=/path/ca.pem), redis+sentinel://[:password@]h1:26379,h2:26379/MASTER[/db]"
+        "[?sentinel_password=..&min_replicas=1] or redis+cluster://[:password@]h1:7000,h2:7001;"
+        " unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
     )
     a(
         "--tls-cert",
