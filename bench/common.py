@@ -269,6 +269,19 @@ class CpuMonitor:
         return self._cpu() - self._t0
 
 
+def settle(
+    cpu: CpuMonitor, busy: float = 0.05, window_s: float = 0.25, limit_s: float = 20.0
+) -> float:
+    """Wait until the process uses under ``busy`` cores over ``window_s``; seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        cpu.reset()
+        time.sleep(window_s)
+        if cpu.seconds() < busy * window_s:
+            break
+    return time.monotonic() - t0
+
+
 def save_figure(fig: Any, out_dir: Path, name: str, *, tight: bool = True) -> list[Path]:
     """Write ``fig`` as ``out_dir/name.png`` (110 dpi), close it, return ``[path]``."""
     import matplotlib.pyplot as plt

@@ -147,3 +147,22 @@ def _wait_head(endpoint: str, timeout_s: float) -> None:
     finally:
         ch.close()
     raise RuntimeError(f"sidecar {endpoint} never indexed a segment")
+
+
+def status(endpoint: str) -> Any:
+    """The Status of the sidecar at ``endpoint`` (plaintext, 5 s deadline)."""
+    import grpc
+
+    from deltad.v1 import delta_pb2 as pb
+    from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(endpoint) as ch:
+        return pb_grpc.DeltaServiceStub(ch).Status(pb.StatusRequest(), timeout=5.0)
+
+
+def head_seq(endpoint: str) -> int:
+    """The head seq at ``endpoint``; -2 when it does not answer."""
+    try:
+        return int(status(endpoint).head_seq)
+    except Exception:
+        return -2

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import deltad_procs
 from bench.common import (
     GB,
     MB,
@@ -52,7 +53,9 @@ from bench.common import (
     percentile,
     ratio,
     save_figure,
+    settle,
     summarize,
+    wait_until,
 )
 from bench.wire_baselines import ClientWorker, grpc_server_main, start_server
 
@@ -63,7 +66,6 @@ DELTAS = 16
 
 def run(ctx: Context) -> dict[str, Any]:
     """Every (mode, N) for ``ctx.repeats`` rounds."""
-    from bench import deltad_procs
     from bench.datagen import write_spool
 
     why = deltad_procs.sidecar_unavailable()
@@ -238,7 +240,6 @@ def _one(
     round_: int,
     shared: Any = None,
 ) -> dict[str, Any]:
-    from bench import deltad_procs
 
     # no retention: the window stays base + 16 deltas, merged by the pull (once, shared)
     side = shared or deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
@@ -246,7 +247,7 @@ def _one(
         cpu = CpuMonitor(side.proc.pid)
         # A fresh sidecar indexes (and verifies) the spool after it answers: let it finish, so
         # that the runs count the pulls, not the start-up.
-        settle_s = _settle(cpu)
+        settle_s = settle(cpu)
         head_step = DELTAS * 10
         # Every consumer connects first, then all pull at the same moment.
         start_at = time.time() + 1.0 + 0.05 * n
@@ -290,19 +291,6 @@ def _one(
         "sidecar_peak_rss": rss,
         "latest_start_after_start_at_s": late,
     }
-
-
-def _settle(
-    cpu: CpuMonitor, busy: float = 0.05, window_s: float = 0.25, limit_s: float = 20.0
-) -> float:
-    """Wait until the process uses under ``busy`` cores over ``window_s``; seconds waited."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        cpu.reset()
-        time.sleep(window_s)
-        if cpu.seconds() < busy * window_s:
-            break
-    return time.monotonic() - t0
 
 
 def _floor(
@@ -388,29 +376,11 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
 LEVELS = (0, 1, 2)
 
 
-def _status(endpoint: str) -> Any:
-    import grpc
-
-    from deltad.v1 import delta_pb2 as pb
-    from deltad.v1 import delta_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(endpoint) as ch:
-        return pb_grpc.DeltaServiceStub(ch).Status(pb.StatusRequest(), timeout=5.0)
-
-
-def _head(endpoint: str) -> int:
-    try:
-        return int(_status(endpoint).head_seq)
-    except Exception:
-        return -2
-
-
 def _append_delta(spool: Path, seq: int, rows_per_table: int, fraction: float = 0.01) -> int:
     """One more delta segment (``fraction`` of every table's rows) at ``seq``, as a trainer
     would; returns its payload bytes."""
     import torch
 
-    from bench import deltad_procs
     from bench.datagen import skewed_unique_ids
     from deltad.segment.format import ShardRows, write_segment
     from deltad.segment.spool import SpoolLayout
@@ -449,7 +419,6 @@ def _tree(
     Also: each relay's mirror (time and CPU to copy the whole log from its upstream), and
     freshness per level (a new segment written -> its seq at each level's Status).
     """
-    from bench import deltad_procs
     from bench.common import proc_peak_rss
 
     deltas = ctx.pick(20, 10, 3)
@@ -462,7 +431,7 @@ def _tree(
         side = deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
         chain = [side]
         try:
-            head = _head(side.endpoint)
+            head = deltad_procs.head_seq(side.endpoint)
             for lv, rspool in ((1, r1), (2, r2)):
                 up = chain[-1]
                 relay = deltad_procs.start_sidecar(
@@ -471,17 +440,17 @@ def _tree(
                            "--upstream-consumer", f"relay{lv}"],
                 )  # fmt: skip
                 t0 = time.perf_counter()
-                ok = _wait(lambda e=relay.endpoint: _head(e) == head, 300.0)  # type: ignore[misc]
+                ok = wait_until(lambda e=relay.endpoint: deltad_procs.head_seq(e) == head, 300.0)  # type: ignore[misc]
                 if not ok:
                     raise RuntimeError(f"relay level {lv} never caught up:\n{relay.log_tail()}")
                 took = time.perf_counter() - t0
-                nbytes = int(_status(relay.endpoint).log_bytes)
+                nbytes = int(deltad_procs.status(relay.endpoint).log_bytes)
                 out["bootstrap"].append({"level": lv, "seconds": took, "log_bytes": nbytes})
                 chain.append(relay)
             # mirroring: large deltas (4 x 25 % of every table) through both levels, once
             # every node is idle (a fresh one imports its int8 kernels in the background)
             for p in chain:
-                _settle(CpuMonitor(p.proc.pid))
+                settle(CpuMonitor(p.proc.pid))
             # idle: each node's own spool poll, and a relay's Status polls of its upstream
             # (counted by both ends); subtracted from the mirror cost below
             idle_s = ctx.pick(3.0, 2.0, 0.5)
@@ -495,9 +464,11 @@ def _tree(
             for _ in range(4):
                 head += 1
                 nbytes += _append_delta(spool, head, rows_per_table, 0.25)
-                if not _wait(
-                    lambda at=head: all(_head(p.endpoint) >= at for p in chain), 300.0, 0.05
-                ):
+
+                def mirrored(at: int = head) -> bool:
+                    return all(deltad_procs.head_seq(p.endpoint) >= at for p in chain)
+
+                if not wait_until(mirrored, 300.0, 0.05):
                     raise RuntimeError("a relay never mirrored a large delta")
             took = time.perf_counter() - t_mirror
             for lv in (1, 2):
@@ -535,7 +506,6 @@ def _overload(ctx: Context, kids: Children, workers: list[ClientWorker]) -> list
     the same moment from one sidecar with its default limits (64 streams, 64 in line): the
     rest are refused with a retry hint, which the consumer library honours. Every pull must
     end with all its rows (failed = 0)."""
-    from bench import deltad_procs
     from bench.datagen import write_spool
 
     totals = ctx.pick([128, 256], [128], [8])
@@ -624,15 +594,6 @@ def client_pull_many(
     return [r or {"seconds": None, "bytes": 0, "missing": 0, "error": "hung"} for r in out]
 
 
-def _wait(pred: Any, timeout_s: float, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval_s)
-    return False
-
-
 def _tree_run(
     workers: list[ClientWorker], chain: list[Any], lv: int, n: int, round_: int, pulls: int
 ) -> dict[str, Any]:
@@ -690,7 +651,7 @@ def _freshness(
         deadline = time.monotonic() + 30.0
         while len(seen) < len(chain) and time.monotonic() < deadline:
             for lv, p in enumerate(chain):
-                if lv not in seen and _head(p.endpoint) >= seq:
+                if lv not in seen and deltad_procs.head_seq(p.endpoint) >= seq:
                     seen[lv] = time.time() - written
             time.sleep(0.02)  # (20 ms: polling faster would load the nodes it measures)
         for lv, lag in seen.items():
@@ -945,7 +906,6 @@ def cursors(ctx: Context) -> dict[str, Any]:
     (~140 k minor faults for 16 x 32 MB), which a long-lived sidecar pays once; both rounds'
     CPU and minor faults are recorded (``cold_*`` is the warm-up round).
     """
-    from bench import deltad_procs
     from bench.datagen import write_spool
 
     why = deltad_procs.sidecar_unavailable()
@@ -1084,13 +1044,12 @@ def cursors(ctx: Context) -> dict[str, Any]:
 def _bootstrap_rss(ctx: Context, kids: Children, spool: Path) -> dict[str, Any]:
     """A fresh predictor process bootstraps (base window into a TensorDictApplier): its RSS
     before, its peak, its tables' bytes; and the sidecar's peak RSS against its log."""
-    from bench import deltad_procs
     from bench.common import proc_peak_rss
 
     side = deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
     w = ClientWorker(kids)
     try:
-        _settle(CpuMonitor(side.proc.pid))
+        settle(CpuMonitor(side.proc.pid))
         out: dict[str, Any] = w.call(
             "call", module="bench.throughput", func="client_bootstrap_rss",
             kwargs={"endpoint": side.endpoint, "model": side.model, "consumer": "rss-0"},
@@ -1112,7 +1071,6 @@ def _cursor_run(
     with_runs: bool,
     round_: int,
 ) -> dict[str, Any]:
-    from bench import deltad_procs
     from bench.common import proc_peak_rss
 
     extra = deltad_procs.NO_RETENTION + ([] if with_runs else NO_RUNS)
@@ -1120,7 +1078,7 @@ def _cursor_run(
     tag = f"cur-{mode}-{with_runs}-{len(workers)}-{round_}"
     try:
         cpu = CpuMonitor(side.proc.pid)
-        settle_s = _settle(cpu)
+        settle_s = settle(cpu)
         if mode.startswith("stag"):  # (untimed) every consumer to its cursor, committed
             for i, w in enumerate(workers):
                 seq = 0 if mode == "stag-same" else i % DELTAS
@@ -1132,7 +1090,7 @@ def _cursor_run(
                 )  # fmt: skip
             for w in workers:
                 w.recv("client_pull")
-            _settle(cpu)
+            settle(cpu)
         # Two rounds on the fresh sidecar: a warm-up (its heap pages are touched for the first
         # time, runs are merged), then the measured one (the steady state of a long-lived
         # sidecar; its windows are not cached). Warm-up windows: fresh modes, fp32 at other
@@ -1159,7 +1117,7 @@ def _cursor_run(
             faults = _minflt(side.proc.pid)
             res_ = [w.recv("client_pull") for w in workers]
             out[phase] = (res_, cpu.seconds(), _minflt(side.proc.pid) - faults)
-            _settle(cpu)
+            settle(cpu)
         res, cpu_s, faults = out["measured"]
         rss = proc_peak_rss(side.proc.pid) or 0
     finally:
@@ -1196,7 +1154,6 @@ def _minflt(pid: int) -> int:
 def tree_only(ctx: Context) -> dict[str, Any]:
     """Only the relay tree (:func:`_tree`): its own spool and consumer workers, at the
     context's preset sizes. What ``python -m bench.fanout`` runs."""
-    from bench import deltad_procs
     from bench.datagen import write_spool
 
     why = deltad_procs.sidecar_unavailable()

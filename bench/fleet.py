@@ -30,7 +30,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.common import GB, MB, Children, Context, CpuMonitor, percentile, proc_peak_rss
+from bench import deltad_procs
+from bench.common import (
+    GB,
+    MB,
+    Children,
+    Context,
+    CpuMonitor,
+    percentile,
+    proc_peak_rss,
+    settle,
+    wait_until,
+)
 from bench.wire_baselines import ClientWorker
 
 DIM = 64
@@ -52,9 +63,7 @@ def _reset_hwm(pid: int) -> bool:
 
 def run(ctx: Context) -> dict[str, Any]:
     """Every configuration x consumer count once per repeat; see the module docstring."""
-    from bench import deltad_procs
     from bench.datagen import write_spool
-    from bench.fanout import _head, _settle, _status, _wait
 
     counts = ctx.pick([64, 256], [64, 256], [4, 8])
     n_workers = ctx.pick(8, 8, 2)
@@ -100,7 +109,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 kids, spool, ctx, extra=[*deltad_procs.NO_RETENTION, *_metrics_flags(side_ports)]
             )
             nodes[0].append(side)
-            head = _head(side.endpoint)
+            head = deltad_procs.head_seq(side.endpoint)
             for lv in (1, 2):
                 for i in range(relays):
                     up = nodes[lv - 1][i % len(nodes[lv - 1])]
@@ -114,11 +123,13 @@ def run(ctx: Context) -> dict[str, Any]:
             for p, port in zip((p for lv in (0, 1, 2) for p in nodes[lv]), side_ports, strict=True):
                 p.metrics_port = port
             every = [p for lv in (0, 1, 2) for p in nodes[lv]]
-            if not _wait(lambda: all(_head(p.endpoint) == head for p in every), 300.0, 0.1):
+            if not wait_until(
+                lambda: all(deltad_procs.head_seq(p.endpoint) == head for p in every), 300.0, 0.1
+            ):
                 raise RuntimeError("a relay never mirrored the sidecar's log")
-            out["log_bytes"] = int(_status(side.endpoint).log_bytes)
+            out["log_bytes"] = int(deltad_procs.status(side.endpoint).log_bytes)
             for p in every:
-                _settle(CpuMonitor(p.proc.pid))
+                settle(CpuMonitor(p.proc.pid))
             idle_s = ctx.pick(2.0, 2.0, 0.5)
             mons = {p.proc.pid: CpuMonitor(p.proc.pid) for p in every}
             time.sleep(idle_s)
@@ -165,9 +176,7 @@ def _split(
 ) -> list[dict[str, Any]]:  # fmt: skip
     """N consumers pull a window ``SPLIT_FACTOR`` x larger from a second sidecar (direct), so
     that the serving CPU per pull splits into a fixed part and a part per byte."""
-    from bench import deltad_procs
     from bench.datagen import write_spool
-    from bench.fanout import _settle
 
     out = []
     with ctx.tmpdir("fleet-big") as spool:
@@ -178,7 +187,7 @@ def _split(
         side = deltad_procs.start_sidecar(kids, spool, ctx, extra=deltad_procs.NO_RETENTION)
         try:
             mon = CpuMonitor(side.proc.pid)
-            _settle(mon)
+            settle(mon)
             mon.reset()
             time.sleep(1.0)
             idle = mon.seconds()

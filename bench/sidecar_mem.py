@@ -114,7 +114,7 @@ def _sidecar(
     kids: Children, spool: Path, ctx: Context, cache: int, runs: int, spill: bool = True
 ) -> Any:
     from bench import deltad_procs
-    from bench.fanout import _settle
+    from bench.common import settle as _settle
 
     extra = [*deltad_procs.NO_RETENTION, "--window-cache-bytes", str(cache)]
     extra += ["--run-cache-bytes", str(runs)]

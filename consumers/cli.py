@@ -331,7 +331,8 @@ def _check_writable(flag: str, path: Path) -> None:
     """ConfigError unless ``path`` can be written (checked before consuming, not after)."""
     from deltad.errors import ConfigError
 
-    target = path if path.exists() else path.parent
+    # (an existing file is replaced: its directory must be writable, as for a new one)
+    target = path.parent
     if path.is_dir() or not target.is_dir() or not os.access(target, os.W_OK):
         raise ConfigError(f"{flag} {path}: not a writable file path")
 

@@ -85,6 +85,8 @@ class PullLogLine:
     #: bytes of dense state received (counted in ``bytes`` too) and the step it is of
     dense_bytes: int = 0
     dense_step: int | None = None
+    #: an operator's rollback this pull followed (the step it was ordered to); None: none
+    rollback_to: int | None = None
 
 
 @dataclass
@@ -259,6 +261,7 @@ class SyncLoop:
             apply_s=apply_s,
             dense_bytes=r.dense_bytes,
             dense_step=r.dense_step,
+            rollback_to=r.rollback_to,
         )
         self.records.append(rec)
         return rec

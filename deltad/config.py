@@ -367,6 +367,13 @@ class ServerConfig:
     spill_max_bytes: int = 8 << 30
     #: Retention: merge runs of at least this many segments between live cursors.
     merge_min_segments: int = 4
+    #: Restore points (deltad.serve.index.restore): retention never merges away the state of a
+    #: segment whose step is within this many steps of the head, or ...
+    restore_window_steps: int = 0
+    #: ... that was published within this many seconds; any step in the window can be
+    #: rolled back to (``deltad rollout rollback``). 0 and 0: no restore window (retention
+    #: merges as before; a rollback then reaches only the steps still in the log).
+    restore_window_s: float = 0.0
     # Retention's bound on one round's merge input: deltad.knobs.MERGE_MAX_BYTES_PER_ROUND.
     retention_interval_s: float = 1.0
     #: Forget a consumer this long after its lease expired and it was last heard of: its
@@ -398,6 +405,8 @@ class ServerConfig:
             raise ConfigError("run_cache_bytes must be >= 0 (0 = no runs)")
         if self.generation_keep_s < 0 or self.generation_keep_bytes < 0:
             raise ConfigError("generation_keep_s and generation_keep_bytes must be >= 0 (0 = off)")
+        if self.restore_window_steps < 0 or self.restore_window_s < 0:
+            raise ConfigError("restore_window_steps and restore_window_s must be >= 0 (0 = off)")
         if self.spill_max_bytes < 0:
             raise ConfigError("spill_max_bytes must be >= 0 (0 = no spill)")
         if self.max_queued_streams < 0 or self.stream_queue_wait_s < 0:
@@ -445,15 +454,21 @@ SERVER_RANGES: dict[str, Range] = {
     "retention_interval_s": Range(0.001, 3600),
     "forget_after_s": Range(0, 100 * MAX_SECONDS, note="0 = never"),
     "forget_interval_s": Range(0.001, 86400),
+    "restore_window_steps": Range(0, MAX_COUNT, note="0 = off"),
+    "restore_window_s": Range(0, MAX_SECONDS, note="0 = off"),
     "owed_max_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
     "owed_max_consumer_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
 }
-#: The `deltad serve` flag of each ServerConfig field, for messages.
-SERVER_FLAG_NAMES: dict[str, str] = {
-    f: "--{} (DELTAD_{})".format(
-        f.removesuffix("_s").replace("_", "-"), f.removesuffix("_s").upper()
-    )
+#: The `deltad serve` flag (argparse dest) of each ServerConfig field: the field without
+#: its ``_s``, but for these.
+SERVER_FLAG_DESTS: dict[str, str] = {
+    f: {"restore_window_s": "restore_window_seconds"}.get(f, f.removesuffix("_s"))
     for f in SERVER_RANGES
+}
+#: ... as flag and environment variable, for messages.
+SERVER_FLAG_NAMES: dict[str, str] = {
+    f: "--{} (DELTAD_{})".format(d.replace("_", "-"), d.upper())
+    for f, d in SERVER_FLAG_DESTS.items()
 }
 
 

@@ -78,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=Path, help="spool, logs, tables (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--scenario",
+        choices=("default", "bad-update"),
+        default="default",
+        help="bad-update: a NaN step, the validation gate, a canary and a rollback "
+        "(deltad.demo_rollout); default: the report above",
+    )
 
 
 @dataclass
@@ -619,6 +626,11 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 only if its checks hold."""
+    if getattr(args, "scenario", "default") == "bad-update":
+        from deltad import demo_rollout
+
+        with _terminate_as_interrupt():
+            return demo_rollout.run(args)
     demo = Demo(args)
     try:
         with _terminate_as_interrupt():

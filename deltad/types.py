@@ -110,6 +110,11 @@ class ColumnRange:
         return self.end - self.start
 
 
+#: The raw id of an empty managed-collision slot: torchrec's MCH modules fill unused slots of
+#: ``_mch_sorted_raw_ids`` with int64 max, and a segment lists a slot emptied by eviction
+#: with this raw id.
+EMPTY_RAW_ID = (1 << 63) - 1
+
 #: Identifies a shard's column range of a table across segments and windows:
 #: ``(table, col_start, col_end)`` (the row range is the rank's, fixed for a generation).
 ShardKey = tuple[str, int, int]

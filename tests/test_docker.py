@@ -172,6 +172,12 @@ def test_k8s_pod_runs_existing_commands() -> None:
         assert not any("DELTAD_REDIS_URL" in a or "redis://" in a for a in c["args"])
     secret = {e["name"]: e for e in side["env"]}["DELTAD_REDIS_URL"]["valueFrom"]
     assert "secretKeyRef" in secret
+    # the sidecar's memory limit holds 1.2 x a log as big as the spool and every cache budget
+    # its flags allow (the defaults, where a flag is not given)
+    sargs = build_parser().parse_args(_subst(side["args"], env))
+    budgets = sargs.window_cache_bytes + sargs.run_cache_bytes + sargs.generation_keep_bytes
+    spool = next(v for v in spec["volumes"] if v["name"] == "spool")["emptyDir"]["sizeLimit"]
+    assert _k8s_bytes(side["resources"]["limits"]["memory"]) >= 1.2 * _k8s_bytes(spool) + budgets
     assert [p["name"] for p in side["ports"]] == ["grpc", "metrics"]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert side[probe]["grpc"]["port"] == 50051
@@ -227,3 +233,84 @@ def test_healthcheck_against_live_sidecar(tmp_path: Path, redis_url: str) -> Non
         timeout=60,
     )
     assert dead.returncode == 1 and "UNAVAILABLE" in dead.stderr
+
+
+def _dependency_run() -> str:
+    """The build stage's RUN that installs the pinned dependencies."""
+    build = _stages()[0]
+    return next(a for k, a in build if k == "RUN" and "constraints.txt" in a)
+
+
+def _pip_installs(run: str) -> list[list[str]]:
+    """Every ``pip install`` of a RUN, as its argv after ``install``."""
+    out = []
+    for cmd in re.split(r";|&&", run):
+        words = shlex.split(cmd)
+        if "pip" in " ".join(words[:1]) and words[1:2] == ["install"]:
+            out.append(words[2:])
+    return out
+
+
+def test_the_image_installs_torchrec_without_resolving_its_dependencies() -> None:
+    run = _dependency_run()
+    installs = _pip_installs(run)
+    assert installs, run
+    for argv in installs:
+        names = " ".join(argv)
+        if "torchrec" in names:
+            assert "--no-deps" in argv, f"torchrec resolved with its CUDA metadata: {argv}"
+        if "-r" in argv:
+            listed = argv[argv.index("-r") + 1]
+            assert listed != "docker/constraints.txt", "constraints.txt lists torchrec"
+    # the requirement file is constraints.txt without torch, fbgemm and torchrec
+    grep = re.search(r"grep -v (.*?) docker/constraints.txt > (\S+)", run)
+    assert grep is not None, run
+    excluded = re.findall(r"-e '(\^[^']+)'", grep.group(1))
+    assert set(excluded) >= {"^torch==", "^fbgemm", "^torchrec=="}
+    # the torchrec --no-deps install is the last install: no resolver runs after it
+    assert "--no-deps" in installs[-1] and any("torchrec" in w for w in installs[-1])
+
+
+@pytest.mark.slow
+def test_the_images_dependency_resolution_has_one_fbgemm_and_the_pinned_torch(
+    tmp_path: Path,
+) -> None:
+    """Resolve (pip --dry-run, the machine's index) exactly what the CPU image's resolving
+    installs ask for: one fbgemm distribution (the CPU one), torch 2.13.0, no torchrec."""
+    run = _dependency_run()
+    grep = re.search(r"grep -v (.*?) docker/constraints.txt > (\S+)", run)
+    assert grep is not None
+    patterns = [p.lstrip("^") for p in re.findall(r"-e '(\^[^']+)'", grep.group(1))]
+    lines = (DOCKER / "constraints.txt").read_text().splitlines()
+    rest = tmp_path / "rest.txt"
+    rest.write_text(
+        "\n".join(ln for ln in lines if not any(ln.startswith(p) for p in patterns)) + "\n"
+    )
+    cpu_branch = run.split('= "cpu" ]; then', 1)[1].split("else", 1)[0]
+    asked: list[str] = []
+    for argv in _pip_installs(cpu_branch):
+        asked += [a for a in argv if "==" in a and not a.startswith("-")]
+    assert any(a.startswith("torch==2.13.0") for a in asked), asked
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--report", str(report), *asked, "-r", str(rest)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = {
+        i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
+    fbgemm = sorted(n for n in names if n.startswith("fbgemm"))
+    assert fbgemm == ["fbgemm-gpu-cpu"], fbgemm
+    assert names["torch"].startswith("2.13.0"), names["torch"]
+    assert "torchrec" not in names
+
+
+def _k8s_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (Ki/Mi/Gi/Ti or plain bytes) in bytes."""
+    for suffix, shift in (("Ki", 10), ("Mi", 20), ("Gi", 30), ("Ti", 40)):
+        if quantity.endswith(suffix):
+            return int(float(quantity[: -len(suffix)]) * (1 << shift))
+    return int(quantity)

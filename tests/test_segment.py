@@ -120,13 +120,17 @@ def test_unknown_or_inconsistent_versions_are_refused(tmp_path: Path) -> None:
     p = tmp_path / "seg.dseg"
     _write(p, [_rows("t0", [1, 2])])
     good = p.read_bytes()
-    p.write_bytes(b"DLTSEG03" + good[8:])  # a newer writer's file
+    p.write_bytes(b"DLTSEG09" + good[8:])  # a newer writer's file
     for read in (read_segment, read_header):
         with pytest.raises(SegmentCorruptError, match="newer deltad"):
             read(p)
     p.write_bytes(b"DLTSEG01" + good[8:])  # magic and header disagree
     for read in (read_segment, read_header):
         with pytest.raises(SegmentCorruptError, match="header says format 2, magic says 1"):
+            read(p)
+    p.write_bytes(b"DLTSEG03" + good[8:])  # an identity-format magic on a version-2 header
+    for read in (read_segment, read_header):
+        with pytest.raises(SegmentCorruptError, match="header says format 2, magic says 3"):
             read(p)
     p.write_bytes(b"NOTASEG!" + good[8:])
     with pytest.raises(SegmentCorruptError, match="not a deltad segment"):
@@ -240,3 +244,36 @@ def test_the_header_json_keeps_each_shard_flat_under_chunks(tmp_path: Path) -> N
     assert (meta.shard.rows, meta.shard.width, meta.shard.covers_full_row) == (100, 2, False)
     assert meta.shard.key == ("t0", 2, 4)
     assert Shard.columns_of("t0", 100, 4, 0, 4).covers_full_row
+
+
+def test_managed_collision_identities_round_trip_in_a_version_3_file(tmp_path: Path) -> None:
+    from deltad.segment.format import IDENTITY_FORMAT_VERSION, MAGICS
+    from deltad.types import EMPTY_RAW_ID
+
+    mc = _rows("mc", [2, 7, 40])
+    mc.raw_ids = torch.tensor([10_000_017, EMPTY_RAW_ID, 5], dtype=torch.int64)
+    mc.evicted = torch.tensor([3, 99_999_999], dtype=torch.int64)
+    plain = _rows("t0", [1, 2])
+    p = tmp_path / "seg.dseg"
+    _write(p, [plain, mc])
+    assert p.read_bytes()[:8] == MAGICS[IDENTITY_FORMAT_VERSION][0]
+    seg = read_segment(p)
+    assert seg.header.format_version == IDENTITY_FORMAT_VERSION
+    back = {c.shard.table: c for c in seg.shards}
+    assert back["t0"].raw_ids is None and back["t0"].evicted is None
+    assert back["mc"].raw_ids is not None and back["mc"].evicted is not None
+    assert torch.equal(back["mc"].raw_ids, mc.raw_ids)
+    assert torch.equal(back["mc"].evicted, mc.evicted)
+    assert torch.equal(back["mc"].values, mc.values)
+    # an ordinary segment stays version 2, byte for byte the format older readers know
+    q = tmp_path / "plain.dseg"
+    _write(q, [plain])
+    assert q.read_bytes()[:8] == b"DLTSEG02"
+    assert b"raw_ids_offset" not in q.read_bytes()
+
+
+def test_identities_that_do_not_match_their_slots_are_refused_at_write(tmp_path: Path) -> None:
+    mc = _rows("mc", [2, 7])
+    mc.raw_ids = torch.tensor([1], dtype=torch.int64)
+    with pytest.raises(SpoolError, match="raw ids for"):
+        _write(tmp_path / "s.dseg", [mc])

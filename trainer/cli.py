@@ -77,6 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.save the final model's state_dict here (unsharded names: every table "
         "gathered, and the dense parameters and buffers)",
     )
+    parser.add_argument(
+        "--dump-steps",
+        default="",
+        help="save the model at these steps, e.g. 30,60 (needs --dump-dir): "
+        "model-step-S.pt (state_dict) and tables-step-S.pt",
+    )
+    parser.add_argument("--dump-dir", type=Path, help="directory of --dump-steps files")
+    parser.add_argument(
+        "--inject-nan-step",
+        type=int,
+        default=0,
+        help="a bad update at this step: NaN gradients (rows and dense weights go NaN); 0 = none",
+    )
     parser.add_argument("--seed", type=int, default=0, help="data and model seed")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -97,6 +110,7 @@ RANGES: dict[str, Range] = {
     "generation": Range(1, float(1 << 63) - 1),
     "seed": Range(0, (1 << 63) - 1),
     "lr": Range(0, 1e6, lo_open=True),
+    "inject_nan_step": Range(0, MAX_COUNT, note="0 = none"),
 }
 
 
@@ -115,6 +129,14 @@ def parse_tables(spec: str, rows: int) -> dict[str, int]:
         if not name:
             raise ConfigError(f"--tables: empty table name in {spec!r}")
     return out
+
+
+def parse_steps(spec: str) -> tuple[int, ...]:
+    """``"30,60"`` -> (30, 60) (``--dump-steps``)."""
+    try:
+        return tuple(int(s) for s in spec.split(",") if s.strip())
+    except ValueError:
+        raise ConfigError(f"--dump-steps: expected steps like 30,60, got {spec!r}") from None
 
 
 def parse_sharding(spec: str, tables: list[str]) -> dict[str, str]:
@@ -177,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         learning_rate=args.lr,
         fsync=not args.no_fsync,
         progress=not args.no_progress,
+        dump_steps=parse_steps(args.dump_steps),
+        dump_dir=args.dump_dir,
+        inject_nan_step=args.inject_nan_step,
     )
     result = run_training(cfg)
     text = json.dumps(asdict(result), indent=None if output.json_lines() else 2)

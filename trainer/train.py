@@ -98,6 +98,16 @@ class TrainConfig:
     learning_rate: float = 0.05
     fsync: bool = True
     progress: bool = True
+    #: Save the model at these steps (after the step's optimizer update and publish, before the
+    #: next step): ``dump_dir/model-step-<S>.pt`` (the unsharded state_dict, as
+    #: ``final_model``) and ``dump_dir/tables-step-<S>.pt`` ({table: tensor}); what a rollback
+    #: to S must restore (tests, ``deltad demo --scenario bad-update``).
+    dump_steps: tuple[int, ...] = ()
+    dump_dir: Path | None = None
+    #: A bad update at this step (0: none): the loss is multiplied by NaN, so every row the
+    #: step looks up and every dense parameter become NaN (and the following steps spread
+    #: them); the validation gate must hold it. Plain loop only.
+    inject_nan_step: int = 0
 
     def __post_init__(self) -> None:
         if self.spool_dir is not None:
@@ -106,6 +116,15 @@ class TrainConfig:
             self.final_tables = Path(self.final_tables)
         if self.final_model is not None:
             self.final_model = Path(self.final_model)
+        if self.dump_dir is not None:
+            self.dump_dir = Path(self.dump_dir)
+        self.dump_steps = tuple(sorted(set(self.dump_steps)))
+        if self.dump_steps and (self.dump_dir is None or self.dump_steps[0] < 1):
+            raise ConfigError("dump_steps need a dump_dir and steps >= 1")
+        if self.inject_nan_step < 0:
+            raise ConfigError("inject_nan_step must be >= 0 (0 = none)")
+        if self.inject_nan_step and self.loop is not TrainLoop.PLAIN:
+            raise ConfigError("inject_nan_step needs the plain loop")
         check_name("model", self.model)
         if self.world_size < 1:
             raise ConfigError("world_size must be >= 1")
@@ -351,13 +370,18 @@ def _optimizer(dmp: Any, lr: float) -> Any:
     return CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)])
 
 
-def _step_fn(cfg: TrainConfig, dmp: Any, optimizer: Any, batches: Iterator[Batch]) -> Any:
-    """A callable running one training step; raises StopIteration when data runs out."""
+def _step_fn(
+    cfg: TrainConfig, dmp: Any, optimizer: Any, batches: Iterator[Batch], at: list[int]
+) -> Any:
+    """A callable running one training step (``at[0]``: the step it runs, counted by the
+    caller); raises StopIteration when data runs out."""
     if cfg.loop is TrainLoop.PLAIN:
 
         def plain() -> None:
             batch = next(batches)
             loss, _ = dmp(batch)
+            if cfg.inject_nan_step and at[0] == cfg.inject_nan_step:
+                loss = loss * float("nan")  # a bad update: NaN gradients everywhere
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -387,7 +411,8 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     if cfg.publish:
         publisher = SegmentPublisher(dmp, cfg.publisher_config())
         publisher.start(0)
-    step_fn = _step_fn(cfg, dmp, optimizer, batches)
+    at = [1]  # the step step_fn runs next
+    step_fn = _step_fn(cfg, dmp, optimizer, batches, at)
     deadline = time.monotonic() + cfg.duration_s if cfg.duration_s else math.inf
     times: list[float] = []
     step = 0
@@ -399,8 +424,15 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
             except StopIteration:
                 break
             step += 1
+            at[0] = step + 1
             if publisher is not None:
                 publisher.maybe_publish(step)
+            if step in cfg.dump_steps:
+                assert cfg.dump_dir is not None
+                state, tables = _full_state(dmp, rank)  # collective: every rank at this step
+                if rank == 0:
+                    _save_atomic(state, cfg.dump_dir / f"model-step-{step}.pt")
+                    _save_atomic(tables, cfg.dump_dir / f"tables-step-{step}.pt")
             times.append(time.perf_counter() - t0)
             bar.update()
             # Stop together: on a signal (any rank) or at the deadline (rank clocks differ).

@@ -100,6 +100,17 @@ class PullResult:
         return any(d.generation_diff is not None for d in self.deltas)
 
     @property
+    def rollback_to(self) -> int | None:
+        """The step of the rollback this pull followed (the tables and dense state go back
+        to ``step``, the newest published step at or before it); None: no rollback."""
+        return next((d.rollback_to for d in self.deltas if d.rollback_to is not None), None)
+
+    @property
+    def rolled_back(self) -> bool:
+        """Whether this pull took the predictor back to an earlier step (a rollback)."""
+        return self.rollback_to is not None
+
+    @property
     def resync_reasons(self) -> dict[int, str]:
         """Why each resynced rank resynced, as its sidecar said (e.g. "new generation: ...")."""
         return {d.rank: d.resync_reason for d in self.deltas if d.resync}

@@ -45,10 +45,14 @@ from deltad.segment.spool import write_atomic
 from deltad.types import SegmentKind, Shard, ShardKey
 
 FORMAT_VERSION = 2
+#: The version written when a shard carries managed-collision identities (raw ids, evictions):
+#: a reader of version 2 refuses such a segment rather than serving slots without identities.
+IDENTITY_FORMAT_VERSION = 3
 #: Versions this module reads, with their leading and trailing magic.
 MAGICS: dict[int, tuple[bytes, bytes]] = {
     1: (b"DLTSEG01", b"DLTEND01"),
     2: (b"DLTSEG02", b"DLTEND02"),
+    3: (b"DLTSEG03", b"DLTEND03"),
 }
 MAGIC, END_MAGIC = MAGICS[FORMAT_VERSION]
 _VERSION_OF_MAGIC = {m: v for v, (m, _) in MAGICS.items()}
@@ -113,15 +117,32 @@ class ShardMeta:
     count: int  # number of rows of the shard in this segment
     ids_offset: int = 0
     values_offset: int = 0
+    #: Version 3, managed-collision tables only: where the ``count`` raw ids (int64, aligned
+    #: with ``ids``: the raw id each slot holds now, ``EMPTY_RAW_ID`` for an emptied slot) sit.
+    raw_ids_offset: int | None = None
+    #: Version 3: raw ids evicted from the shard's slots since the previous segment (int64,
+    #: ascending, unique), ``evicted_count`` of them at ``evicted_offset``.
+    evicted_count: int = 0
+    evicted_offset: int | None = None
+
+    @property
+    def has_identities(self) -> bool:
+        """The shard is of a managed-collision table and carries its slots' raw ids."""
+        return self.raw_ids_offset is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             **asdict(self.shard),
             "dtype": self.dtype,
             "count": self.count,
             "ids_offset": self.ids_offset,
             "values_offset": self.values_offset,
         }
+        if self.has_identities:  # absent for ordinary tables: version-2 headers unchanged
+            d["raw_ids_offset"] = self.raw_ids_offset
+            d["evicted_count"] = self.evicted_count
+            d["evicted_offset"] = self.evicted_offset
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardMeta:
@@ -187,11 +208,25 @@ class SegmentHeader:
 @dataclass
 class ShardRows:
     """Rows of one shard: global ids (int64, unique, ascending) and their values
-    (``[len(ids), shard.width]``; an ids-only merge on the sidecar leaves them empty)."""
+    (``[len(ids), shard.width]``; an ids-only merge on the sidecar leaves them empty).
+
+    A shard of a managed-collision table also carries its slots' identities: ``raw_ids``
+    (int64, aligned with ``ids``: the raw id each listed slot holds after this segment's step,
+    :data:`deltad.types.EMPTY_RAW_ID` for a slot emptied) and ``evicted`` (int64, ascending,
+    unique: the raw ids that left the shard's slots since the previous segment). Both are
+    None for ordinary tables. A base lists every slot, so its ``raw_ids`` is the whole
+    slot -> raw id map of the shard.
+    """
 
     shard: Shard
     ids: torch.Tensor
     values: torch.Tensor
+    raw_ids: torch.Tensor | None = None
+    evicted: torch.Tensor | None = None
+
+    @property
+    def has_identities(self) -> bool:
+        return self.raw_ids is not None
 
     def check(self) -> None:
         """Raise SpoolError unless ids and values have the shapes a segment stores."""
@@ -203,14 +238,30 @@ class ShardRows:
                 f"shard {self.shard.table}: values shape {tuple(self.values.shape)} != "
                 f"({self.ids.numel()}, {width})"
             )
+        if self.evicted is not None and self.raw_ids is None:
+            raise SpoolError(f"shard {self.shard.table}: evicted raw ids without raw_ids")
+        for name, t in (("raw_ids", self.raw_ids), ("evicted", self.evicted)):
+            if t is not None and (t.dtype != torch.int64 or t.dim() != 1):
+                raise SpoolError(f"shard {self.shard.table}: {name} must be a 1-D int64 tensor")
+        if self.raw_ids is not None and self.raw_ids.numel() != self.ids.numel():
+            raise SpoolError(
+                f"shard {self.shard.table}: {self.raw_ids.numel()} raw ids for "
+                f"{self.ids.numel()} slots"
+            )
 
     @property
     def key(self) -> ShardKey:
         return self.shard.key
 
-    def with_rows(self, ids: torch.Tensor, values: torch.Tensor) -> ShardRows:
-        """Other rows of the same shard."""
-        return ShardRows(self.shard, ids, values)
+    def with_rows(
+        self,
+        ids: torch.Tensor,
+        values: torch.Tensor,
+        raw_ids: torch.Tensor | None = None,
+        evicted: torch.Tensor | None = None,
+    ) -> ShardRows:
+        """Other rows of the same shard (with their identities, for a managed-collision one)."""
+        return ShardRows(self.shard, ids, values, raw_ids, evicted)
 
 
 @dataclass
@@ -226,7 +277,13 @@ class Segment:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.ids.nbytes + c.values.nbytes for c in self.shards)
+        return sum(
+            c.ids.nbytes
+            + c.values.nbytes
+            + (0 if c.raw_ids is None else c.raw_ids.nbytes)
+            + (0 if c.evicted is None else c.evicted.nbytes)
+            for c in self.shards
+        )
 
 
 def _as_bytes_view(t: torch.Tensor) -> memoryview:
@@ -283,6 +340,14 @@ def write_segment(
         off = _align(off + c.ids.numel() * 8)
         vals_off = off
         off = _align(off + c.values.numel() * c.values.element_size())
+        raw_off = ev_off = None
+        n_evicted = 0
+        if c.raw_ids is not None:
+            raw_off = off
+            off = _align(off + c.raw_ids.numel() * 8)
+            n_evicted = 0 if c.evicted is None else c.evicted.numel()
+            ev_off = off
+            off = _align(off + n_evicted * 8)
         metas.append(
             ShardMeta(
                 c.shard,
@@ -290,8 +355,13 @@ def write_segment(
                 count=c.ids.numel(),
                 ids_offset=ids_off,
                 values_offset=vals_off,
+                raw_ids_offset=raw_off,
+                evicted_count=n_evicted,
+                evicted_offset=ev_off,
             )
         )
+    version = IDENTITY_FORMAT_VERSION if any(m.has_identities for m in metas) else FORMAT_VERSION
+    magic, end_magic = MAGICS[version]
     header = SegmentHeader(
         model=model,
         generation=generation,
@@ -303,6 +373,7 @@ def write_segment(
         kind=kind,
         created_unix=time.time() if created_unix is None else created_unix,
         shards=tuple(metas),
+        format_version=version,
         first_created_unix=first_created_unix,
     )
     raw = header.to_json()
@@ -310,7 +381,7 @@ def write_segment(
 
     def stream(f: BinaryIO) -> None:
         w = _ChecksumWriter(f)
-        w.write(_PREFIX.pack(MAGIC, len(raw), 0))
+        w.write(_PREFIX.pack(magic, len(raw), 0))
         w.write(raw)
         w.pad_to(payload_start)
         for c, m in zip(shards, metas, strict=True):
@@ -318,8 +389,14 @@ def write_segment(
             w.write(_as_bytes_view(c.ids))
             w.pad_to(payload_start + m.values_offset)
             w.write(_as_bytes_view(c.values))
+            if c.raw_ids is not None and m.raw_ids_offset is not None:
+                w.pad_to(payload_start + m.raw_ids_offset)
+                w.write(_as_bytes_view(c.raw_ids))
+                if c.evicted is not None and m.evicted_offset is not None:
+                    w.pad_to(payload_start + m.evicted_offset)
+                    w.write(_as_bytes_view(c.evicted))
         w.pad_to(payload_start + off)
-        f.write(_TRAILER.pack(w.checksum.value(), END_MAGIC))
+        f.write(_TRAILER.pack(w.checksum.value(), end_magic))
 
     try:
         write_atomic(path, stream, fsync=fsync, suffix=".dseg")
@@ -419,7 +496,19 @@ def read_segment(path: Path, *, verify: bool = True) -> Segment:
             raise SegmentCorruptError(f"{path}: shard {m.shard.table} points past the payload")
         ids = torch.from_numpy(arr[i0:i1]).view(torch.int64)
         values = torch.from_numpy(arr[v0:v1]).view(dtype).view(m.count, width)
-        shards.append(ShardRows(m.shard, ids, values))
+        raw_ids = evicted = None
+        if m.raw_ids_offset is not None:
+            if version < IDENTITY_FORMAT_VERSION or m.evicted_offset is None:
+                raise SegmentCorruptError(
+                    f"{path}: shard {m.shard.table} has identities in a version {version} file"
+                )
+            r0, e0 = payload_start + m.raw_ids_offset, payload_start + m.evicted_offset
+            r1, e1 = r0 + m.count * 8, e0 + m.evicted_count * 8
+            if r1 > limit or e1 > limit or m.evicted_count < 0:
+                raise SegmentCorruptError(f"{path}: shard {m.shard.table} points past the payload")
+            raw_ids = torch.from_numpy(arr[r0:r1]).view(torch.int64)
+            evicted = torch.from_numpy(arr[e0:e1]).view(torch.int64)
+        shards.append(ShardRows(m.shard, ids, values, raw_ids, evicted))
     return Segment(header=header, shards=shards)
 
 

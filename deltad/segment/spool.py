@@ -49,6 +49,9 @@ class TableInfo:
     module: str  # fqn of the (sharded) EC / EBC that owns it
     kind: str  # "ec" or "ebc"
     sharding_type: str  # torchrec sharding type value, e.g. "row_wise"
+    #: A managed-collision (ZCH) table: its rows are slots, and its segments carry each
+    #: changed slot's raw id and the raw ids evicted (segment format version 3).
+    managed_collision: bool = False
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,19 @@ def check_header(
             raise SegmentCorruptError(f"{where}: offsets are not 8-byte aligned")
         if not isinstance(c.dtype, str):
             raise SegmentCorruptError(f"{where}: dtype {c.dtype!r:.40} is not a name")
+        if c.has_identities != t.managed_collision:
+            raise SegmentCorruptError(
+                f"{where}: a managed-collision table's shard must carry its slots' raw ids, "
+                "and only such a shard may"
+            )
+        if c.has_identities:
+            _int(c.evicted_count, f"{where} evicted_count", 0, t.num_rows * 1024)
+            for name, off in (
+                ("raw_ids_offset", c.raw_ids_offset),
+                ("evicted_offset", c.evicted_offset),
+            ):
+                if _int(off, f"{where} {name}") % 8:
+                    raise SegmentCorruptError(f"{where}: {name} is not 8-byte aligned")
         if c.shard.key in seen:
             raise SegmentCorruptError(f"{where}: shard appears twice")
         seen.add(c.shard.key)
@@ -142,6 +155,12 @@ def check_rows(seg: Segment) -> None:
             )
         if n > 1 and not bool(torch.all(ids[1:] > ids[:-1])):
             raise SegmentCorruptError(f"shard {c.shard.table}: ids not strictly ascending")
+    for c in seg.shards:
+        ev = c.evicted
+        if ev is not None and ev.numel() > 1 and not bool(torch.all(ev[1:] > ev[:-1])):
+            raise SegmentCorruptError(
+                f"shard {c.shard.table}: evicted raw ids not strictly ascending"
+            )
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from deltad import output
-from deltad.config import RELAY_RANGES, SERVER_RANGES, Range
+from deltad.config import RELAY_RANGES, SERVER_FLAG_DESTS, SERVER_RANGES, Range
 from deltad.errors import ConfigError
 
 #: Every numeric flag's range (by argparse dest; the ServerConfig field's, checked again
 #: there for values from the environment).
 RANGES: dict[str, Range] = {
-    **{field.removesuffix("_s"): rng for field, rng in SERVER_RANGES.items()},
+    **{SERVER_FLAG_DESTS[field]: rng for field, rng in SERVER_RANGES.items()},
     "upstream_long_poll": RELAY_RANGES["long_poll_s"],
 }
 
@@ -164,6 +164,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "bootstraps bigger than the window cache (0 = off)",
         ),
         ("merge-min-segments", int, 4, "retention: merge runs of at least this many segments"),
+        (
+            "restore-window-steps",
+            int,
+            0,
+            "rollback: keep the state of every segment within this many steps of the head "
+            "(restore points retention never merges away; 0 = off)",
+        ),
+        (
+            "restore-window-seconds",
+            float,
+            0.0,
+            "rollback: ... and of every segment published within this many seconds (0 = off)",
+        ),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
         (
             "owed-max-bytes",
@@ -194,6 +207,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=_typed_env(env, kind, default),
             help=f"{text} [DELTAD_{env}]",
         )
+    a(
+        "--release-state-file",
+        default=_env("RELEASE_STATE_FILE"),
+        help="rollout: read the model's release state (hold, pins, canary, rollback) from this "
+        "JSON file (ReleaseState.to_json), re-read when it changes; unset: the head is "
+        "released [DELTAD_RELEASE_STATE_FILE]",
+    )
     a(
         "--upstream",
         default=_env("UPSTREAM"),
@@ -297,6 +317,8 @@ def build_config(args: argparse.Namespace) -> Any:
         generation_keep_bytes=value(args.generation_keep_bytes),
         spill_max_bytes=value(args.spill_max_bytes),
         merge_min_segments=value(args.merge_min_segments),
+        restore_window_steps=value(args.restore_window_steps),
+        restore_window_s=value(args.restore_window_seconds),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),
         owed_max_bytes=value(args.owed_max_bytes),
@@ -356,9 +378,14 @@ def run(args: argparse.Namespace) -> int:
     if relay is not None:
         from deltad.serve.relay.server import RelayServer
 
-        server = RelayServer(config, relay).start()
+        server = RelayServer(config, relay)
     else:
-        server = SidecarServer(config).start()
+        server = SidecarServer(config)
+    if args.release_state_file:
+        from deltad.serve.release_file import ReleaseFile
+
+        server.set_release(ReleaseFile(Path(args.release_state_file)))
+    server.start()
     output.line(f"serving {config.model} rank {config.rank} on {server.endpoint}", file=sys.stdout)
     while not stop.wait(0.5):
         if reload.is_set():

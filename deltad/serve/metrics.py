@@ -59,6 +59,11 @@ class SidecarMetrics:
             "deltad_generation_resyncs",
             "Consumers moved to a new generation by a full resync (no diff possible)",
         )
+        # rollout: rollback (issue 21)
+        self.rollbacks = counter(
+            "deltad_rollbacks",
+            "Rollback windows served (a consumer taken back to a rollback order's step)",
+        )
         self.rpc_requests = Counter(
             "deltad_rpc_requests",
             "RPCs handled, by method and gRPC status code",

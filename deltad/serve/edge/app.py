@@ -59,6 +59,7 @@ from deltad.serve.edge.service import SERVICE_NAME, DeltaServicer, handlers
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.index.retention import Retention
 from deltad.serve.metrics import RpcMetricsInterceptor, SidecarMetrics
+from deltad.serve.rollout import ReleaseState
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.state.owed import OwedStore
 
@@ -124,6 +125,7 @@ class SidecarServer:
         #: why readiness is NOT_SERVING, by source ("redis", "upstream", ...); empty: SERVING
         self._problems: dict[str, str] = {}
         self._health_lock = threading.Lock()
+        self._release: Callable[[], ReleaseState] | None = None
         self.store: OffsetStore
         self.log: SegmentLog
         self.servicer: DeltaServicer
@@ -170,12 +172,17 @@ class SidecarServer:
         self.owed = owed
         self.servicer = DeltaServicer(cfg, self.log, self.store, owed, self.metrics)
         self.servicer.health_reason = lambda: self.health_reason
+        if self._release is not None:
+            self.servicer.windows.release = self._release
         self.metrics.track_sidecar(self.servicer, self.log)
         self.retention = Retention(
             self.log,
             self.store,
             min_segments=cfg.merge_min_segments,
             max_bytes=knobs.MERGE_MAX_BYTES_PER_ROUND,
+            restore_steps=cfg.restore_window_steps,
+            restore_seconds=cfg.restore_window_s,
+            release=lambda: self.servicer.windows.release(),
         )
         store = self.store
         self.gate = Gate(
@@ -266,6 +273,15 @@ class SidecarServer:
         log.debug(
             "serving %s rank %d on %s", cfg.model, cfg.rank, self.endpoint
         )  # printed by the CLI
+
+    def set_release(self, provider: Callable[[], ReleaseState]) -> None:
+        """Serve under the model's release state that ``provider`` returns (called at every
+        GetDelta; it must be cheap: a cached read). Caps and rollback orders then apply to
+        every consumer of this sidecar (deltad.serve.rollout, deltad.serve.windows.rollback).
+        Before :meth:`start`, or any time after."""
+        self._release = provider
+        if hasattr(self, "servicer"):
+            self.servicer.windows.release = provider
 
     def _credentials(self) -> Credentials | None:
         cfg = self.config

@@ -13,6 +13,13 @@ Merging is lossless (union of ids, latest value wins): the merged file is writte
 under the last input's name with ``first_seq..seq``, then the inputs are deleted; a crash in
 between leaves files that :class:`~deltad.serve.index.log.SegmentLog` deletes as covered.
 
+While a live consumer has still to follow a rollback order, the order's restore point is
+pinned like a cursor (no merge crosses it), even once it left the restore window.
+
+Neither kind of merge covers an entry of the restore window (``restore_steps`` /
+``restore_seconds``, :func:`deltad.serve.index.restore.merge_limit`): every step in it stays
+restorable for a rollback.
+
 An expired-lease consumer pins nothing: if it comes back behind the merged base it gets a
 resync from that base (a full-table window); if its cursor falls inside a merged delta, the
 whole merged entry is served (a superset of rows, still exact for ids and rows; top-k held
@@ -22,13 +29,16 @@ values are then approximate for the rows merged before its cursor).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from deltad.errors import OffsetStoreError, SegmentCorruptError, SpoolError
 from deltad.segment.format import write_segment
-from deltad.serve.index.log import LogEntry, SegmentLog
+from deltad.serve.index.log import LogEntry, LogSnapshot, SegmentLog
 from deltad.serve.index.merge import merge_entries
+from deltad.serve.index.restore import merge_limit
+from deltad.serve.rollout import ReleaseState
 from deltad.serve.state.offsets import OffsetStore
+from deltad.serve.windows.decide import LogView
 from deltad.serve.windows.gendiff import drop_unpinned
 from deltad.types import SegmentKind
 
@@ -45,11 +55,19 @@ class Retention:
         *,
         min_segments: int = 4,
         max_bytes: int = 1 << 30,
+        restore_steps: int = 0,
+        restore_seconds: float = 0.0,
+        release: Callable[[], ReleaseState] | None = None,
     ) -> None:
         self.seglog = seglog
         self.store = store
         self.min_segments = min_segments
         self.max_bytes = max_bytes
+        self.restore_steps = restore_steps
+        self.restore_seconds = restore_seconds
+        #: the model's release state (its rollback order's restore point is kept while a
+        #: consumer has still to follow it)
+        self.release = release
         #: The (first_seq, seq) of a merge that failed unexpectedly: not retried, so one bad
         #: entry cannot make every round fail (other merges still run).
         self._failed: set[tuple[int, int]] = set()
@@ -74,8 +92,14 @@ class Retention:
         except OffsetStoreError as e:
             log.warning("retention skipped: %s", e)
             return None
+        held = self._rollback_pin(snap)
+        if held is not None:
+            pins = sorted({*pins, held})
         base, deltas = snap.base, snap.entries[1:]
         floor = pins[0] if pins else snap.head.seq
+        limit = merge_limit(snap, steps=self.restore_steps, seconds=self.restore_seconds)
+        if limit is not None:
+            floor = min(floor, limit)
         forward = [e for e in deltas if e.seq <= floor]
         # Rewriting the base costs its size: do it once the deltas it absorbs are many or
         # at least 1/8 of it (write amplification <= 8x), not for every new segment.
@@ -86,11 +110,30 @@ class Retention:
         bounds = [p for p in pins if p > base.seq]
         lo = base.seq
         for hi in [*bounds, snap.head.seq]:
-            run = [e for e in deltas if lo < e.first_seq and e.seq <= hi]
+            end = hi if limit is None else min(hi, limit)
+            run = [e for e in deltas if lo < e.first_seq and e.seq <= end]
             if len(run) >= self.min_segments:
                 return self._bounded(run)
             lo = hi
         return None
+
+    def _rollback_pin(self, snap: LogSnapshot) -> int | None:
+        """The seq of the rollback order's restore point while a live consumer has still to
+        follow the order on this rank (None otherwise, or if the log cannot restore it)."""
+        rb = self.release().rollback if self.release is not None else None
+        if rb is None:
+            return None
+        target = LogView.of(snap).restore_point(rb.to_step)
+        if isinstance(target, str):
+            return None
+        try:
+            behind = self.store.behind_rollback(
+                self.seglog.rank, snap.generation, rb.to_step, rb.epoch, rb.group
+            )
+        except OffsetStoreError as e:  # keep it then: a merge can wait, a lost step cannot
+            log.warning("retention: cannot read the cursors behind a rollback: %s", e)
+            behind = True
+        return target[0] if behind else None
 
     def run_once(self) -> bool:
         """Do at most one merge; True if the log changed. Dense states older than the newest

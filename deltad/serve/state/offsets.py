@@ -2,7 +2,8 @@
 
 Every call retries connection failures a bounded number of times with exponential backoff and
 then raises :class:`~deltad.errors.OffsetStoreError`; nothing is ever reset on failure. Commit
-is one Lua script: forward-only, only for the pull this server issued to that consumer.
+is one Lua script: forward-only (except the commit of a rollback window, which moves the cursor back to the
+rollback's step), only for the pull this server issued to that consumer.
 """
 
 from __future__ import annotations
@@ -48,20 +49,25 @@ local function gt(a, b)
 end
 if redis.call('HGET', KEYS[1], 'pull_id') == ARGV[1] then return 'same' end
 local p = redis.call('HMGET', KEYS[2], 'pull_id', 'generation', 'seq', 'step',
-                     'owed_token', 'owed_rows')
+                     'owed_token', 'owed_rows', 'rollback_epoch', 'rollback')
 if not p[1] then
   if redis.call('EXISTS', KEYS[1]) == 0 then return 'no_consumer' end
   return 'unknown_pull'
 end
 if p[1] ~= ARGV[1] then return 'unknown_pull' end
 if p[2] ~= ARGV[2] or p[3] ~= ARGV[3] or p[4] ~= ARGV[4] then return 'mismatch' end
-local c = redis.call('HMGET', KEYS[1], 'generation', 'seq')
+local c = redis.call('HMGET', KEYS[1], 'generation', 'seq', 'rollback_epoch')
+local epoch = tonumber(p[7] or '0') or 0
 if c[1] then
   if gt(c[1], p[2]) then return 'old_generation' end
-  if c[1] == p[2] and tonumber(c[2]) > tonumber(p[3]) then return 'behind' end
+  -- a cursor moves back only for the rollback window this server issued (p[8] = '1')
+  if c[1] == p[2] and tonumber(c[2]) > tonumber(p[3]) and p[8] ~= '1' then return 'behind' end
+  local held = tonumber(c[3] or '0') or 0
+  if held > epoch then epoch = held end
 end
 redis.call('HSET', KEYS[1], 'generation', p[2], 'seq', p[3], 'step', p[4], 'pull_id', p[1],
-           'owed_token', p[5], 'owed_rows', p[6], 'updated_unix', ARGV[5])
+           'owed_token', p[5], 'owed_rows', p[6], 'updated_unix', ARGV[5],
+           'rollback_epoch', tostring(epoch))
 redis.call('DEL', KEYS[2])
 return 'ok'
 """
@@ -116,6 +122,9 @@ class StoredCursor:
     owed_token: str = ""
     owed_rows: int = 0
     updated_unix: float = 0.0
+    #: the newest rollback order (ReleaseState.rollback.epoch) this consumer followed on
+    #: this rank (or was at or before the order's step when it pulled)
+    rollback_epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,10 @@ class PendingPull:
     step: int
     owed_token: str = ""
     owed_rows: int = 0
+    #: the rollback order in force for this consumer when it pulled (its commit records it)
+    rollback_epoch: int = 0
+    #: a rollback window: its commit may move the cursor back (and only its commit)
+    rollback: bool = False
 
 
 def _s(v: Any) -> str:
@@ -146,6 +159,7 @@ def _cursor(raw: dict[Any, Any]) -> StoredCursor | None:
         owed_token=d.get("owed_token", ""),
         owed_rows=int(d.get("owed_rows", "0") or 0),
         updated_unix=float(d.get("updated_unix", "0") or 0),
+        rollback_epoch=int(d.get("rollback_epoch", "0") or 0),
     )
 
 
@@ -160,6 +174,8 @@ def _pull(raw: dict[Any, Any]) -> PendingPull | None:
         int(d["step"]),
         d.get("owed_token", ""),
         int(d.get("owed_rows", "0") or 0),
+        int(d.get("rollback_epoch", "0") or 0),
+        d.get("rollback", "") == "1",
     )
 
 
@@ -252,6 +268,8 @@ class OffsetStore:
             "step": str(pull.step),
             "owed_token": pull.owed_token,
             "owed_rows": str(pull.owed_rows),
+            "rollback_epoch": str(pull.rollback_epoch),
+            "rollback": "1" if pull.rollback else "0",
         }
 
         def run() -> None:
@@ -452,6 +470,24 @@ class OffsetStore:
             *self.pending_pulls(live, rank).values(),
         ]
         return sorted({r.seq for r in recs if r is not None and r.generation == generation})
+
+    def behind_rollback(
+        self, rank: int, generation: int, to_step: int, epoch: int, group: str
+    ) -> bool:
+        """Whether a live consumer matching ``group`` still has to follow the rollback order
+        (``to_step``, ``epoch``) on ``rank``: its committed cursor is of ``generation``, past
+        ``to_step``, and has not recorded ``epoch``."""
+        import fnmatch
+
+        names = [c for c in self.consumers() if fnmatch.fnmatchcase(c, group)]
+        live = [c for c, left in self.lease_remaining(names).items() if left > 0]
+        return any(
+            cur is not None
+            and cur.generation == generation
+            and cur.step > to_step
+            and cur.rollback_epoch < epoch
+            for cur in self.cursors(live, rank).values()
+        )
 
     # --- rank registry -------------------------------------------------------------------
 

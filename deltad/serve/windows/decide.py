@@ -17,6 +17,7 @@ from deltad import wire
 from deltad.config import check_name
 from deltad.errors import ConfigError
 from deltad.serve.index.log import LogSnapshot
+from deltad.serve.rollout import Rollback
 from deltad.serve.state.offsets import StoredCursor
 from deltad.types import Form
 
@@ -33,10 +34,16 @@ class LogView:
 
     generation: int
     entries: tuple[tuple[int, int], ...]
+    #: every entry's first_seq (a merged entry's < its seq), base first; () if unknown
+    first_seqs: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, snap: LogSnapshot) -> LogView:
-        return cls(snap.generation, tuple((e.seq, e.step) for e in snap.entries))
+        return cls(
+            snap.generation,
+            tuple((e.seq, e.step) for e in snap.entries),
+            tuple(e.first_seq for e in snap.entries),
+        )
 
     @property
     def base_seq(self) -> int:
@@ -56,6 +63,31 @@ class LogView:
                 break
             best = e
         return best
+
+    def restore_point(self, step: int) -> tuple[int, int] | str:
+        """(seq, step) of the entry whose state is exactly the state at trainer step ``step``
+        (the newest entry at or before it), or why this log cannot restore that step: it is
+        older than the base, or it falls inside a merged entry (a retention merge swallowed
+        the segments around it; see deltad.serve.index.restore)."""
+        base_seq, base_step = self.entries[0]
+        if step < base_step:
+            return f"step {step} is older than the log's base (seq {base_seq}, step {base_step})"
+        best = self.entries[0]
+        for i, e in enumerate(self.entries[1:], 1):
+            if e[1] > step:
+                first = self.first_seqs[i] if self.first_seqs else e[0]
+                if best[1] != step and first != e[0]:
+                    return (
+                        f"step {step} falls inside merged segment seq {first}..{e[0]} "
+                        f"(steps {best[1]}..{e[1]}): not a restore point"
+                    )
+                break
+            best = e
+        return best
+
+    def holds_state_at(self, seq: int) -> bool:
+        """Whether the state after segment ``seq`` is in this log (an entry ends there)."""
+        return any(s == seq for s, _ in self.entries)
 
 
 @dataclass(frozen=True)
@@ -96,6 +128,14 @@ class WindowDecision:
     #: A generation diff (see deltad.serve.windows.gendiff): the cursor's (older generation, seq),
     #: whose held log the window is diffed against; None otherwise.
     diff_from: tuple[int, int] | None = None
+    #: A rollback (deltad.serve.rollout.Rollback) this window follows: the order's step; the
+    #: window goes BACK from the cursor (``from_seq``) to ``to_seq``, the restore point at or
+    #: before that step (a diff of the two states, or a resync with ``resync``), and its commit
+    #: may move the cursor back. None: not a rollback.
+    rollback_to: int | None = None
+    #: The epoch of the rollback order in force for this consumer (0: none): the pull records
+    #: it, so that once committed the consumer is never rolled back by that order again.
+    rollback_epoch: int = 0
 
     def resynced(self, reason: str) -> WindowDecision:
         """The same window served from the base instead (the owed rows could not be read)."""
@@ -123,12 +163,47 @@ def _no_diff(ask: WindowAsk, stored: StoredCursor, previous: LogView | None) -> 
     return ""
 
 
+def _rollback(
+    ask: WindowAsk, stored: StoredCursor, log: LogView, order: Rollback
+) -> WindowDecision:
+    """The window of a consumer (cursor of the log's generation, past ``order.to_step``) that
+    has not followed ``order`` yet: back to the restore point of the order's step."""
+    gen = log.generation
+    target = log.restore_point(order.to_step)
+    if isinstance(target, str):
+        return WindowDecision(
+            gen, False, -1, -1, -1,
+            refusal=f"rollback to step {order.to_step} (epoch {order.epoch}) cannot be "
+            f"served: {target}",
+        )  # fmt: skip
+    to_seq, to_step = target
+    why = f"rollback to step {order.to_step}"
+    if ask.from_base:
+        resync = "asked"
+    elif stored.seq < log.base_seq:
+        resync = "behind the base"
+    elif not log.holds_state_at(stored.seq):
+        resync = f"the cursor (seq {stored.seq}) is inside a merged segment"
+    else:
+        resync = ""
+    if resync:
+        return WindowDecision(
+            gen, True, -1, to_seq, to_step, reason=f"{why}: {resync}",
+            rollback_to=order.to_step, rollback_epoch=order.epoch,
+        )  # fmt: skip
+    return WindowDecision(
+        gen, False, stored.seq, to_seq, to_step, stored.owed_token, why,
+        rollback_to=order.to_step, rollback_epoch=order.epoch,
+    )  # fmt: skip
+
+
 def decide_window(
     ask: WindowAsk,
     stored: StoredCursor | None,
     log: LogView,
     previous: LogView | None = None,
     previous_missing: str = "",
+    rollback: Rollback | None = None,
 ) -> WindowDecision:
     """The window for ``ask`` given the consumer's committed cursor and the log.
 
@@ -143,7 +218,28 @@ def decide_window(
     The window ends at the newest entry with step <= ``max_step`` (the head without one); a
     window after the cursor never ends before it (nothing new: an empty window at the cursor),
     and neither does an asked-for resync of the cursor's generation (its commit would be
-    refused, leaving tables older than the cursor says)."""
+    refused, leaving tables older than the cursor says).
+
+    ``rollback``: the rollback order that applies to this consumer (deltad.serve.rollout.cap_for).
+    A consumer whose cursor is of the log's generation, past the order's step, and that has
+    not followed the order yet (``stored.rollback_epoch`` < its epoch) goes back to the
+    restore point of that step (:meth:`LogView.restore_point`: refused if the log cannot
+    restore it), whatever ``max_step`` says; every other decision only carries the order's
+    epoch, so that its commit records that the consumer is at or before that step."""
+    decision = _decide(ask, stored, log, previous, previous_missing, rollback)
+    if rollback is not None and not decision.rollback_epoch and not decision.refusal:
+        decision = replace(decision, rollback_epoch=rollback.epoch)
+    return decision
+
+
+def _decide(
+    ask: WindowAsk,
+    stored: StoredCursor | None,
+    log: LogView,
+    previous: LogView | None,
+    previous_missing: str,
+    rollback: Rollback | None,
+) -> WindowDecision:
     gen = log.generation
     if stored is not None and stored.generation > gen:
         return WindowDecision(
@@ -151,6 +247,14 @@ def decide_window(
             refusal=f"consumer {ask.consumer!r} is at generation {stored.generation}, newer "
             f"than the served {gen}; this sidecar has not seen it yet",
         )  # fmt: skip
+    if (
+        rollback is not None
+        and stored is not None
+        and stored.generation == gen
+        and stored.rollback_epoch < rollback.epoch
+        and stored.step > rollback.to_step
+    ):
+        return _rollback(ask, stored, log, rollback)
     if stored is None:
         reason = "no cursor"
     elif stored.generation < gen and not ask.from_base:

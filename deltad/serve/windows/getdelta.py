@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import grpc
@@ -25,12 +25,14 @@ from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.rollout import ReleaseState, cap_for
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.windows import encode
 from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
-from deltad.serve.windows.gendiff import GenerationDiffs, with_reason
+from deltad.serve.windows.gendiff import GenerationDiffs, with_reason, with_rollback
 from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec, build_window
+from deltad.serve.windows.rollback import RollbackWindows
 from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
@@ -62,6 +64,11 @@ class WindowServer:
         self.gendiff = GenerationDiffs(seglog, owed, metrics, self.cache)
         # bootstraps bigger than the window cache start from a spilled merged base
         self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
+        self.rollbacks = RollbackWindows(self.cache)
+        #: The model's release state (deltad.serve.rollout): how far each consumer may be
+        #: served and the rollback order it must follow. The default releases the head to
+        #: everyone; the sidecar plugs in the persisted state (SidecarServer.set_release).
+        self.release: Callable[[], ReleaseState] = ReleaseState
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -120,13 +127,26 @@ class WindowServer:
                 self.store.touch(consumer, self.config.lease_ttl_s)
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            cap = cap_for(self.release(), consumer)
+            ask = WindowAsk.of(req)
+            if cap.max_step is not None and (ask.max_step is None or ask.max_step > cap.max_step):
+                ask = replace(ask, max_step=cap.max_step)
             decision = decide_window(
-                WindowAsk.of(req), stored, LogView.of(snap), *self.gendiff.previous()
+                ask, stored, LogView.of(snap), *self.gendiff.previous(), rollback=cap.rollback
             )
             if decision.refusal:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
             diff, diff_hit, decision = self.gendiff.window(consumer, snap, shape, decision)
             owed = {}
+            if decision.rollback_to is not None and not decision.resync:
+                try:
+                    if decision.owed_token:
+                        owed = self.owed.load(consumer, decision.owed_token, gen)
+                    diff, diff_hit = self.rollbacks.window(snap, shape, decision, owed)
+                    owed = {}
+                except SpoolError as e:
+                    log.warning("%s: rollback from the base: %s", consumer, e)
+                    decision = decision.resynced(f"rollback to step {decision.rollback_to}: {e}")
             if decision.owed_token and diff is None:
                 try:
                     owed = self.owed.load(consumer, decision.owed_token, gen)
@@ -161,8 +181,13 @@ class WindowServer:
                 if win.owed:
                     self.owed.save(consumer, token, gen, to_seq, win.owed)
                 self.store.record_pull(
-                    consumer, rank, PendingPull(pull_id, gen, to_seq, to_step, token, win.owed_rows)
-                )
+                    consumer,
+                    rank,
+                    PendingPull(
+                        pull_id, gen, to_seq, to_step, token, win.owed_rows,
+                        decision.rollback_epoch, decision.rollback_to is not None,
+                    ),
+                )  # fmt: skip
                 self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
@@ -172,7 +197,12 @@ class WindowServer:
                 _abort(context, grpc.StatusCode.INTERNAL, str(e))
             if hit:
                 self.metrics.cache_hits.inc()
-            yield with_reason(win.header, decision.reason) if decision.resync else win.header
+            if decision.rollback_to is not None:
+                self.metrics.rollbacks.inc()
+            header = with_reason(win.header, decision.reason) if decision.resync else win.header
+            if decision.rollback_to is not None and decision.resync:
+                header = with_rollback(header, decision.rollback_to, decision.rollback_epoch)
+            yield header
             for c in win.iter_chunks():
                 if time.monotonic() > slot.deadline:
                     _abort(

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,12 @@ import torch
 from deltad import wire
 from deltad.segment.format import ShardRows
 from deltad.serve.index.log import DenseEntry, LogSnapshot
-from deltad.serve.index.merge import merge_rows, plan_shard
+from deltad.serve.index.merge import (
+    admitted_raw_ids,
+    merge_identities,
+    merge_rows,
+    plan_shard,
+)
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.windows import encode
@@ -272,6 +277,9 @@ def _header(
             col_end=m.shard.col_end,
             count=m.count,
             owed=m.owed,
+            identities=m.identities,
+            evicted_count=m.evicted,
+            admitted_count=m.admitted,
         )
         if with_values and spec.dtype.packed:
             dtype = m.wire_dtype(spec.dtype)
@@ -290,6 +298,17 @@ class ShardLine:
     shard: Shard
     count: int
     owed: int = 0
+    #: a managed-collision shard: raw ids with its rows, and this many evicted / admitted
+    identities: bool = False
+    evicted: int = 0
+    admitted: int = 0
+
+    def with_identities(self, idn: encode.Identities | None) -> ShardLine:
+        """This line announcing ``idn`` (None: an ordinary shard, unchanged)."""
+        if idn is None:
+            return self
+        admitted = 0 if idn.admitted is None else idn.admitted.numel()
+        return replace(self, identities=True, evicted=idn.evicted.numel(), admitted=admitted)
 
     def wire_dtype(self, dtype: WireDtype) -> WireDtype:
         """The dtype this shard's values travel in for a request of ``dtype`` (a packed one
@@ -341,6 +360,17 @@ def build_window(
     plan: list[tuple[ShardRows | None, ShardLine]] = []
     by_key: dict[ShardKey, list[ShardRows]] = {}
     sources: dict[int, _MergedShard] = {}
+    idents: dict[int, encode.Identities] = {}
+    held_state = [] if spec.resync else snap.upto(spec.from_seq)
+
+    def identities(key: ShardKey, r: ShardRows) -> encode.Identities | None:
+        """A managed-collision shard's identities in this window (admitted: FORM_IDS)."""
+        if r.raw_ids is None:
+            return None
+        evicted = r.evicted if r.evicted is not None else torch.empty(0, dtype=torch.int64)
+        admitted = admitted_raw_ids(r, key, held_state) if spec.form is Form.IDS else None
+        return encode.Identities(r.raw_ids, evicted, admitted)
+
     wanted = set(keys)
     for part in parts:
         for key, c in part.items():
@@ -353,15 +383,22 @@ def build_window(
                 continue
             if len(cs) == 1 or not with_values:
                 r = merge_rows(cs, with_values=with_values)
-                plan.append((r, ShardLine(r.shard, r.ids.numel())))
+                idn = identities(key, r)
+                if idn is not None:
+                    idents[len(plan)] = idn
+                plan.append((r, ShardLine(r.shard, r.ids.numel()).with_identities(idn)))
             else:  # the ids now (the count); the values range by range as chunks are encoded
                 src = _MergedShard(cs)
                 sources[len(plan)] = src
-                plan.append((None, ShardLine(cs[-1].shard, src.ids.numel())))
+                idn = None
+                if any(c.has_identities for c in cs):  # raw ids: one int64 per slot, merged now
+                    idn = encode.Identities(*merge_identities(cs, src.ids))
+                    idents[len(plan)] = idn
+                line = ShardLine(cs[-1].shard, src.ids.numel()).with_identities(idn)
+                plan.append((None, line))
     else:
         merged = {k: merge_rows(cs, with_values=with_values) for k, cs in by_key.items()}
         head_state = snap.upto(spec.to_seq)
-        held_state = [] if spec.resync else snap.upto(spec.from_seq)
         budget = spec.max_rows if spec.max_rows and not spec.resync else None
         for key in keys:
             m, o = merged.get(key), owed.get(key)
@@ -382,8 +419,13 @@ def build_window(
             if ws.owed is not None and n_owed:
                 new_owed[key] = ws.owed
             if budget is not None:
-                budget -= ws.rows.ids.numel()
-            plan.append((ws.rows, ShardLine(ws.rows.shard, ws.rows.ids.numel(), n_owed)))
+                # (re-identified slots may go beyond it: nothing is left for the rest)
+                budget = max(0, budget - ws.rows.ids.numel())
+            idn = identities(key, ws.rows)
+            if idn is not None:
+                idents[len(plan)] = idn
+            line = ShardLine(ws.rows.shard, ws.rows.ids.numel(), n_owed).with_identities(idn)
+            plan.append((ws.rows, line))
     dense = window_dense(snap, spec)
     bound = window_bound(spec, [m for _, m in plan], dense)
     win = EncodedWindow(
@@ -403,11 +445,13 @@ def build_window(
         for i, (r, m) in enumerate(plan):
             dtype = m.wire_dtype(spec.dtype)
             if r is None:
-                chunks = sources[i].encode(i, dtype, spec.chunk_bytes, spec.row_alignment)
+                chunks = sources[i].encode(
+                    i, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i)
+                )
             else:
                 values = None if spec.form is Form.IDS else r.values
                 chunks = encode.encode_shard_chunks(
-                    i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment
+                    i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i)
                 )
             for msg in chunks:
                 yield msg, time.perf_counter() - t
@@ -479,12 +523,16 @@ def window_bound(spec: WindowSpec, lines: list[ShardLine], dense: DenseEntry | N
     ``lines`` (known before any chunk is produced: the cache reserves it)."""
     total = 0
     for m in lines:
+        extras = m.evicted + m.admitted
+        total += extras * 8 + encode.extra_chunks(extras, spec.chunk_bytes) * _CHUNK_FRAMING
         if not m.count:
             continue
         width = m.shard.col_end - m.shard.col_start
         dtype = m.wire_dtype(spec.dtype) if spec.form is not Form.IDS else None
-        step = encode.rows_per_chunk(width, dtype, spec.chunk_bytes, spec.row_alignment)
-        row = 8
+        step = encode.rows_per_chunk(
+            width, dtype, spec.chunk_bytes, spec.row_alignment, m.identities
+        )
+        row = 16 if m.identities else 8
         if dtype is not None and dtype.packed:
             row += wire.packed_row_bytes(width, dtype, spec.row_alignment)
         elif dtype is not None:
@@ -558,23 +606,30 @@ class _MergedShard:
         )
 
     def encode(
-        self, index: int, dtype: WireDtype, chunk_bytes: int, alignment: int = 0
+        self,
+        index: int,
+        dtype: WireDtype,
+        chunk_bytes: int,
+        alignment: int = 0,
+        idn: encode.Identities | None = None,
     ) -> Iterator[bytes]:
         """The shard's RowChunk messages (``index`` in the header), in row order
-        (``alignment``: of packed rows)."""
+        (``alignment``: of packed rows; ``idn``: a managed-collision shard's identities, see
+        :func:`~deltad.serve.windows.encode.encode_shard_chunks`)."""
         ids, cs = self.ids, self.parts
         n = ids.numel()
         if n == 0:
+            yield from encode.extra_identity_chunks(index, 0, idn, chunk_bytes)
             return
         if not self.ranged:
             m = merge_rows(cs)
             yield from encode.encode_shard_chunks(
-                index, m.ids, m.values, dtype, chunk_bytes, alignment
+                index, m.ids, m.values, dtype, chunk_bytes, alignment, idn
             )
             return
         last = cs[-1]
         width = last.shard.col_end - last.shard.col_start
-        step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment)
+        step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment, idn is not None)
         bounds = torch.arange(0, n + step, step).clamp_(max=n)
         dests, spans = [], []
         for c in cs:
@@ -603,14 +658,24 @@ class _MergedShard:
                     break
             later = [j for j in range(first + 1, len(cs)) if spans[j][r + 1] > spans[j][r]]
             lo, hi = spans[first][r], spans[first][r + 1]
+            ev, ad = encode.identity_runs(idn, a, b)
             if hi - lo == b - a and not later:  # nothing newer in this range: a view
                 vals = cs[first].values[lo:hi]
-                yield encode.encode_rows(index, a, ids[a:b], vals, dtype, alignment)
+                yield encode.encode_rows(index, a, ids[a:b], vals, dtype, alignment, idn, ev, ad)
                 continue
             msg = None
             if wire_torch is not None:
-                msg = encode.ChunkMessage(index, a, b - a, (b - a) * wire_row_bytes)
+                msg = encode.ChunkMessage(
+                    index,
+                    a,
+                    b - a,
+                    (b - a) * wire_row_bytes,
+                    raw_ids=idn is not None,
+                    evicted=ev[1] - ev[0],
+                    admitted=ad[1] - ad[0],
+                )
                 msg.ids[:] = ids[a:b].numpy()
+                encode.put_identities(msg, idn, a, b, ev, ad)
             if direct:
                 assert msg is not None
                 out = msg.values.view(np.dtype((np.void, row_bytes)))
@@ -626,7 +691,9 @@ class _MergedShard:
                 out[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
             del out
             if msg is None:  # int8, packed: quantize / pack the merged rows
-                yield encode.encode_rows(index, a, ids[a:b], buf[: b - a], dtype, alignment)
+                yield encode.encode_rows(
+                    index, a, ids[a:b], buf[: b - a], dtype, alignment, idn, ev, ad
+                )
                 continue
             if not direct:  # cast the merged rows into the message
                 assert wire_torch is not None
@@ -634,6 +701,7 @@ class _MergedShard:
                 into.copy_(buf[: b - a])
                 del into
             yield msg.data
+        yield from encode.extra_identity_chunks(index, n, idn, chunk_bytes)
 
 
 class WindowCache:

@@ -1,0 +1,249 @@
+"""`deltad demo --scenario bad-update`: a bad trainer step, the gate, a canary, and a rollback.
+
+The reference trainer (2 gloo ranks, mixed sharding, a segment and a dense state every 2
+steps) trains ``STEPS`` steps; at ``BAD`` it injects a bad update (``--inject-nan-step``: NaN
+gradients, so every row that step touches and every dense weight go NaN) and it dumps its
+model at the canary's and the rollback's steps (``--dump-steps``). One ``deltad serve`` per
+rank (a restore window over every step) reads the model's release state; three predictors
+(``deltad consume``: pred-canary-0 and pred-main-0 with fp32 tables, and serving-int8, a
+torchrec int8-quantized model pulling packed rows and the dense state) follow it. The demo is
+the operator:
+
+1. hold: the fleet is held at step ``START``;
+2. canary: the group ``pred-canary-*`` takes a release to ``CANARY`` first while the rest stays
+   at ``START`` (``check canary``);
+3. release to the head: the validation gate must hold the model at the last good step before
+   ``BAD``, so no predictor serves a non-finite row (``check gate``);
+4. rollback to ``ROLLBACK``: every predictor goes back to exactly the trainer's state there:
+   fp32 tables bit-equal to its dump, the serving model's weights, dense state and forward
+   output bit-equal to the dump quantized by torchrec (``check rollback``).
+
+Exit 0 only if all three checks hold. The release state is written where the sidecars read it
+(:class:`Operator`: the sidecars' ``--release-state-file``); with the rollout controls'
+Redis store the same steps are ``deltad rollout hold|pin|release|rollback``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from deltad.demo import MODEL, SERVING, TABLES, Demo, DemoFailed, PredictorLog
+from deltad.serve.rollout import Pin, ReleaseState, Rollback
+
+STEPS, START, CANARY, BAD, ROLLBACK = 40, 10, 24, 31, 18
+CANARY_PRED, MAIN_PRED = "pred-canary-0", "pred-main-0"
+
+
+class Operator:
+    """Writes the model's release state where every sidecar reads it (atomically)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.state = ReleaseState()
+        self._write()
+
+    def set(self, **changes: Any) -> None:
+        self.state = self.state.bumped(**changes)
+        self._write()
+
+    def rollback(self, step: int, group: str = "*") -> None:
+        """What ``deltad rollout rollback --to-step`` records: the order and the cap."""
+        epoch = (self.state.rollback.epoch if self.state.rollback is not None else 0) + 1
+        self.set(rollback=Rollback(step, group, epoch), release_step=step, held=True, pins=())
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(f".tmp-{self.path.name}")
+        tmp.write_text(self.state.to_json())
+        tmp.replace(self.path)
+
+
+class BadUpdateDemo(Demo):
+    """The bad-update scenario (see the module docstring)."""
+
+    def run(self) -> int:
+        from deltad.redisutil import EmbeddedRedis
+
+        a = self.args
+        t0 = time.monotonic()
+        print(f"deltad demo --scenario bad-update: logs in {self.logs}", file=sys.stderr)
+        self.operator = Operator(self.work / "release.json")
+        self.operator.set(release_step=START, held=True)  # 1. hold
+        redis = EmbeddedRedis(self.work / "redis")
+        self.env["DELTAD_REDIS_URL"] = redis.start()
+        lines: list[str] = []
+        failures: list[str] = []
+        try:
+            trainer = self.spawn("trainer", self.trainer_argv())
+            sidecars = [self.spawn(f"sidecar-{r}", self.serve_argv(r)) for r in range(2)]
+            [self.wait_serving(s) for s in sidecars]
+            preds = {
+                CANARY_PRED: ["--form", "rows", "--dtype", "fp32"],
+                MAIN_PRED: ["--form", "rows", "--dtype", "fp32"],
+                SERVING: ["--form", "rows", "--serve-dtype", "int8", "--tables", TABLES,
+                          "--rows", str(a.rows), "--dim", str(a.dim), "--serve-interval", "0.01",
+                          "--final-state", str(self.work / f"{SERVING}-state.pt")],
+            }  # fmt: skip
+            self.predictors = list(preds)
+            logs = {}
+            for name, extra in preds.items():
+                self.spawn(name, self.consume_argv(name, extra))
+                logs[name] = _StepLog(self.logs / f"{name}.jsonl")
+            self._until(lambda: trainer.proc.poll() is not None, a.duration + 600, "training")
+            if trainer.proc.returncode != 0:
+                raise DemoFailed(f"trainer exited with {trainer.proc.returncode}")
+            self._until(lambda: _all_at(logs, START), a.settle_timeout, f"fleet at {START}")
+            # 2. canary: the canary group first
+            self.operator.set(pins=(Pin("pred-canary-*", CANARY),))
+            self._until(lambda: _all_at({0: logs[CANARY_PRED]}, CANARY), a.settle_timeout, "canary")
+            time.sleep(1.0)  # (the others had time to move, were they not held)
+            others = {n: lg.max_step for n, lg in logs.items() if n != CANARY_PRED}
+            ok = all(s == START for s in others.values())
+            lines.append(
+                f"check canary: {CANARY_PRED} took the release to step {CANARY} while "
+                f"{', '.join(f'{n} stayed at {s}' for n, s in others.items())}: "
+                f"{'ok' if ok else 'FAILED'}"
+            )
+            failures += [] if ok else ["canary"]
+            # 3. release to the head: the gate must hold the model before the bad step
+            self.operator.set(pins=(), release_step=None, held=False)
+            time.sleep(max(3.0, 20 * a.pull_interval))
+            self.check_alive()
+            for lg in logs.values():
+                lg.refresh()
+            served = {n: lg.max_step for n, lg in logs.items()}
+            gate = self._gate_state()
+            ok = all(s is not None and s < BAD for s in served.values()) and bool(gate)
+            lines.append(
+                f"check gate: trainer injected NaN at step {BAD}; predictors served at most "
+                f"steps {served}; gate: {gate or 'no gate verdict in the release state'}: "
+                f"{'ok' if ok else 'FAILED'}"
+            )
+            failures += [] if ok else ["gate"]
+            # 4. rollback: everyone back to ROLLBACK, exactly
+            self.operator.rollback(ROLLBACK)
+            self._until(lambda: _all_at(logs, ROLLBACK), a.settle_timeout, "rollback")
+            rolled = {n: lg.rollback_pulls for n, lg in logs.items()}
+            self.stop_predictors()
+            lines += self._check_rollback(rolled, failures)
+        finally:
+            self.stop_all()
+            redis.stop()
+        head = (
+            f"deltad demo --scenario bad-update: 2 ranks, {TABLES} tables x {a.rows} rows x dim "
+            f"{a.dim}, {STEPS} steps (NaN injected at {BAD}); run time "
+            f"{time.monotonic() - t0:.0f}s"
+        )
+        print("\n".join([head, *lines]))
+        if failures:
+            print(f"deltad demo: check failed: {'; '.join(failures)}", file=sys.stderr)
+            return 1
+        return 0
+
+    def _gate_state(self) -> str:
+        """The validation gate's verdict as the release state records it ("" if none)."""
+        state = self.operator.state
+        reason = getattr(state, "gate_reason", "")
+        return f"held at step {state.gate_good_step}: {reason}" if reason else ""
+
+    def _check_rollback(self, rolled: dict[str, int], failures: list[str]) -> list[str]:
+        import torch
+
+        dump = self.work / "dumps"
+        tables = torch.load(dump / f"tables-step-{ROLLBACK}.pt", weights_only=True)
+        exact = []
+        for name in (CANARY_PRED, MAIN_PRED):
+            got = torch.load(self.work / f"{name}-final.pt", weights_only=True)
+            exact.append(
+                got.keys() == tables.keys() and all(torch.equal(got[k], tables[k]) for k in tables)
+            )
+        model = torch.load(dump / f"model-step-{ROLLBACK}.pt", weights_only=True)
+        line, serving_ok = self.check_serving(model, PredictorLog(self.logs / f"{SERVING}.jsonl"))
+        in_place = all(n > 0 for n in rolled.values())
+        ok = all(exact) and serving_ok and in_place
+        failures += [] if ok else ["rollback"]
+        return [
+            f"check rollback: every predictor back at step {ROLLBACK} in place "
+            f"(rollback pulls {rolled}); fp32 tables bit-equal to the trainer's dump at "
+            f"{ROLLBACK}: {'yes' if all(exact) else 'NO'}; serving-int8 bit-equal to the dump "
+            f"quantized by torchrec: {'yes' if serving_ok else 'NO'}: {'ok' if ok else 'FAILED'}",
+            "  " + line.splitlines()[0].replace("final model", f"model at step {ROLLBACK}"),
+        ]
+
+    def _until(self, cond: Any, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:  # bounded
+            if cond():
+                return
+            self.check_alive()
+            time.sleep(0.1)
+        raise DemoFailed(f"timed out waiting for {what}")
+
+    def trainer_argv(self) -> list[str]:
+        a = self.args
+        return [
+            "train", "--world-size", "2", "--model", MODEL, "--spool", str(self.spool),
+            "--tables", TABLES, "--rows", str(a.rows), "--dim", str(a.dim),
+            "--sharding", "mixed", "--steps", str(STEPS), "--publish-every-steps", "2",
+            "--inject-nan-step", str(BAD), "--dump-steps", f"{CANARY},{ROLLBACK}",
+            "--dump-dir", str(self.work / "dumps"), "--no-progress",
+        ]  # fmt: skip
+
+    def serve_argv(self, rank: int) -> list[str]:
+        return [
+            *super().serve_argv(rank),
+            "--release-state-file",
+            str(self.operator.path),
+            "--restore-window-steps",
+            str(STEPS),
+        ]
+
+    def consume_argv(self, name: str, extra: list[str]) -> list[str]:
+        argv = super().consume_argv(name, extra)
+        i = argv.index("--long-poll")  # a release or rollback does not wake a long poll
+        return argv[:i] + argv[i + 2 :]
+
+
+class _StepLog(PredictorLog):
+    """A predictor's log with the highest step it served and its rollback pulls."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.max_step: int | None = None
+        self.rollback_pulls = 0
+
+    def refresh(self) -> None:
+        start = self.offset
+        super().refresh()
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                data = f.read(self.offset - start)
+        except FileNotFoundError:
+            return
+        for line in data.splitlines():
+            rec = json.loads(line)
+            if rec.get("event") != "pull" or rec["step"] is None:
+                continue
+            self.max_step = max(self.max_step or rec["step"], rec["step"])
+            self.rollback_pulls += rec.get("rollback_to") is not None
+
+
+def _all_at(logs: dict[Any, _StepLog], step: int) -> bool:
+    for lg in logs.values():
+        lg.refresh()
+    return all(lg.step == step for lg in logs.values())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the scenario; 0 only if its checks hold."""
+    demo = BadUpdateDemo(args)
+    try:
+        return demo.run()
+    except DemoFailed as e:
+        print(f"deltad demo: {e} (work directory {demo.work})", file=sys.stderr)
+        return 1
