@@ -47,7 +47,12 @@ local function gt(a, b)
   if #a ~= #b then return #a > #b end
   return a > b
 end
-if redis.call('HGET', KEYS[1], 'pull_id') == ARGV[1] then return 'same' end
+if redis.call('HGET', KEYS[1], 'pull_id') == ARGV[1] then
+  -- a repeat: a write all the same, so that a WAIT after it (Sentinel's min_replicas)
+  -- covers the first commit's write too, whichever connection made that one
+  redis.call('HSET', KEYS[1], 'updated_unix', ARGV[5])
+  return 'same'
+end
 local p = redis.call('HMGET', KEYS[2], 'pull_id', 'generation', 'seq', 'step',
                      'owed_token', 'owed_rows', 'rollback_epoch', 'rollback')
 if not p[1] then
