@@ -43,6 +43,9 @@ def test_garbage_to_the_health_check_is_invalid_argument_with_one_log_line(
             assert codes == {grpc.StatusCode.INVALID_ARGUMENT}
             ok = ch.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=5)
             assert ok == b"\x08\x01"  # a valid empty request still answers SERVING
+            watch = ch.unary_stream("/grpc.health.v1.Health/Watch")(b"", timeout=5)
+            assert next(iter(watch)) == b"\x08\x01"  # and Watch still streams
+            watch.cancel()  # type: ignore[attr-defined]
     finally:
         srv.stop(0)
     lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
