@@ -52,7 +52,12 @@ def _round(c: Client, spool: SpoolWriter, srv: SidecarServer) -> RankDelta:
 
 @pytest.mark.slow  # five redis-server processes and a failover (several seconds)
 @pytest.mark.timeout(180)
-def test_a_sentinel_failover_during_pulls_and_commits_loses_no_cursor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["kill", "sentinel-failover"])
+def test_a_sentinel_failover_during_pulls_and_commits_loses_no_cursor(
+    tmp_path: Path, how: str
+) -> None:
+    """The master is killed (-9), or the sentinels are told to fail over: pulls and commits
+    go on against the promoted replica and every acknowledged cursor is there."""
     with sentinel_setup(tmp_path / "redis") as st:
         spool = SpoolWriter(tmp_path / "spool")
         srv = SidecarServer(server_config(tmp_path / "spool", st.url)).start()
@@ -61,9 +66,13 @@ def test_a_sentinel_failover_during_pulls_and_commits_loses_no_cursor(tmp_path: 
             assert srv.store.min_replicas == 1  # a commit waits for the replica
             acked = [_round(c, spool, srv).to_seq for _ in range(3)]
             old = st.master_port()
-            st.master.kill()  # the node goes; the sentinels promote the replica
+            if how == "kill":
+                st.master.kill()  # the node goes; the sentinels promote the replica
+            else:
+                st.sentinels[0].client().execute_command("SENTINEL FAILOVER", st.service)
             acked.append(_round(c, spool, srv).to_seq)  # served through the failover
-            assert st.master_port() == st.replica.port != old
+            wait_for(lambda: st.master_port() == st.replica.port, 30, "the replica promoted")
+            assert st.replica.port != old
             fresh = OffsetStore.from_url(st.url, "m")
             got = fresh.get_cursor("p", 0)
             assert got is not None and got.seq == acked[-1]
