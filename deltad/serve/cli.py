@@ -1,8 +1,9 @@
 """`deltad serve`: run one rank's sidecar until SIGTERM / SIGINT (graceful, with a grace period).
 
 Every flag has an environment variable (``DELTAD_<FLAG>``, e.g. ``DELTAD_REDIS_URL``). When
-ready it prints exactly one line to stdout, ``serving <model> rank <r> on <host:port>``;
-errors go to stderr with exit code 2. torch is imported only when the server starts.
+ready it prints exactly one line to stdout, ``serving <model> rank <r> on <host:port>`` (with
+``--log-json``: that text as the ``msg`` of one JSON object); errors go to stderr with exit
+code 2. torch is imported only when the server starts.
 """
 
 from __future__ import annotations
