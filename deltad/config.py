@@ -509,7 +509,9 @@ class RelayConfig:
             raise ConfigError(f"upstream must be host:port, not {clip(self.upstream)}")
         check_name("upstream consumer", self.consumer)
         check_numbers(
-            self, RELAY_RANGES, {"long_poll_s": "--upstream-long-poll (DELTAD_UPSTREAM_LONG_POLL)"}
+            self,
+            RELAY_RANGES,
+            {"long_poll_s": "long_poll_s (--upstream-long-poll, DELTAD_UPSTREAM_LONG_POLL)"},
         )
         if self.poll_interval_s <= 0 or self.rpc_deadline_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("relay poll interval, RPC deadline and lease TTL must be > 0")
