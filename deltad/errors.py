@@ -54,3 +54,8 @@ class OverloadedError(SidecarUnavailableError):
 
 class StreamDecodeError(ConsumerError):
     """A GetDelta stream is malformed or incomplete."""
+
+
+class OwedBudgetError(DeltadError):
+    """Owed rows that would exceed a sidecar's owed-state budget (per consumer or in total):
+    the pull is refused (RESOURCE_EXHAUSTED), nothing is written."""

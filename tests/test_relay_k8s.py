@@ -9,6 +9,7 @@ import yaml
 from test_docker import DOCKER, _check_deltad_argv, _k8s_bytes, _subst
 
 from deltad.cli import build_parser
+from deltad.healthcheck import LIVENESS_SERVICE
 from deltad.serve.cli import build_relay_config
 
 
@@ -44,6 +45,11 @@ def test_relay_tier_deployment_mirrors_the_sidecar_and_serves_predictors() -> No
     port = int(args.listen.rsplit(":", 1)[1])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == port, (probe, c[probe])
+    # liveness (and startup, which kills too) ask only for the process; readiness for its
+    # dependencies (Redis, the upstream)
+    for probe in ("startupProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["service"] == LIVENESS_SERVICE, probe
+    assert c["readinessProbe"]["grpc"].get("service", "") == ""
     _check_restricted(c, tpl["spec"])
     # memory: the limit holds the tmpfs spool, the caches the flags allow and the log
     budgets = [

@@ -259,10 +259,12 @@ class RegisterResponse(_message.Message):
     def __init__(self, cursor: _Optional[_Union[Cursor, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("consumer",)
+    __slots__ = ("consumer", "release")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     consumer: str
-    def __init__(self, consumer: _Optional[str] = ...) -> None: ...
+    release: bool
+    def __init__(self, consumer: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_expires_in_seconds",)
@@ -341,7 +343,7 @@ class TableStatus(_message.Message):
     def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., sharding_type: _Optional[str] = ..., local_slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., managed_collision: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited")
+    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited", "health_reason")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +360,7 @@ class StatusResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
     WAITED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
     model: str
     generation: int
     rank: int
@@ -374,4 +377,5 @@ class StatusResponse(_message.Message):
     steps: _containers.RepeatedScalarFieldContainer[int]
     upstream: str
     waited: bool
-    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ...) -> None: ...
+    health_reason: str
+    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ..., health_reason: _Optional[str] = ...) -> None: ...

@@ -19,7 +19,7 @@ import grpc
 
 from deltad import wire
 from deltad.config import ServerConfig, clip
-from deltad.errors import OffsetStoreError, SpoolError
+from deltad.errors import OffsetStoreError, OwedBudgetError, SpoolError
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.runs import RunCache
@@ -202,6 +202,8 @@ class WindowServer:
                 self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            except OwedBudgetError as e:
+                _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except SpoolError as e:
                 _abort(context, grpc.StatusCode.INTERNAL, str(e))
             if hit:
