@@ -409,11 +409,6 @@ class ServerConfig:
             raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
         if self.run_cache_bytes < 0:
             raise ConfigError("run_cache_bytes must be >= 0 (0 = no runs)")
-        if not 0 <= self.packed_cache_bytes <= MAX_PACKED_CACHE_BYTES:
-            raise ConfigError(
-                f"packed_cache_bytes must be in 0..{MAX_PACKED_CACHE_BYTES} (0 = pack per pull), "
-                f"got {self.packed_cache_bytes}"
-            )
         if self.generation_keep_s < 0 or self.generation_keep_bytes < 0:
             raise ConfigError("generation_keep_s and generation_keep_bytes must be >= 0 (0 = off)")
         if self.restore_window_steps < 0 or self.restore_window_s < 0:
@@ -458,6 +453,7 @@ SERVER_RANGES: dict[str, Range] = {
     "window_cache_entries": Range(0, 1 << 20),
     "window_cache_bytes": Range(0, MAX_BYTES),
     "run_cache_bytes": Range(0, MAX_BYTES, note="0 = off"),
+    "packed_cache_bytes": Range(0, MAX_PACKED_CACHE_BYTES, note="0 = pack per pull"),
     "generation_keep_s": Range(0, MAX_SECONDS, note="0 = off"),
     "generation_keep_bytes": Range(0, MAX_BYTES),
     "spill_max_bytes": Range(0, MAX_BYTES, note="0 = off"),
