@@ -59,6 +59,8 @@ def test_relay_tier_deployment_mirrors_the_sidecar_and_serves_predictors() -> No
     assert spool["emptyDir"]["medium"] == "Memory"
     need = _k8s_bytes(spool["emptyDir"]["sizeLimit"]) * 2.2 + sum(budgets)  # spool + 1.2 x log
     assert _k8s_bytes(c["resources"]["limits"]["memory"]) >= need
+    # owed rows share the tmpfs spool with the log: bounded well inside it
+    assert 0 < args.owed_max_bytes <= _k8s_bytes(spool["emptyDir"]["sizeLimit"]) // 4
     # predictors keep their names (a StatefulSet behind a headless Service): no dead
     # consumer names after a rollout
     sts = by[("StatefulSet", "deltad-predictor")]
