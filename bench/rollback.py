@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predictors", type=int, default=32)
     p.add_argument("--poll", type=float, default=0.05, help="seconds between a predictor's pulls")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--record", action="store_true", help="also record bench/results/rollback.json")
     args = p.parse_args(argv)
 
     from deltad.config import RelayConfig, ServerConfig
@@ -221,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     from deltad.serve.edge.app import SidecarServer
     from deltad.serve.relay.server import RelayServer
 
-    out: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
+    out: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "record")}
+    }
     step = args.deltas // 2
     with tempfile.TemporaryDirectory(prefix="deltad-rollback-") as tmp:
         root = Path(tmp)
@@ -279,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(text)
+    if args.record:
+        from bench.run import record
+
+        record("rollback", out, {"preset": "python -m bench.rollback", **out["config"]})
     return 0
 
 

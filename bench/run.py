@@ -29,6 +29,7 @@ from bench.common import (
     machine_info,
     self_peak_rss,
 )
+from deltad.config import Range
 
 MALLOC_TUNING = {
     "MALLOC_MMAP_MAX_": "0",
@@ -67,6 +68,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {"repeats": Range(0, 1000, note="0 = the preset")}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``deltad bench`` flags."""
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (~minutes)")
@@ -83,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"run only these benchmarks (repeatable or comma-separated): {', '.join(BENCHMARKS)}",
     )
     parser.add_argument("--repeats", type=int, default=0, help="repeats per point (0: preset)")
-    parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"output dir (default {OUT_DIR})")
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help="output dir")
     parser.add_argument(
         "--work-dir",
         type=Path,

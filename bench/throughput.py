@@ -277,6 +277,8 @@ class _Probe:
         self.chunks = chunks
         self.tcp_s: list[float] = []
         self.bare_s: dict[tuple[int, int, bool, bool], list[float]] = {}
+        #: per byte count: (first, second) of one bare recipe run twice in a row (noise)
+        self.noise_s: dict[int, list[tuple[float, float]]] = {}
         self.runs: dict[str, list[dict[str, Any]]] = {d: [] for d in counts}
 
     def pull(self, dtype: str, consumer: str) -> dict[str, Any]:
@@ -306,6 +308,10 @@ class _Probe:
                         t = _bare(self.base_worker, self.grpc_port, n, c, single, reuse)
                         if record:
                             self.bare_s.setdefault((n, c, single, reuse), []).append(t)
+            # the noise of this run: the last recipe again, at once (two identical runs)
+            again = _bare(self.base_worker, self.grpc_port, n, self.chunks[-1], True, True)
+            if record:
+                self.noise_s.setdefault(n, []).append((t, again))
 
     def getdelta(self, record: bool = True) -> None:
         if self.side is None:
@@ -326,6 +332,9 @@ class _Probe:
                 if m == n
             }
             base["grpc"][n] = per
+            base.setdefault("grpc_noise", {})[n] = summarize(
+                [b / a for a, b in self.noise_s.get(n, []) if a > 0]
+            )
             best = max(per, key=lambda c: per[c]["median"] or 0.0)
             base["grpc_best"][n] = {
                 "chunk_bytes": int(best.split("-")[0]),
@@ -465,6 +474,8 @@ def _point(
         "tcp_gbps": med(t),
         "vs_bare_grpc": ratio(med(gbps), med(g)),
         "vs_bare_grpc_paired": summarize(paired),
+        # two identical bare streams in a row, repeat by repeat: the run's own noise
+        "bare_grpc_noise": (base.get("grpc_noise") or {}).get(expect),
         "vs_tcp": ratio(med(gbps), med(t)),
     }
 
@@ -507,6 +518,7 @@ def _headline(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "unit": "GB/s",
                 "baseline": p["bare_grpc_gbps"],
                 "ratio": p["vs_bare_grpc"],
+                "noise": med(p.get("bare_grpc_noise")),
                 "target": ">= 2 GB/s and >= 0.95x bare gRPC",
                 # strict: both the ratio of medians and the median paired ratio must hold
                 "met": bool(

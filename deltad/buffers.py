@@ -19,6 +19,7 @@ referenced by that job, so it is never handed out again before the file is writt
 
 from __future__ import annotations
 
+import mmap
 import threading
 from typing import Any
 
@@ -158,3 +159,21 @@ class BufferPool:
         """Forget every buffer (tensors handed out stay valid: they keep their memory)."""
         with self._lock:
             self._buffers = []
+
+
+def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in a mapping of its own, given back to the kernel as soon
+    as the tensor (and every view of it) is freed.
+
+    For large temporaries of long-lived processes: the sidecar tunes malloc to keep freed
+    heap memory (no mmap, a high trim threshold: :mod:`deltad.perf`), so a heap temporary the
+    size of a merged base would stay in its RSS for good once freed."""
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # (private: counted as RssAnon; the tensor holds the buffer, the mapping goes with it)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)

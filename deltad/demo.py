@@ -39,6 +39,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from deltad import output
+from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 from deltad.parent import PARENT_PID_ENV
 
 MODEL = "demo"
@@ -50,12 +52,25 @@ SERVING = "serving-int8"
 BOUND_SLACK = 1e-5
 
 
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {
+    "duration": Range(0, MAX_SECONDS, lo_open=True),
+    "rows": Range(1, MAX_COUNT),
+    "dim": Range(1, 1 << 16),
+    "world_size": Range(1, 64),
+    "publish_every": Range(0, 3600, lo_open=True),
+    "pull_interval": Range(0, 3600, lo_open=True),
+    "topk_fraction": Range(0, 1, lo_open=True),
+    "settle_timeout": Range(0, MAX_SECONDS, lo_open=True),
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the flags of `deltad demo`."""
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of training (60)")
-    p.add_argument("--rows", type=int, default=20_000, help="rows per table (20000)")
-    p.add_argument("--dim", type=int, default=16, help="embedding dim (16)")
-    p.add_argument("--world-size", type=int, default=2, help="trainer ranks (2)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of training")
+    p.add_argument("--rows", type=int, default=20_000, help="rows per table")
+    p.add_argument("--dim", type=int, default=16, help="embedding dim")
+    p.add_argument("--world-size", type=int, default=2, help="trainer ranks")
     p.add_argument("--publish-every", type=float, default=0.5, help="seconds between segments")
     p.add_argument("--pull-interval", type=float, default=0.1, help="predictor pull interval")
     p.add_argument("--topk-fraction", type=float, default=0.5, help="top-k predictor fraction")
@@ -199,15 +214,32 @@ class Demo:
 
     # ---- the run ---------------------------------------------------------------------------
 
+    def discard(self, *, keep_logs: bool = False) -> str:
+        """Remove the temporary work directory (spool, tables, the embedded Redis and its
+        secret; with ``keep_logs`` all but ``logs/``) after an early end, unless ``--keep`` or
+        ``--workdir``; says what it did."""
+        if not self.tmp or self.args.keep:
+            return f"work directory kept: {self.work}"
+        if not keep_logs:
+            shutil.rmtree(self.work, ignore_errors=True)
+            return f"removed its work directory {self.work} (--keep keeps it)"
+        for p in self.work.iterdir() if self.work.is_dir() else ():
+            if p != self.logs:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+        return (
+            f"removed its work directory {self.work} but its logs ({self.logs}; --keep keeps all)"
+        )
+
     def run(self) -> int:
         from deltad.redisutil import EmbeddedRedis
 
         a = self.args
         t_start = time.monotonic()
-        print(
-            f"deltad demo: {a.world_size} ranks, {a.duration:.0f}s of training; "
-            f"logs in {self.logs}",
-            file=sys.stderr,
+        output.line(
+            f"deltad demo: {a.world_size} ranks, {a.duration:.0f}s of training; logs in {self.logs}"
         )
         redis = EmbeddedRedis(self.work / "redis")
         url = redis.start()
@@ -262,7 +294,11 @@ class Demo:
             redis.stop()
         print(report.text)
         if report.failures:
-            print(f"deltad demo: check failed: {'; '.join(report.failures)}", file=sys.stderr)
+            output.line(
+                f"deltad demo: check failed: {'; '.join(report.failures)} (work directory "
+                f"kept for inspection: {self.work})",
+                level="ERROR",
+            )
             return 1
         if self.tmp and not a.keep:
             shutil.rmtree(self.work, ignore_errors=True)
@@ -600,5 +636,8 @@ def run(args: argparse.Namespace) -> int:
         with _terminate_as_interrupt():
             return demo.run()
     except DemoFailed as e:
-        print(f"deltad demo: {e} (work directory {demo.work})", file=sys.stderr)
+        output.line(f"deltad demo: {e}; {demo.discard(keep_logs=True)}", level="ERROR")
         return 1
+    except KeyboardInterrupt:
+        output.line(f"deltad demo: interrupted; {demo.discard()}", level="WARNING")
+        return 130

@@ -63,3 +63,8 @@ class RolloutError(DeltadError):
 class RolloutRefused(RolloutError):
     """A rollout control is refused as things stand (a step past a gate failure without
     ``force``, a step outside the restore window, a relay): FAILED_PRECONDITION."""
+
+
+class OwedBudgetError(DeltadError):
+    """Owed rows that would exceed a sidecar's owed-state budget (per consumer or in total):
+    the pull is refused (RESOURCE_EXHAUSTED), nothing is written."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import grpc
@@ -27,9 +28,13 @@ from deltad.clientauth import ClientAuth
 from deltad.config import check_client_auth
 from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.serve.rollout import ReleaseState, describe
+from deltad.status import RANGES as STATUS_RANGES
 from deltad.status import add_connection_arguments
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES = dict(STATUS_RANGES)
 
 ACTIONS = {
     "status": pb.ROLLOUT_STATUS,
@@ -97,6 +102,8 @@ def call(
 
 
 def run(args: argparse.Namespace) -> int:
+    # the token: --token-file or DELTAD_TOKEN (never on the command line)
+    args.token = None if args.token_file else (os.environ.get("DELTAD_TOKEN") or None)
     check_client_auth("--", args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
     req = request(args)
     auth = ClientAuth(

@@ -3,6 +3,7 @@ rank, embedded Redis, two predictors, all as subprocesses."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -144,3 +145,22 @@ def test_a_child_follows_its_parent_pid_from_the_environment() -> None:
     )
     assert orphan.returncode == 1
     assert "parent process already exited" in orphan.stderr
+
+
+@pytest.mark.slow  # a demo that fails early: subprocesses importing torch
+@pytest.mark.timeout(300)
+def test_a_demo_that_fails_early_removes_its_temp_dir_and_says_so(tmp_path: Path) -> None:
+    """Its sidecars refuse a bad knob at start: the demo fails early, removes its temporary
+    work directory (spool, the embedded Redis and its secret) but the logs it points to,
+    and says so, in JSON lines with --log-json."""
+    env = {**child_env(), "TMPDIR": str(tmp_path), "DELTAD_KNOB_WRITER_NICE": "99"}
+    out = subprocess.run(
+        [sys.executable, "-m", "deltad.cli", "--log-json", "demo", "--duration", "5",
+         "--rows", "2000", "--dim", "8", "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    (work,) = tmp_path.glob("deltad-demo-*")
+    assert [p.name for p in work.iterdir()] == ["logs"]  # no spool, no redis secret
+    lines = [json.loads(x) for x in out.stderr.splitlines() if x.strip()]  # JSON only
+    assert any("removed its work directory" in x["msg"] for x in lines), out.stderr

@@ -13,7 +13,7 @@ from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import read_header, write_segment
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import SegmentLog
-from deltad.serve.index.merge import merge_entries
+from deltad.serve.index.merge import merge_entries, merge_plan
 from deltad.types import SegmentKind
 from deltad.v1 import delta_pb2 as pb
 
@@ -179,13 +179,13 @@ def test_a_merge_overtaken_by_a_new_generation_leaves_no_file_behind(
     _head(srv, 4)
 
     def merge_then_restart(entries):  # type: ignore[no-untyped-def]
-        merged = merge_entries(entries)
+        merged = merge_plan(entries)
         spool.start_generation(2)
         srv.log.refresh()
         assert srv.log.snapshot().generation == 2  # type: ignore[union-attr]
         return merged
 
-    monkeypatch.setattr(retention, "merge_entries", merge_then_restart)
+    monkeypatch.setattr(retention, "merge_plan", merge_then_restart)
     assert srv.retention.run_once() is False
     old = spool.layout.rank_dir(1, 0)
     assert not old.exists() or not list(old.iterdir())

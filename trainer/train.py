@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import math
+import multiprocessing.util
 import os
 import signal
 import statistics
@@ -286,6 +287,9 @@ def _worker(rank: int, cfg: TrainConfig, work: Path) -> None:
     # result and the final tables written). Leave without interpreter teardown: destroying
     # gloo's / TorchRec's C++ state at exit intermittently aborted a rank with "terminate
     # called without an active exception" after a clean SIGTERM stop.
+    # Python's own finalizers still run: multiprocessing's release the semaphores this rank
+    # created (skipped, the parent's resource tracker warned of "leaked semaphore objects").
+    multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

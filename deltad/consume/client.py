@@ -89,10 +89,11 @@ class PullResult:
 
     @property
     def caught_up(self) -> bool:
-        """Every rank read and the tables serve the newest step this consumer may have: the
-        head, or the release step while a hold, pin or gate caps it (a capped consumer is
-        caught up to the release, not behind)."""
-        if self.missing or self.step is None:
+        """Every rank read, the tables serve the newest step this consumer may have (the
+        head, or the release step while a hold, pin or gate caps it: a capped consumer is
+        caught up to the release, not behind), and no row is owed: nothing more to pull
+        until the trainer publishes or an operator releases."""
+        if self.missing or self.step is None or self.owed:
             return False
         reach = self.release_step if self.release_step is not None else self.head_step
         return reach is not None and self.step >= reach
@@ -130,6 +131,11 @@ class PullResult:
     def resync_reasons(self) -> dict[int, str]:
         """Why each resynced rank resynced, as its sidecar said (e.g. "new generation: ...")."""
         return {d.rank: d.resync_reason for d in self.deltas if d.resync}
+
+    @property
+    def owed(self) -> int:
+        """Rows still owed after this pull (top-k or ``max_rows``: sent by later pulls)."""
+        return sum(s.owed for d in self.deltas for s in d.shards)
 
     @property
     def served_step(self) -> int | None:
@@ -394,8 +400,10 @@ class DeltaConsumer:
         (the next pull reports it). ``stop``, once set, ends the wait early (False).
         """
         self._require_connected()
-        if timeout_s <= 0 or any(r.needs_base or r.seen[1] < 0 for r in self._ranks):
-            return True  # nothing seen yet: a pull is due anyway
+        if timeout_s <= 0 or any(r.needs_base and r.seen[1] >= 0 for r in self._ranks):
+            return True  # a rank has segments this consumer has not pulled yet
+        # (a rank with nothing published yet, seen (0, -1), is waited for like any other:
+        # its sidecar answers once the trainer's first segment lands)
         answered = threading.Event()
         calls = []
         for r in self._ranks:
@@ -445,7 +453,11 @@ class DeltaConsumer:
         generations = {s.generation for s in statuses.values()}
         if len(generations) > 1 or any(s.head_seq < 0 for s in statuses.values()):
             result.missing = {
-                s.rank: f"generation {s.generation} head seq {s.head_seq}: ranks not aligned yet"
+                s.rank: (
+                    "nothing published yet"
+                    if s.head_seq < 0
+                    else f"generation {s.generation} head seq {s.head_seq}: ranks not aligned yet"
+                )
                 for s in statuses.values()
             }
             return result

@@ -165,6 +165,8 @@ class Sidecars:
         self.closed.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.config.rpc_deadline_s)
+        if not any(r.committed is not None and r.committed.seq >= 0 for r in self.ranks):
+            self._release()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         for r in self.ranks:
@@ -172,6 +174,22 @@ class Sidecars:
                 r.channel.close()
         if self._redis is not None:
             self._redis.close()
+
+    def _release(self) -> None:
+        """End the lease of a consumer that committed nothing (it failed at once, or
+        stopped before its first commit), so it is not listed as live and lagging; best
+        effort, one short call per rank."""
+        req = pb.HeartbeatRequest(consumer=self.config.consumer, release=True)
+        for r in self.ranks:
+            if r.stub is None:
+                continue
+            try:
+                r.stub.Heartbeat(
+                    req, timeout=min(2.0, self.config.rpc_deadline_s),
+                    metadata=self.auth.metadata(),
+                )  # fmt: skip
+            except grpc.RpcError as e:
+                log.debug("rank %d: lease release failed: %s", r.rank, e.code())
 
     def open(self, r: RankLink) -> None:
         """(Re)open the rank's channel with the current credentials."""

@@ -31,7 +31,7 @@ import struct
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -325,8 +325,13 @@ def write_segment(
     fsync: bool = True,
     created_unix: float | None = None,
     first_created_unix: float | None = None,
+    values_of: Callable[[int], torch.Tensor] | None = None,
 ) -> SegmentHeader:
     """Write a segment atomically (temp file, fsync, rename, fsync dir); return its header.
+
+    ``values_of(i)``: shard ``i``'s values, made as the file is written (its ``shards``' values
+    are then only shapes and dtypes, e.g. ``device="meta"`` tensors), so a merge need not hold
+    every shard's values at once.
 
     ``created_unix`` (default: now) is when its rows were read from the trainer; a relay that
     mirrors a segment keeps the upstream's, so ages mean the same at every level. A merge
@@ -384,11 +389,21 @@ def write_segment(
         w.write(_PREFIX.pack(magic, len(raw), 0))
         w.write(raw)
         w.pad_to(payload_start)
-        for c, m in zip(shards, metas, strict=True):
+        for i, (c, m) in enumerate(zip(shards, metas, strict=True)):
             w.pad_to(payload_start + m.ids_offset)
             w.write(_as_bytes_view(c.ids))
             w.pad_to(payload_start + m.values_offset)
-            w.write(_as_bytes_view(c.values))
+            if values_of is None:
+                w.write(_as_bytes_view(c.values))
+            else:
+                values = values_of(i)
+                if values.shape != c.values.shape or values.dtype != c.values.dtype:
+                    raise ValueError(
+                        f"shard {i}: values {tuple(values.shape)} {values.dtype} "
+                        f"!= {tuple(c.values.shape)} {c.values.dtype}"
+                    )
+                w.write(_as_bytes_view(values))
+                del values
             if c.raw_ids is not None and m.raw_ids_offset is not None:
                 w.pad_to(payload_start + m.raw_ids_offset)
                 w.write(_as_bytes_view(c.raw_ids))

@@ -1,8 +1,9 @@
 """`deltad serve`: run one rank's sidecar until SIGTERM / SIGINT (graceful, with a grace period).
 
 Every flag has an environment variable (``DELTAD_<FLAG>``, e.g. ``DELTAD_REDIS_URL``). When
-ready it prints exactly one line to stdout, ``serving <model> rank <r> on <host:port>``;
-errors go to stderr with exit code 2. torch is imported only when the server starts.
+ready it prints exactly one line to stdout, ``serving <model> rank <r> on <host:port>`` (with
+``--log-json``: that text as the ``msg`` of one JSON object); errors go to stderr with exit
+code 2. torch is imported only when the server starts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from deltad import output
+from deltad.config import RELAY_RANGES, SERVER_FLAG_DESTS, SERVER_RANGES, Range
 from deltad.errors import ConfigError
+
+#: Every numeric flag's range (by argparse dest; the ServerConfig field's, checked again
+#: there for values from the environment).
+RANGES: dict[str, Range] = {
+    **{SERVER_FLAG_DESTS[field]: rng for field, rng in SERVER_RANGES.items()},
+    "upstream_long_poll": RELAY_RANGES["long_poll_s"],
+}
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -78,7 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--redis-url",
         default=_env("REDIS_URL"),
         help="redis:// or rediss://[user:password@]host:port/db (a CA for rediss: append "
-        "?ssl_ca_certs=/path/ca.pem); unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
+        "?ssl_ca_certs=/path/ca.pem), redis+sentinel://[:password@]h1:26379,h2:26379/MASTER[/db]"
+        "[?sentinel_password=..&min_replicas=1] or redis+cluster://[:password@]h1:7000,h2:7001;"
+        " unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
     )
     a(
         "--tls-cert",
@@ -134,6 +146,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "byte budget of pre-merged runs of deltas (windows at any cursor; 0 = off)",
         ),
         (
+            "packed-cache-bytes",
+            int,
+            512 << 20,
+            "byte budget of rows kept packed (packed-int8/int4/fp16 wire dtypes), made once "
+            "per row version instead of once per pull (0 = pack per pull; at most 1 TiB)",
+        ),
+        (
             "generation-keep",
             float,
             600.0,
@@ -167,6 +186,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "rollback: ... and of every segment published within this many seconds (0 = off)",
         ),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
+        (
+            "owed-max-bytes",
+            int,
+            4 << 30,
+            "disk bytes of owed rows (top-k consumers' files in the spool) over all consumers; "
+            "a pull past it is refused with RESOURCE_EXHAUSTED (0 = no bound)",
+        ),
+        (
+            "owed-max-consumer-bytes",
+            int,
+            1 << 30,
+            "the same per consumer (0 = no bound)",
+        ),
         (
             "forget-after",
             float,
@@ -300,6 +332,7 @@ def build_config(args: argparse.Namespace) -> Any:
         window_cache_entries=value(args.window_cache_entries),
         window_cache_bytes=value(args.window_cache_bytes),
         run_cache_bytes=value(args.run_cache_bytes),
+        packed_cache_bytes=value(args.packed_cache_bytes),
         generation_keep_s=value(args.generation_keep),
         generation_keep_bytes=value(args.generation_keep_bytes),
         spill_max_bytes=value(args.spill_max_bytes),
@@ -308,6 +341,8 @@ def build_config(args: argparse.Namespace) -> Any:
         restore_window_s=value(args.restore_window_seconds),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),
+        owed_max_bytes=value(args.owed_max_bytes),
+        owed_max_consumer_bytes=value(args.owed_max_consumer_bytes),
         max_queued_streams=value(args.max_queued_streams),
         stream_queue_wait_s=value(args.stream_queue_wait),
         gate=GateConfig(
@@ -339,7 +374,7 @@ def build_relay_config(args: argparse.Namespace) -> Any:
         tls_ca=Path(args.upstream_tls_ca) if args.upstream_tls_ca else None,
         tls_cert=Path(args.upstream_tls_cert) if args.upstream_tls_cert else None,
         tls_key=Path(args.upstream_tls_key) if args.upstream_tls_key else None,
-        long_poll_s=args.upstream_long_poll,
+        long_poll_s=value(args.upstream_long_poll),
     )
 
 
@@ -373,14 +408,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         server = SidecarServer(config)
     server.start()
-    print(f"serving {config.model} rank {config.rank} on {server.endpoint}", flush=True)
+    output.line(f"serving {config.model} rank {config.rank} on {server.endpoint}", file=sys.stdout)
     while not stop.wait(0.5):
         if reload.is_set():
             reload.clear()
             server.reload_credentials()  # logs what it did, once
         if server.wait(0):
             break
-    print(f"deltad serve: stopping (grace {config.grace_period_s}s)", file=sys.stderr, flush=True)
+    output.line(f"deltad serve: stopping (grace {config.grace_period_s}s)")
     server.stop(config.grace_period_s)
     if getattr(server, "error", None) is not None:
         return 2  # the relay logged why it stopped

@@ -280,10 +280,12 @@ class RegisterResponse(_message.Message):
     def __init__(self, cursor: _Optional[_Union[Cursor, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("consumer",)
+    __slots__ = ("consumer", "release")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     consumer: str
-    def __init__(self, consumer: _Optional[str] = ...) -> None: ...
+    release: bool
+    def __init__(self, consumer: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_expires_in_seconds",)
@@ -368,7 +370,7 @@ class TableStatus(_message.Message):
     def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., sharding_type: _Optional[str] = ..., local_slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., managed_collision: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited", "rollout_state", "cap_step", "gate_reason", "gate_bad_step", "rollout_version")
+    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited", "health_reason", "rollout_state", "cap_step", "gate_reason", "gate_bad_step", "rollout_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +387,7 @@ class StatusResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
     WAITED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_STATE_FIELD_NUMBER: _ClassVar[int]
     CAP_STEP_FIELD_NUMBER: _ClassVar[int]
     GATE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -406,12 +409,13 @@ class StatusResponse(_message.Message):
     steps: _containers.RepeatedScalarFieldContainer[int]
     upstream: str
     waited: bool
+    health_reason: str
     rollout_state: str
     cap_step: int
     gate_reason: str
     gate_bad_step: int
     rollout_version: int
-    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ..., rollout_state: _Optional[str] = ..., cap_step: _Optional[int] = ..., gate_reason: _Optional[str] = ..., gate_bad_step: _Optional[int] = ..., rollout_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ..., health_reason: _Optional[str] = ..., rollout_state: _Optional[str] = ..., cap_step: _Optional[int] = ..., gate_reason: _Optional[str] = ..., gate_bad_step: _Optional[int] = ..., rollout_version: _Optional[int] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
     __slots__ = ("action", "step", "group", "force")

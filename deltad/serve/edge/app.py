@@ -22,6 +22,13 @@ the data; socket and password stay the same, so no URL goes stale). Health answe
 NOT_SERVING while the offset store does not answer (``deltad_redis_up`` 0), SERVING again
 once it does. The health service ``deltad.v1.Gate`` answers NOT_SERVING while the validation
 gate holds (deltad.serve.index.gate).
+
+Health: the server ("") and ``deltad.v1.DeltaService`` answer readiness: SERVING unless a
+dependency fails (:meth:`SidecarServer.set_problem`: the offset store, the embedded Redis
+that cannot restart, a relay's upstream that refuses it); the reason is in Status
+(``health_reason``) and in one log line per change. :data:`~deltad.healthcheck.LIVENESS_SERVICE`
+answers liveness: SERVING while the process serves at all, whatever its dependencies do
+(restarting the sidecar cannot fix Redis, and would throw its caches away).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from deltad import knobs, wire
 from deltad.clientauth import file_stamp
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
+from deltad.healthcheck import LIVENESS_SERVICE
 from deltad.redisutil import EmbeddedRedis, answers
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.auth import Credentials, load_tokens_file
@@ -88,6 +96,13 @@ def check_tls_files(cert: Path, key: Path, ca: Path | None) -> None:
         raise ConfigError(f"bad TLS files ({cert}, {key}, {ca}): {e}") from e
 
 
+def _no_paths(e: BaseException) -> str:
+    """``e`` as text without the file name an OSError carries (kept short for Status)."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} (errno {e.errno})"
+    return str(e)
+
+
 def _read(path: Any) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -118,6 +133,9 @@ class SidecarServer:
         self._tls_lock = threading.Lock()
         self._tls_pending: grpc.ServerCertificateConfiguration | None = None
         self._credential_stamp: tuple[object, ...] = ()
+        #: why readiness is NOT_SERVING, by source ("redis", "upstream", ...); empty: SERVING
+        self._problems: dict[str, str] = {}
+        self._health_lock = threading.Lock()
         self.store: OffsetStore
         self.log: SegmentLog
         self.servicer: DeltaServicer
@@ -159,8 +177,17 @@ class SidecarServer:
         )
         self.log.refresh()
         snap = self.log.snapshot()
+        if snap is None:  # a trainer not started yet, or a mistyped --spool / --model
+            log.warning(
+                "no segment of model %r rank %d in %s yet: serving nothing until the trainer "
+                "publishes there",
+                cfg.model, cfg.rank, cfg.spool_dir,
+            )  # fmt: skip
         world = snap.manifest.world_size if snap is not None else 1
-        owed = OwedStore(self.layout.sidecar_dir, cfg.model, cfg.rank, world)
+        owed = OwedStore(
+            self.layout.sidecar_dir, cfg.model, cfg.rank, world,
+            max_bytes=cfg.owed_max_bytes, max_consumer_bytes=cfg.owed_max_consumer_bytes,
+        )  # fmt: skip
         self.owed = owed
         self.servicer = DeltaServicer(cfg, self.log, self.store, owed, self.metrics)
         self.servicer.windows.rollout = self.rollout
@@ -171,6 +198,7 @@ class SidecarServer:
             restore_window=self._restore_steps,
             restore_check=self._restore_check,
         )
+        self.servicer.health_reason = lambda: self.health_reason
         self.metrics.track_sidecar(self.servicer, self.log)
         gate = self.log.gate
         if gate is not None:
@@ -248,8 +276,8 @@ class SidecarServer:
         self.endpoint = cfg.advertise or f"{host}:{self.port}"
         self._server = server
         server.start()
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._apply_health()
         self._gate_held: bool | None = None
         self.gate_check()
         if cfg.metrics_port is not None:
@@ -375,29 +403,57 @@ class SidecarServer:
         t.start()
         self._threads.append(t)
 
+    @property
+    def health_reason(self) -> str:
+        """Why readiness is NOT_SERVING ("" while SERVING): every current problem."""
+        with self._health_lock:
+            return "; ".join(self._problems[k] for k in sorted(self._problems))
+
+    def set_problem(self, source: str, reason: str | None) -> None:
+        """Record (``reason``) or clear (None) ``source``'s problem; readiness is SERVING
+        only without any. Logs one line per change, never per repeat."""
+        with self._health_lock:
+            if self._problems.get(source) == reason:
+                return
+            if reason is None:
+                self._problems.pop(source, None)
+            else:
+                self._problems[source] = reason
+            self._apply_health()
+            left = len(self._problems)
+        if reason is not None:
+            log.warning("NOT_SERVING: %s", reason)
+        else:
+            log.warning("%s: ok again%s", source, " (SERVING)" if not left else "")
+
+    def _apply_health(self) -> None:
+        if self._health is None or self._stop.is_set():
+            return
+        status = health_pb2.HealthCheckResponse.SERVING
+        if self._problems:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, status)
+
     def probe_redis(self) -> bool:
         """One probe of the offset store: restart a dead embedded server, set the gauge and
         the health status; True if it answers."""
         up = answers(self.redis_url, timeout_s=1.0)
+        why = "offset store unreachable"
         if not up and self._embedded is not None:
             try:
                 if self._embedded.ensure():
                     self.metrics.redis_restarts.inc()
                 up = answers(self.redis_url, timeout_s=1.0)
-            except DeltadError as e:
-                log.error("cannot restart the embedded redis: %s", e)
+            except (DeltadError, OSError) as e:  # e.g. ENOSPC writing its config: a full spool
+                why = f"the embedded redis is down and cannot restart: {_no_paths(e)}"
         # health flips only after two probes agree (a loaded box may miss one answer)
         self._probe_fails = 0 if up else self._probe_fails + 1
         if not up and self._probe_fails < 2:
             return False
         self.metrics.redis_up.set(1 if up else 0)
-        if up != self._redis_up and self._health is not None and not self._stop.is_set():
-            status = health_pb2.HealthCheckResponse.SERVING
-            if not up:
-                status = health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE_NAME):
-                self._health.set(name, status)
-            log.warning("offset store %s", "answers again" if up else "unreachable: NOT_SERVING")
+        if not self._stop.is_set():
+            self.set_problem("redis", None if up else why)
         self._redis_up = up
         return up
 

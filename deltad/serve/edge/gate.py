@@ -1,7 +1,7 @@
 """The gRPC edge: every DeltaService call is parsed, identified, authorized and admitted here,
 once, before the servicer sees it.
 
-* request bytes that do not parse get INVALID_ARGUMENT (and at most one log line per
+* request bytes that do not parse (health checks' too) get INVALID_ARGUMENT (and at most one log line per
   ``LOG_EVERY_S``), never a traceback per request;
 * the caller's :class:`~deltad.serve.edge.auth.Grant` comes from its one ``authorization: Bearer``
   header (two or more: UNAUTHENTICATED) or its mTLS client certificate's CN;
@@ -218,6 +218,30 @@ class Gate(grpc.ServerInterceptor):
             )
         return self._wrap_identified(h)
 
+    def _wrap_open(self, h: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """A health method (no credential needed): parsed here, so bytes that do not parse
+        get INVALID_ARGUMENT and a rate-limited line, not INTERNAL and a traceback each."""
+        deserialize = h.request_deserializer or (lambda b: b)
+        if h.unary_unary is not None:
+            fn = h.unary_unary
+
+            def unary(raw: bytes, context: grpc.ServicerContext) -> Any:
+                return fn(self._parse(deserialize, raw, method, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, response_serializer=h.response_serializer
+            )
+        if h.unary_stream is not None:
+            gen = h.unary_stream
+
+            def stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+                yield from gen(self._parse(deserialize, raw, method, context), context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, response_serializer=h.response_serializer
+            )
+        return h
+
     def _wrap_identified(self, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """Any other shape (reflection's bidi stream): a valid credential, nothing more."""
         kw = {
@@ -263,12 +287,14 @@ class Gate(grpc.ServerInterceptor):
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
         method = details.method
-        if handler is None or method.startswith(OPEN_PREFIX):
+        if handler is None:
             return handler
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:  # the servicer's handlers are static
             return cached[1]
-        if method.startswith(SERVICE_PREFIX):
+        if method.startswith(OPEN_PREFIX):
+            wrapped = self._wrap_open(handler, method[len(OPEN_PREFIX) :])
+        elif method.startswith(SERVICE_PREFIX):
             wrapped = self._wrap(handler, method[len(SERVICE_PREFIX) :])
         else:
             wrapped = self._wrap_identified(handler)

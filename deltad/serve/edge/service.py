@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -34,6 +34,9 @@ from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+#: Longest pull_id a Commit may carry (the server issues 32 hex digits).
+MAX_PULL_ID = 128
 
 SERVICE_NAME = "deltad.v1.DeltaService"
 
@@ -72,6 +75,8 @@ class DeltaServicer:
         self.upstream = ""
         #: The Rollout RPC (set by the sidecar once its release state is connected).
         self.rollout_control: RolloutControl | None = None
+        #: Set by the server (deltad.serve.edge.app): why readiness is NOT_SERVING, or "".
+        self.health_reason: Callable[[], str] = lambda: ""
         self._waiters = 0
         self._waiters_lock = threading.Lock()
 
@@ -128,6 +133,12 @@ class DeltaServicer:
             )
         if not c.pull_id:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "cursor has no pull_id")
+        if len(c.pull_id) > MAX_PULL_ID:  # ours are 32 hex digits
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"pull_id {clip(c.pull_id, 40)} is longer than {MAX_PULL_ID} characters",
+            )
         try:
             stored = self.store.commit(
                 consumer,
@@ -184,9 +195,12 @@ class DeltaServicer:
     def Heartbeat(
         self, req: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
-        """Renew a registered consumer's lease."""
+        """Renew a registered consumer's lease (or end it: ``release``)."""
         consumer = req.consumer  # checked at the edge
         try:
+            if req.release:
+                self.store.release(consumer)
+                return pb.HeartbeatResponse(lease_expires_in_seconds=0.0)
             left = self.store.heartbeat(consumer, self.config.lease_ttl_s)
         except OffsetStoreError as e:
             _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
@@ -260,6 +274,7 @@ class DeltaServicer:
         resp = pb.StatusResponse(
             model=cfg.model, rank=cfg.rank, quarantined=self.log.quarantined, head_seq=-1,
             head_step=-1, base_seq=-1, upstream=self.upstream, waited=waited,
+            health_reason=self.health_reason(),
         )  # fmt: skip
         self._status_rollout(req, resp, snap)
         if snap is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltad.buffers import mapped_empty
 from deltad.segment.format import ShardRows
 from deltad.serve.index.log import LogEntry
 from deltad.types import EMPTY_RAW_ID, Form, ShardKey
@@ -256,6 +257,36 @@ def merge_entries(
             if wanted is None or k in wanted:
                 by_key.setdefault(k, []).append(c)
     return {k: merge_rows(cs, with_values=with_values) for k, cs in by_key.items()}
+
+
+def merge_plan(
+    entries: Sequence[LogEntry],
+) -> tuple[list[ShardRows], Callable[[int], torch.Tensor]]:
+    """A merge of every shard over ``entries`` (oldest first) to be written shard by shard:
+    each shard's merged ids with shape-only (``meta``) values, and ``values_of(i)``, shard
+    ``i``'s merged values (:func:`~deltad.segment.format.write_segment`'s ``values_of``).
+
+    Retention writes a merge this way, so that it holds one shard's merged values at a time,
+    in a mapping freed when the shard is written (:func:`~deltad.buffers.mapped_empty`), never
+    the whole merged segment in the heap (which malloc would keep: measured, a base-forward
+    merge of 5 x 1M x 64 left 1.47 GB of RssAnon in an idle sidecar)."""
+    by_key: dict[ShardKey, list[ShardRows]] = {}
+    for e in entries:
+        for k, c in e.shards.items():
+            by_key.setdefault(k, []).append(c)
+    parts = list(by_key.values())
+    shapes = []
+    for cs in parts:
+        m = merge_rows(cs, with_values=False)  # ids (and a managed-collision shard's identities)
+        last = cs[-1]
+        meta = torch.empty(m.ids.numel(), last.shard.width, dtype=last.values.dtype, device="meta")
+        shapes.append(m.with_rows(m.ids, meta, m.raw_ids, m.evicted))
+
+    def values_of(i: int) -> torch.Tensor:
+        out = mapped_empty(tuple(shapes[i].values.shape), shapes[i].values.dtype)
+        return _merge_rows(parts[i], out=out).values
+
+    return shapes, values_of
 
 
 def lookup(

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from deltad.errors import OffsetStoreError, SegmentCorruptError, SpoolError
 from deltad.segment.format import write_segment
 from deltad.serve.index.log import LogEntry, LogSnapshot, SegmentLog
-from deltad.serve.index.merge import merge_entries
+from deltad.serve.index.merge import merge_plan
 from deltad.serve.index.restore import merge_limit
 from deltad.serve.rollout import ReleaseState
 from deltad.serve.state.offsets import OffsetStore
@@ -148,7 +148,7 @@ class Retention:
             return False
         head = first.segment.header
         try:
-            merged = merge_entries(covered)
+            shards, values_of = merge_plan(covered)
         except Exception as e:  # verified inputs make this a bug, not a bad file: keep going
             self._failed.add((first.first_seq, last.seq))
             log.exception("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
@@ -164,7 +164,8 @@ class Retention:
                 first_seq=first.first_seq,
                 step=last.step,
                 kind=SegmentKind.BASE if first.first_seq == 0 else SegmentKind.DELTA,
-                shards=list(merged.values()),
+                shards=shards,
+                values_of=values_of,  # one shard's merged values in memory at a time
                 # ages are of the trainer's steps, not of this file: a merge is no news
                 created_unix=last.created_unix,
                 first_created_unix=min(e.first_created_unix for e in covered),
@@ -176,6 +177,10 @@ class Retention:
             return False
         except SpoolError as e:  # e.g. the disk is full: retried next round
             log.error("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
+            return False
+        except (ValueError, RuntimeError) as e:  # a merge bug (inputs are verified): not again
+            self._failed.add((first.first_seq, last.seq))
+            log.exception("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
             return False
         if not self.seglog.replace(covered, entry):
             return False

@@ -91,6 +91,22 @@ class _Local:
     dtypes: dict[str, torch.dtype]
 
 
+#: Answers that mean the upstream refuses this relay's credentials or scope (no retry helps
+#: until someone fixes them): readiness turns NOT_SERVING.
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+#: Transport failures that are a TLS refusal (wrong CA, rejected client certificate), not
+#: an upstream that is down.
+_TLS_REFUSAL = ("ssl", "handshake", "certificate", "tls")
+
+
+def refuses(e: grpc.RpcError) -> bool:
+    """Whether ``e`` is the upstream refusing the relay (credentials, scope or TLS trust)."""
+    if e.code() in _REFUSED:
+        return True
+    details = (e.details() or "").lower()
+    return e.code() == grpc.StatusCode.UNAVAILABLE and any(w in details for w in _TLS_REFUSAL)
+
+
 def _worth_commit(d: RankDelta) -> bool:
     return d.resync or d.rows > 0 or d.to_seq != d.from_seq
 
@@ -164,9 +180,11 @@ class RelayMirror:
         c = self.config
         delay = c.backoff_initial_s
         while not self._stop.is_set():
+            refused = False
             try:
                 pulled = self.step()
                 delay = c.backoff_initial_s
+                self.server.set_problem("upstream", None)
                 if self._last_problem:
                     log.info("upstream %s: mirroring again", c.upstream)
                     self._last_problem = ""
@@ -183,6 +201,11 @@ class RelayMirror:
                 if self._stop.is_set():
                     return  # cancelled by stop()
                 problem = f"{e.code().name}: {e.details()}"
+                refused = refuses(e)
+                if refused:  # readiness says so (one line per change, by set_problem)
+                    self.server.set_problem(
+                        "upstream", f"upstream {c.upstream} refuses this relay: {problem[:300]}"
+                    )
             except DeltadError as e:
                 if self._stop.is_set():
                     return
@@ -192,7 +215,7 @@ class RelayMirror:
                     return
                 log.exception("relay step failed")
                 problem = repr(e)
-            if problem != self._last_problem:  # once per kind of trouble, not per retry
+            if problem != self._last_problem and not refused:  # once per kind, not per retry
                 log.warning("upstream %s: %s (retrying)", c.upstream, problem)
                 self._last_problem = problem
             self._stop.wait(delay * (0.5 + random.random() / 2))

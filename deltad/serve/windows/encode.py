@@ -48,6 +48,14 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(arr)
 
 
+def copy_bytes(dst: Any, src: torch.Tensor) -> None:
+    """Copy the bytes of tensor ``src`` into the numpy array ``dst`` (a field of a
+    :class:`ChunkMessage`) as one flat byte copy (a memcpy). A message's fields sit at any
+    byte offset, where numpy's typed copies (int64 ids, rows as void elements) take a slower
+    unaligned / per-element path."""
+    dst.view(np.uint8)[:] = np.frombuffer(_bytes_view(src.contiguous()), dtype=np.uint8)
+
+
 def encode_header(header: pb.DeltaHeader) -> bytes:
     return pb.GetDeltaResponse(header=header).SerializeToString()
 
@@ -198,7 +206,7 @@ def encode_chunk(
         evicted=ev[1] - ev[0],
         admitted=ad[1] - ad[0],
     )
-    m.ids[:] = ids.numpy()
+    copy_bytes(m.ids, ids)
     if sb is not None:
         m.scale_bias.view(np.uint8)[:] = np.frombuffer(sb, dtype=np.uint8)
     if vals is not None:
@@ -261,7 +269,7 @@ def encode_rows(
         evicted=ev[1] - ev[0],
         admitted=ad[1] - ad[0],
     )
-    m.ids[:] = ids.numpy()
+    copy_bytes(m.ids, ids)
     if n:
         pack_rows(values, dtype, torch.from_numpy(m.values).view(n, row_bytes))
     put_identities(m, idn, offset, offset + n, ev, ad)
@@ -330,6 +338,22 @@ def extra_identity_chunks(
         ad = (a, min(n_ad, a + per - (ev[1] - ev[0])))
         e, a = ev[1], ad[1]
         yield encode_chunk(slice_index, n, empty, None, None, idn, ev, ad)
+
+
+def encode_packed_chunks(
+    slice_index: int,
+    ids: torch.Tensor,
+    packed: torch.Tensor,
+    chunk_bytes: int,
+) -> Iterator[bytes]:
+    """Serialized RowChunk messages of one shard whose rows are already packed (uint8
+    [n, row_bytes], e.g. from :class:`~deltad.serve.windows.packed.PackedStore`): the same
+    messages as :func:`encode_shard_chunks` of the float rows, each one copy of packed rows."""
+    ids = ids.contiguous()
+    step = max(1, chunk_bytes // (8 + packed.shape[1]))  # (as rows_per_chunk: same chunks)
+    for off in range(0, ids.numel(), step):
+        end = off + step
+        yield encode_chunk(slice_index, off, ids[off:end], packed[off:end])
 
 
 def encode_dense_chunks(state: DenseState, chunk_bytes: int) -> Iterator[bytes]:

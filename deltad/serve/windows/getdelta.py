@@ -19,7 +19,7 @@ import grpc
 
 from deltad import wire
 from deltad.config import ServerConfig, clip
-from deltad.errors import OffsetStoreError, SpoolError
+from deltad.errors import OffsetStoreError, OwedBudgetError, SpoolError
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.runs import RunCache
@@ -32,6 +32,7 @@ from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
 from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, decide_window
 from deltad.serve.windows.gendiff import GenerationDiffs, with_reason, with_rollback
+from deltad.serve.windows.packed import PackedStore
 from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.windows.rollback import RollbackWindows
 from deltad.serve.windows.streams import StreamSlots
@@ -62,6 +63,7 @@ class WindowServer:
         self.streams = streams
         self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
         self.runs = RunCache(config.run_cache_bytes)
+        self.packed = PackedStore(config.packed_cache_bytes)
         self.gendiff = GenerationDiffs(seglog, owed, metrics, self.cache)
         # bootstraps bigger than the window cache start from a spilled merged base
         self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
@@ -211,14 +213,23 @@ class WindowServer:
                 win, hit = diff, diff_hit
             elif owed:
                 win, hit = (
-                    build_window(snap, spec, to_step, owed, kept=False, runs=self.runs),
+                    build_window(
+                        snap, spec, to_step, owed, kept=False, runs=self.runs, packed=self.packed
+                    ),
                     False,
                 )
             else:
                 win, hit = self.cache.get(
                     spec,
                     lambda kept: build_window(
-                        snap, spec, to_step, {}, kept=kept, runs=self.runs, spill=spill
+                        snap,
+                        spec,
+                        to_step,
+                        {},
+                        kept=kept,
+                        runs=self.runs,
+                        spill=spill,
+                        packed=self.packed,
                     ),
                 )
             pull_id = uuid.uuid4().hex
@@ -237,6 +248,8 @@ class WindowServer:
                 self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            except OwedBudgetError as e:
+                _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except SpoolError as e:
                 _abort(context, grpc.StatusCode.INTERNAL, str(e))
             if hit:

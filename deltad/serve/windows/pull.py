@@ -26,6 +26,8 @@ from deltad.serve.index.merge import (
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.windows import encode
+from deltad.serve.windows.encode import Identities
+from deltad.serve.windows.packed import PackedStore
 from deltad.types import Form, Shard, ShardKey, WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -327,6 +329,7 @@ def build_window(
     lazy: bool = True,
     runs: RunCache | None = None,
     spill: SpillStore | None = None,
+    packed: PackedStore | None = None,
 ) -> EncodedWindow:
     """Plan the window ``spec`` over ``snap`` for a consumer owed ``owed``; merge and encode it.
 
@@ -346,7 +349,9 @@ def build_window(
     With ``runs``, a window of many deltas is merged from a few pre-merged runs of them
     (:mod:`deltad.serve.index.runs`; bit-equal), so its cost does not grow with its segment count.
     With ``spill`` too, a base window starts from the spilled merged base
-    (:mod:`deltad.serve.index.spill`), not from the base and every delta.
+    (:mod:`deltad.serve.index.spill`), not from the base and every delta. With ``packed``,
+    packed dtypes copy the parts' rows packed once (:mod:`deltad.serve.windows.packed`)
+    instead of packing them for this window.
     """
     t0 = time.perf_counter()
     keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
@@ -360,6 +365,7 @@ def build_window(
     plan: list[tuple[ShardRows | None, ShardLine]] = []
     by_key: dict[ShardKey, list[ShardRows]] = {}
     sources: dict[int, _MergedShard] = {}
+    whole: set[int] = set()  # plan lines whose rows are one part's, as they are in the log
     idents: dict[int, encode.Identities] = {}
     held_state = [] if spec.resync else snap.upto(spec.from_seq)
 
@@ -383,6 +389,7 @@ def build_window(
                 continue
             if len(cs) == 1 or not with_values:
                 r = merge_rows(cs, with_values=with_values)
+                whole.add(len(plan))
                 idn = identities(key, r)
                 if idn is not None:
                     idents[len(plan)] = idn
@@ -444,10 +451,16 @@ def build_window(
         t = time.perf_counter()
         for i, (r, m) in enumerate(plan):
             dtype = m.wire_dtype(spec.dtype)
+            rows = None
+            packable = r is not None and i in whole and i not in idents and with_values
+            if packable and r is not None and packed is not None:
+                rows = packed.rows(r, dtype, spec.row_alignment)
             if r is None:
                 chunks = sources[i].encode(
-                    i, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i)
+                    i, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i), packed=packed
                 )
+            elif rows is not None:
+                chunks = encode.encode_packed_chunks(i, r.ids, rows, spec.chunk_bytes)
             else:
                 values = None if spec.form is Form.IDS else r.values
                 chunks = encode.encode_shard_chunks(
@@ -612,16 +625,24 @@ class _MergedShard:
         chunk_bytes: int,
         alignment: int = 0,
         idn: encode.Identities | None = None,
+        *,
+        packed: PackedStore | None = None,
     ) -> Iterator[bytes]:
         """The shard's RowChunk messages (``index`` in the header), in row order
         (``alignment``: of packed rows; ``idn``: a managed-collision shard's identities, see
-        :func:`~deltad.serve.windows.encode.encode_shard_chunks`)."""
+        :func:`~deltad.serve.windows.encode.encode_shard_chunks`; ``packed``: where the parts'
+        packed rows are kept, used for shards without identities)."""
         ids, cs = self.ids, self.parts
         n = ids.numel()
         if n == 0:
             yield from encode.extra_identity_chunks(index, 0, idn, chunk_bytes)
             return
+        prows = None if idn is not None else self._packed_parts(packed, dtype, alignment)
         if not self.ranged:
+            if prows is not None:  # merged packed: the bytes of packing the merged rows
+                m = merge_rows(prows)
+                yield from encode.encode_packed_chunks(index, m.ids, m.values, chunk_bytes)
+                return
             m = merge_rows(cs)
             yield from encode.encode_shard_chunks(
                 index, m.ids, m.values, dtype, chunk_bytes, alignment, idn
@@ -630,6 +651,44 @@ class _MergedShard:
         last = cs[-1]
         width = last.shard.col_end - last.shard.col_start
         step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment, idn is not None)
+        if prows is not None:  # rows packed once: merged as opaque rows, like fp32 ones
+            yield from self._ranged(index, ids, prows, step, None)
+            return
+        yield from self._ranged(index, ids, cs, step, dtype, alignment, idn)
+        yield from encode.extra_identity_chunks(index, n, idn, chunk_bytes)
+
+    def _packed_parts(
+        self, packed: PackedStore | None, dtype: WireDtype, alignment: int
+    ) -> list[ShardRows] | None:
+        """The parts with their rows packed in ``dtype`` (uint8 rows, under a shard whose
+        columns are the packed row's bytes), or None if any of them is not in ``packed``."""
+        if packed is None or not dtype.packed:
+            return None
+        out = []
+        for c in self.parts:
+            rows = packed.rows(c, dtype, alignment)
+            if rows is None:
+                return None
+            shard = replace(c.shard, col_start=0, col_end=rows.shape[1])
+            out.append(ShardRows(shard, c.ids, rows))
+        return out
+
+    def _ranged(
+        self,
+        index: int,
+        ids: torch.Tensor,
+        cs: list[ShardRows],
+        step: int,
+        dtype: WireDtype | None,
+        alignment: int = 0,
+        idn: Identities | None = None,
+    ) -> Iterator[bytes]:
+        """RowChunks of ``step`` rows, each range merged from ``cs`` right before it is
+        encoded; ``dtype`` None: the parts' values are the wire's bytes already (packed, no
+        identities); ``idn``: see :meth:`encode`."""
+        n = ids.numel()
+        last = cs[-1]
+        width = last.shard.col_end - last.shard.col_start
         bounds = torch.arange(0, n + step, step).clamp_(max=n)
         dests, spans = [], []
         for c in cs:
@@ -640,13 +699,15 @@ class _MergedShard:
         # straight into the message when the segment dtype is the wire dtype (one copy in
         # all), else they are merged in ``buf`` and cast into it; int8 quantizes ``buf`` and
         # packed dtypes pack it.
-        wire_torch = wire.WIRE_TORCH_DTYPE.get(dtype)
+        wire_torch = last.values.dtype if dtype is None else wire.WIRE_TORCH_DTYPE.get(dtype)
         direct = last.values.dtype == wire_torch
         buf = torch.empty(0 if direct else min(step, n), width, dtype=last.values.dtype)
         buf_rows = _rows(buf)
         src_rows = [_rows(c.values) for c in cs]
         row_bytes = width * last.values.element_size()
-        wire_row_bytes = width * wire.WIRE_ITEMSIZE[dtype] if wire_torch is not None else 0
+        wire_row_bytes = 0
+        if wire_torch is not None:
+            wire_row_bytes = row_bytes if dtype is None else width * wire.WIRE_ITEMSIZE[dtype]
         for r in range(len(bounds) - 1):
             a, b = int(bounds[r]), int(bounds[r + 1])
             # the newest part holding every row of [a, b): older parts are overwritten by it
@@ -661,7 +722,12 @@ class _MergedShard:
             ev, ad = encode.identity_runs(idn, a, b)
             if hi - lo == b - a and not later:  # nothing newer in this range: a view
                 vals = cs[first].values[lo:hi]
-                yield encode.encode_rows(index, a, ids[a:b], vals, dtype, alignment, idn, ev, ad)
+                if dtype is None:
+                    yield encode.encode_chunk(index, a, ids[a:b], vals)
+                else:
+                    yield encode.encode_rows(
+                        index, a, ids[a:b], vals, dtype, alignment, idn, ev, ad
+                    )
                 continue
             msg = None
             if wire_torch is not None:
@@ -674,7 +740,7 @@ class _MergedShard:
                     evicted=ev[1] - ev[0],
                     admitted=ad[1] - ad[0],
                 )
-                msg.ids[:] = ids[a:b].numpy()
+                encode.copy_bytes(msg.ids, ids[a:b])
                 encode.put_identities(msg, idn, a, b, ev, ad)
             if direct:
                 assert msg is not None
@@ -682,7 +748,11 @@ class _MergedShard:
             else:
                 out = buf_rows[: b - a]
             if hi - lo == b - a:
-                out[:] = src_rows[first][lo:hi]
+                if direct:  # (one flat byte copy into the message: see encode.copy_bytes)
+                    assert msg is not None
+                    encode.copy_bytes(msg.values, cs[first].values[lo:hi])
+                else:
+                    out[:] = src_rows[first][lo:hi]
                 todo = later
             else:  # no one part covers the range; together they cover every row of it
                 todo = [j for j in range(len(cs)) if spans[j][r + 1] > spans[j][r]]
@@ -691,6 +761,7 @@ class _MergedShard:
                 out[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
             del out
             if msg is None:  # int8, packed: quantize / pack the merged rows
+                assert dtype is not None
                 yield encode.encode_rows(
                     index, a, ids[a:b], buf[: b - a], dtype, alignment, idn, ev, ad
                 )
@@ -701,7 +772,6 @@ class _MergedShard:
                 into.copy_(buf[: b - a])
                 del into
             yield msg.data
-        yield from encode.extra_identity_chunks(index, n, idn, chunk_bytes)
 
 
 class WindowCache:

@@ -1,0 +1,251 @@
+"""Benchmark: GetDelta at wire speed (issue 22 items 2, 3, 6), every figure a ratio measured
+in one run, each next to a noise line (the same baseline measured twice).
+
+Own spool: a base (every row of 4 tables, dim 64) and 16 deltas of 1 % skewed rows; a
+``deltad serve`` (no retention), a bare gRPC server (:mod:`bench.wire_baselines`: the same
+bytes in messages of the sidecar's chunk size, built once), one client process each.
+
+* **fp32**: a consumer pulls the whole base window (base + 16 deltas) in fp32, window cache
+  off (every pull merges and encodes), against a bare gRPC stream of its bytes;
+* **packed-int8**, cache off (every pull merges packed rows; the packed store is warm after
+  the untimed warm-up) and cache on (the encoded window is reused): against a bare stream of
+  *its* bytes; plus the first packed pull of a fresh sidecar (it packs the log once);
+* **16 cursors** (own spool, a 128 MB base window): 16 consumers committed at seqs 0..15 pull
+  to the head (16 distinct windows ``(i, 16]``, cache off, runs on) in fp32 and in
+  packed-int8: the sidecar's CPU for the 16 int8 pulls over its CPU for the 16 fp32 pulls.
+
+Noise: every bare stream is measured twice in a row (``bare`` and ``bare_again``), and the
+fp32 cursor round twice; ``noise`` is their ratio.
+
+``python -m bench.wire_speed [--quick] [--record]`` (results: bench/results/wire-speed.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    GB,
+    MB,
+    Children,
+    Context,
+    CpuMonitor,
+    machine_info,
+    med,
+    ratio,
+    summarize,
+)
+from bench.wire_baselines import ClientWorker, grpc_server_main, start_server
+
+DIM = 64
+TABLES = 4
+DELTAS = 16
+CHUNK = 2 * MB  # the sidecar's default --chunk-bytes
+
+
+def _pull(
+    w: ClientWorker, side: Any, consumer: str, dtype: str, keep: bool = True, **kw: Any
+) -> dict[str, Any]:
+    r: dict[str, Any] = w.call(
+        "call", module="bench.throughput", func="client_pull",
+        kwargs={"endpoint": side.endpoint, "model": side.model, "consumer": consumer,
+                "dtype": dtype, "keep": keep, **kw},
+    )  # fmt: skip
+    return r
+
+
+def _bare(w: ClientWorker, port: int, nbytes: int) -> float:
+    r = w.call("grpc", port=port, nbytes=nbytes, chunk=CHUNK, single_thread=True, reuse=True)
+    return float(r["seconds"])
+
+
+def _paired(
+    pull: dict[str, Any], w: ClientWorker, port: int, cpu: CpuMonitor | None
+) -> dict[str, float]:
+    """One pull's figures with two bare streams of its bytes right after it."""
+    nbytes = int(pull["bytes"])
+    a, b = _bare(w, port, nbytes), _bare(w, port, nbytes)
+    return {
+        "bytes": nbytes,
+        "pull_s": pull["seconds"],
+        "bare_s": a,
+        "bare_again_s": b,
+        "vs_bare": a / pull["seconds"],
+        "noise": b / a,
+    }
+
+
+def _timed(
+    worker: ClientWorker, side: Any, consumer: str, dtype: str, cpu: CpuMonitor
+) -> tuple[dict[str, Any], float]:
+    cpu.reset()
+    r = _pull(worker, side, consumer, dtype)
+    return r, cpu.seconds()
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    from bench import deltad_procs
+    from bench.datagen import write_spool
+
+    window = ctx.pick(1024 * MB, 256 * MB, 8 * MB)
+    rows = window // (8 + DIM * 4) // TABLES
+    repeats = ctx.repeats
+    out: dict[str, Any] = {"dim": DIM, "tables": TABLES, "deltas": DELTAS, "rows_per_table": rows}
+    with ctx.tmpdir("wirespeed") as spool, Children() as kids:
+        write_spool(
+            spool, model=deltad_procs.MODEL, tables=TABLES, rows_per_table=rows, dim=DIM,
+            deltas=DELTAS, delta_fraction=0.01,
+        )  # fmt: skip
+        bare_conn, bare_port, _ = start_server(kids, grpc_server_main, 2 * window)
+        worker, base_worker = ClientWorker(kids), ClientWorker(kids)
+        worker.call("call", module="bench.throughput", func="client_warm", kwargs={})
+        for cache in ("off", "on"):
+            extra = list(deltad_procs.NO_RETENTION)
+            if cache == "off":
+                extra += ["--window-cache-entries", "0"]
+            side = deltad_procs.start_sidecar(kids, spool, ctx, extra=extra)
+            cpu = CpuMonitor(side.proc.pid)
+            try:
+                ctx.status(f"wire speed, window cache {cache}: warm-up")
+                # the first packed pull of this sidecar packs the log's rows (once)
+                first, first_cpu = _timed(worker, side, f"{cache}-p8", "packed-int8", cpu)
+                _pull(worker, side, f"{cache}-fp32", "fp32")
+                _bare(base_worker, bare_port, int(first["bytes"]))
+                res: dict[str, list[dict[str, float]]] = {"fp32": [], "packed-int8": []}
+                for r in range(repeats):
+                    ctx.status(f"wire speed, window cache {cache}: repeat {r + 1}/{repeats}")
+                    order = ["fp32", "packed-int8"] if r % 2 == 0 else ["packed-int8", "fp32"]
+                    for dtype in order:
+                        tag = "p8" if dtype == "packed-int8" else "fp32"
+                        p, c = _timed(worker, side, f"{cache}-{tag}", dtype, cpu)
+                        row = _paired(p, base_worker, bare_port, None)
+                        row["sidecar_cpu_s"] = c
+                        res[dtype].append(row)
+                out[f"cache_{cache}"] = {
+                    "first_packed_pull": {
+                        "seconds": first["seconds"], "bytes": first["bytes"],
+                        "sidecar_cpu_s": first_cpu,
+                    },
+                    **{d: _summary(v) for d, v in res.items()},
+                }  # fmt: skip
+            finally:
+                side.stop()
+        # 16 cursors: an own, smaller spool (16 kept consumers hold a base window each)
+        cur_window = ctx.pick(128 * MB, 64 * MB, 4 * MB)
+        with ctx.tmpdir("wirespeed-cursors") as cur_spool:
+            write_spool(
+                cur_spool, model=deltad_procs.MODEL, tables=TABLES,
+                rows_per_table=cur_window // (8 + DIM * 4) // TABLES, dim=DIM, deltas=DELTAS,
+                delta_fraction=0.01,
+            )  # fmt: skip
+            extra = [*deltad_procs.NO_RETENTION, "--window-cache-entries", "0"]
+            side = deltad_procs.start_sidecar(kids, cur_spool, ctx, extra=extra)
+            try:
+                out["cursors"] = _cursors(ctx, worker, side, CpuMonitor(side.proc.pid))
+                out["cursors"]["window_bytes_fp32"] = cur_window
+            finally:
+                side.stop()
+        worker.close()
+        base_worker.close()
+        bare_conn.close()
+    out["headline"] = _headline(out)
+    return out
+
+
+def _summary(rows: list[dict[str, float]]) -> dict[str, Any]:
+    return {
+        "bytes": rows[0]["bytes"],
+        "samples": rows,
+        "vs_bare": summarize([r["vs_bare"] for r in rows]),
+        "noise": summarize([r["noise"] for r in rows]),
+        "gbps": summarize([r["bytes"] / r["pull_s"] / GB for r in rows]),
+        "sidecar_cpu_s_per_gb": summarize([r["sidecar_cpu_s"] / (r["bytes"] / GB) for r in rows]),
+    }
+
+
+def _cursors(ctx: Context, worker: ClientWorker, side: Any, cpu: CpuMonitor) -> dict[str, Any]:
+    """16 consumers committed at seqs 0..15, then each pulls to the head (not committing, so
+    every round pulls the same 16 windows ``(i, 16]``): sidecar CPU per round and dtype."""
+    names = [f"cur-{i}" for i in range(DELTAS)]
+    for i, n in enumerate(names):  # (untimed) each consumer to its cursor, committed
+        _pull(worker, side, n, "fp32", max_step=i * 10, commit=True)
+    rounds: dict[str, list[float]] = {"fp32": [], "packed-int8": [], "fp32_again": []}
+    bytes_: dict[str, int] = {}
+    for r in range(ctx.repeats + 1):
+        for key in ("fp32", "packed-int8", "fp32_again"):
+            ctx.status(f"16 cursors: {key} round {r + 1}")
+            dtype = "fp32" if key.startswith("fp32") else key
+            cpu.reset()
+            got = [_pull(worker, side, n, dtype) for n in names]
+            if r == 0:
+                continue  # warm-up: runs merged, packed rows made, pages touched
+            rounds[key].append(cpu.seconds())
+            bytes_[key] = sum(int(g["bytes"]) for g in got)
+    return {
+        "sidecar_cpu_s": {k: summarize(v) for k, v in rounds.items()},
+        "bytes": bytes_,
+        "int8_vs_fp32_cpu": [
+            a / b for a, b in zip(rounds["packed-int8"], rounds["fp32"], strict=True)
+        ],
+        "noise": [a / b for a, b in zip(rounds["fp32_again"], rounds["fp32"], strict=True)],
+    }
+
+
+def _headline(out: dict[str, Any]) -> list[dict[str, Any]]:
+    def cell(key: str, dtype: str) -> dict[str, Any]:
+        s = out[key][dtype]
+        return {
+            "what": f"GetDelta {dtype}, window cache {key[6:]}: x bare gRPC of its bytes",
+            "ratio": med(s["vs_bare"]),
+            "noise": med(s["noise"]),
+            "sidecar_cpu_s_per_gb": med(s["sidecar_cpu_s_per_gb"]),
+        }
+
+    rows = [cell("cache_off", "fp32"), cell("cache_off", "packed-int8")]
+    rows.append(cell("cache_on", "packed-int8"))
+    cur = out["cursors"]
+    cpu = cur["sidecar_cpu_s"]
+    rows.append(
+        {
+            "what": "16 cursors: sidecar CPU packed-int8 / fp32",
+            "ratio": ratio(med(cpu["packed-int8"]), med(cpu["fp32"])),
+            "noise": ratio(med(cpu["fp32_again"]), med(cpu["fp32"])),
+        }
+    )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.wire_speed", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a 256 MB window (else 1 GB)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--record", action="store_true", help="write bench/results/wire-speed.json")
+    p.add_argument("--work-dir", type=Path, default=None)
+    a = p.parse_args(argv)
+    ctx = Context(quick=a.quick, repeats=a.repeats)
+    if a.work_dir is not None:
+        ctx.work_dir = a.work_dir
+    ctx.status = lambda msg: print(msg, file=sys.stderr, flush=True)
+    t0 = time.time()
+    result = run(ctx)
+    result["machine"] = machine_info()
+    result["seconds"] = time.time() - t0
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    source = f"python -m bench.wire_speed {argv_text} ({result['date']})"
+    text = json.dumps({"source": source, "result": result}, indent=1, default=str)
+    if a.record:
+        path = Path(__file__).parent / "results" / "wire-speed.json"
+        path.write_text(text)
+    for h in result["headline"]:
+        print(json.dumps(h))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
