@@ -180,6 +180,9 @@ class RankStats:
     #: of ``loop_s``: what the publisher accounts as the loop's (``PublisherStats.stall_s``:
     #: the decision, drains, the publish's all-reduce, backward waits for copies)
     loop_publish_s: float = 0.0
+    #: off the loop, over the whole run: CPU seconds of the publisher's writer and copier
+    #: threads and of the tracker's fold thread (the publisher's own accounting)
+    offloop_cpu_s: float = 0.0
 
 
 @dataclass
@@ -435,6 +438,13 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     steady = times[_WARMUP_STEPS:]
     mine.loop_s, mine.loop_cpu_s, mine.loop_steps = sum(steady), loop_cpu, len(steady)
     mine.loop_publish_s = loop_publish
+    if publisher is not None:
+        s = publisher.stats
+        mine.offloop_cpu_s = (
+            s.write_cpu_s
+            + sum(x.copy_cpu_s for x in s.segments)
+            + publisher.tracker.stats.background_s
+        )
     gathered: list[Any] = [None] * cfg.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     if rank == 0:
