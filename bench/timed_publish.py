@@ -18,6 +18,7 @@ Targets (issue 22): on-loop <= 0.5 % of the step time, extra CPU <= 3 %.
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,18 @@ def _one(spool: Path, size: dict[str, Any], publish: bool, every_s: float) -> di
         publish=publish, publish_every_seconds=every_s if publish else 0.0,
         progress=False, fsync=True,
     )  # fmt: skip
-    res = run_training(cfg)
+    # One intra-op thread per rank (2 ranks on 2 cores): with the default (one per core) the
+    # ranks' OpenMP pools spin against each other and a --no-publish step measured 1-3 s
+    # instead of 20-30 ms on a loaded machine (the spawned ranks inherit the environment).
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        res = run_training(cfg)
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
     ranks = res.ranks
     return {
         "publish": publish,
