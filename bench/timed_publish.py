@@ -62,6 +62,9 @@ def _one(spool: Path, size: dict[str, Any], publish: bool, every_s: float) -> di
             (r.loop_publish_s / r.loop_s * 100.0 if r.loop_s else 0.0) for r in ranks
         ),
         "segments": max(r.segments for r in ranks),
+        # of the publisher's loop time over the run: the per-publish all-reduce (waiting for
+        # the other rank), the larger rank
+        "agree_ms_per_segment": max(r.agree_s / max(1, r.segments - 1) * 1000.0 for r in ranks),
         # the publisher's accounting of its threads' CPU (writer, copier, fold), per step of
         # the whole run, over the loop's CPU per step without it: robust to other load
         "offloop_accounted_pct": max(
@@ -124,11 +127,13 @@ def run(ctx: Context) -> dict[str, Any]:
     noise_cpu, noise_step = s("noise_cpu_pct"), s("noise_step_pct")
     base_step = statistics.median(x["baseline_a"]["step_s"] for x in per_round)
     stall = statistics.median(x["publish"]["stall_per_segment_ms"] for x in per_round)
+    agree = statistics.median(x["publish"]["agree_ms_per_segment"] for x in per_round)
     head = [
         {
             "metric": (
                 f"on-loop cost of publishing every {every:g} s (publisher's accounting, decision "
-                f"included; {stall:.2f} ms per segment), % of the loop"
+                f"included; {stall:.2f} ms per segment, of which the publish's all-reduce "
+                f"{agree:.2f} ms), % of the loop"
             ),
             "value": med(on_loop),
             "unit": "%",

@@ -183,6 +183,8 @@ class RankStats:
     #: off the loop, over the whole run: CPU seconds of the publisher's writer and copier
     #: threads and of the tracker's fold thread (the publisher's own accounting)
     offloop_cpu_s: float = 0.0
+    #: of the publisher's loop time, over the whole run: its per-publish all-reduce
+    agree_s: float = 0.0
 
 
 @dataclass
@@ -445,6 +447,7 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
             + sum(x.copy_cpu_s for x in s.segments)
             + publisher.tracker.stats.background_s
         )
+        mine.agree_s = sum(x.agree_s for x in s.segments)
     gathered: list[Any] = [None] * cfg.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     if rank == 0:

@@ -151,6 +151,9 @@ class SegmentStats:
     dense_bytes: int = 0
     dense_s: float = 0.0
     dense_path: Path | None = None
+    #: Of ``stall_s``: the publish's all-reduce (the failure flag and the next time-based
+    #: publish's step), mostly waiting for the slowest rank to reach it.
+    agree_s: float = 0.0
 
 
 @dataclass
@@ -277,6 +280,7 @@ class SegmentPublisher:
         #: time-based publishing: the step of the next publish, agreed by every rank at the
         #: previous one (None: not started, or every_seconds is off)
         self._next_timed: int | None = None
+        self._agree_s = 0.0  # the last publish's all-reduce (SegmentStats.agree_s)
         self._last_dense_step: int | None = None
         self._dense_skip: tuple[str, ...] | None = None
         self._last_dense_time = 0.0
@@ -513,7 +517,9 @@ class SegmentPublisher:
         elif self._copier is not None and not self._copier_alive():
             error = SpoolError("the publisher's copier thread stopped")
         # one all-reduce: any rank failed, and (time-based) rank 0's next publish step
+        a0 = time.perf_counter()
         failed, nxt = self._all_reduce_max_n(1 if error else 0, self._predict_next(step))
+        self._agree_s = time.perf_counter() - a0
         if failed:
             if error is not None:
                 raise error
@@ -765,6 +771,7 @@ class SegmentPublisher:
             stall_s=0.0,
             path=self.layout.segment_path(self.generation, self.rank, seq),
         )
+        stats.agree_s, self._agree_s = self._agree_s, 0.0
         self._seq += 1
         self._last_step = step
         self._last_time = time.monotonic()
