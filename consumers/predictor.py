@@ -87,6 +87,9 @@ class PullLogLine:
     dense_step: int | None = None
     #: an operator's rollback this pull followed (the step it was ordered to); None: none
     rollback_to: int | None = None
+    #: ranks whose sidecar says the pull lacks the dense state it should bring, and why
+    #: (the rows are of ``step``, the dense weights older: not caught up)
+    dense_missing: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -174,7 +177,12 @@ class SyncLoop:
                     n += 1
                     rec = self.pull_once(consumer, n)
                     self._emit(rec)
-                    if c.long_poll_s > 0 and not rec.owed and not rec.missing:
+                    if (
+                        c.long_poll_s > 0
+                        and not rec.owed
+                        and not rec.missing
+                        and not rec.dense_missing  # poll again: the relay may get it
+                    ):
                         wait = c.long_poll_s
                         if deadline is not None:
                             wait = min(wait, max(0.0, deadline - time.monotonic()))
@@ -262,6 +270,7 @@ class SyncLoop:
             dense_bytes=r.dense_bytes,
             dense_step=r.dense_step,
             rollback_to=r.rollback_to,
+            dense_missing=r.dense_missing,
         )
         self.records.append(rec)
         return rec
@@ -303,12 +312,13 @@ class SyncLoop:
         if self._out is not None:
             self._out.write(json.dumps(d, separators=(",", ":")) + "\n")
             self._out.flush()
-        if isinstance(rec, PullLogLine) and (rec.rows or rec.missing):
+        if isinstance(rec, PullLogLine) and (rec.rows or rec.missing or rec.dense_missing):
             log.debug(  # -v: the library's line per pull says it (deltad.consume.client)
-                "pull %d: step %s (head %s) rows %d bytes %d fresh %s missing %s",
+                "pull %d: step %s (head %s) rows %d bytes %d fresh %s missing %s%s",
                 rec.pull, rec.step, rec.head_step, rec.rows, rec.bytes,
                 None if rec.freshness_s is None else f"{rec.freshness_s:.3f}s",
                 sorted(rec.missing),
+                f" dense missing {rec.dense_missing}" if rec.dense_missing else "",
             )  # fmt: skip
 
 

@@ -192,6 +192,19 @@ class RankStats:
     write_s: float  # writer-thread time
     hooks_s: float  # tracker hooks inside forward passes (record ids + fold into bitmaps)
     dense_bytes: int = 0  # rank 0: bytes of the dense states published with its segments
+    #: The loop after its warm-up steps: wall time of its steps (publishing included), the
+    #: process's CPU time meanwhile (every thread: the publisher's too), and how many steps.
+    loop_s: float = 0.0
+    loop_cpu_s: float = 0.0
+    loop_steps: int = 0
+    #: of ``loop_s``: what the publisher accounts as the loop's (``PublisherStats.stall_s``:
+    #: the decision, drains, the publish's all-reduce, backward waits for copies)
+    loop_publish_s: float = 0.0
+    #: off the loop, over the whole run: CPU seconds of the publisher's writer and copier
+    #: threads and of the tracker's fold thread (the publisher's own accounting)
+    offloop_cpu_s: float = 0.0
+    #: of the publisher's loop time, over the whole run: its per-publish all-reduce
+    agree_s: float = 0.0
 
 
 @dataclass
@@ -416,6 +429,8 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     deadline = time.monotonic() + cfg.duration_s if cfg.duration_s else math.inf
     times: list[float] = []
     step = 0
+    cpu0 = time.process_time()
+    stall0 = 0.0
     with tqdm(total=cfg.steps or None, disable=rank != 0 or not cfg.progress, unit="step") as bar:
         while not cfg.steps or step < cfg.steps:
             t0 = time.perf_counter()
@@ -434,10 +449,15 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
                     _save_atomic(state, cfg.dump_dir / f"model-step-{step}.pt")
                     _save_atomic(tables, cfg.dump_dir / f"tables-step-{step}.pt")
             times.append(time.perf_counter() - t0)
+            if step == _WARMUP_STEPS:
+                cpu0 = time.process_time()
+                stall0 = publisher.stats.stall_s if publisher is not None else 0.0
             bar.update()
             # Stop together: on a signal (any rank) or at the deadline (rank clocks differ).
             if _any_rank(_STOP.is_set() or time.monotonic() >= deadline):
                 break
+    loop_cpu = time.process_time() - cpu0
+    loop_publish = publisher.stats.stall_s - stall0 if publisher is not None else 0.0
     if publisher is not None:
         publisher.close(step)
     if cfg.final_tables is not None or cfg.final_model is not None:
@@ -453,6 +473,17 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
         mine = RankStats(
             rank, len(s.segments), s.rows, s.nbytes, s.stall_s, s.write_s, hooks, s.dense_bytes
         )
+    steady = times[_WARMUP_STEPS:]
+    mine.loop_s, mine.loop_cpu_s, mine.loop_steps = sum(steady), loop_cpu, len(steady)
+    mine.loop_publish_s = loop_publish
+    if publisher is not None:
+        s = publisher.stats
+        mine.offloop_cpu_s = (
+            s.write_cpu_s
+            + sum(x.copy_cpu_s for x in s.segments)
+            + publisher.tracker.stats.background_s
+        )
+        mine.agree_s = sum(x.agree_s for x in s.segments)
     gathered: list[Any] = [None] * cfg.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     if rank == 0:

@@ -122,10 +122,12 @@ class PullResult:
 
     @property
     def caught_up(self) -> bool:
-        """Every rank was read, the tables serve the newest step any rank has published, and
-        no row is owed: nothing more to pull until the trainer publishes again."""
+        """Every rank was read, the tables serve the newest step any rank has published, no
+        row is owed and no dense state is missing: nothing more to pull until the trainer
+        publishes again."""
         return (
             not self.missing
+            and not self.dense_missing
             and self.step is not None
             and self.step == self.head_step
             and self.owed == 0
@@ -149,6 +151,13 @@ class PullResult:
     @property
     def dense_bytes(self) -> int:
         return sum(d.dense_bytes for d in self.deltas)
+
+    @property
+    def dense_missing(self) -> dict[int, str]:
+        """Ranks whose sidecar (or relay) says this pull lacks the dense state it should
+        bring, with the reason (asked with ``PullOptions.dense``). The rows applied are of
+        ``step``; the dense weights held are older (or the model's init): not caught up."""
+        return {d.rank: d.dense_missing for d in self.deltas if d.dense_missing}
 
 
 class DeltaConsumer:
@@ -269,6 +278,8 @@ class DeltaConsumer:
             result.rows, result.bytes, (time.monotonic() - started) * 1000,
             f" (missing ranks {sorted(result.missing)})" if result.missing else "",
         )  # fmt: skip
+        for rank, why in result.dense_missing.items():
+            log.warning("pull %s rank %d: dense state missing: %s", self.config.consumer, rank, why)
         return result
 
     def _keep_stage(self, result: PullResult, stage: ResyncStage) -> PullResult:

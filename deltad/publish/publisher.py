@@ -3,9 +3,32 @@
 Call :meth:`SegmentPublisher.start` once before training (writes the generation manifest and
 the **base** segment), :meth:`SegmentPublisher.maybe_publish` right after every optimizer
 step, and :meth:`SegmentPublisher.close` at the end. Every rank runs the same calls; the
-publish decision is identical on all ranks (step-based needs no collective, time-based
-all-reduces one flag per step), and each publish all-reduces one more, so that a segment that
-failed to write on any rank raises on all of them together.
+publish decision is identical on all ranks and needs no collective on a step that does not
+publish; each publish all-reduces one small tensor, so that a segment that failed to write on
+any rank raises on all of them together (and, time-based, to agree on the next publish's step).
+
+Time-based publishing (``every_seconds``) off the step
+------------------------------------------------------
+The ranks agree *in advance* on the step of the next time-based publish: at each publish, rank
+0 predicts it from its measured step time (the steps since the previous publish over the
+seconds they took: the first step at which ``every_seconds`` will have passed), and the value
+rides the publish's own all-reduce (``[failed, next step]``, MAX; the other ranks send -1).
+``maybe_publish(step)`` is then ``step >= next`` on every rank: a pure function of the step,
+like ``every_steps``, so uneven step times across ranks cannot make them disagree, and no step
+that does not publish issues a collective. The first time-based publish after :meth:`start`
+comes at the first step (nothing is measured yet); each publish re-measures, so a change of
+pace is followed one interval later. A loop that slows down after a prediction publishes
+late by that much (bound it with ``every_steps`` as well; both set: whichever comes first).
+
+Where the publish runs does not change (the same ``maybe_publish(step)`` call after step
+``step``'s optimizer step), so the drain point stays what it is for step-based publishing
+under every pipeline: the plain loop and TrainPipelineBase/SparseDist (run here) call it
+between steps; TrainPipelineFusedSparseDist and TrainPipelineSemiSync (GPU only) have already
+started batch ``step + 1``'s lookup there, but its row writes happen in a backward after this
+call, behind the update barrier (below). Only *whether* a step publishes is decided
+differently, and deciding it earlier (at the previous publish) instead of at the call changes
+no cut: the publish at step ``n`` is the same drain at the same point, and every rank drains
+at the same ``n`` (previously a per-step all-reduce made that so; now the agreed ``n`` does).
 
 What the training loop pays, per segment
 ----------------------------------------
@@ -52,6 +75,7 @@ training: the rank publishes a fresh base once it can (see :meth:`SegmentPublish
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -127,6 +151,9 @@ class SegmentStats:
     dense_bytes: int = 0
     dense_s: float = 0.0
     dense_path: Path | None = None
+    #: Of ``stall_s``: the publish's all-reduce (the failure flag and the next time-based
+    #: publish's step), mostly waiting for the slowest rank to reach it.
+    agree_s: float = 0.0
 
 
 @dataclass
@@ -134,9 +161,13 @@ class PublisherStats:
     """Totals over a publisher's life, for benchmarks."""
 
     segments: list[SegmentStats] = field(default_factory=list)
-    #: Time spent deciding whether to publish (the all-reduce of the time-based flag).
+    #: Time spent deciding whether to publish (a comparison with the agreed step: no
+    #: collective; the next step is agreed inside the publish, counted in its ``stall_s``).
     decide_s: float = 0.0
     calls: int = 0
+    #: Collectives the publisher issued (all-reduces and broadcasts), all in the loop: at
+    #: start, and one per publish; none on a step that does not publish.
+    collectives: int = 0
     #: Time backward passes waited at the update barrier for a background copy, and how
     #: many of them had to wait.
     barrier_wait_s: float = 0.0
@@ -246,6 +277,10 @@ class SegmentPublisher:
         self._seq = 0
         self._last_step = 0
         self._last_time = 0.0
+        #: time-based publishing: the step of the next publish, agreed by every rank at the
+        #: previous one (None: not started, or every_seconds is off)
+        self._next_timed: int | None = None
+        self._agree_s = 0.0  # the last publish's all-reduce (SegmentStats.agree_s)
         self._last_dense_step: int | None = None
         self._dense_skip: tuple[str, ...] | None = None
         self._last_dense_time = 0.0
@@ -276,15 +311,21 @@ class SegmentPublisher:
     # -- collectives ------------------------------------------------------------------------
 
     def _all_reduce_max(self, value: int) -> int:
+        return self._all_reduce_max_n(value)[0]
+
+    def _all_reduce_max_n(self, *values: int) -> list[int]:
+        """Element-wise MAX of ``values`` over the ranks: one all-reduce."""
         if not self._distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+            return list(values)
+        self.stats.collectives += 1
+        t = torch.tensor(values, dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
-        return int(t.item())
+        return [int(x) for x in t.tolist()]
 
     def _broadcast(self, value: int) -> int:
         if not self._distributed:
             return value
+        self.stats.collectives += 1
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
         dist.broadcast(t, src=dist.get_global_rank(self._pg, 0) if self._pg else 0, group=self._pg)
         return int(t.item())
@@ -350,6 +391,8 @@ class SegmentPublisher:
         if failed is None and self._write_failed:
             failed = SpoolError(f"writing the base segment failed: {self.stats.last_write_error}")
         self._agree(failed, "writing the base segment")
+        if self.config.every_seconds > 0:
+            self._next_timed = step + 1  # nothing measured yet: the first step publishes
         self._thread = threading.Thread(target=self._writer, name="deltad-writer", daemon=True)
         self._thread.start()
         if self._copies_in_background():
@@ -445,9 +488,8 @@ class SegmentPublisher:
         self.stats.calls += 1
         cfg = self.config
         due = cfg.every_steps > 0 and step - self._last_step >= cfg.every_steps
-        if cfg.every_seconds > 0:
-            mine = int(due or time.monotonic() - self._last_time >= cfg.every_seconds)
-            due = bool(self._all_reduce_max(mine))
+        if self._next_timed is not None and step >= self._next_timed:
+            due = True  # the step every rank agreed on at the last publish: no collective
         self.stats.decide_s += time.perf_counter() - t0
         return self.publish(step) if due else None
 
@@ -474,7 +516,16 @@ class SegmentPublisher:
             error.__cause__ = self._error
         elif self._copier is not None and not self._copier_alive():
             error = SpoolError("the publisher's copier thread stopped")
-        self._agree(error, "writing a segment")
+        # one all-reduce: any rank failed, and (time-based) rank 0's next publish step
+        a0 = time.perf_counter()
+        failed, nxt = self._all_reduce_max_n(1 if error else 0, self._predict_next(step))
+        self._agree_s = time.perf_counter() - a0
+        if failed:
+            if error is not None:
+                raise error
+            raise SpoolError("writing a segment failed on another rank")
+        if self.config.every_seconds > 0:
+            self._next_timed = nxt
         if self._rebase_due():
             return self._publish_base(step, t0)
         if self._copier is not None:
@@ -495,6 +546,20 @@ class SegmentPublisher:
         self._queue.put(job)  # blocks while max_pending_writes segments wait (backpressure)
         stats.stall_s = time.perf_counter() - t0
         return stats
+
+    def _predict_next(self, step: int) -> int:
+        """Rank 0, time-based: the first step after ``step`` at which ``every_seconds`` will
+        have passed since now, at the pace of the steps since the previous publish (the
+        other ranks, or without every_seconds: -1, which the MAX ignores)."""
+        every = self.config.every_seconds
+        if every <= 0 or self.rank != 0:
+            return -1
+        steps = step - self._last_step
+        elapsed = time.monotonic() - self._last_time
+        if steps <= 0 or elapsed <= 0:
+            return step + 1
+        per_step = elapsed / steps
+        return step + max(1, math.ceil(every / per_step - 1e-9))
 
     def _rebase_due(self) -> bool:
         """Whether this publish writes a fresh base: after a failed write, or when the
@@ -706,6 +771,7 @@ class SegmentPublisher:
             stall_s=0.0,
             path=self.layout.segment_path(self.generation, self.rank, seq),
         )
+        stats.agree_s, self._agree_s = self._agree_s, 0.0
         self._seq += 1
         self._last_step = step
         self._last_time = time.monotonic()

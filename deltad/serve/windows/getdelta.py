@@ -71,6 +71,9 @@ class WindowServer:
         #: served and the rollback order it must follow. The default releases the head to
         #: everyone; the sidecar plugs in the persisted state (SidecarServer.set_release).
         self.release: Callable[[], ReleaseState] = ReleaseState
+        #: Set by a relay (deltad.serve.relay.server): (snapshot, to_seq, to_step) -> why a
+        #: ``with_dense`` window ending there lacks its dense state ("" if it does not).
+        self.dense_check: Callable[[LogSnapshot, int, int], str] | None = None
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -213,6 +216,11 @@ class WindowServer:
             header = with_reason(win.header, decision.reason) if decision.resync else win.header
             if decision.rollback_to is not None and decision.resync:
                 header = with_rollback(header, decision.rollback_to, decision.rollback_epoch)
+            dense_missing = ""
+            if req.with_dense and self.dense_check is not None:
+                dense_missing = self.dense_check(snap, to_seq, to_step)
+                if dense_missing:
+                    header = with_dense_missing(header, dense_missing)
             yield header
             for c in win.iter_chunks():
                 if time.monotonic() > slot.deadline:
@@ -253,13 +261,21 @@ class WindowServer:
                 )
             )
             log.info(
-                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes, %.0f ms",
+                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes, %.0f ms%s",
                 consumer, rank, decision.from_seq, to_seq, to_step,
                 "resync: " if decision.resync else "", decision.reason,
                 ", committed" if committed else "", win.rows, win.payload_bytes,
                 (time.monotonic() - started) * 1000,
+                f"; dense state missing: {dense_missing}" if dense_missing else "",
             )  # fmt: skip
         finally:
             slot.release()
             if win is not None and not hit:  # (built but never read: free its reservation)
                 self.cache.abandon(spec, win)
+
+
+def with_dense_missing(header: bytes, reason: str) -> bytes:
+    """A serialized header message with ``dense_missing`` set to ``reason``."""
+    msg = pb.GetDeltaResponse.FromString(header)
+    msg.header.dense_missing = reason[:512]
+    return msg.SerializeToString()
