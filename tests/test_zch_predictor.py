@@ -1,0 +1,444 @@
+"""Predictors of managed-collision models: rows and identities applied together, bit-exact.
+
+A float MC-EC / MC-EBC (MCH remapper, LRU or LFU eviction) is trained here unsharded, step by
+step; each step's changes become ShardUpdates as a segment carries them (the slots whose row or
+raw id changed, the raw id each now holds, the raw ids evicted). A predictor that applied them
+must equal the trainer's final model quantized by torchrec: weights, the remapper's lookup
+buffers, and forwards on raw ids that are held, evicted and never seen.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
+from torchrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from torchrec.modules.mc_modules import (
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+)
+
+from deltad.consume.appliers import TensorDictApplier, TorchRecApplier
+from deltad.consume.mc import SlotMap, lookup_buffers, remappers, slot_raw_of
+from deltad.consume.quant import QuantApplier, ServingLock, quant_tables, quantize_model
+from deltad.consume.window import RankDelta, ShardUpdate
+from deltad.errors import ConsumerError
+from deltad.types import EMPTY_RAW_ID, ApplyConsistency, Cursor, Form, ServeDtype, Shard, WireDtype
+
+pytestmark = pytest.mark.timeout(120)
+
+SLOTS = 24
+DIM = 8
+RAW_SPACE = 400  # >= 10x the slots: admissions evict all the time
+NEVER_SEEN = torch.arange(RAW_SPACE + 1, RAW_SPACE + 9)
+POLICIES = {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy}
+
+
+class MCModel(nn.Module):
+    """One managed-collision table ``mc`` (feature ``f``) as an EBC or an EC."""
+
+    def __init__(self, kind: str, policy: str, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        cpu = torch.device("cpu")
+        mch = MCHManagedCollisionModule(
+            zch_size=SLOTS,
+            device=cpu,
+            eviction_policy=POLICIES[policy](),
+            eviction_interval=1,
+            input_hash_size=RAW_SPACE,
+        )
+        self.mc: nn.Module
+        if kind == "ebc":
+            bags = [EmbeddingBagConfig(name="mc", embedding_dim=DIM, num_embeddings=SLOTS, feature_names=["f"])]  # fmt: skip
+            self.mc = ManagedCollisionEmbeddingBagCollection(
+                EmbeddingBagCollection(tables=bags, device=cpu),
+                ManagedCollisionCollection({"mc": mch}, bags),
+            )
+        else:
+            seqs = [EmbeddingConfig(name="mc", embedding_dim=DIM, num_embeddings=SLOTS, feature_names=["f"])]  # fmt: skip
+            self.mc = ManagedCollisionEmbeddingCollection(
+                EmbeddingCollection(tables=seqs, device=cpu),
+                ManagedCollisionCollection({"mc": mch}, seqs),
+            )
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """Per sample (EBC: pooled) or per id (EC) embeddings, ``[n, DIM]``."""
+        emb, _ = self.mc(kjt)
+        out: torch.Tensor = emb["f"].values() if isinstance(emb, dict) else emb.values()
+        return out
+
+
+def kjt_of(raw: torch.Tensor, per_sample: int = 1) -> KeyedJaggedTensor:
+    n = raw.numel() // per_sample
+    return KeyedJaggedTensor.from_lengths_sync(["f"], raw, torch.full((n,), per_sample))
+
+
+def mch_of(m: nn.Module) -> Any:
+    return next(x for x in m.modules() if isinstance(x, MCHManagedCollisionModule))
+
+
+def weight_of(m: nn.Module) -> torch.Tensor:
+    w = next(p for n, p in m.named_parameters() if "mc." in n and "weight" in n)
+    return w
+
+
+def slot_raw(m: nn.Module) -> torch.Tensor:
+    mch = mch_of(m)
+    return slot_raw_of(mch._mch_sorted_raw_ids, mch._mch_remapped_ids_mapping, 0)
+
+
+def mc_update(
+    ids: torch.Tensor,
+    values: torch.Tensor | None,
+    raw_ids: torch.Tensor | None,
+    evicted: torch.Tensor | None = None,
+    *,
+    table: str = "mc",
+    rows: int = SLOTS,
+) -> ShardUpdate:
+    u = ShardUpdate(Shard.columns_of(table, rows, DIM, 0, DIM), ids, values)
+    u.raw_ids = raw_ids  # type: ignore[attr-defined]  # ShardUpdate's fields (zch-serve)
+    u.evicted_raw_ids = evicted  # type: ignore[attr-defined]
+    return u
+
+
+def delta(shards: list[ShardUpdate], *, resync: bool = False, rank: int = 0) -> RankDelta:
+    return RankDelta(
+        rank=rank, generation=0, resync=resync, from_seq=0, to_seq=1, to_step=1,
+        form=Form.ROWS, wire_dtype=WireDtype.FP32, cursor=Cursor("c", rank, 0, 1, 1),
+        shards=shards,
+    )  # fmt: skip
+
+
+class Trainer:
+    """The float model trained step by step; each step's segment as a ShardUpdate."""
+
+    def __init__(self, kind: str, policy: str, seed: int = 0) -> None:
+        self.model = MCModel(kind, policy, seed)
+        self.initial = copy.deepcopy(self.model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.02)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.ever: set[int] = set()
+
+    def step(self, space: int = RAW_SPACE) -> ShardUpdate:
+        """One step on raw ids below ``space`` (skewed so LFU admits too); the update a
+        segment would carry."""
+        w0, m0 = weight_of(self.model).detach().clone(), slot_raw(self.model)
+        self.model.train()
+        hot = torch.randint(0, space, (4,), generator=self.gen).repeat(3)
+        raw = torch.cat([hot, torch.randint(0, space, (12,), generator=self.gen)])
+        out = self.model(kjt_of(raw, 2))
+        loss = (out * torch.linspace(-1, 1, DIM)).sum() + out.pow(2).sum()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        w1, m1 = weight_of(self.model).detach().clone(), slot_raw(self.model)
+        slots = ((w1 != w0).any(dim=1) | (m1 != m0)).nonzero().view(-1)
+        evicted = torch.tensor(sorted(set(m0.tolist()) - set(m1.tolist()) - {EMPTY_RAW_ID}))
+        self.ever |= set(m1.tolist()) - {EMPTY_RAW_ID}
+        return mc_update(slots, w1[slots].clone(), m1[slots].clone(), evicted.to(torch.int64))
+
+    def probe(self) -> torch.Tensor:
+        """Raw ids held now, ids held once and evicted, ids never seen."""
+        held = slot_raw(self.model)
+        held = held[held != EMPTY_RAW_ID]
+        evicted = torch.tensor(sorted(self.ever - set(held.tolist())), dtype=torch.int64)
+        assert evicted.numel(), "the training evicted nothing: the probe would prove little"
+        return torch.cat([held, evicted, NEVER_SEEN])
+
+    def base(self) -> ShardUpdate:
+        """Every slot, as a base segment lists it."""
+        w, m = weight_of(self.model).detach().clone(), slot_raw(self.model)
+        return mc_update(torch.arange(SLOTS), w, m, torch.empty(0, dtype=torch.int64))
+
+
+def assert_bit_exact(served: nn.Module, ref: nn.Module, probe: torch.Tensor) -> None:
+    """Tables' bytes, remapper lookup buffers and forwards on ``probe`` raw ids are equal."""
+    a, b = served.state_dict(), ref.state_dict()
+    keys = [k for k in b if "weight" in k or "_mch_sorted_raw_ids" in k or "_mch_remapped" in k]
+    assert any("_mch_sorted_raw_ids" in k for k in keys)
+    for k in keys:
+        assert torch.equal(getattr(a[k], "elem", a[k]), getattr(b[k], "elem", b[k])), k
+    with torch.inference_mode():
+        out, want = served(kjt_of(probe)), ref(kjt_of(probe))
+    assert bool(torch.isfinite(want).all())
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+def served_quant(t: Trainer, dtype: ServeDtype) -> nn.Module:
+    return quantize_model(copy.deepcopy(t.initial).eval(), dtype)
+
+
+def reference_quant(t: Trainer, dtype: ServeDtype) -> nn.Module:
+    return quantize_model(copy.deepcopy(t.model).eval(), dtype)
+
+
+def test_quantize_embeddings_builds_quant_mc_modules_on_cpu() -> None:
+    from torchrec.quant.embedding_modules import (
+        QuantManagedCollisionEmbeddingBagCollection,
+        QuantManagedCollisionEmbeddingCollection,
+    )
+
+    for kind, cls in (
+        ("ebc", QuantManagedCollisionEmbeddingBagCollection),
+        ("ec", QuantManagedCollisionEmbeddingCollection),
+    ):
+        q = quantize_model(MCModel(kind, "lru").eval(), ServeDtype.INT8)
+        assert isinstance(q.mc, cls)
+        assert set(quant_tables(q)) == {"mc"}
+        assert set(remappers(q)) == {"mc"}
+
+
+def test_lookup_buffers_of_a_slot_map_are_the_trainers_sorted_buffers() -> None:
+    t = Trainer("ec", "lru")
+    for _ in range(12):
+        t.step()
+    mch = mch_of(t.model)
+    sorted_raw, mapping = lookup_buffers(slot_raw(t.model), 0)
+    assert torch.equal(sorted_raw, mch._mch_sorted_raw_ids)
+    assert torch.equal(mapping, mch._mch_remapped_ids_mapping)
+    assert int((sorted_raw == EMPTY_RAW_ID).sum()) >= 1  # empty slots: ties, in slot order
+
+
+@pytest.mark.parametrize("dtype", [ServeDtype.INT8, ServeDtype.FP32], ids=lambda d: d.value)
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_quantized_predictor_applying_each_step_equals_the_trainer_quantized(
+    kind: str, policy: str, dtype: ServeDtype
+) -> None:
+    t = Trainer(kind, policy)
+    served = served_quant(t, dtype)
+    applier = QuantApplier(served, chunk_rows=3)
+    for _ in range(15):
+        applier.apply([delta([t.step()])])
+    assert applier.stats.identities == 1
+    assert_bit_exact(served, reference_quant(t, dtype), t.probe())
+
+
+def merged(updates: list[ShardUpdate]) -> ShardUpdate:
+    """A rows window over several steps: newest row and identity per slot, evicted = union
+    of the steps' evicted minus the raw ids held at the end (the sidecar's merge)."""
+    rows: dict[int, tuple[torch.Tensor, int]] = {}
+    evicted: set[int] = set()
+    for u in updates:
+        assert u.values is not None
+        for i, s in enumerate(u.ids.tolist()):
+            rows[s] = (u.values[i], int(u.raw_ids[i]))  # type: ignore[attr-defined]
+        evicted |= set(u.evicted_raw_ids.tolist())  # type: ignore[attr-defined]
+    slots = sorted(rows)
+    held = {rows[s][1] for s in slots}
+    return mc_update(
+        torch.tensor(slots, dtype=torch.int64),
+        torch.stack([rows[s][0] for s in slots]),
+        torch.tensor([rows[s][1] for s in slots], dtype=torch.int64),
+        torch.tensor(sorted(evicted - held), dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_merged_windows_and_a_base_bring_a_fresh_predictor_to_the_same_model(kind: str) -> None:
+    t = Trainer(kind, "lru")
+    served = served_quant(t, ServeDtype.INT8)
+    applier = QuantApplier(served)
+    steps = [t.step() for _ in range(12)]
+    applier.apply([delta([merged(steps[:5])])])
+    applier.apply([delta([merged(steps[5:])])])
+    ref = reference_quant(t, ServeDtype.INT8)
+    assert_bit_exact(served, ref, t.probe())
+    # a killed predictor bootstraps again: a fresh model, one base (every slot's identity)
+    again = served_quant(t, ServeDtype.INT8)
+    QuantApplier(again).apply([delta([t.base()], resync=True)])
+    assert_bit_exact(again, ref, t.probe())
+
+
+def _send(
+    owed: dict[int, tuple[torch.Tensor, int]], k: int, evicted: torch.Tensor, changed: set[int]
+) -> ShardUpdate:
+    must = sorted(s for s in owed if s in changed)
+    rest = sorted(s for s in owed if s not in changed)[:k]
+    slots = sorted(must + rest)
+    out = mc_update(
+        torch.tensor(slots, dtype=torch.int64),
+        torch.stack([owed[s][0] for s in slots]) if slots else torch.empty(0, DIM),
+        torch.tensor([owed[s][1] for s in slots], dtype=torch.int64),
+        evicted,
+    )
+    for s in slots:
+        del owed[s]
+    return out
+
+
+def test_topk_windows_then_catch_up_are_bit_exact() -> None:
+    t = Trainer("ec", "lfu")
+    served = served_quant(t, ServeDtype.INT8)
+    applier = QuantApplier(served)
+    owed: dict[int, tuple[torch.Tensor, int]] = {}
+    prev = slot_raw(t.model)
+    most_owed = 0
+    for _ in range(12):
+        u = t.step()
+        now = slot_raw(t.model)
+        changed = set((now != prev).nonzero().view(-1).tolist())
+        prev = now
+        raw = u.raw_ids  # type: ignore[attr-defined]
+        assert u.values is not None
+        for i, s in enumerate(u.ids.tolist()):
+            owed[s] = (u.values[i], int(raw[i]))
+        applier.apply([delta([_send(owed, 1, u.evicted_raw_ids, changed)])])  # type: ignore[attr-defined]
+        most_owed = max(most_owed, len(owed))
+        # every slot is served under its current identity even while rows are owed
+        assert torch.equal(remappers(served)["mc"].slot_raw, now)
+    assert most_owed > 0  # top-k left rows owed ...
+    applier.apply([delta([_send(owed, SLOTS, torch.empty(0, dtype=torch.int64), set())])])
+    assert_bit_exact(served, reference_quant(t, ServeDtype.INT8), t.probe())  # ... caught up
+
+
+def test_float_mc_module_serves_the_same_as_the_trainer() -> None:
+    t = Trainer("ebc", "lru")
+    served = copy.deepcopy(t.initial).eval()
+    applier = TorchRecApplier(served)
+    assert set(applier.remappers) == {"mc"}
+    for _ in range(10):
+        applier.apply([delta([t.step()])])
+    mch, ref = mch_of(served), mch_of(t.model)
+    assert torch.equal(mch._mch_sorted_raw_ids, ref._mch_sorted_raw_ids)
+    assert torch.equal(mch._mch_remapped_ids_mapping, ref._mch_remapped_ids_mapping)
+    assert torch.equal(weight_of(served), weight_of(t.model))
+    trained = copy.deepcopy(t.model).eval()
+    probe = t.probe()
+    with applier.reading(), torch.inference_mode():
+        assert torch.equal(served(kjt_of(probe)), trained(kjt_of(probe)))
+
+
+def test_dict_applier_keeps_a_slot_map_of_managed_collision_tables() -> None:
+    t = Trainer("ec", "lru")
+    applier = TensorDictApplier()
+    for _ in range(6):
+        applier.apply([delta([t.step()])])
+    assert torch.equal(applier.slot_maps()["mc"].slot_raw, slot_raw(t.model))
+    with pytest.raises(ConsumerError, match="managed-collision: its rows need raw ids"):
+        applier.apply([delta([mc_update(torch.tensor([0]), torch.zeros(1, DIM), None)])])
+
+
+def test_bad_identities_are_refused_before_anything_is_written() -> None:
+    t = Trainer("ec", "lru")
+    served = served_quant(t, ServeDtype.INT8)
+    applier = QuantApplier(served)
+    applier.apply([delta([t.step()])])
+    before = {k: v.clone() for k, v in served.state_dict().items() if hasattr(v, "clone")}
+    held = remappers(served)["mc"].slot_raw
+    kept = held[1:][held[1:] != EMPTY_RAW_ID][:1]  # a raw id slot 0's update leaves held
+    assert kept.numel() == 1
+    bad = [
+        (mc_update(torch.tensor([0]), torch.zeros(1, DIM), None), "need raw ids"),
+        (mc_update(torch.tensor([0, 1]), torch.zeros(2, DIM), torch.tensor([7, 7])), "two slots"),
+        (mc_update(torch.tensor([0]), torch.zeros(1, DIM), torch.tensor([-3])), "negative"),
+        (
+            mc_update(torch.tensor([0]), torch.zeros(1, DIM), torch.tensor([5]), kept),
+            "evicted but still held",
+        ),
+    ]
+    for u, msg in bad:
+        with pytest.raises(ConsumerError, match=msg):
+            applier.apply([delta([u])])
+    plain = mc_update(torch.tensor([0]), torch.zeros(1, DIM), torch.tensor([5]), table="x")
+    with pytest.raises(ConsumerError, match="not in the inference model"):
+        applier.apply([delta([plain])])
+    after = served.state_dict()
+    for k, v in before.items():
+        assert torch.equal(getattr(after[k], "elem", after[k]), getattr(v, "elem", v)), k
+
+
+class _Watched(ServingLock):
+    """A serving lock that runs ``check`` each time a writer lets go (a forward's view
+    between two write-lock holds)."""
+
+    def __init__(self, check: Any) -> None:
+        super().__init__()
+        self.check = check
+        self.holds = 0
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with super().write():
+            yield
+        self.holds += 1
+        self.check()
+
+
+@pytest.mark.parametrize("consistency", list(ApplyConsistency), ids=lambda c: c.value)
+def test_a_forward_between_chunks_never_pairs_a_raw_id_with_another_ids_row(
+    consistency: ApplyConsistency,
+) -> None:
+    t = Trainer("ec", "lru")
+    served = served_quant(t, ServeDtype.FP32)
+    applier = QuantApplier(served, chunk_rows=1, consistency=consistency)
+    steps = [t.step(space=SLOTS + 8) for _ in range(8)]  # ids recur: rows of kept identities
+    applier.apply([delta([merged(steps[:4])])])
+    probe = torch.cat([remappers(served)["mc"].slot_raw, t.probe()])
+    probe = probe[probe != EMPTY_RAW_ID].unique()
+    with torch.inference_mode():
+        old = served(kjt_of(probe)).clone()
+        new = reference_quant(t, ServeDtype.FP32)(kjt_of(probe))
+    seen: list[torch.Tensor] = []
+
+    def check() -> None:
+        with applier.serving():
+            out = served(kjt_of(probe))
+        # each id's embedding is its old (old slot, old row) or new (new slot, new row) one
+        ok = (out == old).all(dim=1) | (out == new).all(dim=1)
+        assert bool(ok.all()), probe[~ok]
+        seen.append(out.clone())
+
+    applier.serving_lock = _Watched(check)
+    window = merged(steps[4:])
+    assert int(window.ids.numel()) > 2  # several chunks of one row each
+    applier.apply([delta([window])])
+    assert applier.serving_lock.holds >= (1 if consistency is ApplyConsistency.WINDOW else 2)
+    assert torch.equal(seen[-1], new)
+
+
+def test_streamed_resync_carries_identities_into_the_remapper() -> None:
+    t = Trainer("ebc", "lfu")
+    for _ in range(10):
+        t.step()
+    served = served_quant(t, ServeDtype.INT8)
+    applier = QuantApplier(served)
+    stage = applier.stage()
+    base = t.base()
+    assert stage.open(0, base.shard, 0)
+    for a in range(0, SLOTS, 5):  # chunk by chunk, as the stream delivers them
+        r = slice(a, a + 5)
+        raw = base.raw_ids[r]  # type: ignore[attr-defined]
+        assert base.values is not None
+        stage.write(0, mc_update(base.ids[r], base.values[r], raw, torch.empty(0, dtype=torch.int64)))  # fmt: skip
+    d = delta([], resync=True)
+    d.stage = stage
+    applier.apply([d])
+    assert_bit_exact(served, reference_quant(t, ServeDtype.INT8), t.probe())
+
+
+def test_slot_map_checks_ranges() -> None:
+    m = SlotMap.empty("t", 4, offset=4)
+    with pytest.raises(ConsumerError, match="out of range"):
+        m.plan([(torch.tensor([3]), torch.tensor([1]))])
+    p = m.plan([(torch.tensor([5, 7]), torch.tensor([9, 2]))])
+    assert p.mapping.tolist() == [7, 5, 4, 6] and p.changed.tolist() == [5, 7]
