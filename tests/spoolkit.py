@@ -2,8 +2,8 @@
 
 :class:`FakeTrainer` writes what a row-wise sharded trainer would publish (manifest, a base per
 rank, then delta segments of random rows) and keeps the truth: the full tables at every step.
-:func:`running_sidecars` / :func:`running_serve` run real sidecars (in-process on port 0, or
-`deltad serve` subprocesses).
+:class:`ZchWriter` writes managed-collision tables (segment format version 3) with their
+slot -> raw id maps. :func:`running_serve` runs a real sidecar (a `deltad serve` subprocess).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
-from deltad.types import SegmentKind, Shard
+from deltad.types import EMPTY_RAW_ID, SegmentKind, Shard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,6 +123,184 @@ class FakeTrainer:
             shards=chunks,
             fsync=False,
         )
+
+
+class ZchWriter:
+    """One rank publishing managed-collision tables (segment format version 3) beside ordinary
+    ones, as a trainer with MCH modules would, keeping the truth: every table's rows and every
+    managed-collision table's slot -> raw id map (``raw``; ``EMPTY_RAW_ID`` = empty slot).
+
+    ``mc`` / ``tables``: name -> (num_rows, dim); rank ``r`` of ``world_size`` owns the rows
+    ``[r * n // ws, (r + 1) * n // ws)``. At the start the first half of the slots hold raw
+    ids (``slot * 1000 + 7``), the rest are empty. :meth:`delta` admits raw ids into slots
+    (evicting what they held), empties slots and moves rows, then publishes.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        model: str = "m",
+        mc: dict[str, tuple[int, int]] | None = None,
+        tables: dict[str, tuple[int, int]] | None = None,
+        generation: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ) -> None:
+        self.layout = SpoolLayout(root, model)
+        self.model = model
+        self.mc = mc if mc is not None else {"zch": (64, 8)}
+        self.plain = tables if tables is not None else {"t0": (40, 4)}
+        self.specs = {**self.mc, **self.plain}
+        self.rank, self.world_size = rank, world_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.next_raw = 10_000_000
+        self.gone: list[int] = []  # raw ids evicted and not held: may come back
+        self.start_generation(generation)
+
+    def rows(self, table: str) -> tuple[int, int]:
+        n = self.specs[table][0]
+        return self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size
+
+    def start_generation(
+        self,
+        generation: int,
+        start_step: int = 0,
+        truth: dict[str, torch.Tensor] | None = None,
+        raw: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """A new generation: fresh tables and maps (or ``truth`` / ``raw``), manifest, base."""
+        self.generation = generation
+        self.truth = (
+            {t: v.clone() for t, v in truth.items()}
+            if truth is not None
+            else {t: torch.randn(n, d, generator=self.gen) for t, (n, d) in self.specs.items()}
+        )
+        if raw is not None:
+            self.raw = {t: r.clone() for t, r in raw.items()}
+        else:
+            self.raw = {}
+            for t, (n, _) in self.mc.items():
+                r = torch.full((n,), EMPTY_RAW_ID, dtype=torch.int64)
+                r[: n // 2] = torch.arange(n // 2, dtype=torch.int64) * 1000 + 7
+                self.raw[t] = r
+        self.seq, self.step = -1, start_step
+        self.layout.write_manifest(
+            GenerationManifest(
+                model=self.model,
+                generation=generation,
+                world_size=self.world_size,
+                start_step=start_step,
+                created_unix=time.time(),
+                tables=tuple(
+                    TableInfo(
+                        t, n, d, "float32", "ec", "ec", "row_wise", managed_collision=t in self.mc
+                    )
+                    for t, (n, d) in self.specs.items()
+                ),
+            )
+        )
+        ids = {t: torch.arange(*self.rows(t)) for t in self.specs}
+        self._write(ids, {t: torch.empty(0, dtype=torch.int64) for t in self.mc}, SegmentKind.BASE)
+
+    def delta(
+        self,
+        *,
+        admit: dict[str, dict[int, int]] | None = None,
+        empty: dict[str, list[int]] | None = None,
+        touch: dict[str, list[int]] | None = None,
+        n: int = 0,
+    ) -> int:
+        """Change rows and identities, publish them at the next step; returns the seq.
+
+        ``admit``: table -> {slot: raw id} (the raw id enters the slot, whose row is reset;
+        what the slot held is evicted; a raw id held by another slot moves); ``empty``: table
+        -> slots emptied (row zeroed); ``touch``: table -> slots whose rows move. ``n``: as
+        many random admissions (fresh raw ids, or evicted ones coming back), emptied slots and
+        moved rows per managed-collision table (ordinary tables: ``n`` moved rows)."""
+        admit = {t: dict(v) for t, v in (admit or {}).items()}
+        empty = {t: list(v) for t, v in (empty or {}).items()}
+        touch = {t: list(v) for t, v in (touch or {}).items()}
+        for t in self.specs:
+            lo, hi = self.rows(t)
+            if not n:
+                continue
+            slots = (torch.randperm(hi - lo, generator=self.gen)[: 3 * n] + lo).tolist()
+            touch.setdefault(t, []).extend(slots[:n])
+            if t in self.mc:
+                for s in slots[n : 2 * n]:
+                    if self.gone and torch.rand(1, generator=self.gen).item() < 0.3:
+                        raw = self.gone.pop(0)
+                    else:
+                        raw, self.next_raw = self.next_raw, self.next_raw + 1
+                    admit.setdefault(t, {})[s] = raw
+                empty.setdefault(t, []).extend(slots[2 * n : 2 * n + max(1, n // 3)])
+        ids: dict[str, torch.Tensor] = {}
+        evicted: dict[str, torch.Tensor] = {}
+        for t, (_, d) in self.specs.items():
+            changed: set[int] = set(touch.get(t, []))
+            left: set[int] = set()
+            if t in self.mc:
+                raw = self.raw[t]
+                for s in empty.get(t, []):
+                    if s in admit.get(t, {}):
+                        continue
+                    if int(raw[s]) != EMPTY_RAW_ID:
+                        left.add(int(raw[s]))
+                    raw[s] = EMPTY_RAW_ID
+                    self.truth[t][s] = 0.0
+                    changed.add(s)
+                for s, r in admit.get(t, {}).items():
+                    held = (raw == r).nonzero().flatten().tolist()
+                    for other in held:  # the raw id moves: its old slot empties
+                        if other != s:
+                            raw[other] = EMPTY_RAW_ID
+                            changed.add(other)
+                    if int(raw[s]) not in (EMPTY_RAW_ID, r):
+                        left.add(int(raw[s]))
+                    raw[s] = r
+                    self.truth[t][s] = torch.randn(d, generator=self.gen)
+                    changed.add(s)
+                still = set(raw.tolist())
+                gone = sorted(x for x in left if x not in still)
+                self.gone.extend(x for x in gone if x not in self.gone)
+                self.gone = [x for x in self.gone if x not in still]
+                evicted[t] = torch.tensor(gone, dtype=torch.int64)
+            for s in touch.get(t, []):
+                self.truth[t][s] += torch.randn(d, generator=self.gen)
+            ids[t] = torch.tensor(sorted(changed), dtype=torch.int64)
+        self.step += 10
+        return self._write(ids, evicted, SegmentKind.DELTA)
+
+    def _write(
+        self, ids: dict[str, torch.Tensor], evicted: dict[str, torch.Tensor], kind: SegmentKind
+    ) -> int:
+        self.seq += 1
+        chunks = []
+        for t, i in ids.items():
+            lo, hi = self.rows(t)
+            n, d = self.specs[t]
+            i = i.to(torch.int64).sort().values
+            i = i[(i >= lo) & (i < hi)]
+            raw = self.raw[t][i].clone() if t in self.mc else None
+            ev = evicted.get(t) if t in self.mc else None
+            chunks.append(
+                ShardRows(Shard(t, n, d, lo, hi, 0, d), i, self.truth[t][i].clone(), raw, ev)
+            )
+        write_segment(
+            self.layout.segment_path(self.generation, self.rank, self.seq),
+            model=self.model,
+            generation=self.generation,
+            rank=self.rank,
+            world_size=self.world_size,
+            seq=self.seq,
+            step=self.step,
+            kind=kind,
+            shards=chunks,
+            fsync=False,
+        )
+        return self.seq
 
 
 def wait_for(cond: object, timeout_s: float = 30.0, what: str = "condition") -> None:

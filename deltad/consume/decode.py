@@ -109,10 +109,23 @@ class _Slot:
         self.with_values = with_values
         #: packed dtypes: bytes per row; values are then uint8 [count, row_bytes], kept packed
         self.row_bytes = row_bytes
-        self.parts: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None = None
+        self.parts: (
+            list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] | None
+        ) = None
         self.ids = self.values = None
         self.ids_np: Any = None
         self.values_np: Any = None
+        #: a managed-collision slice: raw ids with the rows, and the window's evicted /
+        #: admitted raw ids (filled run by run; admitted only in FORM_IDS)
+        self.identities = s.identities
+        self.raw_ids: torch.Tensor | None = None
+        self.evicted = torch.empty(s.evicted_count, dtype=torch.int64)
+        self.admitted = (
+            torch.empty(s.admitted_count, dtype=torch.int64)
+            if s.identities and not with_values
+            else None
+        )
+        self.evicted_filled = self.admitted_filled = 0
         if streamed:
             pass
         elif zero_copy:
@@ -121,6 +134,8 @@ class _Slot:
             empty = torch.empty if pool is None else pool.take
             self.ids = empty((s.count,), dtype=torch.int64)
             self.ids_np = self.ids.numpy()
+            if s.identities:
+                self.raw_ids = torch.empty(s.count, dtype=torch.int64)
             if with_values and row_bytes:
                 self.values = empty((s.count, row_bytes), dtype=torch.uint8)
                 self.values_np = self.values.numpy()
@@ -134,10 +149,25 @@ class _Slot:
 
         shard = Shard.columns_of(m.table, m.num_rows, m.dim, m.col_start, m.col_end)
 
-        def update(ids: torch.Tensor, values: torch.Tensor | None, owed: int) -> ShardUpdate:
-            if self.row_bytes:  # packed rows: in ``packed``, no float values
-                return ShardUpdate(shard, ids, None, owed, values)
-            return ShardUpdate(shard, ids, values, owed)
+        def update(
+            ids: torch.Tensor,
+            values: torch.Tensor | None,
+            owed: int,
+            raw: torch.Tensor | None = None,
+            first: bool = True,
+        ) -> ShardUpdate:
+            u = (  # packed rows: in ``packed``, no float values
+                ShardUpdate(shard, ids, None, owed, values)
+                if self.row_bytes
+                else ShardUpdate(shard, ids, values, owed)
+            )
+            if self.identities:
+                none = torch.empty(0, dtype=torch.int64)
+                u.raw_ids = raw if raw is not None else none
+                u.evicted_raw_ids = self.evicted if first else none
+                if self.admitted is not None:
+                    u.admitted_raw_ids = self.admitted if first else none
+            return u
 
         if self.streamed:  # rows are in the stage; only what is owed stays with the window
             if not m.owed:
@@ -150,7 +180,7 @@ class _Slot:
             return [update(torch.empty(0, dtype=torch.int64), none, m.owed)]
         if self.parts is None:
             assert self.ids is not None
-            return [update(self.ids, self.values, m.owed)]
+            return [update(self.ids, self.values, m.owed, self.raw_ids)]
         if not self.parts:
             empty = None
             if self.with_values:
@@ -162,8 +192,9 @@ class _Slot:
             return [update(torch.empty(0, dtype=torch.int64), empty, m.owed)]
         self.parts.sort(key=lambda p: p[0])
         return [
-            update(ids, values, m.owed if i == 0 else 0)
-            for i, (_, ids, values) in enumerate(self.parts)
+            update(ids, values, m.owed if i == 0 else 0, raw, i == 0)
+            for i, (_, ids, values, raw) in enumerate(self.parts)
+            if i == 0 or ids.numel()  # (a chunk of only evicted / admitted raw ids)
         ]
 
 
@@ -231,6 +262,9 @@ class WindowAssembler:
                 memoryview(c.ids),
                 memoryview(c.scale_bias),
                 memoryview(c.values),
+                memoryview(c.raw_ids),
+                memoryview(c.evicted),
+                memoryview(c.admitted),
             )
         elif which == "trailer":
             self._on_trailer(msg.trailer)
@@ -272,14 +306,15 @@ class WindowAssembler:
 
     def _parse_chunk(self, buf: memoryview) -> None:
         fields = [0, 0, 0]
-        blobs = [memoryview(b""), memoryview(b""), memoryview(b"")]
+        # ids, scale_bias, values, raw_ids, evicted, admitted (RowChunk fields 4..9)
+        blobs = [memoryview(b"")] * 6
         pos = 0
         while pos < len(buf):
             key, pos = _read_varint(buf, pos)
             num, wt = key >> 3, key & 7
             if 1 <= num <= 3 and wt == 0:
                 fields[num - 1], pos = _read_varint(buf, pos)
-            elif 4 <= num <= 6 and wt == 2:
+            elif 4 <= num <= 9 and wt == 2:
                 n, pos = _read_varint(buf, pos)
                 blobs[num - 4] = buf[pos : pos + n]
                 pos += n
@@ -287,7 +322,7 @@ class WindowAssembler:
                 pos = _skip_field(buf, pos, wt)
         if pos != len(buf):
             raise StreamDecodeError("truncated RowChunk")
-        self._on_chunk(fields[0], fields[1], fields[2], blobs[0], blobs[1], blobs[2])
+        self._on_chunk(fields[0], fields[1], fields[2], *blobs)
 
     def _on_header(self, h: pb.DeltaHeader) -> None:
         if self.header is not None:
@@ -316,6 +351,14 @@ class WindowAssembler:
                 raise StreamDecodeError(
                     f"slice {s.table[:64]!r} of {s.count} x {s.col_end - s.col_start}: too large"
                 )
+            if (s.evicted_count or s.admitted_count) and not s.identities:
+                raise StreamDecodeError(
+                    f"slice {s.table[:64]!r}: evicted / admitted raw ids without identities"
+                )
+            if s.admitted_count and with_values:
+                raise StreamDecodeError(f"slice {s.table[:64]!r}: admitted raw ids outside ids")
+            if s.evicted_count + s.admitted_count > MAX_SLICE_ELEMENTS:
+                raise StreamDecodeError(f"slice {s.table[:64]!r}: too many raw ids")
             rb, dtype = 0, self.dtype
             if s.dtype != pb.WIRE_DTYPE_UNSPECIFIED:  # a packed response's fp32 slice
                 if not packed or s.dtype != pb.WIRE_DTYPE_FP32 or s.row_bytes:
@@ -339,6 +382,8 @@ class WindowAssembler:
             # every slice is opened before any row arrives: a table the applier refuses
             # fails the pull before anything is staged for it
             for i, s in enumerate(h.slices):
+                if s.identities:  # raw ids and rows go to ``apply`` together, not staged
+                    continue
                 shard = Shard.columns_of(s.table, s.num_rows, s.dim, s.col_start, s.col_end)
                 streamed[i] = self.stage.open(h.rank, shard, row_bytes[i])
             self.streaming = any(streamed)
@@ -395,6 +440,9 @@ class WindowAssembler:
         ids: memoryview,
         scale_bias: memoryview,
         values: memoryview,
+        raw_ids: memoryview,
+        evicted: memoryview,
+        admitted: memoryview,
     ) -> None:
         if self.header is None or self.trailer is not None:
             raise StreamDecodeError("row chunk outside header..trailer")
@@ -408,6 +456,7 @@ class WindowAssembler:
             raise StreamDecodeError(
                 f"chunk rows {offset}..{end} of slice {index}: expected row {slot.filled} next"
             )
+        raw = self._identities(slot, index, count, raw_ids, evicted, admitted)
         if slot.streamed:
             self._stream_chunk(slot, count, ids, scale_bias, values)
         elif slot.parts is not None:
@@ -415,9 +464,11 @@ class WindowAssembler:
             if slot.with_values:
                 packed, floats = self._chunk_values(slot, count, scale_bias, values)
                 vals = packed if packed is not None else floats
-            slot.parts.append((offset, _view(ids, torch.int64), vals))
+            slot.parts.append((offset, _view(ids, torch.int64), vals, raw))
         else:
             slot.ids_np[offset:end] = np.frombuffer(ids, dtype=np.int64)
+            if slot.raw_ids is not None and raw is not None:
+                slot.raw_ids[offset:end] = raw
             if slot.values_np is not None and slot.row_bytes:
                 if len(values) != count * slot.row_bytes:
                     raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
@@ -429,6 +480,40 @@ class WindowAssembler:
                 self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
         slot.filled += count
         self.bytes += len(ids) + len(scale_bias) + len(values)
+        self.bytes += len(raw_ids) + len(evicted) + len(admitted)
+
+    @staticmethod
+    def _identities(
+        slot: _Slot,
+        index: int,
+        count: int,
+        raw_ids: memoryview,
+        evicted: memoryview,
+        admitted: memoryview,
+    ) -> torch.Tensor | None:
+        """Check a chunk's identity fields against its slice; keep its runs of evicted and
+        admitted raw ids; its raw ids (a view), or None for an ordinary slice."""
+        if not slot.identities:
+            if len(raw_ids) or len(evicted) or len(admitted):
+                raise StreamDecodeError(f"raw ids in a chunk of slice {index} (not managed)")
+            return None
+        if len(raw_ids) != count * 8:
+            raise StreamDecodeError(
+                f"chunk of slice {index}: {len(raw_ids)} bytes of raw ids for {count} rows"
+            )
+        for name, blob, into, at in (
+            ("evicted", evicted, slot.evicted, slot.evicted_filled),
+            ("admitted", admitted, slot.admitted, slot.admitted_filled),
+        ):
+            if not len(blob):
+                continue
+            n = len(blob) // 8
+            if into is None or len(blob) % 8 or at + n > into.numel():
+                raise StreamDecodeError(f"chunk of slice {index}: {name} raw ids past its count")
+            into[at : at + n] = _view(blob, torch.int64)
+        slot.evicted_filled += len(evicted) // 8
+        slot.admitted_filled += len(admitted) // 8
+        return _view(raw_ids, torch.int64)
 
     def _stream_chunk(
         self, slot: _Slot, count: int, ids: memoryview, scale_bias: memoryview, values: memoryview
@@ -507,6 +592,10 @@ class WindowAssembler:
                 raise StreamDecodeError(
                     f"slice {s.meta.table}: {s.filled} of {s.count} rows received"
                 )
+            if s.evicted_filled != s.evicted.numel() or (
+                s.admitted is not None and s.admitted_filled != s.admitted.numel()
+            ):
+                raise StreamDecodeError(f"slice {s.meta.table}: raw ids missing")
         dense: dict[str, torch.Tensor] = {}
         for name, dtype, shape, buf, filled in self.dense:
             if filled[0] != buf.numel():

@@ -36,6 +36,23 @@ class ShardUpdate:
     owed: int = 0  # top-k: candidate rows not sent, still owed
     #: packed wire dtypes: uint8 [len(ids), row_bytes] rows in the serving table's layout
     packed: torch.Tensor | None = None
+    #: A managed-collision table's shard (None for ordinary tables): int64 aligned with
+    #: ``ids``, the raw id each slot holds at the window's head (``deltad.types.EMPTY_RAW_ID``:
+    #: the slot is empty). A resync window lists every slot: the whole slot -> raw id map.
+    raw_ids: torch.Tensor | None = None
+    #: Raw ids that left the shard's slots in the window and are held by none of them at its
+    #: head (int64, ascending, unique). When a shard comes in several parts (``zero_copy``),
+    #: the first part carries them (empty on the others).
+    evicted_raw_ids: torch.Tensor | None = None
+    #: FORM_IDS only: raw ids that entered the shard's slots in the window (held at the head,
+    #: by a slot that held another raw id at the cursor; a resync: every raw id held),
+    #: ascending; on the first part like ``evicted_raw_ids``. None in other forms.
+    admitted_raw_ids: torch.Tensor | None = None
+
+    @property
+    def has_identities(self) -> bool:
+        """The shard is of a managed-collision table (its raw ids travel with its rows)."""
+        return self.raw_ids is not None
 
 
 #: The former name of :class:`ShardUpdate` (kept for code written against it).

@@ -149,7 +149,7 @@ class DenseChunk(_message.Message):
     def __init__(self, tensor: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TableSlice(_message.Message):
-    __slots__ = ("table", "num_rows", "dim", "col_start", "col_end", "count", "owed", "row_bytes", "dtype")
+    __slots__ = ("table", "num_rows", "dim", "col_start", "col_end", "count", "owed", "row_bytes", "dtype", "identities", "evicted_count", "admitted_count")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,9 @@ class TableSlice(_message.Message):
     OWED_FIELD_NUMBER: _ClassVar[int]
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    IDENTITIES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     table: str
     num_rows: int
     dim: int
@@ -168,23 +171,32 @@ class TableSlice(_message.Message):
     owed: int
     row_bytes: int
     dtype: WireDtype
-    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., count: _Optional[int] = ..., owed: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ...) -> None: ...
+    identities: bool
+    evicted_count: int
+    admitted_count: int
+    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., count: _Optional[int] = ..., owed: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., identities: _Optional[bool] = ..., evicted_count: _Optional[int] = ..., admitted_count: _Optional[int] = ...) -> None: ...
 
 class RowChunk(_message.Message):
-    __slots__ = ("slice", "offset", "count", "ids", "scale_bias", "values")
+    __slots__ = ("slice", "offset", "count", "ids", "scale_bias", "values", "raw_ids", "evicted", "admitted")
     SLICE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     SCALE_BIAS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    RAW_IDS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     slice: int
     offset: int
     count: int
     ids: bytes
     scale_bias: bytes
     values: bytes
-    def __init__(self, slice: _Optional[int] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., ids: _Optional[bytes] = ..., scale_bias: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+    raw_ids: bytes
+    evicted: bytes
+    admitted: bytes
+    def __init__(self, slice: _Optional[int] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., ids: _Optional[bytes] = ..., scale_bias: _Optional[bytes] = ..., values: _Optional[bytes] = ..., raw_ids: _Optional[bytes] = ..., evicted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ...) -> None: ...
 
 class DeltaTrailer(_message.Message):
     __slots__ = ("cursor", "rows", "bytes", "committed", "merge_seconds")
@@ -305,7 +317,7 @@ class StatusRequest(_message.Message):
     def __init__(self, after_generation: _Optional[int] = ..., after_seq: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class TableStatus(_message.Message):
-    __slots__ = ("table", "num_rows", "dim", "dtype", "kind", "sharding_type", "local_slices")
+    __slots__ = ("table", "num_rows", "dim", "dtype", "kind", "sharding_type", "local_slices", "managed_collision")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +325,7 @@ class TableStatus(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     SHARDING_TYPE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SLICES_FIELD_NUMBER: _ClassVar[int]
+    MANAGED_COLLISION_FIELD_NUMBER: _ClassVar[int]
     table: str
     num_rows: int
     dim: int
@@ -320,7 +333,8 @@ class TableStatus(_message.Message):
     kind: str
     sharding_type: str
     local_slices: _containers.RepeatedCompositeFieldContainer[TableSlice]
-    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., sharding_type: _Optional[str] = ..., local_slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ...) -> None: ...
+    managed_collision: bool
+    def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., sharding_type: _Optional[str] = ..., local_slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., managed_collision: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited")

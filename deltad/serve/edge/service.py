@@ -265,7 +265,7 @@ class DeltaServicer:
         for t in m.tables:
             ts = resp.tables.add(
                 table=t.name, num_rows=t.num_rows, dim=t.dim, dtype=t.dtype, kind=t.kind,
-                sharding_type=t.sharding_type,
+                sharding_type=t.sharding_type, managed_collision=t.managed_collision,
             )  # fmt: skip
             for sh in (r.shard for r in snap.base.segment.shards):
                 if sh.table == t.name:

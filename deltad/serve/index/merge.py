@@ -22,7 +22,7 @@ import torch
 
 from deltad.segment.format import ShardRows
 from deltad.serve.index.log import LogEntry
-from deltad.types import Form, ShardKey
+from deltad.types import EMPTY_RAW_ID, Form, ShardKey
 
 
 def merge_rows(
@@ -30,13 +30,44 @@ def merge_rows(
 ) -> ShardRows:
     """Latest-value merge of one shard's parts (its rows in each segment), oldest first
     (views when only one). ``out``: the values go there (``[rows of the union, width]``, e.g.
-    a mapped file) instead of a new tensor."""
+    a mapped file) instead of a new tensor.
+
+    A managed-collision shard's identities merge too (:func:`merge_identities`): each slot
+    keeps its newest raw id, and the evicted raw ids are the union of the parts' minus those
+    a slot holds at the end (also without values: the ids form reports them)."""
+    merged = _merge_rows(parts, with_values=with_values, out=out)
+    if len(parts) == 1 or not any(c.has_identities for c in parts):
+        return merged
+    raw_ids, evicted = merge_identities(parts, merged.ids)
+    return merged.with_rows(merged.ids, merged.values, raw_ids, evicted)
+
+
+def merge_identities(
+    parts: Sequence[ShardRows], ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw id of each of ``ids`` — the union of the parts' slots — from the newest part that
+    lists it; evicted raw ids: the union of the parts' minus the raw ids held at the end,
+    ascending). Parts without identities (none in a verified log) contribute none."""
+    raw = torch.full((ids.numel(),), EMPTY_RAW_ID, dtype=torch.int64)
+    for c in parts:
+        if c.raw_ids is not None and c.ids.numel():
+            raw[torch.searchsorted(ids, c.ids)] = c.raw_ids
+    gone = [c.evicted for c in parts if c.evicted is not None and c.evicted.numel()]
+    if not gone:
+        return raw, torch.empty(0, dtype=torch.int64)
+    evicted = torch.unique(torch.cat(gone)) if len(gone) > 1 else gone[0].clone()
+    return raw, evicted[~torch.isin(evicted, raw)]
+
+
+def _merge_rows(
+    parts: Sequence[ShardRows], *, with_values: bool = True, out: torch.Tensor | None = None
+) -> ShardRows:
     last = parts[-1]
     if len(parts) == 1:
         if out is not None:
             out.copy_(last.values)
-            return last.with_rows(last.ids, out)
-        return last.with_rows(last.ids, last.values)
+            return last.with_rows(last.ids, out, last.raw_ids, last.evicted)
+        return last.with_rows(last.ids, last.values, last.raw_ids, last.evicted)
     row_start = min(c.shard.row_start for c in parts)
     n = max(c.shard.row_end for c in parts) - row_start
     total = sum(c.ids.numel() for c in parts)
@@ -223,6 +254,45 @@ def lookup(
     return out
 
 
+def lookup_raw(entries: Sequence[LogEntry], key: ShardKey, ids: torch.Tensor) -> torch.Tensor:
+    """Raw ids held by the slots ``ids`` (sorted) of a managed-collision shard in the state
+    after ``entries`` (oldest first); ``EMPTY_RAW_ID`` where never listed."""
+    out = torch.full((ids.numel(),), EMPTY_RAW_ID, dtype=torch.int64)
+    need = torch.arange(ids.numel())
+    for e in reversed(entries):
+        if need.numel() == 0:
+            break
+        c = e.shards.get(key)
+        if c is None or c.raw_ids is None or c.ids.numel() == 0:
+            continue
+        want = ids[need]
+        p = torch.searchsorted(c.ids, want).clamp_(max=c.ids.numel() - 1)
+        hit = c.ids[p] == want
+        out[need[hit]] = c.raw_ids[p[hit]]
+        need = need[~hit]
+    return out
+
+
+def has_identities(entries: Sequence[LogEntry], key: ShardKey) -> bool:
+    """Whether ``key`` is a managed-collision shard in ``entries`` (its base says)."""
+    for e in entries:
+        c = e.shards.get(key)
+        if c is not None:
+            return c.has_identities
+    return False
+
+
+def admitted_raw_ids(
+    rows: ShardRows, key: ShardKey, held_state: Sequence[LogEntry]
+) -> torch.Tensor:
+    """Raw ids that entered the slots of ``rows`` (identities at the head) since the state
+    after ``held_state``: those a slot holds now and did not hold there, ascending."""
+    assert rows.raw_ids is not None
+    held = lookup_raw(held_state, key, rows.ids)
+    new = rows.raw_ids[(rows.raw_ids != held) & (rows.raw_ids != EMPTY_RAW_ID)]
+    return torch.unique(new)
+
+
 @dataclass
 class WindowShard:
     """What one shard contributes to a pull: rows to send, and rows left owed."""
@@ -249,10 +319,16 @@ def plan_shard(
     no row budget, this is the merged window itself. Otherwise the held value of a candidate is
     its owed value if owed, else its value at the consumer's cursor (``held_state``); top-k
     ranks by L2 of (head - held), ``budget`` caps the count, unsent rows become owed.
+
+    A managed-collision shard's rows go with their raw ids at the head and the window's
+    evicted raw ids; a slot whose raw id at the head differs from the one at the cursor is
+    always sent (beyond ``k`` and ``budget`` if need be), so no slot is owed with a stale
+    identity. Owed rows carry no identities (a slot owed holds its identity at the cursor).
     """
     assert merged is not None or owed is not None
     like = merged if merged is not None else owed
     assert like is not None
+    mc = (merged is not None and merged.has_identities) or has_identities(head_state, key)
     if owed is None and form is not Form.TOPK and (budget is None or budget >= like.ids.numel()):
         return WindowShard(like, None)
     if owed is None:
@@ -261,32 +337,53 @@ def plan_shard(
         cand = owed.ids
     else:
         cand = torch.unique(torch.cat([merged.ids, owed.ids]))
-    head = (
-        merged.values
-        if merged is not None and cand.numel() == merged.ids.numel()
-        else lookup(head_state, key, cand, like)
-    )
+    whole = merged is not None and cand.numel() == merged.ids.numel()
+    head = merged.values if whole and merged is not None else lookup(head_state, key, cand, like)
+    head_raw = forced = evicted = None
+    if mc:
+        if whole and merged is not None and merged.raw_ids is not None:
+            head_raw = merged.raw_ids
+        else:
+            head_raw = lookup_raw(head_state, key, cand)
+        forced = head_raw != lookup_raw(held_state, key, cand)
+        evicted = (
+            merged.evicted
+            if merged is not None and merged.evicted is not None
+            else torch.empty(0, dtype=torch.int64)
+        )
     n = cand.numel()
     take = n
     if form is Form.TOPK:
         take = min(n, k) if k > 0 else min(n, math.ceil(fraction * n))
     if budget is not None:
-        take = min(take, budget)
+        take = max(0, min(take, budget))
+    if forced is not None:
+        take = max(take, int(forced.sum()))
     if take >= n:
-        return WindowShard(like.with_rows(cand, head), None)
+        return WindowShard(like.with_rows(cand, head, head_raw, evicted), None)
     held = lookup(held_state, key, cand, like)
     if owed is not None:
         p = torch.searchsorted(cand, owed.ids)
         held[p] = owed.values
     if form is Form.TOPK:
         score = (head.to(torch.float32) - held.to(torch.float32)).norm(dim=1)
+        if forced is not None:
+            score[forced] = math.inf  # re-identified slots first, whatever moved
         chosen = torch.topk(score, take, sorted=False).indices.sort().values
+    elif forced is not None:  # a row budget: the re-identified slots, then in id order
+        order = torch.argsort((~forced).to(torch.int8), stable=True)
+        chosen = order[:take].sort().values
     else:
         chosen = torch.arange(take)
     keep = torch.ones(n, dtype=torch.bool)
     keep[chosen] = False
     rest = keep.nonzero().squeeze(1)
     return WindowShard(
-        like.with_rows(cand[chosen], head[chosen]),
+        like.with_rows(
+            cand[chosen],
+            head[chosen],
+            None if head_raw is None else head_raw[chosen],
+            evicted,
+        ),
         like.with_rows(cand[rest], held[rest]),
     )

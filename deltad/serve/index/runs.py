@@ -120,7 +120,13 @@ class RunCache:
                 for key in {**lower, **upper}:
                     cs = [c for c in (lower.get(key), upper.get(key)) if c is not None]
                     merged[key] = cs[0] if len(cs) == 1 else merge_rows(cs)
-                nbytes = sum(c.ids.nbytes + c.values.nbytes for c in merged.values())
+                nbytes = sum(
+                    c.ids.nbytes
+                    + c.values.nbytes
+                    + (0 if c.raw_ids is None else c.raw_ids.nbytes)
+                    + (0 if c.evicted is None else c.evicted.nbytes)
+                    for c in merged.values()
+                )
                 self._put(rid, merged, nbytes)
             finally:
                 with self._lock:

@@ -142,8 +142,8 @@ def write_spill(directory: Path, parts: Sequence[Part], max_bytes: int) -> tuple
             else torch.empty(n, width, dtype=dtype)
         )
         at_ids.copy_(ids)
-        merge_rows(cs, out=vals)
-        out[key] = cs[-1].with_rows(at_ids, vals)
+        m = merge_rows(cs, out=vals)  # (identities, of a managed-collision shard, in memory)
+        out[key] = cs[-1].with_rows(at_ids, vals, m.raw_ids, m.evicted)
     return out, size
 
 

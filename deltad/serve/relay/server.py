@@ -347,12 +347,12 @@ class RelayMirror:
         ranges: dict[ShardKey, tuple[int, int]] = {}
         rows = []
         for s in d.shards:
-            ids, values = _sorted(s)
+            ids, values, raw = _sorted(s)
             n = ids.numel()
             # a base holds every row of the shard: its row range is that of its ids
             r0, r1 = (int(ids[0]), int(ids[-1]) + 1) if n else (0, 0)
             ranges[s.shard.key] = (r0, r1)
-            rows.append(_shard_rows(s, r0, r1, ids, values, dtypes))
+            rows.append(_shard_rows(s, r0, r1, ids, values, dtypes, raw))
         self._write(d, SegmentKind.BASE, 0, world, rows, created)
         self._local = _Local(d.generation, d.to_seq, d.to_step, world, ranges, dtypes)
 
@@ -368,8 +368,8 @@ class RelayMirror:
             s = got.get(key)
             if s is None:
                 continue
-            ids, values = _sorted(s)
-            rows.append(_shard_rows(s, r0, r1, ids, values, loc.dtypes))
+            ids, values, raw = _sorted(s)
+            rows.append(_shard_rows(s, r0, r1, ids, values, loc.dtypes, raw))
         self._write(d, SegmentKind.DELTA, loc.seq + 1, loc.world_size, rows, created)
         self._local = _Local(
             d.generation, d.to_seq, d.to_step, loc.world_size, loc.ranges, loc.dtypes
@@ -465,15 +465,17 @@ class RelayMirror:
         self._pending = None
 
 
-def _sorted(s: ShardUpdate) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shard's ids ascending (segments require it) with their values."""
-    ids = s.ids
+def _sorted(s: ShardUpdate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The shard's ids ascending (segments require it) with their values (and raw ids, of a
+    managed-collision shard)."""
+    ids, raw = s.ids, s.raw_ids
     assert s.values is not None, "a rows-form pull carries values"
     values = s.values
     if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
         order = torch.argsort(ids)
         ids, values = ids[order], values[order]
-    return ids, values
+        raw = None if raw is None else raw[order]
+    return ids, values, raw
 
 
 def _shard_rows(
@@ -483,14 +485,19 @@ def _shard_rows(
     ids: torch.Tensor,
     values: torch.Tensor,
     dtypes: dict[str, torch.dtype],
+    raw: torch.Tensor | None = None,
 ) -> ShardRows:
     # fp32 on the wire carries fp16 / bf16 table values exactly: cast back to the table's dtype
+    # (a managed-collision shard keeps its raw ids and the window's evicted: version 3)
     sh = s.shard
     dtype = dtypes.get(sh.table, torch.float32)
+    evicted = s.evicted_raw_ids
     return ShardRows(
         Shard(sh.table, sh.num_rows, sh.dim, r0, r1, sh.col_start, sh.col_end),
         ids.contiguous(),
         values.to(dtype).contiguous(),
+        None if raw is None else raw.contiguous(),
+        None if raw is None or evicted is None else evicted.contiguous(),
     )
 
 
@@ -504,7 +511,16 @@ def _manifest(st: pb.StatusResponse, d: RankDelta) -> GenerationManifest:
         start_step=d.to_step,
         created_unix=time.time(),
         tables=tuple(
-            TableInfo(t.table, t.num_rows, t.dim, t.dtype, "", t.kind, t.sharding_type)
+            TableInfo(
+                t.table,
+                t.num_rows,
+                t.dim,
+                t.dtype,
+                "",
+                t.kind,
+                t.sharding_type,
+                managed_collision=t.managed_collision,
+            )
             for t in st.tables
         ),
     )

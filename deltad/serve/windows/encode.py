@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -74,15 +75,25 @@ class ChunkMessage:
     ids, scale/bias and values fields are writable numpy views into the message itself.
 
     Fill every byte of :attr:`ids`, :attr:`scale_bias` (INT8) and :attr:`values` (uint8),
-    drop the views, then send :attr:`data`. Rows written straight into :attr:`values` (a merge's row
-    copies, a cast) cost one copy in all, where building a tensor first and then joining it
-    into a message costs two.
+    and of :attr:`raw_ids`, :attr:`evicted`, :attr:`admitted` (int64; a managed-collision
+    shard's identities, when sized), drop the views, then send :attr:`data`. Rows written
+    straight into :attr:`values` (a merge's row copies, a cast) cost one copy in all, where
+    building a tensor first and then joining it into a message costs two.
     """
 
-    __slots__ = ("data", "ids", "scale_bias", "values")
+    __slots__ = ("admitted", "data", "evicted", "ids", "raw_ids", "scale_bias", "values")
 
     def __init__(
-        self, slice_index: int, offset: int, count: int, values_nbytes: int, sb_nbytes: int = 0
+        self,
+        slice_index: int,
+        offset: int,
+        count: int,
+        values_nbytes: int,
+        sb_nbytes: int = 0,
+        *,
+        raw_ids: bool = False,
+        evicted: int = 0,
+        admitted: int = 0,
     ) -> None:
         inner = bytearray()
         if slice_index:
@@ -90,12 +101,17 @@ class ChunkMessage:
         if offset:
             inner += b"\x10" + _varint(offset)
         inner += b"\x18" + _varint(count) + b"\x22" + _varint(count * 8)
-        fields = [(bytes(inner), count * 8)]
-        if sb_nbytes:
-            fields.append((b"\x2a" + _varint(sb_nbytes), sb_nbytes))
-        if values_nbytes:
-            fields.append((b"\x32" + _varint(values_nbytes), values_nbytes))
-        size = sum(len(h) + n for h, n in fields)
+        fields: list[tuple[str, bytes, int]] = [("ids", bytes(inner), count * 8)]
+        for name, tag, n in (
+            ("scale_bias", b"\x2a", sb_nbytes),
+            ("values", b"\x32", values_nbytes),
+            ("raw_ids", b"\x3a", count * 8 if raw_ids and count else 0),
+            ("evicted", b"\x42", evicted * 8),
+            ("admitted", b"\x4a", admitted * 8),
+        ):
+            if n:
+                fields.append((name, tag + _varint(n), n))
+        size = sum(len(h) + n for _, h, n in fields)
         head = b"\x12" + _varint(size)
         self.data = _NEW_BYTES(len(head) + size)
         raw: Any = (ctypes.c_char * len(self.data)).from_address(id(self.data) + _BYTES_DATA)
@@ -103,16 +119,54 @@ class ChunkMessage:
         buf: Any = np.frombuffer(raw, dtype=np.uint8)
         buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
         pos = len(head)
-        views = []
-        for h, n in fields:
+        views: dict[str, Any] = {}
+        for name, h, n in fields:
             buf[pos : pos + len(h)] = np.frombuffer(h, dtype=np.uint8)
             pos += len(h)
-            views.append(buf[pos : pos + n])
+            views[name] = buf[pos : pos + n]
             pos += n
-        self.ids: Any = views[0].view(np.int64)
+        empty = buf[pos:pos]
+        self.ids: Any = views["ids"].view(np.int64)
         #: float32 (scale, bias) pairs; empty unless ``sb_nbytes``
-        self.scale_bias: Any = views[1].view(np.float32) if sb_nbytes else buf[pos:pos]
-        self.values: Any = views[-1] if values_nbytes else buf[pos:pos]
+        self.scale_bias: Any = views["scale_bias"].view(np.float32) if sb_nbytes else empty
+        self.values: Any = views.get("values", empty)
+        #: int64 views (empty unless sized)
+        self.raw_ids: Any = views.get("raw_ids", empty).view(np.int64)
+        self.evicted: Any = views.get("evicted", empty).view(np.int64)
+        self.admitted: Any = views.get("admitted", empty).view(np.int64)
+
+
+@dataclass(frozen=True)
+class Identities:
+    """A managed-collision shard's identities in a window: ``raw_ids`` aligned with the rows
+    sent, the window's ``evicted`` raw ids and (FORM_IDS) the ``admitted`` ones."""
+
+    raw_ids: torch.Tensor
+    evicted: torch.Tensor
+    admitted: torch.Tensor | None = None
+
+    @property
+    def extras(self) -> int:
+        """Evicted and admitted raw ids: spread over the shard's chunks."""
+        return self.evicted.numel() + (0 if self.admitted is None else self.admitted.numel())
+
+
+def _put_identities(
+    m: ChunkMessage,
+    idn: Identities | None,
+    a: int,
+    b: int,
+    ev: tuple[int, int],
+    ad: tuple[int, int],
+) -> None:
+    if idn is None:
+        return
+    if b > a:
+        m.raw_ids[:] = idn.raw_ids[a:b].numpy()
+    if ev[1] > ev[0]:
+        m.evicted[:] = idn.evicted[ev[0] : ev[1]].numpy()
+    if ad[1] > ad[0] and idn.admitted is not None:
+        m.admitted[:] = idn.admitted[ad[0] : ad[1]].numpy()
 
 
 def encode_chunk(
@@ -121,11 +175,16 @@ def encode_chunk(
     ids: torch.Tensor,
     values: torch.Tensor | None,
     scale_bias: torch.Tensor | None = None,
+    idn: Identities | None = None,
+    ev: tuple[int, int] = (0, 0),
+    ad: tuple[int, int] = (0, 0),
 ) -> bytes:
     """One serialized GetDeltaResponse{chunk}.
 
     ``ids`` int64 [n], ``values`` [n, w] already in the wire dtype (or None for FORM_IDS),
-    ``scale_bias`` float32 [n, 2] for INT8. Exactly one copy of the row bytes.
+    ``scale_bias`` float32 [n, 2] for INT8. Exactly one copy of the row bytes. ``idn``: the
+    shard's identities, of which this chunk carries raw ids ``[offset, offset + n)`` and the
+    evicted / admitted ones in the ranges ``ev`` / ``ad``.
     """
     vals = _bytes_view(values) if values is not None and values.numel() else None
     sb = _bytes_view(scale_bias) if scale_bias is not None and scale_bias.numel() else None
@@ -135,26 +194,43 @@ def encode_chunk(
         ids.numel(),
         0 if vals is None else len(vals),
         0 if sb is None else len(sb),
+        raw_ids=idn is not None,
+        evicted=ev[1] - ev[0],
+        admitted=ad[1] - ad[0],
     )
     m.ids[:] = ids.numpy()
     if sb is not None:
         m.scale_bias.view(np.uint8)[:] = np.frombuffer(sb, dtype=np.uint8)
     if vals is not None:
         m.values[:] = np.frombuffer(vals, dtype=np.uint8)
-    return m.data
+    _put_identities(m, idn, offset, offset + ids.numel(), ev, ad)
+    data = m.data
+    del m
+    return data
 
 
 def rows_per_chunk(
-    width: int, dtype: WireDtype | None, chunk_bytes: int, alignment: int = DEFAULT_ROW_ALIGNMENT
+    width: int,
+    dtype: WireDtype | None,
+    chunk_bytes: int,
+    alignment: int = DEFAULT_ROW_ALIGNMENT,
+    identities: bool = False,
 ) -> int:
     """Rows that fit a chunk of about ``chunk_bytes`` (ids, values and int8 scale/bias, or
-    packed rows of ``alignment``)."""
-    row = 8
+    packed rows of ``alignment``; with ``identities``, a raw id and room for one evicted and
+    one admitted raw id per row)."""
+    row = 8 + (24 if identities else 0)
     if dtype is not None and dtype.packed:
         row += packed_row_bytes(width, dtype, alignment)
     elif dtype is not None:
         row += width * WIRE_ITEMSIZE[dtype] + (8 if dtype is WireDtype.INT8 else 0)
     return max(1, chunk_bytes // row)
+
+
+def extra_chunks(extras: int, chunk_bytes: int) -> int:
+    """At most how many RowChunks with no rows follow a managed-collision shard's row chunks
+    to carry the ``extras`` evicted and admitted raw ids they had no room for."""
+    return -(-extras // max(1, chunk_bytes // 8))
 
 
 def encode_rows(
@@ -164,19 +240,31 @@ def encode_rows(
     values: torch.Tensor | None,
     dtype: WireDtype,
     alignment: int = DEFAULT_ROW_ALIGNMENT,
+    idn: Identities | None = None,
+    ev: tuple[int, int] = (0, 0),
+    ad: tuple[int, int] = (0, 0),
 ) -> bytes:
     """One serialized RowChunk of float rows ``values`` (None: FORM_IDS) in ``dtype``: cast or
     quantized (:func:`~deltad.wire.quantize`), or packed (:func:`~deltad.wire.pack_rows`,
-    straight into the message)."""
+    straight into the message); ``idn``, ``ev``, ``ad``: see :func:`encode_chunk`."""
     if values is None or not dtype.packed:
         wire_vals, sb = quantize(values, dtype) if values is not None else (None, None)
-        return encode_chunk(slice_index, offset, ids, wire_vals, sb)
+        return encode_chunk(slice_index, offset, ids, wire_vals, sb, idn, ev, ad)
     n, dim = values.shape
     row_bytes = packed_row_bytes(dim, dtype, alignment)
-    m = ChunkMessage(slice_index, offset, n, n * row_bytes)
+    m = ChunkMessage(
+        slice_index,
+        offset,
+        n,
+        n * row_bytes,
+        raw_ids=idn is not None,
+        evicted=ev[1] - ev[0],
+        admitted=ad[1] - ad[0],
+    )
     m.ids[:] = ids.numpy()
     if n:
         pack_rows(values, dtype, torch.from_numpy(m.values).view(n, row_bytes))
+    _put_identities(m, idn, offset, offset + n, ev, ad)
     data = m.data
     del m
     return data
@@ -189,19 +277,36 @@ def encode_shard_chunks(
     dtype: WireDtype,
     chunk_bytes: int,
     alignment: int = DEFAULT_ROW_ALIGNMENT,
+    idn: Identities | None = None,
 ) -> Iterator[bytes]:
     """Serialized RowChunk messages of one shard (values None for FORM_IDS).
 
     Values are quantized (or packed) chunk by chunk (every wire dtype is row-wise), so the
-    first chunk is ready at once and no shard-sized temporary is allocated.
+    first chunk is ready at once and no shard-sized temporary is allocated. A managed-
+    collision shard's chunks (``idn``) carry their rows' raw ids and, in order, up to one
+    evicted and one admitted raw id per row; chunks without rows carry the rest
+    (:func:`extra_chunks`).
     """
     ids = ids.contiguous()
     width = values.shape[1] if values is not None and values.dim() == 2 else 0
-    step = rows_per_chunk(width, dtype if values is not None else None, chunk_bytes, alignment)
+    step = rows_per_chunk(
+        width, dtype if values is not None else None, chunk_bytes, alignment, idn is not None
+    )
+    n_ev = 0 if idn is None else idn.evicted.numel()
+    n_ad = 0 if idn is None or idn.admitted is None else idn.admitted.numel()
+    e = a = 0
     for off in range(0, ids.numel(), step):
         end = off + step
         vals = values[off:end] if values is not None else None
-        yield encode_rows(slice_index, off, ids[off:end], vals, dtype, alignment)
+        ev, ad = (e, min(n_ev, e + step)), (a, min(n_ad, a + step))
+        e, a = ev[1], ad[1]
+        yield encode_rows(slice_index, off, ids[off:end], vals, dtype, alignment, idn, ev, ad)
+    per = max(1, chunk_bytes // 8)
+    while e < n_ev or a < n_ad:  # the rest: chunks of no rows, up to chunk_bytes of raw ids
+        ev = (e, min(n_ev, e + per))
+        ad = (a, min(n_ad, a + per - (ev[1] - ev[0])))
+        e, a = ev[1], ad[1]
+        yield encode_chunk(slice_index, ids.numel(), ids[:0], None, None, idn, ev, ad)
 
 
 def encode_dense_chunks(state: DenseState, chunk_bytes: int) -> Iterator[bytes]:

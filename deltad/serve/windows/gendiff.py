@@ -13,6 +13,10 @@ commits the trailer's cursor, which is of the new generation. A diff is complete
 (like a resync, k, fraction and max_rows do not apply); FORM_IDS sends the ids only. The
 dense state, when asked for, comes as with a resync.
 
+A managed-collision shard's diff also holds every slot whose raw id differs between the two
+states (even with a bit-equal row), with its raw id at the head; its evicted raw ids are those
+the old state's map holds and the new one's does not.
+
 Otherwise (the old log not held, the cursor outside it, tables or sharding changed between
 the generations, owed rows unreadable, or the request asks ``no_generation_diff``) the
 consumer resyncs from the new base, and ``DeltaHeader.resync_reason`` says why.
@@ -51,7 +55,7 @@ from deltad.serve.windows.pull import (
     window_dense,
     window_parts,
 )
-from deltad.types import Form, ShardKey
+from deltad.types import EMPTY_RAW_ID, Form, ShardKey
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -110,12 +114,36 @@ def diff_rows(old: ShardRows, new: ShardRows, owed: ShardRows | None = None) -> 
     for lo in range(0, n, COMPARE_ROWS):
         hi = min(n, lo + COMPARE_ROWS)
         changed[lo:hi] = (a[lo:hi] != b[lo:hi]).any(dim=1)
+    if old.raw_ids is not None and new.raw_ids is not None:
+        changed |= old.raw_ids != new.raw_ids  # re-identified, even with an equal row
     if owed is not None and owed.ids.numel():
         at = torch.searchsorted(new.ids, owed.ids).clamp_(max=max(n - 1, 0))
         hit = new.ids[at] == owed.ids if n else torch.zeros(0, dtype=torch.bool)
         changed[at[hit]] = True
     idx = changed.nonzero().squeeze(1)
-    return new.with_rows(new.ids[idx], new.values[idx])
+    if new.raw_ids is None:
+        return new.with_rows(new.ids[idx], new.values[idx])
+    # evicted: the raw ids the consumer's map holds and the new one does not
+    held = torch.unique(old.raw_ids) if old.raw_ids is not None else new.raw_ids[:0]
+    evicted = held[~torch.isin(held, new.raw_ids) & (held != EMPTY_RAW_ID)]
+    return new.with_rows(new.ids[idx], new.values[idx], new.raw_ids[idx], evicted)
+
+
+def diff_identities(old: ShardRows, rows: ShardRows, form: Form) -> encode.Identities | None:
+    """The identities a diff's rows of a managed-collision shard carry (admitted: FORM_IDS,
+    the raw ids of its slots that held another raw id in ``old``)."""
+    if rows.raw_ids is None or rows.evicted is None:
+        return None
+    admitted = None
+    if form is Form.IDS:
+        was = (
+            old.raw_ids[torch.searchsorted(old.ids, rows.ids)]
+            if old.raw_ids is not None and rows.ids.numel()
+            else torch.full_like(rows.raw_ids, EMPTY_RAW_ID)
+        )
+        new = rows.raw_ids[(rows.raw_ids != was) & (rows.raw_ids != EMPTY_RAW_ID)]
+        admitted = torch.unique(new)
+    return encode.Identities(rows.raw_ids, rows.evicted, admitted)
 
 
 def _state(parts: list[dict[ShardKey, ShardRows]], key: ShardKey) -> ShardRows | None:
@@ -141,11 +169,16 @@ def build_diff_window(
     old_parts = [e.shards for e in old.upto(old_seq)]
     keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
     plan: list[ShardRows] = []
+    idents: list[encode.Identities | None] = []
     for key in keys:
         new, prev = _state(new_parts, key), _state(old_parts, key)
         if new is None or prev is None:
             raise Incompatible(f"no state of {key[0]} in one of the generations")
-        plan.append(diff_rows(prev, new, owed.get(key)))
+        if new.has_identities != prev.has_identities:
+            raise Incompatible(f"{key[0]} is managed-collision in one generation only")
+        r = diff_rows(prev, new, owed.get(key))
+        plan.append(r)
+        idents.append(diff_identities(prev, r, spec.form))
     dense = window_dense(snap, full)
     header = pb.DeltaHeader(
         rank=spec.rank,
@@ -164,12 +197,16 @@ def build_diff_window(
         for t in dense.state.header.tensors:
             header.dense.tensors.add(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
     with_values = spec.form is not Form.IDS
-    for r in plan:
+    for r, idn in zip(plan, idents, strict=True):
         s = r.shard
         line = pb.TableSlice(
             table=s.table, num_rows=s.num_rows, dim=s.dim, col_start=s.col_start,
             col_end=s.col_end, count=r.ids.numel(),
         )  # fmt: skip
+        if idn is not None:
+            line.identities = True
+            line.evicted_count = idn.evicted.numel()
+            line.admitted_count = 0 if idn.admitted is None else idn.admitted.numel()
         if with_values and spec.dtype.packed:
             dtype = ShardLine(s, 0).wire_dtype(spec.dtype)
             if dtype.packed:
@@ -183,7 +220,7 @@ def build_diff_window(
             dtype = ShardLine(r.shard, 0).wire_dtype(spec.dtype)
             values = r.values if with_values else None
             yield from encode.encode_shard_chunks(
-                i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment
+                i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment, idents[i]
             )
         if dense is not None:
             yield from encode.encode_dense_chunks(dense.state, spec.chunk_bytes)

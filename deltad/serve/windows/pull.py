@@ -8,7 +8,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 from deltad import wire
 from deltad.segment.format import ShardRows
 from deltad.serve.index.log import DenseEntry, LogSnapshot
-from deltad.serve.index.merge import merge_rows, plan_shard
+from deltad.serve.index.merge import admitted_raw_ids, merge_rows, plan_shard
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.windows import encode
@@ -272,6 +272,9 @@ def _header(
             col_end=m.shard.col_end,
             count=m.count,
             owed=m.owed,
+            identities=m.identities,
+            evicted_count=m.evicted,
+            admitted_count=m.admitted,
         )
         if with_values and spec.dtype.packed:
             dtype = m.wire_dtype(spec.dtype)
@@ -290,6 +293,17 @@ class ShardLine:
     shard: Shard
     count: int
     owed: int = 0
+    #: a managed-collision shard: raw ids with its rows, and this many evicted / admitted
+    identities: bool = False
+    evicted: int = 0
+    admitted: int = 0
+
+    def with_identities(self, idn: encode.Identities | None) -> ShardLine:
+        """This line announcing ``idn`` (None: an ordinary shard, unchanged)."""
+        if idn is None:
+            return self
+        admitted = 0 if idn.admitted is None else idn.admitted.numel()
+        return replace(self, identities=True, evicted=idn.evicted.numel(), admitted=admitted)
 
     def wire_dtype(self, dtype: WireDtype) -> WireDtype:
         """The dtype this shard's values travel in for a request of ``dtype`` (a packed one
@@ -341,6 +355,17 @@ def build_window(
     plan: list[tuple[ShardRows | None, ShardLine]] = []
     by_key: dict[ShardKey, list[ShardRows]] = {}
     sources: dict[int, _MergedShard] = {}
+    idents: dict[int, encode.Identities] = {}
+    held_state = [] if spec.resync else snap.upto(spec.from_seq)
+
+    def identities(key: ShardKey, r: ShardRows) -> encode.Identities | None:
+        """A managed-collision shard's identities in this window (admitted: FORM_IDS)."""
+        if r.raw_ids is None:
+            return None
+        evicted = r.evicted if r.evicted is not None else torch.empty(0, dtype=torch.int64)
+        admitted = admitted_raw_ids(r, key, held_state) if spec.form is Form.IDS else None
+        return encode.Identities(r.raw_ids, evicted, admitted)
+
     wanted = set(keys)
     for part in parts:
         for key, c in part.items():
@@ -351,9 +376,13 @@ def build_window(
             cs = by_key.get(key)
             if cs is None:
                 continue
-            if len(cs) == 1 or not with_values:
+            if len(cs) == 1 or not with_values or any(c.has_identities for c in cs):
+                # (a managed-collision shard is merged whole: its raw ids with its rows)
                 r = merge_rows(cs, with_values=with_values)
-                plan.append((r, ShardLine(r.shard, r.ids.numel())))
+                idn = identities(key, r)
+                if idn is not None:
+                    idents[len(plan)] = idn
+                plan.append((r, ShardLine(r.shard, r.ids.numel()).with_identities(idn)))
             else:  # the ids now (the count); the values range by range as chunks are encoded
                 src = _MergedShard(cs)
                 sources[len(plan)] = src
@@ -361,7 +390,6 @@ def build_window(
     else:
         merged = {k: merge_rows(cs, with_values=with_values) for k, cs in by_key.items()}
         head_state = snap.upto(spec.to_seq)
-        held_state = [] if spec.resync else snap.upto(spec.from_seq)
         budget = spec.max_rows if spec.max_rows and not spec.resync else None
         for key in keys:
             m, o = merged.get(key), owed.get(key)
@@ -382,8 +410,13 @@ def build_window(
             if ws.owed is not None and n_owed:
                 new_owed[key] = ws.owed
             if budget is not None:
-                budget -= ws.rows.ids.numel()
-            plan.append((ws.rows, ShardLine(ws.rows.shard, ws.rows.ids.numel(), n_owed)))
+                # (re-identified slots may go beyond it: nothing is left for the rest)
+                budget = max(0, budget - ws.rows.ids.numel())
+            idn = identities(key, ws.rows)
+            if idn is not None:
+                idents[len(plan)] = idn
+            line = ShardLine(ws.rows.shard, ws.rows.ids.numel(), n_owed).with_identities(idn)
+            plan.append((ws.rows, line))
     dense = window_dense(snap, spec)
     bound = window_bound(spec, [m for _, m in plan], dense)
     win = EncodedWindow(
@@ -407,7 +440,7 @@ def build_window(
             else:
                 values = None if spec.form is Form.IDS else r.values
                 chunks = encode.encode_shard_chunks(
-                    i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment
+                    i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i)
                 )
             for msg in chunks:
                 yield msg, time.perf_counter() - t
@@ -479,12 +512,16 @@ def window_bound(spec: WindowSpec, lines: list[ShardLine], dense: DenseEntry | N
     ``lines`` (known before any chunk is produced: the cache reserves it)."""
     total = 0
     for m in lines:
+        extras = m.evicted + m.admitted
+        total += extras * 8 + encode.extra_chunks(extras, spec.chunk_bytes) * _CHUNK_FRAMING
         if not m.count:
             continue
         width = m.shard.col_end - m.shard.col_start
         dtype = m.wire_dtype(spec.dtype) if spec.form is not Form.IDS else None
-        step = encode.rows_per_chunk(width, dtype, spec.chunk_bytes, spec.row_alignment)
-        row = 8
+        step = encode.rows_per_chunk(
+            width, dtype, spec.chunk_bytes, spec.row_alignment, m.identities
+        )
+        row = 16 if m.identities else 8
         if dtype is not None and dtype.packed:
             row += wire.packed_row_bytes(width, dtype, spec.row_alignment)
         elif dtype is not None:
