@@ -114,10 +114,8 @@ def mc_update(
     table: str = "mc",
     rows: int = SLOTS,
 ) -> ShardUpdate:
-    u = ShardUpdate(Shard.columns_of(table, rows, DIM, 0, DIM), ids, values)
-    u.raw_ids = raw_ids  # type: ignore[attr-defined]  # ShardUpdate's fields (zch-serve)
-    u.evicted_raw_ids = evicted  # type: ignore[attr-defined]
-    return u
+    shard = Shard.columns_of(table, rows, DIM, 0, DIM)
+    return ShardUpdate(shard, ids, values, raw_ids=raw_ids, evicted_raw_ids=evicted)
 
 
 def delta(shards: list[ShardUpdate], *, resync: bool = False, rank: int = 0) -> RankDelta:
@@ -239,10 +237,10 @@ def merged(updates: list[ShardUpdate]) -> ShardUpdate:
     rows: dict[int, tuple[torch.Tensor, int]] = {}
     evicted: set[int] = set()
     for u in updates:
-        assert u.values is not None
+        assert u.values is not None and u.raw_ids is not None and u.evicted_raw_ids is not None
         for i, s in enumerate(u.ids.tolist()):
-            rows[s] = (u.values[i], int(u.raw_ids[i]))  # type: ignore[attr-defined]
-        evicted |= set(u.evicted_raw_ids.tolist())  # type: ignore[attr-defined]
+            rows[s] = (u.values[i], int(u.raw_ids[i]))
+        evicted |= set(u.evicted_raw_ids.tolist())
     slots = sorted(rows)
     held = {rows[s][1] for s in slots}
     return mc_update(
@@ -298,11 +296,11 @@ def test_topk_windows_then_catch_up_are_bit_exact() -> None:
         now = slot_raw(t.model)
         changed = set((now != prev).nonzero().view(-1).tolist())
         prev = now
-        raw = u.raw_ids  # type: ignore[attr-defined]
-        assert u.values is not None
+        raw = u.raw_ids
+        assert u.values is not None and raw is not None and u.evicted_raw_ids is not None
         for i, s in enumerate(u.ids.tolist()):
             owed[s] = (u.values[i], int(raw[i]))
-        applier.apply([delta([_send(owed, 1, u.evicted_raw_ids, changed)])])  # type: ignore[attr-defined]
+        applier.apply([delta([_send(owed, 1, u.evicted_raw_ids, changed)])])
         most_owed = max(most_owed, len(owed))
         # every slot is served under its current identity even while rows are owed
         assert torch.equal(remappers(served)["mc"].slot_raw, now)
@@ -416,7 +414,7 @@ def test_a_forward_between_chunks_never_pairs_a_raw_id_with_another_ids_row(
     assert torch.equal(seen[-1], new)
 
 
-def test_streamed_resync_carries_identities_into_the_remapper() -> None:
+def test_a_streamed_resync_leaves_managed_collision_tables_to_the_assembled_window() -> None:
     t = Trainer("ebc", "lfu")
     for _ in range(10):
         t.step()
@@ -424,13 +422,8 @@ def test_streamed_resync_carries_identities_into_the_remapper() -> None:
     applier = QuantApplier(served)
     stage = applier.stage()
     base = t.base()
-    assert stage.open(0, base.shard, 0)
-    for a in range(0, SLOTS, 5):  # chunk by chunk, as the stream delivers them
-        r = slice(a, a + 5)
-        raw = base.raw_ids[r]  # type: ignore[attr-defined]
-        assert base.values is not None
-        stage.write(0, mc_update(base.ids[r], base.values[r], raw, torch.empty(0, dtype=torch.int64)))  # fmt: skip
-    d = delta([], resync=True)
+    assert not stage.open(0, base.shard, 0)  # the rows and raw ids stay in the window
+    d = delta([base], resync=True)
     d.stage = stage
     applier.apply([d])
     assert_bit_exact(served, reference_quant(t, ServeDtype.INT8), t.probe())

@@ -327,6 +327,8 @@ class _TensorStage(ResyncStage):
     def _open(self, shard: Shard, packed_row_bytes: int) -> bool:
         if packed_row_bytes:  # packed rows are for QuantApplier: apply refuses them as before
             return False
+        if shard.table in self._applier._maps:  # managed-collision: assembled with its raw ids
+            return False
         name, shape = shard.table, (shard.num_rows, shard.dim)
         t = self._target(name)
         if t is None:

@@ -60,7 +60,9 @@ ids rebuild the remapper's lookup buffers (``_mch_sorted_raw_ids``,
 it was, or with the new map to the new slot's row as the window sets it: never a slot's new
 row under its old raw id, or the reverse. Rows of slots that keep their raw id are written
 chunk by chunk like any table's (old or new per row); a resync streamed into a stage writes all
-of a managed-collision table's rows in that hold.
+of a managed-collision table's rows in that hold. A resync of a managed-collision table is
+not streamed into a stage (:meth:`ResyncStage.open` declines it): it is assembled with its
+raw ids and applied as one window (its rows cost twice their size during a bootstrap).
 
 Streamed resyncs (:meth:`QuantApplier.stage`, used by ``DeltaConsumer.sync(applier.apply)``):
 a resync window's whole-row shards are packed chunk by chunk, as they arrive, into a staging
@@ -487,7 +489,6 @@ class QuantApplier(Applier):
                     st.prepare()
                     assert isinstance(st, _QuantStage)
                     staged += st.copies()
-                    idents.extend(st.identities)
                 plan = self._plan(deltas, idents)
                 id_plans = idents.plan(self._remappers)
                 dense: dict[str, torch.Tensor] = {}
@@ -794,13 +795,13 @@ class _QuantStage(ResyncStage):
         self._applier = applier
         #: name -> (table, staging rows uint8 [num_rows, row_bytes], written bool [num_rows])
         self._bufs: dict[str, tuple[QuantTable, torch.Tensor, torch.Tensor]] = {}
-        #: the managed-collision tables' raw ids of the chunks written here
-        self.identities = IdentityUpdates.new()
 
     def _open(self, shard: Shard, packed_row_bytes: int) -> bool:
         t = self._applier._table(shard.table, shard.num_rows, shard.dim)
         if not shard.covers_full_row:
             return False  # the shadow of the assembled path merges columns
+        if t.name in self._applier._remappers:
+            return False  # assembled: its raw ids come with the window, rows and map at once
         if packed_row_bytes and packed_row_bytes < t.data_bytes:
             raise ConsumerError(
                 f"table {t.name}: packed rows of {packed_row_bytes} bytes, the table's "
@@ -820,10 +821,6 @@ class _QuantStage(ResyncStage):
             raise ConsumerError(f"table {update.shard.table}: rows of a slice not announced")
         t, buf, written = entry
         self._applier._check(None, update)
-        if t.name in self._applier._remappers:
-            raw_ids, evicted = identities_of(update)
-            with self._lock:
-                self.identities.add(t.name, update.ids, raw_ids, evicted)
         n = update.ids.numel()
         if n == 0:
             return 0
@@ -857,7 +854,6 @@ class _QuantStage(ResyncStage):
 
     def _release(self) -> None:
         self._bufs = {}
-        self.identities = IdentityUpdates.new()
 
 
 def _copy_rows(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
