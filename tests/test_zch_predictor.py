@@ -36,7 +36,15 @@ from torchrec.modules.mc_modules import (
 )
 
 from deltad.consume.appliers import TensorDictApplier, TorchRecApplier
-from deltad.consume.mc import SlotMap, lookup_buffers, remappers, slot_raw_of
+from deltad.consume.mc import (
+    LOOKUP_BUFFERS,
+    SlotMap,
+    lookup_buffers,
+    probe_forward,
+    remappers,
+    slot_raw_of,
+    training_only_state,
+)
 from deltad.consume.quant import QuantApplier, ServingLock, quant_tables, quantize_model
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConsumerError
@@ -435,3 +443,25 @@ def test_slot_map_checks_ranges() -> None:
         m.plan([(torch.tensor([3]), torch.tensor([1]))])
     p = m.plan([(torch.tensor([5, 7]), torch.tensor([9, 2]))])
     assert p.mapping.tolist() == [7, 5, 4, 6] and p.changed.tolist() == [5, 7]
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_probe_forward_answers_one_embedding_per_raw_id_as_the_model_does(kind: str) -> None:
+    t = Trainer(kind, "lru")
+    served = served_quant(t, ServeDtype.INT8)
+    applier = QuantApplier(served)
+    for _ in range(6):
+        applier.apply([delta([t.step()])])
+    ref = reference_quant(t, ServeDtype.INT8)
+    probe = t.probe()
+    with applier.serving():
+        got = probe_forward(served, "mc", probe)
+    with torch.inference_mode():
+        want = probe_forward(ref, "mc", probe)
+        assert torch.equal(want, ref(kjt_of(probe)))  # one id per sample: the model's output
+    assert got.shape == (probe.numel(), DIM) and torch.equal(got, want)
+    # what a comparison leaves out: the trainer's eviction bookkeeping, not the lookup buffers
+    skipped = training_only_state(ref)
+    assert skipped and not any(b in k for k in skipped for b in LOOKUP_BUFFERS)
+    with pytest.raises(ConsumerError, match="no managed-collision module"):
+        probe_forward(served, "nope", probe)

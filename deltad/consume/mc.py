@@ -230,3 +230,49 @@ class IdentityUpdates:
 def identities_of(update: object) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(raw_ids, evicted_raw_ids)`` of a ShardUpdate (None for ordinary tables)."""
     return getattr(update, "raw_ids", None), getattr(update, "evicted_raw_ids", None)
+
+
+#: An MCH module's buffers a serving remapper uses; its others (eviction metadata such as
+#: ``_mch_counts`` / ``_mch_last_access_iter``, ``_current_iter_tensor``) are the trainer's
+#: bookkeeping for admission and eviction: they do not travel and a predictor never reads them.
+LOOKUP_BUFFERS = ("_mch_sorted_raw_ids", "_mch_remapped_ids_mapping")
+
+
+def training_only_state(model: torch.nn.Module) -> set[str]:
+    """state_dict names of ``model``'s MCH buffers that serving does not use (see
+    :data:`LOOKUP_BUFFERS`): what a comparison with the trainer's model leaves out."""
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+    out: set[str] = set()
+    prefixes = [
+        f"{fqn}." for fqn, m in model.named_modules() if isinstance(m, MCHManagedCollisionModule)
+    ]
+    for name in model.state_dict():
+        for p in prefixes:
+            if name.startswith(p) and name[len(p) :] not in LOOKUP_BUFFERS:
+                out.add(name)
+    return out
+
+
+def probe_forward(model: torch.nn.Module, table: str, raw: torch.Tensor) -> torch.Tensor:
+    """The embeddings the (quantized or float) MC module holding ``table`` serves for raw ids
+    ``raw`` of the table's first feature, one id per sample: ``[len(raw), dim]``. Run it where
+    forwards run (e.g. inside ``QuantApplier.serving()``)."""
+    from torchrec import KeyedJaggedTensor
+    from torchrec.modules.mc_modules import ManagedCollisionCollection
+
+    for m in model.modules():
+        mcc = getattr(m, "_managed_collision_collection", None)
+        if not isinstance(mcc, ManagedCollisionCollection):
+            continue
+        if table not in mcc._managed_collision_modules:
+            continue
+        feature = mcc._table_to_features[table][0]
+        keys = list(mcc._feature_names)
+        n = raw.numel()
+        lengths = torch.cat([torch.full((n,), int(k == feature), dtype=torch.int64) for k in keys])
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys, raw.to(torch.int64), lengths)
+        emb = m(kjt)[0]
+        out: torch.Tensor = emb[feature].values() if isinstance(emb, dict) else emb[feature]
+        return out
+    raise ConsumerError(f"table {table!r}: no managed-collision module holds it")
