@@ -55,12 +55,14 @@ class IdentityPlan:
 
 
 class SlotMap:
-    """The slot -> raw id map of one managed-collision table (``size`` slots from ``offset``)."""
+    """The slot -> raw id map of one managed-collision table (``size`` slots from ``offset``)
+    and its lookup buffers (:func:`lookup_buffers` of it)."""
 
     def __init__(self, table: str, slot_raw: torch.Tensor, offset: int = 0) -> None:
         self.table = table
         self.offset = offset
         self.slot_raw = slot_raw.to(torch.int64).clone()
+        self._sorted, self._mapping = lookup_buffers(self.slot_raw, offset)
 
     @classmethod
     def empty(cls, table: str, size: int, offset: int = 0) -> SlotMap:
@@ -70,6 +72,16 @@ class SlotMap:
     def size(self) -> int:
         return int(self.slot_raw.numel())
 
+    @property
+    def sorted_raw_ids(self) -> torch.Tensor:
+        """The raw ids held, ascending (empty slots last, in slot order)."""
+        return self._sorted
+
+    @property
+    def mapping(self) -> torch.Tensor:
+        """The global slot of each entry of :attr:`sorted_raw_ids`."""
+        return self._mapping
+
     def plan(
         self,
         updates: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -77,7 +89,11 @@ class SlotMap:
     ) -> IdentityPlan:
         """The map after ``updates`` (``(global slots, raw ids)`` pairs, in order: a later pair
         wins), checked: slots in range, raw ids non-negative, no raw id held by two slots, no
-        ``evicted`` raw id still held. Raises ConsumerError; changes nothing."""
+        ``evicted`` raw id still held. Raises ConsumerError; changes nothing.
+
+        The lookup buffers are sorted whole (:func:`lookup_buffers`): a merge of the changed
+        entries into the held buffers measured no faster here (500 k slots, 8 k changed: ~30
+        ms either way on one loaded core), and a sort cannot inherit a wrong order."""
         new = self.slot_raw.clone()
         for slots, raw in updates:
             slots = slots.to(device="cpu", dtype=torch.int64)
@@ -97,8 +113,12 @@ class SlotMap:
             if int(raw.min()) < 0:
                 raise ConsumerError(f"table {self.table}: negative raw id {int(raw.min())}")
             new[local] = raw
-        sorted_raw, mapping = lookup_buffers(new, self.offset)
-        held = sorted_raw[sorted_raw != EMPTY_RAW_ID]
+        local_changed = (new != self.slot_raw).nonzero().view(-1)
+        if local_changed.numel():
+            sorted_raw, mapping = lookup_buffers(new, self.offset)
+        else:
+            sorted_raw, mapping = self.sorted_raw_ids, self.mapping
+        held = sorted_raw[: int(torch.searchsorted(sorted_raw, EMPTY_RAW_ID))]
         if held.numel() > 1 and bool((held[1:] == held[:-1]).any()):
             dup = int(held[1:][held[1:] == held[:-1]][0])
             raise ConsumerError(f"table {self.table}: raw id {dup} held by two slots")
@@ -113,12 +133,12 @@ class SlotMap:
                     f"table {self.table}: raw id {int(still[0])} evicted but still held by a slot "
                     f"(a slot's new identity is missing)"
                 )
-        changed = (new != self.slot_raw).nonzero().view(-1) + self.offset
-        return IdentityPlan(new, sorted_raw, mapping, changed)
+        return IdentityPlan(new, sorted_raw, mapping, local_changed + self.offset)
 
     def install(self, plan: IdentityPlan) -> None:
         """Take a planned map (must not fail: called under the serving lock)."""
         self.slot_raw = plan.slot_raw
+        self._sorted, self._mapping = plan.sorted_raw_ids, plan.mapping
 
 
 class Remapper(SlotMap):
@@ -128,25 +148,16 @@ class Remapper(SlotMap):
     def __init__(self, table: str, module: torch.nn.Module) -> None:
         self.module = module
         offset = int(getattr(module, "_output_global_offset"))  # noqa: B009
-        sorted_raw, mapping = self.sorted_raw_ids, self.mapping
+        sorted_raw = _buffer(module, "_mch_sorted_raw_ids")
+        mapping = _buffer(module, "_mch_remapped_ids_mapping")
         if sorted_raw.device.type != "cpu":
             raise UnsupportedModelError(f"table {table}: remapper buffers on {sorted_raw.device}")
         super().__init__(table, slot_raw_of(sorted_raw, mapping, offset), offset)
 
-    @property
-    def sorted_raw_ids(self) -> torch.Tensor:
-        """The module's ``_mch_sorted_raw_ids`` (the buffer itself)."""
-        return _buffer(self.module, "_mch_sorted_raw_ids")
-
-    @property
-    def mapping(self) -> torch.Tensor:
-        """The module's ``_mch_remapped_ids_mapping`` (the buffer itself)."""
-        return _buffer(self.module, "_mch_remapped_ids_mapping")
-
     def install(self, plan: IdentityPlan) -> None:
         with torch.no_grad():
-            self.sorted_raw_ids.copy_(plan.sorted_raw_ids)
-            self.mapping.copy_(plan.mapping)
+            _buffer(self.module, "_mch_sorted_raw_ids").copy_(plan.sorted_raw_ids)
+            _buffer(self.module, "_mch_remapped_ids_mapping").copy_(plan.mapping)
         super().install(plan)
 
 

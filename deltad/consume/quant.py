@@ -490,7 +490,9 @@ class QuantApplier(Applier):
                     assert isinstance(st, _QuantStage)
                     staged += st.copies()
                 plan = self._plan(deltas, idents)
-                id_plans = idents.plan(self._remappers)
+                id_plans = {  # a map no slot of which changed is not rewritten
+                    k: p for k, p in idents.plan(self._remappers).items() if p.changed.numel()
+                }
                 dense: dict[str, torch.Tensor] = {}
                 for d in deltas:
                     dense.update(getattr(d, "dense", None) or {})
