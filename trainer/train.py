@@ -44,6 +44,7 @@ from deltad.types import TrainLoop
 
 from .data import SEQ_FEATURE, Batch, ClickStream
 from .model import ClickModel
+from .zch import enable_cpu_eviction, mc_sharders, mc_tables
 
 log = logging.getLogger(__name__)
 
@@ -315,10 +316,15 @@ def shard_model(
             types: list[str] = super().sharding_types(compute_device_type)
             return types + [t for t in ("row_wise", "table_row_wise") if t not in types]
 
+    managed = mc_tables(model)
+    if managed:
+        enable_cpu_eviction()  # fbgemm has no CPU kernel for the reset eviction does
     constraints = {
         t: ParameterConstraints(
             sharding_types=[SHARDING_TYPES.get(st, st)],
             min_partition=cw_min_partition if st == "cw" else None,
+            # MC sharders also offer UVM / KV kernels, which the CPU planner cannot price
+            compute_kernels=["fused"] if t in managed else None,
         )
         for t, st in sharding.items()
     }
@@ -327,7 +333,9 @@ def shard_model(
         "learning_rate": learning_rate,
         "eps": 1e-8,
     }
-    sharders = [CpuEBCSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
+    ebc_sharder = CpuEBCSharder(fused_params=fused)
+    ec_sharder = EmbeddingCollectionSharder(fused_params=fused)
+    sharders = [ebc_sharder, ec_sharder, *mc_sharders(ebc_sharder, ec_sharder)]
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
         constraints=constraints,
