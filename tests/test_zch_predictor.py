@@ -484,3 +484,184 @@ def test_merged_lookup_buffers_equal_sorting_the_new_map_whole() -> None:
         assert torch.equal(p.sorted_raw_ids, sorted_raw) and torch.equal(p.mapping, mapping)
         m.install(p)
     assert int((m.slot_raw == EMPTY_RAW_ID).sum()) not in (0, 64)
+
+
+# ---- end to end: a DMP trainer (gloo) -> sidecars (-> relay) -> a quantized predictor -------
+
+
+def _train_worker(
+    rank: int, world_size: int, spool: str, kind: str, policy: str, generation: int, out: str
+) -> None:
+    """Train the trainer tests' MC toy under DMP, publish every step, save the final state."""
+    from pathlib import Path
+
+    from test_zch_trainer import STEPS, mc_batch, mc_dmp
+
+    from deltad.config import PublisherConfig
+    from deltad.publish.mc import slot_raw_ids
+    from deltad.publish.publisher import SegmentPublisher
+
+    torch.manual_seed(rank + 100 * generation)
+    dmp = mc_dmp(world_size, kind, policy)
+    cfg = PublisherConfig(Path(spool), model="m", every_steps=1, fsync=False, generation=generation)
+    pub = SegmentPublisher(dmp, cfg)
+    pub.start(0)
+    for step in range(1, STEPS + 1):
+        dmp(mc_batch(rank, step + 1000 * generation))[0].backward()
+        dmp.fused_optimizer.step()
+        pub.maybe_publish(step)
+    pub.close(STEPS)
+    mch = dmp.module.mc._managed_collision_collection._managed_collision_modules["z"]
+    final = {
+        "rows": {
+            s.shard.table: (s.shard.row_start, s.weight.detach().clone())
+            for s in pub.tracker.shards
+        },
+        "slots": (int(mch._output_global_offset), slot_raw_ids(mch)),
+    }
+    torch.save(final, Path(out) / f"final-{generation}-{rank}.pt")
+
+
+class E2EModel(nn.Module):
+    """The trainer tests' toy (MC table ``z`` on feature ``fz``, plain table ``p``) on CPU."""
+
+    def __init__(self, kind: str, policy: str) -> None:
+        super().__init__()
+        from deltad.reference.trainer.zch import mc_module
+        from test_zch_trainer import DIM as TDIM
+        from test_zch_trainer import RAW_IDS
+        from test_zch_trainer import SLOTS as TSLOTS
+
+        cpu = torch.device("cpu")
+        self.mc = mc_module(
+            kind, "z", "fz", slots=TSLOTS, raw_ids=RAW_IDS, dim=TDIM, policy=policy,
+            eviction_interval=2, device=cpu,
+        )  # fmt: skip
+        bags = [EmbeddingBagConfig(name="p", embedding_dim=TDIM, num_embeddings=16, feature_names=["fp"])]  # fmt: skip
+        self.ebc = EmbeddingBagCollection(tables=bags, device=cpu)
+
+
+def e2e_reference(
+    out: Any, kind: str, policy: str, generation: int, world: int, dtype: ServeDtype
+) -> tuple[nn.Module, torch.Tensor]:
+    """The trainer's final model, unsharded (rows of every rank, the slot map of every rank
+    in the MCH's order), quantized by torchrec; and its global slot -> raw id map."""
+    from test_zch_trainer import SLOTS as TSLOTS
+
+    m = E2EModel(kind, policy).eval()
+    weights = {"z": weight_of(m), "p": m.ebc.embedding_bags["p"].weight}
+    slot_map = torch.full((TSLOTS,), EMPTY_RAW_ID, dtype=torch.int64)
+    for rank in range(world):
+        final = torch.load(out / f"final-{generation}-{rank}.pt", weights_only=True)
+        with torch.no_grad():
+            for table, (start, w) in final["rows"].items():
+                weights[table][start : start + w.shape[0]] = w
+        offset, local = final["slots"]
+        slot_map[offset : offset + local.numel()] = local
+    mch = mch_of(m)
+    sorted_raw, mapping = lookup_buffers(slot_map, 0)
+    mch._mch_sorted_raw_ids.copy_(sorted_raw)
+    mch._mch_remapped_ids_mapping.copy_(mapping)
+    return quantize_model(m, dtype), slot_map
+
+
+def e2e_sync(consumer: Any, applier: QuantApplier, step: int, evicted: set[int]) -> bool:
+    """Pull and apply until the predictor serves ``step`` and nothing is owed or new;
+    whether a pull was a resync."""
+    resync = False
+    for _ in range(200):
+        r = consumer.pull(applier=applier)
+        if r.deltas:
+            applier.apply(r.deltas)
+            consumer.commit(r)
+            resync = resync or r.resync
+        for d in r.deltas:
+            for s in d.shards:
+                if s.evicted_raw_ids is not None:
+                    evicted.update(s.evicted_raw_ids.tolist())
+        owed = sum(s.owed for d in r.deltas for s in d.shards)
+        if r.step == step and owed == 0 and r.rows == 0:
+            return resync
+    raise AssertionError(f"never caught up with step {step}")
+
+
+def e2e_check(
+    served: nn.Module, applier: QuantApplier, ref: nn.Module, slot_map: torch.Tensor,
+    evicted: set[int],
+) -> None:  # fmt: skip
+    """Weights and lookup buffers equal; forwards on held, evicted, never-seen raw ids equal."""
+    from test_zch_trainer import RAW_IDS
+
+    skip = training_only_state(ref)
+    a, b = served.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys()
+    for k in b:
+        if k not in skip:
+            assert torch.equal(getattr(a[k], "elem", a[k]), getattr(b[k], "elem", b[k])), k
+    held = slot_map[slot_map != EMPTY_RAW_ID]
+    gone = torch.tensor(sorted(evicted - set(held.tolist())), dtype=torch.int64)
+    assert held.numel() and gone.numel(), "the run must admit and evict raw ids"
+    probe = torch.cat([held, gone, torch.arange(RAW_IDS, RAW_IDS + 5)])
+    with applier.serving():
+        got = probe_forward(served, "z", probe)
+    with torch.inference_mode():
+        want = probe_forward(ref, "z", probe)
+    assert torch.equal(got, want)
+
+
+E2E = [
+    # (world size, kind, policy, form, k, serving dtype, relay levels)
+    (1, "ebc", "lru", "rows", 0, ServeDtype.INT8, 0),
+    (2, "ec", "lfu", "topk", 3, ServeDtype.FP32, 0),
+    (2, "ebc", "lru", "rows", 0, ServeDtype.INT8, 1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("world", "kind", "policy", "form", "k", "dtype", "relays"), E2E)
+def test_a_predictor_of_a_trained_mc_model_is_bit_exact_after_restart_and_new_generation(
+    tmp_path: Any, redis_url: str, world: int, kind: str, policy: str, form: str, k: int,
+    dtype: ServeDtype, relays: int,
+) -> None:  # fmt: skip
+    from shardkit import spawn
+    from test_relay import tree
+    from test_zch_trainer import STEPS
+
+    from deltad.config import ConsumerConfig, PullOptions
+    from deltad.consume.client import DeltaConsumer
+
+    spool = tmp_path / "spool"
+    spawn(_train_worker, world, tmp_path, str(spool), kind, policy, 1, str(tmp_path))
+    pull = PullOptions(form=Form(form), k=k, wire_dtype=WireDtype.FP32)
+
+    def predictor(endpoints: list[str], name: str) -> tuple[Any, nn.Module, QuantApplier]:
+        c = DeltaConsumer(
+            ConsumerConfig(consumer=name, model="m", sidecars=tuple(endpoints), pull=pull)
+        )
+        c.connect()
+        served = quantize_model(E2EModel(kind, policy).eval(), dtype)
+        return c, served, QuantApplier(served, chunk_rows=5)
+
+    with tree(tmp_path, redis_url, world, relays) as levels:
+        ends = levels[-1]
+        evicted: set[int] = set()
+        c, served, applier = predictor(ends, "p")
+        try:
+            assert e2e_sync(c, applier, STEPS, evicted)  # bootstrapped from the bases
+            ref, slot_map = e2e_reference(tmp_path, kind, policy, 1, world, dtype)
+            e2e_check(served, applier, ref, slot_map, evicted)
+            # killed and started again: a new process bootstraps from the bases
+            again, served2, applier2 = predictor(ends, "p")
+            try:
+                assert e2e_sync(again, applier2, STEPS, set())
+                e2e_check(served2, applier2, ref, slot_map, evicted)
+            finally:
+                again.close()
+            # the trainer restarts: a new generation; the first predictor follows it
+            spawn(_train_worker, world, tmp_path, str(spool), kind, policy, 2, str(tmp_path))
+            e2e_sync(c, applier, STEPS, evicted)
+            ref2, slot_map2 = e2e_reference(tmp_path, kind, policy, 2, world, dtype)
+            e2e_check(served, applier, ref2, slot_map2, evicted)
+        finally:
+            c.close()
