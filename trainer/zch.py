@@ -15,12 +15,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # no torch at import time: `deltad --help` imports the CLI that reads these
+    import torch
 
 #: Eviction policies by name.
 POLICIES = ("lru", "lfu")
+#: Slots of the reference model's managed-collision table, and its raw-id space per slot.
+ZCH_SLOTS = 1000
+ZCH_RAW_PER_SLOT = 20
 
 
 def eviction_policy(name: str) -> Any:
@@ -50,6 +54,7 @@ def mc_module(
     ("ec") of one table ``table`` with ``slots`` rows, looked up by ``feature`` with raw ids
     in ``[0, raw_ids)``; its embedding table on ``device`` (``meta`` for DMP). ``buckets``:
     the MCH's uniform buckets; TorchRec's planner wants a multiple of the world size."""
+    import torch
     from torchrec import (
         EmbeddingBagCollection,
         EmbeddingBagConfig,
@@ -133,6 +138,7 @@ def enable_cpu_eviction() -> None:
     global _installed
     if _installed:
         return
+    import torch
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         SplitTableBatchedEmbeddingBagsCodegen as Tbe,
     )
