@@ -391,13 +391,18 @@ class Demo:
         raise DemoFailed(f"predictors (step, owed) {state} did not reach step {final_step}")
 
     def stop_predictors(self) -> None:
+        a = self.args
+        # each predictor writes its tables on the way out: 30 s, plus 60 s per GB of fp32
+        # tables (six tables of --rows x --dim; 1 M x 64 is 1.5 GB, written by three at once)
+        gb = 6 * a.rows * a.dim * 4 / 1e9
+        deadline = time.monotonic() + 30.0 + 60.0 * gb
         for c in self.children:
             if c.name in self.predictors:
                 _signal_group(c.proc, signal.SIGTERM)
         for c in self.children:
             if c.name in self.predictors:
                 try:
-                    rc = c.proc.wait(timeout=30.0)
+                    rc = c.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     raise DemoFailed(f"{c.name} did not stop; see {c.log}") from None
                 if rc != 0:
