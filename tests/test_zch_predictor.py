@@ -665,3 +665,19 @@ def test_a_predictor_of_a_trained_mc_model_is_bit_exact_after_restart_and_new_ge
             e2e_check(served, applier, ref2, slot_map2, evicted)
         finally:
             c.close()
+
+
+def test_a_plain_slot_map_lets_the_window_win_over_stale_identities() -> None:
+    """A TensorDictApplier's map may lack identities (a streamed base carries none): a slot
+    the window does not list that holds a raw id the window moves or evicts is emptied."""
+    applier = TensorDictApplier()
+    applier.apply([delta([mc_update(torch.tensor([0, 1]), torch.zeros(2, DIM), torch.tensor([5, 6]))])])  # fmt: skip
+    moved = mc_update(torch.tensor([2]), torch.ones(1, DIM), torch.tensor([5]), torch.tensor([6]))
+    applier.apply([delta([moved])])
+    raw = applier.slot_maps()["mc"].slot_raw
+    assert raw[:3].tolist() == [EMPTY_RAW_ID, EMPTY_RAW_ID, 5]
+    strict = SlotMap(
+        "mc", torch.tensor([5, 6] + [EMPTY_RAW_ID] * (SLOTS - 2), dtype=torch.int64)
+    )  # a remapper's map is held whole: the same window is refused
+    with pytest.raises(ConsumerError, match="two slots"):
+        strict.plan([(torch.tensor([2]), torch.tensor([5]))])

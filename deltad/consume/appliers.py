@@ -81,6 +81,10 @@ class Applier(abc.ABC):
         """A shard update failed its checks: the staged tables are dropped, the held ones stay."""
         return None  # tables that are never replaced (TorchRecApplier) stage nothing
 
+    #: Refuse a window whose identities contradict the held map (an evicted raw id still
+    #: held, ...); False: the window's identities win (see :meth:`SlotMap.plan`).
+    strict_identities = True
+
     def slot_maps(self) -> dict[str, SlotMap]:
         """The managed-collision tables' slot -> raw id maps, by table (none by default)."""
         return {}
@@ -126,7 +130,7 @@ class Applier(abc.ABC):
                             maps[s.shard.table] = m
                             idents.add(s.shard.table, s.ids, raw_ids, evicted)
                         plan.append((t, s))
-                id_plans = idents.plan(maps)
+                id_plans = idents.plan(maps, strict=self.strict_identities)
             except BaseException:
                 self._discard()
                 for st in stages:
@@ -250,8 +254,10 @@ class TensorDictApplier(Applier):
         self._tables: dict[str, torch.Tensor] = tables if tables is not None else {}
         self._staged: dict[str, torch.Tensor] = {}
         self.dtype = dtype
-        #: managed-collision tables (a map from the first update with raw ids)
+        #: managed-collision tables (a map from the first update with raw ids; a resync
+        #: streamed into a stage brings no raw ids, so a map may lack identities: not strict)
         self._maps: dict[str, SlotMap] = {}
+        self.strict_identities = False
 
     def slot_maps(self) -> dict[str, SlotMap]:
         return dict(self._maps)

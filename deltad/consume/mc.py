@@ -86,15 +86,22 @@ class SlotMap:
         self,
         updates: Sequence[tuple[torch.Tensor, torch.Tensor]],
         evicted: Sequence[torch.Tensor] = (),
+        *,
+        strict: bool = True,
     ) -> IdentityPlan:
         """The map after ``updates`` (``(global slots, raw ids)`` pairs, in order: a later pair
         wins), checked: slots in range, raw ids non-negative, no raw id held by two slots, no
         ``evicted`` raw id still held. Raises ConsumerError; changes nothing.
 
+        ``strict=False`` (a map that may lack identities, e.g. a plain slot map whose base was
+        streamed without them): a slot the window does not list that holds a raw id the window
+        gives another slot, or says evicted, is emptied instead of refused.
+
         The lookup buffers are sorted whole (:func:`lookup_buffers`): a merge of the changed
         entries into the held buffers measured no faster here (500 k slots, 8 k changed: ~30
         ms either way on one loaded core), and a sort cannot inherit a wrong order."""
         new = self.slot_raw.clone()
+        listed = torch.zeros(self.size, dtype=torch.bool)
         for slots, raw in updates:
             slots = slots.to(device="cpu", dtype=torch.int64)
             raw = raw.to(device="cpu", dtype=torch.int64)
@@ -113,6 +120,13 @@ class SlotMap:
             if int(raw.min()) < 0:
                 raise ConsumerError(f"table {self.table}: negative raw id {int(raw.min())}")
             new[local] = raw
+            listed[local] = True
+        if not strict:
+            told = [r.to(device="cpu", dtype=torch.int64) for _, r in updates]
+            told += [e.to(device="cpu", dtype=torch.int64) for e in evicted]
+            if told:
+                stale = torch.isin(new, torch.cat(told)) & ~listed & (new != EMPTY_RAW_ID)
+                new[stale] = EMPTY_RAW_ID
         local_changed = (new != self.slot_raw).nonzero().view(-1)
         if local_changed.numel():
             sorted_raw, mapping = lookup_buffers(new, self.offset)
@@ -122,7 +136,7 @@ class SlotMap:
         if held.numel() > 1 and bool((held[1:] == held[:-1]).any()):
             dup = int(held[1:][held[1:] == held[:-1]][0])
             raise ConsumerError(f"table {self.table}: raw id {dup} held by two slots")
-        for ev in evicted:
+        for ev in evicted if strict else ():
             ev = ev.to(device="cpu", dtype=torch.int64)
             if not ev.numel() or not held.numel():
                 continue
@@ -224,8 +238,11 @@ class IdentityUpdates:
     def tables(self) -> set[str]:
         return set(self.slots) | set(self.evicted)
 
-    def plan(self, maps: dict[str, SlotMap] | dict[str, Remapper]) -> dict[str, IdentityPlan]:
-        """Every table's plan (ConsumerError for identities of a table ``maps`` lacks)."""
+    def plan(
+        self, maps: dict[str, SlotMap] | dict[str, Remapper], *, strict: bool = True
+    ) -> dict[str, IdentityPlan]:
+        """Every table's plan (ConsumerError for identities of a table ``maps`` lacks; see
+        :meth:`SlotMap.plan` for ``strict``)."""
         out: dict[str, IdentityPlan] = {}
         for table in sorted(self.tables()):
             m = maps.get(table)
@@ -234,7 +251,9 @@ class IdentityUpdates:
                     f"table {table!r}: the window carries raw ids but the serving model has "
                     f"no managed-collision module for it"
                 )
-            out[table] = m.plan(self.slots.get(table, []), self.evicted.get(table, []))
+            out[table] = m.plan(
+                self.slots.get(table, []), self.evicted.get(table, []), strict=strict
+            )
         return out
 
 
