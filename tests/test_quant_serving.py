@@ -246,8 +246,11 @@ def test_killed_quantized_predictor_bootstraps_again(tmp_path: Path, redis_url: 
     summary = lines[-1]
     assert summary["event"] == "summary" and summary["forwards"] > 0
     got = torch.load(state, weights_only=True)
-    want = serving_state(reference(ServeDtype.INT8, torch.load(tmp_path / "final.pt")))
+    ref = reference(ServeDtype.INT8, torch.load(tmp_path / "final.pt"))
+    want = serving_state(ref)
     assert any(k.startswith("bottom.") for k in want)
     assert got.keys() == want.keys()
+    skip = training_only_state(ref)  # the MCH's eviction bookkeeping is not served
     for key in got:
-        assert torch.equal(got[key], want[key]), key
+        if key not in skip:
+            assert torch.equal(got[key], want[key]), key
