@@ -4,6 +4,8 @@ their slots' raw ids, and rebuilt bit-exactly from base + segments at every publ
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ STEPS = 8
 class McToy(nn.Module):
     """One MC table (EBC or EC) plus one ordinary EBC table, no dense parameters."""
 
-    def __init__(self, kind: str, policy: str, buckets: int) -> None:
+    def __init__(self, kind: str, policy: str, buckets: int, interval: int = 2) -> None:
         super().__init__()
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
@@ -48,7 +50,7 @@ class McToy(nn.Module):
             raw_ids=RAW_IDS,
             dim=DIM,
             policy=policy,
-            eviction_interval=2,
+            eviction_interval=interval,
             buckets=buckets,
             device=meta,
         )
@@ -70,13 +72,14 @@ class McToy(nn.Module):
         return loss, loss.detach()
 
 
-def mc_batch(rank: int, index: int, size: int = 8) -> Batch:
+def mc_batch(rank: int, index: int, size: int = 8, *, fresh: bool = False) -> Batch:
     """Raw ids drawn from a window that slides over the raw-id space (old ids go cold, new
-    ones arrive: LRU and LFU both evict), deterministic in (rank, index)."""
+    ones arrive: LRU and LFU both evict), deterministic in (rank, index). ``fresh``: each
+    batch's window is new (every eviction replaces slots the batch before looked up)."""
     g = torch.Generator().manual_seed(7919 * rank + index)
     lengths = torch.randint(1, 4, (size,), generator=g)
     n = int(lengths.sum())
-    start = (index * 37) % (RAW_IDS // 2 - 60)  # in both halves: each rank owns one at ws 2
+    start = (index * (61 if fresh else 37)) % (RAW_IDS // 2 - 60)  # in both halves: each rank owns one at ws 2
     raw = start + torch.randint(0, 60, (n,), generator=g)
     raw += (RAW_IDS // 2) * torch.randint(0, 2, (n,), generator=g)
     seq = KeyedJaggedTensor.from_lengths_sync(["fz"], raw, lengths)
@@ -87,9 +90,9 @@ def mc_batch(rank: int, index: int, size: int = 8) -> Batch:
     return Batch(torch.zeros(size, 1), pooled, seq, torch.zeros(size))
 
 
-def mc_dmp(world_size: int, kind: str, policy: str) -> Any:
+def mc_dmp(world_size: int, kind: str, policy: str, interval: int = 2) -> Any:
     return shard_model(
-        McToy(kind, policy, world_size),
+        McToy(kind, policy, world_size, interval),
         {"z": "rw", "p": "tw"},
         world_size=world_size,
         learning_rate=0.1,
@@ -113,12 +116,23 @@ def _state(tracker: DeltaTracker, dmp: Any) -> dict[str, Any]:
 
 
 def _rebuild_worker(
-    rank: int, world_size: int, spool: str, kind: str, policy: str, loop: str
+    rank: int, world_size: int, spool: str, kind: str, policy: str, loop: str, slow: bool = False
 ) -> None:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+    if slow:  # the copier far behind the loop: the next forward's eviction must wait for it
+        real_copy = SegmentPublisher._copy_rows
+
+        def slow_copy(self: SegmentPublisher, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if threading.current_thread().name == "deltad-copier":
+                time.sleep(0.1)
+            return real_copy(self, *args, **kwargs)
+
+        SegmentPublisher._copy_rows = slow_copy  # type: ignore[method-assign]
     torch.manual_seed(rank)
-    dmp = mc_dmp(world_size, kind, policy)
+    # slow: evict at every forward, each batch's ids all new and more than the slots, so that
+    # every eviction resets slots the segment before it lists (the rows the copier reads)
+    dmp = mc_dmp(world_size, kind, policy, 1 if slow else 2)
     train_loop = TrainLoop(loop)
     cfg = PublisherConfig(
         Path(spool), model="mc", every_steps=1, fsync=False, train_loop=train_loop
@@ -131,8 +145,9 @@ def _rebuild_worker(
     # The MCH buffers are identities, never dense state (they differ per rank).
     assert not [n for n in pub.dense_tensors() if "managed_collision" in n]
     pub.start(0)
+    assert pub._copier is not None  # rows are copied in the background (CPU weights)
     states = {0: _state(pub.tracker, dmp)}
-    batches = iter([mc_batch(rank, i) for i in range(STEPS)])
+    batches = iter([mc_batch(rank, i, 32 if slow else 8, fresh=slow) for i in range(STEPS)])
     if train_loop is TrainLoop.PLAIN:
         opt = dmp.fused_optimizer
 
@@ -214,6 +229,12 @@ CASES = [
     (2, "ebc", "lru", "plain"),
     (1, "ec", "lru", "pipeline-sparse-dist"),
 ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_a_slow_background_copy_holds_back_the_next_eviction(tmp_path: Path, kind: str) -> None:
+    spawn(_rebuild_worker, 1, tmp_path, str(tmp_path / "spool"), kind, "lfu", "plain", True)
 
 
 @pytest.mark.slow

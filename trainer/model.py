@@ -7,7 +7,9 @@ a pairwise dot-product interaction; the over-arch maps the interactions and the 
 to one click logit. ``forward(batch)`` returns ``(loss, logits)`` as TorchRec's train
 pipelines expect.
 
-The managed-collision table (``zch_slots > 0``, the default): module ``zch``, a
+The managed-collision table (``zch_slots > 0``; the reference trainer's default is
+:data:`ZCH_SLOTS`, so build its model with ``zch_slots=ZCH_SLOTS`` or
+``deltad.reference.trainer.train.build_unsharded(TrainConfig(...))``): module ``zch``, a
 ``ManagedCollisionEmbeddingBagCollection`` whose table ``zch`` (feature ``f_zch``) has
 ``zch_slots`` rows ("slots"); an ``MCHManagedCollisionModule`` with LRU eviction (every
 forward) maps raw ids from ``[0, zch_raw_ids)``, by default 20x the slots, onto them, so ids
@@ -32,6 +34,8 @@ from torchrec import (
 from .data import SEQ_FEATURE, ZCH_TABLE, Batch, feature_name
 from .zch import ZCH_RAW_PER_SLOT, ZCH_SLOTS, mc_module
 
+__all__ = ["ZCH_SLOTS", "ClickModel"]
+
 
 def _mlp(sizes: list[int]) -> nn.Sequential:
     layers: list[nn.Module] = []
@@ -53,7 +57,7 @@ class ClickModel(nn.Module):
         dim: int,
         num_dense: int = 8,
         hidden: int = 32,
-        zch_slots: int = ZCH_SLOTS,
+        zch_slots: int = 0,
         zch_raw_ids: int = 0,
         zch_policy: str = "lru",
         zch_buckets: int = 1,
