@@ -79,7 +79,9 @@ def mc_batch(rank: int, index: int, size: int = 8, *, fresh: bool = False) -> Ba
     g = torch.Generator().manual_seed(7919 * rank + index)
     lengths = torch.randint(1, 4, (size,), generator=g)
     n = int(lengths.sum())
-    start = (index * (61 if fresh else 37)) % (RAW_IDS // 2 - 60)  # in both halves: each rank owns one at ws 2
+    start = (index * (61 if fresh else 37)) % (
+        RAW_IDS // 2 - 60
+    )  # in both halves: each rank owns one at ws 2
     raw = start + torch.randint(0, 60, (n,), generator=g)
     raw += (RAW_IDS // 2) * torch.randint(0, 2, (n,), generator=g)
     seq = KeyedJaggedTensor.from_lengths_sync(["fz"], raw, lengths)
