@@ -162,8 +162,12 @@ def _rebuild_worker(
         def step_fn() -> None:
             pipeline.progress(batches)
 
+    gen = pub.generation
+    assert gen is not None
     for step in range(1, STEPS + 1):
         step_fn()
+        if step == STEPS // 2:  # a sidecar's request: a fresh base (the whole map) mid-run
+            pub.layout.rebase_request_path(gen, rank).touch()
         pub.maybe_publish(step)
         # the state right after the publish call is the segment's cut (the background copy
         # still runs; the next forward's MC compute waits for it)
@@ -173,11 +177,12 @@ def _rebuild_worker(
     pub.close(STEPS)
 
     layout = SpoolLayout(Path(spool), "mc")
-    (gen,) = layout.generations()
+    assert layout.generations() == [gen]
     manifest = layout.read_manifest(gen)
     assert next(t for t in manifest.tables if t.name == "z").managed_collision
     segs = [read_segment(p) for _, p in layout.segments(gen, rank)]
     assert segs[0].header.kind is SegmentKind.BASE
+    assert segs[STEPS // 2].header.kind is SegmentKind.BASE  # the fresh base
     assert segs[0].header.format_version == 3
     rows: dict[str, torch.Tensor] = {}
     slots = torch.empty(0, dtype=torch.int64)
