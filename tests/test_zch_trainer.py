@@ -120,7 +120,7 @@ def _state(tracker: DeltaTracker, dmp: Any) -> dict[str, Any]:
 def _rebuild_worker(
     rank: int, world_size: int, spool: str, kind: str, policy: str, loop: str, slow: bool = False
 ) -> None:
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
     if slow:  # the copier far behind the loop: the next forward's eviction must wait for it
         real_copy = SegmentPublisher._copy_rows
@@ -157,7 +157,10 @@ def _rebuild_worker(
             dmp(next(batches))[0].backward()
             opt.step()
     else:
-        pipeline = TrainPipelineSparseDist(dmp, dmp.fused_optimizer, torch.device("cpu"))
+        cls = (
+            TrainPipelineBase if train_loop is TrainLoop.PIPELINE_BASE else TrainPipelineSparseDist
+        )
+        pipeline = cls(dmp, dmp.fused_optimizer, torch.device("cpu"))
 
         def step_fn() -> None:
             pipeline.progress(batches)
@@ -235,6 +238,7 @@ CASES = [
     (2, "ec", "lru", "pipeline-sparse-dist"),
     (2, "ebc", "lru", "plain"),
     (1, "ec", "lru", "pipeline-sparse-dist"),
+    (2, "ec", "lfu", "pipeline-base"),
 ]
 
 
