@@ -293,3 +293,45 @@ def _refusals_worker(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_mc_tables_shard_row_wise_only_and_unsafe_loops_are_refused(tmp_path: Path) -> None:
     spawn(_refusals_worker, 1, tmp_path)
+
+
+def test_slot_identities_diff_the_map_and_report_the_raw_ids_evicted() -> None:
+    from torchrec.modules.mc_modules import LRU_EvictionPolicy, MCHManagedCollisionModule
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    from deltad.publish.mc import McShardState
+
+    mch = MCHManagedCollisionModule(
+        zch_size=8,
+        device=torch.device("cpu"),
+        eviction_policy=LRU_EvictionPolicy(),
+        eviction_interval=1,
+        input_hash_size=100,
+    ).train()
+
+    def feed(*ids: int) -> None:
+        values = torch.tensor(ids, dtype=torch.int64)
+        mch({"f": JaggedTensor(values=values, lengths=torch.tensor([len(ids)]))})
+
+    state = McShardState(mch, 8)
+    assert torch.equal(state.last, torch.full((8,), EMPTY_RAW_ID))
+    feed(10, 11, 12)
+    first = state.take()
+    assert sorted(first.slots[first.changed].tolist()) == [10, 11, 12]
+    assert first.evicted.numel() == 0
+    assert torch.equal(slot_raw_ids(mch), first.slots)
+    # Nothing changed: nothing owed; a reset row is owed even with its raw id unchanged.
+    assert state.take().changed.numel() == 0
+    state.mark_reset(torch.tensor([3]))
+    assert state.take().changed.tolist() == [3]
+    # More new ids than free slots (the last slot is the MCH's miss slot, never filled):
+    # LRU evicts the least recently seen ids.
+    feed(20, 21, 22, 23, 24, 25, 26)
+    feed(30, 31, 32, 33)
+    second = state.take()
+    held = set(second.slots.tolist()) - {EMPTY_RAW_ID}
+    assert {30, 31, 32} <= held and second.slots[-1] == EMPTY_RAW_ID
+    gone = {10, 11, 12} - held
+    assert gone and second.evicted.tolist() == sorted(gone)
+    moved = (first.slots != second.slots).nonzero().view(-1)
+    assert torch.equal(moved, second.changed)
