@@ -7,9 +7,10 @@ a pairwise dot-product interaction; the over-arch maps the interactions and the 
 to one click logit. ``forward(batch)`` returns ``(loss, logits)`` as TorchRec's train
 pipelines expect.
 
-The managed-collision table (``zch_slots > 0``; the reference trainer's default is
-:data:`ZCH_SLOTS`, so build its model with ``zch_slots=ZCH_SLOTS`` or
-``deltad.reference.trainer.train.build_unsharded(TrainConfig(...))``): module ``zch``, a
+The managed-collision table (``zch_slots > 0``, the default :data:`ZCH_SLOTS`, as the
+reference trainer's; ``zch_slots=0``: none;
+``deltad.reference.trainer.train.build_unsharded(TrainConfig(...))`` builds the trainer's
+exact model): module ``zch``, a
 ``ManagedCollisionEmbeddingBagCollection`` whose table ``zch`` (feature ``f_zch``) has
 ``zch_slots`` rows ("slots"); an ``MCHManagedCollisionModule`` with LRU eviction (every
 forward) maps raw ids from ``[0, zch_raw_ids)``, by default 20x the slots, onto them, so ids
@@ -57,7 +58,7 @@ class ClickModel(nn.Module):
         dim: int,
         num_dense: int = 8,
         hidden: int = 32,
-        zch_slots: int = 0,
+        zch_slots: int = ZCH_SLOTS,
         zch_raw_ids: int = 0,
         zch_policy: str = "lru",
         zch_buckets: int = 1,
