@@ -5,6 +5,7 @@ refused. Real sidecars, real Redis, hand-written version-3 segments (tests/spool
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from collections.abc import Callable, Iterator
@@ -165,8 +166,11 @@ def test_the_rows_form_carries_every_slots_raw_id_in_every_wire_dtype(
             assert rep.holds(zch)
 
 
+@pytest.mark.parametrize(
+    "dtype", [WireDtype.FP32, WireDtype.BF16, WireDtype.INT8, WireDtype.PACKED_FP16]
+)
 def test_a_window_of_several_segments_reports_the_newest_identity_and_what_left(
-    zch: ZchWriter, zsidecar: SidecarServer, zclient: Client
+    dtype: WireDtype, zch: ZchWriter, zsidecar: SidecarServer, zclient: Client
 ) -> None:
     rep = ZchReplica()
     d = zclient.pull("p")
@@ -177,9 +181,10 @@ def test_a_window_of_several_segments_reports_the_newest_identity_and_what_left(
     zch.delta(admit={"zch": {2: 111, 41: 1007}}, empty={"zch": [3]})  # 111 moves; 1007 is back
     zch.delta(admit={"zch": {40: 333}}, touch={"zch": [5]})  # 222 admitted, then evicted
     _synced(zsidecar, 3)
-    d = zclient.pull("p")
+    d = zclient.pull("p", dtype=dtype)  # (merged range by range as it is encoded)
     rep.apply(d)
-    assert rep.holds(zch)
+    assert torch.equal(rep.raw["zch"], zch.raw["zch"])
+    assert dtype is not WireDtype.FP32 or rep.holds(zch)
     # 1007 came back (not evicted); 2007 (slot 2) and 3007 (slot 3) and 222 left
     assert rep.evicted["zch"] == {2007, 3007, 222}
     assert {2007, 3007} == set(before.tolist()) - set(zch.raw["zch"].tolist())
@@ -521,18 +526,21 @@ def test_windows_from_runs_and_the_spill_carry_the_same_identities_as_merged_one
 
     def window(spec: WindowSpec, **kw: Any) -> list[bytes]:
         win = build_window(snap, spec, 0, {}, lazy=False, **kw)
+        assert win.bound is not None and win.nbytes <= win.bound  # what the cache reserves
         return [win.header, *win.chunks]
 
-    for resync, frm, to in [(True, -1, 21), (True, -1, 13), (False, 2, 21), (False, 0, 17)]:
-        for form in (Form.ROWS, Form.IDS):
-            spec = WindowSpec(0, 1, resync, frm, to, form, WireDtype.FP32, (), 0, 0.0, 0, 1024)
-            want = window(spec)
-            assert window(spec, runs=runs, spill=spill) == want, (resync, frm, to, form)
-            d = decode.decode_stream([*want, encode_trailer(pb.DeltaTrailer())])
-            rep = ZchReplica()
-            rep.raw["zch"] = maps[max(frm, 0)].clone()
-            rep.apply(d)
-            assert torch.equal(rep.raw["zch"], maps[to])
+    cases = [(True, -1, 21), (True, -1, 13), (False, 2, 21), (False, 0, 17), (False, 20, 21)]
+    for (resync, frm, to), form, chunk in itertools.product(
+        cases, (Form.ROWS, Form.IDS), (64, 1024)
+    ):
+        spec = WindowSpec(0, 1, resync, frm, to, form, WireDtype.FP32, (), 0, 0.0, 0, chunk)
+        want = window(spec)
+        assert window(spec, runs=runs, spill=spill) == want, (resync, frm, to, form)
+        d = decode.decode_stream([*want, encode_trailer(pb.DeltaTrailer())])
+        rep = ZchReplica()
+        rep.raw["zch"] = maps[max(frm, 0)].clone()
+        rep.apply(d)
+        assert torch.equal(rep.raw["zch"], maps[to])
     assert runs.built > 0 and spill.hits > 0
 
 
@@ -577,3 +585,34 @@ def test_a_consumer_refuses_a_stream_whose_identities_do_not_add_up(
         ok.evicted = _i64(*range(evicted_count))
     d = decode.decode_stream(_stream(identities, ok, evicted_count))  # the same, well formed
     assert (d.shards[0].raw_ids is not None) == identities
+
+
+@pytest.mark.parametrize("form", [Form.ROWS, Form.IDS])
+def test_more_evicted_raw_ids_than_rows_travel_in_chunks_of_no_rows(
+    form: Form, zch: ZchWriter, zsidecar: SidecarServer, zclient: Client
+) -> None:
+    d = zclient.pull("x", form)
+    zclient.commit(d)
+    before = zch.raw["zch"].clone()
+    for r in range(4):  # slots 0..9 take a new raw id every step: 4 raw ids leave each
+        zch.delta(admit={"zch": {s: 900_000 + 100 * r + s for s in range(10)}})
+    _synced(zsidecar, 4)
+    for chunk in (64, 4096):
+        d = zclient.pull("x", form, chunk_bytes=chunk)
+        (mc,) = [s for s in d.shards if s.shard.table == "zch"]
+        assert mc.ids.tolist() == list(range(10))
+        assert mc.raw_ids is not None and mc.raw_ids.tolist() == [900_300 + s for s in range(10)]
+        want = {int(x) for x in before[:10]} | {
+            900_000 + 100 * r + s for r in range(3) for s in range(10)
+        }
+        assert mc.evicted_raw_ids is not None and set(mc.evicted_raw_ids.tolist()) == want
+        if form is Form.IDS:
+            assert mc.admitted_raw_ids is not None
+            assert mc.admitted_raw_ids.tolist() == [900_300 + s for s in range(10)]
+        snap = zsidecar.log.snapshot()
+        assert snap is not None
+        spec = WindowSpec(0, 1, False, 0, 4, form, WireDtype.FP32, (), 0, 0.0, 0, chunk)
+        win = build_window(snap, spec, 0, {}, lazy=False)
+        assert win.bound is not None and win.nbytes <= win.bound
+        row_chunks = 10 if form is Form.ROWS else 5  # (64 bytes: 1 row, or 2 ids, a chunk)
+        assert len(win.chunks) > row_chunks or chunk > 64  # then chunks of no rows

@@ -4,6 +4,8 @@ their slots' raw ids, and rebuilt bit-exactly from base + segments at every publ
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ STEPS = 8
 class McToy(nn.Module):
     """One MC table (EBC or EC) plus one ordinary EBC table, no dense parameters."""
 
-    def __init__(self, kind: str, policy: str, buckets: int) -> None:
+    def __init__(self, kind: str, policy: str, buckets: int, interval: int = 2) -> None:
         super().__init__()
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
@@ -48,7 +50,7 @@ class McToy(nn.Module):
             raw_ids=RAW_IDS,
             dim=DIM,
             policy=policy,
-            eviction_interval=2,
+            eviction_interval=interval,
             buckets=buckets,
             device=meta,
         )
@@ -70,13 +72,16 @@ class McToy(nn.Module):
         return loss, loss.detach()
 
 
-def mc_batch(rank: int, index: int, size: int = 8) -> Batch:
+def mc_batch(rank: int, index: int, size: int = 8, *, fresh: bool = False) -> Batch:
     """Raw ids drawn from a window that slides over the raw-id space (old ids go cold, new
-    ones arrive: LRU and LFU both evict), deterministic in (rank, index)."""
+    ones arrive: LRU and LFU both evict), deterministic in (rank, index). ``fresh``: each
+    batch's window is new (every eviction replaces slots the batch before looked up)."""
     g = torch.Generator().manual_seed(7919 * rank + index)
     lengths = torch.randint(1, 4, (size,), generator=g)
     n = int(lengths.sum())
-    start = (index * 37) % (RAW_IDS // 2 - 60)  # in both halves: each rank owns one at ws 2
+    start = (index * (61 if fresh else 37)) % (
+        RAW_IDS // 2 - 60
+    )  # in both halves: each rank owns one at ws 2
     raw = start + torch.randint(0, 60, (n,), generator=g)
     raw += (RAW_IDS // 2) * torch.randint(0, 2, (n,), generator=g)
     seq = KeyedJaggedTensor.from_lengths_sync(["fz"], raw, lengths)
@@ -87,9 +92,9 @@ def mc_batch(rank: int, index: int, size: int = 8) -> Batch:
     return Batch(torch.zeros(size, 1), pooled, seq, torch.zeros(size))
 
 
-def mc_dmp(world_size: int, kind: str, policy: str) -> Any:
+def mc_dmp(world_size: int, kind: str, policy: str, interval: int = 2) -> Any:
     return shard_model(
-        McToy(kind, policy, world_size),
+        McToy(kind, policy, world_size, interval),
         {"z": "rw", "p": "tw"},
         world_size=world_size,
         learning_rate=0.1,
@@ -113,12 +118,23 @@ def _state(tracker: DeltaTracker, dmp: Any) -> dict[str, Any]:
 
 
 def _rebuild_worker(
-    rank: int, world_size: int, spool: str, kind: str, policy: str, loop: str
+    rank: int, world_size: int, spool: str, kind: str, policy: str, loop: str, slow: bool = False
 ) -> None:
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
+    if slow:  # the copier far behind the loop: the next forward's eviction must wait for it
+        real_copy = SegmentPublisher._copy_rows
+
+        def slow_copy(self: SegmentPublisher, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if threading.current_thread().name == "deltad-copier":
+                time.sleep(0.1)
+            return real_copy(self, *args, **kwargs)
+
+        SegmentPublisher._copy_rows = slow_copy  # type: ignore[method-assign]
     torch.manual_seed(rank)
-    dmp = mc_dmp(world_size, kind, policy)
+    # slow: evict at every forward, each batch's ids all new and more than the slots, so that
+    # every eviction resets slots the segment before it lists (the rows the copier reads)
+    dmp = mc_dmp(world_size, kind, policy, 1 if slow else 2)
     train_loop = TrainLoop(loop)
     cfg = PublisherConfig(
         Path(spool), model="mc", every_steps=1, fsync=False, train_loop=train_loop
@@ -131,8 +147,9 @@ def _rebuild_worker(
     # The MCH buffers are identities, never dense state (they differ per rank).
     assert not [n for n in pub.dense_tensors() if "managed_collision" in n]
     pub.start(0)
+    assert pub._copier is not None  # rows are copied in the background (CPU weights)
     states = {0: _state(pub.tracker, dmp)}
-    batches = iter([mc_batch(rank, i) for i in range(STEPS)])
+    batches = iter([mc_batch(rank, i, 32 if slow else 8, fresh=slow) for i in range(STEPS)])
     if train_loop is TrainLoop.PLAIN:
         opt = dmp.fused_optimizer
 
@@ -140,13 +157,20 @@ def _rebuild_worker(
             dmp(next(batches))[0].backward()
             opt.step()
     else:
-        pipeline = TrainPipelineSparseDist(dmp, dmp.fused_optimizer, torch.device("cpu"))
+        cls = (
+            TrainPipelineBase if train_loop is TrainLoop.PIPELINE_BASE else TrainPipelineSparseDist
+        )
+        pipeline = cls(dmp, dmp.fused_optimizer, torch.device("cpu"))
 
         def step_fn() -> None:
             pipeline.progress(batches)
 
+    gen = pub.generation
+    assert gen is not None
     for step in range(1, STEPS + 1):
         step_fn()
+        if step == STEPS // 2:  # a sidecar's request: a fresh base (the whole map) mid-run
+            pub.layout.rebase_request_path(gen, rank).touch()
         pub.maybe_publish(step)
         # the state right after the publish call is the segment's cut (the background copy
         # still runs; the next forward's MC compute waits for it)
@@ -156,11 +180,12 @@ def _rebuild_worker(
     pub.close(STEPS)
 
     layout = SpoolLayout(Path(spool), "mc")
-    (gen,) = layout.generations()
+    assert layout.generations() == [gen]
     manifest = layout.read_manifest(gen)
     assert next(t for t in manifest.tables if t.name == "z").managed_collision
     segs = [read_segment(p) for _, p in layout.segments(gen, rank)]
     assert segs[0].header.kind is SegmentKind.BASE
+    assert segs[STEPS // 2].header.kind is SegmentKind.BASE  # the fresh base
     assert segs[0].header.format_version == 3
     rows: dict[str, torch.Tensor] = {}
     slots = torch.empty(0, dtype=torch.int64)
@@ -213,7 +238,14 @@ CASES = [
     (2, "ec", "lru", "pipeline-sparse-dist"),
     (2, "ebc", "lru", "plain"),
     (1, "ec", "lru", "pipeline-sparse-dist"),
+    (2, "ec", "lfu", "pipeline-base"),
 ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_a_slow_background_copy_holds_back_the_next_eviction(tmp_path: Path, kind: str) -> None:
+    spawn(_rebuild_worker, 1, tmp_path, str(tmp_path / "spool"), kind, "lfu", "plain", True)
 
 
 @pytest.mark.slow
@@ -261,3 +293,45 @@ def _refusals_worker(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_mc_tables_shard_row_wise_only_and_unsafe_loops_are_refused(tmp_path: Path) -> None:
     spawn(_refusals_worker, 1, tmp_path)
+
+
+def test_slot_identities_diff_the_map_and_report_the_raw_ids_evicted() -> None:
+    from torchrec.modules.mc_modules import LRU_EvictionPolicy, MCHManagedCollisionModule
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    from deltad.publish.mc import McShardState
+
+    mch = MCHManagedCollisionModule(
+        zch_size=8,
+        device=torch.device("cpu"),
+        eviction_policy=LRU_EvictionPolicy(),
+        eviction_interval=1,
+        input_hash_size=100,
+    ).train()
+
+    def feed(*ids: int) -> None:
+        values = torch.tensor(ids, dtype=torch.int64)
+        mch({"f": JaggedTensor(values=values, lengths=torch.tensor([len(ids)]))})
+
+    state = McShardState(mch, 8)
+    assert torch.equal(state.last, torch.full((8,), EMPTY_RAW_ID))
+    feed(10, 11, 12)
+    first = state.take()
+    assert sorted(first.slots[first.changed].tolist()) == [10, 11, 12]
+    assert first.evicted.numel() == 0
+    assert torch.equal(slot_raw_ids(mch), first.slots)
+    # Nothing changed: nothing owed; a reset row is owed even with its raw id unchanged.
+    assert state.take().changed.numel() == 0
+    state.mark_reset(torch.tensor([3]))
+    assert state.take().changed.tolist() == [3]
+    # More new ids than free slots (the last slot is the MCH's miss slot, never filled):
+    # LRU evicts the least recently seen ids.
+    feed(20, 21, 22, 23, 24, 25, 26)
+    feed(30, 31, 32, 33)
+    second = state.take()
+    held = set(second.slots.tolist()) - {EMPTY_RAW_ID}
+    assert {30, 31, 32} <= held and second.slots[-1] == EMPTY_RAW_ID
+    gone = {10, 11, 12} - held
+    assert gone and second.evicted.tolist() == sorted(gone)
+    moved = (first.slots != second.slots).nonzero().view(-1)
+    assert torch.equal(moved, second.changed)

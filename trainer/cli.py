@@ -34,17 +34,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--zch-slots",
         type=int,
         default=ZCH_SLOTS,
-        help="slots of the managed-collision (ZCH) table 'zch', row-wise sharded; 0: no such "
-        "table (default: %(default)s)",
+        help="slots of the managed-collision (ZCH) table 'zch', row-wise sharded; 0: no such table",
     )
     parser.add_argument(
         "--zch-raw-ids",
         type=int,
         default=0,
-        help=f"raw-id space of the zch table (default: {ZCH_RAW_PER_SLOT} x its slots)",
+        help=f"raw-id space of the zch table; 0: {ZCH_RAW_PER_SLOT} x its slots",
     )
     parser.add_argument(
-        "--zch-policy", choices=POLICIES, default="lru", help="MCH eviction (default: lru)"
+        "--zch-policy", choices=POLICIES, default="lru", help="its MCH eviction policy"
     )
     parser.add_argument(
         "--sharding",

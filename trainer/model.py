@@ -7,7 +7,10 @@ a pairwise dot-product interaction; the over-arch maps the interactions and the 
 to one click logit. ``forward(batch)`` returns ``(loss, logits)`` as TorchRec's train
 pipelines expect.
 
-The managed-collision table (``zch_slots > 0``, the default): module ``zch``, a
+The managed-collision table (``zch_slots > 0``, the default :data:`ZCH_SLOTS`, as the
+reference trainer's; ``zch_slots=0``: none;
+``deltad.reference.trainer.train.build_unsharded(TrainConfig(...))`` builds the trainer's
+exact model): module ``zch``, a
 ``ManagedCollisionEmbeddingBagCollection`` whose table ``zch`` (feature ``f_zch``) has
 ``zch_slots`` rows ("slots"); an ``MCHManagedCollisionModule`` with LRU eviction (every
 forward) maps raw ids from ``[0, zch_raw_ids)``, by default 20x the slots, onto them, so ids
@@ -31,6 +34,8 @@ from torchrec import (
 
 from .data import SEQ_FEATURE, ZCH_TABLE, Batch, feature_name
 from .zch import ZCH_RAW_PER_SLOT, ZCH_SLOTS, mc_module
+
+__all__ = ["ZCH_SLOTS", "ClickModel"]
 
 
 def _mlp(sizes: list[int]) -> nn.Sequential:

@@ -23,6 +23,11 @@ What the training loop pays, per segment
   registered at lookup time and checks for a pending copy when its backward runs, so the
   barrier holds there too (those pipelines need a GPU, where the copy is asynchronous on
   the device stream anyway).
+* **Managed-collision tables** (see :mod:`deltad.publish.mc`): their slots' identities are
+  taken in the loop at the publish call (a copy of each MC shard's slot -> raw id map,
+  diffed against the last one); their rows are copied like any other, but eviction rewrites
+  rows in the *forward* (the MC module's compute), so the tracker runs the same barrier at
+  the start of each MC compute as well.
 * **Device weights**, or a tracker without update barriers: the drain and an
   ``index_select`` copy in the loop (on a GPU: a gather on the device and an asynchronous
   copy into pinned buffers).

@@ -151,7 +151,7 @@ class Identities:
         return self.evicted.numel() + (0 if self.admitted is None else self.admitted.numel())
 
 
-def _put_identities(
+def put_identities(
     m: ChunkMessage,
     idn: Identities | None,
     a: int,
@@ -203,7 +203,7 @@ def encode_chunk(
         m.scale_bias.view(np.uint8)[:] = np.frombuffer(sb, dtype=np.uint8)
     if vals is not None:
         m.values[:] = np.frombuffer(vals, dtype=np.uint8)
-    _put_identities(m, idn, offset, offset + ids.numel(), ev, ad)
+    put_identities(m, idn, offset, offset + ids.numel(), ev, ad)
     data = m.data
     del m
     return data
@@ -264,7 +264,7 @@ def encode_rows(
     m.ids[:] = ids.numpy()
     if n:
         pack_rows(values, dtype, torch.from_numpy(m.values).view(n, row_bytes))
-    _put_identities(m, idn, offset, offset + n, ev, ad)
+    put_identities(m, idn, offset, offset + n, ev, ad)
     data = m.data
     del m
     return data
@@ -283,30 +283,53 @@ def encode_shard_chunks(
 
     Values are quantized (or packed) chunk by chunk (every wire dtype is row-wise), so the
     first chunk is ready at once and no shard-sized temporary is allocated. A managed-
-    collision shard's chunks (``idn``) carry their rows' raw ids and, in order, up to one
-    evicted and one admitted raw id per row; chunks without rows carry the rest
-    (:func:`extra_chunks`).
+    collision shard's chunks (``idn``) carry their rows' raw ids and runs of its evicted and
+    admitted raw ids (:func:`identity_runs`); chunks without rows carry the rest
+    (:func:`extra_identity_chunks`).
     """
     ids = ids.contiguous()
     width = values.shape[1] if values is not None and values.dim() == 2 else 0
     step = rows_per_chunk(
         width, dtype if values is not None else None, chunk_bytes, alignment, idn is not None
     )
-    n_ev = 0 if idn is None else idn.evicted.numel()
-    n_ad = 0 if idn is None or idn.admitted is None else idn.admitted.numel()
-    e = a = 0
-    for off in range(0, ids.numel(), step):
-        end = off + step
+    n = ids.numel()
+    for off in range(0, n, step):
+        end = min(n, off + step)
         vals = values[off:end] if values is not None else None
-        ev, ad = (e, min(n_ev, e + step)), (a, min(n_ad, a + step))
-        e, a = ev[1], ad[1]
+        ev, ad = identity_runs(idn, off, end)
         yield encode_rows(slice_index, off, ids[off:end], vals, dtype, alignment, idn, ev, ad)
+    yield from extra_identity_chunks(slice_index, n, idn, chunk_bytes)
+
+
+def identity_runs(
+    idn: Identities | None, a: int, b: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The evicted and admitted raw ids the chunk of rows ``[a, b)`` carries: entries
+    ``[a, b)`` of each list (as many as there are)."""
+    if idn is None:
+        return (0, 0), (0, 0)
+    n_ev = idn.evicted.numel()
+    n_ad = 0 if idn.admitted is None else idn.admitted.numel()
+    return (min(n_ev, a), min(n_ev, b)), (min(n_ad, a), min(n_ad, b))
+
+
+def extra_identity_chunks(
+    slice_index: int, n: int, idn: Identities | None, chunk_bytes: int
+) -> Iterator[bytes]:
+    """RowChunks of no rows after a shard's ``n`` rows: the evicted and admitted raw ids past
+    entry ``n`` (the row chunks carried the first ``n`` of each), up to ``chunk_bytes`` each."""
+    if idn is None:
+        return
+    n_ev = idn.evicted.numel()
+    n_ad = 0 if idn.admitted is None else idn.admitted.numel()
+    e, a = min(n, n_ev), min(n, n_ad)
     per = max(1, chunk_bytes // 8)
-    while e < n_ev or a < n_ad:  # the rest: chunks of no rows, up to chunk_bytes of raw ids
+    empty = torch.empty(0, dtype=torch.int64)
+    while e < n_ev or a < n_ad:
         ev = (e, min(n_ev, e + per))
         ad = (a, min(n_ad, a + per - (ev[1] - ev[0])))
         e, a = ev[1], ad[1]
-        yield encode_chunk(slice_index, ids.numel(), ids[:0], None, None, idn, ev, ad)
+        yield encode_chunk(slice_index, n, empty, None, None, idn, ev, ad)
 
 
 def encode_dense_chunks(state: DenseState, chunk_bytes: int) -> Iterator[bytes]:

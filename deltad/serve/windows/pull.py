@@ -17,7 +17,12 @@ import torch
 from deltad import wire
 from deltad.segment.format import ShardRows
 from deltad.serve.index.log import DenseEntry, LogSnapshot
-from deltad.serve.index.merge import admitted_raw_ids, merge_rows, plan_shard
+from deltad.serve.index.merge import (
+    admitted_raw_ids,
+    merge_identities,
+    merge_rows,
+    plan_shard,
+)
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.windows import encode
@@ -376,8 +381,7 @@ def build_window(
             cs = by_key.get(key)
             if cs is None:
                 continue
-            if len(cs) == 1 or not with_values or any(c.has_identities for c in cs):
-                # (a managed-collision shard is merged whole: its raw ids with its rows)
+            if len(cs) == 1 or not with_values:
                 r = merge_rows(cs, with_values=with_values)
                 idn = identities(key, r)
                 if idn is not None:
@@ -386,7 +390,12 @@ def build_window(
             else:  # the ids now (the count); the values range by range as chunks are encoded
                 src = _MergedShard(cs)
                 sources[len(plan)] = src
-                plan.append((None, ShardLine(cs[-1].shard, src.ids.numel())))
+                idn = None
+                if any(c.has_identities for c in cs):  # raw ids: one int64 per slot, merged now
+                    idn = encode.Identities(*merge_identities(cs, src.ids))
+                    idents[len(plan)] = idn
+                line = ShardLine(cs[-1].shard, src.ids.numel()).with_identities(idn)
+                plan.append((None, line))
     else:
         merged = {k: merge_rows(cs, with_values=with_values) for k, cs in by_key.items()}
         head_state = snap.upto(spec.to_seq)
@@ -436,7 +445,9 @@ def build_window(
         for i, (r, m) in enumerate(plan):
             dtype = m.wire_dtype(spec.dtype)
             if r is None:
-                chunks = sources[i].encode(i, dtype, spec.chunk_bytes, spec.row_alignment)
+                chunks = sources[i].encode(
+                    i, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i)
+                )
             else:
                 values = None if spec.form is Form.IDS else r.values
                 chunks = encode.encode_shard_chunks(
@@ -595,23 +606,30 @@ class _MergedShard:
         )
 
     def encode(
-        self, index: int, dtype: WireDtype, chunk_bytes: int, alignment: int = 0
+        self,
+        index: int,
+        dtype: WireDtype,
+        chunk_bytes: int,
+        alignment: int = 0,
+        idn: encode.Identities | None = None,
     ) -> Iterator[bytes]:
         """The shard's RowChunk messages (``index`` in the header), in row order
-        (``alignment``: of packed rows)."""
+        (``alignment``: of packed rows; ``idn``: a managed-collision shard's identities, see
+        :func:`~deltad.serve.windows.encode.encode_shard_chunks`)."""
         ids, cs = self.ids, self.parts
         n = ids.numel()
         if n == 0:
+            yield from encode.extra_identity_chunks(index, 0, idn, chunk_bytes)
             return
         if not self.ranged:
             m = merge_rows(cs)
             yield from encode.encode_shard_chunks(
-                index, m.ids, m.values, dtype, chunk_bytes, alignment
+                index, m.ids, m.values, dtype, chunk_bytes, alignment, idn
             )
             return
         last = cs[-1]
         width = last.shard.col_end - last.shard.col_start
-        step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment)
+        step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment, idn is not None)
         bounds = torch.arange(0, n + step, step).clamp_(max=n)
         dests, spans = [], []
         for c in cs:
@@ -640,14 +658,24 @@ class _MergedShard:
                     break
             later = [j for j in range(first + 1, len(cs)) if spans[j][r + 1] > spans[j][r]]
             lo, hi = spans[first][r], spans[first][r + 1]
+            ev, ad = encode.identity_runs(idn, a, b)
             if hi - lo == b - a and not later:  # nothing newer in this range: a view
                 vals = cs[first].values[lo:hi]
-                yield encode.encode_rows(index, a, ids[a:b], vals, dtype, alignment)
+                yield encode.encode_rows(index, a, ids[a:b], vals, dtype, alignment, idn, ev, ad)
                 continue
             msg = None
             if wire_torch is not None:
-                msg = encode.ChunkMessage(index, a, b - a, (b - a) * wire_row_bytes)
+                msg = encode.ChunkMessage(
+                    index,
+                    a,
+                    b - a,
+                    (b - a) * wire_row_bytes,
+                    raw_ids=idn is not None,
+                    evicted=ev[1] - ev[0],
+                    admitted=ad[1] - ad[0],
+                )
                 msg.ids[:] = ids[a:b].numpy()
+                encode.put_identities(msg, idn, a, b, ev, ad)
             if direct:
                 assert msg is not None
                 out = msg.values.view(np.dtype((np.void, row_bytes)))
@@ -663,7 +691,9 @@ class _MergedShard:
                 out[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
             del out
             if msg is None:  # int8, packed: quantize / pack the merged rows
-                yield encode.encode_rows(index, a, ids[a:b], buf[: b - a], dtype, alignment)
+                yield encode.encode_rows(
+                    index, a, ids[a:b], buf[: b - a], dtype, alignment, idn, ev, ad
+                )
                 continue
             if not direct:  # cast the merged rows into the message
                 assert wire_torch is not None
@@ -671,6 +701,7 @@ class _MergedShard:
                 into.copy_(buf[: b - a])
                 del into
             yield msg.data
+        yield from encode.extra_identity_chunks(index, n, idn, chunk_bytes)
 
 
 class WindowCache:
