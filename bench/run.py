@@ -69,6 +69,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.serving",
         "int8 serving model: forward p50/p99 under apply vs idle; apply rows/s vs bare fbgemm",
     ),
+    "zch": (
+        "bench.zch",
+        "managed-collision tables: identity bytes per step vs the whole remapper; apply cost",
+    ),
 }
 
 

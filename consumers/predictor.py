@@ -35,9 +35,12 @@ from deltad.consume.quant import QuantApplier
 from deltad.errors import ConfigError, ConsumerError
 from deltad.types import Form
 
-from .serving import ForwardLoop, ServingConfig, build_serving_model, save_state
+from .serving import ForwardLoop, ServingConfig, build_serving_model, save_state, zch_probe
 
 log = logging.getLogger(__name__)
+
+#: raw ids reported evicted kept per managed-collision table (for the exit probe)
+MAX_EVICTED = 65536
 
 
 @dataclass
@@ -152,6 +155,8 @@ class SyncLoop:
         self.records: list[PullLogLine] = []
         self.freshness: list[float] = []
         self.served_step: int | None = None
+        #: managed-collision tables: raw ids the windows reported evicted (bounded)
+        self.evicted: dict[str, set[int]] = {}
         self._out: IO[str] | None = None
 
     def stop(self) -> None:
@@ -202,7 +207,9 @@ class SyncLoop:
                 save_tables(self.applier.tables(), c.final_tables)
             if c.serving is not None and c.serving.final_state is not None:
                 assert self.model is not None and self.forwards is not None
-                save_state(self.model, c.serving.final_state, self.forwards.output())
+                assert isinstance(self.applier, QuantApplier)
+                probe = zch_probe(self.model, self.applier, self.evicted)
+                save_state(self.model, c.serving.final_state, self.forwards.output(), probe)
             return summary
         finally:
             if self.forwards is not None:
@@ -226,11 +233,23 @@ class SyncLoop:
                     self.forwards.applying.clear()
             if isinstance(self.applier, QuantApplier):
                 self.max_hold_s = max(self.max_hold_s, self.applier.stats.max_hold_s)
+            self._note_evicted(result)
         applied_unix = time.time()
         t2 = time.monotonic()
         if result.deltas:
             consumer.commit(result)
         return self._record(result, n, applied_unix, t1 - t0, t2 - t1)
+
+    def _note_evicted(self, r: PullResult) -> None:
+        """Keep (up to :data:`MAX_EVICTED` per table) the raw ids the windows evicted."""
+        for d in r.deltas:
+            for s in d.shards:
+                ev = s.evicted_raw_ids
+                if ev is None or not ev.numel():
+                    continue
+                seen = self.evicted.setdefault(s.shard.table, set())
+                if len(seen) < MAX_EVICTED:
+                    seen.update(ev[: MAX_EVICTED - len(seen)].tolist())
 
     def _record(
         self, r: PullResult, n: int, applied_unix: float, pull_s: float, apply_s: float

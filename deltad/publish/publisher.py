@@ -46,6 +46,11 @@ What the training loop pays, per segment
   registered at lookup time and checks for a pending copy when its backward runs, so the
   barrier holds there too (those pipelines need a GPU, where the copy is asynchronous on
   the device stream anyway).
+* **Managed-collision tables** (see :mod:`deltad.publish.mc`): their slots' identities are
+  taken in the loop at the publish call (a copy of each MC shard's slot -> raw id map,
+  diffed against the last one); their rows are copied like any other, but eviction rewrites
+  rows in the *forward* (the MC module's compute), so the tracker runs the same barrier at
+  the start of each MC compute as well.
 * **Device weights**, or a tracker without update barriers: the drain and an
   ``index_select`` copy in the loop (on a GPU: a gather on the device and an asynchronous
   copy into pinned buffers).
@@ -92,6 +97,7 @@ from deltad import knobs
 from deltad.buffers import BufferPool
 from deltad.config import PublisherConfig, TrackerConfig
 from deltad.errors import ConfigError, SpoolError
+from deltad.publish.mc import SlotIdentities, managed_collision_types, union_sorted
 from deltad.publish.tracker import (
     DeltaTracker,
     DrainedRows,
@@ -216,6 +222,8 @@ class _CopyRequest:
     dense: dict[str, torch.Tensor] | None = None
     #: A job already packed (a fresh base): forwarded to the writer in order.
     job: _Job | None = None
+    #: Managed-collision shards' identities, taken in the loop at the segment's cut.
+    identities: dict[TrackedShard, SlotIdentities] = field(default_factory=dict)
 
 
 @dataclass
@@ -383,7 +391,9 @@ class SegmentPublisher:
         shards = self.tracker.shards
         ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
-        job = self._package(stats, shards, ids, [s.weight.detach() for s in shards])
+        job = self._package(
+            stats, shards, ids, [s.weight.detach() for s in shards], self._identities(), base=True
+        )
         job.dense = self._take_dense(stats, force=True)
         job.stats.stall_s = time.perf_counter() - t0
         self._write(job)
@@ -530,18 +540,20 @@ class SegmentPublisher:
             return self._publish_base(step, t0)
         if self._copier is not None:
             deferred = self.tracker.drain_deferred()
+            identities = self._identities()
             stats = self._reserve(step, SegmentKind.DELTA)
             dense = self._take_dense(stats, force=self._final)
-            with self._copies:  # from here on, backward passes wait for this copy
+            with self._copies:  # from here on, backward passes (and MC computes) wait for it
                 self._copies_submitted += 1
-            self._copy_queue.put(_CopyRequest(deferred, stats, dense))
+            self._copy_queue.put(_CopyRequest(deferred, stats, dense, identities=identities))
             stats.stall_s = time.perf_counter() - t0
             return stats
         drained = self.tracker.drain()
+        identities = self._identities()
         self.tracker.flush_caches()  # UVM-caching kernels: cached rows into the weights first
         stats = self._reserve(step, SegmentKind.DELTA)
         dense = self._take_dense(stats, force=self._final)
-        job = self._copy_job(drained, stats)
+        job = self._copy_job(drained, stats, identities)
         job.dense = dense
         self._queue.put(job)  # blocks while max_pending_writes segments wait (backpressure)
         stats.stall_s = time.perf_counter() - t0
@@ -590,11 +602,12 @@ class SegmentPublisher:
         else:
             self.tracker.drain()
             self.tracker.flush_caches()
+        identities = self._identities()
         shards = self.tracker.shards
         ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         values = [s.weight.detach().clone() for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
-        job = self._package(stats, shards, ids, values)
+        job = self._package(stats, shards, ids, values, identities, base=True)
         job.dense = self._take_dense(stats, force=True)  # a base carries the dense state too
         if self._copier is not None:
             with self._copies:
@@ -637,24 +650,41 @@ class SegmentPublisher:
 
     def _publish_base_now(self, step: int) -> None:
         self.tracker.drain()
+        identities = self._identities()
         shards = self.tracker.shards
         ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
         self.stats.rebases += 1
-        self._write(self._package(stats, shards, ids, [s.weight.detach() for s in shards]))
+        values = [s.weight.detach() for s in shards]
+        self._write(self._package(stats, shards, ids, values, identities, base=True))
 
     # -- internals --------------------------------------------------------------------------
 
+    def _identities(self) -> dict[TrackedShard, SlotIdentities]:
+        """The MC shards' identities at this cut (the tracker's, if it keeps any)."""
+        take = getattr(self.tracker, "take_identities", None)
+        return take() if take is not None else {}
+
     def _copy_job(
-        self, drained: list[tuple[TrackedShard, torch.Tensor]], stats: SegmentStats
+        self,
+        drained: list[tuple[TrackedShard, torch.Tensor]],
+        stats: SegmentStats,
+        identities: dict[TrackedShard, SlotIdentities] | None = None,
     ) -> _Job:
-        """Copy the drained rows (local ids per shard) into a job for the writer."""
+        """Copy the drained rows (local ids per shard) into a job for the writer. A
+        managed-collision shard also owes the slots whose identity changed (and whose rows
+        eviction reset) since the last segment."""
+        identities = identities or {}
+        drained = [
+            (s, union_sorted(local, identities[s].changed) if s in identities else local)
+            for s, local in drained
+        ]
         shards = [s for s, _ in drained]
         ids = [local + s.shard.row_start for s, local in drained]
         values = [self._copy_rows(s, local) for s, local in drained]
         # free buffers no copy of this round used go back to the allocator
         self._pool.end_round()
-        return self._package(stats, shards, ids, values)
+        return self._package(stats, shards, ids, values, identities)
 
     def _copy_loop(self) -> None:
         """The copier thread: read and copy each request's rows, then queue it for the writer."""
@@ -667,7 +697,7 @@ class SegmentPublisher:
                 if req.job is not None:
                     job = req.job  # a fresh base: its rows are copied already
                 elif self._error is None:  # after a failure nothing more is written
-                    job = self._copy_job(drained, req.stats)
+                    job = self._copy_job(drained, req.stats, req.identities)
                     job.dense = req.dense
                 req.stats.copy_s = time.perf_counter() - t0
                 req.stats.copy_cpu_s = time.thread_time() - c0
@@ -701,7 +731,9 @@ class SegmentPublisher:
         unwrapped model's ``state_dict``: everything outside the tracked sharded EC / EBC
         modules, and no ShardedTensor / DTensor (those are sharded, not replicated)."""
         if self._dense_skip is None:  # the sharded modules do not change: found once
-            sharded_modules = _sharded_types()
+            # A sharded MC-EC / MC-EBC's own buffers (the MCH remapper, per rank) travel as
+            # identities in the segments, never as (replicated) dense state.
+            sharded_modules = _sharded_types() + (managed_collision_types() or ())
             self._dense_skip = tuple(
                 f"{clean_fqn(fqn)}."
                 for fqn, mod in self.model.named_modules()
@@ -784,17 +816,43 @@ class SegmentPublisher:
         shards: list[TrackedShard],
         ids: list[torch.Tensor],
         values: list[torch.Tensor],
+        identities: dict[TrackedShard, SlotIdentities] | None = None,
+        *,
+        base: bool = False,
     ) -> _Job:
-        """The writer's job for a reserved segment; device rows start copying to host."""
+        """The writer's job for a reserved segment; device rows start copying to host.
+
+        ``identities``: each managed-collision shard's raw ids (the one held by each listed
+        slot; ``ids`` are global slot ids) and the raw ids evicted since the last segment; a
+        ``base`` lists every slot, so it carries the whole slot -> raw id map."""
+        identities = identities or {}
+        raw: list[torch.Tensor | None] = []
+        evicted: list[torch.Tensor | None] = []
+        for s, i in zip(shards, ids, strict=True):
+            ident = identities.get(s)
+            if s.mc is None:
+                raw.append(None)
+                evicted.append(None)
+                continue
+            if ident is None:
+                raise SpoolError(
+                    f"table {s.shard.table}: a managed-collision shard's slot raw ids were not taken"
+                )
+            raw.append(ident.slots if base else ident.slots[i.cpu() - s.shard.row_start])
+            evicted.append(ident.evicted)
         ready = None
         if any(t.device.type == "cuda" for t in (*values, *ids)):
             values = [v.to("cpu", non_blocking=True) for v in values]
             ids = [i.to("cpu", non_blocking=True) for i in ids]
             ready = torch.cuda.Event()
             ready.record()
-        rows = [ShardRows(s.shard, i, v) for s, i, v in zip(shards, ids, values, strict=True)]
+        rows = [
+            ShardRows(s.shard, i, v, r, e)
+            for s, i, v, r, e in zip(shards, ids, values, raw, evicted, strict=True)
+        ]
         stats.rows = sum(i.numel() for i in ids)
         stats.nbytes = sum(i.nbytes + v.nbytes for i, v in zip(ids, values, strict=True))
+        stats.nbytes += sum(t.nbytes for t in (*raw, *evicted) if t is not None)
         return _Job(stats, rows, ready)
 
     def _write(self, job: _Job) -> None:
