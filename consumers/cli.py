@@ -163,6 +163,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
 RANGES: dict[str, Range] = {
     "k": Range(0, MAX_COUNT),
+    "zch_slots": Range(0, 1 << 31, note="0 = no managed-collision table"),
+    "zch_raw_ids": Range(0, 1 << 62, note="0 = 20 x the slots"),
     "fraction": Range(0, 1),
     "max_rows": Range(0, MAX_COUNT, note="0 = no cap"),
     "interval": Range(0, 3600),

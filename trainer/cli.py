@@ -116,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
 RANGES: dict[str, Range] = {
     "world_size": Range(1, 1 << 12),
+    "zch_slots": Range(0, 1 << 31, note="0 = no managed-collision table"),
+    "zch_raw_ids": Range(0, 1 << 62, note="0 = 20 x the slots"),
     "rows": Range(1, MAX_COUNT),
     "seq_rows": Range(1, MAX_COUNT),
     "dim": Range(1, 1 << 16),
