@@ -55,6 +55,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "training-step overhead: deltad tracker+publisher vs none vs torchrec's tracker",
     ),
     "stall": ("bench.stall", "publish stall per segment and background write rate vs size"),
+    "timed_publish": (
+        "bench.timed_publish",
+        "publishing every 0.5 s at world size 2 vs --no-publish: on-loop %, extra CPU %",
+    ),
     "freshness": ("bench.freshness", "trainer step -> predictor serving it: p50/p99 lag"),
     "fidelity": ("bench.fidelity", "bytes per predictor-hour vs row error, rows/top-k/dtypes"),
     "bootstrap_mem": (
@@ -64,6 +68,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serving": (
         "bench.serving",
         "int8 serving model: forward p50/p99 under apply vs idle; apply rows/s vs bare fbgemm",
+    ),
+    "zch": (
+        "bench.zch",
+        "managed-collision tables: identity bytes per step vs the whole remapper; apply cost",
     ),
 }
 

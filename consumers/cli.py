@@ -124,10 +124,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--seed", type=int, default=0, help="model code / batch seed")
     serve.add_argument(
+        "--zch-slots",
+        type=int,
+        help="slots of the managed-collision table 'zch', as given to the trainer (default: "
+        "the trainer's default; 0: none)",
+    )
+    serve.add_argument(
+        "--zch-raw-ids", type=int, default=0, help="its raw-id space, as given to the trainer"
+    )
+    serve.add_argument(
+        "--zch-policy", choices=("lru", "lfu"), default="lru", help="its MCH eviction policy"
+    )
+    serve.add_argument(
         "--final-state",
         type=Path,
         help="torch.save the serving model's state_dict at exit (and its logits on the fixed "
-        "batch to F's stem + '-forward')",
+        "batch to F's stem + '-forward'; its managed-collision probe to F's stem + '-zch')",
     )
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify TLS sidecars")
     p.add_argument(
@@ -151,6 +163,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
 RANGES: dict[str, Range] = {
     "k": Range(0, MAX_COUNT),
+    "zch_slots": Range(0, 1 << 31, note="0 = no managed-collision table"),
+    "zch_raw_ids": Range(0, 1 << 62, note="0 = 20 x the slots"),
     "fraction": Range(0, 1),
     "max_rows": Range(0, MAX_COUNT, note="0 = no cap"),
     "interval": Range(0, 3600),
@@ -216,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.serve_batch_size,
             interval_s=args.serve_interval,
             final_state=args.final_state,
+            zch_slots=args.zch_slots,
+            zch_raw_ids=args.zch_raw_ids,
+            zch_policy=args.zch_policy,
         )
     elif args.final_state is not None:
         raise ConfigError("--final-state needs --serve-dtype")

@@ -15,7 +15,11 @@ their tables; the demo then checks
 * the serving-int8 predictor's weights (every table byte and the dense parameters and
   buffers) and its forward output on a fixed batch are bit-equal to the trainer's final
   model (``deltad train --final-model``: its tables and dense state) quantized by torchrec
-  (``quantize_embeddings``).
+  (``quantize_embeddings``);
+* ``serving-zch``: that predictor's managed-collision table (the reference model's ``zch``,
+  served by torchrec's ``QuantManagedCollisionEmbeddingBagCollection``): its rows, its
+  remapper's lookup buffers and the embeddings it serves for raw ids it holds, raw ids evicted
+  during the run and raw ids never seen (its exit probe) are bit-equal to the same model's.
 
 Exit 0 only if all hold; otherwise one line on stderr and exit 1. Every child is stopped on
 exit or Ctrl-C (SIGTERM, a bounded wait, then SIGKILL).
@@ -48,6 +52,8 @@ MODEL = "demo"
 TABLES = "4"
 #: the predictor serving a torchrec int8-quantized model
 SERVING = "serving-int8"
+#: the check of that predictor's managed-collision tables (the reference model's ``zch``)
+ZCH = "serving-zch"
 #: relative slack on the int8 bound for float32 arithmetic in code * scale + bias
 BOUND_SLACK = 1e-5
 
@@ -428,13 +434,18 @@ class Demo:
         raise DemoFailed(f"predictors (step, owed) {state} did not reach step {final_step}")
 
     def stop_predictors(self) -> None:
+        a = self.args
+        # each predictor writes its tables on the way out: 30 s, plus 60 s per GB of fp32
+        # tables (six tables of --rows x --dim; 1 M x 64 is 1.5 GB, written by three at once)
+        gb = 6 * a.rows * a.dim * 4 / 1e9
+        deadline = time.monotonic() + 30.0 + 60.0 * gb
         for c in self.children:
             if c.name in self.predictors:
                 _signal_group(c.proc, signal.SIGTERM)
         for c in self.children:
             if c.name in self.predictors:
                 try:
-                    rc = c.proc.wait(timeout=30.0)
+                    rc = c.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     raise DemoFailed(f"{c.name} did not stop; see {c.log}") from None
                 if rc != 0:
@@ -518,27 +529,32 @@ class Demo:
         model_state: dict[str, torch.Tensor] = torch.load(
             self.work / "trainer-model.pt", map_location="cpu", weights_only=True
         )
-        line, ok = self.check_serving(model_state, logs[SERVING])
+        line, ok, ref = self.check_serving(model_state, logs[SERVING])
         out.append(line)
         if not ok:
             failures.append(f"{SERVING} weights or forward differ from torchrec's quantization")
+        line, ok = self.check_serving_zch(ref)
+        out.append(line)
+        if not ok:
+            failures.append(f"{ZCH} remapper or forward on raw ids differ from the trainer's")
         return Report("\n".join(out), failures)
 
-    def check_serving(self, final: dict[str, Any], lg: PredictorLog) -> tuple[str, bool]:
+    def check_serving(self, final: dict[str, Any], lg: PredictorLog) -> tuple[str, bool, Any]:
         """Compare the serving predictor with the trainer's final model (``final``: its
         state_dict, tables and dense state) quantized by torchrec in the same model code; its
-        forward latency during apply and idle."""
+        forward latency during apply and idle. Also returns that reference model."""
         import torch
 
-        from deltad.consume.quant import quantize_model
+        from deltad.consume.mc import LOOKUP_BUFFERS, training_only_state
+        from deltad.consume.quant import quant_tables, quantize_model
         from deltad.reference.consumers.serving import (
             ServingConfig,
+            click_model,
             fixed_batch,
             forward_path,
             serving_state,
         )
         from deltad.reference.trainer.cli import parse_tables
-        from deltad.reference.trainer.model import ClickModel
         from deltad.types import ServeDtype
 
         a = self.args
@@ -546,19 +562,22 @@ class Demo:
         got = torch.load(state_file, map_location="cpu", weights_only=True)
         logits = torch.load(forward_path(state_file), map_location="cpu", weights_only=True)
         cfg = ServingConfig(ServeDtype.INT8, parse_tables(TABLES, a.rows), a.rows, a.dim)
-        model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim).eval()
+        model = click_model(cfg).eval()
         model.load_state_dict(final)  # strict: every weight is the trainer's final one
         ref = quantize_model(model, ServeDtype.INT8, inplace=True)
-        want = serving_state(ref)
-        tables = [k for k in want if k.startswith(("ebc.", "ec."))]
-        dense = len(want) - len(tables)
+        # the trainer's MCH eviction bookkeeping is not served (see deltad.consume.mc)
+        skip = training_only_state(ref)
+        want = {k: v for k, v in serving_state(ref).items() if k not in skip}
+        got = {k: v for k, v in got.items() if k not in skip}
+        n_tables = len(quant_tables(ref))
+        dense = len([k for k in want if not _table_key(k) and not k.endswith(LOOKUP_BUFFERS)])
         weights = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         with torch.inference_mode():
             forward = torch.equal(logits, ref(fixed_batch(cfg))[1])
         ok = weights and forward
         s = lg.summary or {}
         line = (
-            f"check {SERVING}: {len(tables)} int8 tables, {dense} dense tensors and forward "
+            f"check {SERVING}: {n_tables} int8 tables, {dense} dense tensors and forward "
             f"output on a fixed batch bit-equal to the trainer's final model quantized by "
             f"torchrec: {'ok' if ok else 'FAILED'} "
             f"(weights {'equal' if weights else 'DIFFER'}, forward "
@@ -569,7 +588,78 @@ class Demo:
             f"({s.get('forward_apply_samples', 0)} forwards), longest lock hold "
             f"{_ms(s.get('max_hold_ms'))}"
         )
+        return line, ok, ref
+
+    def check_serving_zch(self, ref: Any) -> tuple[str, bool]:
+        """The serving predictor's managed-collision tables against ``ref`` (the trainer's
+        final model quantized by torchrec): rows, the remapper's lookup buffers, and the
+        served embeddings of raw ids held, evicted and never seen (its exit probe)."""
+        import torch
+
+        from deltad.consume.mc import LOOKUP_BUFFERS, probe_forward, remappers
+        from deltad.reference.consumers.serving import serving_state, zch_path
+
+        state_file = self.work / f"{SERVING}-state.pt"
+        mc = remappers(ref)
+        if not mc:
+            return (
+                f"check {ZCH}: FAILED (the reference model has no managed-collision table)",
+                False,
+            )
+        probe_file = zch_path(state_file)
+        if not probe_file.exists():
+            return f"check {ZCH}: FAILED ({SERVING} wrote no managed-collision probe)", False
+        probe = torch.load(probe_file, map_location="cpu", weights_only=True)
+        got = torch.load(state_file, map_location="cpu", weights_only=True)
+        want = serving_state(ref)
+        parts, ok = [], True
+        for name, rm in sorted(mc.items()):
+            rkeys = [k for k in want if _table_key(k, name)]
+            rows = len(rkeys) == 1 and all(k in got and torch.equal(got[k], want[k]) for k in rkeys)
+            keys = [k for k in want if k.endswith(LOOKUP_BUFFERS) and f".{name}." in k]
+            lookup = len(keys) == 2 and all(torch.equal(got[k], want[k]) for k in keys)
+            p = probe.get(name)
+            forward = False
+            counts = "no probe"
+            if p is not None:
+                raw = torch.cat([p["held"], p["evicted"], p["never"]])
+                with torch.inference_mode():
+                    forward = torch.equal(p["out"], probe_forward(ref, name, raw))
+                held = set(rm.slot_raw.tolist())
+                # the probe's kinds, checked against the trainer's final map
+                kinds = (
+                    set(p["held"].tolist()) <= held
+                    and not (set(p["evicted"].tolist()) | set(p["never"].tolist())) & held
+                )
+                forward = forward and kinds and p["evicted"].numel() > 0
+                counts = (
+                    f"{p['held'].numel()} held, {p['evicted'].numel()} evicted, "
+                    f"{p['never'].numel()} never-seen raw ids"
+                )
+            good = rows and lookup and forward
+            ok = ok and good
+            parts.append(
+                f"{name} ({rm.size} slots; rows {'equal' if rows else 'DIFFER'}, lookup buffers "
+                f"{'equal' if lookup else 'DIFFER'}, forward on {counts} "
+                f"{'equal' if forward else 'DIFFERS'})"
+            )
+        line = (
+            f"check {ZCH}: {len(mc)} managed-collision table(s) of {SERVING} bit-equal to the "
+            f"trainer's final model quantized by torchrec: {'ok' if ok else 'FAILED'} "
+            f"({'; '.join(parts)})"
+        )
         return line, ok
+
+
+def _table_key(key: str, table: str | None = None) -> bool:
+    """``key`` (a state_dict name of a quantized model) holds a table's rows (``table``'s)."""
+    parts = key.split(".")
+    return (
+        len(parts) >= 3
+        and parts[-1] == "weight"
+        and parts[-3] in ("embedding_bags", "embeddings")
+        and (table is None or parts[-2] == table)
+    )
 
 
 @dataclass

@@ -175,7 +175,9 @@ class BadUpdateDemo(Demo):
                 got.keys() == tables.keys() and all(torch.equal(got[k], tables[k]) for k in tables)
             )
         model = torch.load(dump / f"model-step-{ROLLBACK}.pt", weights_only=True)
-        line, serving_ok = self.check_serving(model, PredictorLog(self.logs / f"{SERVING}.jsonl"))
+        line, serving_ok, _ = self.check_serving(
+            model, PredictorLog(self.logs / f"{SERVING}.jsonl")
+        )
         in_place = all(n > 0 for n in rolled.values())
         ok = all(exact) and serving_ok and in_place
         failures += [] if ok else ["rollback"]

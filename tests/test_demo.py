@@ -35,7 +35,8 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
     assert "check rows-fp32: tables bit-equal to the trainer's final tables" in proc.stdout
     truth = torch.load(work / "trainer-final.pt", weights_only=True)
     rows = torch.load(work / "rows-fp32-final.pt", weights_only=True)
-    assert set(truth) == set(rows) and len(truth) == 5  # 4 pooled tables + the sequence table
+    # 4 pooled tables, the sequence table and the managed-collision table
+    assert set(truth) == set(rows) and len(truth) == 6
     for name, t in truth.items():
         assert torch.equal(rows[name], t), name
     topk = torch.load(work / "topk-int8-final.pt", weights_only=True)
@@ -48,7 +49,11 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
         assert line in proc.stdout
     # the serving predictor: packed-int8 rows and the dense state, bit-equal to the trainer's
     # final model (tables and dense) quantized by torchrec
-    assert "check serving-int8: 5 int8 tables, 8 dense tensors and forward output" in proc.stdout
+    assert "check serving-int8: 6 int8 tables, 8 dense tensors and forward output" in proc.stdout
+    # its managed-collision table: rows, remapper lookup buffers, forwards on raw ids
+    (zch,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("check serving-zch:")]
+    assert "torchrec: ok (zch (" in zch and "lookup buffers equal" in zch, zch
+    assert " 0 evicted" not in zch and "never-seen raw ids equal" in zch, zch
     assert "(weights equal, forward equal)" in proc.stdout and "during apply" in proc.stdout
     model = torch.load(work / "trainer-model.pt", weights_only=True)
     assert {

@@ -27,7 +27,7 @@ DTYPES = [ServeDtype.INT8, ServeDtype.INT4, ServeDtype.FP16, ServeDtype.FP32]
 
 def float_model(seed: int = 0) -> ClickModel:
     torch.manual_seed(seed)
-    return ClickModel(TABLES, SEQ_ROWS, dim=DIM).eval()
+    return ClickModel(TABLES, SEQ_ROWS, dim=DIM, zch_slots=0).eval()  # ordinary tables only
 
 
 def float_tables(m: Any) -> dict[str, torch.Tensor]:

@@ -14,6 +14,8 @@ from deltad import output
 from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 from deltad.errors import ConfigError
 
+from .zch import POLICIES, ZCH_RAW_PER_SLOT, ZCH_SLOTS
+
 _SHARDINGS = ("tw", "rw", "cw", "twrw")  # also the cycle of --sharding mixed
 _LOOPS = ("plain", "pipeline-base", "pipeline-sparse-dist")
 
@@ -30,6 +32,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=10_000, help="rows per table")
     parser.add_argument("--seq-rows", type=int, help="rows of the sequence table (default --rows)")
     parser.add_argument("--dim", type=int, default=16, help="embedding dim (default: %(default)s)")
+    parser.add_argument(
+        "--zch-slots",
+        type=int,
+        default=ZCH_SLOTS,
+        help="slots of the managed-collision (ZCH) table 'zch', row-wise sharded; 0: no such table",
+    )
+    parser.add_argument(
+        "--zch-raw-ids",
+        type=int,
+        default=0,
+        help=f"raw-id space of the zch table; 0: {ZCH_RAW_PER_SLOT} x its slots",
+    )
+    parser.add_argument(
+        "--zch-policy", choices=POLICIES, default="lru", help="its MCH eviction policy"
+    )
     parser.add_argument(
         "--sharding",
         default="mixed",
@@ -99,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
 RANGES: dict[str, Range] = {
     "world_size": Range(1, 1 << 12),
+    "zch_slots": Range(0, 1 << 31, note="0 = no managed-collision table"),
+    "zch_raw_ids": Range(0, 1 << 62, note="0 = 20 x the slots"),
     "rows": Range(1, MAX_COUNT),
     "seq_rows": Range(1, MAX_COUNT),
     "dim": Range(1, 1 << 16),
@@ -179,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
         tables=tables,
         seq_rows=args.seq_rows or args.rows,
         dim=args.dim,
+        zch_slots=args.zch_slots,
+        zch_raw_ids=args.zch_raw_ids,
+        zch_policy=args.zch_policy,
         sharding=parse_sharding(args.sharding, list(tables)),
         steps=args.steps if args.steps is not None else (0 if args.duration else 100),
         duration_s=args.duration or 0.0,

@@ -91,9 +91,9 @@ class PullResult:
     def caught_up(self) -> bool:
         """Every rank read, the tables serve the newest step this consumer may have (the
         head, or the release step while a hold, pin or gate caps it: a capped consumer is
-        caught up to the release, not behind), and no row is owed: nothing more to pull
-        until the trainer publishes or an operator releases."""
-        if self.missing or self.step is None or self.owed:
+        caught up to the release, not behind), no row is owed and no dense state is
+        missing: nothing more to pull until the trainer publishes or an operator releases."""
+        if self.missing or self.dense_missing or self.step is None or self.owed:
             return False
         reach = self.release_step if self.release_step is not None else self.head_step
         return reach is not None and self.step >= reach
@@ -155,6 +155,13 @@ class PullResult:
     @property
     def dense_bytes(self) -> int:
         return sum(d.dense_bytes for d in self.deltas)
+
+    @property
+    def dense_missing(self) -> dict[int, str]:
+        """Ranks whose sidecar (or relay) says this pull lacks the dense state it should
+        bring, with the reason (asked with ``PullOptions.dense``). The rows applied are of
+        ``step``; the dense weights held are older (or the model's init): not caught up."""
+        return {d.rank: d.dense_missing for d in self.deltas if d.dense_missing}
 
 
 class DeltaConsumer:
@@ -275,6 +282,8 @@ class DeltaConsumer:
             result.rows, result.bytes, (time.monotonic() - started) * 1000,
             f" (missing ranks {sorted(result.missing)})" if result.missing else "",
         )  # fmt: skip
+        for rank, why in result.dense_missing.items():
+            log.warning("pull %s rank %d: dense state missing: %s", self.config.consumer, rank, why)
         return result
 
     def _keep_stage(self, result: PullResult, stage: ResyncStage) -> PullResult:

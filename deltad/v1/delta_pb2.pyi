@@ -108,7 +108,7 @@ class GetDeltaRequest(_message.Message):
     def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ..., no_generation_diff: _Optional[bool] = ..., mirror: _Optional[bool] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense", "resync_reason", "diff_from_generation", "rollback_to_step", "rollback_epoch")
+    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense", "resync_reason", "diff_from_generation", "rollback_to_step", "rollback_epoch", "dense_missing")
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class DeltaHeader(_message.Message):
     DIFF_FROM_GENERATION_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_STEP_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DENSE_MISSING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     generation: int
     resync: bool
@@ -139,7 +140,8 @@ class DeltaHeader(_message.Message):
     diff_from_generation: int
     rollback_to_step: int
     rollback_epoch: int
-    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ..., resync_reason: _Optional[str] = ..., diff_from_generation: _Optional[int] = ..., rollback_to_step: _Optional[int] = ..., rollback_epoch: _Optional[int] = ...) -> None: ...
+    dense_missing: str
+    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ..., resync_reason: _Optional[str] = ..., diff_from_generation: _Optional[int] = ..., rollback_to_step: _Optional[int] = ..., rollback_epoch: _Optional[int] = ..., dense_missing: _Optional[str] = ...) -> None: ...
 
 class DenseInfo(_message.Message):
     __slots__ = ("seq", "step", "tensors")

@@ -35,6 +35,15 @@ from the upstream's Status) and its base; the relay's log switches to it like a 
 when its trainer restarts. The mirror asks for no generation diff (it needs a base to write);
 the relay's own consumers get generation diffs from the previous generation's log it holds
 (deltad.serve.windows.gendiff), or resync.
+
+Dense states: the mirror pulls ``with_dense``; a window carrying one (the upstream's newest at or
+before its head, with its seq and step) is written as ``dense-<seq>`` *before* the window's
+segment, exactly as the trainer's publisher does, so the relay's log (its retention, its
+generation diffs, its ``dense_steps``) serves it like a sidecar serves the trainer's, at every
+level of a tree. A window the relay serves ``with_dense`` whose dense state it knows it lacks
+(the upstream listed a newer dense state at or before the window's step than the relay holds,
+or the upstream said its own window lacked one) says so in ``DeltaHeader.dense_missing``:
+:meth:`RelayMirror.dense_missing`, so a predictor never looks caught up on init weights.
 """
 
 from __future__ import annotations
@@ -58,9 +67,10 @@ from deltad.config import RelayConfig, ServerConfig
 from deltad.consume import decode
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import DeltadError, UpstreamError
-from deltad.segment.format import ShardRows, write_segment
+from deltad.segment.format import ShardRows, encode_dense, write_dense, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.serve.edge.app import SidecarServer
+from deltad.serve.index.log import LogSnapshot
 from deltad.serve.state.release import FollowedRollout
 from deltad.types import SegmentKind, Shard, ShardKey
 from deltad.v1 import delta_pb2 as pb
@@ -156,6 +166,12 @@ class RelayMirror:
         self._last_problem = ""
         self._waited_s = 0.0
         self._rollout_version = 0
+        #: the upstream's dense steps (its last Status) and generation, and why its last
+        #: window lacked a dense state ("" if it did not): what dense_missing compares with
+        self._up_dense: tuple[int, tuple[int, ...]] = (-1, ())
+        self._up_dense_missing = ""
+        #: dense state files written (for tests and logs)
+        self.dense_written = 0
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -244,6 +260,7 @@ class RelayMirror:
                 f"upstream {self.config.upstream} serves model {st.model!r} rank {st.rank}; "
                 f"this relay serves model {self.model!r} rank {self.rank}"
             )
+        self._up_dense = (st.generation, tuple(int(t) for t in st.dense_steps))
         loc = self._local
         head = (st.generation, st.head_seq)
         if st.head_seq < 0 or (
@@ -302,7 +319,7 @@ class RelayMirror:
     def _pull(self, st: pb.StatusResponse, asked: float) -> None:
         req = pb.GetDeltaRequest(
             consumer=self.config.consumer, form=pb.FORM_ROWS, dtype=pb.WIRE_DTYPE_FP32,
-            from_base=self._needs_base, no_generation_diff=True, mirror=True,
+            from_base=self._needs_base, no_generation_diff=True, mirror=True, with_dense=True,
         )  # fmt: skip
         d = decode.pull(
             self._channel, req, timeout=self.config.rpc_deadline_s, metadata=self._metadata
@@ -311,6 +328,7 @@ class RelayMirror:
         self._touched = time.monotonic()
         if d.rank != self.rank:
             raise UpstreamError(f"upstream answered rank {d.rank} for rank {self.rank}")
+        self._up_dense_missing = d.dense_missing
         same = d.generation == st.generation and d.to_seq == st.head_seq
         created = asked - st.head_age_seconds if same else time.time()
         loc = self._local
@@ -388,6 +406,7 @@ class RelayMirror:
             r0, r1 = (int(ids[0]), int(ids[-1]) + 1) if n else (0, 0)
             ranges[s.shard.key] = (r0, r1)
             rows.append(_shard_rows(s, r0, r1, ids, values, dtypes, raw))
+        self._write_dense(d)
         self._write(d, SegmentKind.BASE, 0, world, rows, created)
         self._local = _Local(d.generation, d.to_seq, d.to_step, world, ranges, dtypes)
 
@@ -405,9 +424,47 @@ class RelayMirror:
                 continue
             ids, values, raw = _sorted(s)
             rows.append(_shard_rows(s, r0, r1, ids, values, loc.dtypes, raw))
+        self._write_dense(d)
         self._write(d, SegmentKind.DELTA, loc.seq + 1, loc.world_size, rows, created)
         self._local = _Local(
             d.generation, d.to_seq, d.to_step, loc.world_size, loc.ranges, loc.dtypes
+        )
+
+    def _write_dense(self, d: RankDelta) -> None:
+        """The window's dense state as ``dense-<seq>`` (before the segment that makes it
+        visible: a log that sees segment ``to_seq`` finds it), unless the relay has it."""
+        if d.dense_seq is None or d.dense_step is None:
+            return
+        path = self.layout.dense_path(d.generation, self.rank, d.dense_seq)
+        if path.exists():
+            return
+        data = encode_dense(
+            model=self.model, generation=d.generation, rank=self.rank, seq=d.dense_seq,
+            step=d.dense_step, tensors=d.dense,
+        )  # fmt: skip
+        write_dense(path, data, fsync=self.config.fsync)
+        self.dense_written += 1
+
+    def dense_missing(self, snap: LogSnapshot, to_seq: int, to_step: int) -> str:
+        """Why a window of the relay's log ending at ``to_seq`` (step ``to_step``) lacks the
+        dense state it should carry; "" if it does not (or the relay cannot tell): the
+        upstream said its window lacked one, or the upstream serves a dense state at or
+        before ``to_step`` newer than any the relay holds at or before ``to_seq``."""
+        up = self.config.upstream
+        if self._up_dense_missing:
+            return f"upstream {up}: {self._up_dense_missing}"[:512]
+        generation, steps = self._up_dense
+        if generation != snap.generation:
+            return ""
+        expected = max((t for t in steps if t <= to_step), default=None)
+        if expected is None:
+            return ""
+        held = snap.dense_at(to_seq)
+        if held is not None and held.step >= expected:
+            return ""
+        return (
+            f"relay of {up} holds no dense state of step {expected} (newest held: "
+            f"{'none' if held is None else held.step}); its upstream serves it"
         )
 
     def _write(
@@ -615,6 +672,7 @@ class RelayServer:
         try:
             self.server.servicer.upstream = self.relay.upstream
             self.mirror = RelayMirror(self.relay, self.server, lambda e: self._failed.set())
+            self.server.servicer.windows.dense_check = self.mirror.dense_missing
             self.mirror.start()
         except BaseException:
             self.server.stop(0)

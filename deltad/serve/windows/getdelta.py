@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import grpc
@@ -71,6 +71,10 @@ class WindowServer:
         #: the release state applied to every window (deltad.serve.state.release; set by the
         #: sidecar: Redis, or a relay's upstream); everything released until set
         self.rollout: RolloutSource = _Released()
+
+        #: Set by a relay (deltad.serve.relay.server): (snapshot, to_seq, to_step) -> why a
+        #: ``with_dense`` window ending there lacks its dense state ("" if it does not).
+        self.dense_check: Callable[[LogSnapshot, int, int], str] | None = None
 
     def gate_cap(self, state: ReleaseState, generation: int) -> int | None:
         """The newest step the validation gate lets any window of ``generation`` end at
@@ -259,6 +263,11 @@ class WindowServer:
             header = with_reason(win.header, decision.reason) if decision.resync else win.header
             if decision.rollback_to is not None and decision.resync:
                 header = with_rollback(header, decision.rollback_to, decision.rollback_epoch)
+            dense_missing = ""
+            if req.with_dense and self.dense_check is not None:
+                dense_missing = self.dense_check(snap, to_seq, to_step)
+                if dense_missing:
+                    header = with_dense_missing(header, dense_missing)
             yield header
             for c in win.iter_chunks():
                 if time.monotonic() > slot.deadline:
@@ -299,11 +308,12 @@ class WindowServer:
                 )
             )
             log.info(
-                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes, %.0f ms",
+                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes, %.0f ms%s",
                 consumer, rank, decision.from_seq, to_seq, to_step,
                 "resync: " if decision.resync else "", decision.reason,
                 ", committed" if committed else "", win.rows, win.payload_bytes,
                 (time.monotonic() - started) * 1000,
+                f"; dense state missing: {dense_missing}" if dense_missing else "",
             )  # fmt: skip
         finally:
             slot.release()
@@ -347,3 +357,10 @@ class _Released:
 
     def state(self) -> ReleaseState:
         return ReleaseState()
+
+
+def with_dense_missing(header: bytes, reason: str) -> bytes:
+    """A serialized header message with ``dense_missing`` set to ``reason``."""
+    msg = pb.GetDeltaResponse.FromString(header)
+    msg.header.dense_missing = reason[:512]
+    return msg.SerializeToString()
