@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--zch-slots",
         type=int,
-        help="slots of the managed-collision table 'zch', as given to the trainer (default: "
+        help="slots of the managed-collision table 'zch', as given to the trainer (unset: "
         "the trainer's default; 0: none)",
     )
     serve.add_argument(
