@@ -67,7 +67,9 @@ def build(size: DlrmSize, *, lr: float = 0.05, seed: int = 0) -> tuple[Any, Any,
 
     init_single_process_group()
     torch.manual_seed(seed)
-    model = ClickModel(size.table_rows(), size.seq_rows, dim=size.dim, device=torch.device("meta"))
+    model = ClickModel(  # ordinary tables, as recorded (managed-collision tables: bench.zch)
+        size.table_rows(), size.seq_rows, dim=size.dim, zch_slots=0, device=torch.device("meta")
+    )
     apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": lr})
     apply_optimizer_in_backward(torch.optim.SGD, model.ec.parameters(), {"lr": lr})
     dmp = DistributedModelParallel(

@@ -5,11 +5,11 @@ A 2-rank spool (``--tables`` tables of ``--rows`` x ``--dim`` fp32, row-wise sha
 base at step 0 and ``--deltas`` deltas (steps 1..n), each changing ``--touch`` of every table's
 rows; a sidecar per rank (in-process, port 0, one embedded Redis) with a restore window over
 every step. ``--predictors`` predictors (DeltaConsumer, rows form, fp32, TensorDictApplier;
-one thread each) follow the head, directly or through one relay per rank. Then the release
-state is set to a rollback to the middle step (what ``deltad rollout rollback --to-step S``
-records); each predictor pulls every ``--poll`` seconds (a held model publishes nothing that
-would wake a long poll) and stops once it serves S. Measured per predictor: seconds from the
-order to its tables holding S (p50 / p99 over the fleet), the bytes of its rollback pull and
+one thread each) follow the head, directly or through one relay per rank. Then a rollback to
+the middle step is ordered through rank 0's admin Rollout RPC (what ``deltad rollout rollback
+--to-step S`` sends; the sidecars see the release state in Redis within 0.25 s, relays through
+their upstream's Status); each predictor pulls every ``--poll`` seconds and stops once it
+serves S. Measured per predictor: seconds from the order's answer to its tables holding S (p50 / p99 over the fleet), the bytes of its rollback pull and
 of its bootstrap (a full resync of the same tables). Checked: every predictor's tables equal
 the tables at S. Restore points: the log's bytes (memory: the private copies the sidecar
 holds; disk: the spool) once retention ran with no consumer pinning anything, with the
@@ -95,27 +95,19 @@ def db(url: str, n: int) -> str:
     return f"unix://{u.path}?{urlencode(query)}"
 
 
-class Release:
-    """The release state the sidecars and relays read (set directly, as the store would)."""
-
-    def __init__(self) -> None:
-        from deltad.serve.rollout import ReleaseState
-
-        self.state = ReleaseState()
-
-    def __call__(self) -> Any:
-        return self.state
-
-
 def run_fleet(
-    endpoints: list[str], n: int, release: Release, step: int, truth: dict[str, torch.Tensor],
+    endpoints: list[str], n: int, control: str, step: int, truth: dict[str, torch.Tensor],
     poll: float,
 ) -> dict[str, Any]:  # fmt: skip
-    """Bootstrap ``n`` predictors on ``endpoints``, order the rollback, time each one."""
+    """Bootstrap ``n`` predictors on ``endpoints``, order the rollback through the admin
+    Rollout RPC of the sidecar at ``control`` (what `deltad rollout rollback` sends), time
+    each one from the order's answer to serving ``step``."""
+    from deltad.clientauth import ClientAuth
     from deltad.config import ConsumerConfig, PullOptions
     from deltad.consume.appliers import TensorDictApplier
     from deltad.consume.client import DeltaConsumer
-    from deltad.serve.rollout import Rollback
+    from deltad.rollout_cli import call
+    from deltad.v1 import delta_pb2 as pb
 
     consumers, appliers, boot_bytes = [], [], []
     for i in range(n):
@@ -152,9 +144,7 @@ def run_fleet(
     threads = [threading.Thread(target=follow, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    release.state = release.state.bumped(
-        rollback=Rollback(step, "*", 1), release_step=step, held=True
-    )
+    call(control, pb.RolloutRequest(action=pb.ROLLOUT_ROLLBACK, step=step), auth=ClientAuth())
     ordered[0] = time.monotonic()
     go.set()
     for t in threads:
@@ -224,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predictors", type=int, default=32)
     p.add_argument("--poll", type=float, default=0.05, help="seconds between a predictor's pulls")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--record", action="store_true", help="also record bench/results/rollback.json")
     args = p.parse_args(argv)
 
     from deltad.config import RelayConfig, ServerConfig
@@ -231,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     from deltad.serve.edge.app import SidecarServer
     from deltad.serve.relay.server import RelayServer
 
-    out: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
+    out: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "record")}
+    }
     step = args.deltas // 2
     with tempfile.TemporaryDirectory(prefix="deltad-rollback-") as tmp:
         root = Path(tmp)
@@ -239,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         url = redis.start()
         try:
             for i, where in enumerate(("direct", "relay")):
-                release = Release()
                 servers: list[Any] = []
                 spool_dir = root / f"spool-{where}"
                 spool = Spool(spool_dir, args.tables, args.rows, args.dim, args.touch)
@@ -250,10 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                             redis_url=db(url, 3 * i), poll_interval_s=0.02, grace_period_s=0.2,
                             restore_window_steps=10_000, max_concurrent_streams=256,
                         )  # fmt: skip
-                        s = SidecarServer(cfg)
-                        s.set_release(release)
-                        servers.append(s.start())
+                        servers.append(SidecarServer(cfg).start())
                     eps = [s.endpoint for s in servers]
+                    control = eps[0]
                     logs = [s.log for s in servers]
                     if where == "relay":  # one relay per rank, running while the trainer runs
                         relays = []
@@ -268,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
                                 rcfg, RelayConfig(upstream=eps[rank], consumer=f"relay-{rank}",
                                                   poll_interval_s=0.02, fsync=False),
                             )  # fmt: skip
-                            r.set_release(release)
                             relays.append(r.start())
                         servers.extend(relays)
                         eps = [r.endpoint for r in relays]
@@ -277,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                         spool.delta(t)
                         _wait_head(logs, t)
                     out[where] = run_fleet(
-                        eps, args.predictors, release, step, spool.history[step], args.poll
+                        eps, args.predictors, control, step, spool.history[step], args.poll
                     )
                 finally:
                     for s in reversed(servers):
@@ -292,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(text)
+    if args.record:
+        from bench.run import record
+
+        record("rollback", out, {"preset": "python -m bench.rollback", **out["config"]})
     return 0
 
 

@@ -29,6 +29,7 @@ from bench.common import (
     machine_info,
     self_peak_rss,
 )
+from deltad.config import Range
 
 MALLOC_TUNING = {
     "MALLOC_MMAP_MAX_": "0",
@@ -54,6 +55,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "training-step overhead: deltad tracker+publisher vs none vs torchrec's tracker",
     ),
     "stall": ("bench.stall", "publish stall per segment and background write rate vs size"),
+    "timed_publish": (
+        "bench.timed_publish",
+        "publishing every 0.5 s at world size 2 vs --no-publish: on-loop %, extra CPU %",
+    ),
     "freshness": ("bench.freshness", "trainer step -> predictor serving it: p50/p99 lag"),
     "fidelity": ("bench.fidelity", "bytes per predictor-hour vs row error, rows/top-k/dtypes"),
     "bootstrap_mem": (
@@ -64,7 +69,15 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.serving",
         "int8 serving model: forward p50/p99 under apply vs idle; apply rows/s vs bare fbgemm",
     ),
+    "zch": (
+        "bench.zch",
+        "managed-collision tables: identity bytes per step vs the whole remapper; apply cost",
+    ),
 }
+
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {"repeats": Range(0, 1000, note="0 = the preset")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"run only these benchmarks (repeatable or comma-separated): {', '.join(BENCHMARKS)}",
     )
     parser.add_argument("--repeats", type=int, default=0, help="repeats per point (0: preset)")
-    parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"output dir (default {OUT_DIR})")
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help="output dir")
     parser.add_argument(
         "--work-dir",
         type=Path,

@@ -56,8 +56,9 @@ def run(ctx: Context) -> dict[str, Any]:
     torch.set_num_threads(1)  # one core per side: the forward thread and the applier
     ctx.status("serving: building the int8 model")
     cfg = ServingConfig(
-        ServeDtype.INT8, tables, rows, dim, batch_size=batch, interval_s=0.0, chunk_rows=4096
-    )
+        ServeDtype.INT8, tables, rows, dim, batch_size=batch, interval_s=0.0, chunk_rows=4096,
+        zch_slots=0,  # ordinary tables, as recorded (managed-collision tables: bench.zch)
+    )  # fmt: skip
     model, applier = build_serving_model(cfg)
     gen = torch.Generator().manual_seed(0)
     per_table = max(1, int(rows * window_frac))

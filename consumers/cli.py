@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
+
+from deltad import output
+from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 
 if TYPE_CHECKING:
     from deltad.types import WireDtype
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the flags of `deltad consume`."""
     p.add_argument("--consumer", required=True, help="consumer name (its cursor in Redis)")
-    p.add_argument("--model", default="model", help="model name (default: model)")
+    p.add_argument("--model", default="model", help="model name")
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--sidecar",
@@ -32,9 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--redis-url",
         default=os.environ.get("DELTAD_REDIS_URL"),
-        help="discover the sidecars in Redis (RedisKeys.ranks) [DELTAD_REDIS_URL]",
+        help="discover the sidecars in Redis (RedisKeys.ranks; redis://, rediss://, "
+        "redis+sentinel://, redis+cluster://) [DELTAD_REDIS_URL]",
     )
-    p.add_argument("--form", choices=("ids", "rows", "topk"), default="rows")
+    p.add_argument(
+        "--form",
+        choices=("ids", "rows", "topk"),
+        default="rows",
+        help="what a pull returns: changed ids, their rows, or the top-k rows that moved most",
+    )
     p.add_argument("--k", type=int, default=0, help="topk: rows per table per pull")
     p.add_argument(
         "--fraction", type=float, default=0.0, help="topk: fraction of candidate rows (0, 1]"
@@ -71,7 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--final-tables", type=Path, help="torch.save the tables here at the end")
     p.add_argument("--json-log", metavar="PATH", help='JSON line per pull ("-": stdout)')
     p.add_argument("--rpc-deadline", type=float, default=30.0, help="seconds per RPC")
-    p.add_argument("--max-retries", type=int, default=5)
+    p.add_argument(
+        "--max-retries", type=int, default=5, help="retries of a failed RPC, with backoff"
+    )
     p.add_argument(
         "--discovery-timeout", type=float, default=120.0, help="seconds to wait for all ranks"
     )
@@ -89,8 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--serve-dtype",
-        choices=("int8", "int4", "fp16", "fp32", "bf16"),
-        help="quantize the serving model's tables to this dtype (bf16: not supported)",
+        choices=("int8", "int4", "fp16", "fp32"),
+        help="quantize the serving model's tables to this dtype (torchrec 1.8 cannot do bf16)",
     )
     serve.add_argument(
         "--tables",
@@ -114,10 +124,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--seed", type=int, default=0, help="model code / batch seed")
     serve.add_argument(
+        "--zch-slots",
+        type=int,
+        help="slots of the managed-collision table 'zch', as given to the trainer (unset: "
+        "the trainer's default; 0: none)",
+    )
+    serve.add_argument(
+        "--zch-raw-ids", type=int, default=0, help="its raw-id space, as given to the trainer"
+    )
+    serve.add_argument(
+        "--zch-policy", choices=("lru", "lfu"), default="lru", help="its MCH eviction policy"
+    )
+    serve.add_argument(
         "--final-state",
         type=Path,
         help="torch.save the serving model's state_dict at exit (and its logits on the fixed "
-        "batch to F's stem + '-forward')",
+        "batch to F's stem + '-forward'; its managed-collision probe to F's stem + '-zch')",
     )
     p.add_argument("--tls-ca", type=Path, help="CA bundle to verify TLS sidecars")
     p.add_argument(
@@ -134,8 +156,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--token-env",
         default="DELTAD_TOKEN",
-        help="environment variable holding the bearer token (default: DELTAD_TOKEN)",
+        help="environment variable holding the bearer token",
     )
+
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {
+    "k": Range(0, MAX_COUNT),
+    "zch_slots": Range(0, 1 << 31, note="0 = no managed-collision table"),
+    "zch_raw_ids": Range(0, 1 << 62, note="0 = 20 x the slots"),
+    "fraction": Range(0, 1),
+    "max_rows": Range(0, MAX_COUNT, note="0 = no cap"),
+    "interval": Range(0, 3600),
+    "long_poll": Range(0, 3600, note="0 = off"),
+    "duration": Range(0, MAX_SECONDS, note="0 = no limit"),
+    "pulls": Range(0, MAX_COUNT, note="0 = no limit"),
+    "rpc_deadline": Range(0, 86400, lo_open=True),
+    "max_retries": Range(0, 1000),
+    "discovery_timeout": Range(0, 86400),
+    "reuse_buffers_mb": Range(0, 1 << 30, note="0 = off"),
+    "rows": Range(1, MAX_COUNT),
+    "seq_rows": Range(1, MAX_COUNT),
+    "dim": Range(1, 1 << 16),
+    "chunk_rows": Range(1, MAX_COUNT),
+    "serve_batch_size": Range(1, 1 << 20),
+    "serve_interval": Range(0, 3600),
+    "seed": Range(0, (1 << 63) - 1),
+}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.init_tables is None:
         raise ConfigError("--resume needs --init-tables: the tables its committed cursors describe")
     serving = None
+    if args.serve_dtype is not None or (args.dtype or "").startswith("packed"):
+        from deltad.needs import need
+
+        need("fbgemm_gpu", "torchrec", purpose="deltad consume --serve-dtype (quantized serving)")
     if args.serve_dtype is not None:
         from deltad.reference.trainer.cli import parse_tables
 
@@ -179,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.serve_batch_size,
             interval_s=args.serve_interval,
             final_state=args.final_state,
+            zch_slots=args.zch_slots,
+            zch_raw_ids=args.zch_raw_ids,
+            zch_policy=args.zch_policy,
         )
     elif args.final_state is not None:
         raise ConfigError("--final-state needs --serve-dtype")
@@ -254,18 +308,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print(
+    output.line(
         f"consumer {s.consumer}: {s.pulls} pulls, {s.rows} rows, {s.bytes} bytes, "
-        f"step {s.step}, freshness p50 {_fmt(s.freshness_p50_s)} p99 {_fmt(s.freshness_p99_s)}",
-        file=sys.stderr,
+        f"step {s.step}, freshness p50 {_fmt(s.freshness_p50_s)} p99 {_fmt(s.freshness_p99_s)}"
     )
     if serving is not None:
-        print(
+        output.line(
             f"consumer {s.consumer}: {s.forwards} forwards ({serving.dtype.value}), latency ms "
             f"idle p50 {_ms(s.forward_idle_p50_ms)} p99 {_ms(s.forward_idle_p99_ms)}, during "
             f"apply p50 {_ms(s.forward_apply_p50_ms)} p99 {_ms(s.forward_apply_p99_ms)} "
-            f"({s.forward_apply_samples}), longest lock hold {_ms(s.max_hold_ms)}",
-            file=sys.stderr,
+            f"({s.forward_apply_samples}), longest lock hold {_ms(s.max_hold_ms)}"
         )
     return 0
 

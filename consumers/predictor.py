@@ -7,7 +7,9 @@ optionally starting from a ``{table: tensor}`` file, and logs per pull what it s
   step any rank has published;
 * ``freshness_s``: seconds from the creation of the newest segment of ``step`` (the last
   rank to publish it) to the moment its rows were applied, sampled when a new step is served;
-* ``rows`` / ``bytes``: what the pull carried; ``owed``: top-k rows still owed.
+* ``rows`` / ``bytes``: what the pull carried; ``owed``: top-k rows still owed;
+* ``cap_step`` / ``caught_up``: the model's release cap on it (deltad rollout) and whether it
+  serves the newest step it may.
 
 With ``serving`` set it holds a torchrec quantized ClickModel instead
 (:mod:`consumers.serving`), bootstrapped from deltad alone, answers forwards on a fixed batch
@@ -35,9 +37,12 @@ from deltad.consume.quant import QuantApplier
 from deltad.errors import ConfigError, ConsumerError
 from deltad.types import Form
 
-from .serving import ForwardLoop, ServingConfig, build_serving_model, save_state
+from .serving import ForwardLoop, ServingConfig, build_serving_model, save_state, zch_probe
 
 log = logging.getLogger(__name__)
+
+#: raw ids reported evicted kept per managed-collision table (for the exit probe)
+MAX_EVICTED = 65536
 
 
 @dataclass
@@ -87,6 +92,13 @@ class PullLogLine:
     dense_step: int | None = None
     #: an operator's rollback this pull followed (the step it was ordered to); None: none
     rollback_to: int | None = None
+    #: the model's release cap on this predictor (None: the head) and whether it serves the
+    #: newest step it may (a held predictor is caught up to the release, not behind)
+    cap_step: int | None = None
+    caught_up: bool = False
+    #: ranks whose sidecar says the pull lacks the dense state it should bring, and why
+    #: (the rows are of ``step``, the dense weights older: not caught up)
+    dense_missing: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -149,6 +161,8 @@ class SyncLoop:
         self.records: list[PullLogLine] = []
         self.freshness: list[float] = []
         self.served_step: int | None = None
+        #: managed-collision tables: raw ids the windows reported evicted (bounded)
+        self.evicted: dict[str, set[int]] = {}
         self._out: IO[str] | None = None
 
     def stop(self) -> None:
@@ -174,7 +188,12 @@ class SyncLoop:
                     n += 1
                     rec = self.pull_once(consumer, n)
                     self._emit(rec)
-                    if c.long_poll_s > 0 and not rec.owed and not rec.missing:
+                    if (
+                        c.long_poll_s > 0
+                        and not rec.owed
+                        and not rec.missing
+                        and not rec.dense_missing  # poll again: the relay may get it
+                    ):
                         wait = c.long_poll_s
                         if deadline is not None:
                             wait = min(wait, max(0.0, deadline - time.monotonic()))
@@ -194,7 +213,9 @@ class SyncLoop:
                 save_tables(self.applier.tables(), c.final_tables)
             if c.serving is not None and c.serving.final_state is not None:
                 assert self.model is not None and self.forwards is not None
-                save_state(self.model, c.serving.final_state, self.forwards.output())
+                assert isinstance(self.applier, QuantApplier)
+                probe = zch_probe(self.model, self.applier, self.evicted)
+                save_state(self.model, c.serving.final_state, self.forwards.output(), probe)
             return summary
         finally:
             if self.forwards is not None:
@@ -218,11 +239,23 @@ class SyncLoop:
                     self.forwards.applying.clear()
             if isinstance(self.applier, QuantApplier):
                 self.max_hold_s = max(self.max_hold_s, self.applier.stats.max_hold_s)
+            self._note_evicted(result)
         applied_unix = time.time()
         t2 = time.monotonic()
         if result.deltas:
             consumer.commit(result)
         return self._record(result, n, applied_unix, t1 - t0, t2 - t1)
+
+    def _note_evicted(self, r: PullResult) -> None:
+        """Keep (up to :data:`MAX_EVICTED` per table) the raw ids the windows evicted."""
+        for d in r.deltas:
+            for s in d.shards:
+                ev = s.evicted_raw_ids
+                if ev is None or not ev.numel():
+                    continue
+                seen = self.evicted.setdefault(s.shard.table, set())
+                if len(seen) < MAX_EVICTED:
+                    seen.update(ev[: MAX_EVICTED - len(seen)].tolist())
 
     def _record(
         self, r: PullResult, n: int, applied_unix: float, pull_s: float, apply_s: float
@@ -260,8 +293,11 @@ class SyncLoop:
             pull_s=pull_s,
             apply_s=apply_s,
             dense_bytes=r.dense_bytes,
+            cap_step=r.cap_step,
+            caught_up=r.caught_up,
             dense_step=r.dense_step,
             rollback_to=r.rollback_to,
+            dense_missing=r.dense_missing,
         )
         self.records.append(rec)
         return rec
@@ -303,12 +339,13 @@ class SyncLoop:
         if self._out is not None:
             self._out.write(json.dumps(d, separators=(",", ":")) + "\n")
             self._out.flush()
-        if isinstance(rec, PullLogLine) and (rec.rows or rec.missing):
+        if isinstance(rec, PullLogLine) and (rec.rows or rec.missing or rec.dense_missing):
             log.debug(  # -v: the library's line per pull says it (deltad.consume.client)
-                "pull %d: step %s (head %s) rows %d bytes %d fresh %s missing %s",
+                "pull %d: step %s (head %s) rows %d bytes %d fresh %s missing %s%s",
                 rec.pull, rec.step, rec.head_step, rec.rows, rec.bytes,
                 None if rec.freshness_s is None else f"{rec.freshness_s:.3f}s",
                 sorted(rec.missing),
+                f" dense missing {rec.dense_missing}" if rec.dense_missing else "",
             )  # fmt: skip
 
 

@@ -45,6 +45,11 @@ class ServingConfig:
     interval_s: float = 0.002
     #: torch.save the model's state_dict here at exit
     final_state: Path | None = None
+    #: the managed-collision table ``zch``: slots (None: the model code's default; 0: none),
+    #: raw-id space (0: the model code's default multiple of the slots), eviction policy
+    zch_slots: int | None = None
+    zch_raw_ids: int = 0
+    zch_policy: str = "lru"
 
     def __post_init__(self) -> None:
         self.dtype = ServeDtype(self.dtype)
@@ -62,22 +67,34 @@ class ServingConfig:
 
 def build_serving_model(cfg: ServingConfig) -> tuple[torch.nn.Module, QuantApplier]:
     """The reference ClickModel, quantized by torchrec, and the applier that updates it."""
-    from deltad.reference.trainer.model import ClickModel
-
     torch.manual_seed(cfg.seed)
-    model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim).eval()
+    model = click_model(cfg).eval()
     served = quantize_model(model, cfg.dtype, inplace=True)
     applier = QuantApplier(served, consistency=cfg.consistency, chunk_rows=cfg.chunk_rows)
     return served, applier
 
 
+def click_model(cfg: ServingConfig, device: torch.device | None = None) -> Any:
+    """The reference ClickModel of ``cfg`` (float, fresh weights; tables on ``device``), as
+    the trainer builds it."""
+    from deltad.reference.trainer.model import ClickModel
+
+    zch: dict[str, Any] = {"zch_raw_ids": cfg.zch_raw_ids, "zch_policy": cfg.zch_policy}
+    if cfg.zch_slots is not None:
+        zch["zch_slots"] = cfg.zch_slots
+    return ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim, device=device, **zch)
+
+
 def fixed_batch(cfg: ServingConfig) -> Any:
-    """The batch every forward answers (deterministic in the config)."""
+    """The batch every forward answers (deterministic in the config); with raw ids of the
+    managed-collision table if the model has one."""
     from deltad.reference.trainer.data import ClickStream
 
+    raw_space = int(click_model(cfg, torch.device("meta")).zch_raw_ids)
     return ClickStream(
-        cfg.tables, cfg.seq_rows, batch_size=cfg.batch_size, seed=cfg.seed + 7919
-    ).next_batch()
+        cfg.tables, cfg.seq_rows, batch_size=cfg.batch_size, seed=cfg.seed + 7919,
+        zch_raw_ids=raw_space,
+    ).next_batch()  # fmt: skip
 
 
 def serving_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -94,14 +111,56 @@ def forward_path(state: Path) -> Path:
     return state.with_name(f"{state.stem}-forward{state.suffix}")
 
 
-def save_state(model: torch.nn.Module, path: Path, logits: torch.Tensor | None = None) -> None:
+def zch_path(state: Path) -> Path:
+    """Where :func:`save_state` writes the managed-collision probe next to ``state``."""
+    state = Path(state)
+    return state.with_name(f"{state.stem}-zch{state.suffix}")
+
+
+#: raw ids of each kind a managed-collision probe asks for (at most)
+PROBE_IDS = 4096
+
+
+def zch_probe(
+    model: torch.nn.Module, applier: QuantApplier, evicted: dict[str, set[int]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Per managed-collision table, the served embeddings of raw ids it holds, raw ids
+    evicted (seen in the windows, not held now) and raw ids never seen (beyond its raw-id
+    space): ``{table: {"held", "evicted", "never", "out"}}`` (``out``: one row per raw id of
+    ``held + evicted + never``, from a forward of the served MC module)."""
+    from deltad.consume.mc import probe_forward
+    from deltad.types import EMPTY_RAW_ID
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for table, rm in applier.remappers.items():
+        held = rm.slot_raw[rm.slot_raw != EMPTY_RAW_ID][:PROBE_IDS].clone()
+        keep = set(rm.slot_raw.tolist())
+        gone = torch.tensor(sorted(x for x in evicted.get(table, set()) if x not in keep))
+        gone = gone[:PROBE_IDS].to(torch.int64)
+        space = int(getattr(rm.module, "_input_hash_size", 0))
+        never = torch.arange(space, space + 8, dtype=torch.int64)
+        with applier.serving():
+            rows = probe_forward(model, table, torch.cat([held, gone, never])).clone()
+        out[table] = {"held": held, "evicted": gone, "never": never, "out": rows}
+    return out
+
+
+def save_state(
+    model: torch.nn.Module,
+    path: Path,
+    logits: torch.Tensor | None = None,
+    zch: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> None:
     """torch.save :func:`serving_state` atomically (temp file, rename); ``logits`` (the
-    served forward on the fixed batch) to :func:`forward_path`."""
+    served forward on the fixed batch) to :func:`forward_path`; ``zch`` (:func:`zch_probe`)
+    to :func:`zch_path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     items: list[tuple[Path, Any]] = [(path, serving_state(model))]
     if logits is not None:
         items.insert(0, (forward_path(path), logits.detach().clone()))
+    if zch:
+        items.insert(0, (zch_path(path), zch))
     for dest, obj in items:
         tmp = dest.with_name(f".tmp-{dest.name}")
         torch.save(obj, tmp)

@@ -15,8 +15,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import NoReturn
 
-from deltad import __version__
+from deltad import __version__, output
+from deltad.config import Range, check_number
 from deltad.errors import DeltadError
 from deltad.parent import die_with_parent
 
@@ -36,7 +38,7 @@ def _bench_commands() -> ModuleType | None:
 
 def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     """subcommand -> (module with ``add_arguments(parser)`` and ``run(args) -> int``, help)."""
-    from deltad import demo, status
+    from deltad import demo, rollout_cli, status
     from deltad.reference.consumers import cli as consume_cli
     from deltad.reference.trainer import cli as train_cli
     from deltad.serve import cli as serve_cli
@@ -49,6 +51,11 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
         "serve": (serve_cli, "run the sidecar: index the spool, serve GetDelta over gRPC"),
         "consume": (consume_cli, "run the reference predictor: pull deltas, apply, commit"),
         "status": (status, "print consumers, lag, head and tables of a sidecar"),
+        "rollout": (
+            rollout_cli,
+            "the model's release controls (admin): status, hold, release, pin, unpin, canary, "
+            "rollback",
+        ),
         "demo": (demo, "trainer + sidecars + Redis + predictors on this machine, with a report"),
         "bench": (
             _bench_commands(),
@@ -57,11 +64,35 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     }
 
 
+#: Options whose default (read from the environment) may hold a secret: never printed.
+_SECRET_WORDS = ("url", "token", "password", "secret")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default once: appended unless its help states it already, and never
+    for a default that says nothing (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        if any(w in action.dest for w in _SECRET_WORDS):  # (a default from the environment)
+            return text
+        return super()._get_help_string(action)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit 2), as every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="deltad",
         description="Stream fresh embedding rows from an online TorchRec trainer to predictors.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"deltad {__version__}")
     parser.add_argument(
@@ -84,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=help_text,
             description=help_text,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=HelpFormatter,
         )
         if module is None:
             p.set_defaults(
@@ -92,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
             continue
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _ranges=getattr(module, "RANGES", {}))
     return parser
 
 
@@ -114,6 +145,7 @@ class JsonLogFormatter(logging.Formatter):
 def setup_logging(verbose: int, *, json_lines: bool = False) -> None:
     """Logging to stderr: deltad's loggers at INFO (``-v``) or DEBUG (``-vv``); everything
     else (fbgemm, torch, grpc) stays at WARNING whatever the verbosity."""
+    output.use_json(json_lines)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonLogFormatter()
@@ -131,6 +163,16 @@ def setup_logging(verbose: int, *, json_lines: bool = False) -> None:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
+def check_flags(args: argparse.Namespace, ranges: dict[str, Range]) -> None:
+    """Every numeric flag within its range (ConfigError naming the flag): nan, inf,
+    negative or huge values end here as one line and exit 2. Values still to come from the
+    environment (``deltad serve``) are checked where they are converted."""
+    for dest, rng in ranges.items():
+        v = getattr(args, dest, None)
+        if isinstance(v, int | float):
+            check_number("--" + dest.replace("_", "-"), v, rng)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if not die_with_parent():
         print("deltad: parent process already exited", file=sys.stderr)
@@ -142,15 +184,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if getattr(args, "_unavailable", None):
-        print(f"deltad: {args._unavailable}", file=sys.stderr)
+        output.line(f"deltad: {args._unavailable}", level="ERROR")
         return 2
     try:
+        check_flags(args, args._ranges)
         return int(args._run(args) or 0)
     except DeltadError as e:
-        print(f"deltad {args.command}: error: {e}", file=sys.stderr)
+        output.line(f"deltad {args.command}: error: {e}", level="ERROR")
         return 2
     except KeyboardInterrupt:
-        print(f"deltad {args.command}: interrupted", file=sys.stderr)
+        output.line(f"deltad {args.command}: interrupted", level="WARNING")
         return 130
 
 

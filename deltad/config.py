@@ -30,12 +30,103 @@ def check_name(kind: str, value: str) -> str:
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 #: The largest --packed-cache-bytes accepted (1 TiB: a typo in a byte count, not a budget).
 MAX_PACKED_CACHE_BYTES = 1 << 40
+#: A Sentinel-managed master: ``redis+sentinel://[[user]:password@]host:port[,host:port...]
+#: /<service>[/<db>][?sentinel_password=...&ssl_ca_certs=...]`` (the hosts are the
+#: sentinels; the password is the data nodes', ``sentinel_password`` the sentinels'). A commit
+#: is acknowledged once ``min_replicas`` replicas (default 1, 0: none) have it (Redis WAIT),
+#: so a failover to a replica loses no committed cursor.
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+#: A Redis Cluster: ``redis+cluster://[[user]:password@]host:port[,host:port...][/0]
+#: [?ssl_ca_certs=...]`` (the hosts are startup nodes; a cluster has database 0 only).
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+@dataclass(frozen=True)
+class RedisNodesUrl:
+    """A parsed Sentinel or Cluster URL (see :data:`SENTINEL_SCHEMES`, :data:`CLUSTER_SCHEMES`)."""
+
+    kind: str  # "sentinel" or "cluster"
+    tls: bool
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None
+    password: str | None
+    service: str
+    db: int
+    options: dict[str, str]
+
+
+def parse_nodes_url(url: str) -> RedisNodesUrl:
+    """Parse a ``redis+sentinel://`` or ``redis+cluster://`` URL; ConfigError naming what is
+    wrong (never the password)."""
+    from urllib.parse import parse_qsl, unquote
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SENTINEL_SCHEMES + CLUSTER_SCHEMES:
+        raise ConfigError(f"not a Sentinel or Cluster Redis URL: scheme {scheme!r:.20}")
+    kind = "sentinel" if scheme in SENTINEL_SCHEMES else "cluster"
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    auth, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = auth.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    nodes = []
+    for item in hosts.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        host = host.strip("[]")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"invalid {kind} Redis URL: each node is host:port, not {item!r:.40}")
+        nodes.append((host, int(port)))
+    parts = [p for p in path.split("/") if p]
+    service = ""
+    if kind == "sentinel":
+        if not parts:
+            raise ConfigError(
+                "invalid sentinel Redis URL: name the master after the hosts "
+                "(redis+sentinel://h1:26379,h2:26379/mymaster/0)"
+            )
+        service, parts = parts[0], parts[1:]
+    if len(parts) > 1 or (parts and not (parts[0].isascii() and parts[0].isdigit())):
+        raise ConfigError(f"invalid {kind} Redis URL: db must be a number, not {path[:20]!r}")
+    db = int(parts[0]) if parts else 0
+    replicas = options_min_replicas(query)
+    if replicas is not None and kind != "sentinel":
+        raise ConfigError("invalid cluster Redis URL: min_replicas is a Sentinel option")
+    if kind == "cluster" and db != 0:
+        raise ConfigError("invalid cluster Redis URL: a Redis Cluster has database 0 only")
+    options = dict(parse_qsl(query))
+    known = {"sentinel_password", "sentinel_username", "ssl_ca_certs", "min_replicas"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"invalid {kind} Redis URL: unknown options {unknown}"[:200])
+    return RedisNodesUrl(
+        kind, scheme.startswith("rediss"), tuple(nodes), username, password, service, db, options
+    )
+
+
+def options_min_replicas(query: str) -> int | None:
+    """The ``min_replicas`` option of a URL's query, if given (ConfigError unless 0..16)."""
+    from urllib.parse import parse_qs
+
+    raw = parse_qs(query).get("min_replicas")
+    if not raw:
+        return None
+    if not raw[-1].isascii() or not raw[-1].isdigit() or int(raw[-1]) > 16:
+        raise ConfigError(f"invalid Redis URL: min_replicas must be 0..16, not {raw[-1][:10]!r}")
+    return int(raw[-1])
 
 
 def check_redis_url(url: str) -> str:
     """Return ``url`` if it is a usable Redis URL (redis://, rediss://, unix://, with an
-    integer db if any), else raise ConfigError naming what is wrong (never the password)."""
+    integer db if any; or a Sentinel or Cluster URL, see :func:`parse_nodes_url`), else raise
+    ConfigError naming what is wrong (never the password)."""
     from urllib.parse import parse_qs, urlsplit
+
+    if url.partition("://")[0] in SENTINEL_SCHEMES + CLUSTER_SCHEMES:
+        parse_nodes_url(url)
+        return url
 
     try:
         parts = urlsplit(url)
@@ -44,7 +135,8 @@ def check_redis_url(url: str) -> str:
         raise ConfigError(f"invalid Redis URL: {e}") from None
     if parts.scheme not in REDIS_SCHEMES:
         raise ConfigError(
-            f"invalid Redis URL scheme {parts.scheme!r:.20}: use redis://, rediss:// or unix://"
+            f"invalid Redis URL scheme {parts.scheme!r:.20}: use redis://, rediss://, unix://, "
+            "redis+sentinel:// or redis+cluster://"
         )
     if parts.scheme != "unix" and not parts.hostname:
         raise ConfigError("invalid Redis URL: no host (redis://host:port/db)")
@@ -67,6 +159,53 @@ def clip(value: object, limit: int = 64) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} chars)"
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: finite, ``lo`` <= v (< v if ``lo_open``) <= ``hi``."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    #: what the low end means, for the message (e.g. "0 = off")
+    note: str = ""
+
+    def text(self) -> str:
+        left = "(" if self.lo_open else "["
+        note = f"; {self.note}" if self.note else ""
+        return f"a finite number in {left}{self.lo:g}, {self.hi:g}]{note}"
+
+
+#: Common upper bounds: a byte budget (1 PiB), seconds (a year), counts.
+MAX_BYTES = float(1 << 50)
+MAX_SECONDS = 365 * 24 * 3600.0
+MAX_COUNT = float(1 << 31)
+
+
+def check_number(name: str, value: object, rng: Range) -> None:
+    """The one range check of every numeric flag, env var and config field: ConfigError
+    naming ``name`` unless ``value`` is a finite number within ``rng`` (nan, inf, negative
+    and huge values are refused here, not found later as a crash or a hot loop)."""
+    import math
+
+    if value is None:
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        v = float(value)  # type: ignore[arg-type]
+        ok = (v > rng.lo if rng.lo_open else v >= rng.lo) and v <= rng.hi
+    if not ok:
+        raise ConfigError(f"{name} must be {rng.text()}, not {clip(value, 32)}")
+
+
+def check_numbers(
+    obj: object, ranges: dict[str, Range], names: dict[str, str] | None = None
+) -> None:
+    """:func:`check_number` over the attributes of ``obj`` named in ``ranges`` (a config
+    dataclass, or parsed flags); ``names`` maps an attribute to the name to report."""
+    for attr, rng in ranges.items():
+        check_number((names or {}).get(attr, attr), getattr(obj, attr), rng)
 
 
 @dataclass
@@ -171,6 +310,53 @@ def check_client_auth(
     return path(tls_ca), path(tls_cert), path(tls_key), path(token_file)
 
 
+@dataclass(frozen=True)
+class GateConfig:
+    """The validation gate's optional per-table limits (deltad.serve.index.gate); non-finite
+    values are refused always. Each limit is ``((table or "*", value), ...)``: the table's own
+    entry wins over "*"; no entry: no limit."""
+
+    #: the largest jump | ||new row|| - ||old row|| | of any row of a segment
+    max_norm_jump: tuple[tuple[str, float], ...] = ()
+    #: the largest fraction of a table's rows (on this rank) one segment may change
+    max_changed_fraction: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for what, limits in (
+            ("max_norm_jump", self.max_norm_jump),
+            ("max_changed_fraction", self.max_changed_fraction),
+        ):
+            for table, value in limits:
+                if not table or not (value > 0):
+                    raise ConfigError(
+                        f"gate {what}: {table}={value}: a table (or *) and a value > 0"
+                    )
+                if what == "max_changed_fraction" and value > 1:
+                    raise ConfigError(f"gate {what}: {table}={value}: a fraction in (0, 1]")
+
+    @staticmethod
+    def limit(limits: tuple[tuple[str, float], ...], table: str) -> float | None:
+        """The limit of ``table`` in ``limits`` (its own entry, else "*", else None)."""
+        own = [v for t, v in limits if t == table]
+        if own:
+            return own[-1]
+        star = [v for t, v in limits if t == "*"]
+        return star[-1] if star else None
+
+    @staticmethod
+    def parse(items: list[str] | tuple[str, ...], what: str) -> tuple[tuple[str, float], ...]:
+        """``TABLE=VALUE`` or ``VALUE`` (every table) flags as limits; ConfigError if bad."""
+        out = []
+        for item in items:
+            table, _, value = item.rpartition("=")
+            try:
+                v = float(value)
+            except ValueError:
+                raise ConfigError(f"--{what} {item!r}: expected [TABLE=]NUMBER") from None
+            out.append((table or "*", v))
+        return tuple(out)
+
+
 @dataclass
 class ServerConfig:
     """`deltad serve`: one sidecar per trainer rank."""
@@ -254,10 +440,20 @@ class ServerConfig:
     forget_after_s: float = 7 * 24 * 3600.0
     #: Seconds between forget sweeps (Redis and owed files), bounded work each.
     forget_interval_s: float = 60.0
+    #: The validation gate's limits (deltad.serve.index.gate; non-finite values: always).
+    gate: GateConfig = field(default_factory=GateConfig)
+    #: Disk bytes of owed rows (top-k / row-capped consumers' files in the spool) over every
+    #: consumer of this rank, and per consumer; a pull past either is refused
+    #: (RESOURCE_EXHAUSTED), nothing written. 0: no bound.
+    owed_max_bytes: int = 4 << 30
+    owed_max_consumer_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
         check_name("model", self.model)
+        check_numbers(self, SERVER_RANGES, SERVER_FLAG_NAMES)
+        if self.chunk_bytes > self.max_message_bytes // 2:
+            raise ConfigError("chunk_bytes must be at most half of max_message_bytes")
         if self.rank < 0:
             raise ConfigError("rank must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -268,16 +464,6 @@ class ServerConfig:
             raise ConfigError("max_concurrent_streams >= 1 and max_message_bytes >= 1 MiB")
         if self.run_cache_bytes < 0:
             raise ConfigError("run_cache_bytes must be >= 0 (0 = no runs)")
-        if not 0 <= self.packed_cache_bytes <= MAX_PACKED_CACHE_BYTES:
-            raise ConfigError(
-                f"packed_cache_bytes must be in 0..{MAX_PACKED_CACHE_BYTES} (0 = pack per pull), "
-                f"got {self.packed_cache_bytes}"
-            )
-        if not 0 <= self.prefetch_messages <= 64 or not 1 <= self.prefetch_bytes <= 1 << 30:
-            raise ConfigError(
-                "prefetch_messages must be in 0..64 (0 = off) and prefetch_bytes in 1..1 GiB, "
-                f"got {self.prefetch_messages} and {self.prefetch_bytes}"
-            )
         if self.generation_keep_s < 0 or self.generation_keep_bytes < 0:
             raise ConfigError("generation_keep_s and generation_keep_bytes must be >= 0 (0 = off)")
         if self.restore_window_steps < 0 or self.restore_window_s < 0:
@@ -302,6 +488,52 @@ class ServerConfig:
             check_redis_url(self.redis_url)
         if self.tokens_file is not None:
             self.tokens_file = Path(self.tokens_file)
+
+
+#: ServerConfig's numeric fields and their ranges (flags: ``deltad serve --help``).
+SERVER_RANGES: dict[str, Range] = {
+    "rank": Range(0, 1 << 16),
+    "max_consumers": Range(0, 1e8, note="0 = no limit"),
+    "max_concurrent_streams": Range(1, 1 << 16),
+    "max_queued_streams": Range(0, 1 << 20),
+    "stream_queue_wait_s": Range(0, 3600),
+    # gRPC keeps message sizes in a signed 32-bit int
+    "max_message_bytes": Range(1 << 20, (1 << 31) - 1),
+    "chunk_bytes": Range(1024, 1 << 30),
+    "stream_deadline_s": Range(0, 7 * 24 * 3600, lo_open=True),
+    "lease_ttl_s": Range(0, 86400, lo_open=True),
+    "poll_interval_s": Range(0.001, 60),
+    "grace_period_s": Range(0, 3600),
+    "metrics_port": Range(0, 65535),
+    "window_cache_entries": Range(0, 1 << 20),
+    "window_cache_bytes": Range(0, MAX_BYTES),
+    "run_cache_bytes": Range(0, MAX_BYTES, note="0 = off"),
+    "packed_cache_bytes": Range(0, MAX_PACKED_CACHE_BYTES, note="0 = pack per pull"),
+    "prefetch_messages": Range(0, 64, note="0 = off"),
+    "prefetch_bytes": Range(1, 1 << 30),
+    "generation_keep_s": Range(0, MAX_SECONDS, note="0 = off"),
+    "generation_keep_bytes": Range(0, MAX_BYTES),
+    "spill_max_bytes": Range(0, MAX_BYTES, note="0 = off"),
+    "merge_min_segments": Range(2, 1 << 20),
+    "retention_interval_s": Range(0.001, 3600),
+    "forget_after_s": Range(0, 100 * MAX_SECONDS, note="0 = never"),
+    "forget_interval_s": Range(0.001, 86400),
+    "restore_window_steps": Range(0, MAX_COUNT, note="0 = off"),
+    "restore_window_s": Range(0, MAX_SECONDS, note="0 = off"),
+    "owed_max_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
+    "owed_max_consumer_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
+}
+#: The `deltad serve` flag (argparse dest) of each ServerConfig field: the field without
+#: its ``_s``, but for these.
+SERVER_FLAG_DESTS: dict[str, str] = {
+    f: {"restore_window_s": "restore_window_seconds"}.get(f, f.removesuffix("_s"))
+    for f in SERVER_RANGES
+}
+#: ... as flag and environment variable, for messages.
+SERVER_FLAG_NAMES: dict[str, str] = {
+    f: "--{} (DELTAD_{})".format(d.replace("_", "-"), d.upper())
+    for f, d in SERVER_FLAG_DESTS.items()
+}
 
 
 @dataclass
@@ -340,6 +572,11 @@ class RelayConfig:
         if not isinstance(self.upstream, str) or not re.fullmatch(r"\S+:\d+", self.upstream):
             raise ConfigError(f"upstream must be host:port, not {clip(self.upstream)}")
         check_name("upstream consumer", self.consumer)
+        check_numbers(
+            self,
+            RELAY_RANGES,
+            {"long_poll_s": "long_poll_s (--upstream-long-poll, DELTAD_UPSTREAM_LONG_POLL)"},
+        )
         if self.poll_interval_s <= 0 or self.rpc_deadline_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("relay poll interval, RPC deadline and lease TTL must be > 0")
         if not 0 <= self.long_poll_s <= 3600:
@@ -349,6 +586,16 @@ class RelayConfig:
         self.tls_ca, self.tls_cert, self.tls_key, self.token_file = check_client_auth(
             "upstream ", self.token, self.token_file, self.tls_ca, self.tls_cert, self.tls_key
         )
+
+
+RELAY_RANGES: dict[str, Range] = {
+    "poll_interval_s": Range(0.001, 60),
+    "long_poll_s": Range(0, 3600),
+    "rpc_deadline_s": Range(0, 86400, lo_open=True),
+    "lease_ttl_s": Range(0, 86400, lo_open=True),
+    "backoff_initial_s": Range(0, 3600, lo_open=True),
+    "backoff_max_s": Range(0, 3600, lo_open=True),
+}
 
 
 @dataclass
@@ -378,6 +625,7 @@ class PullOptions:
         self.form = Form(self.form)
         self.wire_dtype = WireDtype(self.wire_dtype)
         self.tables = tuple(self.tables)
+        check_numbers(self, PULL_RANGES)
         if self.k < 0 or self.max_rows < 0:
             raise ConfigError("k and max_rows must be >= 0")
         if not 0.0 <= self.fraction <= 1.0:  # (NaN fails too)
@@ -387,6 +635,14 @@ class PullOptions:
         a = self.row_alignment
         if not 0 <= a <= 4096 or a & (a - 1):
             raise ConfigError(f"row_alignment must be 0 or a power of two <= 4096, not {a}")
+
+
+PULL_RANGES: dict[str, Range] = {
+    "k": Range(0, MAX_COUNT),
+    "fraction": Range(0, 1),
+    "max_rows": Range(0, MAX_COUNT, note="0 = no cap"),
+    "max_step": Range(0, float(1 << 62)),
+}
 
 
 @dataclass
@@ -434,6 +690,7 @@ class ConsumerConfig:
     def __post_init__(self) -> None:
         check_name("consumer", self.consumer)
         check_name("model", self.model)
+        check_numbers(self, CONSUMER_RANGES)
         if self.reuse_buffers_bytes < 0:
             raise ConfigError("reuse_buffers_bytes must be >= 0")
         if self.max_retries < 0 or self.rpc_deadline_s <= 0:
@@ -450,3 +707,16 @@ class ConsumerConfig:
         self.tls_ca, self.tls_cert, self.tls_key, self.token_file = check_client_auth(
             "", self.token, self.token_file, self.tls_ca, self.tls_cert, self.tls_key
         )
+
+
+CONSUMER_RANGES: dict[str, Range] = {
+    "rpc_deadline_s": Range(0, 86400, lo_open=True),
+    "max_retries": Range(0, 1000),
+    "backoff_initial_s": Range(0, 3600, lo_open=True),
+    "backoff_max_s": Range(0, 3600, lo_open=True),
+    "overload_wait_s": Range(0, 86400),
+    "lease_ttl_s": Range(0, 86400, lo_open=True),
+    "heartbeat_interval_s": Range(0, 3600, lo_open=True),
+    "discovery_timeout_s": Range(0, 86400),
+    "reuse_buffers_bytes": Range(0, MAX_BYTES, note="0 = off"),
+}

@@ -15,7 +15,11 @@ their tables; the demo then checks
 * the serving-int8 predictor's weights (every table byte and the dense parameters and
   buffers) and its forward output on a fixed batch are bit-equal to the trainer's final
   model (``deltad train --final-model``: its tables and dense state) quantized by torchrec
-  (``quantize_embeddings``).
+  (``quantize_embeddings``);
+* ``serving-zch``: that predictor's managed-collision table (the reference model's ``zch``,
+  served by torchrec's ``QuantManagedCollisionEmbeddingBagCollection``): its rows, its
+  remapper's lookup buffers and the embeddings it serves for raw ids it holds, raw ids evicted
+  during the run and raw ids never seen (its exit probe) are bit-equal to the same model's.
 
 Exit 0 only if all hold; otherwise one line on stderr and exit 1. Every child is stopped on
 exit or Ctrl-C (SIGTERM, a bounded wait, then SIGKILL).
@@ -39,6 +43,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from deltad import output
+from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 from deltad.parent import PARENT_PID_ENV
 
 MODEL = "demo"
@@ -46,16 +52,31 @@ MODEL = "demo"
 TABLES = "4"
 #: the predictor serving a torchrec int8-quantized model
 SERVING = "serving-int8"
+#: the check of that predictor's managed-collision tables (the reference model's ``zch``)
+ZCH = "serving-zch"
 #: relative slack on the int8 bound for float32 arithmetic in code * scale + bias
 BOUND_SLACK = 1e-5
 
 
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {
+    "duration": Range(0, MAX_SECONDS, lo_open=True),
+    "rows": Range(1, MAX_COUNT),
+    "dim": Range(1, 1 << 16),
+    "world_size": Range(1, 64),
+    "publish_every": Range(0, 3600, lo_open=True),
+    "pull_interval": Range(0, 3600, lo_open=True),
+    "topk_fraction": Range(0, 1, lo_open=True),
+    "settle_timeout": Range(0, MAX_SECONDS, lo_open=True),
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the flags of `deltad demo`."""
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of training (60)")
-    p.add_argument("--rows", type=int, default=20_000, help="rows per table (20000)")
-    p.add_argument("--dim", type=int, default=16, help="embedding dim (16)")
-    p.add_argument("--world-size", type=int, default=2, help="trainer ranks (2)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of training")
+    p.add_argument("--rows", type=int, default=20_000, help="rows per table")
+    p.add_argument("--dim", type=int, default=16, help="embedding dim")
+    p.add_argument("--world-size", type=int, default=2, help="trainer ranks")
     p.add_argument("--publish-every", type=float, default=0.5, help="seconds between segments")
     p.add_argument("--pull-interval", type=float, default=0.1, help="predictor pull interval")
     p.add_argument("--topk-fraction", type=float, default=0.5, help="top-k predictor fraction")
@@ -199,15 +220,32 @@ class Demo:
 
     # ---- the run ---------------------------------------------------------------------------
 
+    def discard(self, *, keep_logs: bool = False) -> str:
+        """Remove the temporary work directory (spool, tables, the embedded Redis and its
+        secret; with ``keep_logs`` all but ``logs/``) after an early end, unless ``--keep`` or
+        ``--workdir``; says what it did."""
+        if not self.tmp or self.args.keep:
+            return f"work directory kept: {self.work}"
+        if not keep_logs:
+            shutil.rmtree(self.work, ignore_errors=True)
+            return f"removed its work directory {self.work} (--keep keeps it)"
+        for p in self.work.iterdir() if self.work.is_dir() else ():
+            if p != self.logs:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+        return (
+            f"removed its work directory {self.work} but its logs ({self.logs}; --keep keeps all)"
+        )
+
     def run(self) -> int:
         from deltad.redisutil import EmbeddedRedis
 
         a = self.args
         t_start = time.monotonic()
-        print(
-            f"deltad demo: {a.world_size} ranks, {a.duration:.0f}s of training; "
-            f"logs in {self.logs}",
-            file=sys.stderr,
+        output.line(
+            f"deltad demo: {a.world_size} ranks, {a.duration:.0f}s of training; logs in {self.logs}"
         )
         redis = EmbeddedRedis(self.work / "redis")
         url = redis.start()
@@ -262,7 +300,11 @@ class Demo:
             redis.stop()
         print(report.text)
         if report.failures:
-            print(f"deltad demo: check failed: {'; '.join(report.failures)}", file=sys.stderr)
+            output.line(
+                f"deltad demo: check failed: {'; '.join(report.failures)} (work directory "
+                f"kept for inspection: {self.work})",
+                level="ERROR",
+            )
             return 1
         if self.tmp and not a.keep:
             shutil.rmtree(self.work, ignore_errors=True)
@@ -392,13 +434,18 @@ class Demo:
         raise DemoFailed(f"predictors (step, owed) {state} did not reach step {final_step}")
 
     def stop_predictors(self) -> None:
+        a = self.args
+        # each predictor writes its tables on the way out: 30 s, plus 60 s per GB of fp32
+        # tables (six tables of --rows x --dim; 1 M x 64 is 1.5 GB, written by three at once)
+        gb = 6 * a.rows * a.dim * 4 / 1e9
+        deadline = time.monotonic() + 30.0 + 60.0 * gb
         for c in self.children:
             if c.name in self.predictors:
                 _signal_group(c.proc, signal.SIGTERM)
         for c in self.children:
             if c.name in self.predictors:
                 try:
-                    rc = c.proc.wait(timeout=30.0)
+                    rc = c.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     raise DemoFailed(f"{c.name} did not stop; see {c.log}") from None
                 if rc != 0:
@@ -482,27 +529,32 @@ class Demo:
         model_state: dict[str, torch.Tensor] = torch.load(
             self.work / "trainer-model.pt", map_location="cpu", weights_only=True
         )
-        line, ok = self.check_serving(model_state, logs[SERVING])
+        line, ok, ref = self.check_serving(model_state, logs[SERVING])
         out.append(line)
         if not ok:
             failures.append(f"{SERVING} weights or forward differ from torchrec's quantization")
+        line, ok = self.check_serving_zch(ref)
+        out.append(line)
+        if not ok:
+            failures.append(f"{ZCH} remapper or forward on raw ids differ from the trainer's")
         return Report("\n".join(out), failures)
 
-    def check_serving(self, final: dict[str, Any], lg: PredictorLog) -> tuple[str, bool]:
+    def check_serving(self, final: dict[str, Any], lg: PredictorLog) -> tuple[str, bool, Any]:
         """Compare the serving predictor with the trainer's final model (``final``: its
         state_dict, tables and dense state) quantized by torchrec in the same model code; its
-        forward latency during apply and idle."""
+        forward latency during apply and idle. Also returns that reference model."""
         import torch
 
-        from deltad.consume.quant import quantize_model
+        from deltad.consume.mc import LOOKUP_BUFFERS, training_only_state
+        from deltad.consume.quant import quant_tables, quantize_model
         from deltad.reference.consumers.serving import (
             ServingConfig,
+            click_model,
             fixed_batch,
             forward_path,
             serving_state,
         )
         from deltad.reference.trainer.cli import parse_tables
-        from deltad.reference.trainer.model import ClickModel
         from deltad.types import ServeDtype
 
         a = self.args
@@ -510,19 +562,22 @@ class Demo:
         got = torch.load(state_file, map_location="cpu", weights_only=True)
         logits = torch.load(forward_path(state_file), map_location="cpu", weights_only=True)
         cfg = ServingConfig(ServeDtype.INT8, parse_tables(TABLES, a.rows), a.rows, a.dim)
-        model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim).eval()
+        model = click_model(cfg).eval()
         model.load_state_dict(final)  # strict: every weight is the trainer's final one
         ref = quantize_model(model, ServeDtype.INT8, inplace=True)
-        want = serving_state(ref)
-        tables = [k for k in want if k.startswith(("ebc.", "ec."))]
-        dense = len(want) - len(tables)
+        # the trainer's MCH eviction bookkeeping is not served (see deltad.consume.mc)
+        skip = training_only_state(ref)
+        want = {k: v for k, v in serving_state(ref).items() if k not in skip}
+        got = {k: v for k, v in got.items() if k not in skip}
+        n_tables = len(quant_tables(ref))
+        dense = len([k for k in want if not _table_key(k) and not k.endswith(LOOKUP_BUFFERS)])
         weights = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         with torch.inference_mode():
             forward = torch.equal(logits, ref(fixed_batch(cfg))[1])
         ok = weights and forward
         s = lg.summary or {}
         line = (
-            f"check {SERVING}: {len(tables)} int8 tables, {dense} dense tensors and forward "
+            f"check {SERVING}: {n_tables} int8 tables, {dense} dense tensors and forward "
             f"output on a fixed batch bit-equal to the trainer's final model quantized by "
             f"torchrec: {'ok' if ok else 'FAILED'} "
             f"(weights {'equal' if weights else 'DIFFER'}, forward "
@@ -533,7 +588,78 @@ class Demo:
             f"({s.get('forward_apply_samples', 0)} forwards), longest lock hold "
             f"{_ms(s.get('max_hold_ms'))}"
         )
+        return line, ok, ref
+
+    def check_serving_zch(self, ref: Any) -> tuple[str, bool]:
+        """The serving predictor's managed-collision tables against ``ref`` (the trainer's
+        final model quantized by torchrec): rows, the remapper's lookup buffers, and the
+        served embeddings of raw ids held, evicted and never seen (its exit probe)."""
+        import torch
+
+        from deltad.consume.mc import LOOKUP_BUFFERS, probe_forward, remappers
+        from deltad.reference.consumers.serving import serving_state, zch_path
+
+        state_file = self.work / f"{SERVING}-state.pt"
+        mc = remappers(ref)
+        if not mc:
+            return (
+                f"check {ZCH}: FAILED (the reference model has no managed-collision table)",
+                False,
+            )
+        probe_file = zch_path(state_file)
+        if not probe_file.exists():
+            return f"check {ZCH}: FAILED ({SERVING} wrote no managed-collision probe)", False
+        probe = torch.load(probe_file, map_location="cpu", weights_only=True)
+        got = torch.load(state_file, map_location="cpu", weights_only=True)
+        want = serving_state(ref)
+        parts, ok = [], True
+        for name, rm in sorted(mc.items()):
+            rkeys = [k for k in want if _table_key(k, name)]
+            rows = len(rkeys) == 1 and all(k in got and torch.equal(got[k], want[k]) for k in rkeys)
+            keys = [k for k in want if k.endswith(LOOKUP_BUFFERS) and f".{name}." in k]
+            lookup = len(keys) == 2 and all(torch.equal(got[k], want[k]) for k in keys)
+            p = probe.get(name)
+            forward = False
+            counts = "no probe"
+            if p is not None:
+                raw = torch.cat([p["held"], p["evicted"], p["never"]])
+                with torch.inference_mode():
+                    forward = torch.equal(p["out"], probe_forward(ref, name, raw))
+                held = set(rm.slot_raw.tolist())
+                # the probe's kinds, checked against the trainer's final map
+                kinds = (
+                    set(p["held"].tolist()) <= held
+                    and not (set(p["evicted"].tolist()) | set(p["never"].tolist())) & held
+                )
+                forward = forward and kinds and p["evicted"].numel() > 0
+                counts = (
+                    f"{p['held'].numel()} held, {p['evicted'].numel()} evicted, "
+                    f"{p['never'].numel()} never-seen raw ids"
+                )
+            good = rows and lookup and forward
+            ok = ok and good
+            parts.append(
+                f"{name} ({rm.size} slots; rows {'equal' if rows else 'DIFFER'}, lookup buffers "
+                f"{'equal' if lookup else 'DIFFER'}, forward on {counts} "
+                f"{'equal' if forward else 'DIFFERS'})"
+            )
+        line = (
+            f"check {ZCH}: {len(mc)} managed-collision table(s) of {SERVING} bit-equal to the "
+            f"trainer's final model quantized by torchrec: {'ok' if ok else 'FAILED'} "
+            f"({'; '.join(parts)})"
+        )
         return line, ok
+
+
+def _table_key(key: str, table: str | None = None) -> bool:
+    """``key`` (a state_dict name of a quantized model) holds a table's rows (``table``'s)."""
+    parts = key.split(".")
+    return (
+        len(parts) >= 3
+        and parts[-1] == "weight"
+        and parts[-3] in ("embedding_bags", "embeddings")
+        and (table is None or parts[-2] == table)
+    )
 
 
 @dataclass
@@ -600,5 +726,8 @@ def run(args: argparse.Namespace) -> int:
         with _terminate_as_interrupt():
             return demo.run()
     except DemoFailed as e:
-        print(f"deltad demo: {e} (work directory {demo.work})", file=sys.stderr)
+        output.line(f"deltad demo: {e}; {demo.discard(keep_logs=True)}", level="ERROR")
         return 1
+    except KeyboardInterrupt:
+        output.line(f"deltad demo: interrupted; {demo.discard()}", level="WARNING")
+        return 130

@@ -4,62 +4,40 @@ The reference trainer (2 gloo ranks, mixed sharding, a segment and a dense state
 steps) trains ``STEPS`` steps; at ``BAD`` it injects a bad update (``--inject-nan-step``: NaN
 gradients, so every row that step touches and every dense weight go NaN) and it dumps its
 model at the canary's and the rollback's steps (``--dump-steps``). One ``deltad serve`` per
-rank (a restore window over every step) reads the model's release state; three predictors
-(``deltad consume``: pred-canary-0 and pred-main-0 with fp32 tables, and serving-int8, a
-torchrec int8-quantized model pulling packed rows and the dense state) follow it. The demo is
-the operator:
+rank (the validation gate on; a restore window over every step) shares one Redis, where the
+model's release state lives; three predictors (``deltad consume`` with a long poll:
+pred-canary-0 and pred-main-0 with fp32 tables, and serving-int8, a torchrec int8-quantized
+model pulling packed rows and the dense state) follow it. The demo is the operator, and runs
+``deltad rollout ...`` (:meth:`BadUpdateDemo.rollout`) against rank 0's sidecar:
 
-1. hold: the fleet is held at step ``START``;
-2. canary: the group ``pred-canary-*`` takes a release to ``CANARY`` first while the rest stays
-   at ``START`` (``check canary``);
-3. release to the head: the validation gate must hold the model at the last good step before
-   ``BAD``, so no predictor serves a non-finite row (``check gate``);
-4. rollback to ``ROLLBACK``: every predictor goes back to exactly the trainer's state there:
-   fp32 tables bit-equal to its dump, the serving model's weights, dense state and forward
-   output bit-equal to the dump quantized by torchrec (``check rollback``).
+1. hold: ``release --to-step START`` before any predictor starts;
+2. canary: ``pin --group 'pred-canary-*' --step CANARY``: the canary group takes a release
+   first while the rest stays at ``START`` (``check canary``);
+3. the gate: the sidecars failed the first segment past ``BAD`` (non-finite values) and wrote
+   that into the release state; ``release`` to the head is refused with the gate's reason; the
+   operator unpins the canary and releases to the last good step instead: every predictor
+   gets there and none ever served a step at or past ``BAD`` (``check gate``);
+4. ``rollback --to-step ROLLBACK``: every predictor goes back to exactly the trainer's state
+   there: fp32 tables bit-equal to its dump, the serving model's weights, dense state and
+   forward output bit-equal to the dump quantized by torchrec (``check rollback``).
 
-Exit 0 only if all three checks hold. The release state is written where the sidecars read it
-(:class:`Operator`: the sidecars' ``--release-state-file``); with the rollout controls'
-Redis store the same steps are ``deltad rollout hold|pin|release|rollback``.
+Exit 0 only if all three checks hold.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from deltad.demo import MODEL, SERVING, TABLES, Demo, DemoFailed, PredictorLog
-from deltad.serve.rollout import Pin, ReleaseState, Rollback
 
 STEPS, START, CANARY, BAD, ROLLBACK = 40, 10, 24, 31, 18
 CANARY_PRED, MAIN_PRED = "pred-canary-0", "pred-main-0"
-
-
-class Operator:
-    """Writes the model's release state where every sidecar reads it (atomically)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.state = ReleaseState()
-        self._write()
-
-    def set(self, **changes: Any) -> None:
-        self.state = self.state.bumped(**changes)
-        self._write()
-
-    def rollback(self, step: int, group: str = "*") -> None:
-        """What ``deltad rollout rollback --to-step`` records: the order and the cap."""
-        epoch = (self.state.rollback.epoch if self.state.rollback is not None else 0) + 1
-        self.set(rollback=Rollback(step, group, epoch), release_step=step, held=True, pins=())
-
-    def _write(self) -> None:
-        tmp = self.path.with_name(f".tmp-{self.path.name}")
-        tmp.write_text(self.state.to_json())
-        tmp.replace(self.path)
 
 
 class BadUpdateDemo(Demo):
@@ -71,8 +49,6 @@ class BadUpdateDemo(Demo):
         a = self.args
         t0 = time.monotonic()
         print(f"deltad demo --scenario bad-update: logs in {self.logs}", file=sys.stderr)
-        self.operator = Operator(self.work / "release.json")
-        self.operator.set(release_step=START, held=True)  # 1. hold
         redis = EmbeddedRedis(self.work / "redis")
         self.env["DELTAD_REDIS_URL"] = redis.start()
         lines: list[str] = []
@@ -80,7 +56,11 @@ class BadUpdateDemo(Demo):
         try:
             trainer = self.spawn("trainer", self.trainer_argv())
             sidecars = [self.spawn(f"sidecar-{r}", self.serve_argv(r)) for r in range(2)]
-            [self.wait_serving(s) for s in sidecars]
+            endpoints = [self.wait_serving(s) for s in sidecars]
+            self.target = endpoints[0]
+            # 1. hold the fleet at START before any predictor starts
+            self._until(lambda: self.status()["head_step"] >= START, a.duration + 600, "head")
+            self.rollout("release", "--to-step", str(START))
             preds = {
                 CANARY_PRED: ["--form", "rows", "--dtype", "fp32"],
                 MAIN_PRED: ["--form", "rows", "--dtype", "fp32"],
@@ -98,7 +78,7 @@ class BadUpdateDemo(Demo):
                 raise DemoFailed(f"trainer exited with {trainer.proc.returncode}")
             self._until(lambda: _all_at(logs, START), a.settle_timeout, f"fleet at {START}")
             # 2. canary: the canary group first
-            self.operator.set(pins=(Pin("pred-canary-*", CANARY),))
+            self.rollout("pin", "--group", "pred-canary-*", "--step", str(CANARY))
             self._until(lambda: _all_at({0: logs[CANARY_PRED]}, CANARY), a.settle_timeout, "canary")
             time.sleep(1.0)  # (the others had time to move, were they not held)
             others = {n: lg.max_step for n, lg in logs.items() if n != CANARY_PRED}
@@ -109,23 +89,31 @@ class BadUpdateDemo(Demo):
                 f"{'ok' if ok else 'FAILED'}"
             )
             failures += [] if ok else ["canary"]
-            # 3. release to the head: the gate must hold the model before the bad step
-            self.operator.set(pins=(), release_step=None, held=False)
-            time.sleep(max(3.0, 20 * a.pull_interval))
-            self.check_alive()
-            for lg in logs.values():
-                lg.refresh()
+            # 3. the gate: a release to the head is refused; release to the last good step
+            refused = self.rollout("release", ok=False)
+            state = self.status()["state"]
+            good, bad = state.get("gate_good_step"), state.get("gate_bad_step")
+            self.rollout("unpin", "--group", "pred-canary-*")
+            if good is not None:
+                self.rollout("release", "--to-step", str(good))
+                self._until(lambda: _all_at(logs, good), a.settle_timeout, f"fleet at {good}")
             served = {n: lg.max_step for n, lg in logs.items()}
-            gate = self._gate_state()
-            ok = all(s is not None and s < BAD for s in served.values()) and bool(gate)
+            ok = (
+                good is not None
+                and good < BAD <= (bad or -1)
+                and "validation gate" in refused
+                and all(s is not None and s <= good for s in served.values())
+            )
             lines.append(
-                f"check gate: trainer injected NaN at step {BAD}; predictors served at most "
-                f"steps {served}; gate: {gate or 'no gate verdict in the release state'}: "
+                f"check gate: trainer injected NaN at step {BAD}; the gate failed step {bad} "
+                f"({state.get('gate_reason') or 'no reason recorded'}) and held the model at "
+                f"step {good}; release to the head refused ({refused or 'NOT refused'}); "
+                f"released to {good}, predictors served at most steps {served}: "
                 f"{'ok' if ok else 'FAILED'}"
             )
             failures += [] if ok else ["gate"]
             # 4. rollback: everyone back to ROLLBACK, exactly
-            self.operator.rollback(ROLLBACK)
+            self.rollout("rollback", "--to-step", str(ROLLBACK))
             self._until(lambda: _all_at(logs, ROLLBACK), a.settle_timeout, "rollback")
             rolled = {n: lg.rollback_pulls for n, lg in logs.items()}
             self.stop_predictors()
@@ -144,11 +132,36 @@ class BadUpdateDemo(Demo):
             return 1
         return 0
 
-    def _gate_state(self) -> str:
-        """The validation gate's verdict as the release state records it ("" if none)."""
-        state = self.operator.state
-        reason = getattr(state, "gate_reason", "")
-        return f"held at step {state.gate_good_step}: {reason}" if reason else ""
+    def rollout(self, *argv: str, ok: bool = True) -> str:
+        """Run ``deltad rollout ARGV --target <rank 0's sidecar>`` as an operator would; its
+        output, or (``ok`` False: a refusal is expected) its stderr if it exited 2 ("" if
+        it did not refuse). DemoFailed if it fails otherwise."""
+        cmd = [sys.executable, "-m", "deltad.cli", "rollout", *argv, "--target", self.target]
+        try:
+            p = subprocess.run(
+                cmd, env=self.env, cwd=self.work, capture_output=True, text=True, timeout=60
+            )
+        except subprocess.TimeoutExpired as e:
+            raise DemoFailed(f"deltad rollout {' '.join(argv)}: no answer in 60 s") from e
+        with open(self.logs / "operator.log", "a") as f:
+            f.write(
+                f"$ deltad rollout {' '.join(argv)}\n{p.stdout}{p.stderr}(exit {p.returncode})\n"
+            )
+        if not ok:
+            return p.stderr.strip() if p.returncode == 2 else ""
+        if p.returncode != 0:
+            raise DemoFailed(f"deltad rollout {' '.join(argv)}: exit {p.returncode}: {p.stderr}")
+        return p.stdout
+
+    def status(self) -> dict[str, Any]:
+        """The release state and the head step of rank 0's sidecar (the Rollout RPC's status,
+        in-process: ``deltad rollout status --json`` answers the same)."""
+        from deltad.clientauth import ClientAuth
+        from deltad.rollout_cli import call
+        from deltad.v1 import delta_pb2 as pb
+
+        resp = call(self.target, pb.RolloutRequest(action=pb.ROLLOUT_STATUS), auth=ClientAuth())
+        return {"state": json.loads(resp.state), "head_step": resp.head_step}
 
     def _check_rollback(self, rolled: dict[str, int], failures: list[str]) -> list[str]:
         import torch
@@ -162,7 +175,9 @@ class BadUpdateDemo(Demo):
                 got.keys() == tables.keys() and all(torch.equal(got[k], tables[k]) for k in tables)
             )
         model = torch.load(dump / f"model-step-{ROLLBACK}.pt", weights_only=True)
-        line, serving_ok = self.check_serving(model, PredictorLog(self.logs / f"{SERVING}.jsonl"))
+        line, serving_ok, _ = self.check_serving(
+            model, PredictorLog(self.logs / f"{SERVING}.jsonl")
+        )
         in_place = all(n > 0 for n in rolled.values())
         ok = all(exact) and serving_ok and in_place
         failures += [] if ok else ["rollback"]
@@ -194,18 +209,7 @@ class BadUpdateDemo(Demo):
         ]  # fmt: skip
 
     def serve_argv(self, rank: int) -> list[str]:
-        return [
-            *super().serve_argv(rank),
-            "--release-state-file",
-            str(self.operator.path),
-            "--restore-window-steps",
-            str(STEPS),
-        ]
-
-    def consume_argv(self, name: str, extra: list[str]) -> list[str]:
-        argv = super().consume_argv(name, extra)
-        i = argv.index("--long-poll")  # a release or rollback does not wake a long poll
-        return argv[:i] + argv[i + 2 :]
+        return [*super().serve_argv(rank), "--restore-window-steps", str(STEPS)]
 
 
 class _StepLog(PredictorLog):

@@ -54,3 +54,17 @@ class OverloadedError(SidecarUnavailableError):
 
 class StreamDecodeError(ConsumerError):
     """A GetDelta stream is malformed or incomplete."""
+
+
+class RolloutError(DeltadError):
+    """A rollout control's argument is invalid (a step, a group glob): INVALID_ARGUMENT."""
+
+
+class RolloutRefused(RolloutError):
+    """A rollout control is refused as things stand (a step past a gate failure without
+    ``force``, a step outside the restore window, a relay): FAILED_PRECONDITION."""
+
+
+class OwedBudgetError(DeltadError):
+    """Owed rows that would exceed a sidecar's owed-state budget (per consumer or in total):
+    the pull is refused (RESOURCE_EXHAUSTED), nothing is written."""

@@ -8,6 +8,11 @@ reads it: the port of ``DELTAD_LISTEN`` on 127.0.0.1, over TLS when ``DELTAD_TLS
 set (verified with ``DELTAD_TLS_CA``, else the server's own certificate), presenting
 ``DELTAD_TLS_CLIENT_CERT`` / ``DELTAD_TLS_CLIENT_KEY`` when the sidecar requires client
 certificates (``DELTAD_TLS_CLIENT_CA``; the server's own pair if no client pair is set).
+
+Two questions: readiness (the default, service "": the sidecar and its dependencies, e.g. the
+offset store, serve) and liveness (``--service deltad.liveness``: the process serves at all;
+a restart would help). Point a liveness probe at the second, so an outage of Redis does not
+restart every sidecar.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+#: The health service name that answers liveness only (SERVING while the process serves).
+LIVENESS_SERVICE = "deltad.liveness"
 
 
 def check(
@@ -62,7 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="host:port of the sidecar (default: 127.0.0.1 and the port of DELTAD_LISTEN)",
     )
-    p.add_argument("--service", default="", help='service name ("" = the whole server)')
+    p.add_argument(
+        "--service",
+        default="",
+        help=f'service name: "" (default) = readiness, {LIVENESS_SERVICE} = liveness',
+    )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
     p.add_argument("--tls-ca", type=Path, default=None, help="CA bundle for a TLS sidecar")
     p.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mTLS)")

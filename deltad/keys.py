@@ -14,6 +14,8 @@ key                             value
 ``seen``                        hash: consumer -> unix time last heard of (register, heartbeat,
                                 pull); a consumer silent past ``--forget-after`` is forgotten
 ``ranks``                       hash: rank -> JSON {endpoint, generation, updated_unix}
+``rollout``                     string: the model's release state as JSON
+                                (deltad.serve.rollout.ReleaseState; deltad.serve.state.release)
 ==============================  =====================================================
 """
 
@@ -51,3 +53,6 @@ class RedisKeys:
 
     def ranks(self) -> str:
         return f"{self.base}:ranks"
+
+    def rollout(self) -> str:
+        return f"{self.base}:rollout"

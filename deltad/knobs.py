@@ -29,6 +29,7 @@ The knobs (default in brackets):
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -56,8 +57,13 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {}
 
 
 def _knob(name: str, default: _T, parse: Callable[[str], _T], ok: Callable[[_T], bool]) -> _T:
-    """``default``, or the environment's ``DELTAD_KNOB_<name>`` if set (checked by ``ok``)."""
-    _CHECKS[name] = ok
+    """``default``, or the environment's ``DELTAD_KNOB_<name>`` if set (checked by ``ok``;
+    a float must be finite too: nan and inf are out of every range)."""
+
+    def finite_and_ok(v: _T) -> bool:
+        return (not isinstance(v, float) or math.isfinite(v)) and ok(v)
+
+    _CHECKS[name] = finite_and_ok
     raw = os.environ.get(PREFIX + name)
     if raw is None:
         return default
@@ -65,7 +71,7 @@ def _knob(name: str, default: _T, parse: Callable[[str], _T], ok: Callable[[_T],
         value = parse(raw)
     except ValueError:
         raise ConfigError(f"{PREFIX}{name}={raw!r:.20}: not a valid value") from None
-    if not ok(value):
+    if not finite_and_ok(value):
         raise ConfigError(f"{PREFIX}{name}={raw!r:.20}: out of range")
     return value
 

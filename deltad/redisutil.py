@@ -4,15 +4,17 @@
   wheel) with its data directory in the spool, append-only with ``appendfsync always`` so a
   restart (even kill -9) keeps every committed cursor; locked down (unix socket in a 0700
   directory, a random password, dangerous commands disabled, 0600 files) and restartable.
-* :func:`connect` opens a client from a ``redis://`` / ``rediss://`` / ``unix://`` URL and
-  proves it answers, with bounded retries and backoff.
+* :func:`connect` opens a client from a ``redis://`` / ``rediss://`` / ``unix://`` URL, a
+  Sentinel URL (``redis+sentinel://h1:26379,h2:26379/mymaster/0``: the master the sentinels
+  name, followed across failovers) or a Cluster URL (``redis+cluster://h1:7000,h2:7001``:
+  startup nodes) and proves it answers, with bounded retries and backoff
+  (:func:`client_for` opens one without the proof).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 import re
@@ -28,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.exceptions import RedisClusterException
 
-from deltad.config import check_redis_url
+from deltad.config import CLUSTER_SCHEMES, SENTINEL_SCHEMES, check_redis_url, parse_nodes_url
 from deltad.errors import ConfigError, OffsetStoreError
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,15 @@ def _write_private(path: Path, data: str) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def _is_private_dir(path: Path) -> bool:
+    """Whether ``path`` is a real directory (no symlink) of this user, mode 0700."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077 == 0
 
 
 def _private_dir(path: Path) -> None:
@@ -139,12 +151,28 @@ class EmbeddedRedis:
     @property
     def socket_path(self) -> Path:
         """The unix socket: in ``data_dir``, or if that path is too long for a socket, in a
-        0700 directory of this user under the temp dir named after ``data_dir``."""
+        private directory under the temp dir with an unpredictable name (``mkdtemp``, 0700),
+        recorded in ``data_dir/socket.dir`` so every sidecar of the spool and every restart
+        finds the same one. A recorded directory that is gone or not ours is replaced by a
+        new one: nobody can pre-create the name and stop the sidecar from starting."""
         sock = self.data_dir.resolve() / "redis.sock"
         if len(str(sock)) <= _MAX_SOCKET_PATH:
             return sock
-        digest = hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:16]
-        return Path(tempfile.gettempdir()) / f"deltad-redis-{os.getuid()}-{digest}" / "r.sock"
+        record = self.data_dir / "socket.dir"
+        try:
+            fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
+                recorded = os.read(fd, 4096).decode().strip() if st.st_uid == os.getuid() else ""
+            finally:
+                os.close(fd)
+        except (OSError, UnicodeDecodeError):
+            recorded = ""
+        if recorded and _is_private_dir(Path(recorded)):
+            return Path(recorded) / "r.sock"
+        made = Path(tempfile.mkdtemp(prefix="deltad-redis-"))  # 0700, a random name
+        _write_private(record, str(made))
+        return made / "r.sock"
 
     def _secret(self) -> str:
         path = self.data_dir / "secret"
@@ -373,15 +401,55 @@ class EmbeddedRedis:
         self.stop()
 
 
+def client_for(url: str, *, socket_timeout_s: float, health_check_interval: int = 0) -> Any:
+    """A client for any URL :func:`~deltad.config.check_redis_url` accepts: ``redis.Redis``
+    (plain, or the master of a Sentinel service, re-asked of the sentinels after a failover)
+    or ``redis.cluster.RedisCluster``. Not yet proven to answer; ValueError on a bad URL."""
+    scheme = url.partition("://")[0]
+    timeouts: dict[str, Any] = {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": socket_timeout_s,
+    }
+    if scheme not in SENTINEL_SCHEMES + CLUSTER_SCHEMES:
+        return redis.Redis.from_url(url, health_check_interval=health_check_interval, **timeouts)
+    u = parse_nodes_url(url)
+    tls: dict[str, Any] = {}
+    if u.tls:
+        tls = {"ssl": True}
+        if "ssl_ca_certs" in u.options:
+            tls["ssl_ca_certs"] = u.options["ssl_ca_certs"]
+    auth: dict[str, Any] = {"username": u.username, "password": u.password}
+    if u.kind == "cluster":
+        from redis.cluster import ClusterNode, RedisCluster
+
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in u.nodes],
+            **auth,
+            **tls,
+            **timeouts,
+        )
+    from redis.sentinel import Sentinel
+
+    sentinel_kw: dict[str, Any] = dict(timeouts, **tls)
+    if "sentinel_password" in u.options:
+        sentinel_kw["password"] = u.options["sentinel_password"]
+    if "sentinel_username" in u.options:
+        sentinel_kw["username"] = u.options["sentinel_username"]
+    sentinel = Sentinel(list(u.nodes), sentinel_kwargs=sentinel_kw, **timeouts)
+    return sentinel.master_for(
+        u.service, db=u.db, health_check_interval=health_check_interval, **auth, **tls, **timeouts
+    )
+
+
 def answers(url: str, *, timeout_s: float = 0.5) -> bool:
     """Whether the Redis at ``url`` answers a PING within ``timeout_s``."""
     try:
-        c = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        c = client_for(url, socket_timeout_s=timeout_s)
         try:
             return bool(c.ping())
         finally:
             c.close()
-    except (redis.RedisError, OSError, ValueError):
+    except (redis.RedisError, RedisClusterException, OSError, ValueError, ConfigError):
         return False
 
 
@@ -391,22 +459,18 @@ def connect(
     attempts: int = 5,
     backoff_s: float = 0.1,
     socket_timeout_s: float = 5.0,
-) -> redis.Redis:
+) -> Any:
     """A client for ``url`` that has answered a PING, or OffsetStoreError after retries.
 
-    A malformed URL is a ConfigError; a refused password (not transient) an OffsetStoreError
-    at once, without retries."""
+    A malformed URL is a ConfigError; a refused password or another answer no retry changes
+    (a database index the server does not have) an OffsetStoreError at once, saying what
+    the server answered, not "unreachable"."""
     check_redis_url(url)
     last: Exception | None = None
     delay = backoff_s
     for _ in range(max(1, attempts)):
         try:
-            client = redis.Redis.from_url(
-                url,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s,
-                health_check_interval=30,
-            )
+            client = client_for(url, socket_timeout_s=socket_timeout_s, health_check_interval=30)
             client.ping()
             return client
         except redis.AuthenticationError as e:
@@ -416,14 +480,24 @@ def connect(
                 raise OffsetStoreError(
                     f"redis at {_redact(url)} refused authentication: {e}"
                 ) from e
+            if not is_transient(e):
+                raise OffsetStoreError(f"redis at {_redact(url)} answered: {e}") from e
             last = e
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
-        except (redis.RedisError, OSError) as e:
+        except (redis.RedisError, RedisClusterException, OSError) as e:
             last = e
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
     raise OffsetStoreError(f"redis at {_redact(url)} unreachable after {attempts} attempts: {last}")
+
+
+def is_transient(e: redis.ResponseError) -> bool:
+    """Whether a Redis error answer may go away by itself (a cluster or replica that is
+    failing over, a server loading its data): worth a retry."""
+    if isinstance(e, redis.exceptions.ClusterDownError | redis.exceptions.TryAgainError):
+        return True
+    return str(e).startswith(("MASTERDOWN", "LOADING", "CLUSTERDOWN", "TRYAGAIN", "READONLY"))
 
 
 def is_auth_error(e: BaseException) -> bool:

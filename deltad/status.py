@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,21 +18,42 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from deltad.clientauth import ClientAuth
-from deltad.config import check_client_auth
+from deltad.config import Range, check_client_auth
 from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
+log = logging.getLogger(__name__)
+
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {"timeout": Range(0, 3600, lo_open=True)}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=os.environ.get("DELTAD_TARGET", "127.0.0.1:50051"))
+    add_connection_arguments(p)
+    p.add_argument(
+        "--forget",
+        metavar="CONSUMER",
+        default=None,
+        help="forget this consumer on every rank (admin role): cursor, pull, lease, owed rows",
+    )
+
+
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    """--target, --json, --timeout and the credentials of a command that talks to one sidecar."""
+    p.add_argument(
+        "--target",
+        default=os.environ.get("DELTAD_TARGET", "127.0.0.1:50051"),
+        help="host:port of the sidecar or relay [DELTAD_TARGET]",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--token", default=os.environ.get("DELTAD_TOKEN"), help="bearer token")
+    # no --token: a secret on the command line shows in ps and shell history
     p.add_argument(
         "--token-file",
         type=Path,
         default=os.environ.get("DELTAD_TOKEN_FILE"),
-        help="file holding the bearer token [DELTAD_TOKEN_FILE]",
+        help="file holding the bearer token [DELTAD_TOKEN_FILE]; or set DELTAD_TOKEN",
     )
     p.add_argument("--tls-ca", default=os.environ.get("DELTAD_TLS_CA"), help="CA (PEM): use TLS")
     p.add_argument(
@@ -46,13 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("DELTAD_TLS_CLIENT_KEY"),
         help="its private key (PEM) [DELTAD_TLS_CLIENT_KEY]",
     )
-    p.add_argument("--timeout", type=float, default=10.0)
-    p.add_argument(
-        "--forget",
-        metavar="CONSUMER",
-        default=None,
-        help="forget this consumer on every rank (admin role): cursor, pull, lease, owed rows",
-    )
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per RPC")
 
 
 def fetch(
@@ -92,11 +108,13 @@ def check_sidecars(
     """Before consuming from a static list of sidecars (one per rank, in rank order): each
     answering one must serve ``model`` at that rank, and the model's world size must be the
     number of endpoints (ConfigError otherwise: partial tables are never a success). Probes
-    until ``deadline_s`` while none answers, then SidecarUnavailableError. Returns each
-    endpoint's Status (None: did not answer). Credentials: ``auth``, or ``token`` and
-    ``tls_ca``."""
+    until ``deadline_s`` while one does not answer (logging, once per endpoint, what it
+    waits for), then SidecarUnavailableError naming those (a typo in one address must not
+    look like success). Returns each endpoint's Status. Credentials: ``auth``, or ``token``
+    and ``tls_ca``."""
     auth = auth or ClientAuth(token=token, tls_ca=tls_ca)
     end = time.monotonic() + deadline_s
+    told: set[str] = set()
     while True:
         got: list[pb.StatusResponse | None] = []
         errors = []
@@ -114,7 +132,13 @@ def check_sidecars(
                 ):
                     raise ConfigError(f"{target}: {e.code().name}: {e.details()}") from None
                 got.append(None)
-                errors.append(f"{target}: {e.code().name}")
+                errors.append(f"rank {len(got) - 1} at {target}: {e.code().name}")
+                if target not in told:
+                    told.add(target)
+                    log.warning(
+                        "waiting up to %.0fs for the sidecar of rank %d at %s: %s",
+                        max(0.0, end - time.monotonic()), len(got) - 1, target, e.code().name,
+                    )  # fmt: skip
             finally:
                 channel.close()
         for rank, (target, st) in enumerate(zip(endpoints, got, strict=True)):
@@ -131,11 +155,12 @@ def check_sidecars(
                     f"model {model!r} has {st.world_size} ranks; give one --sidecar per rank "
                     f"(got {len(endpoints)}): fewer would serve partial tables"
                 )
-        if any(st is not None for st in got):
+        if all(st is not None for st in got):
             return got
         if time.monotonic() >= end:
+            what = "no sidecar" if all(st is None for st in got) else "not every sidecar"
             raise SidecarUnavailableError(
-                f"no sidecar answered within {deadline_s:.0f}s: {'; '.join(errors)[:300]}"
+                f"{what} answered within {deadline_s:.0f}s: {'; '.join(errors)[:300]}"
             )
         time.sleep(min(1.0, max(0.0, end - time.monotonic())))
 
@@ -146,11 +171,21 @@ def _mb(n: int) -> str:
 
 def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> str:
     s = status
+    if s.head_seq < 0:  # a head that does not exist has no age (a mistyped --spool?)
+        head = (
+            "head: no segment yet (nothing published to this spool for this model and rank; "
+            f"check --spool and --model)  quarantined {s.quarantined}"
+        )
+    else:
+        head = (
+            f"head seq {s.head_seq} step {s.head_step} (age {s.head_age_seconds:.1f}s)  "
+            f"base seq {s.base_seq}  segments {s.segments}  log {_mb(s.log_bytes)}  "
+            f"quarantined {s.quarantined}"
+        )
     lines = [
         f"model {s.model}  rank {s.rank}/{s.world_size}  generation {s.generation}",
-        f"head seq {s.head_seq} step {s.head_step} (age {s.head_age_seconds:.1f}s)  "
-        f"base seq {s.base_seq}  segments {s.segments}  log {_mb(s.log_bytes)}  "
-        f"quarantined {s.quarantined}",
+        head,
+        f"health: NOT_SERVING: {s.health_reason}" if s.health_reason else "health: SERVING",
         "tables:",
     ]
     if s.upstream:
@@ -161,14 +196,35 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
             f"  {t.table:<20} {t.num_rows}x{t.dim} {t.dtype} {t.kind} {t.sharding_type}  "
             f"[{local or 'none on this rank'}]"
         )
+    lines += rollout_lines(s)
     lines.append("consumers:")
-    lines.append(f"  {'name':<24} {'live':<5} {'seq':>8} {'lag seg':>8} {'lag s':>8} {'owed':>8}")
+    lines.append(
+        f"  {'name':<24} {'live':<5} {'seq':>8} {'lag seg':>8} {'lag s':>8} {'owed':>8} {'cap':>8}"
+    )
     for c in consumers.consumers:
+        cap = "head" if c.cap_step < 0 or not s.rollout_state else str(c.cap_step)
         lines.append(
             f"  {c.consumer:<24} {'yes' if c.live else 'no':<5} {c.cursor.seq:>8} "
-            f"{c.lag_segments:>8} {c.lag_seconds:>8.1f} {c.owed_rows:>8}"
+            f"{c.lag_segments:>8} {c.lag_seconds:>8.1f} {c.owed_rows:>8} {cap:>8}"
         )
     return "\n".join(lines)
+
+
+def rollout_lines(s: pb.StatusResponse) -> list[str]:
+    """The release state and this server's validation gate, as ``deltad status`` shows them."""
+    if not s.rollout_state:
+        return []
+    from deltad.serve.rollout import ReleaseState, describe
+
+    lines = ["rollout:"] + [
+        f"  {line}" for line in describe(ReleaseState.from_json(s.rollout_state))
+    ]
+    if s.gate_reason:
+        lines.append(
+            f"  gate here: step {s.gate_bad_step} failed: {s.gate_reason} (serving at most step "
+            f"{s.gate_bad_step - 1})"
+        )
+    return lines
 
 
 def forget(
@@ -195,6 +251,7 @@ def forget(
 
 
 def run(args: argparse.Namespace) -> int:
+    args.token = None if args.token_file else (os.environ.get("DELTAD_TOKEN") or None)
     check_client_auth("--", args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
     auth = ClientAuth(
         token=args.token,

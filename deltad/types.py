@@ -48,6 +48,9 @@ class Role(enum.Enum):
 
     CONSUME = "consume"  # GetDelta, Commit, Register, Heartbeat for its consumers; Status
     ADMIN = "admin"  # also ListConsumers across every consumer
+    #: a relay's mirror: GetDelta with ``mirror`` (served past the model's release caps, which
+    #: the relay applies to its own consumers); rollout-control, issue 21
+    RELAY = "relay"
 
 
 class TrainLoop(enum.Enum):

@@ -75,17 +75,26 @@ class FakeTrainer:
             ids = {n: torch.arange(*self.shard(rank, r)) for n, (r, _) in self.shapes.items()}
             self._write(rank, step, ids, SegmentKind.BASE)
 
-    def step(self, step: int, ranks: list[int] | None = None, touch: int = 5) -> None:
+    def step(
+        self,
+        step: int,
+        ranks: list[int] | None = None,
+        touch: int = 5,
+        poison: float | None = None,
+    ) -> None:
         """Change ``touch`` random rows per table and publish them at ``step`` on ``ranks``.
 
         All ranks publish the same step in a real trainer; ``ranks`` lets a test hold one back
-        (call again with the remaining ranks to catch up).
+        (call again with the remaining ranks to catch up). ``poison`` (e.g. NaN): the first
+        table's lowest changed row gets it in its first column (a bad update).
         """
         if step not in self.history:
             self.touched[step] = {}
             for n, t in self.tables.items():
                 ids = torch.randperm(t.shape[0], generator=self.gen)[:touch]
                 t[ids] = torch.randn(len(ids), t.shape[1], generator=self.gen)
+                if poison is not None and not self.touched[step]:
+                    t[ids.min(), 0] = poison
                 self.touched[step][n] = ids
             self.history[step] = {n: t.clone() for n, t in self.tables.items()}
         for rank in ranks if ranks is not None else range(self.world_size):

@@ -135,6 +135,10 @@ def test_values_are_sane(results: dict[str, Any]) -> None:
         for p in r["points"]:
             assert _pos(_med(p["stall_s"])) and _pos(_med(p["write_gbps"]))
             assert _pos(p["rows_per_segment"])
+    if r := _ok(results, "timed_publish"):
+        for rnd in r["rounds"]:
+            assert _pos(rnd["on_loop_pct"]) and math.isfinite(rnd["extra_cpu_pct"])
+            assert rnd["publish"]["segments"] >= 3 and _pos(rnd["baseline_a"]["step_s"])
     if r := _ok(results, "fanout"):
         for p in r["points"]:
             assert _pos(_med(p["aggregate_gbps"])) and _pos(p["p50_s"]) and _pos(p["p99_s"])

@@ -30,12 +30,12 @@ def test_python_dash_m_deltad_is_the_console_script() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"deltad {deltad.__version__}"
     help_text = _deltad("--help").stdout
-    for command in ("train", "serve", "consume", "status", "demo", "bench"):
+    for command in ("train", "serve", "consume", "status", "rollout", "demo", "bench"):
         assert command in help_text
 
 
 def test_every_subcommand_help_shows_its_defaults() -> None:
-    for command in ("serve", "consume", "train", "demo", "status"):
+    for command in ("serve", "consume", "train", "demo", "status", "rollout"):
         out = _deltad(command, "--help")
         assert out.returncode == 0, out.stderr
         assert "(default:" in out.stdout, f"deltad {command} --help shows no defaults"

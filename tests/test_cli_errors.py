@@ -35,7 +35,7 @@ CASES = [
     ("serve", ["--redis-url", "redis://127.0.0.1:6379/abc"], {}, "db must be a number"),
     ("serve", [], {"DELTAD_RANK": "one"}, "DELTAD_RANK='one' is not a valid int"),
     ("serve", [], {"DELTAD_LEASE_TTL": "soon"}, "DELTAD_LEASE_TTL"),
-    ("serve", [], {"DELTAD_MAX_CONSUMERS": "-1"}, "max_consumers"),
+    ("serve", [], {"DELTAD_MAX_CONSUMERS": "-1"}, "DELTAD_MAX_CONSUMERS"),
     ("serve", [], {"DELTAD_TOKENS": "a,b"}, "DELTAD_TOKENS"),
     ("consume", ["--consumer", "c", "--redis-url", "mongodb://x"], {}, "scheme 'mongodb'"),
     (
@@ -44,7 +44,14 @@ CASES = [
         {},
         "--final-tables /nonexistent/d/t.pt: not a writable file path",
     ),
-    ("bench", ["--repeats", "-1"], {}, "--repeats must be >= 0"),
+    ("bench", ["--repeats", "-1"], {}, "--repeats must be a finite number in [0, 1000]"),
+    ("serve", ["--lease-ttl", "nan"], {}, "--lease-ttl must be a finite number"),
+    ("serve", [], {"DELTAD_POLL_INTERVAL": "nan"}, "--poll-interval (DELTAD_POLL_INTERVAL) must"),
+    ("serve", ["--max-message-bytes", "1099511627776"], {}, "--max-message-bytes must be"),
+    ("serve", ["--chunk-bytes", "-1"], {}, "--chunk-bytes must be a finite number"),
+    ("serve", ["--stream-deadline", "inf"], {}, "--stream-deadline must be a finite number"),
+    ("consume", ["--consumer", "c", "--sidecar", "x:1", "--interval", "nan"], {}, "--interval"),
+    ("train", ["--lr", "inf"], {}, "--lr must be a finite number"),
 ]
 
 

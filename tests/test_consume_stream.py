@@ -87,8 +87,10 @@ def streamed(c: DeltaConsumer, applier: Any) -> PullResult:
 
 
 def staged_rows(r: PullResult) -> int:
-    """Rows a streamed pull's windows still carry (the stage took the rest)."""
-    return sum(s.ids.numel() for d in r.deltas for s in d.shards)
+    """Rows a streamed pull's windows still carry (the stage took the rest), but for
+    managed-collision tables, which a QuantApplier's stage leaves to the window (their raw ids
+    come with the assembled window)."""
+    return sum(s.ids.numel() for d in r.deltas for s in d.shards if s.raw_ids is None)
 
 
 # ------------------------------------------------------- bit-equality with real trainers

@@ -3,6 +3,7 @@ rank, embedded Redis, two predictors, all as subprocesses."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -34,7 +35,8 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
     assert "check rows-fp32: tables bit-equal to the trainer's final tables" in proc.stdout
     truth = torch.load(work / "trainer-final.pt", weights_only=True)
     rows = torch.load(work / "rows-fp32-final.pt", weights_only=True)
-    assert set(truth) == set(rows) and len(truth) == 5  # 4 pooled tables + the sequence table
+    # 4 pooled tables, the sequence table and the managed-collision table
+    assert set(truth) == set(rows) and len(truth) == 6
     for name, t in truth.items():
         assert torch.equal(rows[name], t), name
     topk = torch.load(work / "topk-int8-final.pt", weights_only=True)
@@ -47,7 +49,11 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
         assert line in proc.stdout
     # the serving predictor: packed-int8 rows and the dense state, bit-equal to the trainer's
     # final model (tables and dense) quantized by torchrec
-    assert "check serving-int8: 5 int8 tables, 8 dense tensors and forward output" in proc.stdout
+    assert "check serving-int8: 6 int8 tables, 8 dense tensors and forward output" in proc.stdout
+    # its managed-collision table: rows, remapper lookup buffers, forwards on raw ids
+    (zch,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("check serving-zch:")]
+    assert "torchrec: ok (zch (" in zch and "lookup buffers equal" in zch, zch
+    assert " 0 evicted" not in zch and "never-seen raw ids equal" in zch, zch
     assert "(weights equal, forward equal)" in proc.stdout and "during apply" in proc.stdout
     model = torch.load(work / "trainer-model.pt", weights_only=True)
     assert {
@@ -56,6 +62,27 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
     serving = [line for line in proc.stdout.splitlines() if line.startswith("serving-int8 ")]
     # name, pulls, rows, bytes (2 words), dense bytes (2 words): the dense state was received
     assert len(serving) == 1 and float(serving[0].split()[5]) > 0, serving
+
+
+@pytest.mark.timeout(900)
+def test_the_bad_update_scenario_gates_canaries_and_rolls_back_with_deltad_rollout(
+    tmp_path: Path,
+) -> None:
+    """`deltad demo --scenario bad-update`: the operator's steps are `deltad rollout`
+    commands against the real sidecars; all three checks hold, exit 0."""
+    work = tmp_path / "demo"
+    argv = [
+        sys.executable, "-m", "deltad.cli", "demo", "--scenario", "bad-update",
+        "--rows", "2000", "--dim", "16", "--workdir", str(work), "--keep",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=880, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for check in ("gate", "canary", "rollback"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"check {check}:"))
+        assert line.endswith(": ok"), line
+    operator = (work / "logs" / "operator.log").read_text()
+    assert "$ deltad rollout rollback --to-step 18" in operator
+    assert "failed the validation gate" in operator  # the release to the head, refused
 
 
 def test_demo_interrupted_leaves_no_children(tmp_path: Path) -> None:
@@ -123,3 +150,22 @@ def test_a_child_follows_its_parent_pid_from_the_environment() -> None:
     )
     assert orphan.returncode == 1
     assert "parent process already exited" in orphan.stderr
+
+
+@pytest.mark.slow  # a demo that fails early: subprocesses importing torch
+@pytest.mark.timeout(300)
+def test_a_demo_that_fails_early_removes_its_temp_dir_and_says_so(tmp_path: Path) -> None:
+    """Its sidecars refuse a bad knob at start: the demo fails early, removes its temporary
+    work directory (spool, the embedded Redis and its secret) but the logs it points to,
+    and says so, in JSON lines with --log-json."""
+    env = {**child_env(), "TMPDIR": str(tmp_path), "DELTAD_KNOB_WRITER_NICE": "99"}
+    out = subprocess.run(
+        [sys.executable, "-m", "deltad.cli", "--log-json", "demo", "--duration", "5",
+         "--rows", "2000", "--dim", "8", "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    (work,) = tmp_path.glob("deltad-demo-*")
+    assert [p.name for p in work.iterdir()] == ["logs"]  # no spool, no redis secret
+    lines = [json.loads(x) for x in out.stderr.splitlines() if x.strip()]  # JSON only
+    assert any("removed its work directory" in x["msg"] for x in lines), out.stderr

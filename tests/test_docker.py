@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from deltad.cli import build_parser
+from deltad.healthcheck import LIVENESS_SERVICE
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -180,6 +181,10 @@ def test_k8s_pod_runs_existing_commands() -> None:
     assert [p["name"] for p in side["ports"]] == ["grpc", "metrics"]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert side[probe]["grpc"]["port"] == 50051
+    # liveness reflects only the process; readiness (the server, "") its dependencies
+    assert side["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
+    assert side["startupProbe"]["grpc"]["service"] == LIVENESS_SERVICE  # it kills too
+    assert side["readinessProbe"]["grpc"].get("service", "") == ""
 
 
 def test_healthcheck_follows_the_sidecars_environment(tmp_path: Path, redis_url: str) -> None:

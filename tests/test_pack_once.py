@@ -128,5 +128,5 @@ def test_the_store_holds_its_budget_and_forgets_rows_of_freed_parts(tmp_path: Pa
 
 @pytest.mark.parametrize("budget", [-1, (1 << 40) + 1])
 def test_a_packed_cache_budget_out_of_range_is_refused(tmp_path: Path, budget: int) -> None:
-    with pytest.raises(ConfigError, match="packed_cache_bytes"):
+    with pytest.raises(ConfigError, match="--packed-cache-bytes"):
         ServerConfig(spool_dir=tmp_path, model="m", packed_cache_bytes=budget)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -569,3 +570,76 @@ def test_the_train_loop_is_set_in_the_publisher_config(tmp_path: Path) -> None:
     assert named.train_loop is TrainLoop.PIPELINE_BASE
     with pytest.raises(ConfigError, match="train_loop"):
         PublisherConfig(tmp_path, every_steps=1, train_loop="bogus")  # type: ignore[arg-type]
+
+
+def _timed_worker(rank: int, world_size: int, spool: str) -> None:
+    """Time-based publishing with uneven step times (rank 1 sleeps): every rank publishes at
+    the same steps, and a step that does not publish issues no collective of the publisher's
+    (counted by wrapping torch.distributed's all_reduce and broadcast, and by its own stats)."""
+    dmp = toy_dmp(world_size)
+    cfg = PublisherConfig(Path(spool), model="toy", every_seconds=0.6, fsync=False)
+    pub = SegmentPublisher(dmp, cfg)
+    calls = [0]
+    real = {n: getattr(dist, n) for n in ("all_reduce", "broadcast")}
+
+    def counting(name: str) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            calls[0] += 1
+            return real[name](*a, **kw)
+
+        return call
+
+    for n in real:
+        setattr(dist, n, counting(n))
+    try:
+        pub.start(0)
+        published: list[int] = []
+        per_step: list[tuple[int, int, int]] = []  # (step, wrapped calls, publisher's count)
+        step = 0
+        while len(published) < 4 and step < MAX_STEPS:
+            step += 1
+            dmp(batch(rank, step))[0].backward()
+            time.sleep(0.005 if rank == 0 else 0.03)  # uneven: rank 1 is much slower
+            before, own = calls[0], pub.stats.collectives
+            if pub.maybe_publish(step) is not None:
+                published.append(step)
+            per_step.append((step, calls[0] - before, pub.stats.collectives - own))
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+    pub.close(step)
+    assert len(published) == 4
+    assert len(set(map(tuple, _gather(published, world_size)))) == 1
+    for s, wrapped, own in per_step:
+        assert (wrapped, own) == ((1, 1) if s in published else (0, 0)), (s, wrapped, own)
+    # the first publish (step 1) measured the pace: later ones are several steps apart
+    gaps = [b - a for a, b in itertools.pairwise(published)]
+    assert published[0] == 1 and max(gaps) > 1, published
+
+
+@pytest.mark.slow
+def test_time_based_publishing_agrees_on_every_rank_without_a_per_step_collective(
+    tmp_path: Path,
+) -> None:
+    spawn(_timed_worker, 2, tmp_path, str(tmp_path / "spool"))
+
+
+def test_time_based_publishing_predicts_the_step_of_the_next_publish(tmp_path: Path) -> None:
+    """One process: the first step publishes (nothing measured), then the next publish is
+    predicted from the measured pace, and is decided without waiting for the clock."""
+    tracker = _FakeTracker(torch.zeros(64, 4))
+    cfg = PublisherConfig(tmp_path, model="toy", every_seconds=0.1, fsync=False)
+    pub = SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
+    pub.start(0)
+    published = []
+    for step in range(1, 40):
+        time.sleep(0.01)
+        tracker.next = torch.arange(step % 60, step % 60 + 4)
+        if pub.maybe_publish(step) is not None:
+            published.append(step)
+    pub.close(40)
+    assert published[0] == 1
+    gaps = [b - a for a, b in itertools.pairwise(published)]
+    # ~10 steps of 10 ms per 0.1 s (a loaded machine only makes steps longer: fewer steps)
+    assert gaps and all(1 <= g <= 11 for g in gaps) and max(gaps) >= 3
+    assert pub.stats.collectives == 0  # not distributed

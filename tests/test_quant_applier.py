@@ -27,7 +27,7 @@ DTYPES = [ServeDtype.INT8, ServeDtype.INT4, ServeDtype.FP16, ServeDtype.FP32]
 
 def float_model(seed: int = 0) -> ClickModel:
     torch.manual_seed(seed)
-    return ClickModel(TABLES, SEQ_ROWS, dim=DIM).eval()
+    return ClickModel(TABLES, SEQ_ROWS, dim=DIM, zch_slots=0).eval()  # ordinary tables only
 
 
 def float_tables(m: Any) -> dict[str, torch.Tensor]:
@@ -343,7 +343,7 @@ def test_consume_serve_dtype_flag_errors() -> None:
         "127.0.0.1:1",
     ]
     for extra, why in (
-        (["--serve-dtype", "bf16"], "bf16 is not supported"),
+        (["--serve-dtype", "bf16"], "invalid choice: 'bf16'"),  # not offered
         (["--final-state", "x.pt"], "--final-state needs --serve-dtype"),
         (["--serve-dtype", "int8", "--init-tables", "x.pt"], "bootstraps from deltad"),
         (["--serve-dtype", "int8", "--dim", "6"], "dim a multiple of 4"),

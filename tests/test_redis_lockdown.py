@@ -6,6 +6,7 @@ processes, real kill -9."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -189,3 +190,37 @@ def test_no_sidecar_crash_takes_down_another_ranks_offset_store(tmp_path: Path) 
             stop_process(second)
     url = (spool / "m" / "redis" / "embedded.url").read_text() if store.url_file.exists() else ""
     assert not url or not answers(url)  # the last sidecar to stop shut it down
+
+
+def test_a_spool_too_long_for_a_socket_puts_it_in_a_private_unpredictable_dir(
+    tmp_path: Path,
+) -> None:
+    """The old name (deltad-redis-<uid>-<hash of the spool>) could be pre-created by any
+    local user to stop the sidecar from starting: the directory is now mkdtemp's, recorded in
+    the data dir, and a recorded one that is not ours any more is replaced."""
+    import hashlib
+    import tempfile
+
+    data = tmp_path / ("d" * 120) / "redis"
+    digest = hashlib.sha256(str(data.resolve()).encode()).hexdigest()[:16]
+    squatted = Path(tempfile.gettempdir()) / f"deltad-redis-{os.getuid()}-{digest}"
+    squatted.mkdir(mode=0o755, exist_ok=True)  # what another user would pre-create
+    try:
+        r = EmbeddedRedis(data)
+        r.start()
+        try:
+            sock = r.socket_path
+            assert sock.parent != squatted and sock.parent.name.startswith("deltad-redis-")
+            assert _mode(sock.parent) == 0o700 and sock.exists()
+            assert redis.Redis.from_url(r.url, socket_timeout=2).ping()
+            again = EmbeddedRedis(data)  # a second sidecar of the spool: the same socket
+            assert again.socket_path == sock
+            os.chmod(sock.parent, 0o755)  # no longer private: a new dir, not this one
+            made = again.socket_path.parent
+            assert made != sock.parent
+        finally:
+            r.stop()
+    finally:
+        squatted.rmdir()
+        for d in {sock.parent, made}:
+            shutil.rmtree(d, ignore_errors=True)

@@ -75,3 +75,14 @@ def test_embedded_server_dies_with_its_parent(tmp_path: Path) -> None:
         assert again.proc is not None  # the stale url file did not fool it
     finally:
         again.stop()
+
+
+def test_a_database_index_the_server_lacks_is_said_at_once_not_unreachable(
+    redis_server: EmbeddedRedis,
+) -> None:
+    url = redis_server.url.replace("db=0", "db=99")
+    assert "db=99" in url
+    with pytest.raises(OffsetStoreError) as err:
+        connect(url, attempts=5)
+    assert "DB index is out of range" in str(err.value)
+    assert "unreachable" not in str(err.value)

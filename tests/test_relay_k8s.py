@@ -9,6 +9,7 @@ import yaml
 from test_docker import DOCKER, _check_deltad_argv, _k8s_bytes, _subst
 
 from deltad.cli import build_parser
+from deltad.healthcheck import LIVENESS_SERVICE
 from deltad.serve.cli import build_relay_config
 
 
@@ -44,6 +45,11 @@ def test_relay_tier_deployment_mirrors_the_sidecar_and_serves_predictors() -> No
     port = int(args.listen.rsplit(":", 1)[1])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == port, (probe, c[probe])
+    # liveness (and startup, which kills too) ask only for the process; readiness for its
+    # dependencies (Redis, the upstream)
+    for probe in ("startupProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["service"] == LIVENESS_SERVICE, probe
+    assert c["readinessProbe"]["grpc"].get("service", "") == ""
     _check_restricted(c, tpl["spec"])
     # memory: the limit holds the tmpfs spool, the caches the flags allow and the log
     budgets = [
@@ -53,6 +59,8 @@ def test_relay_tier_deployment_mirrors_the_sidecar_and_serves_predictors() -> No
     assert spool["emptyDir"]["medium"] == "Memory"
     need = _k8s_bytes(spool["emptyDir"]["sizeLimit"]) * 2.2 + sum(budgets)  # spool + 1.2 x log
     assert _k8s_bytes(c["resources"]["limits"]["memory"]) >= need
+    # owed rows share the tmpfs spool with the log: bounded well inside it
+    assert 0 < args.owed_max_bytes <= _k8s_bytes(spool["emptyDir"]["sizeLimit"]) // 4
     # predictors keep their names (a StatefulSet behind a headless Service): no dead
     # consumer names after a rollout
     sts = by[("StatefulSet", "deltad-predictor")]

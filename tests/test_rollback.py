@@ -2,31 +2,34 @@
 to exactly the trainer's state at that step, with only the rows that differ, in place, in every
 form and wire dtype, across 2 ranks and through a relay. Real sidecars on port 0, real Redis,
 real DeltaConsumers; the trainer is tests/spoolkit's FakeTrainer, whose ``history`` is the
-truth at every step. The release state is set through the sidecar's provider
-(``SidecarServer.set_release``), as the persisted rollout state is plugged in."""
+truth at every step. The release state is the model's, in Redis (RolloutStore), changed as the
+rollout controls change it; the admin RPC itself is in test_rollback_rpc.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
-from serverkit import server_config
+from serverkit import MODEL, server_config
 from spoolkit import FakeTrainer, wait_for
 from test_gendiff import assert_exact_diff
 from test_relay import at_step, db, equal, predictor
 
 from deltad.config import RelayConfig
 from deltad.consume.appliers import TensorDictApplier
+from deltad.serve import rollout as ro
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.restore import restorable, restorable_steps
 from deltad.serve.relay.server import RelayServer
-from deltad.serve.release_file import ReleaseFile
-from deltad.serve.rollout import Pin, ReleaseState, Rollback
+from deltad.serve.rollout import Pin, ReleaseState
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
+from deltad.serve.state.release import RolloutStore
 from deltad.types import Form, WireDtype
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,23 +38,39 @@ SHAPES = {"t0": (300, 8), "t1": (120, 4)}
 
 
 class Release:
-    """A model's release state as the sidecars read it (the test sets it directly)."""
+    """The model's release state in Redis, changed as the rollout controls change it; each
+    change returns once every server :meth:`watch` was given applies it (a sidecar re-reads
+    Redis within 0.25 s, a relay takes it from its upstream's Status)."""
 
-    def __init__(self) -> None:
-        self.state = ReleaseState()
+    def __init__(self, redis_url: str, model: str = MODEL) -> None:
+        self.store = RolloutStore(redis.Redis.from_url(redis_url), model)
+        self.servers: list[SidecarServer] = []
 
-    def __call__(self) -> ReleaseState:
-        return self.state
+    def watch(self, server: SidecarServer) -> None:
+        self.servers.append(server)
+
+    @property
+    def state(self) -> ReleaseState:
+        return self.store.get()
+
+    def change(self, fn: Callable[[ReleaseState], ReleaseState]) -> ReleaseState:
+        new = self.store.update(fn)
+        wait_for(
+            lambda: all(s.rollout.state().version >= new.version for s in self.servers),
+            30,
+            f"every server at release state version {new.version}",
+        )
+        return new
 
     def rollback(self, step: int, group: str = "*") -> None:
         """What ``deltad rollout rollback --to-step`` records: the order, and the cap at it."""
-        epoch = self.state.rollback.epoch + 1 if self.state.rollback is not None else 1
-        self.state = self.state.bumped(
-            rollback=Rollback(step, group, epoch), release_step=step, held=True
-        )
+        self.change(lambda st: ro.rollback(st, step, group, head_step=None))
 
     def release(self) -> None:
-        self.state = self.state.bumped(release_step=None, held=False)
+        self.change(lambda st: replace(st, release_step=None, held=False))
+
+    def unpin(self, group: str) -> None:
+        self.change(lambda st: ro.unpin(st, group))
 
 
 @contextmanager
@@ -65,7 +84,7 @@ def sidecars(
     ]
     try:
         for s in servers:
-            s.set_release(release)
+            release.watch(s)
         yield servers
     finally:
         for s in servers:
@@ -88,7 +107,7 @@ def test_a_rollback_takes_two_ranks_back_to_the_step_with_only_the_rows_that_dif
     bit-equal to the trainer's tables at 20; the order is followed once; a release then
     takes it forward again."""
     ft = trained(tmp_path)
-    release = Release()
+    release = Release(redis_url)
     with (
         sidecars(tmp_path / "spool", redis_url, 2, release) as servers,
         predictor("p", [s.endpoint for s in servers]) as c,
@@ -143,7 +162,7 @@ def test_a_rollback_is_complete_in_every_form_and_dtype(
     step 20 and then holds exactly what a predictor bootstrapped at step 20 in the same dtype
     holds (fp32 top-k: the trainer's tables at 20): nothing owed is forgotten."""
     ft = trained(tmp_path)
-    release = Release()
+    release = Release(redis_url)
     pull: dict[str, Any] = {"form": form, "wire_dtype": dtype}
     if form is Form.TOPK:
         pull["k"] = 3
@@ -178,7 +197,7 @@ def test_a_rollback_sends_only_the_ids_in_the_ids_form(tmp_path: Path, redis_url
     """FORM_IDS: the rollback window names exactly the rows whose values differ between the
     predictor's step and the rollback's step (what a cache must invalidate)."""
     ft = trained(tmp_path)
-    release = Release()
+    release = Release(redis_url)
     with sidecars(tmp_path / "spool", redis_url, 2, release) as servers:
         eps = [s.endpoint for s in servers]
         wait_for(lambda: at_step(eps, 40), 30, "sidecars at step 40")
@@ -206,7 +225,7 @@ def test_a_group_rollback_moves_only_the_group_and_a_relay_passes_it_through(
     of another name stays at the head; a release (the pin lifted) takes the canary forward."""
     ft = FakeTrainer(tmp_path / "spool", world_size=2, tables=SHAPES)
     ft.start(0)
-    release = Release()
+    release = Release(redis_url)
     relays: list[RelayServer] = []
     with sidecars(tmp_path / "spool", redis_url, 2, release) as servers:
         try:
@@ -219,9 +238,7 @@ def test_a_group_rollback_moves_only_the_group_and_a_relay_passes_it_through(
             with predictor("canary-1", reps) as canary, predictor("main-1", reps) as main:
                 a, b = TensorDictApplier(), TensorDictApplier()
                 assert canary.sync(a.apply).step == 40 and main.sync(b.apply).step == 40
-                release.state = release.state.bumped(
-                    rollback=Rollback(20, "canary-*", 1), pins=(Pin("canary-*", 20),)
-                )
+                release.rollback(20, "canary-*")
                 held = {n: t.clone() for n, t in a.tables().items()}
                 r = canary.sync(a.apply)
                 assert r.step == 20 and r.rollback_to == 20 and not r.resync
@@ -232,7 +249,7 @@ def test_a_group_rollback_moves_only_the_group_and_a_relay_passes_it_through(
                 r = main.sync(b.apply)
                 assert r.step == 50 and not r.rolled_back and equal(b, ft.history[50])
                 assert canary.sync(a.apply).step == 20  # pinned at the rollback's step
-                release.state = release.state.bumped(pins=())
+                release.unpin("canary-*")
                 assert canary.sync(a.apply).step == 50 and equal(a, ft.history[50])
         finally:
             for x in relays:
@@ -251,7 +268,7 @@ def relay_of(
         RelayConfig(upstream=upstream, consumer="relay", poll_interval_s=0.02, fsync=False,
                     backoff_initial_s=0.05, backoff_max_s=0.5),
     ).start()  # fmt: skip
-    relay.server.set_release(release)
+    release.watch(relay.server)
     return relay
 
 
@@ -307,21 +324,6 @@ def test_retention_keeps_every_step_of_the_restore_window_restorable(
             srv.stop(0)
 
 
-def test_the_release_state_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
-    """`deltad serve --release-state-file`: missing = the head released; a change is seen;
-    a malformed file keeps the last good state."""
-    path = tmp_path / "release.json"
-    src = ReleaseFile(path, every_s=0.0)
-    assert src() == ReleaseState()
-    order = ReleaseState(release_step=5, held=True, rollback=Rollback(5, "*", 1))
-    path.write_text(order.to_json())
-    assert src() == order
-    path.write_text("{not json")
-    assert src() == order
-    path.write_text(ReleaseState(release_step=7).to_json() + "  ")
-    assert src().release_step == 7
-
-
 def test_a_trainer_restarted_after_a_rollback_moves_predictors_by_a_generation_diff(
     tmp_path: Path, redis_url: str
 ) -> None:
@@ -331,7 +333,7 @@ def test_a_trainer_restarted_after_a_rollback_moves_predictors_by_a_generation_d
     generation with a generation diff, not a resync, and is not rolled back again; a pin
     recorded before the restart still holds a group at the new generation's start."""
     ft = trained(tmp_path)
-    release = Release()
+    release = Release(redis_url)
     with (
         sidecars(tmp_path / "spool", redis_url, 2, release) as servers,
         predictor("p", [s.endpoint for s in servers]) as c,
@@ -352,8 +354,8 @@ def test_a_trainer_restarted_after_a_rollback_moves_predictors_by_a_generation_d
         back.start(20)
         back.step(30, touch=10)
         wait_for(lambda: at_step(eps, 30, 2), 30, "sidecars at generation 2")
-        release.state = release.state.bumped(
-            release_step=None, held=False, pins=(Pin("pinned-*", 20),)
+        release.change(
+            lambda st: replace(st, release_step=None, held=False, pins=(Pin("pinned-*", 20),))
         )
         r = c.sync(applier.apply)
         assert r.step == 30 and r.generation_diff and not r.resync and not r.rolled_back
@@ -373,7 +375,7 @@ def test_retention_keeps_an_orders_step_until_every_consumer_followed_it(
     ft.start(0)
     for step in (10, 20, 30, 40):
         ft.step(step, touch=10)
-    release = Release()
+    release = Release(redis_url)
     with (
         sidecars(tmp_path / "spool", redis_url, 1, release, restore_window_steps=0,
                  merge_min_segments=2) as servers,

@@ -27,12 +27,12 @@ from test_quant_serving import (
 )
 from test_rollback import Release
 
+from deltad.cli import main
 from deltad.config import ConsumerConfig, PullOptions, ServerConfig
 from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer
 from deltad.consume.quant import packed_wire_dtype
 from deltad.serve.edge.app import SidecarServer
-from deltad.serve.rollout import ReleaseState, Rollback
 from deltad.types import Form, ServeDtype
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -59,7 +59,7 @@ def test_predictors_roll_back_bit_exact_to_the_trainers_dump(
     step roll back to step 8: tables, quantized weights, dense weights and forward output
     equal the trainer's dump at step 8 (quantized by torchrec); in place, no resync."""
     train(tmp_path)
-    release = Release()
+    release = Release(redis_url)
     servers = []
     for r in range(2):
         cfg = ServerConfig(
@@ -70,7 +70,7 @@ def test_predictors_roll_back_bit_exact_to_the_trainers_dump(
         servers.append(SidecarServer(cfg).start())
     try:
         for s in servers:
-            s.set_release(release)
+            release.watch(s)
         dtype = ServeDtype.INT8
         pred = serving_predictor("q", servers, dtype, Form.ROWS, 0, packed_wire_dtype(dtype))
         floats = ConsumerConfig(
@@ -114,13 +114,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve(spool: Path, rank: int, redis_url: str, state: Path, port: int) -> subprocess.Popen[str]:
+def _serve(spool: Path, rank: int, redis_url: str, port: int) -> subprocess.Popen[str]:
     """`deltad serve` on a fixed port (a restarted sidecar is found where it was)."""
     return subprocess.Popen(
         [
             sys.executable, "-m", "deltad.cli", "serve", "--spool", str(spool), "--model", "m",
             "--rank", str(rank), "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
-            "--restore-window-steps", "100", "--release-state-file", str(state),
+            "--restore-window-steps", "100",
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
         start_new_session=True,
@@ -163,8 +163,9 @@ def _equal_to_dump(saved: Path, dumps: Path, step: int) -> None:
 def test_kill_9_of_a_sidecar_and_of_a_predictor_in_a_rollback_loses_nothing(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """`deltad serve` subprocesses (2 ranks) reading the release state from a file, and a
-    `deltad consume` predictor at the head. (1) A rollback to step 8 is ordered and the
+    """`deltad serve` subprocesses (2 ranks) sharing one Redis, and a `deltad consume`
+    predictor at the head. (1) A rollback to step 8 is ordered (`deltad rollout rollback`
+    to rank 0) and the
     sidecar of rank 1 is killed -9 at once and restarted: the predictor, retrying, rolls
     back to 8 in place; its tables equal the trainer's dump at 8. (2) It resumes from those
     tables; a rollback to step 4 is ordered and the predictor is killed -9 at once; restarted
@@ -172,10 +173,8 @@ def test_kill_9_of_a_sidecar_and_of_a_predictor_in_a_rollback_loses_nothing(
     at 4, with its cursors at step 4 on both ranks."""
     train(tmp_path, dump_steps=(4, DUMP))
     dumps = tmp_path / "dumps"
-    state = tmp_path / "release.json"
-    state.write_text(ReleaseState().to_json())
     ports = [_free_port(), _free_port()]
-    procs = [_serve(tmp_path / "spool", r, redis_url, state, ports[r]) for r in range(2)]
+    procs = [_serve(tmp_path / "spool", r, redis_url, ports[r]) for r in range(2)]
     pred: subprocess.Popen[str] | None = None
     saved, log = tmp_path / "tables.pt", tmp_path / "pred.jsonl"
     try:
@@ -183,11 +182,10 @@ def test_kill_9_of_a_sidecar_and_of_a_predictor_in_a_rollback_loses_nothing(
         pred = _consume(eps, saved, log)
         wait_for(lambda: (STEPS, None) in _steps(log), 60, "the predictor at the head")
         # (1) the order, and kill -9 of a sidecar in the middle of it
-        order = ReleaseState(release_step=DUMP, held=True, rollback=Rollback(DUMP, "*", 1))
-        state.write_text(order.to_json())
+        assert main(["rollout", "rollback", "--to-step", str(DUMP), "--target", eps[0]]) == 0
         os.killpg(procs[1].pid, signal.SIGKILL)
         procs[1].wait(10)
-        procs[1] = _serve(tmp_path / "spool", 1, redis_url, state, ports[1])
+        procs[1] = _serve(tmp_path / "spool", 1, redis_url, ports[1])
         assert read_serving_line(procs[1], 60).endswith(f":{ports[1]}")
         wait_for(lambda: (DUMP, DUMP) in _steps(log), 120, "the predictor rolled back to 8")
         first = next(s for s in _steps(log) if s[0] == DUMP)
@@ -203,9 +201,7 @@ def test_kill_9_of_a_sidecar_and_of_a_predictor_in_a_rollback_loses_nothing(
             wait_for(lambda: bool(_steps(log)), 60, "the resumed predictor pulling")
         except AssertionError:
             raise AssertionError(log.with_suffix(".err").read_text()[-3000:]) from None
-        state.write_text(
-            ReleaseState(release_step=4, held=True, rollback=Rollback(4, "*", 2)).to_json()
-        )
+        assert main(["rollout", "rollback", "--to-step", "4", "--target", eps[0]]) == 0
         os.killpg(pred.pid, signal.SIGKILL)
         pred.wait(10)
         pred = _consume(eps, saved, log, "--pulls", "3")

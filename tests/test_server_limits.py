@@ -86,8 +86,14 @@ def test_tokens_health_reflection_metrics(tmp_path: Path, redis_server: Embedded
         assert 0 < values["deltad_window_cache_bytes"] <= srv.config.window_cache_bytes
         assert values["deltad_previous_generation_bytes"] == 0
         assert values["deltad_status_waiters"] == 0
-        for gauge in ("deltad_run_cache_bytes", "deltad_spill_bytes", "deltad_windows_unkept"):
+        for gauge in ("deltad_run_cache_bytes", "deltad_spill_bytes", "deltad_owed_bytes"):
             assert values[gauge] >= 0
+        # counters that only rise are counters; the process is measured too
+        assert b"# TYPE deltad_windows_unkept_total counter" in text
+        assert b"# TYPE deltad_owed_refused_total counter" in text
+        for process in (b"process_resident_memory_bytes", b"process_cpu_seconds_total",
+                        b"process_open_fds"):  # fmt: skip
+            assert process + b" " in text
         c.close()
     finally:
         srv.stop(0)

@@ -222,8 +222,9 @@ def _fold_order_worker(rank: int, world_size: int) -> None:
 
 
 def _managed_collision_worker(rank: int, world_size: int) -> None:
-    """A sharded managed-collision EBC: TorchRec runs its EBC through compute(), where the
-    tracker hooks never fire, so deltad would track nothing; it refuses the model instead."""
+    """A sharded managed-collision EBC (built with TorchRec's own sharders, DistanceLFU
+    eviction) is tracked: its table is declared managed-collision and its shard carries the
+    slots' identities (tests/test_zch_trainer.py covers the segments)."""
     import torch.distributed as dist
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.mc_embeddingbag import (
@@ -272,8 +273,14 @@ def _managed_collision_worker(rank: int, world_size: int) -> None:
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
-    with pytest.raises(UnsupportedModelError, match="managed-collision"):
-        DeltaTracker(dmp)
+    tracker = DeltaTracker(dmp)
+    (table,) = tracker.tables
+    assert table.managed_collision and table.module == "mc._embedding_module"
+    (shard,) = tracker.shards
+    assert shard.mc is not None
+    (ident,) = tracker.take_identities().values()
+    assert ident.slots.numel() == 64 and ident.changed.numel() == 0
+    tracker.detach()
 
 
 def _pipeline_worker(rank: int, world_size: int) -> None:
@@ -314,7 +321,7 @@ def test_drains_queued_behind_the_fold_thread_hold_their_own_lookups(tmp_path: P
 
 
 @pytest.mark.slow
-def test_managed_collision_modules_are_refused(tmp_path: Path) -> None:
+def test_managed_collision_modules_are_tracked(tmp_path: Path) -> None:
     spawn(_managed_collision_worker, 1, tmp_path)
 
 

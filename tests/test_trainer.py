@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from deltad.reference.trainer import cli
-from deltad.reference.trainer.data import SEQ_FEATURE, ClickStream, feature_name
-from deltad.reference.trainer.model import ClickModel
-from deltad.reference.trainer.train import TrainConfig, TrainResult, run_training
+from deltad.reference.trainer.data import SEQ_FEATURE, ZCH_TABLE, ClickStream, feature_name
+from deltad.reference.trainer.train import TrainConfig, TrainResult, build_unsharded, run_training
 
 from deltad.errors import ConfigError, SpoolError
+from deltad.publish.mc import slot_raw_ids
 from deltad.segment.format import Segment, apply_segments, read_dense, read_segment
 from deltad.segment.spool import DENSE_RE, SEGMENT_RE, SpoolLayout
-from deltad.types import SegmentKind, TrainLoop
+from deltad.types import EMPTY_RAW_ID, SegmentKind, TrainLoop
 
 
 def _segments(spool: Path, model: str, generation: int, world_size: int) -> list[Segment]:
@@ -61,18 +61,33 @@ def _check(cfg: TrainConfig, result: TrainResult) -> None:
     assert cfg.spool_dir is not None and cfg.final_tables is not None
     segments = _segments(cfg.spool_dir, cfg.model, result.generation, cfg.world_size)
     final = torch.load(cfg.final_tables)
-    assert set(final) == {*cfg.tables, SEQ_FEATURE}
+    zch = [ZCH_TABLE] if cfg.zch_slots else []
+    assert set(final) == {*cfg.tables, SEQ_FEATURE, *zch}
     rebuilt = apply_segments({}, segments)
     for name, table in final.items():
         assert torch.equal(rebuilt[name], table), f"table {name} differs"
+    # The managed-collision table's slot -> raw id map, from the base and each segment's.
+    slots = torch.full((cfg.zch_slots,), EMPTY_RAW_ID, dtype=torch.int64)
+    for seg in segments:
+        for c in seg.shards:
+            assert (c.raw_ids is not None) == (c.shard.table == ZCH_TABLE)
+            if c.raw_ids is not None:
+                slots[c.ids] = c.raw_ids
     if cfg.final_model is not None:  # the whole model: the same tables, and the dense state
         state = torch.load(cfg.final_model)
-        model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim)
+        model = build_unsharded(cfg)
         model.load_state_dict(state)  # strict: unsharded names, nothing missing
         for name, table in final.items():
             bank = model.ec.embeddings if name == SEQ_FEATURE else model.ebc.embedding_bags
+            if name == ZCH_TABLE:
+                assert model.zch is not None
+                bank = model.zch._embedding_module.embedding_bags
             assert torch.equal(bank[name].weight, table), name
         assert any(k.startswith("over.") for k in state)
+        if model.zch is not None:  # the remapper as the segments say, every slot
+            mch = model.zch._managed_collision_collection._managed_collision_modules[ZCH_TABLE]
+            assert torch.equal(slot_raw_ids(mch), slots)
+            assert (slots != EMPTY_RAW_ID).sum() > 0
     # Delta ids are global: each chunk's ids lie in its shard's rows, and per column slice
     # the union over ranks and segments is exactly the set of ids the ranks were fed.
     touched: dict[tuple[str, int], set[int]] = {}
@@ -84,8 +99,9 @@ def _check(cfg: TrainConfig, result: TrainResult) -> None:
             touched.setdefault((c.shard.table, c.shard.col_start), set()).update(ids)
     fed = _fed_ids(cfg, cfg.steps)
     for (table, _), ids in touched.items():
-        assert ids == fed[table], table
-    assert {t for t, _ in touched} == set(fed)
+        if table != ZCH_TABLE:  # its ids are slots, not the raw ids fed
+            assert ids == fed[table], table
+    assert {t for t, _ in touched} == {*fed, *zch}
 
 
 def _config(tmp_path: Path, **kw: object) -> TrainConfig:
@@ -138,6 +154,27 @@ def test_pipeline_base_one_rank_time_based(tmp_path: Path) -> None:
     result = run_training(cfg)
     assert result.generation == 42
     _check(cfg, result)
+
+
+@pytest.mark.slow
+def test_sparse_dist_pipeline_two_ranks_time_based_publishes_aligned_cuts(tmp_path: Path) -> None:
+    """Time-based publishing is decided without a per-step collective (the next publish's step
+    is agreed at each publish): under TrainPipelineSparseDist both ranks publish at the same
+    steps, and the segments rebuild the final tables bit-exactly (the drain point holds)."""
+    cfg = _config(
+        tmp_path, world_size=2, tables={"a": 300, "b": 300}, seq_rows=200,
+        sharding={"a": "rw", "b": "cw", "seq": "tw"}, steps=14, publish_every_seconds=0.05,
+        loop=TrainLoop.PIPELINE_SPARSE_DIST,
+    )  # fmt: skip
+    result = run_training(cfg)
+    _check(cfg, result)
+    assert cfg.spool_dir is not None and result.generation is not None
+    layout = SpoolLayout(cfg.spool_dir, cfg.model)
+    steps = [
+        [read_segment(p).header.step for _, p in layout.segments(result.generation, r)]
+        for r in range(2)
+    ]
+    assert steps[0] == steps[1] and len(steps[0]) >= 3
 
 
 def _launch(tmp_path: Path, *flags: str) -> subprocess.Popen[bytes]:

@@ -10,7 +10,11 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from deltad import output
+from deltad.config import MAX_COUNT, MAX_SECONDS, Range
 from deltad.errors import ConfigError
+
+from .zch import POLICIES, ZCH_RAW_PER_SLOT, ZCH_SLOTS
 
 _SHARDINGS = ("tw", "rw", "cw", "twrw")  # also the cycle of --sharding mixed
 _LOOPS = ("plain", "pipeline-base", "pipeline-sparse-dist")
@@ -25,9 +29,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="4",
         help="pooled tables: a count (t0..tN-1) or NAME[:ROWS],... (default: %(default)s)",
     )
-    parser.add_argument("--rows", type=int, default=10_000, help="rows per table (default)")
+    parser.add_argument("--rows", type=int, default=10_000, help="rows per table")
     parser.add_argument("--seq-rows", type=int, help="rows of the sequence table (default --rows)")
     parser.add_argument("--dim", type=int, default=16, help="embedding dim (default: %(default)s)")
+    parser.add_argument(
+        "--zch-slots",
+        type=int,
+        default=ZCH_SLOTS,
+        help="slots of the managed-collision (ZCH) table 'zch', row-wise sharded; 0: no such table",
+    )
+    parser.add_argument(
+        "--zch-raw-ids",
+        type=int,
+        default=0,
+        help=f"raw-id space of the zch table; 0: {ZCH_RAW_PER_SLOT} x its slots",
+    )
+    parser.add_argument(
+        "--zch-policy", choices=POLICIES, default="lru", help="its MCH eviction policy"
+    )
     parser.add_argument(
         "--sharding",
         default="mixed",
@@ -37,11 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--steps", type=int, help="train this many steps (default 100)")
     limit.add_argument("--duration", type=float, help="train this many seconds")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=128, help="samples per rank per step")
     parser.add_argument(
         "--publish-every-steps", type=int, help="publish every N steps (default 10 if no seconds)"
     )
-    parser.add_argument("--publish-every-seconds", type=float, default=0.0)
+    parser.add_argument(
+        "--publish-every-seconds",
+        type=float,
+        default=0.0,
+        help="publish when this many seconds passed since the last segment (0: off)",
+    )
     parser.add_argument("--no-publish", action="store_true", help="no tracker (baseline)")
     parser.add_argument(
         "--no-fsync",
@@ -54,8 +78,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="generation id, larger than every one in the spool (refused otherwise; "
         "default: time-based, past the newest)",
     )
-    parser.add_argument("--loop", choices=_LOOPS, default="plain")
-    parser.add_argument("--input", choices=("kjt", "tensordict"), default="kjt")
+    parser.add_argument(
+        "--loop", choices=_LOOPS, default="plain", help="train loop: plain or a torchrec pipeline"
+    )
+    parser.add_argument(
+        "--input",
+        choices=("kjt", "tensordict"),
+        default="kjt",
+        help="batch input type: KeyedJaggedTensor or TensorDict",
+    )
     parser.add_argument("--final-tables", type=Path, help="torch.save {table: tensor} here")
     parser.add_argument(
         "--final-model",
@@ -76,10 +107,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="a bad update at this step: NaN gradients (rows and dense weights go NaN); 0 = none",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="data and model seed")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--result-json", type=Path, help="write the run's stats here")
+
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES: dict[str, Range] = {
+    "world_size": Range(1, 1 << 12),
+    "zch_slots": Range(0, 1 << 31, note="0 = no managed-collision table"),
+    "zch_raw_ids": Range(0, 1 << 62, note="0 = 20 x the slots"),
+    "rows": Range(1, MAX_COUNT),
+    "seq_rows": Range(1, MAX_COUNT),
+    "dim": Range(1, 1 << 16),
+    "steps": Range(1, MAX_COUNT),
+    "duration": Range(0, MAX_SECONDS, lo_open=True),
+    "batch_size": Range(1, 1 << 24),
+    "publish_every_steps": Range(0, MAX_COUNT),
+    "publish_every_seconds": Range(0, MAX_SECONDS),
+    "generation": Range(1, float(1 << 63) - 1),
+    "seed": Range(0, (1 << 63) - 1),
+    "lr": Range(0, 1e6, lo_open=True),
+    "inject_nan_step": Range(0, MAX_COUNT, note="0 = none"),
+}
 
 
 def parse_tables(spec: str, rows: int) -> dict[str, int]:
@@ -128,7 +179,10 @@ def parse_sharding(spec: str, tables: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from deltad.needs import need
     from deltad.types import TrainLoop
+
+    need("fbgemm_gpu", "torchrec", purpose="deltad train (the reference trainer)")
 
     from .train import TrainConfig, run_training
 
@@ -144,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
         tables=tables,
         seq_rows=args.seq_rows or args.rows,
         dim=args.dim,
+        zch_slots=args.zch_slots,
+        zch_raw_ids=args.zch_raw_ids,
+        zch_policy=args.zch_policy,
         sharding=parse_sharding(args.sharding, list(tables)),
         steps=args.steps if args.steps is not None else (0 if args.duration else 100),
         duration_s=args.duration or 0.0,
@@ -169,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
         inject_nan_step=args.inject_nan_step,
     )
     result = run_training(cfg)
-    text = json.dumps(asdict(result), indent=2)
-    print(text)
+    text = json.dumps(asdict(result), indent=None if output.json_lines() else 2)
+    print(text)  # the result (stdout), one JSON object: one line with --log-json
     if args.result_json:
         try:
             args.result_json.write_text(text)

@@ -19,6 +19,8 @@ from torchrec.streamable import Pipelineable
 
 #: Name of the sequence feature (and of its table) fed to the EmbeddingCollection.
 SEQ_FEATURE = "seq"
+#: Name of the managed-collision table (its feature is ``feature_name(ZCH_TABLE)``).
+ZCH_TABLE = "zch"
 
 
 def feature_name(table: str) -> str:
@@ -34,6 +36,8 @@ class Batch(Pipelineable):
     sparse: Any  # KeyedJaggedTensor or TensorDict: pooled features for the EBC
     seq: KeyedJaggedTensor  # sequence feature for the EC
     labels: torch.Tensor  # [B]
+    #: Raw ids of the managed-collision table (a KJT of one key, ``f_zch``); None: none.
+    zch: KeyedJaggedTensor | None = None
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         return Batch(
@@ -41,12 +45,15 @@ class Batch(Pipelineable):
             sparse=self.sparse.to(device, non_blocking=non_blocking),
             seq=self.seq.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
+            zch=None if self.zch is None else self.zch.to(device, non_blocking=non_blocking),
         )
 
     def record_stream(self, stream: Any) -> None:
         self.dense.record_stream(stream)
         self.seq.record_stream(stream)
         self.labels.record_stream(stream)
+        if self.zch is not None:
+            self.zch.record_stream(stream)
         if isinstance(self.sparse, KeyedJaggedTensor):
             self.sparse.record_stream(stream)
         else:
@@ -59,6 +66,19 @@ class Batch(Pipelineable):
             self.sparse.pin_memory(),
             self.seq.pin_memory(),
             self.labels.pin_memory(),
+            None if self.zch is None else self.zch.pin_memory(),
+        )
+
+    def zch_kjt(self) -> KeyedJaggedTensor:
+        """The managed-collision raw ids; a batch without them looks up nothing (every
+        sample's bag is empty: a zero pooled embedding)."""
+        if self.zch is not None:
+            return self.zch
+        b = self.labels.numel()
+        return KeyedJaggedTensor(
+            keys=[feature_name(ZCH_TABLE)],
+            values=torch.zeros(0, dtype=torch.int64, device=self.labels.device),
+            lengths=torch.zeros(b, dtype=torch.int64, device=self.labels.device),
         )
 
     def sparse_kjt(self) -> KeyedJaggedTensor:
@@ -92,6 +112,10 @@ class ClickStream:
     """Deterministic synthetic batches for one rank.
 
     ``tables`` maps each pooled table to its row count; ``seq_rows`` is the sequence table's.
+    ``zch_raw_ids`` > 0: batches also carry raw ids of the managed-collision table, Zipf over
+    ``[0, zch_raw_ids)`` with the hot set drifting (``zch_drift`` ids per batch), so ids keep
+    arriving and going cold; drawn from their own generator (the other features' streams
+    are the same with or without them).
     """
 
     def __init__(
@@ -107,6 +131,8 @@ class ClickStream:
         input_format: str = "kjt",
         seed: int = 0,
         rank: int = 0,
+        zch_raw_ids: int = 0,
+        zch_drift: int = 7,
     ) -> None:
         self.tables = dict(tables)
         self.batch_size = batch_size
@@ -119,6 +145,12 @@ class ClickStream:
         self._zipf = {t: _Zipf(rows, alpha, shared) for t, rows in self.tables.items()}
         self._seq_zipf = _Zipf(seq_rows, alpha, shared)
         self._gen = torch.Generator().manual_seed(seed * 1_000_003 + rank + 1)
+        self.zch_raw_ids = zch_raw_ids
+        self.zch_drift = zch_drift
+        self._batches = 0
+        if zch_raw_ids > 0:
+            self._zch_zipf = _Zipf(zch_raw_ids, alpha, shared)
+            self._zch_gen = torch.Generator().manual_seed(seed * 1_000_033 + rank + 7)
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
@@ -146,7 +178,17 @@ class ClickStream:
         seq = KeyedJaggedTensor.from_lengths_sync(
             keys=[SEQ_FEATURE], values=seq_values, lengths=seq_lengths
         )
-        return Batch(dense, self._sparse(keys, values, lengths), seq, labels)
+        zch = None
+        if self.zch_raw_ids > 0:
+            zg = self._zch_gen
+            zl = torch.randint(1, self.pooling + 1, (b,), generator=zg)
+            shift = self._batches * self.zch_drift
+            zv = (self._zch_zipf.sample(int(zl.sum()), zg) + shift) % self.zch_raw_ids
+            zch = KeyedJaggedTensor.from_lengths_sync(
+                keys=[feature_name(ZCH_TABLE)], values=zv, lengths=zl
+            )
+        self._batches += 1
+        return Batch(dense, self._sparse(keys, values, lengths), seq, labels, zch)
 
     def _sparse(
         self, keys: Sequence[str], values: Sequence[torch.Tensor], lengths: Sequence[torch.Tensor]

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import math
+import multiprocessing.util
 import os
 import signal
 import statistics
@@ -42,8 +43,16 @@ from deltad.publish.tracker import clean_fqn
 from deltad.segment.spool import SpoolLayout
 from deltad.types import TrainLoop
 
-from .data import SEQ_FEATURE, Batch, ClickStream
+from .data import SEQ_FEATURE, ZCH_TABLE, Batch, ClickStream
 from .model import ClickModel
+from .zch import (
+    POLICIES,
+    ZCH_RAW_PER_SLOT,
+    ZCH_SLOTS,
+    enable_cpu_eviction,
+    mc_sharders,
+    mc_tables,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +84,11 @@ class TrainConfig:
     tables: dict[str, int] = field(default_factory=lambda: {"t0": 1000, "t1": 1000})
     seq_rows: int = 1000
     dim: int = 16
+    #: Slots of the managed-collision table ``zch`` (0: the model has none), the size of its
+    #: raw-id space (0: ``ZCH_RAW_PER_SLOT`` x the slots) and its MCH eviction policy.
+    zch_slots: int = ZCH_SLOTS
+    zch_raw_ids: int = 0
+    zch_policy: str = "lru"
     sharding: dict[str, str] = field(default_factory=dict)
     #: Stop after this many steps (0 = no step limit) or this many seconds (0 = none).
     steps: int = 100
@@ -137,6 +151,18 @@ class TrainConfig:
                 raise ConfigError(f"table {name}: rows must be >= 1")
         if self.seq_rows < 1:
             raise ConfigError("seq_rows must be >= 1")
+        if ZCH_TABLE in self.tables:
+            raise ConfigError(
+                f"table name {ZCH_TABLE!r} is reserved for the managed-collision table"
+            )
+        if self.zch_slots < 0 or self.zch_raw_ids < 0:
+            raise ConfigError("zch slots and raw ids must be >= 0")
+        if self.zch_slots and self.zch_slots < self.world_size:
+            raise ConfigError("the managed-collision table needs at least one slot per rank")
+        if self.zch_slots and 0 < self.zch_raw_ids < self.zch_slots:
+            raise ConfigError("the zch raw-id space must be at least as large as its slots")
+        if self.zch_policy not in POLICIES:
+            raise ConfigError(f"zch policy must be one of {', '.join(POLICIES)}")
         if self.dim < 4 or self.dim % 4:
             raise ConfigError("dim must be a positive multiple of 4 (TBE kernels)")
         for name, st in self.sharding.items():
@@ -175,7 +201,16 @@ class TrainConfig:
             train_loop=self.loop,
         )
 
+    @property
+    def zch_raw_space(self) -> int:
+        """Raw ids of the managed-collision table are in ``[0, zch_raw_space)`` (0: none)."""
+        if not self.zch_slots:
+            return 0
+        return self.zch_raw_ids or ZCH_RAW_PER_SLOT * self.zch_slots
+
     def sharding_of(self, table: str) -> str:
+        if table == ZCH_TABLE:
+            return "rw"  # the only sharding TorchRec has for managed-collision tables
         return self.sharding.get(table, "tw")
 
 
@@ -191,6 +226,19 @@ class RankStats:
     write_s: float  # writer-thread time
     hooks_s: float  # tracker hooks inside forward passes (record ids + fold into bitmaps)
     dense_bytes: int = 0  # rank 0: bytes of the dense states published with its segments
+    #: The loop after its warm-up steps: wall time of its steps (publishing included), the
+    #: process's CPU time meanwhile (every thread: the publisher's too), and how many steps.
+    loop_s: float = 0.0
+    loop_cpu_s: float = 0.0
+    loop_steps: int = 0
+    #: of ``loop_s``: what the publisher accounts as the loop's (``PublisherStats.stall_s``:
+    #: the decision, drains, the publish's all-reduce, backward waits for copies)
+    loop_publish_s: float = 0.0
+    #: off the loop, over the whole run: CPU seconds of the publisher's writer and copier
+    #: threads and of the tracker's fold thread (the publisher's own accounting)
+    offloop_cpu_s: float = 0.0
+    #: of the publisher's loop time, over the whole run: its per-publish all-reduce
+    agree_s: float = 0.0
 
 
 @dataclass
@@ -286,15 +334,33 @@ def _worker(rank: int, cfg: TrainConfig, work: Path) -> None:
     # result and the final tables written). Leave without interpreter teardown: destroying
     # gloo's / TorchRec's C++ state at exit intermittently aborted a rank with "terminate
     # called without an active exception" after a clean SIGTERM stop.
+    # Python's own finalizers still run: multiprocessing's release the semaphores this rank
+    # created (skipped, the parent's resource tracker warned of "leaked semaphore objects").
+    multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
+def build_unsharded(cfg: TrainConfig, device: torch.device | None = None) -> ClickModel:
+    """The :class:`ClickModel` of ``cfg`` (on ``device``; ``meta`` to shard it)."""
+    return ClickModel(
+        cfg.tables,
+        cfg.seq_rows,
+        dim=cfg.dim,
+        zch_slots=cfg.zch_slots,
+        zch_raw_ids=cfg.zch_raw_ids,
+        zch_policy=cfg.zch_policy,
+        zch_buckets=cfg.world_size,  # the planner wants a multiple of the world size
+        device=device,
+    )
+
+
 def build_model(cfg: TrainConfig) -> Any:
     """The sharded :class:`ClickModel` (a DistributedModelParallel); needs torch.distributed."""
-    model = ClickModel(cfg.tables, cfg.seq_rows, dim=cfg.dim, device=torch.device("meta"))
-    sharding = {t: cfg.sharding_of(t) for t in [*cfg.tables, SEQ_FEATURE]}
+    model = build_unsharded(cfg, device=torch.device("meta"))
+    zch = [ZCH_TABLE] if cfg.zch_slots else []
+    sharding = {t: cfg.sharding_of(t) for t in [*cfg.tables, SEQ_FEATURE, *zch]}
     # Column-wise: ask for shards narrow enough that every rank gets some (two per rank).
     min_partition = max(4, cfg.dim // (2 * cfg.world_size) // 4 * 4)
     return shard_model(
@@ -334,10 +400,15 @@ def shard_model(
             types: list[str] = super().sharding_types(compute_device_type)
             return types + [t for t in ("row_wise", "table_row_wise") if t not in types]
 
+    managed = mc_tables(model)
+    if managed:
+        enable_cpu_eviction()  # fbgemm has no CPU kernel for the reset eviction does
     constraints = {
         t: ParameterConstraints(
             sharding_types=[SHARDING_TYPES.get(st, st)],
             min_partition=cw_min_partition if st == "cw" else None,
+            # MC sharders also offer UVM / KV kernels, which the CPU planner cannot price
+            compute_kernels=["fused"] if t in managed else None,
         )
         for t, st in sharding.items()
     }
@@ -346,7 +417,9 @@ def shard_model(
         "learning_rate": learning_rate,
         "eps": 1e-8,
     }
-    sharders = [CpuEBCSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
+    ebc_sharder = CpuEBCSharder(fused_params=fused)
+    ec_sharder = EmbeddingCollectionSharder(fused_params=fused)
+    sharders = [ebc_sharder, ec_sharder, *mc_sharders(ebc_sharder, ec_sharder)]
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
         constraints=constraints,
@@ -401,6 +474,7 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
         input_format=cfg.input_format,
         seed=cfg.seed,
         rank=rank,
+        zch_raw_ids=cfg.zch_raw_space,
     )
     batches = stream.take(cfg.steps) if cfg.steps else iter(stream)
     publisher = None
@@ -412,6 +486,8 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     deadline = time.monotonic() + cfg.duration_s if cfg.duration_s else math.inf
     times: list[float] = []
     step = 0
+    cpu0 = time.process_time()
+    stall0 = 0.0
     with tqdm(total=cfg.steps or None, disable=rank != 0 or not cfg.progress, unit="step") as bar:
         while not cfg.steps or step < cfg.steps:
             t0 = time.perf_counter()
@@ -430,10 +506,15 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
                     _save_atomic(state, cfg.dump_dir / f"model-step-{step}.pt")
                     _save_atomic(tables, cfg.dump_dir / f"tables-step-{step}.pt")
             times.append(time.perf_counter() - t0)
+            if step == _WARMUP_STEPS:
+                cpu0 = time.process_time()
+                stall0 = publisher.stats.stall_s if publisher is not None else 0.0
             bar.update()
             # Stop together: on a signal (any rank) or at the deadline (rank clocks differ).
             if _any_rank(_STOP.is_set() or time.monotonic() >= deadline):
                 break
+    loop_cpu = time.process_time() - cpu0
+    loop_publish = publisher.stats.stall_s - stall0 if publisher is not None else 0.0
     if publisher is not None:
         publisher.close(step)
     if cfg.final_tables is not None or cfg.final_model is not None:
@@ -449,6 +530,17 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
         mine = RankStats(
             rank, len(s.segments), s.rows, s.nbytes, s.stall_s, s.write_s, hooks, s.dense_bytes
         )
+    steady = times[_WARMUP_STEPS:]
+    mine.loop_s, mine.loop_cpu_s, mine.loop_steps = sum(steady), loop_cpu, len(steady)
+    mine.loop_publish_s = loop_publish
+    if publisher is not None:
+        s = publisher.stats
+        mine.offloop_cpu_s = (
+            s.write_cpu_s
+            + sum(x.copy_cpu_s for x in s.segments)
+            + publisher.tracker.stats.background_s
+        )
+        mine.agree_s = sum(x.agree_s for x in s.segments)
     gathered: list[Any] = [None] * cfg.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     if rank == 0:
@@ -488,8 +580,12 @@ def _full_state(dmp: Any, rank: int) -> tuple[dict[str, torch.Tensor], dict[str,
     for key, value in dmp.state_dict().items():
         name = clean_fqn(key)
         if hasattr(value, "local_shards"):
-            full = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
-            value.gather(dst=0, out=full)
+            dtype = value.metadata().tensor_properties.dtype
+            if dtype.is_floating_point:
+                full = torch.empty(value.size(), dtype=dtype) if rank == 0 else None
+                value.gather(dst=0, out=full)
+            else:  # MCH buffers: ShardedTensor.gather turns int64 max (empty slot) into min
+                full = _gather_exact(value, dtype, rank)
             if full is not None:
                 state[name] = full
                 if key.endswith(".weight"):
@@ -497,3 +593,20 @@ def _full_state(dmp: Any, rank: int) -> tuple[dict[str, torch.Tensor], dict[str,
         elif rank == 0 and isinstance(value, torch.Tensor):
             state[name] = value.detach().clone()
     return state, tables
+
+
+def _gather_exact(value: Any, dtype: torch.dtype, rank: int) -> torch.Tensor | None:
+    """A sharded integer tensor (a managed-collision module's buffers) whole on rank 0, bit
+    for bit (collective; None elsewhere)."""
+    parts = [
+        (list(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in value.local_shards()
+    ]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(parts, gathered, dst=0)
+    if gathered is None:
+        return None
+    full = torch.empty(value.size(), dtype=dtype)
+    for rank_parts in gathered:
+        for offsets, t in rank_parts:
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t
+    return full

@@ -20,6 +20,13 @@ of the window (the windows carry it in ``RankDelta.stage``). A stage is installe
 not at all: a broken stream, a failed check or a dropped multi-rank pull discards it and the
 held tables never saw any of it. Appliers whose ``stage()`` returns None (the default, e.g.
 :class:`TorchRecApplier`) get assembled windows as before.
+
+Managed-collision tables (:mod:`deltad.consume.mc`): an update's ``raw_ids`` (the raw id each
+listed slot now holds) go into the applier's slot map of the table -- for
+:class:`TorchRecApplier` the float MC-EC / MC-EBC's remapper buffers, for
+:class:`TensorDictApplier` a plain :class:`~deltad.consume.mc.SlotMap` (:meth:`Applier.slot_maps`)
+-- planned with the window's checks and installed under the same lock as its rows: a reader
+inside ``reading()`` sees a slot's row and its raw id from the same window.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from contextlib import contextmanager
 
 import torch
 
+from deltad.consume.mc import IdentityUpdates, Remapper, SlotMap, identities_of, remappers
 from deltad.consume.window import RankDelta, ResyncStage, ShardUpdate
 from deltad.errors import ConsumerError
 from deltad.types import Shard
@@ -73,6 +81,19 @@ class Applier(abc.ABC):
         """A shard update failed its checks: the staged tables are dropped, the held ones stay."""
         return None  # tables that are never replaced (TorchRecApplier) stage nothing
 
+    #: Refuse a window whose identities contradict the held map (an evicted raw id still
+    #: held, ...); False: the window's identities win (see :meth:`SlotMap.plan`).
+    strict_identities = True
+
+    def slot_maps(self) -> dict[str, SlotMap]:
+        """The managed-collision tables' slot -> raw id maps, by table (none by default)."""
+        return {}
+
+    def _slot_map(self, table: str, num_rows: int, sent: bool) -> SlotMap | None:
+        """The slot map ``table``'s raw ids go into (``sent``: the update has raw ids; None:
+        the table has no identities here). Default: the maps of :meth:`slot_maps`."""
+        return self.slot_maps().get(table)
+
     def apply(self, deltas: Sequence[RankDelta]) -> int:
         """Write every shard update of ``deltas`` atomically; return the number of rows written."""
         with self.lock:
@@ -80,8 +101,16 @@ class Applier(abc.ABC):
             stages = stages_of(deltas, self)
             self._begin()
             try:
+                idents = IdentityUpdates.new()
+                maps: dict[str, SlotMap] = {}
                 for st in stages:
                     st.prepare()
+                    if isinstance(st, _TensorStage):  # raw ids of streamed chunks
+                        for name in st.identities.tables():
+                            m = self._identity_target(name, st.table_rows[name], True)
+                            assert m is not None
+                            maps[name] = m
+                        idents.extend(st.identities)
                 for d in deltas:
                     for s in d.shards:
                         if s.values is None:
@@ -93,7 +122,15 @@ class Applier(abc.ABC):
                             s.shard.table, s.shard.num_rows, s.shard.dim, resync=d.resync
                         )
                         _check(t, s)
+                        raw_ids, evicted = identities_of(s)
+                        m = self._identity_target(
+                            s.shard.table, s.shard.num_rows, raw_ids is not None
+                        )
+                        if m is not None:
+                            maps[s.shard.table] = m
+                            idents.add(s.shard.table, s.ids, raw_ids, evicted)
                         plan.append((t, s))
+                id_plans = idents.plan(maps, strict=self.strict_identities)
             except BaseException:
                 self._discard()
                 for st in stages:
@@ -107,7 +144,32 @@ class Applier(abc.ABC):
                 self._install()
                 for t, s in plan:
                     rows += _write(t, s)
+                for name, p in id_plans.items():
+                    maps[name].install(p)
+                self._installed_maps(maps)
             return rows
+
+    def _identity_target(self, table: str, num_rows: int, sent: bool) -> SlotMap | None:
+        """The slot map an update of ``table`` goes into (``sent``: it has raw ids; None: an
+        ordinary table); ConsumerError if one side has identities and the other not."""
+        m = self._slot_map(table, num_rows, sent)
+        if m is None:
+            if sent:
+                raise ConsumerError(
+                    f"table {table}: raw ids sent for a table the serving model has no "
+                    f"managed-collision module for"
+                )
+            return None
+        if not sent:
+            raise ConsumerError(
+                f"table {table} is managed-collision: its rows need raw ids aligned with "
+                f"their slots"
+            )
+        return m
+
+    def _installed_maps(self, maps: dict[str, SlotMap]) -> None:
+        """The window's slot maps were installed (new ones are held from now on)."""
+        return None
 
 
 def stages_of(deltas: Sequence[RankDelta], applier: Applier) -> list[ResyncStage]:
@@ -192,6 +254,24 @@ class TensorDictApplier(Applier):
         self._tables: dict[str, torch.Tensor] = tables if tables is not None else {}
         self._staged: dict[str, torch.Tensor] = {}
         self.dtype = dtype
+        #: managed-collision tables (a map from the first update with raw ids; a resync
+        #: streamed into a stage brings no raw ids, so a map may lack identities: not strict)
+        self._maps: dict[str, SlotMap] = {}
+        self.strict_identities = False
+
+    def slot_maps(self) -> dict[str, SlotMap]:
+        return dict(self._maps)
+
+    def _slot_map(self, table: str, num_rows: int, sent: bool) -> SlotMap | None:
+        m = self._maps.get(table)
+        if m is None and not sent:
+            return None
+        if m is None or m.size != num_rows:  # held only once the window passed its checks
+            return SlotMap.empty(table, num_rows)
+        return m
+
+    def _installed_maps(self, maps: dict[str, SlotMap]) -> None:
+        self._maps.update(maps)
 
     def table(self, name: str, num_rows: int, dim: int, *, resync: bool) -> torch.Tensor:
         t = self._staged.get(name)
@@ -242,6 +322,9 @@ class _TensorStage(ResyncStage):
         self._over: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         #: (name, col_start, col_end) -> bool [num_rows]: rows written (tables in _over)
         self._written: dict[tuple[str, int, int], torch.Tensor] = {}
+        #: raw ids of the managed-collision chunks written here, and their tables' rows
+        self.identities = IdentityUpdates.new()
+        self.table_rows: dict[str, int] = {}
 
     def _target(self, name: str) -> torch.Tensor | None:
         t = self._fresh.get(name)
@@ -249,6 +332,8 @@ class _TensorStage(ResyncStage):
 
     def _open(self, shard: Shard, packed_row_bytes: int) -> bool:
         if packed_row_bytes:  # packed rows are for QuantApplier: apply refuses them as before
+            return False
+        if shard.table in self._applier._maps:  # managed-collision: assembled with its raw ids
             return False
         name, shape = shard.table, (shard.num_rows, shard.dim)
         t = self._target(name)
@@ -273,6 +358,11 @@ class _TensorStage(ResyncStage):
         if t is None:
             raise ConsumerError(f"table {s.table}: rows of a slice the header did not announce")
         _check(t, update)
+        raw_ids, evicted = identities_of(update)
+        if raw_ids is not None or evicted is not None:
+            with self._lock:
+                self.identities.add(s.table, update.ids, raw_ids, evicted)
+                self.table_rows[s.table] = s.num_rows
         with torch.no_grad():
             n = _write(t, update)
         mask = self._written.get((s.table, s.col_start, s.col_end))
@@ -306,6 +396,7 @@ class _TensorStage(ResyncStage):
 
     def _release(self) -> None:
         self._fresh, self._over, self._written = {}, {}, {}
+        self.identities, self.table_rows = IdentityUpdates.new(), {}
 
 
 class TorchRecApplier(Applier):
@@ -314,7 +405,9 @@ class TorchRecApplier(Applier):
     Every ``EmbeddingCollection`` (``embeddings[table].weight``) and
     ``EmbeddingBagCollection`` (``embedding_bags[table].weight``) inside ``module`` (or
     ``module`` itself) provides its tables by name. Unknown tables or other shapes raise
-    ConsumerError: the inference model's layout is fixed.
+    ConsumerError: the inference model's layout is fixed. A managed-collision table (inside a
+    float MC-EC / MC-EBC) also has its MCH remapper rebuilt from the windows' raw ids (the
+    float serving path of MC models; forwards inside ``reading()``).
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -322,6 +415,15 @@ class TorchRecApplier(Applier):
         self._tables = torchrec_tables(module)
         if not self._tables:
             raise ConsumerError("no EmbeddingCollection / EmbeddingBagCollection in the module")
+        #: managed-collision tables: the float MCH modules' remappers (put in eval mode)
+        self._remappers = remappers(module)
+
+    def slot_maps(self) -> dict[str, SlotMap]:
+        return dict(self._remappers)
+
+    @property
+    def remappers(self) -> dict[str, Remapper]:
+        return dict(self._remappers)
 
     def table(self, name: str, num_rows: int, dim: int, *, resync: bool) -> torch.Tensor:
         try:

@@ -75,11 +75,28 @@ class PullResult:
     step: int | None = None
     #: Newest step any rank has published.
     head_step: int | None = None
+    #: The newest step the model's release state lets this consumer be served (hold, pin,
+    #: canary, a validation gate failure; None: no cap: the head). Aligned pulls only.
+    cap_step: int | None = None
+    #: The newest step this consumer can reach now: ``head_step`` without a cap, else the
+    #: newest step at or below the cap every rank can end a window at. Aligned pulls only.
+    release_step: int | None = None
     #: When the last segment of ``step`` was created (host clock), if known.
     source_unix: float | None = None
     #: Ranks not read this time, with the reason (the rows come next time).
     missing: dict[int, str] = field(default_factory=dict)
     pulled_unix: float = 0.0
+
+    @property
+    def caught_up(self) -> bool:
+        """Every rank read, the tables serve the newest step this consumer may have (the
+        head, or the release step while a hold, pin or gate caps it: a capped consumer is
+        caught up to the release, not behind), no row is owed and no dense state is
+        missing: nothing more to pull until the trainer publishes or an operator releases."""
+        if self.missing or self.dense_missing or self.step is None or self.owed:
+            return False
+        reach = self.release_step if self.release_step is not None else self.head_step
+        return reach is not None and self.step >= reach
 
     @property
     def rows(self) -> int:
@@ -116,6 +133,11 @@ class PullResult:
         return {d.rank: d.resync_reason for d in self.deltas if d.resync}
 
     @property
+    def owed(self) -> int:
+        """Rows still owed after this pull (top-k or ``max_rows``: sent by later pulls)."""
+        return sum(s.owed for d in self.deltas for s in d.shards)
+
+    @property
     def served_step(self) -> int | None:
         """The step the predictor serves once it applied this pull (= ``step``)."""
         return self.step
@@ -133,6 +155,13 @@ class PullResult:
     @property
     def dense_bytes(self) -> int:
         return sum(d.dense_bytes for d in self.deltas)
+
+    @property
+    def dense_missing(self) -> dict[int, str]:
+        """Ranks whose sidecar (or relay) says this pull lacks the dense state it should
+        bring, with the reason (asked with ``PullOptions.dense``). The rows applied are of
+        ``step``; the dense weights held are older (or the model's init): not caught up."""
+        return {d.rank: d.dense_missing for d in self.deltas if d.dense_missing}
 
 
 class DeltaConsumer:
@@ -253,6 +282,8 @@ class DeltaConsumer:
             result.rows, result.bytes, (time.monotonic() - started) * 1000,
             f" (missing ranks {sorted(result.missing)})" if result.missing else "",
         )  # fmt: skip
+        for rank, why in result.dense_missing.items():
+            log.warning("pull %s rank %d: dense state missing: %s", self.config.consumer, rank, why)
         return result
 
     def _keep_stage(self, result: PullResult, stage: ResyncStage) -> PullResult:
@@ -378,8 +409,10 @@ class DeltaConsumer:
         (the next pull reports it). ``stop``, once set, ends the wait early (False).
         """
         self._require_connected()
-        if timeout_s <= 0 or any(r.needs_base or r.seen[1] < 0 for r in self._ranks):
-            return True  # nothing seen yet: a pull is due anyway
+        if timeout_s <= 0 or any(r.needs_base and r.seen[1] >= 0 for r in self._ranks):
+            return True  # a rank has segments this consumer has not pulled yet
+        # (a rank with nothing published yet, seen (0, -1), is waited for like any other:
+        # its sidecar answers once the trainer's first segment lands)
         answered = threading.Event()
         calls = []
         for r in self._ranks:
@@ -401,6 +434,8 @@ class DeltaConsumer:
                 st = call.result()
                 if (st.generation, st.head_seq) > r.seen:
                     moved = True
+                if st.rollout_state and r.rollout_version not in (None, st.rollout_version):
+                    moved = True  # released (or held): the cap moved
             return moved
         finally:
             for _, call in calls:
@@ -427,16 +462,27 @@ class DeltaConsumer:
         generations = {s.generation for s in statuses.values()}
         if len(generations) > 1 or any(s.head_seq < 0 for s in statuses.values()):
             result.missing = {
-                s.rank: f"generation {s.generation} head seq {s.head_seq}: ranks not aligned yet"
+                s.rank: (
+                    "nothing published yet"
+                    if s.head_seq < 0
+                    else f"generation {s.generation} head seq {s.head_seq}: ranks not aligned yet"
+                )
                 for s in statuses.values()
             }
             return result
         target = min(s.head_step for s in statuses.values())
+        caps = [s.cap_step for s in statuses.values() if s.cap_step is not None]
+        result.head_step = max(s.head_step for s in statuses.values())
+        result.release_step = result.head_step
+        if caps:  # the release state caps this consumer: caught up at the release
+            result.cap_step = min(caps)
+            target = min(target, result.cap_step)
+            bound = min(result.head_step, result.cap_step)
+            result.release_step = _reachable(list(statuses.values()), bound)
         if self.config.pull.max_step is not None:
             target = min(target, self.config.pull.max_step)
         if self.config.pull.dense:
             target = _dense_target(list(statuses.values()), target)
-        result.head_step = max(s.head_step for s in statuses.values())
         deltas: list[RankDelta] = []
         got_all = _raise_overloaded(self._parallel(lambda r: self._get_delta(r, target, stage)))
         for r, got in zip(self._ranks, got_all, strict=True):
@@ -525,6 +571,13 @@ def _dense_target(statuses: list[RankStatus], target: int) -> int:
         if all(t in e for e in ends if e):  # a rank that reports no steps: an older sidecar
             return t
     return target
+
+
+def _reachable(statuses: list[RankStatus], bound: int) -> int:
+    """The newest step at or below ``bound`` that a rank can end a window at (as
+    ``head_step`` is the newest any rank published; ``bound`` when ranks report no steps)."""
+    ends = set().union(*(s.steps for s in statuses))
+    return max((t for t in ends if t <= bound), default=bound)
 
 
 def _raise_overloaded(results: list[T | Exception]) -> list[T | Exception]:

@@ -625,6 +625,8 @@ class WindowAssembler:
             dense=dense,
             dense_step=h.dense.step if h.HasField("dense") else None,
             dense_bytes=self.dense_bytes,
+            dense_seq=h.dense.seq if h.HasField("dense") else None,
+            dense_missing=h.dense_missing,
             generation_diff=(
                 h.diff_from_generation if h.HasField("diff_from_generation") else None
             ),

@@ -51,6 +51,19 @@ applier packs every row *before* it takes the write lock, then
 Writers wait for forwards in flight and new forwards wait for a waiting writer (writer
 preference), so an apply is never starved by a stream of forwards.
 
+Managed-collision tables (torchrec's ``QuantManagedCollisionEmbedding(Bag)Collection``: the
+quantized tables behind a float MCH remapper; see :mod:`deltad.consume.mc`): a window's raw
+ids rebuild the remapper's lookup buffers (``_mch_sorted_raw_ids``,
+``_mch_remapped_ids_mapping``), computed outside the lock and copied in one write-lock hold
+*together with the rows of every slot whose raw id changed* (with ``CHUNK`` as with
+``WINDOW``). So a forward maps each raw id either with the old map to the old slot's row as
+it was, or with the new map to the new slot's row as the window sets it: never a slot's new
+row under its old raw id, or the reverse. Rows of slots that keep their raw id are written
+chunk by chunk like any table's (old or new per row); a resync streamed into a stage writes all
+of a managed-collision table's rows in that hold. A resync of a managed-collision table is
+not streamed into a stage (:meth:`ResyncStage.open` declines it): it is assembled with its
+raw ids and applied as one window (its rows cost twice their size during a bootstrap).
+
 Streamed resyncs (:meth:`QuantApplier.stage`, used by ``DeltaConsumer.sync(applier.apply)``):
 a resync window's whole-row shards are packed chunk by chunk, as they arrive, into a staging
 copy of each table's rows (``[num_rows, row_bytes]`` uint8, pages touched only where rows are
@@ -78,6 +91,7 @@ import torch
 
 from deltad import wire
 from deltad.consume.appliers import Applier, ResyncStage, row_run, stages_of
+from deltad.consume.mc import IdentityPlan, IdentityUpdates, Remapper, identities_of, remappers
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConfigError, ConsumerError, UnsupportedModelError
 from deltad.types import ApplyConsistency, ServeDtype, Shard, WireDtype
@@ -113,19 +127,35 @@ def quantize_model(
     """``quantize_embeddings`` for every EmbeddingBagCollection *and* EmbeddingCollection.
 
     The same call a predictor uses to build its serving model from float model code; bf16
-    raises ConfigError before torchrec is called.
+    raises ConfigError before torchrec is called. Managed-collision modules (MC-EC / MC-EBC)
+    become torchrec's ``QuantManagedCollisionEmbedding(Bag)Collection``: quantized tables
+    behind the float MCH remapper (see :mod:`deltad.consume.mc`). ``model`` must not *be* an
+    MC module itself (torchrec swaps children only): wrap it.
     """
     torch_dtype = serve_torch_dtype(dtype)
     from torchrec import EmbeddingCollection
     from torchrec.inference.modules import quantize_embeddings
+    from torchrec.modules.mc_embedding_modules import (
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionEmbeddingCollection,
+    )
     from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
+    from torchrec.quant.embedding_modules import (
+        QuantManagedCollisionEmbeddingBagCollection,
+        QuantManagedCollisionEmbeddingCollection,
+    )
 
+    mapping: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
+        EmbeddingCollection: QuantEmbeddingCollection,
+        ManagedCollisionEmbeddingCollection: QuantManagedCollisionEmbeddingCollection,
+        ManagedCollisionEmbeddingBagCollection: QuantManagedCollisionEmbeddingBagCollection,
+    }
     return quantize_embeddings(
         model,
         dtype=torch_dtype,
         inplace=inplace,
-        additional_qconfig_spec_keys=[EmbeddingCollection],
-        additional_mapping={EmbeddingCollection: QuantEmbeddingCollection},
+        additional_qconfig_spec_keys=list(mapping),
+        additional_mapping=mapping,
     )
 
 
@@ -350,6 +380,7 @@ class ApplyStats:
     rows: int = 0
     chunks: int = 0
     dense: int = 0
+    identities: int = 0  # managed-collision tables whose remapper was rebuilt
     pack_s: float = 0.0
     copy_s: float = 0.0
     max_hold_s: float = 0.0  # longest write-lock hold: the longest a forward could wait
@@ -384,6 +415,8 @@ class QuantApplier(Applier):
             raise UnsupportedModelError("no torchrec.quant EmbeddingBagCollection / Collection")
         self._dense = _dense_state(model)
         self._shadows: dict[str, _Shadow] = {}
+        #: managed-collision tables: their remappers (rebuilt from the windows' raw ids)
+        self._remappers = remappers(model)
         self.stats = ApplyStats()
 
     # -- the Applier seam ---------------------------------------------------------------
@@ -406,6 +439,11 @@ class QuantApplier(Applier):
     @property
     def dense_names(self) -> list[str]:
         return sorted(self._dense)
+
+    @property
+    def remappers(self) -> dict[str, Remapper]:
+        """``{table: Remapper}`` of the managed-collision tables (see :mod:`deltad.consume.mc`)."""
+        return dict(self._remappers)
 
     @property
     def pending_rows(self) -> int:
@@ -446,11 +484,15 @@ class QuantApplier(Applier):
             stages = stages_of(deltas, self)
             try:
                 staged: list[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = []
+                idents = IdentityUpdates.new()
                 for st in stages:
                     st.prepare()
                     assert isinstance(st, _QuantStage)
                     staged += st.copies()
-                plan = self._plan(deltas)
+                plan = self._plan(deltas, idents)
+                id_plans = {  # a map no slot of which changed is not rewritten
+                    k: p for k, p in idents.plan(self._remappers).items() if p.changed.numel()
+                }
                 dense: dict[str, torch.Tensor] = {}
                 for d in deltas:
                     dense.update(getattr(d, "dense", None) or {})
@@ -462,7 +504,7 @@ class QuantApplier(Applier):
             for t, _, _ in staged:  # a base restarts the table: columns seen before are void
                 self._shadows.pop(t.name, None)
             t1 = time.perf_counter()
-            stats = self._write(plan, dense_plan, staged)
+            stats = self._write(plan, dense_plan, staged, id_plans)
             for st in stages:
                 st.commit()
             stats.pack_s = t1 - t0
@@ -493,6 +535,22 @@ class QuantApplier(Applier):
                 f"table {s.shard.table}: bad column range {s.shard.col_start}:{s.shard.col_end}"
             )
         n = s.ids.numel()
+        raw_ids, evicted = identities_of(s)
+        if t.name in self._remappers:
+            if raw_ids is None or raw_ids.shape != (n,):
+                raise ConsumerError(
+                    f"table {t.name} is managed-collision: its rows need raw ids aligned with "
+                    f"their slots (sent {None if raw_ids is None else tuple(raw_ids.shape)})"
+                )
+            if not s.shard.covers_full_row:
+                raise ConsumerError(
+                    f"table {t.name} is managed-collision: column shards are not supported"
+                )
+        elif raw_ids is not None or evicted is not None:
+            raise ConsumerError(
+                f"table {t.name}: raw ids sent for a table the serving model has no "
+                f"managed-collision module for"
+            )
         packed = getattr(s, "packed", None)
         if packed is not None:
             if (s.shard.col_start, s.shard.col_end) != (0, s.shard.dim):
@@ -526,9 +584,10 @@ class QuantApplier(Applier):
         return t
 
     def _plan(
-        self, deltas: Sequence[RankDelta]
+        self, deltas: Sequence[RankDelta], idents: IdentityUpdates
     ) -> list[tuple[QuantTable, torch.Tensor, torch.Tensor]]:
-        """Checked and packed ``(table, ids, rows)`` writes (column shards merged)."""
+        """Checked and packed ``(table, ids, rows)`` writes (column shards merged); the
+        managed-collision tables' identities go into ``idents``."""
         full: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         partial: dict[str, list[ShardUpdate]] = {}
         resynced: set[str] = set()
@@ -541,6 +600,9 @@ class QuantApplier(Applier):
         for name in resynced:  # a base restarts the table: columns seen before are void
             self._shadows.pop(name, None)
         for t, s in checked:
+            if t.name in self._remappers:
+                raw_ids, evicted = identities_of(s)
+                idents.add(t.name, s.ids, raw_ids, evicted)
             if s.ids.numel() == 0:
                 continue
             ids = s.ids.to(dtype=torch.int64, device="cpu")
@@ -617,28 +679,45 @@ class QuantApplier(Applier):
         plan: list[tuple[QuantTable, torch.Tensor, torch.Tensor]],
         dense: list[tuple[torch.Tensor, Any]],
         staged: Sequence[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = (),
+        identities: Mapping[str, IdentityPlan] | None = None,
     ) -> ApplyStats:
         """Copy ``staged`` (``(table, ids, staging rows)``: rows ``ids`` -- None: every row --
         of the staging copy) first, then ``plan`` (``(table, ids, rows)``), then ``dense``,
-        chunk by chunk."""
+        chunk by chunk; install ``identities`` (managed-collision tables) in one write-lock
+        hold with the rows of every slot whose raw id changed (all of a table's rows if it
+        has staged rows), so a forward never pairs a raw id with another identity's row."""
         stats = ApplyStats()
-        #: (table, ids or a row range, rows, staged): staged rows are gathered at copy time
-        chunks: list[tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool]] = []
+        identities = identities or {}
+        #: (table, ids or a row range, rows, staged, joint): staged rows are gathered at copy
+        #: time; joint rows are written in the identity hold
+        chunks: list[tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool, bool]] = []
+        staged_mc = {t.name for t, _, _ in staged if t.name in identities}
         for t, ids, rows in staged:
+            joint = t.name in staged_mc
             if ids is None:  # every row: contiguous ranges, no index
                 for i in range(0, t.num_rows, self.chunk_rows):
-                    chunks.append((t, slice(i, min(t.num_rows, i + self.chunk_rows)), rows, True))
+                    r = slice(i, min(t.num_rows, i + self.chunk_rows))
+                    chunks.append((t, r, rows, True, joint))
                 continue
             for i in range(0, ids.numel(), self.chunk_rows):
-                chunks.append((t, ids[i : i + self.chunk_rows], rows, True))
+                chunks.append((t, ids[i : i + self.chunk_rows], rows, True, joint))
         for t, ids, rows in plan:
-            for i in range(0, ids.numel(), self.chunk_rows):
-                chunks.append(
-                    (t, ids[i : i + self.chunk_rows], rows[i : i + self.chunk_rows], False)
-                )
+            idp = identities.get(t.name)
+            parts: list[tuple[torch.Tensor, torch.Tensor, bool]] = [(ids, rows, False)]
+            if t.name in staged_mc:
+                parts = [(ids, rows, True)]
+            elif idp is not None:
+                mask = torch.isin(ids, idp.changed)
+                parts = [(ids[~mask], rows[~mask], False), (ids[mask], rows[mask], True)]
+            for pids, prows, in_hold in parts:
+                for i in range(0, pids.numel(), self.chunk_rows):
+                    r = slice(i, i + self.chunk_rows)
+                    chunks.append((t, pids[r], prows[r], False, in_hold))
         t0 = time.perf_counter()
 
-        def gather(c: tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool]) -> torch.Tensor:
+        def gather(
+            c: tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool, bool],
+        ) -> torch.Tensor:
             if not c[3]:
                 return c[2]
             return c[2][c[1]] if isinstance(c[1], slice) else c[2].index_select(0, c[1])
@@ -657,20 +736,36 @@ class QuantApplier(Applier):
                 target.copy_(value)
             stats.dense += len(dense)
 
+        def install_identities() -> None:
+            for name, idp in identities.items():
+                self._remappers[name].install(idp)
+            stats.identities += len(identities)
+
         with torch.no_grad():
             if self.consistency is ApplyConsistency.WINDOW:
                 with self.serving_lock.write():
                     h = time.perf_counter()
                     for c in chunks:
                         copy_rows(c[0], c[1], gather(c))
+                    install_identities()
                     copy_dense()
                     stats.max_hold_s = time.perf_counter() - h
             else:
                 for c in chunks:
+                    if c[4]:
+                        continue
                     rows = gather(c)  # outside the lock
                     with self.serving_lock.write():
                         h = time.perf_counter()
                         copy_rows(c[0], c[1], rows)
+                        stats.max_hold_s = max(stats.max_hold_s, time.perf_counter() - h)
+                if identities:
+                    held = [(c[0], c[1], gather(c)) for c in chunks if c[4]]
+                    with self.serving_lock.write():
+                        h = time.perf_counter()
+                        for t, where, rows in held:
+                            copy_rows(t, where, rows)
+                        install_identities()
                         stats.max_hold_s = max(stats.max_hold_s, time.perf_counter() - h)
                 if dense:
                     with self.serving_lock.write():
@@ -707,6 +802,8 @@ class _QuantStage(ResyncStage):
         t = self._applier._table(shard.table, shard.num_rows, shard.dim)
         if not shard.covers_full_row:
             return False  # the shadow of the assembled path merges columns
+        if t.name in self._applier._remappers:
+            return False  # assembled: its raw ids come with the window, rows and map at once
         if packed_row_bytes and packed_row_bytes < t.data_bytes:
             raise ConsumerError(
                 f"table {t.name}: packed rows of {packed_row_bytes} bytes, the table's "

@@ -75,6 +75,10 @@ class RankStatus:
     dense_steps: tuple[int, ...] = ()
     #: Steps a window of this rank can end at (its log's entries; empty: not reported).
     steps: tuple[int, ...] = ()
+    #: The newest step the model's release state (and the server's validation gate) lets
+    #: this consumer be served (None: the head; deltad.serve.rollout), and that state's version.
+    cap_step: int | None = None
+    rollout_version: int = 0
 
     @property
     def head_created_unix(self) -> float:
@@ -105,6 +109,9 @@ class RankLink:
         self.committed: Cursor | None = None
         #: The caller's tables hold nothing of this rank yet: ask for the full tables.
         self.needs_base = True
+        #: the release state's version the last Status answered (None: none, or an older
+        #: server); a long poll also ends when it changes
+        self.rollout_version: int | None = None
         #: The newest (generation, head seq) this consumer has seen of the rank (Status,
         #: windows): what a long poll waits to see passed (DeltaConsumer.wait_for_new).
         self.seen: tuple[int, int] = (0, -1)
@@ -158,6 +165,8 @@ class Sidecars:
         self.closed.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.config.rpc_deadline_s)
+        if not any(r.committed is not None and r.committed.seq >= 0 for r in self.ranks):
+            self._release()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         for r in self.ranks:
@@ -165,6 +174,22 @@ class Sidecars:
                 r.channel.close()
         if self._redis is not None:
             self._redis.close()
+
+    def _release(self) -> None:
+        """End the lease of a consumer that committed nothing (it failed at once, or
+        stopped before its first commit), so it is not listed as live and lagging; best
+        effort, one short call per rank."""
+        req = pb.HeartbeatRequest(consumer=self.config.consumer, release=True)
+        for r in self.ranks:
+            if r.stub is None:
+                continue
+            try:
+                r.stub.Heartbeat(
+                    req, timeout=min(2.0, self.config.rpc_deadline_s),
+                    metadata=self.auth.metadata(),
+                )  # fmt: skip
+            except grpc.RpcError as e:
+                log.debug("rank %d: lease release failed: %s", r.rank, e.code())
 
     def open(self, r: RankLink) -> None:
         """(Re)open the rank's channel with the current credentials."""
@@ -270,9 +295,12 @@ class Sidecars:
     def status(self, r: RankLink) -> RankStatus:
         def call(ch: grpc.Channel, timeout: float, md: Any) -> RankStatus:
             s = pb_grpc.DeltaServiceStub(ch).Status(
-                pb.StatusRequest(), timeout=timeout, metadata=md
+                pb.StatusRequest(consumer=self.config.consumer), timeout=timeout, metadata=md
             )
             r.seen = max(r.seen, (int(s.generation), int(s.head_seq)))
+            # a server without release state (older) sends no rollout_state: no cap
+            cap = int(s.cap_step) if s.rollout_state and s.cap_step >= 0 else None
+            r.rollout_version = int(s.rollout_version) if s.rollout_state else None
             return RankStatus(
                 rank=int(s.rank),
                 world_size=int(s.world_size),
@@ -283,6 +311,8 @@ class Sidecars:
                 asked_unix=time.time(),
                 dense_steps=tuple(int(x) for x in s.dense_steps),
                 steps=tuple(int(x) for x in s.steps),
+                cap_step=cap,
+                rollout_version=int(s.rollout_version),
             )
 
         return self.retry(r, "Status", call)
@@ -295,6 +325,8 @@ class Sidecars:
         req = pb.StatusRequest(
             after_generation=r.seen[0], after_seq=r.seen[1], wait_ms=int(wait_s * 1000)
         )
+        if r.rollout_version is not None:  # a release (or hold) ends the wait too
+            req.after_rollout_version = r.rollout_version
         return pb_grpc.DeltaServiceStub(r.channel).Status.future(
             req, timeout=wait_s + min(10.0, self.config.rpc_deadline_s),
             metadata=self.auth.metadata(),

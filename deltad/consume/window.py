@@ -81,6 +81,11 @@ class RankDelta:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     dense_step: int | None = None
     dense_bytes: int = 0
+    #: The segment seq the dense state was taken with (None: no dense state in this window).
+    dense_seq: int | None = None
+    #: The server knows this window lacks the dense state it should carry (asked with
+    #: ``PullOptions.dense``): why (DeltaHeader.dense_missing; "" when nothing is missing).
+    dense_missing: str = ""
     #: A generation diff (DeltaHeader.diff_from_generation): the older generation the cursor
     #: was of; the rows are applied in place like a delta's. None: not a diff.
     generation_diff: int | None = None

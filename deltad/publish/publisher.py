@@ -3,9 +3,32 @@
 Call :meth:`SegmentPublisher.start` once before training (writes the generation manifest and
 the **base** segment), :meth:`SegmentPublisher.maybe_publish` right after every optimizer
 step, and :meth:`SegmentPublisher.close` at the end. Every rank runs the same calls; the
-publish decision is identical on all ranks (step-based needs no collective, time-based
-all-reduces one flag per step), and each publish all-reduces one more, so that a segment that
-failed to write on any rank raises on all of them together.
+publish decision is identical on all ranks and needs no collective on a step that does not
+publish; each publish all-reduces one small tensor, so that a segment that failed to write on
+any rank raises on all of them together (and, time-based, to agree on the next publish's step).
+
+Time-based publishing (``every_seconds``) off the step
+------------------------------------------------------
+The ranks agree *in advance* on the step of the next time-based publish: at each publish, rank
+0 predicts it from its measured step time (the steps since the previous publish over the
+seconds they took: the first step at which ``every_seconds`` will have passed), and the value
+rides the publish's own all-reduce (``[failed, next step]``, MAX; the other ranks send -1).
+``maybe_publish(step)`` is then ``step >= next`` on every rank: a pure function of the step,
+like ``every_steps``, so uneven step times across ranks cannot make them disagree, and no step
+that does not publish issues a collective. The first time-based publish after :meth:`start`
+comes at the first step (nothing is measured yet); each publish re-measures, so a change of
+pace is followed one interval later. A loop that slows down after a prediction publishes
+late by that much (bound it with ``every_steps`` as well; both set: whichever comes first).
+
+Where the publish runs does not change (the same ``maybe_publish(step)`` call after step
+``step``'s optimizer step), so the drain point stays what it is for step-based publishing
+under every pipeline: the plain loop and TrainPipelineBase/SparseDist (run here) call it
+between steps; TrainPipelineFusedSparseDist and TrainPipelineSemiSync (GPU only) have already
+started batch ``step + 1``'s lookup there, but its row writes happen in a backward after this
+call, behind the update barrier (below). Only *whether* a step publishes is decided
+differently, and deciding it earlier (at the previous publish) instead of at the call changes
+no cut: the publish at step ``n`` is the same drain at the same point, and every rank drains
+at the same ``n`` (previously a per-step all-reduce made that so; now the agreed ``n`` does).
 
 What the training loop pays, per segment
 ----------------------------------------
@@ -23,6 +46,11 @@ What the training loop pays, per segment
   registered at lookup time and checks for a pending copy when its backward runs, so the
   barrier holds there too (those pipelines need a GPU, where the copy is asynchronous on
   the device stream anyway).
+* **Managed-collision tables** (see :mod:`deltad.publish.mc`): their slots' identities are
+  taken in the loop at the publish call (a copy of each MC shard's slot -> raw id map,
+  diffed against the last one); their rows are copied like any other, but eviction rewrites
+  rows in the *forward* (the MC module's compute), so the tracker runs the same barrier at
+  the start of each MC compute as well.
 * **Device weights**, or a tracker without update barriers: the drain and an
   ``index_select`` copy in the loop (on a GPU: a gather on the device and an asynchronous
   copy into pinned buffers).
@@ -52,6 +80,7 @@ training: the rank publishes a fresh base once it can (see :meth:`SegmentPublish
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -68,6 +97,7 @@ from deltad import knobs
 from deltad.buffers import BufferPool
 from deltad.config import PublisherConfig, TrackerConfig
 from deltad.errors import ConfigError, SpoolError
+from deltad.publish.mc import SlotIdentities, managed_collision_types, union_sorted
 from deltad.publish.tracker import (
     DeltaTracker,
     DrainedRows,
@@ -127,6 +157,9 @@ class SegmentStats:
     dense_bytes: int = 0
     dense_s: float = 0.0
     dense_path: Path | None = None
+    #: Of ``stall_s``: the publish's all-reduce (the failure flag and the next time-based
+    #: publish's step), mostly waiting for the slowest rank to reach it.
+    agree_s: float = 0.0
 
 
 @dataclass
@@ -134,9 +167,13 @@ class PublisherStats:
     """Totals over a publisher's life, for benchmarks."""
 
     segments: list[SegmentStats] = field(default_factory=list)
-    #: Time spent deciding whether to publish (the all-reduce of the time-based flag).
+    #: Time spent deciding whether to publish (a comparison with the agreed step: no
+    #: collective; the next step is agreed inside the publish, counted in its ``stall_s``).
     decide_s: float = 0.0
     calls: int = 0
+    #: Collectives the publisher issued (all-reduces and broadcasts), all in the loop: at
+    #: start, and one per publish; none on a step that does not publish.
+    collectives: int = 0
     #: Time backward passes waited at the update barrier for a background copy, and how
     #: many of them had to wait.
     barrier_wait_s: float = 0.0
@@ -185,6 +222,8 @@ class _CopyRequest:
     dense: dict[str, torch.Tensor] | None = None
     #: A job already packed (a fresh base): forwarded to the writer in order.
     job: _Job | None = None
+    #: Managed-collision shards' identities, taken in the loop at the segment's cut.
+    identities: dict[TrackedShard, SlotIdentities] = field(default_factory=dict)
 
 
 @dataclass
@@ -246,6 +285,10 @@ class SegmentPublisher:
         self._seq = 0
         self._last_step = 0
         self._last_time = 0.0
+        #: time-based publishing: the step of the next publish, agreed by every rank at the
+        #: previous one (None: not started, or every_seconds is off)
+        self._next_timed: int | None = None
+        self._agree_s = 0.0  # the last publish's all-reduce (SegmentStats.agree_s)
         self._last_dense_step: int | None = None
         self._dense_skip: tuple[str, ...] | None = None
         self._last_dense_time = 0.0
@@ -276,15 +319,21 @@ class SegmentPublisher:
     # -- collectives ------------------------------------------------------------------------
 
     def _all_reduce_max(self, value: int) -> int:
+        return self._all_reduce_max_n(value)[0]
+
+    def _all_reduce_max_n(self, *values: int) -> list[int]:
+        """Element-wise MAX of ``values`` over the ranks: one all-reduce."""
         if not self._distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+            return list(values)
+        self.stats.collectives += 1
+        t = torch.tensor(values, dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
-        return int(t.item())
+        return [int(x) for x in t.tolist()]
 
     def _broadcast(self, value: int) -> int:
         if not self._distributed:
             return value
+        self.stats.collectives += 1
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
         dist.broadcast(t, src=dist.get_global_rank(self._pg, 0) if self._pg else 0, group=self._pg)
         return int(t.item())
@@ -342,7 +391,9 @@ class SegmentPublisher:
         shards = self.tracker.shards
         ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
-        job = self._package(stats, shards, ids, [s.weight.detach() for s in shards])
+        job = self._package(
+            stats, shards, ids, [s.weight.detach() for s in shards], self._identities(), base=True
+        )
         job.dense = self._take_dense(stats, force=True)
         job.stats.stall_s = time.perf_counter() - t0
         self._write(job)
@@ -350,6 +401,8 @@ class SegmentPublisher:
         if failed is None and self._write_failed:
             failed = SpoolError(f"writing the base segment failed: {self.stats.last_write_error}")
         self._agree(failed, "writing the base segment")
+        if self.config.every_seconds > 0:
+            self._next_timed = step + 1  # nothing measured yet: the first step publishes
         self._thread = threading.Thread(target=self._writer, name="deltad-writer", daemon=True)
         self._thread.start()
         if self._copies_in_background():
@@ -445,9 +498,8 @@ class SegmentPublisher:
         self.stats.calls += 1
         cfg = self.config
         due = cfg.every_steps > 0 and step - self._last_step >= cfg.every_steps
-        if cfg.every_seconds > 0:
-            mine = int(due or time.monotonic() - self._last_time >= cfg.every_seconds)
-            due = bool(self._all_reduce_max(mine))
+        if self._next_timed is not None and step >= self._next_timed:
+            due = True  # the step every rank agreed on at the last publish: no collective
         self.stats.decide_s += time.perf_counter() - t0
         return self.publish(step) if due else None
 
@@ -474,27 +526,52 @@ class SegmentPublisher:
             error.__cause__ = self._error
         elif self._copier is not None and not self._copier_alive():
             error = SpoolError("the publisher's copier thread stopped")
-        self._agree(error, "writing a segment")
+        # one all-reduce: any rank failed, and (time-based) rank 0's next publish step
+        a0 = time.perf_counter()
+        failed, nxt = self._all_reduce_max_n(1 if error else 0, self._predict_next(step))
+        self._agree_s = time.perf_counter() - a0
+        if failed:
+            if error is not None:
+                raise error
+            raise SpoolError("writing a segment failed on another rank")
+        if self.config.every_seconds > 0:
+            self._next_timed = nxt
         if self._rebase_due():
             return self._publish_base(step, t0)
         if self._copier is not None:
             deferred = self.tracker.drain_deferred()
+            identities = self._identities()
             stats = self._reserve(step, SegmentKind.DELTA)
             dense = self._take_dense(stats, force=self._final)
-            with self._copies:  # from here on, backward passes wait for this copy
+            with self._copies:  # from here on, backward passes (and MC computes) wait for it
                 self._copies_submitted += 1
-            self._copy_queue.put(_CopyRequest(deferred, stats, dense))
+            self._copy_queue.put(_CopyRequest(deferred, stats, dense, identities=identities))
             stats.stall_s = time.perf_counter() - t0
             return stats
         drained = self.tracker.drain()
+        identities = self._identities()
         self.tracker.flush_caches()  # UVM-caching kernels: cached rows into the weights first
         stats = self._reserve(step, SegmentKind.DELTA)
         dense = self._take_dense(stats, force=self._final)
-        job = self._copy_job(drained, stats)
+        job = self._copy_job(drained, stats, identities)
         job.dense = dense
         self._queue.put(job)  # blocks while max_pending_writes segments wait (backpressure)
         stats.stall_s = time.perf_counter() - t0
         return stats
+
+    def _predict_next(self, step: int) -> int:
+        """Rank 0, time-based: the first step after ``step`` at which ``every_seconds`` will
+        have passed since now, at the pace of the steps since the previous publish (the
+        other ranks, or without every_seconds: -1, which the MAX ignores)."""
+        every = self.config.every_seconds
+        if every <= 0 or self.rank != 0:
+            return -1
+        steps = step - self._last_step
+        elapsed = time.monotonic() - self._last_time
+        if steps <= 0 or elapsed <= 0:
+            return step + 1
+        per_step = elapsed / steps
+        return step + max(1, math.ceil(every / per_step - 1e-9))
 
     def _rebase_due(self) -> bool:
         """Whether this publish writes a fresh base: after a failed write, or when the
@@ -525,11 +602,12 @@ class SegmentPublisher:
         else:
             self.tracker.drain()
             self.tracker.flush_caches()
+        identities = self._identities()
         shards = self.tracker.shards
         ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         values = [s.weight.detach().clone() for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
-        job = self._package(stats, shards, ids, values)
+        job = self._package(stats, shards, ids, values, identities, base=True)
         job.dense = self._take_dense(stats, force=True)  # a base carries the dense state too
         if self._copier is not None:
             with self._copies:
@@ -572,24 +650,41 @@ class SegmentPublisher:
 
     def _publish_base_now(self, step: int) -> None:
         self.tracker.drain()
+        identities = self._identities()
         shards = self.tracker.shards
         ids = [torch.arange(s.shard.row_start, s.shard.row_end, dtype=torch.int64) for s in shards]
         stats = self._reserve(step, SegmentKind.BASE)
         self.stats.rebases += 1
-        self._write(self._package(stats, shards, ids, [s.weight.detach() for s in shards]))
+        values = [s.weight.detach() for s in shards]
+        self._write(self._package(stats, shards, ids, values, identities, base=True))
 
     # -- internals --------------------------------------------------------------------------
 
+    def _identities(self) -> dict[TrackedShard, SlotIdentities]:
+        """The MC shards' identities at this cut (the tracker's, if it keeps any)."""
+        take = getattr(self.tracker, "take_identities", None)
+        return take() if take is not None else {}
+
     def _copy_job(
-        self, drained: list[tuple[TrackedShard, torch.Tensor]], stats: SegmentStats
+        self,
+        drained: list[tuple[TrackedShard, torch.Tensor]],
+        stats: SegmentStats,
+        identities: dict[TrackedShard, SlotIdentities] | None = None,
     ) -> _Job:
-        """Copy the drained rows (local ids per shard) into a job for the writer."""
+        """Copy the drained rows (local ids per shard) into a job for the writer. A
+        managed-collision shard also owes the slots whose identity changed (and whose rows
+        eviction reset) since the last segment."""
+        identities = identities or {}
+        drained = [
+            (s, union_sorted(local, identities[s].changed) if s in identities else local)
+            for s, local in drained
+        ]
         shards = [s for s, _ in drained]
         ids = [local + s.shard.row_start for s, local in drained]
         values = [self._copy_rows(s, local) for s, local in drained]
         # free buffers no copy of this round used go back to the allocator
         self._pool.end_round()
-        return self._package(stats, shards, ids, values)
+        return self._package(stats, shards, ids, values, identities)
 
     def _copy_loop(self) -> None:
         """The copier thread: read and copy each request's rows, then queue it for the writer."""
@@ -602,7 +697,7 @@ class SegmentPublisher:
                 if req.job is not None:
                     job = req.job  # a fresh base: its rows are copied already
                 elif self._error is None:  # after a failure nothing more is written
-                    job = self._copy_job(drained, req.stats)
+                    job = self._copy_job(drained, req.stats, req.identities)
                     job.dense = req.dense
                 req.stats.copy_s = time.perf_counter() - t0
                 req.stats.copy_cpu_s = time.thread_time() - c0
@@ -636,7 +731,9 @@ class SegmentPublisher:
         unwrapped model's ``state_dict``: everything outside the tracked sharded EC / EBC
         modules, and no ShardedTensor / DTensor (those are sharded, not replicated)."""
         if self._dense_skip is None:  # the sharded modules do not change: found once
-            sharded_modules = _sharded_types()
+            # A sharded MC-EC / MC-EBC's own buffers (the MCH remapper, per rank) travel as
+            # identities in the segments, never as (replicated) dense state.
+            sharded_modules = _sharded_types() + (managed_collision_types() or ())
             self._dense_skip = tuple(
                 f"{clean_fqn(fqn)}."
                 for fqn, mod in self.model.named_modules()
@@ -706,6 +803,7 @@ class SegmentPublisher:
             stall_s=0.0,
             path=self.layout.segment_path(self.generation, self.rank, seq),
         )
+        stats.agree_s, self._agree_s = self._agree_s, 0.0
         self._seq += 1
         self._last_step = step
         self._last_time = time.monotonic()
@@ -718,17 +816,43 @@ class SegmentPublisher:
         shards: list[TrackedShard],
         ids: list[torch.Tensor],
         values: list[torch.Tensor],
+        identities: dict[TrackedShard, SlotIdentities] | None = None,
+        *,
+        base: bool = False,
     ) -> _Job:
-        """The writer's job for a reserved segment; device rows start copying to host."""
+        """The writer's job for a reserved segment; device rows start copying to host.
+
+        ``identities``: each managed-collision shard's raw ids (the one held by each listed
+        slot; ``ids`` are global slot ids) and the raw ids evicted since the last segment; a
+        ``base`` lists every slot, so it carries the whole slot -> raw id map."""
+        identities = identities or {}
+        raw: list[torch.Tensor | None] = []
+        evicted: list[torch.Tensor | None] = []
+        for s, i in zip(shards, ids, strict=True):
+            ident = identities.get(s)
+            if s.mc is None:
+                raw.append(None)
+                evicted.append(None)
+                continue
+            if ident is None:
+                raise SpoolError(
+                    f"table {s.shard.table}: a managed-collision shard's slot raw ids were not taken"
+                )
+            raw.append(ident.slots if base else ident.slots[i.cpu() - s.shard.row_start])
+            evicted.append(ident.evicted)
         ready = None
         if any(t.device.type == "cuda" for t in (*values, *ids)):
             values = [v.to("cpu", non_blocking=True) for v in values]
             ids = [i.to("cpu", non_blocking=True) for i in ids]
             ready = torch.cuda.Event()
             ready.record()
-        rows = [ShardRows(s.shard, i, v) for s, i, v in zip(shards, ids, values, strict=True)]
+        rows = [
+            ShardRows(s.shard, i, v, r, e)
+            for s, i, v, r, e in zip(shards, ids, values, raw, evicted, strict=True)
+        ]
         stats.rows = sum(i.numel() for i in ids)
         stats.nbytes = sum(i.nbytes + v.nbytes for i, v in zip(ids, values, strict=True))
+        stats.nbytes += sum(t.nbytes for t in (*raw, *evicted) if t is not None)
         return _Job(stats, rows, ready)
 
     def _write(self, job: _Job) -> None:

@@ -23,6 +23,10 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   the clearing to a :class:`DrainedRows` that another thread resolves (the publisher's
   copier): two bitmaps per lookup then, two bytes per local row (with the fold thread, CPU
   only; :meth:`DeltaTracker.drain` without it works in place).
+* Managed-collision tables (the inner EC / EBC of a sharded MC-EC / MC-EBC): their lookups
+  run through ``compute()``, where the hooks above never fire; the tracker hooks the lookup
+  modules instead, and keeps each slot's raw id (:mod:`deltad.publish.mc`,
+  :meth:`DeltaTracker.take_identities`).
 * :meth:`DeltaTracker.add_update_barrier`: a callback that every backward pass runs before a
   tracked row can change (a hook on the gradient of each lookup's output), which lets the
   publisher copy rows while the next forward runs.
@@ -72,6 +76,12 @@ from torch import nn
 from deltad import knobs
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
+from deltad.publish.mc import (
+    McShardState,
+    SlotIdentities,
+    check_mch,
+    managed_collision_types,
+)
 from deltad.segment.spool import TableInfo
 from deltad.types import Shard
 
@@ -93,6 +103,9 @@ class TrackedShard:
     #: Writes a device cache's rows back into ``weight`` (UVM-caching kernels, see
     #: :func:`cache_flush`); None where ``weight`` is always current.
     flush: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    #: A managed-collision table's shard: its slots' identities (see deltad.publish.mc);
+    #: None for ordinary tables.
+    mc: McShardState | None = field(default=None, repr=False, compare=False)
 
 
 def cache_flush(emb: Any) -> Callable[[], None] | None:
@@ -315,14 +328,6 @@ def _sharded_types() -> tuple[type, type]:
     return ShardedEmbeddingCollection, ShardedEmbeddingBagCollection
 
 
-def _managed_collision_type() -> type | None:
-    try:
-        from torchrec.distributed.mc_modules import ShardedManagedCollisionCollection
-    except ImportError:  # a TorchRec without managed collision
-        return None
-    return ShardedManagedCollisionCollection
-
-
 def _dtype_name(data_type: Any) -> str:
     from torchrec.modules.embedding_configs import data_type_to_dtype
 
@@ -346,34 +351,60 @@ class DeltaTracker:
         self._modules: dict[str, Any] = {}  # fqn -> sharded EC / EBC
         self._lookups: dict[tuple[int, tuple[str, ...]], _Lookup] = {}
         self._tables: list[TableInfo] = []
+        #: inner EC / EBC fqn -> its sharded MC-EC / MC-EBC
+        self._mc_inner: dict[str, Any] = {}
         ec_type, ebc_type = _sharded_types()
-        mc_type = _managed_collision_type()
-        for fqn, mod in model.named_modules():
-            if mc_type is not None and isinstance(mod, mc_type):
+        mc_types = managed_collision_types()
+        #: fqn -> sharded MC-EC / MC-EBC (their inner EC / EBC are tracked as MC tables)
+        self._mc_parents: dict[str, Any] = {}
+        #: undo of the hooks on MC modules (lookup forward hooks, compute / evict wrappers)
+        self._mc_undo: list[Callable[[], None]] = []
+        named = list(model.named_modules())
+        if mc_types is not None:
+            self._mc_parents = {
+                clean_fqn(fqn): mod for fqn, mod in named if isinstance(mod, mc_types[0])
+            }
+        for fqn, mod in named:
+            name = clean_fqn(fqn)
+            parent_name = name.rpartition(".")[0]
+            parent = self._mc_parents.get(parent_name)
+            if mc_types is not None and isinstance(mod, mc_types[1]) and parent is None:
                 raise UnsupportedModelError(
-                    f"{clean_fqn(fqn)} is a managed-collision module: its EC / EBC is run "
-                    "through compute(), where TorchRec's tracker hooks never fire, and its "
-                    "eviction writes rows in the forward; deltad cannot track it"
+                    f"{name} is a managed-collision collection outside a managed-collision "
+                    "EC / EBC: deltad tracks MC tables only inside "
+                    "ManagedCollisionEmbeddingCollection / ManagedCollisionEmbeddingBagCollection"
                 )
             if not isinstance(mod, (ec_type, ebc_type)):
                 continue
-            name = clean_fqn(fqn)
             if any(s in name.split(".") or s == name for s in self.config.fqns_to_skip):
                 continue
             kind = "ebc" if isinstance(mod, ebc_type) else "ec"
-            self._add_module(name, kind, mod)
+            mc = parent if parent is not None and parent._embedding_module is mod else None
+            if mc is not None and self._lookahead:
+                raise UnsupportedModelError(
+                    f"{parent_name} is a managed-collision module: train loop "
+                    f"{self.config.train_loop.value} runs the next forward (where eviction "
+                    "rewrites rows and the remapper) before this step's update is published; "
+                    "use the plain loop or TrainPipelineBase / TrainPipelineSparseDist"
+                )
+            self._add_module(name, kind, mod, mc)
         if not self._modules:
             raise UnsupportedModelError(
                 "no sharded EmbeddingCollection / EmbeddingBagCollection to track: wrap the "
                 "model with DistributedModelParallel (and check PublisherConfig.fqns_to_skip)"
             )
         for name, mod in self._modules.items():
+            if name in self._mc_inner:
+                continue  # hooked through its lookups (see _hook_mc)
             if mod.post_lookup_tracker_fn is not None or mod.post_odist_tracker_fn is not None:
                 raise UnsupportedModelError(
                     f"{name} already has a tracker attached (a DeltaTracker or TorchRec's "
                     "ModelDeltaTracker): one would silently miss lookups; detach it first"
                 )
-        for mod in self._modules.values():
+        for name, mod in self._modules.items():
+            if name in self._mc_inner:
+                self._hook_mc(name, mod, self._mc_inner[name])
+                continue
             mod.register_post_lookup_tracker_fn(self._make_lookup_hook(id(mod)))
             mod.register_post_odist_tracker_fn(self._fold_hook)
         self._folder: _FoldThread | None = None
@@ -384,7 +415,11 @@ class DeltaTracker:
 
     # -- construction -----------------------------------------------------------------------
 
-    def _add_module(self, name: str, kind: str, mod: Any) -> None:
+    def _add_module(self, name: str, kind: str, mod: Any, mc: Any = None) -> None:
+        """Track a sharded EC / EBC; ``mc``: the sharded MC-EC / MC-EBC it is the inner
+        module of (its tables are managed-collision tables), else None."""
+        if mc is not None:
+            self._mc_inner[name] = mc
         if not hasattr(mod, "register_post_lookup_tracker_fn"):
             raise UnsupportedModelError(
                 f"{name}: this TorchRec has no post-lookup tracker hooks (need torchrec>=1.8)"
@@ -412,6 +447,7 @@ class DeltaTracker:
                     module=name,
                     kind=kind,
                     sharding_type=st,
+                    managed_collision=mc is not None,
                 )
             )
         local = self._local_shards(name, mod, configs)
@@ -425,7 +461,7 @@ class DeltaTracker:
                 weights = emb.split_embedding_weights()
                 flush = cache_flush(emb)
                 for t, w in zip(emb._config.embedding_tables, weights, strict=True):
-                    shard = self._shard(name, kind, t, w, plan, configs, local, flush)
+                    shard = self._shard(name, kind, t, w, plan, configs, local, flush, mc)
                     for feature in t.feature_names:
                         keys.append(feature)
                         key_shard.append(len(shards))
@@ -461,6 +497,7 @@ class DeltaTracker:
         configs: dict[str, Any],
         local: dict[tuple[str, int, int], torch.Tensor],
         flush: Callable[[], None] | None = None,
+        mc: Any = None,
     ) -> TrackedShard:
         cfg = configs[t.name]
         meta = t.local_metadata
@@ -479,6 +516,11 @@ class DeltaTracker:
                 f"cannot map table {t.name} of {name} (rows {r0}+{rows}, cols {c0}+{cols}) to a "
                 "local shard whose state_dict tensor is a view of the embedding kernel's weights"
             )
+        state = None
+        if mc is not None:
+            mch = mc._managed_collision_collection._managed_collision_modules[t.name]
+            check_mch(mch, f"table {t.name} of {name}", r0, rows)
+            state = McShardState(mch, rows)
         return TrackedShard(
             module=name,
             kind=kind,
@@ -488,6 +530,7 @@ class DeltaTracker:
             ),
             weight=w,
             flush=flush,
+            mc=state,
         )
 
     def _new_lookup(self, shards: list[TrackedShard], key_shard: list[int]) -> _Lookup:
@@ -519,6 +562,50 @@ class DeltaTracker:
             self.stats.record_s += time.perf_counter() - t0
 
         return record
+
+    def _hook_mc(self, name: str, mod: Any, parent: Any) -> None:
+        """Track a managed-collision EC / EBC: TorchRec runs its inner module through
+        ``compute()``, where the post-lookup hooks never fire, so each lookup module gets a
+        forward hook (the same record and fold, with the remapped local slot ids it is called
+        with). The MC collection's ``compute`` runs the update barriers first (eviction
+        rewrites rows in it, in the forward), and its ``evict`` reports the slots reset."""
+        record = self._make_lookup_hook(id(mod))
+
+        def looked_up(module: Any, args: Any, output: Any) -> None:
+            record(args[0], output, module, None)
+            self._fold_hook()
+
+        for lookup in mod._lookups:
+            while isinstance(lookup, nn.parallel.DistributedDataParallel):
+                lookup = lookup.module
+            self._mc_undo.append(lookup.register_forward_hook(looked_up).remove)
+        states = {s.shard.table: s.mc for s in self.shards if s.module == name}
+        mcc = parent._managed_collision_collection
+        if "compute" in mcc.__dict__ or "evict" in mcc.__dict__:
+            raise UnsupportedModelError(
+                f"{name} already has a tracker attached (a DeltaTracker): detach it first"
+            )
+        compute, evict = mcc.compute, mcc.evict
+
+        def mc_compute(ctx: Any, dist_input: Any) -> Any:
+            self._before_update(None)  # rows and the remapper change from here on
+            return compute(ctx, dist_input)
+
+        def mc_evict() -> Any:
+            out = evict()
+            for table, local in out.items():
+                state = states.get(table)
+                if local is not None and state is not None:
+                    state.mark_reset(local)
+            return out
+
+        mcc.compute, mcc.evict = mc_compute, mc_evict
+
+        def undo() -> None:
+            for attr in ("compute", "evict"):
+                mcc.__dict__.pop(attr, None)
+
+        self._mc_undo.append(undo)
 
     def _fold_hook(self) -> None:
         t0 = time.perf_counter()
@@ -590,6 +677,20 @@ class DeltaTracker:
     def lookahead(self) -> int:
         return self._lookahead
 
+    @property
+    def managed_collision_modules(self) -> list[str]:
+        """fqns of the tracked sharded MC-EC / MC-EBC modules (their own state, e.g. the MCH
+        buffers, is published as identities, never as dense state)."""
+        return sorted(set(self._mc_parents) & {n.rpartition(".")[0] for n in self._mc_inner})
+
+    @torch.no_grad()
+    def take_identities(self) -> dict[TrackedShard, SlotIdentities]:
+        """Each managed-collision shard's identities now, diffed against the last call (see
+        :class:`deltad.publish.mc.McShardState`); empty without MC tables. Call at the same
+        step boundary as the drain (the publisher does, in the loop: the MC state changes in
+        the next forward)."""
+        return {s: s.mc.take() for s in self.shards if s.mc is not None}
+
     @torch.no_grad()
     def drain(self) -> list[tuple[TrackedShard, torch.Tensor]]:
         """Return (shard, sorted unique local row ids) for every local shard, and reset.
@@ -649,7 +750,7 @@ class DeltaTracker:
         if barrier in self._barriers:
             self._barriers.remove(barrier)
 
-    def _before_update(self, grad: torch.Tensor) -> None:
+    def _before_update(self, grad: torch.Tensor | None) -> None:
         for barrier in list(self._barriers):
             barrier()
 
@@ -668,9 +769,13 @@ class DeltaTracker:
         before the hooks that would hold back the next update are gone)."""
         for barrier in list(self._barriers):
             barrier()
-        for mod in self._modules.values():
-            mod.post_lookup_tracker_fn = None
-            mod.post_odist_tracker_fn = None
+        for name, mod in self._modules.items():
+            if name not in self._mc_inner:
+                mod.post_lookup_tracker_fn = None
+                mod.post_odist_tracker_fn = None
+        for undo in self._mc_undo:
+            undo()
+        self._mc_undo.clear()
         self._modules.clear()
         self._pending.clear()
         self._barriers.clear()

@@ -1,8 +1,9 @@
 """`deltad serve`: run one rank's sidecar until SIGTERM / SIGINT (graceful, with a grace period).
 
 Every flag has an environment variable (``DELTAD_<FLAG>``, e.g. ``DELTAD_REDIS_URL``). When
-ready it prints exactly one line to stdout, ``serving <model> rank <r> on <host:port>``;
-errors go to stderr with exit code 2. torch is imported only when the server starts.
+ready it prints exactly one line to stdout, ``serving <model> rank <r> on <host:port>`` (with
+``--log-json``: that text as the ``msg`` of one JSON object); errors go to stderr with exit
+code 2. torch is imported only when the server starts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from deltad import output
+from deltad.config import RELAY_RANGES, SERVER_FLAG_DESTS, SERVER_RANGES, Range
 from deltad.errors import ConfigError
+
+#: Every numeric flag's range (by argparse dest; the ServerConfig field's, checked again
+#: there for values from the environment).
+RANGES: dict[str, Range] = {
+    **{SERVER_FLAG_DESTS[field]: rng for field, rng in SERVER_RANGES.items()},
+    "upstream_long_poll": RELAY_RANGES["long_poll_s"],
+}
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -78,7 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--redis-url",
         default=_env("REDIS_URL"),
         help="redis:// or rediss://[user:password@]host:port/db (a CA for rediss: append "
-        "?ssl_ca_certs=/path/ca.pem); unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
+        "?ssl_ca_certs=/path/ca.pem), redis+sentinel://[:password@]h1:26379,h2:26379/MASTER[/db]"
+        "[?sentinel_password=..&min_replicas=1] or redis+cluster://[:password@]h1:7000,h2:7001;"
+        " unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
     )
     a(
         "--tls-cert",
@@ -183,6 +195,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ),
         ("retention-interval", float, 1.0, "seconds between retention rounds"),
         (
+            "owed-max-bytes",
+            int,
+            4 << 30,
+            "disk bytes of owed rows (top-k consumers' files in the spool) over all consumers; "
+            "a pull past it is refused with RESOURCE_EXHAUSTED (0 = no bound)",
+        ),
+        (
+            "owed-max-consumer-bytes",
+            int,
+            1 << 30,
+            "the same per consumer (0 = no bound)",
+        ),
+        (
             "forget-after",
             float,
             7 * 24 * 3600.0,
@@ -198,12 +223,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=_typed_env(env, kind, default),
             help=f"{text} [DELTAD_{env}]",
         )
+    # rollout-control (issue 21): the validation gate's optional limits
     a(
-        "--release-state-file",
-        default=_env("RELEASE_STATE_FILE"),
-        help="rollout: read the model's release state (hold, pins, canary, rollback) from this "
-        "JSON file (ReleaseState.to_json), re-read when it changes; unset: the head is "
-        "released [DELTAD_RELEASE_STATE_FILE]",
+        "--gate-max-norm-jump",
+        action="append",
+        default=[x for x in (_env("GATE_MAX_NORM_JUMP") or "").split(",") if x],
+        metavar="[TABLE=]X",
+        help="validation gate: fail a segment in which a row's norm jumps by more than X "
+        "against its previous value (per table, or every table; repeatable; non-finite values "
+        "always fail) [DELTAD_GATE_MAX_NORM_JUMP, comma-separated]",
+    )
+    a(
+        "--gate-max-changed-fraction",
+        action="append",
+        default=[x for x in (_env("GATE_MAX_CHANGED_FRACTION") or "").split(",") if x],
+        metavar="[TABLE=]F",
+        help="validation gate: fail a segment that changes more than this fraction of a "
+        "table's rows on this rank (repeatable) [DELTAD_GATE_MAX_CHANGED_FRACTION]",
     )
     a(
         "--upstream",
@@ -271,7 +307,7 @@ def _no_plain_tokens() -> None:
 
 def build_config(args: argparse.Namespace) -> Any:
     """ServerConfig from parsed flags (ConfigError on bad values)."""
-    from deltad.config import ServerConfig
+    from deltad.config import GateConfig, ServerConfig
 
     if not args.spool:
         raise ConfigError("--spool (or DELTAD_SPOOL) is required")
@@ -315,8 +351,16 @@ def build_config(args: argparse.Namespace) -> Any:
         restore_window_s=value(args.restore_window_seconds),
         retention_interval_s=value(args.retention_interval),
         forget_after_s=value(args.forget_after),
+        owed_max_bytes=value(args.owed_max_bytes),
+        owed_max_consumer_bytes=value(args.owed_max_consumer_bytes),
         max_queued_streams=value(args.max_queued_streams),
         stream_queue_wait_s=value(args.stream_queue_wait),
+        gate=GateConfig(
+            max_norm_jump=GateConfig.parse(args.gate_max_norm_jump, "gate-max-norm-jump"),
+            max_changed_fraction=GateConfig.parse(
+                args.gate_max_changed_fraction, "gate-max-changed-fraction"
+            ),
+        ),
     )
 
 
@@ -340,7 +384,7 @@ def build_relay_config(args: argparse.Namespace) -> Any:
         tls_ca=Path(args.upstream_tls_ca) if args.upstream_tls_ca else None,
         tls_cert=Path(args.upstream_tls_cert) if args.upstream_tls_cert else None,
         tls_key=Path(args.upstream_tls_key) if args.upstream_tls_key else None,
-        long_poll_s=args.upstream_long_poll,
+        long_poll_s=value(args.upstream_long_poll),
     )
 
 
@@ -373,19 +417,15 @@ def run(args: argparse.Namespace) -> int:
         server = RelayServer(config, relay)
     else:
         server = SidecarServer(config)
-    if args.release_state_file:
-        from deltad.serve.release_file import ReleaseFile
-
-        server.set_release(ReleaseFile(Path(args.release_state_file)))
     server.start()
-    print(f"serving {config.model} rank {config.rank} on {server.endpoint}", flush=True)
+    output.line(f"serving {config.model} rank {config.rank} on {server.endpoint}", file=sys.stdout)
     while not stop.wait(0.5):
         if reload.is_set():
             reload.clear()
             server.reload_credentials()  # logs what it did, once
         if server.wait(0):
             break
-    print(f"deltad serve: stopping (grace {config.grace_period_s}s)", file=sys.stderr, flush=True)
+    output.line(f"deltad serve: stopping (grace {config.grace_period_s}s)")
     server.stop(config.grace_period_s)
     if getattr(server, "error", None) is not None:
         return 2  # the relay logged why it stopped

@@ -4,6 +4,8 @@ Names follow Prometheus conventions: the unit is the suffix (``_bytes``, ``_seco
 counters are exposed with ``_total`` (prometheus_client appends it). Every RPC is counted and
 timed by :class:`RpcMetricsInterceptor` (``deltad_rpc_requests_total{method,code}``,
 ``deltad_rpc_duration_seconds{method}``; a stream's duration runs until its last message).
+The process itself (``process_resident_memory_bytes``, ``process_cpu_seconds_total``,
+``process_open_fds``, ...) comes from prometheus_client's process collector.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from deltad import __version__, wire
 from deltad.serve import memory
@@ -28,6 +39,7 @@ class SidecarMetrics:
         self.registry = CollectorRegistry()
         labels = {"model": model, "rank": str(rank)}
         r = self.registry
+        ProcessCollector(registry=r)  # RSS, CPU seconds, open fds, start time (Linux /proc)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, list(labels), registry=r).labels(**labels)
@@ -105,6 +117,29 @@ class SidecarMetrics:
             [*labels, "consumer"],
             registry=r,
         )
+        # rollout-control (issue 21): the validation gate and the release state
+        self.gate_failures = counter(
+            "deltad_gate_failures",
+            "Segments and dense states the validation gate failed (never served)",
+        )
+        self.gate_held = Gauge(
+            "deltad_gate_held",
+            "1 while a step the validation gate failed holds this server's windows, else 0",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.rollout_held = Gauge(
+            "deltad_rollout_held",
+            "1 while the model's release state is held (hold, gate or rollback), else 0",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.release_step = Gauge(
+            "deltad_release_step",
+            "The model's release step (-1: the head is released)",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
         self._labels = labels
         self._lagging: set[str] = set()
         self._http: Any = None
@@ -121,6 +156,10 @@ class SidecarMetrics:
         Gauge(name, doc, list(self._labels), registry=self.registry).labels(
             **self._labels
         ).set_function(value)
+
+    def track_counter(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        """A counter (only ever rising) read at scrape time from ``read()``."""
+        self.registry.register(_ReadCounter(name, doc, self._labels, read))
 
     def track_sidecar(self, servicer: Any, seglog: Any) -> None:
         """The memory and long polls of one sidecar, read at scrape time: the log it serves
@@ -143,10 +182,21 @@ class SidecarMetrics:
             "deltad_window_cache_bytes", "Bytes of cached and live windows (the budget holds both)",
             lambda: windows.cache.nbytes,
         )  # fmt: skip
-        self.track(
+        self.track_counter(
             "deltad_windows_unkept", "Windows streamed without being kept (over the budget)",
             lambda: windows.cache.unkept,
         )  # fmt: skip
+        owed = servicer.owed
+        self.track(
+            "deltad_owed_bytes", "Disk bytes of owed rows (top-k consumers' files)",
+            lambda: owed.nbytes,
+        )  # fmt: skip
+        self.track("deltad_owed_files", "Owed-row files of this rank", lambda: owed.files)
+        self.track_counter(
+            "deltad_owed_refused",
+            "Pulls refused because their owed rows would exceed the owed-row budget",
+            lambda: owed.refused,
+        )
         self.track(
             "deltad_run_cache_bytes", "Bytes of pre-merged runs", lambda: windows.runs.nbytes
         )
@@ -220,7 +270,12 @@ def _code_of(context: grpc.ServicerContext, error: BaseException | None) -> grpc
     code = context.code() if hasattr(context, "code") else None
     if isinstance(code, grpc.StatusCode):
         return code
-    return grpc.StatusCode.UNKNOWN if error is not None else grpc.StatusCode.OK
+    if error is None:
+        return grpc.StatusCode.OK
+    # the client went away (its stream closed under the handler): not a server fault
+    if isinstance(error, GeneratorExit) or not context.is_active():
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
 
 
 class RpcMetricsInterceptor(grpc.ServerInterceptor):
@@ -270,3 +325,17 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
 
             return handler._replace(unary_stream=unary_stream)
         return handler
+
+
+class _ReadCounter(Collector):
+    """A counter whose value is read at scrape time (a count kept elsewhere)."""
+
+    def __init__(
+        self, name: str, doc: str, labels: dict[str, str], read: Callable[[], float]
+    ) -> None:
+        self._name, self._doc, self._labels, self._read = name, doc, labels, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), float(self._read()))
+        yield family

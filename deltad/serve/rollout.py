@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from deltad.errors import RolloutError, RolloutRefused
+
 #: Serve every consumer up to the head: no hold, no pin, no canary, no rollback.
 HEAD: int | None = None
 
@@ -49,6 +51,8 @@ class ReleaseState:
       the rest stays at ``release_step``.
     * ``rollback``: the last rollback order, if any.
     * ``version``: bumped on every change (watchers compare it).
+    * ``gate_bad_step``, ``gate_generation``, ``gate_accepted_step``: the gate's first failed
+      step and what an operator accepted past it (see :func:`gate_failed`, :func:`release`).
     """
 
     release_step: int | None = HEAD
@@ -60,6 +64,13 @@ class ReleaseState:
     canary: tuple[str, ...] = ()
     rollback: Rollback | None = None
     version: int = 0
+    #: the first step the validation gate failed (None: none), and the generation the gate
+    #: fields (failure and acceptance) are of
+    gate_bad_step: int | None = None
+    gate_generation: int | None = None
+    #: an operator released past the gate (``release --force``): steps up to this one of
+    #: ``gate_generation`` are served even if the gate failed them
+    gate_accepted_step: int | None = None
 
     def to_json(self) -> str:
         """The stored form (one Redis string per model)."""
@@ -74,6 +85,9 @@ class ReleaseState:
             if self.rollback is None
             else [self.rollback.to_step, self.rollback.group, self.rollback.epoch],
             "version": self.version,
+            "gate_bad_step": self.gate_bad_step,
+            "gate_generation": self.gate_generation,
+            "gate_accepted_step": self.gate_accepted_step,
         }
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
@@ -90,11 +104,23 @@ class ReleaseState:
             canary=tuple(str(g) for g in d.get("canary", [])),
             rollback=None if rb is None else Rollback(int(rb[0]), str(rb[1]), int(rb[2])),
             version=int(d.get("version", 0)),
+            gate_bad_step=d.get("gate_bad_step"),
+            gate_generation=d.get("gate_generation"),
+            gate_accepted_step=d.get("gate_accepted_step"),
         )
 
     def bumped(self, **changes: Any) -> ReleaseState:
         """A copy with ``changes`` and the next version."""
         return replace(self, version=self.version + 1, **changes)
+
+
+def lower(a: int | None, b: int | None) -> int | None:
+    """The lower of two step bounds (None: no bound)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a, b)
 
 
 def matches(group: str, consumer: str) -> bool:
@@ -130,3 +156,178 @@ def cap_for(state: ReleaseState, consumer: str) -> Cap:
     rb = state.rollback
     rollback = rb if rb is not None and matches(rb.group, consumer) else None
     return Cap(target_step(state, consumer), rollback)
+
+
+# ---- the controls, as pure changes of a state -----------------------------------------------
+#
+# Each takes the current state and returns the next (the store bumps ``version`` and writes it
+# atomically); RolloutError for bad arguments, RolloutRefused when things stand in the way.
+
+#: A group glob: printable, no whitespace, at most this long.
+MAX_GROUP = 256
+
+
+def check_group(group: str) -> str:
+    """``group`` if it is a usable consumer-name glob, else RolloutError."""
+    if (
+        not group
+        or len(group) > MAX_GROUP
+        or not group.isprintable()
+        or any(c.isspace() for c in group)
+    ):
+        raise RolloutError(
+            f"group must be a consumer-name glob of 1..{MAX_GROUP} printable characters "
+            f"without spaces, got {group[:64]!r}"
+        )
+    return group
+
+
+def check_step(step: int, head_step: int | None) -> int:
+    """``step`` if it is >= 0 and (if the head is known) <= the head, else RolloutError."""
+    if step < 0:
+        raise RolloutError(f"step must be >= 0, got {step}")
+    if head_step is not None and step > head_step:
+        raise RolloutError(f"step {step} is past the head step {head_step}")
+    return step
+
+
+def gate_open(state: ReleaseState, generation: int | None) -> int | None:
+    """The gate's failed step that still stands in the way (None: none): of ``generation``
+    (None: any) and not accepted by an operator."""
+    bad = state.gate_bad_step
+    if bad is None or (generation is not None and state.gate_generation != generation):
+        return None
+    if state.gate_accepted_step is not None and state.gate_accepted_step >= bad:
+        return None
+    return bad
+
+
+def hold(state: ReleaseState, head_step: int) -> ReleaseState:
+    """Serve nobody past the current release step (the head step now if the head is
+    released); canaries keep following the head (below a gate failure)."""
+    step = head_step if state.release_step is None else state.release_step
+    return replace(state, release_step=step, held=True)
+
+
+def release(
+    state: ReleaseState,
+    to_step: int | None,
+    *,
+    head_step: int,
+    generation: int,
+    force: bool = False,
+) -> ReleaseState:
+    """Release to the head (``to_step`` None) or to ``to_step``.
+
+    A step the validation gate failed (in ``generation``) lies in the way of a release to
+    or past it: refused unless ``force`` (the operator accepts every step up to the release
+    step, or up to ``head_step`` for a release to the head; a later failure holds again)."""
+    if to_step is not None:
+        check_step(to_step, head_step)
+    bad = gate_open(state, generation)
+    gate: dict[str, Any] = {}
+    if bad is not None and (to_step is None or to_step >= bad):
+        if not force:
+            raise RolloutRefused(
+                f"step {bad} failed the validation gate ({state.gate_reason or 'no reason'}); "
+                f"release --to-step S below {bad}, roll back, or release --force to serve it"
+            )
+        accepted = head_step if to_step is None else to_step
+        gate = dict(gate_accepted_step=accepted, gate_reason="", gate_good_step=None)
+    elif bad is None and state.gate_bad_step is not None:
+        gate = dict(gate_reason="", gate_good_step=None)  # an old or accepted failure
+    return replace(state, release_step=to_step, held=False, **gate)
+
+
+def pin(state: ReleaseState, group: str, step: int, *, head_step: int | None) -> ReleaseState:
+    """Keep consumers matching ``group`` at ``step`` (replaces a pin of the same group)."""
+    check_group(group)
+    check_step(step, head_step)
+    pins = (*(p for p in state.pins if p.group != group), Pin(group, step))
+    return replace(state, pins=pins)
+
+
+def unpin(state: ReleaseState, group: str) -> ReleaseState:
+    """Drop the pin of ``group``; RolloutError if there is none."""
+    check_group(group)
+    if all(p.group != group for p in state.pins):
+        have = ", ".join(p.group for p in state.pins) or "none"
+        raise RolloutError(f"no pin of group {group!r} (pins: {have})")
+    return replace(state, pins=tuple(p for p in state.pins if p.group != group))
+
+
+def canary(state: ReleaseState, group: str, *, on: bool = True) -> ReleaseState:
+    """Let ``group`` follow the head (``on``) or stop it (it goes back to the release step's
+    cap: it is not rolled back, it stops moving until the release passes it)."""
+    check_group(group)
+    if on:
+        if group in state.canary:
+            return state
+        return replace(state, canary=(*state.canary, group))
+    if group not in state.canary:
+        have = ", ".join(state.canary) or "none"
+        raise RolloutError(f"no canary group {group!r} (canaries: {have})")
+    return replace(state, canary=tuple(g for g in state.canary if g != group))
+
+
+def rollback(
+    state: ReleaseState, to_step: int, group: str = "*", *, head_step: int | None
+) -> ReleaseState:
+    """Order consumers matching ``group`` back to ``to_step`` and cap them there, so none
+    rolls forward again until a release: for every consumer ("*"), the release step held
+    at ``to_step`` and the canaries stopped; for a group, a pin of it at ``to_step``."""
+    check_group(group)
+    check_step(to_step, head_step)
+    epoch = (state.rollback.epoch if state.rollback is not None else 0) + 1
+    order = Rollback(to_step, group, epoch)
+    if group == "*":
+        return replace(state, rollback=order, release_step=to_step, held=True, canary=())
+    pins = (*(p for p in state.pins if p.group != group), Pin(group, to_step))
+    return replace(state, rollback=order, pins=pins)
+
+
+def gate_failed(
+    state: ReleaseState, *, generation: int, bad_step: int, good_step: int, reason: str
+) -> ReleaseState:
+    """The validation gate failed ``bad_step`` of ``generation``: hold the model at
+    ``good_step`` (the newest step before it), unless the state knows already (an earlier
+    or equal failure of that generation) or an operator accepted the step."""
+    if state.gate_generation == generation:
+        if state.gate_accepted_step is not None and state.gate_accepted_step >= bad_step:
+            return state
+        known = state.gate_bad_step
+        if gate_open(state, generation) is not None and known is not None and known <= bad_step:
+            return state
+    release_step = good_step if state.release_step is None else min(state.release_step, good_step)
+    accepted = state.gate_accepted_step if state.gate_generation == generation else None
+    return replace(
+        state,
+        release_step=release_step,
+        held=True,
+        gate_reason=reason[:500],
+        gate_good_step=good_step,
+        gate_bad_step=bad_step,
+        gate_generation=generation,
+        gate_accepted_step=accepted,
+    )
+
+
+def describe(state: ReleaseState) -> list[str]:
+    """The state as short human lines (``deltad rollout status``, ``deltad status``)."""
+    rel = "head" if state.release_step is None else f"step {state.release_step}"
+    lines = [f"release: {rel}{' (held)' if state.held else ''} (version {state.version})"]
+    if state.gate_bad_step is not None and state.gate_reason:
+        lines.append(
+            f"gate: step {state.gate_bad_step} failed (generation {state.gate_generation}): "
+            f"{state.gate_reason}; holding at step {state.gate_good_step}"
+        )
+    if state.gate_accepted_step is not None:
+        lines.append(f"gate: released past by an operator up to step {state.gate_accepted_step}")
+    for p in state.pins:
+        lines.append(f"pin: {p.group} at step {p.step}")
+    for g in state.canary:
+        lines.append(f"canary: {g} follows the head")
+    if state.rollback is not None:
+        rb = state.rollback
+        lines.append(f"rollback: {rb.group} to step {rb.to_step} (order {rb.epoch})")
+    return lines

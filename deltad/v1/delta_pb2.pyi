@@ -25,6 +25,17 @@ class WireDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WIRE_DTYPE_PACKED_INT8: _ClassVar[WireDtype]
     WIRE_DTYPE_PACKED_INT4: _ClassVar[WireDtype]
     WIRE_DTYPE_PACKED_FP16: _ClassVar[WireDtype]
+
+class RolloutAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_STATUS: _ClassVar[RolloutAction]
+    ROLLOUT_HOLD: _ClassVar[RolloutAction]
+    ROLLOUT_RELEASE: _ClassVar[RolloutAction]
+    ROLLOUT_PIN: _ClassVar[RolloutAction]
+    ROLLOUT_UNPIN: _ClassVar[RolloutAction]
+    ROLLOUT_CANARY: _ClassVar[RolloutAction]
+    ROLLOUT_UNCANARY: _ClassVar[RolloutAction]
+    ROLLOUT_ROLLBACK: _ClassVar[RolloutAction]
 FORM_UNSPECIFIED: Form
 FORM_IDS: Form
 FORM_ROWS: Form
@@ -37,6 +48,14 @@ WIRE_DTYPE_INT8: WireDtype
 WIRE_DTYPE_PACKED_INT8: WireDtype
 WIRE_DTYPE_PACKED_INT4: WireDtype
 WIRE_DTYPE_PACKED_FP16: WireDtype
+ROLLOUT_STATUS: RolloutAction
+ROLLOUT_HOLD: RolloutAction
+ROLLOUT_RELEASE: RolloutAction
+ROLLOUT_PIN: RolloutAction
+ROLLOUT_UNPIN: RolloutAction
+ROLLOUT_CANARY: RolloutAction
+ROLLOUT_UNCANARY: RolloutAction
+ROLLOUT_ROLLBACK: RolloutAction
 
 class Cursor(_message.Message):
     __slots__ = ("consumer", "rank", "generation", "seq", "step", "pull_id")
@@ -55,7 +74,7 @@ class Cursor(_message.Message):
     def __init__(self, consumer: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., step: _Optional[int] = ..., pull_id: _Optional[str] = ...) -> None: ...
 
 class GetDeltaRequest(_message.Message):
-    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment", "with_dense", "no_generation_diff")
+    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment", "with_dense", "no_generation_diff", "mirror")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     FORM_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +89,7 @@ class GetDeltaRequest(_message.Message):
     ROW_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     WITH_DENSE_FIELD_NUMBER: _ClassVar[int]
     NO_GENERATION_DIFF_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     form: Form
     k: int
@@ -84,10 +104,11 @@ class GetDeltaRequest(_message.Message):
     row_alignment: int
     with_dense: bool
     no_generation_diff: bool
-    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ..., no_generation_diff: _Optional[bool] = ...) -> None: ...
+    mirror: bool
+    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ..., no_generation_diff: _Optional[bool] = ..., mirror: _Optional[bool] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense", "resync_reason", "diff_from_generation", "rollback_to_step", "rollback_epoch")
+    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense", "resync_reason", "diff_from_generation", "rollback_to_step", "rollback_epoch", "dense_missing")
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +124,7 @@ class DeltaHeader(_message.Message):
     DIFF_FROM_GENERATION_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_STEP_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DENSE_MISSING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     generation: int
     resync: bool
@@ -118,7 +140,8 @@ class DeltaHeader(_message.Message):
     diff_from_generation: int
     rollback_to_step: int
     rollback_epoch: int
-    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ..., resync_reason: _Optional[str] = ..., diff_from_generation: _Optional[int] = ..., rollback_to_step: _Optional[int] = ..., rollback_epoch: _Optional[int] = ...) -> None: ...
+    dense_missing: str
+    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ..., resync_reason: _Optional[str] = ..., diff_from_generation: _Optional[int] = ..., rollback_to_step: _Optional[int] = ..., rollback_epoch: _Optional[int] = ..., dense_missing: _Optional[str] = ...) -> None: ...
 
 class DenseInfo(_message.Message):
     __slots__ = ("seq", "step", "tensors")
@@ -259,10 +282,12 @@ class RegisterResponse(_message.Message):
     def __init__(self, cursor: _Optional[_Union[Cursor, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("consumer",)
+    __slots__ = ("consumer", "release")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     consumer: str
-    def __init__(self, consumer: _Optional[str] = ...) -> None: ...
+    release: bool
+    def __init__(self, consumer: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_expires_in_seconds",)
@@ -287,7 +312,7 @@ class ForgetResponse(_message.Message):
     def __init__(self, forgotten: _Optional[bool] = ...) -> None: ...
 
 class ConsumerInfo(_message.Message):
-    __slots__ = ("consumer", "cursor", "live", "lease_expires_in_seconds", "lag_segments", "lag_seconds", "owed_rows")
+    __slots__ = ("consumer", "cursor", "live", "lease_expires_in_seconds", "lag_segments", "lag_seconds", "owed_rows", "cap_step")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +320,7 @@ class ConsumerInfo(_message.Message):
     LAG_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OWED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CAP_STEP_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     cursor: Cursor
     live: bool
@@ -302,7 +328,8 @@ class ConsumerInfo(_message.Message):
     lag_segments: int
     lag_seconds: float
     owed_rows: int
-    def __init__(self, consumer: _Optional[str] = ..., cursor: _Optional[_Union[Cursor, _Mapping]] = ..., live: _Optional[bool] = ..., lease_expires_in_seconds: _Optional[float] = ..., lag_segments: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., owed_rows: _Optional[int] = ...) -> None: ...
+    cap_step: int
+    def __init__(self, consumer: _Optional[str] = ..., cursor: _Optional[_Union[Cursor, _Mapping]] = ..., live: _Optional[bool] = ..., lease_expires_in_seconds: _Optional[float] = ..., lag_segments: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., owed_rows: _Optional[int] = ..., cap_step: _Optional[int] = ...) -> None: ...
 
 class ListConsumersResponse(_message.Message):
     __slots__ = ("consumers",)
@@ -311,14 +338,18 @@ class ListConsumersResponse(_message.Message):
     def __init__(self, consumers: _Optional[_Iterable[_Union[ConsumerInfo, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("after_generation", "after_seq", "wait_ms")
+    __slots__ = ("after_generation", "after_seq", "wait_ms", "consumer", "after_rollout_version")
     AFTER_GENERATION_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ROLLOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     after_generation: int
     after_seq: int
     wait_ms: int
-    def __init__(self, after_generation: _Optional[int] = ..., after_seq: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    consumer: str
+    after_rollout_version: int
+    def __init__(self, after_generation: _Optional[int] = ..., after_seq: _Optional[int] = ..., wait_ms: _Optional[int] = ..., consumer: _Optional[str] = ..., after_rollout_version: _Optional[int] = ...) -> None: ...
 
 class TableStatus(_message.Message):
     __slots__ = ("table", "num_rows", "dim", "dtype", "kind", "sharding_type", "local_slices", "managed_collision")
@@ -341,7 +372,7 @@ class TableStatus(_message.Message):
     def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., sharding_type: _Optional[str] = ..., local_slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., managed_collision: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited")
+    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited", "health_reason", "rollout_state", "cap_step", "gate_reason", "gate_bad_step", "rollout_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +389,12 @@ class StatusResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
     WAITED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_STATE_FIELD_NUMBER: _ClassVar[int]
+    CAP_STEP_FIELD_NUMBER: _ClassVar[int]
+    GATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    GATE_BAD_STEP_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     generation: int
     rank: int
@@ -374,4 +411,38 @@ class StatusResponse(_message.Message):
     steps: _containers.RepeatedScalarFieldContainer[int]
     upstream: str
     waited: bool
-    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ...) -> None: ...
+    health_reason: str
+    rollout_state: str
+    cap_step: int
+    gate_reason: str
+    gate_bad_step: int
+    rollout_version: int
+    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ..., health_reason: _Optional[str] = ..., rollout_state: _Optional[str] = ..., cap_step: _Optional[int] = ..., gate_reason: _Optional[str] = ..., gate_bad_step: _Optional[int] = ..., rollout_version: _Optional[int] = ...) -> None: ...
+
+class RolloutRequest(_message.Message):
+    __slots__ = ("action", "step", "group", "force")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    action: RolloutAction
+    step: int
+    group: str
+    force: bool
+    def __init__(self, action: _Optional[_Union[RolloutAction, str]] = ..., step: _Optional[int] = ..., group: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class RolloutResponse(_message.Message):
+    __slots__ = ("state", "message", "generation", "head_step", "restore_oldest_step", "restore_newest_step")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HEAD_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_OLDEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_NEWEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    message: str
+    generation: int
+    head_step: int
+    restore_oldest_step: int
+    restore_newest_step: int
+    def __init__(self, state: _Optional[str] = ..., message: _Optional[str] = ..., generation: _Optional[int] = ..., head_step: _Optional[int] = ..., restore_oldest_step: _Optional[int] = ..., restore_newest_step: _Optional[int] = ...) -> None: ...

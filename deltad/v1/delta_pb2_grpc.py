@@ -70,6 +70,11 @@ class DeltaServiceStub:
                 request_serializer=deltad_dot_v1_dot_delta__pb2.ForgetRequest.SerializeToString,
                 response_deserializer=deltad_dot_v1_dot_delta__pb2.ForgetResponse.FromString,
                 _registered_method=True)
+        self.Rollout = channel.unary_unary(
+                '/deltad.v1.DeltaService/Rollout',
+                request_serializer=deltad_dot_v1_dot_delta__pb2.RolloutRequest.SerializeToString,
+                response_deserializer=deltad_dot_v1_dot_delta__pb2.RolloutResponse.FromString,
+                _registered_method=True)
 
 
 class DeltaServiceServicer:
@@ -121,6 +126,13 @@ class DeltaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rollout(self, request, context):
+        """--- rollout-control (issue 21): admin: read or change the model's release state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeltaServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +170,11 @@ def add_DeltaServiceServicer_to_server(servicer, server):
                     servicer.Forget,
                     request_deserializer=deltad_dot_v1_dot_delta__pb2.ForgetRequest.FromString,
                     response_serializer=deltad_dot_v1_dot_delta__pb2.ForgetResponse.SerializeToString,
+            ),
+            'Rollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollout,
+                    request_deserializer=deltad_dot_v1_dot_delta__pb2.RolloutRequest.FromString,
+                    response_serializer=deltad_dot_v1_dot_delta__pb2.RolloutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +366,33 @@ class DeltaService:
             '/deltad.v1.DeltaService/Forget',
             deltad_dot_v1_dot_delta__pb2.ForgetRequest.SerializeToString,
             deltad_dot_v1_dot_delta__pb2.ForgetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltad.v1.DeltaService/Rollout',
+            deltad_dot_v1_dot_delta__pb2.RolloutRequest.SerializeToString,
+            deltad_dot_v1_dot_delta__pb2.RolloutResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,7 +20,15 @@ sidecar's crash, the last sidecar to stop shuts it down, and every sidecar's wat
 restarts it within ``REDIS_PROBE_S`` + its start time if it dies (its append-only file keeps
 the data; socket and password stay the same, so no URL goes stale). Health answers
 NOT_SERVING while the offset store does not answer (``deltad_redis_up`` 0), SERVING again
-once it does.
+once it does. The health service ``deltad.v1.Gate`` answers NOT_SERVING while the validation
+gate holds (deltad.serve.index.gate).
+
+Health: the server ("") and ``deltad.v1.DeltaService`` answer readiness: SERVING unless a
+dependency fails (:meth:`SidecarServer.set_problem`: the offset store, the embedded Redis
+that cannot restart, a relay's upstream that refuses it); the reason is in Status
+(``health_reason``) and in one log line per change. :data:`~deltad.healthcheck.LIVENESS_SERVICE`
+answers liveness: SERVING while the process serves at all, whatever its dependencies do
+(restarting the sidecar cannot fix Redis, and would throw its caches away).
 """
 
 from __future__ import annotations
@@ -43,17 +51,22 @@ from deltad import knobs, wire
 from deltad.clientauth import file_stamp
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
+from deltad.healthcheck import LIVENESS_SERVICE
 from deltad.redisutil import EmbeddedRedis, answers
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.auth import Credentials, load_tokens_file
 from deltad.serve.edge.gate import Gate
+from deltad.serve.edge.rollout_rpc import RolloutControl
 from deltad.serve.edge.service import SERVICE_NAME, DeltaServicer, handlers
+from deltad.serve.index.gate import GateFailure, SegmentGate
 from deltad.serve.index.log import SegmentLog
+from deltad.serve.index.restore import restorable, restorable_steps
 from deltad.serve.index.retention import Retention
 from deltad.serve.metrics import RpcMetricsInterceptor, SidecarMetrics
-from deltad.serve.rollout import ReleaseState
+from deltad.serve.rollout import gate_failed
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.state.owed import OwedStore
+from deltad.serve.state.release import FollowedRollout, RolloutSource, RolloutStore, RolloutView
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +77,10 @@ REDIS_PROBE_S = 0.5
 #: Look for rewritten credential files (tokens, TLS) this often; a change reloads them as
 #: SIGHUP does (mounted secrets rotate without a signal).
 CREDENTIALS_WATCH_S = 1.0
+#: The health service that answers NOT_SERVING while the validation gate holds this server
+#: (a step it failed is not released past; Status.gate_reason says why). The service itself
+#: stays SERVING: predictors keep getting the last good step.
+GATE_HEALTH = "deltad.v1.Gate"
 
 
 def check_tls_files(cert: Path, key: Path, ca: Path | None) -> None:
@@ -79,6 +96,13 @@ def check_tls_files(cert: Path, key: Path, ca: Path | None) -> None:
         raise ConfigError(f"bad TLS files ({cert}, {key}, {ca}): {e}") from e
 
 
+def _no_paths(e: BaseException) -> str:
+    """``e`` as text without the file name an OSError carries (kept short for Status)."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} (errno {e.errno})"
+    return str(e)
+
+
 def _read(path: Any) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -90,8 +114,10 @@ def _read(path: Any) -> bytes:
 class SidecarServer:
     """One rank's sidecar; see the module docstring."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, relay: bool = False) -> None:
         self.config = config
+        #: a relay follows its upstream's release state (deltad.serve.relay) instead of Redis
+        self.relay = relay
         self.layout = SpoolLayout(config.spool_dir, config.model)
         self.metrics = SidecarMetrics(config.model, config.rank)
         self.port = 0
@@ -107,7 +133,9 @@ class SidecarServer:
         self._tls_lock = threading.Lock()
         self._tls_pending: grpc.ServerCertificateConfiguration | None = None
         self._credential_stamp: tuple[object, ...] = ()
-        self._release: Callable[[], ReleaseState] | None = None
+        #: why readiness is NOT_SERVING, by source ("redis", "upstream", ...); empty: SERVING
+        self._problems: dict[str, str] = {}
+        self._health_lock = threading.Lock()
         self.store: OffsetStore
         self.log: SegmentLog
         self.servicer: DeltaServicer
@@ -131,22 +159,54 @@ class SidecarServer:
 
     def _start(self, cfg: ServerConfig) -> None:
         self.store = OffsetStore.from_url(self.redis_url, cfg.model)
+        # the release state: the model's in Redis (a sidecar) or the upstream's (a relay)
+        self.rollout_store: RolloutStore | None = None
+        self.rollout: RolloutSource
+        if self.relay:
+            self.rollout = FollowedRollout()
+        else:
+            self.rollout_store = RolloutStore(self.store.client, cfg.model)
+            self.rollout = RolloutView(self.rollout_store)
         self.log = SegmentLog(
             self.layout,
             cfg.rank,
             on_quarantine=lambda p, r: self.metrics.quarantined.inc(),
             keep_previous_s=cfg.generation_keep_s,
             keep_previous_bytes=cfg.generation_keep_bytes,
+            gate=SegmentGate(cfg.gate, self._gate_failed),
         )
         self.log.refresh()
         snap = self.log.snapshot()
+        if snap is None:  # a trainer not started yet, or a mistyped --spool / --model
+            log.warning(
+                "no segment of model %r rank %d in %s yet: serving nothing until the trainer "
+                "publishes there",
+                cfg.model, cfg.rank, cfg.spool_dir,
+            )  # fmt: skip
         world = snap.manifest.world_size if snap is not None else 1
-        owed = OwedStore(self.layout.sidecar_dir, cfg.model, cfg.rank, world)
+        owed = OwedStore(
+            self.layout.sidecar_dir, cfg.model, cfg.rank, world,
+            max_bytes=cfg.owed_max_bytes, max_consumer_bytes=cfg.owed_max_consumer_bytes,
+        )  # fmt: skip
         self.owed = owed
         self.servicer = DeltaServicer(cfg, self.log, self.store, owed, self.metrics)
-        if self._release is not None:
-            self.servicer.windows.release = self._release
+        self.servicer.windows.rollout = self.rollout
+        self.servicer.rollout_control = RolloutControl(
+            self.log,
+            self.rollout,
+            self.rollout_store,
+            restore_window=self._restore_steps,
+            restore_check=self._restore_check,
+        )
+        self.servicer.health_reason = lambda: self.health_reason
         self.metrics.track_sidecar(self.servicer, self.log)
+        gate = self.log.gate
+        if gate is not None:
+            self.metrics.track(
+                "deltad_gate_check_seconds",
+                "Seconds the validation gate spent checking segments and dense states",
+                lambda: gate.seconds,
+            )
         self.retention = Retention(
             self.log,
             self.store,
@@ -154,7 +214,7 @@ class SidecarServer:
             max_bytes=knobs.MERGE_MAX_BYTES_PER_ROUND,
             restore_steps=cfg.restore_window_steps,
             restore_seconds=cfg.restore_window_s,
-            release=lambda: self.servicer.windows.release(),
+            release=self.rollout.state,
         )
         store = self.store
         self.gate = Gate(
@@ -216,8 +276,10 @@ class SidecarServer:
         self.endpoint = cfg.advertise or f"{host}:{self.port}"
         self._server = server
         server.start()
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._apply_health()
+        self._gate_held: bool | None = None
+        self.gate_check()
         if cfg.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve_http(
@@ -230,6 +292,7 @@ class SidecarServer:
         warm = threading.Thread(target=wire.preload_quantizer, name="deltad-warm", daemon=True)
         warm.start()
         self._spawn("deltad-poll", self._poll_loop, cfg.poll_interval_s)
+        self._spawn("deltad-gate", self.gate_check, 0.5)
         # Streams stuck in a send (a client that stopped reading) past their deadline.
         self._spawn("deltad-deadlines", self.servicer.cancel_overdue, 0.5)
         self._spawn("deltad-retention", self._retention_loop, cfg.retention_interval_s)
@@ -246,14 +309,18 @@ class SidecarServer:
             "serving %s rank %d on %s", cfg.model, cfg.rank, self.endpoint
         )  # printed by the CLI
 
-    def set_release(self, provider: Callable[[], ReleaseState]) -> None:
-        """Serve under the model's release state that ``provider`` returns (called at every
-        GetDelta; it must be cheap: a cached read). Caps and rollback orders then apply to
-        every consumer of this sidecar (deltad.serve.rollout, deltad.serve.windows.rollback).
-        Before :meth:`start`, or any time after."""
-        self._release = provider
-        if hasattr(self, "servicer"):
-            self.servicer.windows.release = provider
+    def _restore_steps(self) -> tuple[int, int] | None:
+        """(oldest, newest) step this rank's log can restore; None: no log yet."""
+        snap = self.log.snapshot()
+        return None if snap is None else restorable_steps(snap)
+
+    def _restore_check(self, step: int) -> str:
+        """Why this rank's log cannot restore ``step`` ("" if it can): asked before a rollback
+        order is recorded (deltad.serve.index.restore)."""
+        snap = self.log.snapshot()
+        if snap is None:
+            return "this sidecar has no log yet"
+        return restorable(snap, step)
 
     def _credentials(self) -> Credentials | None:
         cfg = self.config
@@ -336,31 +403,102 @@ class SidecarServer:
         t.start()
         self._threads.append(t)
 
+    @property
+    def health_reason(self) -> str:
+        """Why readiness is NOT_SERVING ("" while SERVING): every current problem."""
+        with self._health_lock:
+            return "; ".join(self._problems[k] for k in sorted(self._problems))
+
+    def set_problem(self, source: str, reason: str | None) -> None:
+        """Record (``reason``) or clear (None) ``source``'s problem; readiness is SERVING
+        only without any. Logs one line per change, never per repeat."""
+        with self._health_lock:
+            if self._problems.get(source) == reason:
+                return
+            if reason is None:
+                self._problems.pop(source, None)
+            else:
+                self._problems[source] = reason
+            self._apply_health()
+            left = len(self._problems)
+        if reason is not None:
+            log.warning("NOT_SERVING: %s", reason)
+        else:
+            log.warning("%s: ok again%s", source, " (SERVING)" if not left else "")
+
+    def _apply_health(self) -> None:
+        if self._health is None or self._stop.is_set():
+            return
+        status = health_pb2.HealthCheckResponse.SERVING
+        if self._problems:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, status)
+
     def probe_redis(self) -> bool:
         """One probe of the offset store: restart a dead embedded server, set the gauge and
         the health status; True if it answers."""
         up = answers(self.redis_url, timeout_s=1.0)
+        why = "offset store unreachable"
         if not up and self._embedded is not None:
             try:
                 if self._embedded.ensure():
                     self.metrics.redis_restarts.inc()
                 up = answers(self.redis_url, timeout_s=1.0)
-            except DeltadError as e:
-                log.error("cannot restart the embedded redis: %s", e)
+            except (DeltadError, OSError) as e:  # e.g. ENOSPC writing its config: a full spool
+                why = f"the embedded redis is down and cannot restart: {_no_paths(e)}"
         # health flips only after two probes agree (a loaded box may miss one answer)
         self._probe_fails = 0 if up else self._probe_fails + 1
         if not up and self._probe_fails < 2:
             return False
         self.metrics.redis_up.set(1 if up else 0)
-        if up != self._redis_up and self._health is not None and not self._stop.is_set():
-            status = health_pb2.HealthCheckResponse.SERVING
-            if not up:
-                status = health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE_NAME):
-                self._health.set(name, status)
-            log.warning("offset store %s", "answers again" if up else "unreachable: NOT_SERVING")
+        if not self._stop.is_set():
+            self.set_problem("redis", None if up else why)
         self._redis_up = up
         return up
+
+    def _gate_failed(self, f: GateFailure) -> None:
+        """The validation gate failed a step: count it, say it in the health detail (the
+        ``GATE_HEALTH`` service NOT_SERVING while a failure stands) and hold the model (a
+        sidecar writes the release state; a relay holds its own consumers only)."""
+        self.metrics.gate_failures.inc()
+        if self.rollout_store is None:
+            return
+        try:
+            state = self.rollout_store.update(
+                lambda s: gate_failed(
+                    s,
+                    generation=f.generation,
+                    bad_step=f.step,
+                    good_step=f.good_step,
+                    reason=f"rank {self.config.rank} step {f.step}: {f.reason}",
+                )
+            )
+        except OffsetStoreError as e:  # the local gate holds this rank regardless
+            log.error("gate: cannot hold the model in the release state: %s", e)
+            return
+        if isinstance(self.rollout, RolloutView):
+            self.rollout.set(state)
+
+    def gate_check(self) -> bool:
+        """Refresh the gate's gauge and health detail; True while a gate failure holds."""
+        snap = self.log.snapshot()
+        held = False
+        if snap is not None:
+            state = self.rollout.state()
+            held = self.servicer.windows.gate_cap(state, snap.generation) is not None
+            self.metrics.gate_held.set(1 if held else 0)
+            self.metrics.rollout_held.set(1 if state.held else 0)
+            self.metrics.release_step.set(-1 if state.release_step is None else state.release_step)
+        if self._health is not None and not self._stop.is_set() and self._gate_held != held:
+            self._health.set(
+                GATE_HEALTH,
+                health_pb2.HealthCheckResponse.NOT_SERVING
+                if held
+                else health_pb2.HealthCheckResponse.SERVING,
+            )
+            self._gate_held = held
+        return held
 
     def _register_endpoint(self) -> None:
         snap = self.log.snapshot()

@@ -8,7 +8,8 @@ A tokens file has one credential per line, ``TOKEN CONSUMERS ROLES``::
     mtls:predictor-3   predictor-3          consume
 
 * ``CONSUMERS``: comma-separated fnmatch globs over consumer names (``*`` = all);
-* ``ROLES``: comma-separated subset of ``consume`` and ``admin`` (see :class:`Role`);
+* ``ROLES``: comma-separated subset of ``consume``, ``admin`` and ``relay`` (see :class:`Role`;
+  ``relay``: a relay's mirror may be served past the model's release caps);
 * a token field ``mtls:<CN>`` binds the client certificate whose subject CN is ``<CN>``;
 * ``#`` starts a comment (a field beginning with ``#`` and the rest of the line).
 
@@ -156,7 +157,7 @@ def load_tokens_file(path: Path) -> Credentials:
 #: Methods that act for the consumer named in the request (role consume or admin).
 CONSUMER_METHODS = frozenset({"GetDelta", "Commit", "Register", "Heartbeat"})
 #: Methods only the admin role may call.
-ADMIN_METHODS = frozenset({"Forget"})
+ADMIN_METHODS = frozenset({"Forget", "Rollout"})
 
 
 def may_call(grant: Grant, method: str, consumer: str | None) -> str | None:
@@ -170,6 +171,17 @@ def may_call(grant: Grant, method: str, consumer: str | None) -> str | None:
             return f"credential ({grant.origin}) may not act for consumer {consumer!r}"
         return None
     return None  # Status, ListConsumers (filtered unless admin), reflection
+
+
+def may_mirror(grant: Grant) -> str | None:
+    """None if ``grant`` may pull as a relay's mirror (GetDeltaRequest.mirror: past the
+    model's release caps), else why not: that needs the relay or admin role."""
+    if Role.RELAY in grant.roles or grant.admin:
+        return None
+    return (
+        f"credential ({grant.origin}) may not pull as a relay mirror (past the release caps): "
+        f"that needs the relay or admin role"
+    )
 
 
 def visible(grant: Grant, consumer: str) -> bool:

@@ -1,7 +1,7 @@
 """The gRPC edge: every DeltaService call is parsed, identified, authorized and admitted here,
 once, before the servicer sees it.
 
-* request bytes that do not parse get INVALID_ARGUMENT (and at most one log line per
+* request bytes that do not parse (health checks' too) get INVALID_ARGUMENT (and at most one log line per
   ``LOG_EVERY_S``), never a traceback per request;
 * the caller's :class:`~deltad.serve.edge.auth.Grant` comes from its one ``authorization: Bearer``
   header (two or more: UNAUTHENTICATED) or its mTLS client certificate's CN;
@@ -11,7 +11,9 @@ once, before the servicer sees it.
   checked here only;
 * a consumer name the offset store does not know yet is admitted only below
   ``max_consumers`` (RESOURCE_EXHAUSTED otherwise, nothing stored);
-* ListConsumers shows a non-admin credential only its own consumers.
+* ListConsumers shows a non-admin credential only its own consumers;
+* a GetDelta as a relay's mirror (``mirror``: past the release caps) needs the relay or admin
+  role; without it the pull is served capped, as the consumer it names.
 
 Health checks are open; reflection needs a valid credential.
 """
@@ -150,6 +152,11 @@ class Gate(grpc.ServerInterceptor):
     def _check(self, grant: Grant, method: str, req: Any, context: Any) -> None:
         consumer = getattr(req, "consumer", None) if method in auth.CONSUMER_METHODS else None
         why = auth.may_call(grant, method, consumer)
+        if why is None and method == "GetDelta" and getattr(req, "mirror", False):
+            no_mirror = auth.may_mirror(grant)
+            if no_mirror is not None:  # served as the consumer it names: capped
+                req.mirror = False
+                self._bad_log.warning("%s: served capped", no_mirror)
         if why is not None:
             self._denied(why)
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
@@ -211,6 +218,30 @@ class Gate(grpc.ServerInterceptor):
             )
         return self._wrap_identified(h)
 
+    def _wrap_open(self, h: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """A health method (no credential needed): parsed here, so bytes that do not parse
+        get INVALID_ARGUMENT and a rate-limited line, not INTERNAL and a traceback each."""
+        deserialize = h.request_deserializer or (lambda b: b)
+        if h.unary_unary is not None:
+            fn = h.unary_unary
+
+            def unary(raw: bytes, context: grpc.ServicerContext) -> Any:
+                return fn(self._parse(deserialize, raw, method, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, response_serializer=h.response_serializer
+            )
+        if h.unary_stream is not None:
+            gen = h.unary_stream
+
+            def stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+                yield from gen(self._parse(deserialize, raw, method, context), context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, response_serializer=h.response_serializer
+            )
+        return h
+
     def _wrap_identified(self, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """Any other shape (reflection's bidi stream): a valid credential, nothing more."""
         kw = {
@@ -256,12 +287,14 @@ class Gate(grpc.ServerInterceptor):
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
         method = details.method
-        if handler is None or method.startswith(OPEN_PREFIX):
+        if handler is None:
             return handler
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:  # the servicer's handlers are static
             return cached[1]
-        if method.startswith(SERVICE_PREFIX):
+        if method.startswith(OPEN_PREFIX):
+            wrapped = self._wrap_open(handler, method[len(OPEN_PREFIX) :])
+        elif method.startswith(SERVICE_PREFIX):
             wrapped = self._wrap(handler, method[len(SERVICE_PREFIX) :])
         else:
             wrapped = self._wrap_identified(handler)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -22,15 +22,21 @@ from deltad import knobs
 from deltad.config import ServerConfig, clip
 from deltad.errors import OffsetStoreError
 from deltad.serve.edge.grpcutil import abort as _abort
+from deltad.serve.edge.rollout_rpc import RolloutControl
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.rollout import cap_for
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, StoredCursor
 from deltad.serve.state.owed import OwedStore
+from deltad.serve.state.release import VIEW_TTL_S
 from deltad.serve.windows.getdelta import WindowServer
 from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+#: Longest pull_id a Commit may carry (the server issues 32 hex digits).
+MAX_PULL_ID = 128
 
 SERVICE_NAME = "deltad.v1.DeltaService"
 
@@ -67,6 +73,10 @@ class DeltaServicer:
         self.runs = self.windows.runs
         #: Set by a relay (deltad.serve.relay.server): the upstream it mirrors, shown in Status.
         self.upstream = ""
+        #: The Rollout RPC (set by the sidecar once its release state is connected).
+        self.rollout_control: RolloutControl | None = None
+        #: Set by the server (deltad.serve.edge.app): why readiness is NOT_SERVING, or "".
+        self.health_reason: Callable[[], str] = lambda: ""
         self._waiters = 0
         self._waiters_lock = threading.Lock()
 
@@ -123,6 +133,12 @@ class DeltaServicer:
             )
         if not c.pull_id:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "cursor has no pull_id")
+        if len(c.pull_id) > MAX_PULL_ID:  # ours are 32 hex digits
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"pull_id {clip(c.pull_id, 40)} is longer than {MAX_PULL_ID} characters",
+            )
         try:
             stored = self.store.commit(
                 consumer,
@@ -179,9 +195,12 @@ class DeltaServicer:
     def Heartbeat(
         self, req: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
-        """Renew a registered consumer's lease."""
+        """Renew a registered consumer's lease (or end it: ``release``)."""
         consumer = req.consumer  # checked at the edge
         try:
+            if req.release:
+                self.store.release(consumer)
+                return pb.HeartbeatResponse(lease_expires_in_seconds=0.0)
             left = self.store.heartbeat(consumer, self.config.lease_ttl_s)
         except OffsetStoreError as e:
             _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
@@ -199,14 +218,21 @@ class DeltaServicer:
         cursors = self.store.cursors(names, self.config.rank)
         now = time.time()
         out = []
+        state = self.windows.rollout.state()
         for name in names:
             stored = cursors[name]
+            cap = (
+                self.windows.cap(name, snap.generation)[1]
+                if snap is not None
+                else cap_for(state, name).max_step
+            )
             info = pb.ConsumerInfo(
                 consumer=name,
                 cursor=self._cursor_pb(name, stored),
                 live=leases[name] > 0,
                 lease_expires_in_seconds=leases[name],
                 owed_rows=stored.owed_rows if stored else 0,
+                cap_step=-1 if cap is None else cap,
             )
             if snap is not None:
                 seq = -1 if stored is None or stored.generation != snap.generation else stored.seq
@@ -248,7 +274,9 @@ class DeltaServicer:
         resp = pb.StatusResponse(
             model=cfg.model, rank=cfg.rank, quarantined=self.log.quarantined, head_seq=-1,
             head_step=-1, base_seq=-1, upstream=self.upstream, waited=waited,
+            health_reason=self.health_reason(),
         )  # fmt: skip
+        self._status_rollout(req, resp, snap)
         if snap is None:
             return resp
         m = snap.manifest
@@ -275,6 +303,34 @@ class DeltaServicer:
                     )  # fmt: skip
         return resp
 
+    def _status_rollout(
+        self, req: pb.StatusRequest, resp: pb.StatusResponse, snap: LogSnapshot | None
+    ) -> None:
+        """The release state, the asking consumer's cap and this server's gate in Status."""
+        state = self.windows.rollout.state()
+        resp.rollout_state = state.to_json()
+        resp.rollout_version = state.version
+        resp.cap_step = -1
+        resp.gate_bad_step = -1
+        if snap is None:
+            return
+        gate = self.log.gate
+        gen = snap.generation
+        if gate is not None:
+            accepted = state.gate_accepted_step if state.gate_generation == gen else None
+            f = gate.first_open(gen, accepted)
+            if f is not None:
+                resp.gate_bad_step, resp.gate_reason = f.step, f.reason
+        # no consumer named: the cap of one that matches no pin or canary group
+        _, cap = self.windows.cap(req.consumer, gen)
+        resp.cap_step = -1 if cap is None else cap
+
+    def Rollout(self, req: pb.RolloutRequest, context: grpc.ServicerContext) -> pb.RolloutResponse:
+        """Read or change the model's release state (admin; see deltad.serve.edge.rollout_rpc)."""
+        if self.rollout_control is None:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, "the release state is not connected yet")
+        return self.rollout_control.Rollout(req, context)
+
     def _status_snapshot(
         self, req: pb.StatusRequest, context: grpc.ServicerContext
     ) -> tuple[LogSnapshot | None, bool]:
@@ -294,14 +350,20 @@ class DeltaServicer:
                 wait = min(wait, max(0.0, remaining - 0.25))
             end = time.monotonic() + wait
             snap = self.log.snapshot()
+            # a waiter that follows the release state looks at it every VIEW_TTL_S (the
+            # sidecar's cached read of Redis), so a release or rollback order wakes it at once
+            watch = req.HasField("after_rollout_version")
+            step_s = VIEW_TTL_S if watch else 1.0
             while context.is_active():  # bounded by `end`; a cancelled call stops waiting
                 left = end - time.monotonic()
-                snap = self.log.wait_past(req.after_generation, req.after_seq, min(left, 1.0))
-                if left <= 1.0 or (
+                snap = self.log.wait_past(req.after_generation, req.after_seq, min(left, step_s))
+                if left <= step_s or (
                     snap is not None
                     and (snap.generation, snap.head.seq) > (req.after_generation, req.after_seq)
                 ):
                     break
+                if watch and self.windows.rollout.state().version != req.after_rollout_version:
+                    break  # the release state changed: a relay following it wants to know
             return snap, True
         finally:
             with self._waiters_lock:
@@ -343,5 +405,6 @@ def handlers(servicer: DeltaServicer) -> grpc.GenericRpcHandler:
             ),
             "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusResponse),
             "Forget": unary(servicer.Forget, pb.ForgetRequest, pb.ForgetResponse),
+            "Rollout": unary(servicer.Rollout, pb.RolloutRequest, pb.RolloutResponse),
         },
     )

@@ -40,6 +40,7 @@ from deltad.errors import SegmentCorruptError, SpoolError
 from deltad.segment.format import DenseState, Segment, ShardRows
 from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout, write_atomic
 from deltad.segment.validate import load_verified, load_verified_dense
+from deltad.serve.index.gate import SegmentGate
 from deltad.types import SegmentKind, ShardKey
 
 log = logging.getLogger(__name__)
@@ -167,8 +168,11 @@ class SegmentLog:
         on_quarantine: Callable[[Path, str], None] | None = None,
         keep_previous_s: float = 0.0,
         keep_previous_bytes: int = 0,
+        gate: SegmentGate | None = None,
     ) -> None:
         self.layout = layout
+        #: Checks every entry and dense state before it is published (None: no gate).
+        self.gate = gate
         self.rank = rank
         self.on_quarantine = on_quarantine
         #: Segments of this rank in the quarantine directory (kept there across restarts).
@@ -485,6 +489,8 @@ class SegmentLog:
             if cur is not None and cur.generation == generation
             else self.manifest(generation)
         )
+        if self.gate is not None:  # before anyone can read them
+            self.gate.check(generation, run, dense)
         self._set_snapshot(LogSnapshot(generation, manifest, tuple(run), dense))
 
     def _set_snapshot(self, snap: LogSnapshot | None) -> None:

@@ -35,6 +35,15 @@ from the upstream's Status) and its base; the relay's log switches to it like a 
 when its trainer restarts. The mirror asks for no generation diff (it needs a base to write);
 the relay's own consumers get generation diffs from the previous generation's log it holds
 (deltad.serve.windows.gendiff), or resync.
+
+Dense states: the mirror pulls ``with_dense``; a window carrying one (the upstream's newest at or
+before its head, with its seq and step) is written as ``dense-<seq>`` *before* the window's
+segment, exactly as the trainer's publisher does, so the relay's log (its retention, its
+generation diffs, its ``dense_steps``) serves it like a sidecar serves the trainer's, at every
+level of a tree. A window the relay serves ``with_dense`` whose dense state it knows it lacks
+(the upstream listed a newer dense state at or before the window's step than the relay holds,
+or the upstream said its own window lacked one) says so in ``DeltaHeader.dense_missing``:
+:meth:`RelayMirror.dense_missing`, so a predictor never looks caught up on init weights.
 """
 
 from __future__ import annotations
@@ -58,10 +67,11 @@ from deltad.config import RelayConfig, ServerConfig
 from deltad.consume import decode
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import DeltadError, UpstreamError
-from deltad.segment.format import ShardRows, write_segment
+from deltad.segment.format import ShardRows, encode_dense, write_dense, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.serve.edge.app import SidecarServer
-from deltad.serve.rollout import ReleaseState
+from deltad.serve.index.log import LogSnapshot
+from deltad.serve.state.release import FollowedRollout
 from deltad.types import SegmentKind, Shard, ShardKey
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
@@ -89,6 +99,22 @@ class _Local:
     #: every (table, col_start, col_end) of the base, in order, with its shard's row range
     ranges: dict[ShardKey, tuple[int, int]]
     dtypes: dict[str, torch.dtype]
+
+
+#: Answers that mean the upstream refuses this relay's credentials or scope (no retry helps
+#: until someone fixes them): readiness turns NOT_SERVING.
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+#: Transport failures that are a TLS refusal (wrong CA, rejected client certificate), not
+#: an upstream that is down.
+_TLS_REFUSAL = ("ssl", "handshake", "certificate", "tls")
+
+
+def refuses(e: grpc.RpcError) -> bool:
+    """Whether ``e`` is the upstream refusing the relay (credentials, scope or TLS trust)."""
+    if e.code() in _REFUSED:
+        return True
+    details = (e.details() or "").lower()
+    return e.code() == grpc.StatusCode.UNAVAILABLE and any(w in details for w in _TLS_REFUSAL)
 
 
 def _worth_commit(d: RankDelta) -> bool:
@@ -139,6 +165,13 @@ class RelayMirror:
         self._thread: threading.Thread | None = None
         self._last_problem = ""
         self._waited_s = 0.0
+        self._rollout_version = 0
+        #: the upstream's dense steps (its last Status) and generation, and why its last
+        #: window lacked a dense state ("" if it did not): what dense_missing compares with
+        self._up_dense: tuple[int, tuple[int, ...]] = (-1, ())
+        self._up_dense_missing = ""
+        #: dense state files written (for tests and logs)
+        self.dense_written = 0
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -163,9 +196,11 @@ class RelayMirror:
         c = self.config
         delay = c.backoff_initial_s
         while not self._stop.is_set():
+            refused = False
             try:
                 pulled = self.step()
                 delay = c.backoff_initial_s
+                self.server.set_problem("upstream", None)
                 if self._last_problem:
                     log.info("upstream %s: mirroring again", c.upstream)
                     self._last_problem = ""
@@ -182,6 +217,11 @@ class RelayMirror:
                 if self._stop.is_set():
                     return  # cancelled by stop()
                 problem = f"{e.code().name}: {e.details()}"
+                refused = refuses(e)
+                if refused:  # readiness says so (one line per change, by set_problem)
+                    self.server.set_problem(
+                        "upstream", f"upstream {c.upstream} refuses this relay: {problem[:300]}"
+                    )
             except DeltadError as e:
                 if self._stop.is_set():
                     return
@@ -191,7 +231,7 @@ class RelayMirror:
                     return
                 log.exception("relay step failed")
                 problem = repr(e)
-            if problem != self._last_problem:  # once per kind of trouble, not per retry
+            if problem != self._last_problem and not refused:  # once per kind, not per retry
                 log.warning("upstream %s: %s (retrying)", c.upstream, problem)
                 self._last_problem = problem
             self._stop.wait(delay * (0.5 + random.random() / 2))
@@ -214,11 +254,13 @@ class RelayMirror:
             self._commit()
         asked = time.time()
         st = self._status()
+        self._follow(st)
         if st.model != self.model or st.rank != self.rank:
             raise UpstreamError(
                 f"upstream {self.config.upstream} serves model {st.model!r} rank {st.rank}; "
                 f"this relay serves model {self.model!r} rank {self.rank}"
             )
+        self._up_dense = (st.generation, tuple(int(t) for t in st.dense_steps))
         loc = self._local
         head = (st.generation, st.head_seq)
         if st.head_seq < 0 or (
@@ -238,6 +280,14 @@ class RelayMirror:
         self._pull(st, asked)
         return True
 
+    def _follow(self, st: pb.StatusResponse) -> None:
+        """Take the upstream's release state (rollout-control, issue 21): the relay applies
+        it to its own consumers (deltad.serve.state.release.FollowedRollout)."""
+        follow = getattr(self.server, "rollout", None)
+        if isinstance(follow, FollowedRollout):
+            follow.follow(st.rollout_state)
+            self._rollout_version = st.rollout_version
+
     def _status(self) -> pb.StatusResponse:
         """The upstream's Status; a long poll (answered when its head passes the relay's)
         when the relay holds a log and owes no commit. Sets ``_waited_s``: how long the
@@ -255,8 +305,9 @@ class RelayMirror:
         )
         if idle and loc is not None and wait > 0:
             req = pb.StatusRequest(
-                after_generation=loc.generation, after_seq=loc.seq, wait_ms=int(wait * 1000)
-            )
+                after_generation=loc.generation, after_seq=loc.seq, wait_ms=int(wait * 1000),
+                after_rollout_version=self._rollout_version,
+            )  # fmt: skip
         start = time.monotonic()
         st = self._stub.Status(
             req, timeout=min(10.0, c.rpc_deadline_s) + req.wait_ms / 1000,
@@ -268,7 +319,7 @@ class RelayMirror:
     def _pull(self, st: pb.StatusResponse, asked: float) -> None:
         req = pb.GetDeltaRequest(
             consumer=self.config.consumer, form=pb.FORM_ROWS, dtype=pb.WIRE_DTYPE_FP32,
-            from_base=self._needs_base, no_generation_diff=True,
+            from_base=self._needs_base, no_generation_diff=True, mirror=True, with_dense=True,
         )  # fmt: skip
         d = decode.pull(
             self._channel, req, timeout=self.config.rpc_deadline_s, metadata=self._metadata
@@ -277,6 +328,7 @@ class RelayMirror:
         self._touched = time.monotonic()
         if d.rank != self.rank:
             raise UpstreamError(f"upstream answered rank {d.rank} for rank {self.rank}")
+        self._up_dense_missing = d.dense_missing
         same = d.generation == st.generation and d.to_seq == st.head_seq
         created = asked - st.head_age_seconds if same else time.time()
         loc = self._local
@@ -354,6 +406,7 @@ class RelayMirror:
             r0, r1 = (int(ids[0]), int(ids[-1]) + 1) if n else (0, 0)
             ranges[s.shard.key] = (r0, r1)
             rows.append(_shard_rows(s, r0, r1, ids, values, dtypes, raw))
+        self._write_dense(d)
         self._write(d, SegmentKind.BASE, 0, world, rows, created)
         self._local = _Local(d.generation, d.to_seq, d.to_step, world, ranges, dtypes)
 
@@ -371,9 +424,47 @@ class RelayMirror:
                 continue
             ids, values, raw = _sorted(s)
             rows.append(_shard_rows(s, r0, r1, ids, values, loc.dtypes, raw))
+        self._write_dense(d)
         self._write(d, SegmentKind.DELTA, loc.seq + 1, loc.world_size, rows, created)
         self._local = _Local(
             d.generation, d.to_seq, d.to_step, loc.world_size, loc.ranges, loc.dtypes
+        )
+
+    def _write_dense(self, d: RankDelta) -> None:
+        """The window's dense state as ``dense-<seq>`` (before the segment that makes it
+        visible: a log that sees segment ``to_seq`` finds it), unless the relay has it."""
+        if d.dense_seq is None or d.dense_step is None:
+            return
+        path = self.layout.dense_path(d.generation, self.rank, d.dense_seq)
+        if path.exists():
+            return
+        data = encode_dense(
+            model=self.model, generation=d.generation, rank=self.rank, seq=d.dense_seq,
+            step=d.dense_step, tensors=d.dense,
+        )  # fmt: skip
+        write_dense(path, data, fsync=self.config.fsync)
+        self.dense_written += 1
+
+    def dense_missing(self, snap: LogSnapshot, to_seq: int, to_step: int) -> str:
+        """Why a window of the relay's log ending at ``to_seq`` (step ``to_step``) lacks the
+        dense state it should carry; "" if it does not (or the relay cannot tell): the
+        upstream said its window lacked one, or the upstream serves a dense state at or
+        before ``to_step`` newer than any the relay holds at or before ``to_seq``."""
+        up = self.config.upstream
+        if self._up_dense_missing:
+            return f"upstream {up}: {self._up_dense_missing}"[:512]
+        generation, steps = self._up_dense
+        if generation != snap.generation:
+            return ""
+        expected = max((t for t in steps if t <= to_step), default=None)
+        if expected is None:
+            return ""
+        held = snap.dense_at(to_seq)
+        if held is not None and held.step >= expected:
+            return ""
+        return (
+            f"relay of {up} holds no dense state of step {expected} (newest held: "
+            f"{'none' if held is None else held.step}); its upstream serves it"
         )
 
     def _write(
@@ -555,7 +646,7 @@ class RelayServer:
     def __init__(self, config: ServerConfig, relay: RelayConfig) -> None:
         self.config = config
         self.relay = relay
-        self.server = SidecarServer(config)
+        self.server = SidecarServer(config, relay=True)
         self.mirror: RelayMirror | None = None
         self._failed = threading.Event()
 
@@ -581,17 +672,12 @@ class RelayServer:
         try:
             self.server.servicer.upstream = self.relay.upstream
             self.mirror = RelayMirror(self.relay, self.server, lambda e: self._failed.set())
+            self.server.servicer.windows.dense_check = self.mirror.dense_missing
             self.mirror.start()
         except BaseException:
             self.server.stop(0)
             raise
         return self
-
-    def set_release(self, provider: Callable[[], ReleaseState]) -> None:
-        """The relay's own consumers are served under ``provider``'s release state, as a
-        sidecar's (:meth:`SidecarServer.set_release`): their caps and rollbacks come from the
-        relay's own log and restore points, so a rollback needs nothing from the upstream."""
-        self.server.set_release(provider)
 
     def stop(self, grace: float | None = None) -> None:
         if self.mirror is not None:

@@ -10,18 +10,34 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
+from redis.exceptions import RedisClusterException
 
+from deltad.config import SENTINEL_SCHEMES, clip, options_min_replicas
 from deltad.errors import OffsetStoreError, StaleCursorError
 from deltad.keys import RedisKeys
 from deltad.redisutil import _redact, connect
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: Errors a retry may outlive.
+_TRANSIENT = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.ReadOnlyError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    RedisClusterException,
+    OSError,
+)
 
 #: Pull records of consumers that never commit disappear after this.
 PULL_TTL_MS = 7 * 24 * 3600 * 1000
@@ -31,7 +47,12 @@ local function gt(a, b)
   if #a ~= #b then return #a > #b end
   return a > b
 end
-if redis.call('HGET', KEYS[1], 'pull_id') == ARGV[1] then return 'same' end
+if redis.call('HGET', KEYS[1], 'pull_id') == ARGV[1] then
+  -- a repeat: a write all the same, so that a WAIT after it (Sentinel's min_replicas)
+  -- covers the first commit's write too, whichever connection made that one
+  redis.call('HSET', KEYS[1], 'updated_unix', ARGV[5])
+  return 'same'
+end
 local p = redis.call('HMGET', KEYS[2], 'pull_id', 'generation', 'seq', 'step',
                      'owed_token', 'owed_rows', 'rollback_epoch', 'rollback')
 if not p[1] then
@@ -168,14 +189,19 @@ class OffsetStore:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Any,  # redis.Redis (plain or Sentinel's master) or RedisCluster
         model: str,
         *,
         attempts: int = 5,
         backoff_s: float = 0.05,
         url: str = "",
+        min_replicas: int = 0,
     ) -> None:
         self.client = client
+        #: Replicas that must hold a commit before it is acknowledged (Redis WAIT): a
+        #: Sentinel failover promotes a replica, which then has every acknowledged cursor.
+        self.min_replicas = min_replicas
+        self._attached = True
         self.keys = RedisKeys(model)
         self.attempts = max(1, attempts)
         self.backoff_s = backoff_s
@@ -187,7 +213,12 @@ class OffsetStore:
 
     @classmethod
     def from_url(cls, url: str, model: str, **kw: Any) -> OffsetStore:
-        """Connect (bounded retries) and wrap; OffsetStoreError if Redis does not answer."""
+        """Connect (bounded retries) and wrap; OffsetStoreError if Redis does not answer.
+        A Sentinel URL waits for ``min_replicas`` (default 1) replicas on every commit."""
+        scheme, _, rest = url.partition("://")
+        if scheme in SENTINEL_SCHEMES:
+            given = options_min_replicas(rest.partition("?")[2])
+            kw.setdefault("min_replicas", 1 if given is None else given)
         return cls(connect(url, socket_timeout_s=2.0), model, url=url, **kw)
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
@@ -199,8 +230,9 @@ class OffsetStore:
             except redis.AuthenticationError as e:  # a refused password is not transient
                 where = _redact(self.url) if self.url else "redis"
                 raise OffsetStoreError(f"offset store ({where}) refused authentication: {e}") from e
-            except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError) as e:
-                # down, loading its data after a restart, or a replica after a failover
+            except _TRANSIENT as e:
+                # down, loading its data after a restart, a replica after a failover (Sentinel)
+                # or a cluster moving or electing a slot's master
                 last = e
                 if attempt + 1 < self.attempts:
                     time.sleep(delay)
@@ -274,15 +306,53 @@ class OffsetStore:
         """Atomically commit the pull ``pull_id``; CommitRejected if it may not be."""
         keys = [self.keys.cursor(consumer, rank), self.keys.pull(consumer, rank)]
         args = [pull_id, str(generation), str(seq), str(step), repr(time.time())]
-        answer = _s(self._retry("commit", lambda: self._commit(keys=keys, args=args)))
+        replicas = -1
+
+        def run() -> Any:
+            nonlocal replicas
+            if not self.min_replicas:
+                return self._commit(keys=keys, args=args)
+            # WAIT counts the writes of its own connection: one pipeline, one connection
+            pipe = self.client.pipeline(transaction=False)
+            self._commit(keys=keys, args=args, client=pipe)
+            pipe.wait(self.min_replicas, 1000)
+            answer, replicas = pipe.execute()
+            return answer
+
+        answer = _s(self._retry("commit", run))
         if answer not in ("ok", "same"):
             raise CommitRejected(
                 answer,
-                _REJECT_MESSAGES[answer].format(consumer=consumer, rank=rank, pull_id=pull_id),
+                _REJECT_MESSAGES[answer].format(
+                    consumer=consumer, rank=rank, pull_id=clip(pull_id, 40)
+                ),
+            )
+        if self.min_replicas and int(replicas) < self.min_replicas and self._replicas_attached():
+            # the consumer retries: the commit is then 'same', and waited for again
+            raise OffsetStoreError(
+                f"commit reached {replicas} of the {self.min_replicas} replica(s) it must reach "
+                "within 1 s (min_replicas): retry"
             )
         stored = self.get_cursor(consumer, rank)
         assert stored is not None
         return stored
+
+    def _replicas_attached(self) -> bool:
+        """Whether the master has ``min_replicas`` replicas attached: a commit waits for them.
+        With fewer (the replica just promoted has none until the lost node comes back) it
+        cannot, and an acknowledged commit is only as durable as the master's append-only
+        file, as with a single Redis: said once per change, in the log."""
+        info = self._retry("replicas", lambda: self.client.info("replication"))
+        attached = int(info.get("connected_slaves", 0)) >= self.min_replicas
+        if attached != self._attached:
+            self._attached = attached
+            if not attached:
+                log.warning(
+                    "offset store: fewer than %d replica(s) attached: commits are acknowledged "
+                    "without a replica until one is back",
+                    self.min_replicas,
+                )
+        return attached
 
     # --- leases and consumers ------------------------------------------------------------
 
@@ -311,6 +381,10 @@ class OffsetStore:
         args = [str(max(1, int(default_ttl_s * 1000))), consumer, repr(time.time())]
         ttl = int(self._retry("heartbeat", lambda: self._heartbeat(keys=keys, args=args)))
         return None if ttl < 0 else ttl / 1000.0
+
+    def release(self, consumer: str) -> None:
+        """End ``consumer``'s lease now (it stays known, with its cursors, until forgotten)."""
+        self._retry("release", lambda: self.client.delete(self.keys.lease(consumer)))
 
     def touch(self, consumer: str, default_ttl_s: float) -> None:
         """Register ``consumer`` if unknown, else renew its lease (GetDelta does this)."""
@@ -436,9 +510,9 @@ class OffsetStore:
 
 _REJECT_MESSAGES = {
     "no_consumer": "consumer {consumer!r} has no cursor and no pull on rank {rank}",
-    "unknown_pull": "pull {pull_id!r} is not the last pull issued to {consumer!r} on rank "
+    "unknown_pull": "pull {pull_id} is not the last pull issued to {consumer!r} on rank "
     "{rank} (superseded by a newer pull, or already replaced by a later commit)",
-    "mismatch": "cursor does not match pull {pull_id!r} of {consumer!r}: send the cursor "
+    "mismatch": "cursor does not match pull {pull_id} of {consumer!r}: send the cursor "
     "back exactly as received",
     "old_generation": "cursor of {consumer!r} is of an older generation than the committed one",
     "behind": "cursor of {consumer!r} is behind the committed one on rank {rank}",

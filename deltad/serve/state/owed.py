@@ -4,17 +4,24 @@
 checksum as the log) whose shards hold the owed ids and the values the consumer holds for
 them. A pull writes its file under the pull id as token; Commit makes that token current in
 the Redis cursor (``owed_token``), and files of other tokens are garbage.
+
+Bounded: ``max_bytes`` over every consumer's files of this rank, ``max_consumer_bytes`` per
+consumer (0: no bound). A pull whose owed rows would pass either is refused
+(:class:`~deltad.errors.OwedBudgetError`) before anything is written: a credential that may
+name many consumers cannot fill the trainer's disk. ``nbytes``, ``files`` and ``refused``
+feed the metrics.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from deltad.errors import SegmentCorruptError, SpoolError
+from deltad.errors import OwedBudgetError, SegmentCorruptError, SpoolError
 from deltad.segment.format import ShardRows, read_segment, write_segment
 from deltad.types import SegmentKind, ShardKey
 
@@ -24,18 +31,100 @@ log = logging.getLogger(__name__)
 class OwedStore:
     """Reads and writes owed-row files under ``root`` (SpoolLayout.sidecar_dir)."""
 
-    def __init__(self, root: Path, model: str, rank: int, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        root: Path,
+        model: str,
+        rank: int,
+        world_size: int = 1,
+        *,
+        max_bytes: int = 0,
+        max_consumer_bytes: int = 0,
+    ) -> None:
         self.root = Path(root) / "owed"
         self.model = model
         self.rank = rank
         self.world_size = world_size
+        self.max_bytes = max_bytes
+        self.max_consumer_bytes = max_consumer_bytes
+        #: pulls refused for the budget
+        self.refused = 0
+        self._lock = threading.Lock()
+        #: consumer -> {file: bytes} of this rank's files, and their total
+        self._sizes: dict[str, dict[Path, int]] = {}
+        self._total = 0
+        self._scan()
 
     def path(self, consumer: str, token: str) -> Path:
         return self.root / consumer / f"r{self.rank}-{token}.dseg"
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's owed files."""
+        return self._total
+
+    @property
+    def files(self) -> int:
+        """This rank's owed files."""
+        with self._lock:
+            return sum(len(f) for f in self._sizes.values())
+
+    def _scan(self) -> None:
+        """Count the files already on disk (a restart keeps its owed rows and their cost)."""
+        prefix = f"r{self.rank}-"
+        try:
+            dirs = [d for d in self.root.iterdir() if d.is_dir()]
+        except FileNotFoundError:
+            return
+        for d in dirs:
+            try:
+                for p in d.iterdir():
+                    if p.name.startswith(prefix):
+                        self._add(d.name, p, p.stat().st_size)
+            except OSError:
+                continue
+
+    def _add(self, consumer: str, p: Path, size: int) -> None:
+        mine = self._sizes.setdefault(consumer, {})
+        self._total += size - mine.get(p, 0)
+        mine[p] = size
+
+    def _gone(self, consumer: str, p: Path) -> None:
+        with self._lock:
+            mine = self._sizes.get(consumer)
+            if mine is not None and p in mine:
+                self._total -= mine.pop(p)
+                if not mine:
+                    del self._sizes[consumer]
+
+    def _reserve(self, consumer: str, need: int) -> None:
+        """OwedBudgetError unless ``need`` more bytes of ``consumer`` fit both budgets."""
+        with self._lock:
+            mine = sum(self._sizes.get(consumer, {}).values())
+            over = ""
+            if self.max_consumer_bytes and mine + need > self.max_consumer_bytes:
+                over = f"its budget of {self.max_consumer_bytes} bytes"
+            elif self.max_bytes and self._total + need > self.max_bytes:
+                over = f"the sidecar's budget of {self.max_bytes} bytes for all consumers"
+            if over:
+                self.refused += 1
+        if over:
+            raise OwedBudgetError(
+                f"the rows owed to {consumer!r} ({need} bytes) would exceed {over}: pull the "
+                "rows form or a larger k, or forget idle consumers"
+            )
+
     def save(
         self, consumer: str, token: str, generation: int, seq: int, rows: dict[ShardKey, ShardRows]
     ) -> None:
+        """Write the owed rows of ``token``; OwedBudgetError (nothing written) if they do not
+        fit the budgets."""
+        need = 4096 + sum(
+            r.ids.numel() * r.ids.element_size() + r.values.numel() * r.values.element_size()
+            for r in rows.values()
+        )
+        self._reserve(consumer, need)
+        p = self.path(consumer, token)
         write_segment(
             self.path(consumer, token),
             model=self.model,
@@ -47,6 +136,12 @@ class OwedStore:
             kind=SegmentKind.DELTA,
             shards=list(rows.values()),
         )
+        try:
+            size = p.stat().st_size
+        except OSError:
+            return
+        with self._lock:
+            self._add(consumer, p, size)
 
     def load(self, consumer: str, token: str, generation: int) -> dict[ShardKey, ShardRows]:
         """The owed rows of ``token``; SpoolError if the file is missing or corrupt (a consumer
@@ -76,6 +171,7 @@ class OwedStore:
             token = p.name[len(prefix) :].removesuffix(".dseg")
             if token not in keep:
                 p.unlink(missing_ok=True)
+                self._gone(consumer, p)
 
     def drop(self, consumer: str) -> int:
         """Delete this rank's owed files of ``consumer`` (forgotten); returns how many."""
@@ -84,7 +180,11 @@ class OwedStore:
             files = [p for p in d.iterdir() if p.name.startswith(f"r{self.rank}-")]
         except (FileNotFoundError, NotADirectoryError):
             return 0
-        return _delete(d, files)
+        n = _delete(d, files)
+        for p in files:
+            if not p.exists():
+                self._gone(consumer, p)
+        return n
 
     def sweep(self, has_state: Callable[[str], bool], *, min_age_s: float, limit: int = 100) -> int:
         """Delete this rank's owed files of consumers with no state left (``has_state`` is
@@ -108,6 +208,9 @@ class OwedStore:
             if not files or has_state(d.name):
                 continue
             deleted += _delete(d, files, older_than=cutoff)
+            for p in files:
+                if not p.exists():
+                    self._gone(d.name, p)
         return deleted
 
 

@@ -296,6 +296,11 @@ def check_request(method: str, req: Any) -> str | None:
             check_name("consumer", req.consumer)
         except ConfigError as e:
             return str(e)
+    if method == "Status" and req.consumer:  # (the consumer whose cap is asked)
+        try:
+            check_name("consumer", req.consumer)
+        except ConfigError as e:
+            return str(e)
     if method == "Register":
         ttl = req.lease_ttl_seconds
         if ttl and not 0 < ttl <= 86400:  # 0: the server's default

@@ -19,17 +19,18 @@ import grpc
 
 from deltad import wire
 from deltad.config import ServerConfig, clip
-from deltad.errors import OffsetStoreError, SpoolError
+from deltad.errors import OffsetStoreError, OwedBudgetError, SpoolError
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.rollout import ReleaseState, cap_for
-from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
+from deltad.serve.rollout import Cap, ReleaseState, cap_for, gate_open, lower
+from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull, StoredCursor
 from deltad.serve.state.owed import OwedStore
+from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
-from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, decide_window
 from deltad.serve.windows.gendiff import GenerationDiffs, with_reason, with_rollback
 from deltad.serve.windows.packed import PackedStore
 from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
@@ -68,10 +69,37 @@ class WindowServer:
         # bootstraps bigger than the window cache start from a spilled merged base
         self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
         self.rollbacks = RollbackWindows(self.cache)
-        #: The model's release state (deltad.serve.rollout): how far each consumer may be
-        #: served and the rollback order it must follow. The default releases the head to
-        #: everyone; the sidecar plugs in the persisted state (SidecarServer.set_release).
-        self.release: Callable[[], ReleaseState] = ReleaseState
+        #: the release state applied to every window (deltad.serve.state.release; set by the
+        #: sidecar: Redis, or a relay's upstream); everything released until set
+        self.rollout: RolloutSource = _Released()
+
+        #: Set by a relay (deltad.serve.relay.server): (snapshot, to_seq, to_step) -> why a
+        #: ``with_dense`` window ending there lacks its dense state ("" if it does not).
+        self.dense_check: Callable[[LogSnapshot, int, int], str] | None = None
+
+    def gate_cap(self, state: ReleaseState, generation: int) -> int | None:
+        """The newest step the validation gate lets any window of ``generation`` end at
+        (None: no gate failure stands), given what an operator released past."""
+        gate = self.log.gate
+        if gate is None:
+            return None
+        accepted = state.gate_accepted_step if state.gate_generation == generation else None
+        return gate.cap(generation, accepted)
+
+    def cap(
+        self, consumer: str, generation: int, *, mirror: bool = False
+    ) -> tuple[Cap, int | None]:
+        """The release state's cap of ``consumer`` (none for a relay's mirror) and the
+        newest step it may be served: that cap's step and the gate's, whichever is lower."""
+        state = self.rollout.state()
+        gate = self.gate_cap(state, generation)
+        if mirror:
+            return Cap(None), gate
+        cap = cap_for(state, consumer)
+        # a step another rank's gate failed caps this rank too (every rank agrees)
+        bad = gate_open(state, generation)
+        model_gate = None if bad is None else bad - 1
+        return cap, lower(lower(cap.max_step, gate), model_gate)
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -130,13 +158,35 @@ class WindowServer:
                 self.store.touch(consumer, self.config.lease_ttl_s)
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            cap = cap_for(self.release(), consumer)
+            # the release state and the validation gate bound the window (a window past
+            # the cap is never served; a cursor past it gets an empty window at the cursor)
+            # (cap.rollback: the rollback order this consumer must follow first, whatever
+            # the cap; decide_window turns it into a rollback window)
+            cap, max_step = self.cap(consumer, gen, mirror=req.mirror)
             ask = WindowAsk.of(req)
-            if cap.max_step is not None and (ask.max_step is None or ask.max_step > cap.max_step):
-                ask = replace(ask, max_step=cap.max_step)
+            ask = replace(ask, max_step=lower(ask.max_step, max_step))
+            view = LogView.of(snap)
             decision = decide_window(
-                ask, stored, LogView.of(snap), *self.gendiff.previous(), rollback=cap.rollback
+                ask, stored, view, *self.gendiff.previous(), rollback=cap.rollback
             )
+            decision = within_cap(decision, stored, view, max_step)
+            if past_cap(decision, stored, view, max_step):
+                # the oldest state the log holds (its base) is past the cap already
+                gate = self.gate_cap(self.rollout.state(), gen)
+                if gate is not None and gate < snap.base.step:
+                    _abort(
+                        context,
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"the base of generation {gen} (step {snap.base.step}) failed the "
+                        f"validation gate; nothing can be served until a new base or generation",
+                    )
+                _abort(
+                    context,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the release state caps consumer {consumer!r} at step {max_step}, older "
+                    f"than the oldest state this log holds (step {snap.base.step}): pin or "
+                    f"release a later step",
+                )
             if decision.refusal:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
             diff, diff_hit, decision = self.gendiff.window(consumer, snap, shape, decision)
@@ -203,6 +253,8 @@ class WindowServer:
                 self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            except OwedBudgetError as e:
+                _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except SpoolError as e:
                 _abort(context, grpc.StatusCode.INTERNAL, str(e))
             if hit:
@@ -212,6 +264,11 @@ class WindowServer:
             header = with_reason(win.header, decision.reason) if decision.resync else win.header
             if decision.rollback_to is not None and decision.resync:
                 header = with_rollback(header, decision.rollback_to, decision.rollback_epoch)
+            dense_missing = ""
+            if req.with_dense and self.dense_check is not None:
+                dense_missing = self.dense_check(snap, to_seq, to_step)
+                if dense_missing:
+                    header = with_dense_missing(header, dense_missing)
             yield header
             chunks: Iterator[bytes] = win.iter_chunks()
             ahead = None
@@ -268,15 +325,61 @@ class WindowServer:
                 )
             )
             log.info(
-                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes%s, %.0f ms",
+                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes%s, %.0f ms%s",
                 consumer, rank, decision.from_seq, to_seq, to_step,
                 "resync: " if decision.resync else "", decision.reason,
                 ", committed" if committed else "", win.rows, win.payload_bytes,
                 "" if ahead is None else
                 f" (prefetch: sender waited {ahead.reader_waits}x, builder {ahead.producer_waits}x)",
                 (time.monotonic() - started) * 1000,
+                f"; dense state missing: {dense_missing}" if dense_missing else "",
             )  # fmt: skip
         finally:
             slot.release()
             if win is not None and not hit:  # (built but never read: free its reservation)
                 self.cache.abandon(spec, win)
+
+
+def within_cap(
+    d: WindowDecision, stored: StoredCursor | None, log: LogView, cap: int | None
+) -> WindowDecision:
+    """``d``, unless it is a resync of a cursor past the release cap that decide_window sent
+    to the head (so that its commit is not refused): then to the cursor's own state (the
+    first entry at or after it), no further past the cap than the consumer already is."""
+    if (
+        cap is None
+        or not d.resync
+        or stored is None
+        or stored.generation != d.generation
+        or d.to_step <= cap
+        or d.to_seq <= stored.seq
+    ):
+        return d
+    seq, step = next(e for e in log.entries if e[0] >= stored.seq)
+    return replace(d, to_seq=seq, to_step=step)
+
+
+def past_cap(d: WindowDecision, stored: StoredCursor | None, log: LogView, cap: int | None) -> bool:
+    """Whether ``d`` would take the consumer past ``cap`` (further than its own cursor is
+    already: the log holds nothing at or below the cap for it)."""
+    if cap is None or d.to_step <= cap:
+        return False
+    if stored is not None and stored.generation == d.generation:
+        first = next((e for e in log.entries if e[0] >= stored.seq), None)
+        if first is not None and d.to_seq <= first[0]:
+            return False
+    return True
+
+
+class _Released:
+    """Everything released (no rollout state known)."""
+
+    def state(self) -> ReleaseState:
+        return ReleaseState()
+
+
+def with_dense_missing(header: bytes, reason: str) -> bytes:
+    """A serialized header message with ``dense_missing`` set to ``reason``."""
+    msg = pb.GetDeltaResponse.FromString(header)
+    msg.header.dense_missing = reason[:512]
+    return msg.SerializeToString()

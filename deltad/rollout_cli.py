@@ -1,0 +1,138 @@
+"""`deltad rollout status|hold|release|pin|unpin|canary|rollback`: the model's release controls
+(admin role), sent to one sidecar of the model (any rank: the state is model-wide, in Redis).
+
+::
+
+    deltad rollout hold --target trainer-0:50051 --token-file admin.token
+    deltad rollout canary --group 'pred-canary-*'          # follows the head; the rest holds
+    deltad rollout release [--to-step S] [--force]          # to the head, or to step S
+    deltad rollout pin --group 'pred-eu-*' --step S         # unpin --group 'pred-eu-*'
+    deltad rollout rollback --to-step S [--group G]         # order G (default: all) back to S
+
+A release past a step the validation gate failed is refused unless ``--force``; a rollback to a
+step the answering sidecar's log cannot restore is refused with the reason (see ``status``:
+``restorable: steps A..B``); bad steps and globs, a missing admin role, a relay as target: exit
+2 with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import grpc
+
+from deltad.clientauth import ClientAuth
+from deltad.config import check_client_auth
+from deltad.errors import ConfigError, SidecarUnavailableError
+from deltad.serve.rollout import ReleaseState, describe
+from deltad.status import RANGES as STATUS_RANGES
+from deltad.status import add_connection_arguments
+from deltad.v1 import delta_pb2 as pb
+from deltad.v1 import delta_pb2_grpc
+
+#: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
+RANGES = dict(STATUS_RANGES)
+
+ACTIONS = {
+    "status": pb.ROLLOUT_STATUS,
+    "hold": pb.ROLLOUT_HOLD,
+    "release": pb.ROLLOUT_RELEASE,
+    "pin": pb.ROLLOUT_PIN,
+    "unpin": pb.ROLLOUT_UNPIN,
+    "canary": pb.ROLLOUT_CANARY,
+    "rollback": pb.ROLLOUT_ROLLBACK,
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "action",
+        choices=list(ACTIONS),
+        help="status: show; hold: serve nobody past the release step; release: to the head or "
+        "--to-step; pin/unpin: keep --group at --step; canary: --group follows the head "
+        "(--off stops it); rollback: order --group (default all) back to --to-step",
+    )
+    p.add_argument("--group", default="", help="consumer-name glob (fnmatch), e.g. 'pred-canary-*'")
+    p.add_argument("--step", "--to-step", dest="step", type=int, default=None, help="trainer step")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="release: serve steps the validation gate failed (an operator's decision)",
+    )
+    p.add_argument("--off", action="store_true", help="canary: stop the group following the head")
+    add_connection_arguments(p)
+
+
+def request(args: argparse.Namespace) -> pb.RolloutRequest:
+    """The RolloutRequest the flags ask for; ConfigError when a needed flag is missing."""
+    action = ACTIONS[args.action]
+    if args.action == "canary" and args.off:
+        action = pb.ROLLOUT_UNCANARY
+    needs_group = args.action in ("pin", "unpin", "canary")
+    if needs_group and not args.group:
+        raise ConfigError(f"rollout {args.action} needs --group GLOB")
+    if args.action in ("pin", "rollback") and args.step is None:
+        raise ConfigError(f"rollout {args.action} needs --to-step S (or --step S)")
+    if args.force and args.action != "release":
+        raise ConfigError("--force goes with release only")
+    req = pb.RolloutRequest(action=action, group=args.group, force=args.force)
+    if args.step is not None:
+        req.step = args.step
+    return req
+
+
+def call(
+    target: str, req: pb.RolloutRequest, *, auth: ClientAuth, timeout: float = 10.0
+) -> pb.RolloutResponse:
+    """Send ``req`` to the sidecar at ``target``; ConfigError for a refusal (bad argument, no
+    admin role, gate in the way), SidecarUnavailableError if it does not answer."""
+    with auth.channel(target) as channel:
+        try:
+            resp: pb.RolloutResponse = delta_pb2_grpc.DeltaServiceStub(channel).Rollout(
+                req, timeout=timeout, metadata=auth.metadata()
+            )
+            return resp
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise SidecarUnavailableError(f"{target}: {e.code().name}: {e.details()}") from e
+            raise ConfigError(f"{e.code().name}: {e.details()}") from e
+
+
+def run(args: argparse.Namespace) -> int:
+    # the token: --token-file or DELTAD_TOKEN (never on the command line)
+    args.token = None if args.token_file else (os.environ.get("DELTAD_TOKEN") or None)
+    check_client_auth("--", args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
+    req = request(args)
+    auth = ClientAuth(
+        token=args.token,
+        token_file=args.token_file,
+        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
+    resp = call(args.target, req, auth=auth, timeout=args.timeout)
+    state = ReleaseState.from_json(resp.state)
+    if args.json:
+        out = {
+            "state": json.loads(resp.state),
+            "message": resp.message,
+            "generation": resp.generation,
+            "head_step": resp.head_step,
+            "restore_steps": [resp.restore_oldest_step, resp.restore_newest_step],
+        }
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    if resp.message:
+        print(resp.message)
+    print(f"head step {resp.head_step} (generation {resp.generation})")
+    if resp.restore_oldest_step >= 0:
+        print(
+            f"restorable: steps {resp.restore_oldest_step}..{resp.restore_newest_step} "
+            "(this rank's log; rollback --to-step S within them)"
+        )
+    for line in describe(state):
+        print(line)
+    return 0

@@ -1,0 +1,161 @@
+"""The model's release state (deltad.serve.rollout.ReleaseState) in Redis: one JSON string per
+model (``RedisKeys.rollout``), changed by an atomic read-modify-write (WATCH/MULTI), read by
+every sidecar through a short cache (:class:`RolloutView`: at most ``ttl_s`` stale).
+
+A relay follows its upstream instead (:class:`FollowedRollout`: the state the upstream's
+Status answered), so every level of a relay tree serves its consumers with the model's caps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+import redis
+
+from deltad.errors import OffsetStoreError
+from deltad.keys import RedisKeys
+from deltad.serve.rollout import ReleaseState
+
+log = logging.getLogger(__name__)
+
+#: A read-modify-write that keeps losing its WATCH race gives up after this many tries.
+UPDATE_ATTEMPTS = 50
+#: How stale a sidecar's view of the state may be (seconds).
+VIEW_TTL_S = 0.25
+
+
+class RolloutSource(Protocol):
+    """Where a server reads the release state it applies."""
+
+    def state(self) -> ReleaseState: ...
+
+
+class RolloutStore:
+    """The release state of one model in Redis."""
+
+    def __init__(self, client: redis.Redis, model: str, *, attempts: int = 5) -> None:
+        self.client = client
+        self.key = RedisKeys(model).rollout()
+        self.attempts = max(1, attempts)
+
+    def _retry(
+        self, what: str, fn: Callable[[], ReleaseState], attempts: int | None = None
+    ) -> ReleaseState:
+        delay, last = 0.05, None
+        attempts = self.attempts if attempts is None else max(1, attempts)
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError) as e:
+                last = e
+                if attempt + 1 < attempts:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+            except redis.RedisError as e:
+                raise OffsetStoreError(f"release state: redis refused {what}: {e}") from e
+        raise OffsetStoreError(
+            f"release state: redis unavailable during {what} after {attempts} attempts: {last}"
+        )
+
+    def get(self, *, attempts: int | None = None) -> ReleaseState:
+        """The stored state (the default, everything released, if none is stored)."""
+
+        def run() -> ReleaseState:
+            raw = self.client.get(self.key)
+            return ReleaseState() if raw is None else ReleaseState.from_json(raw)  # type: ignore[arg-type]
+
+        return self._retry("get", run, attempts)
+
+    def update(self, change: Callable[[ReleaseState], ReleaseState]) -> ReleaseState:
+        """Apply ``change`` to the stored state atomically and return the new state (the
+        stored one if ``change`` returned it unchanged: nothing is written). ``change`` may
+        run several times (a concurrent writer won the race); its errors propagate."""
+
+        def run() -> ReleaseState:
+            for _ in range(UPDATE_ATTEMPTS):
+                with self.client.pipeline() as pipe:
+                    try:
+                        pipe.watch(self.key)
+                        raw = pipe.get(self.key)
+                        old = ReleaseState() if raw is None else ReleaseState.from_json(raw)  # type: ignore[arg-type]
+                        new = change(old)
+                        if new == old:
+                            pipe.unwatch()
+                            return old
+                        new = replace(new, version=old.version + 1)
+                        pipe.multi()
+                        pipe.set(self.key, new.to_json())
+                        pipe.execute()
+                        return new
+                    except redis.WatchError:
+                        continue
+            raise OffsetStoreError(
+                f"release state: {UPDATE_ATTEMPTS} concurrent writers won the race in a row"
+            )
+
+        return self._retry("update", run)
+
+
+class RolloutView:
+    """A sidecar's cached view of the stored state: re-read at most every ``ttl_s``; while
+    Redis does not answer, the last state read stays in force (logged once)."""
+
+    def __init__(self, store: RolloutStore, ttl_s: float = VIEW_TTL_S) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._state = ReleaseState()
+        self._read_at = -float("inf")
+        self._failing = False
+
+    def state(self) -> ReleaseState:
+        now = time.monotonic()
+        if now - self._read_at < self.ttl_s:
+            return self._state
+        with self._lock:
+            if time.monotonic() - self._read_at < self.ttl_s:
+                return self._state
+            try:
+                self._state = self.store.get(attempts=1)  # fail fast: the last one stays
+                if self._failing:
+                    log.info("release state readable again (version %d)", self._state.version)
+                self._failing = False
+            except OffsetStoreError as e:
+                if not self._failing:
+                    log.warning("release state unreadable, the last one read stays: %s", e)
+                self._failing = True
+            self._read_at = time.monotonic()
+            return self._state
+
+    def set(self, state: ReleaseState) -> None:
+        """Take a state this process just wrote (no wait for the next read)."""
+        with self._lock:
+            if state.version >= self._state.version:
+                self._state, self._read_at = state, time.monotonic()
+
+
+class FollowedRollout:
+    """A relay's state: the last one its upstream's Status answered."""
+
+    def __init__(self) -> None:
+        self._state = ReleaseState()
+
+    def state(self) -> ReleaseState:
+        return self._state
+
+    def follow(self, raw: str) -> None:
+        """Take the upstream's state (its JSON; "" from an upstream without rollout state:
+        everything released); a malformed one is logged and ignored."""
+        try:
+            new = ReleaseState.from_json(raw) if raw else ReleaseState()
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            log.warning("upstream sent a malformed release state (ignored): %s", e)
+            return
+        if new != self._state:
+            log.info("release state from upstream: version %d", new.version)
+        self._state = new

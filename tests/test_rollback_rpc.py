@@ -1,0 +1,128 @@
+"""A rollback ordered the way an operator orders it, `deltad rollout rollback --to-step S` (the
+admin Rollout RPC, the model's release state in Redis), and the data path following it: 2 ranks
+behind relays go back bit-exact, woken by the order; a step the log cannot restore is refused
+with the reason before anything is recorded. Real sidecars and relays on port 0, real Redis."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from serverkit import server_config
+from spoolkit import FakeTrainer, wait_for
+from test_gendiff import assert_exact_diff
+from test_relay import at_step, equal, predictor
+from test_rollback import SHAPES, Release, relay_of, sidecars
+
+from deltad.consume.appliers import TensorDictApplier
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.relay.server import RelayServer
+from deltad.serve.state.release import RolloutStore
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_rollback_ordered_with_deltad_rollout_moves_two_ranks_back_bit_exact_through_relays(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`deltad rollout rollback --to-step 20` sent to rank 0's sidecar: the order lands in
+    Redis; both sidecars and both relays (which follow their upstream's Status) apply it; the
+    predictor's long poll on the relays wakes for it; one pull takes both ranks from step 40
+    back to exactly the trainer's tables at 20 with only the rows that differ, in place; it
+    stays there while the trainer moves on, until `deltad rollout release`."""
+    from deltad.cli import main
+
+    ft = FakeTrainer(tmp_path / "spool", world_size=2, tables=SHAPES)
+    ft.start(0)
+    watch = Release(redis_url)  # (only to wait until every server applies a change)
+    relays: list[RelayServer] = []
+    with sidecars(tmp_path / "spool", redis_url, 2, watch) as servers:
+        try:
+            for r, s in enumerate(servers):
+                relays.append(relay_of(s.endpoint, tmp_path / f"relay-{r}", r, redis_url, watch))
+            reps = [x.endpoint for x in relays]
+            for step in (10, 20, 30, 40):  # the relays mirror each step as it comes
+                ft.step(step, touch=25)
+                wait_for(lambda s=step: at_step(reps, s), 30, f"relays at step {step}")  # type: ignore[misc]
+            with predictor("pred-1", reps) as c:
+                applier = TensorDictApplier()
+                assert c.sync(applier.apply).step == 40
+                held = {n: t.clone() for n, t in applier.tables().items()}
+
+                code = main(
+                    ["rollout", "rollback", "--to-step", "20", "--target", servers[0].endpoint]
+                )
+                out = capsys.readouterr()
+                assert code == 0, out.err
+                assert "rollback of * to step 20 ordered" in out.out
+                state = RolloutStore(servers[0].store.client, servers[0].config.model).get()
+                assert state.rollback is not None and state.rollback.to_step == 20
+                assert state.release_step == 20 and state.held
+
+                assert c.wait_for_new(20.0)  # the order woke the long poll
+                wait_for(
+                    lambda: all(s.rollout.state().version >= state.version for s in watch.servers),
+                    30,
+                    "every sidecar and relay applying the order",
+                )
+                r = c.sync(applier.apply)
+                assert r.step == 20 and r.rollback_to == 20 and r.rolled_back
+                assert not r.resync and not r.generation_diff
+                assert_exact_diff(held, ft.history[20], r.deltas)
+                assert equal(applier, ft.history[20])
+                assert [cur.step for cur in c.cursors if cur is not None] == [20, 20]
+                ft.step(50, touch=25)
+                wait_for(lambda: at_step(reps, 50), 30, "relays at step 50")
+                assert c.sync(applier.apply).step == 20  # capped at the order's step
+
+                assert main(["rollout", "release", "--target", servers[1].endpoint]) == 0
+                capsys.readouterr()
+                released = RolloutStore(servers[0].store.client, "m").get()
+                wait_for(
+                    lambda: all(
+                        s.rollout.state().version >= released.version for s in watch.servers
+                    ),
+                    30,
+                    "every server applying the release",
+                )
+                r = c.sync(applier.apply)
+                assert r.step == 50 and not r.rolled_back and equal(applier, ft.history[50])
+        finally:
+            for x in relays:
+                x.stop(0)
+
+
+def test_a_rollback_to_a_step_the_log_cannot_restore_is_refused_with_the_reason(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A restore window of 25 steps, retention run: `deltad rollout status` shows the
+    restorable steps; a rollback to step 5 (merged into the base) exits 2 with one line
+    giving INVALID_ARGUMENT and the reason, and records nothing; step 10 is accepted."""
+    from deltad.cli import main
+
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    for step in range(5, 45, 5):
+        ft.step(step, touch=10)
+    srv = SidecarServer(
+        server_config(tmp_path / "spool", redis_url, merge_min_segments=2,
+                      restore_window_steps=25)
+    ).start()  # fmt: skip
+    try:
+        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+        for _ in range(50):
+            if not srv.retention.run_once():
+                break
+        assert main(["rollout", "status", "--target", srv.endpoint]) == 0
+        assert "restorable: steps 10..40" in capsys.readouterr().out
+        code = main(["rollout", "rollback", "--to-step", "5", "--target", srv.endpoint])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1
+        assert "INVALID_ARGUMENT" in err and "older than the log's base" in err
+        store = RolloutStore(srv.store.client, "m")
+        assert store.get().rollback is None
+        assert main(["rollout", "rollback", "--to-step", "10", "--target", srv.endpoint]) == 0
+        order = store.get().rollback
+        assert order is not None and order.to_step == 10
+    finally:
+        srv.stop(0)

@@ -1,0 +1,275 @@
+"""The release state's controls as pure changes (deltad.serve.rollout), its store in a real Redis
+(deltad.serve.state.release) and the validation gate (deltad.serve.index.gate) on its own."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from serverkit import SpoolWriter
+from spoolkit import FakeTrainer
+
+from deltad.config import GateConfig
+from deltad.errors import ConfigError, RolloutError, RolloutRefused
+from deltad.redisutil import connect
+from deltad.segment.format import encode_dense, write_dense
+from deltad.serve import rollout as ro
+from deltad.serve.index.gate import SegmentGate, nonfinite
+from deltad.serve.index.log import SegmentLog
+from deltad.serve.rollout import Pin, ReleaseState, Rollback, cap_for
+from deltad.serve.state.release import FollowedRollout, RolloutStore, RolloutView
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_hold_caps_everyone_at_the_head_it_found_and_canaries_follow_the_head() -> None:
+    s = ro.hold(ReleaseState(), head_step=40)
+    assert (s.release_step, s.held) == (40, True)
+    s = ro.canary(s, "pred-canary-*")
+    assert cap_for(s, "pred-1").max_step == 40
+    assert cap_for(s, "pred-canary-3").max_step is None
+    assert ro.hold(s, head_step=99).release_step == 40  # a second hold keeps the step
+
+
+def test_release_to_a_step_and_to_the_head() -> None:
+    s = ro.hold(ReleaseState(), head_step=40)
+    s = ro.release(s, 45, head_step=50, generation=1)
+    assert (s.release_step, s.held) == (45, False)
+    assert cap_for(s, "p").max_step == 45
+    s = ro.release(s, None, head_step=50, generation=1)
+    assert cap_for(s, "p").max_step is None
+
+
+def test_release_past_the_head_or_below_zero_is_an_invalid_argument() -> None:
+    with pytest.raises(RolloutError, match="past the head step 50"):
+        ro.release(ReleaseState(), 51, head_step=50, generation=1)
+    with pytest.raises(RolloutError, match=">= 0"):
+        ro.pin(ReleaseState(), "p-*", -1, head_step=50)
+
+
+def test_pin_keeps_a_glob_and_wins_over_a_canary_and_unpin_drops_it() -> None:
+    s = ro.canary(ReleaseState(), "p-*")
+    s = ro.pin(s, "p-1*", 30, head_step=50)
+    s = ro.pin(s, "p-1*", 32, head_step=50)  # replaces the group's pin
+    assert s.pins == (Pin("p-1*", 32),)
+    assert cap_for(s, "p-12").max_step == 32
+    assert cap_for(s, "p-2").max_step is None
+    s = ro.unpin(s, "p-1*")
+    assert cap_for(s, "p-12").max_step is None
+    with pytest.raises(RolloutError, match="no pin of group"):
+        ro.unpin(s, "p-1*")
+
+
+@pytest.mark.parametrize("group", ["", "a b", "x" * 300, "tab\there"])
+def test_a_bad_group_glob_is_refused(group: str) -> None:
+    with pytest.raises(RolloutError, match="group must be"):
+        ro.pin(ReleaseState(), group, 1, head_step=None)
+
+
+def test_rollback_of_everyone_orders_and_caps_at_the_step_and_stops_canaries() -> None:
+    s = ro.canary(ReleaseState(), "c-*")
+    s = ro.rollback(s, 20, head_step=50)
+    assert s.rollback == Rollback(20, "*", 1)
+    assert (s.release_step, s.held, s.canary) == (20, True, ())
+    cap = cap_for(s, "c-1")
+    assert cap.max_step == 20 and cap.rollback == Rollback(20, "*", 1)
+    s = ro.rollback(s, 20, head_step=50)
+    assert s.rollback is not None and s.rollback.epoch == 2  # a new order
+
+
+def test_rollback_of_a_group_pins_the_group_only() -> None:
+    s = ro.rollback(ReleaseState(), 20, "g-*", head_step=50)
+    assert s.pins == (Pin("g-*", 20),)
+    assert cap_for(s, "g-1") == ro.Cap(20, Rollback(20, "g-*", 1))
+    assert cap_for(s, "h-1") == ro.Cap(None, None)
+
+
+def test_a_gate_failure_holds_at_the_good_step_and_release_past_it_needs_force() -> None:
+    s = ro.gate_failed(ReleaseState(), generation=1, bad_step=30, good_step=28, reason="nan")
+    assert (s.release_step, s.held, s.gate_good_step, s.gate_bad_step) == (28, True, 28, 30)
+    s = ro.canary(s, "c-*")
+    assert cap_for(s, "c-1").max_step == 28  # a canary never passes the gate
+    with pytest.raises(RolloutRefused, match="step 30 failed the validation gate"):
+        ro.release(s, None, head_step=40, generation=1)
+    with pytest.raises(RolloutRefused):
+        ro.release(s, 30, head_step=40, generation=1)
+    below = ro.release(s, 29, head_step=40, generation=1)  # below the bad step: fine
+    assert below.release_step == 29 and below.gate_bad_step == 30
+    # reported again (another rank, a restart): no new hold
+    assert ro.gate_failed(below, generation=1, bad_step=30, good_step=28, reason="x") == below
+    forced = ro.release(s, None, head_step=40, generation=1, force=True)
+    assert (forced.release_step, forced.held, forced.gate_accepted_step) == (None, False, 40)
+    assert ro.gate_failed(forced, generation=1, bad_step=30, good_step=28, reason="x") == forced
+    again = ro.gate_failed(forced, generation=1, bad_step=45, good_step=44, reason="inf")
+    assert (again.release_step, again.held, again.gate_bad_step) == (44, True, 45)
+
+
+def test_a_gate_failure_of_an_older_generation_does_not_refuse_a_release() -> None:
+    s = ro.gate_failed(ReleaseState(), generation=1, bad_step=30, good_step=28, reason="nan")
+    s = ro.release(s, None, head_step=10, generation=2)
+    assert (s.release_step, s.held, s.gate_reason) == (None, False, "")
+
+
+def test_the_state_round_trips_through_json() -> None:
+    s = ReleaseState(
+        release_step=3, held=True, gate_reason="r", gate_good_step=2, pins=(Pin("a*", 1),),
+        canary=("c*",), rollback=Rollback(1, "a*", 4), version=7, gate_bad_step=3,
+        gate_generation=2, gate_accepted_step=None,
+    )  # fmt: skip
+    assert ReleaseState.from_json(s.to_json()) == s
+    assert any("pin: a* at step 1" in line for line in ro.describe(s))
+
+
+def test_the_store_is_atomic_under_concurrent_writers(redis_url: str) -> None:
+    store = RolloutStore(connect(redis_url), "m")
+    assert store.get() == ReleaseState()
+
+    def add(i: int) -> None:
+        for j in range(10):
+            store.update(lambda s, g=f"g{i}-{j}": ro.canary(s, g))
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = store.get()
+    assert len(s.canary) == 40 and s.version == 40
+    # an unchanged state is not written
+    assert store.update(lambda s: s).version == 40
+    # a refused change writes nothing
+    with pytest.raises(RolloutError):
+        store.update(lambda s: ro.unpin(s, "nope"))
+    assert store.get().version == 40
+    # a second store (another process, a restart) reads the same state
+    assert RolloutStore(connect(redis_url), "m").get() == s
+    assert RolloutStore(connect(redis_url), "other").get() == ReleaseState()
+
+
+def test_the_view_rereads_after_its_ttl(redis_url: str) -> None:
+    store = RolloutStore(connect(redis_url), "m")
+    view = RolloutView(store, ttl_s=0.0)
+    assert view.state().held is False
+    store.update(lambda s: ro.hold(s, head_step=5))
+    assert view.state().release_step == 5
+
+
+def test_a_relay_follows_the_upstream_state_and_ignores_a_malformed_one() -> None:
+    f = FollowedRollout()
+    f.follow(ro.hold(ReleaseState(), head_step=3).to_json())
+    assert f.state().release_step == 3
+    f.follow("{not json")
+    assert f.state().release_step == 3
+    f.follow("")
+    assert f.state() == ReleaseState()
+
+
+def test_gate_limits_parse_from_flags() -> None:
+    limits = GateConfig.parse(["t0=2.5", "0.1"], "gate-max-norm-jump")
+    assert limits == (("t0", 2.5), ("*", 0.1))
+    assert GateConfig.limit(limits, "t0") == 2.5 and GateConfig.limit(limits, "t9") == 0.1
+    with pytest.raises(ConfigError, match=r"\[TABLE=\]NUMBER"):
+        GateConfig.parse(["t0=x"], "gate-max-norm-jump")
+    with pytest.raises(ConfigError, match="fraction in"):
+        GateConfig(max_changed_fraction=(("*", 2.0),))
+
+
+def test_nonfinite_counts_nan_and_inf_only_in_float_tensors() -> None:
+    t = torch.zeros(4, 3)
+    assert nonfinite(t) == 0
+    t[1, 2], t[3, 0] = float("nan"), float("-inf")
+    assert nonfinite(t) == 2
+    assert nonfinite(t.half()) == 2
+    assert nonfinite(torch.arange(4)) == 0
+
+
+def _log(tmp_path: Path, gate: SegmentGate) -> tuple[FakeTrainer, SegmentLog]:
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    return ft, SegmentLog(ft.layout, 0, gate=gate)
+
+
+def test_the_gate_fails_a_nan_segment_and_caps_below_it(tmp_path: Path) -> None:
+    seen = []
+    gate = SegmentGate(on_fail=seen.append)
+    ft, log = _log(tmp_path, gate)
+    ft.step(1)
+    ft.step(2, poison=float("nan"))
+    ft.step(3)
+    log.refresh()
+    assert [f.step for f in seen] == [2]
+    assert seen[0].good_step == 1 and "t0: 1 non-finite values" in seen[0].reason
+    assert gate.cap(1, None) == 1
+    assert gate.cap(1, 2) is None  # released past by an operator
+    log.refresh()
+    assert len(seen) == 1  # checked once
+    assert gate.checks == 4
+
+
+def test_the_gate_norm_and_fraction_limits(tmp_path: Path) -> None:
+    cfg = GateConfig(max_norm_jump=(("t0", 100.0),), max_changed_fraction=(("t1", 0.5),))
+    seen = []
+    gate = SegmentGate(cfg, on_fail=seen.append)
+    ft, log = _log(tmp_path, gate)
+    ft.step(1)
+    ft.step(2, poison=1e6)  # finite, but a huge jump in row norm
+    log.refresh()
+    assert [f.step for f in seen] == [2] and "row norm jumped" in seen[0].reason
+    ft.step(3, touch=30)  # 30 of t1's 40 rows
+    log.refresh()
+    assert [f.step for f in seen] == [2, 3] and "of its rows changed" in seen[1].reason
+
+
+def test_the_gate_fails_a_dense_state_with_nan_and_holds_before_its_step(tmp_path: Path) -> None:
+    spool = SpoolWriter(tmp_path / "spool")
+    seen = []
+    gate = SegmentGate(on_fail=seen.append)
+    log = SegmentLog(spool.layout, 0, gate=gate)
+    spool.delta()  # step 10
+
+    def dense(w: torch.Tensor) -> None:
+        data = encode_dense(
+            model=spool.layout.model, generation=1, rank=0, seq=spool.seq, step=spool.step,
+            tensors={"w": w, "n": torch.tensor(3)},
+        )  # fmt: skip
+        write_dense(spool.layout.dense_path(1, 0, spool.seq), data, fsync=False)
+
+    dense(torch.ones(4))
+    spool.delta()  # step 20
+    dense(torch.tensor([1.0, float("nan"), 2.0, float("inf")]))
+    log.refresh()
+    assert [(f.step, f.good_step) for f in seen] == [(20, 10)]
+    assert "dense state: 2 non-finite values in w" in seen[0].reason
+    assert gate.cap(1, None) == 19
+
+
+def test_an_asked_resync_of_a_cursor_past_the_cap_goes_to_the_cursor_not_the_head() -> None:
+    from deltad.serve.state.offsets import StoredCursor
+    from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+    from deltad.serve.windows.getdelta import within_cap
+
+    log = LogView(1, ((0, 0), (1, 10), (2, 20), (3, 30), (4, 40)))
+    cursor = StoredCursor(generation=1, seq=2, step=20, pull_id="x")
+    d = decide_window(WindowAsk("p", from_base=True, max_step=10), cursor, log)
+    assert (d.to_seq, d.to_step) == (4, 40)  # the head: decide_window knows no cap
+    capped = within_cap(d, cursor, log, 10)
+    assert capped.resync and (capped.to_seq, capped.to_step) == (2, 20)
+    assert within_cap(d, cursor, log, None) == d
+    ordinary = decide_window(WindowAsk("p", max_step=10), cursor, log)
+    assert within_cap(ordinary, cursor, log, 10) == ordinary  # empty, at the cursor
+
+
+def test_a_window_past_the_cap_is_told_apart_from_a_cursor_already_past_it() -> None:
+    from deltad.serve.state.offsets import StoredCursor
+    from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+    from deltad.serve.windows.getdelta import past_cap
+
+    log = LogView(1, ((3, 30), (4, 40)))  # the base merged forward to step 30
+    fresh = decide_window(WindowAsk("p", max_step=10), None, log)
+    assert (fresh.to_seq, fresh.to_step) == (3, 30) and past_cap(fresh, None, log, 10)
+    cursor = StoredCursor(generation=1, seq=4, step=40, pull_id="x")
+    held = decide_window(WindowAsk("p", max_step=10), cursor, log)
+    assert not past_cap(held, cursor, log, 10)  # an empty window at its cursor
+    assert not past_cap(fresh, None, log, None) and not past_cap(fresh, None, log, 30)
