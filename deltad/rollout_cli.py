@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 
 from deltad.clientauth import ClientAuth
-from deltad.config import check_client_auth
+from deltad.config import MAX_COUNT, Range, check_client_auth
 from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.serve.rollout import ReleaseState, describe
 from deltad.status import RANGES as STATUS_RANGES
@@ -34,7 +34,7 @@ from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
-RANGES = dict(STATUS_RANGES)
+RANGES = {**STATUS_RANGES, "step": Range(0, MAX_COUNT)}
 
 ACTIONS = {
     "status": pb.ROLLOUT_STATUS,

@@ -28,6 +28,7 @@ from deltad.serve import cli as serve_cli
 REQUIRED = {
     "consume": ["--consumer", "c", "--sidecar", "127.0.0.1:1"],
     "serve": ["--spool", "/nonexistent-spool"],
+    "rollout": ["status"],
 }
 
 
