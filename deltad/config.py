@@ -515,7 +515,7 @@ SERVER_RANGES: dict[str, Range] = {
     "generation_keep_bytes": Range(0, MAX_BYTES),
     "spill_max_bytes": Range(0, MAX_BYTES, note="0 = off"),
     "merge_min_segments": Range(2, 1 << 20),
-    "retention_interval_s": Range(0.001, 3600),
+    "retention_interval_s": Range(0.001, MAX_SECONDS),
     "forget_after_s": Range(0, 100 * MAX_SECONDS, note="0 = never"),
     "forget_interval_s": Range(0.001, 86400),
     "restore_window_steps": Range(0, MAX_COUNT, note="0 = off"),

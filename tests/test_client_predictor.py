@@ -85,10 +85,10 @@ def test_consume_resume_needs_init_tables(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--resume needs --init-tables" in out.stderr, out.stderr
     for bad, why in (
         (["--form", "topk"], "top-k needs k > 0 or a fraction"),
-        (["--form", "topk", "--fraction", "2"], "fraction must be in"),
-        (["--k", "-1"], "k and max_rows must be >= 0"),
-        (["--max-rows", "-5"], "k and max_rows must be >= 0"),
-        (["--pulls", "-1"], "must be >= 0"),
+        (["--form", "topk", "--fraction", "2"], "--fraction must be a finite number in [0, 1]"),
+        (["--k", "-1"], "--k must be a finite number in [0,"),
+        (["--max-rows", "-5"], "--max-rows must be a finite number in [0,"),
+        (["--pulls", "-1"], "--pulls must be a finite number in [0,"),
     ):
         out = subprocess.run(
             [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "p",

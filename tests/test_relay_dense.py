@@ -21,13 +21,18 @@ from deltad.serve.relay.server import RelayServer
 pytestmark = pytest.mark.timeout(120)
 
 
-def _write_dense(spool: SpoolWriter, tensors: dict[str, torch.Tensor]) -> None:
-    """A dense state for the SpoolWriter's last segment (seq, step), as rank 0 writes it."""
+def _write_dense(
+    spool: SpoolWriter, tensors: dict[str, torch.Tensor], *, ahead: bool = False
+) -> None:
+    """A dense state for the SpoolWriter's last segment (seq, step), as rank 0 writes it;
+    ``ahead``: for the segment the next ``delta()`` writes (before it, as the publisher does:
+    a server never sees a segment before its dense state)."""
+    seq, step = (spool.seq + 1, spool.step + 10) if ahead else (spool.seq, spool.step)
     data = encode_dense(
-        model=spool.layout.model, generation=spool.generation, rank=0, seq=spool.seq,
-        step=spool.step, tensors=tensors,
+        model=spool.layout.model, generation=spool.generation, rank=0, seq=seq,
+        step=step, tensors=tensors,
     )  # fmt: skip
-    write_dense(spool.layout.dense_path(spool.generation, 0, spool.seq), data, fsync=False)
+    write_dense(spool.layout.dense_path(spool.generation, 0, seq), data, fsync=False)
 
 
 def _state(i: int) -> dict[str, torch.Tensor]:
@@ -80,8 +85,8 @@ def test_relays_of_a_sidecar_with_dense_states_serve_them_byte_equal(
             assert d.dense_missing == ""
             assert _bytes(d.dense) == _bytes(_state(10))
         # a new dense state reaches the top of the tree and an aligned predictor with its step
+        _write_dense(spool, _state(20), ahead=True)
         spool.delta()
-        _write_dense(spool, _state(20))
         with predictor("p", [r2.endpoint]) as c:
             for e in levels:
                 wait_for(lambda e=e: _at(e, 20, 20), 30, f"{e} at step 20")  # type: ignore[misc]

@@ -307,16 +307,20 @@ class OffsetStore:
         keys = [self.keys.cursor(consumer, rank), self.keys.pull(consumer, rank)]
         args = [pull_id, str(generation), str(seq), str(step), repr(time.time())]
         replicas = -1
+        written_on = ""
 
         def run() -> Any:
-            nonlocal replicas
+            nonlocal replicas, written_on
             if not self.min_replicas:
                 return self._commit(keys=keys, args=args)
-            # WAIT counts the writes of its own connection: one pipeline, one connection
+            # WAIT counts the writes of its own connection: one pipeline, one connection; the
+            # INFO on it names the node that took the write (its run id)
             pipe = self.client.pipeline(transaction=False)
             self._commit(keys=keys, args=args, client=pipe)
             pipe.wait(self.min_replicas, 1000)
-            answer, replicas = pipe.execute()
+            pipe.info("server")
+            answer, replicas, info = pipe.execute()
+            written_on = str(info.get("run_id", ""))
             return answer
 
         answer = _s(self._retry("commit", run))
@@ -327,15 +331,42 @@ class OffsetStore:
                     consumer=consumer, rank=rank, pull_id=clip(pull_id, 40)
                 ),
             )
-        if self.min_replicas and int(replicas) < self.min_replicas and self._replicas_attached():
-            # the consumer retries: the commit is then 'same', and waited for again
-            raise OffsetStoreError(
-                f"commit reached {replicas} of the {self.min_replicas} replica(s) it must reach "
-                "within 1 s (min_replicas): retry"
-            )
+        if self.min_replicas and int(replicas) < self.min_replicas:
+            # The write reached too few replicas. If the node that took it is no longer the
+            # master the sentinels name (a failover promoted a replica while we wrote), the
+            # write may be lost with the old master: never acknowledge it. The consumer
+            # retries; on the new master the commit is then made (or 'same') and waited for.
+            if self._master_changed(written_on):
+                raise OffsetStoreError(
+                    "the offset store's master changed during the commit (a failover): retry"
+                )
+            if self._replicas_attached():
+                raise OffsetStoreError(
+                    f"commit reached {replicas} of the {self.min_replicas} replica(s) it must "
+                    "reach within 1 s (min_replicas): retry"
+                )
         stored = self.get_cursor(consumer, rank)
         assert stored is not None
         return stored
+
+    def _master_changed(self, run_id: str) -> bool:
+        """Whether the sentinels name another master than the node ``run_id`` (or cannot say
+        which: then the write is not trusted either). False without Sentinel."""
+        pool = self.client.connection_pool
+        manager = getattr(pool, "sentinel_manager", None)
+        service = getattr(pool, "service_name", None)
+        if manager is None or service is None:
+            return False
+        for sentinel in manager.sentinels:
+            try:
+                master = sentinel.sentinel_master(service)
+            except Exception:  # that sentinel is down: ask the next
+                continue
+            flags = str(master.get("flags", ""))
+            if "failover" in flags or "o_down" in flags or "s_down" in flags:
+                return True  # a failover is under way: the old master's writes may be lost
+            return not run_id or str(master.get("runid", "")) != run_id
+        return True
 
     def _replicas_attached(self) -> bool:
         """Whether the master has ``min_replicas`` replicas attached: a commit waits for them.
