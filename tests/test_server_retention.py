@@ -93,14 +93,15 @@ def test_log_stays_bounded_with_a_lagging_consumer_and_loses_nothing(setup) -> N
 def test_expired_consumer_pins_nothing_and_resyncs_from_the_merged_base(setup) -> None:  # type: ignore[no-untyped-def]
     spool, srv, c = setup
     rep = Replica()
-    c.stub.Register(pb.RegisterRequest(consumer="gone", lease_ttl_seconds=0.3))
+    # a lease long enough to outlast the steps below on a loaded machine, short enough to wait
+    c.stub.Register(pb.RegisterRequest(consumer="gone", lease_ttl_seconds=2.0))
     _sync(c, "gone", rep)
     for _ in range(3):
         spool.delta()
     _head(srv, 3)
     _retain(srv)
     assert srv.log.snapshot().base.seq == 0  # type: ignore[union-attr]  # pinned while live
-    time.sleep(0.7)  # lease expired (GetDelta renewed it to 0.3 s)
+    time.sleep(2.4)  # lease expired (GetDelta renewed it to 2 s)
     _retain(srv)
     snap = srv.log.snapshot()
     assert snap is not None and snap.base.seq == 3 and len(snap.entries) == 1
