@@ -357,7 +357,8 @@ class OffsetStore:
         service = getattr(pool, "service_name", None)
         if manager is None or service is None:
             return False
-        for sentinel in manager.sentinels:
+        named: set[str] = set()
+        for sentinel in manager.sentinels:  # every sentinel: one not yet told still names the old
             try:
                 master = sentinel.sentinel_master(service)
             except Exception:  # that sentinel is down: ask the next
@@ -365,8 +366,8 @@ class OffsetStore:
             flags = str(master.get("flags", ""))
             if "failover" in flags or "o_down" in flags or "s_down" in flags:
                 return True  # a failover is under way: the old master's writes may be lost
-            return not run_id or str(master.get("runid", "")) != run_id
-        return True
+            named.add(str(master.get("runid", "")))
+        return not run_id or named != {run_id}
 
     def _replicas_attached(self) -> bool:
         """Whether the master has ``min_replicas`` replicas attached: a commit waits for them.
