@@ -75,26 +75,20 @@ def mc_module(
         input_hash_size=raw_ids,
         buckets=buckets,
     )
-    if kind == "ebc":
-        bag_tables = [
-            EmbeddingBagConfig(
+    kinds = {
+        "ebc": (EmbeddingBagConfig, EmbeddingBagCollection, ManagedCollisionEmbeddingBagCollection),
+        "ec": (EmbeddingConfig, EmbeddingCollection, ManagedCollisionEmbeddingCollection),
+    }
+    if kind in kinds:
+        config_type, collection_type, mc_type = kinds[kind]
+        tables = [
+            config_type(
                 name=table, embedding_dim=dim, num_embeddings=slots, feature_names=[feature]
             )
         ]
-        return ManagedCollisionEmbeddingBagCollection(
-            EmbeddingBagCollection(tables=bag_tables, device=device),
-            ManagedCollisionCollection({table: mch}, bag_tables),
-            return_remapped_features=False,
-        )
-    if kind == "ec":
-        seq_tables = [
-            EmbeddingConfig(
-                name=table, embedding_dim=dim, num_embeddings=slots, feature_names=[feature]
-            )
-        ]
-        return ManagedCollisionEmbeddingCollection(
-            EmbeddingCollection(tables=seq_tables, device=device),
-            ManagedCollisionCollection({table: mch}, seq_tables),
+        return mc_type(
+            collection_type(tables=tables, device=device),
+            ManagedCollisionCollection({table: mch}, tables),
             return_remapped_features=False,
         )
     raise ValueError(f"kind must be 'ebc' or 'ec', not {kind!r}")
