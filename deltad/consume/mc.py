@@ -27,21 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from deltad.errors import ConsumerError, UnsupportedModelError
+from deltad.mch import lookup_buffers, slot_raw_of
 from deltad.types import EMPTY_RAW_ID
-
-
-def lookup_buffers(slot_raw: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sorted_raw_ids, mapping)`` of an MCH module whose slot ``offset + i`` holds
-    ``slot_raw[i]``: bit-equal to the trainer's module (empty slots in slot order)."""
-    order = torch.argsort(slot_raw, stable=True)
-    return slot_raw[order], order + offset
-
-
-def slot_raw_of(sorted_raw_ids: torch.Tensor, mapping: torch.Tensor, offset: int) -> torch.Tensor:
-    """The slot -> raw id map held by an MCH module's lookup buffers."""
-    out = torch.full_like(sorted_raw_ids, EMPTY_RAW_ID)
-    out[mapping - offset] = sorted_raw_ids
-    return out
 
 
 @dataclass

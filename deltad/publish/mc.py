@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from deltad.errors import UnsupportedModelError
+from deltad.mch import slot_raw_of
 from deltad.types import EMPTY_RAW_ID
 
 
@@ -76,10 +77,7 @@ def slot_raw_ids(mch: Any) -> torch.Tensor:
     ``EMPTY_RAW_ID`` for an empty slot."""
     sorted_raw: torch.Tensor = mch._mch_sorted_raw_ids
     mapping: torch.Tensor = mch._mch_remapped_ids_mapping
-    local = mapping - int(mch._output_global_offset)
-    out = torch.full((int(mch._zch_size),), EMPTY_RAW_ID, dtype=torch.int64)
-    out[local.cpu()] = sorted_raw.cpu()
-    return out
+    return slot_raw_of(sorted_raw.cpu(), mapping.cpu(), int(mch._output_global_offset))
 
 
 @dataclass(frozen=True)
