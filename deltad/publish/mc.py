@@ -42,6 +42,7 @@ the row re-initialized); evicted raw ids are the old map's ids no longer held by
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,15 +83,34 @@ def slot_raw_ids(mch: Any) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SlotIdentities:
-    """One shard's identities at a publish (all int64, on the CPU)."""
+    """One shard's identities at a publish (all int64, on the CPU).
+
+    Taken in the training loop at the cut as copies only (``slots``, the map at the last
+    publish, the reset slots); the diff (``changed``, ``evicted``) is computed where it is
+    first read, by the publisher's copy or writer thread, off the step."""
 
     #: The raw id of every local slot now (``EMPTY_RAW_ID``: empty).
     slots: torch.Tensor
-    #: Sorted local slots whose raw id changed, or whose row eviction reset, since the last
-    #: publish: owed to this segment with their (re-initialized) rows.
-    changed: torch.Tensor
-    #: Ascending unique raw ids held at the last publish and by no slot now.
-    evicted: torch.Tensor
+    #: The map at the last publish, and the slots whose rows eviction reset since.
+    last: torch.Tensor
+    reset: torch.Tensor
+
+    @functools.cached_property
+    def _diff(self) -> torch.Tensor:
+        return self.slots != self.last
+
+    @functools.cached_property
+    def changed(self) -> torch.Tensor:
+        """Sorted local slots whose raw id changed, or whose row eviction reset, since the
+        last publish: owed to this segment with their (re-initialized) rows."""
+        return (self._diff | self.reset).nonzero().view(-1)
+
+    @functools.cached_property
+    def evicted(self) -> torch.Tensor:
+        """Ascending unique raw ids held at the last publish and by no slot now."""
+        old = self.last[self._diff]
+        old = old[old != EMPTY_RAW_ID]
+        return torch.unique(old[~torch.isin(old, self.slots)])
 
 
 @dataclass(eq=False)
@@ -114,16 +134,13 @@ class McShardState:
 
     @torch.no_grad()
     def take(self) -> SlotIdentities:
-        """The identities now, diffed against the last take; this becomes the last."""
+        """The identities now against the last take (the diff is computed when first read);
+        this becomes the last."""
         cur = slot_raw_ids(self.mch)
-        diff = cur != self.last
-        changed = (diff | self.reset).nonzero().view(-1)
-        old = self.last[diff]
-        old = old[old != EMPTY_RAW_ID]
-        evicted = torch.unique(old[~torch.isin(old, cur)])
+        taken = SlotIdentities(cur, self.last, self.reset.clone())
         self.last = cur
         self.reset.zero_()
-        return SlotIdentities(cur, changed, evicted)
+        return taken
 
 
 def check_mch(mch: Any, where: str, row_start: int, rows: int) -> None:
