@@ -138,11 +138,12 @@ class SegmentGate:
 
     def _check_entry(self, e: LogEntry) -> str:
         """Why ``e`` fails ("" if it passes); updates the held row norms."""
-        reasons = []
+        bad: dict[str, int] = {}  # per table (a table's shards on this rank summed)
         for c in e.shards.values():
             k = nonfinite(c.values)
             if k:
-                reasons.append(f"{c.shard.table}: {k} non-finite values")
+                bad[c.shard.table] = bad.get(c.shard.table, 0) + k
+        reasons = [f"{table}: {k} non-finite values" for table, k in bad.items()]
         if e.first_seq == 0:  # a base (or a fresh base): the norms start over from it
             self._norms, self._norm_seq = {}, e.seq
             self._take_norms(e, check=False)
