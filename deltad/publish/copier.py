@@ -24,9 +24,10 @@ import torch
 from deltad import knobs
 from deltad.buffers import BufferPool
 from deltad.errors import SpoolError
+from deltad.publish.bitmaps import DrainedRows
 from deltad.publish.mc import SlotIdentities, union_sorted
+from deltad.publish.shards import TrackedShard
 from deltad.publish.stats import SegmentStats
-from deltad.publish.tracker import DrainedRows, TrackedShard
 from deltad.publish.writer import SegmentJob, SegmentWriter
 from deltad.segment.format import ShardRows
 

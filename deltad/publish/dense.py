@@ -25,8 +25,8 @@ from torch import nn
 
 from deltad.config import PublisherConfig
 from deltad.publish.mc import managed_collision_types
+from deltad.publish.shards import _sharded_types, clean_fqn
 from deltad.publish.stats import SegmentStats
-from deltad.publish.tracker import _sharded_types, clean_fqn
 
 
 def _sharded_tensor_types() -> tuple[type, ...]:

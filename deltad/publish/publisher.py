@@ -60,8 +60,9 @@ from deltad.publish.generation import choose_generation
 from deltad.publish.mc import SlotIdentities
 from deltad.publish.ranks import RankGroup
 from deltad.publish.schedule import PublishSchedule, RebaseSchedule
+from deltad.publish.shards import TrackedShard
 from deltad.publish.stats import PublisherStats, SegmentStats
-from deltad.publish.tracker import DeltaTracker, TrackedShard
+from deltad.publish.tracker import DeltaTracker
 from deltad.publish.writer import SegmentWriter
 from deltad.segment.spool import GenerationManifest, SpoolLayout
 from deltad.types import SegmentKind

@@ -1,4 +1,4 @@
-"""What publishing costs: per segment, and totals over a publisher's life (for benchmarks)."""
+"""What publishing costs: per segment, totals over a publisher's life, and the tracker's hooks."""
 
 from __future__ import annotations
 
@@ -85,3 +85,21 @@ class PublisherStats:
     @property
     def write_cpu_s(self) -> float:
         return sum(s.write_cpu_s for s in self.segments)
+
+
+@dataclass
+class TrackerStats:
+    """Time the tracker spent inside the training loop (for overhead benchmarks)."""
+
+    lookups: int = 0  # post-lookup hook calls that recorded ids
+    update_hooks: int = 0  # update-barrier hooks registered on lookup outputs (all lookups)
+    record_s: float = 0.0  # in the post-lookup hook (stashing ids)
+    fold_s: float = 0.0  # in the post-odist hook (folding ids, or handing them to the thread)
+    drain_s: float = 0.0  # in drain() (last fold, nonzero, reset, re-mark)
+    #: CPU seconds of the fold thread (folds and swaps off the loop; 0 without one).
+    background_s: float = 0.0
+
+    @property
+    def forward_s(self) -> float:
+        """What the hooks added to forward passes."""
+        return self.record_s + self.fold_s
