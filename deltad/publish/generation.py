@@ -1,12 +1,14 @@
-"""A new run's generation id: newer than every one in the spool, the same on every rank."""
+"""A new run's generation: an id newer than every one in the spool, and its manifest, on every rank."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
+from deltad.config import PublisherConfig
 from deltad.errors import SpoolError
 from deltad.publish.ranks import RankGroup
-from deltad.segment.spool import SpoolLayout
+from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 
 #: The largest generation id: generations travel as int64 (collectives, segment headers).
 MAX_GENERATION = 2**63 - 1
@@ -49,4 +51,43 @@ def choose_generation(ranks: RankGroup, layout: SpoolLayout, requested: int | No
             f"generation {newest + 1} or larger (--generation), or none for a time-based "
             f"one past it"
         )
+    return gen
+
+
+def open_generation(
+    ranks: RankGroup,
+    layout: SpoolLayout,
+    config: PublisherConfig,
+    *,
+    step: int,
+    tables: Sequence[TableInfo],
+) -> int:
+    """Prepare the spool, choose the generation (:func:`choose_generation`) and write its
+    manifest (starting at ``step``); every rank agrees each part succeeded, or all raise."""
+    error: BaseException | None = None
+    try:
+        layout.ensure_writable()
+    except SpoolError as e:
+        error = e
+    ranks.agree(error, "preparing the spool")
+    gen = choose_generation(ranks, layout, config.generation)
+    # Every rank writes the manifest, the same bytes: a spool shared by all ranks gets one
+    # file (atomic renames of identical content), and a spool per host (a pod per rank,
+    # each with its own sidecar) gets the manifest its sidecar needs to serve the rank.
+    created_ns = ranks.broadcast(time.time_ns())
+    try:
+        layout.write_manifest(
+            GenerationManifest(
+                model=config.model,
+                generation=gen,
+                world_size=ranks.world_size,
+                start_step=step,
+                created_unix=created_ns / 1e9,
+                tables=tuple(tables),
+            ),
+            fsync=config.fsync,
+        )
+    except SpoolError as e:
+        error = e
+    ranks.agree(error, "writing the generation manifest")  # also: manifest before segments
     return gen

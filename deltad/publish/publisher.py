@@ -56,7 +56,7 @@ from deltad.config import PublisherConfig, TrackerConfig
 from deltad.errors import ConfigError, SpoolError
 from deltad.publish.copier import CopierThread, CopyRequest, RowCopier, pack
 from deltad.publish.dense import DenseCapture
-from deltad.publish.generation import choose_generation
+from deltad.publish.generation import open_generation
 from deltad.publish.mc import SlotIdentities
 from deltad.publish.ranks import RankGroup
 from deltad.publish.schedule import PublishSchedule, RebaseSchedule
@@ -64,7 +64,7 @@ from deltad.publish.shards import TrackedShard
 from deltad.publish.stats import PublisherStats, SegmentStats
 from deltad.publish.tracker import DeltaTracker
 from deltad.publish.writer import SegmentWriter
-from deltad.segment.spool import GenerationManifest, SpoolLayout
+from deltad.segment.spool import SpoolLayout
 from deltad.types import SegmentKind
 
 __all__ = ["PublisherStats", "SegmentPublisher", "SegmentStats"]
@@ -131,36 +131,14 @@ class SegmentPublisher:
 
         The generation is larger than every one already in the spool: ``config.generation``
         if it is (else SpoolError on every rank, the spool untouched), or by default a
-        time-based id (``time.time_ns()``, or the newest + 1 if that is larger).
+        time-based id (``time.time_ns()``, or the newest + 1 if that is larger); see
+        :func:`deltad.publish.generation.open_generation`.
         """
         if self.generation is not None:
             raise SpoolError("publisher already started")
-        error: BaseException | None = None
-        try:
-            self.layout.ensure_writable()
-        except SpoolError as e:
-            error = e
-        self._ranks.agree(error, "preparing the spool")
-        gen = choose_generation(self._ranks, self.layout, self.config.generation)
-        # Every rank writes the manifest, the same bytes: a spool shared by all ranks gets one
-        # file (atomic renames of identical content), and a spool per host (a pod per rank,
-        # each with its own sidecar) gets the manifest its sidecar needs to serve the rank.
-        created_ns = self._ranks.broadcast(time.time_ns())
-        try:
-            self.layout.write_manifest(
-                GenerationManifest(
-                    model=self.config.model,
-                    generation=gen,
-                    world_size=self.world_size,
-                    start_step=step,
-                    created_unix=created_ns / 1e9,
-                    tables=tuple(self.tracker.tables),
-                ),
-                fsync=self.config.fsync,
-            )
-        except SpoolError as e:
-            error = e
-        self._ranks.agree(error, "writing the generation manifest")  # also: manifest first
+        gen = open_generation(
+            self._ranks, self.layout, self.config, step=step, tables=self.tracker.tables
+        )
         self.generation = self._writer.generation = gen
         # The base is written synchronously, straight from the weights (training has not
         # started, so no copy is needed); every rank agrees it succeeded before training.
