@@ -199,7 +199,7 @@ def test_a_full_spool_never_stops_training_and_nothing_is_lost(
             wait_for(lambda: pub.stats.write_errors > 0, 10, "a failed write")
             assert pub.stats.last_write_error
             assert pub.stats.skipped_segments + pub.stats.write_errors >= 2
-            assert pub._queue.qsize() <= pub.config.max_pending_writes  # bounded memory
+            assert pub._writer.queue.qsize() <= pub.config.max_pending_writes  # bounded memory
             os.unlink(filler)  # space returns
             tracker.step()
             stats = pub.publish(21)

@@ -18,6 +18,7 @@ from deltad import knobs
 from deltad.buffers import BufferPool
 from deltad.config import PublisherConfig, TrackerConfig
 from deltad.errors import ConfigError, SpoolError
+from deltad.publish.copier import RowCopier
 from deltad.publish.publisher import SegmentPublisher
 from deltad.publish.tracker import DeltaTracker
 from deltad.segment.format import apply_segments, read_segment
@@ -115,14 +116,14 @@ def test_publisher_rebuilds_tables_bit_exactly(tmp_path: Path) -> None:
 def _background_copy_worker(rank: int, world_size: int, spool: str, barrier: bool) -> None:
     """Train with publishes every step while the copier is slowed down: each segment must
     still hold the rows as they were at its step (the next backward waits for the copy)."""
-    real_copy = SegmentPublisher._copy_rows
+    real_copy = RowCopier.copy_rows
 
-    def slow_copy(self: SegmentPublisher, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def slow_copy(self: RowCopier, *args: Any, **kwargs: Any) -> torch.Tensor:
         if threading.current_thread().name == "deltad-copier":
             time.sleep(0.2)  # far longer than the next step's forward
         return real_copy(self, *args, **kwargs)
 
-    SegmentPublisher._copy_rows = slow_copy  # type: ignore[method-assign]
+    RowCopier.copy_rows = slow_copy  # type: ignore[method-assign]
     dmp = toy_dmp(world_size)
     tracker = DeltaTracker(dmp)
     if not barrier:  # the control: without the update barrier the copies read later rows
@@ -217,7 +218,7 @@ def _write_failure_worker(rank: int, world_size: int, spool: str) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert pub.stats.write_errors >= 1 and "cannot write" in pub.stats.last_write_error
-        assert pub._error is None
+        assert pub._writer.error is None
     dist.barrier()
     if rank == 1:  # space (here: the directory) returns
         d.unlink()
@@ -227,7 +228,7 @@ def _write_failure_worker(rank: int, world_size: int, spool: str) -> None:
     stats = pub.maybe_publish(4)  # rank 1 answers with a fresh base, rank 0 a delta
     assert stats is not None and stats.kind is (SegmentKind.BASE if rank else SegmentKind.DELTA)
     pub.close(5)
-    assert pub._thread is not None and not pub._thread.is_alive()
+    assert pub._writer.thread is not None and not pub._writer.thread.is_alive()
     tables = _full_tables(dmp, rank)
     dist.barrier()
     if rank == 0:  # what a sidecar of each rank serves rebuilds the trainer's tables exactly
@@ -281,21 +282,19 @@ def test_pooled_copy_buffers_are_never_reused_while_queued(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A slow writer with segments queued: every segment still holds its rows as published."""
-    import deltad.publish.publisher as publisher_mod
+    import deltad.publish.writer as writer_mod
 
-    real_write = publisher_mod.write_segment
+    real_write = writer_mod.write_segment
 
     def slow_write(*args: Any, **kwargs: Any) -> Any:
         time.sleep(0.02)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(publisher_mod, "write_segment", slow_write)
+    monkeypatch.setattr(writer_mod, "write_segment", slow_write)
     weight = torch.zeros(64, 4)
     tracker = _FakeTracker(weight)
     cfg = PublisherConfig(tmp_path, model="toy", every_steps=1, max_pending_writes=2, fsync=False)
     pub = SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
-    monkeypatch.setattr(pub, "_all_reduce_max", lambda v: v)
-    monkeypatch.setattr(pub, "_broadcast", lambda v: v)
     gen = pub.start(0)
     gen_rows = torch.Generator().manual_seed(0)
     expected: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -318,30 +317,28 @@ def test_pooled_copy_buffers_are_never_reused_while_queued(
         seg = read_segment(path)
         assert torch.equal(seg.shards[0].ids, ids)
         assert torch.equal(seg.shards[0].values, values)
-    assert pub._thread is not None and not pub._thread.is_alive()
+    assert pub._writer.thread is not None and not pub._writer.thread.is_alive()
 
 
 def _pool_buffers(pub: SegmentPublisher) -> list[torch.Tensor]:
-    with pub._pool._lock:
-        return [b.base for b in pub._pool._buffers]
+    with pub._rows.pool._lock:
+        return [b.base for b in pub._rows.pool._buffers]
 
 
-def test_writer_thread_is_reniced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_writer_thread_is_reniced(tmp_path: Path) -> None:
     tracker = _FakeTracker(torch.zeros(8, 4))
     cfg = PublisherConfig(tmp_path, model="toy", every_steps=1, fsync=False)
     pub = SegmentPublisher(torch.nn.Module(), cfg, tracker=tracker)  # type: ignore[arg-type]
-    monkeypatch.setattr(pub, "_all_reduce_max", lambda v: v)
-    monkeypatch.setattr(pub, "_broadcast", lambda v: v)
     with knobs.override(WRITER_NICE=7):
         pub.start(0)
         tracker.next = torch.tensor([1, 3])
         pub.publish(1)
-        assert pub._thread is not None and pub._thread.native_id is not None
+        assert pub._writer.thread is not None and pub._writer.thread.native_id is not None
         deadline = time.monotonic() + 5
         while pub.stats.segments[-1].write_s == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
     main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    writer_nice = os.getpriority(os.PRIO_PROCESS, pub._thread.native_id)
+    writer_nice = os.getpriority(os.PRIO_PROCESS, pub._writer.thread.native_id)
     assert writer_nice == min(main_nice + 7, 19)
     assert main_nice == os.getpriority(os.PRIO_PROCESS, 0)  # the loop's thread is untouched
     pub.close(2)

@@ -14,7 +14,8 @@ from torch import nn
 from deltad import knobs
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
-from deltad.publish.tracker import DeltaTracker, _Lookup
+from deltad.publish.bitmaps import LookupBitmaps
+from deltad.publish.tracker import DeltaTracker
 from deltad.types import TrainLoop
 
 
@@ -144,15 +145,15 @@ def _fold_failure_worker(rank: int, world_size: int) -> None:
     raised mid-forward on one rank would leave the others waiting in the output dist)."""
     dmp = toy_dmp(world_size)
     flaky = DeltaTracker(dmp)
-    real_mark, calls = _Lookup.mark, [0]
+    real_mark, calls = LookupBitmaps.mark, [0]
 
-    def mark(self: _Lookup, values: torch.Tensor, offsets: list[int]) -> None:
+    def mark(self: LookupBitmaps, values: torch.Tensor, offsets: list[int]) -> None:
         calls[0] += 1
         if calls[0] == 2:
             raise IndexError("boom")
         real_mark(self, values, offsets)
 
-    _Lookup.mark = mark  # type: ignore[method-assign]
+    LookupBitmaps.mark = mark  # type: ignore[method-assign]
     expected = "folding tracked ids failed: boom"
     with torch.no_grad():
         dmp(batch(rank, 12))

@@ -20,6 +20,7 @@ from torchrec import KeyedJaggedTensor
 
 from deltad.config import PublisherConfig, TrackerConfig
 from deltad.errors import UnsupportedModelError
+from deltad.publish.copier import RowCopier
 from deltad.publish.mc import slot_raw_ids
 from deltad.publish.publisher import SegmentPublisher
 from deltad.publish.tracker import DeltaTracker
@@ -123,14 +124,14 @@ def _rebuild_worker(
     from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
     if slow:  # the copier far behind the loop: the next forward's eviction must wait for it
-        real_copy = SegmentPublisher._copy_rows
+        real_copy = RowCopier.copy_rows
 
-        def slow_copy(self: SegmentPublisher, *args: Any, **kwargs: Any) -> torch.Tensor:
+        def slow_copy(self: RowCopier, *args: Any, **kwargs: Any) -> torch.Tensor:
             if threading.current_thread().name == "deltad-copier":
                 time.sleep(0.1)
             return real_copy(self, *args, **kwargs)
 
-        SegmentPublisher._copy_rows = slow_copy  # type: ignore[method-assign]
+        RowCopier.copy_rows = slow_copy  # type: ignore[method-assign]
     torch.manual_seed(rank)
     # slow: evict at every forward, each batch's ids all new and more than the slots, so that
     # every eviction resets slots the segment before it lists (the rows the copier reads)

@@ -31,13 +31,8 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   tracked row can change (a hook on the gradient of each lookup's output), which lets the
   publisher copy rows while the next forward runs.
 
-What the hook sees (TorchRec 1.8, measured): the ids after the input dist, i.e. the ids this
-rank's shards are looked up with. Table-wise and column-wise shards see global row ids (they
-hold every row); row-wise and table-row-wise shards see **shard-local** ids (rank 1 of a
-100-row table split 50/50 reports global row 95 as 45). Each key of the lookup's features
-belongs, in order, to one table shard of the lookup's grouped configs (a rank holding two
-column shards of one table sees that feature twice); the tracker records local ids per shard
-and :class:`TrackedShard` carries the shard's global row and column range.
+What the hook sees, and how its ids map to local shards: :mod:`deltad.publish.shards`; the
+bitmaps: :mod:`deltad.publish.bitmaps`; the fold thread: :mod:`deltad.publish.fold`.
 
 Where to drain, and lookahead
 -----------------------------
@@ -60,14 +55,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import queue
-import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,262 +67,26 @@ from torch import nn
 from deltad import knobs
 from deltad.config import TrackerConfig
 from deltad.errors import UnsupportedModelError
-from deltad.publish.mc import (
-    McShardState,
-    SlotIdentities,
-    check_mch,
-    managed_collision_types,
+from deltad.publish.bitmaps import Bitmap, DrainedRows, LookupBitmaps
+from deltad.publish.fold import FoldThread
+from deltad.publish.mc import SlotIdentities
+from deltad.publish.shards import (
+    TrackedShard,
+    cache_flush,
+    clean_fqn,
+    find_shards,
 )
+from deltad.publish.stats import TrackerStats
 from deltad.segment.spool import TableInfo
-from deltad.types import Shard
 
-log = logging.getLogger(__name__)
-
-_DMP_PREFIXES = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.", "module.")
-
-
-@dataclass(frozen=True, eq=False)
-class TrackedShard:
-    """One local shard (a row range and column range of a table) and its weight view."""
-
-    module: str  # fqn of the sharded EC / EBC, DMP / DDP prefixes stripped
-    kind: str  # "ec" or "ebc"
-    sharding_type: str
-    shard: Shard  # the table, and the row and column ranges held here
-    #: [shard.rows, shard.width] view of the TBE weights (not a copy).
-    weight: torch.Tensor = field(repr=False)
-    #: Writes a device cache's rows back into ``weight`` (UVM-caching kernels, see
-    #: :func:`cache_flush`); None where ``weight`` is always current.
-    flush: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-    #: A managed-collision table's shard: its slots' identities (see deltad.publish.mc);
-    #: None for ordinary tables.
-    mc: McShardState | None = field(default=None, repr=False, compare=False)
-
-
-def cache_flush(emb: Any) -> Callable[[], None] | None:
-    """The write-back of an embedding kernel that keeps rows in a device cache, else None.
-
-    fbgemm's UVM-caching TBEs (``EmbeddingComputeKernel.FUSED_UVM_CACHING``) update the rows
-    cached in HBM; ``split_embedding_weights()`` views the UVM backing store, which holds a
-    cached row's value only after ``flush()``. Such rows must be flushed before they are read
-    (the publisher does, at each step boundary). CPU and plain fused kernels have no cache.
-    """
-    tbe = getattr(emb, "_emb_module", emb)
-    cache = getattr(tbe, "lxu_cache_weights", None)
-    flush = getattr(tbe, "flush", None)
-    if isinstance(cache, torch.Tensor) and cache.numel() > 0 and callable(flush):
-        return flush  # type: ignore[no-any-return]
-    return None
-
-
-@dataclass
-class TrackerStats:
-    """Time the tracker spent inside the training loop (for overhead benchmarks)."""
-
-    lookups: int = 0  # post-lookup hook calls that recorded ids
-    update_hooks: int = 0  # update-barrier hooks registered on lookup outputs (all lookups)
-    record_s: float = 0.0  # in the post-lookup hook (stashing ids)
-    fold_s: float = 0.0  # in the post-odist hook (folding ids, or handing them to the thread)
-    drain_s: float = 0.0  # in drain() (last fold, nonzero, reset, re-mark)
-    #: CPU seconds of the fold thread (folds and swaps off the loop; 0 without one).
-    background_s: float = 0.0
-
-    @property
-    def forward_s(self) -> float:
-        """What the hooks added to forward passes."""
-        return self.record_s + self.fold_s
-
-
-@dataclass(eq=False)
-class _Bitmap:
-    """One bool bitmap per shard of a lookup, as views of one flat tensor."""
-
-    flat: torch.Tensor  # bool, concatenation of the shards' bitmaps
-    masks: list[torch.Tensor]  # views of ``flat``, one per shard
-    key_masks: list[torch.Tensor]  # per key of the features: its shard's bitmap
-
-
-@dataclass(eq=False)
-class _Lookup:
-    """One lookup (sharding type) of a sharded module: its shards and their bitmaps.
-
-    ``active`` takes the marks; a drain swaps in a clean spare and hands the marked one to a
-    :class:`DrainedRows`, whose ``resolve()`` (maybe on another thread) reads, clears and
-    returns it to ``spares``.
-    """
-
-    shards: list[TrackedShard]
-    key_shard: list[int]  # per key of the features: index of its shard
-    #: (ids, offset per key) of the last ``lookahead`` lookups
-    history: deque[tuple[torch.Tensor, list[int]]]
-    active: _Bitmap = field(init=False)
-    spares: list[_Bitmap] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self.active = self.new_bitmap()
-
-    def new_bitmap(self) -> _Bitmap:
-        sizes = [s.shard.rows for s in self.shards]
-        flat = torch.zeros(sum(sizes), dtype=torch.bool, device=self.shards[0].weight.device)
-        masks = list(flat.split(sizes))
-        return _Bitmap(flat, masks, [masks[i] for i in self.key_shard])
-
-    def swap(self) -> _Bitmap:
-        """Make a clean bitmap active; return the one that was."""
-        with self.lock:
-            fresh = self.spares.pop() if self.spares else None
-        old, self.active = self.active, fresh if fresh is not None else self.new_bitmap()
-        return old
-
-    def give_back(self, bitmap: _Bitmap) -> None:
-        """A resolved (cleared) bitmap becomes a spare again."""
-        with self.lock:
-            self.spares.append(bitmap)
-
-    def read_and_clear(self, bitmap: _Bitmap) -> list[tuple[TrackedShard, torch.Tensor]]:
-        """(shard, sorted unique local row ids) of ``bitmap``, which is then all clear."""
-        out = [
-            (s, mask.nonzero().view(-1)) for s, mask in zip(self.shards, bitmap.masks, strict=True)
-        ]
-        bitmap.flat.zero_()
-        return out
-
-    def remark_history(self) -> None:
-        """Mark the last ``lookahead`` lookups again (they stay owed after a drain)."""
-        for values, offsets in self.history:
-            self.mark(values, offsets)
-
-    def mark(self, values: torch.Tensor, offsets: list[int]) -> None:
-        """Set the bits of the ids of one lookup (key ``i`` owns ``values[o[i]:o[i+1]]``)."""
-        for i, mask in enumerate(self.active.key_masks):
-            if offsets[i + 1] > offsets[i]:
-                ids = values[offsets[i] : offsets[i + 1]].to(torch.int64)
-                mask.index_fill_(0, ids, True)
-
-
-class DrainedRows:
-    """The rows one drain took, read out of their bitmaps only when :meth:`resolve` is called.
-
-    The drain itself only swaps bitmaps (constant time; with a fold thread, not even that on
-    the training loop's clock: the swap is queued behind the lookups still being folded); the
-    ``nonzero()`` over every local row and the clearing happen in :meth:`resolve`, which any
-    thread may call, exactly once.
-    """
-
-    def __init__(
-        self,
-        parts: list[tuple[_Lookup, _Bitmap]] | None = None,
-        *,
-        alive: Callable[[], bool] | None = None,
-    ) -> None:
-        self._parts = parts
-        self._error: BaseException | None = None
-        self._alive = alive  # the fold thread that fills in ``parts``, if any
-        self._ready = threading.Event()
-        self._resolved = False
-        if parts is not None:
-            self._ready.set()
-        #: Seconds :meth:`resolve` took (0 until it ran).
-        self.resolve_s = 0.0
-
-    def _fill(self, parts: list[tuple[_Lookup, _Bitmap]]) -> None:
-        self._parts = parts
-        self._ready.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
-
-    @torch.no_grad()
-    def resolve(self) -> list[tuple[TrackedShard, torch.Tensor]]:
-        """(shard, sorted unique local row ids) for every local shard; clears the bitmaps.
-
-        Waits for the fold thread to reach this drain; raises if folding failed (the drained
-        rows are then unknown) or the thread is gone.
-        """
-        if self._resolved:
-            raise RuntimeError("DrainedRows.resolve() may be called only once")
-        self._resolved = True
-        t0 = time.perf_counter()
-        # Bounded: the fold thread reaches every queued drain unless it stopped.
-        while not self._ready.wait(timeout=1.0):
-            if self._alive is not None and not self._alive():
-                raise RuntimeError("the tracker's fold thread stopped before this drain")
-        if self._error is not None:
-            raise RuntimeError(f"folding tracked ids failed: {self._error}") from self._error
-        parts, self._parts = self._parts, None
-        assert parts is not None
-        out: list[tuple[TrackedShard, torch.Tensor]] = []
-        for lookup, bitmap in parts:
-            out += lookup.read_and_clear(bitmap)
-            lookup.give_back(bitmap)
-        self.resolve_s = time.perf_counter() - t0
-        return out
-
-
-class _FoldThread:
-    """Runs the tracker's folds (and the bitmap swaps between them) in order, off the loop.
-
-    Bounded: at most ``max_pending`` calls wait; the training loop's hook blocks beyond that
-    (the thread is behind). The first failure is kept in ``error``; the calls after it still
-    run (a drain queued behind it reports it instead of rows missing the failed lookup's).
-    """
-
-    def __init__(self, max_pending: int, stats: TrackerStats) -> None:
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=max_pending)
-        self.error: BaseException | None = None
-        self._stats = stats  # background_s: this thread's CPU time
-        self._thread = threading.Thread(target=self._run, name="deltad-fold", daemon=True)
-        self._thread.start()
-
-    def submit(self, call: Callable[[], None]) -> None:
-        self._queue.put(call)
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Run what is queued, then end the thread (joined unless called from it)."""
-        if self.alive():
-            self._queue.put(None)
-            if threading.current_thread() is not self._thread:
-                self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while (call := self._queue.get()) is not None:
-            c0 = time.thread_time()
-            try:
-                with torch.no_grad():  # grad mode is per thread
-                    call()
-            except BaseException as e:
-                log.error("folding tracked ids: %s", e)
-                if self.error is None:
-                    self.error = e
-            del call  # a queued call holds the tracker: let it go before the next get()
-            self._stats.background_s += time.thread_time() - c0
-
-
-def clean_fqn(fqn: str) -> str:
-    """``fqn`` without the DistributedModelParallel / DDP wrapper prefixes: the name the
-    unwrapped model (and a predictor's inference model) gives the same module or tensor."""
-    for prefix in _DMP_PREFIXES:
-        if fqn.startswith(prefix):
-            return clean_fqn(fqn[len(prefix) :])
-    return fqn
-
-
-def _sharded_types() -> tuple[type, type]:
-    from torchrec.distributed.embedding import ShardedEmbeddingCollection
-    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-
-    return ShardedEmbeddingCollection, ShardedEmbeddingBagCollection
-
-
-def _dtype_name(data_type: Any) -> str:
-    from torchrec.modules.embedding_configs import data_type_to_dtype
-
-    return str(data_type_to_dtype(data_type)).removeprefix("torch.")
+__all__ = [
+    "DeltaTracker",
+    "DrainedRows",
+    "TrackedShard",
+    "TrackerStats",
+    "cache_flush",
+    "clean_fqn",
+]
 
 
 class DeltaTracker:
@@ -346,53 +101,23 @@ class DeltaTracker:
         self._lookahead = self.config.train_loop.lookahead
         self._paused = False
         self.stats = TrackerStats()
-        self._pending: list[tuple[_Lookup, torch.Tensor, list[int]]] = []
+        self._pending: list[tuple[LookupBitmaps, torch.Tensor, list[int]]] = []
         self._barriers: list[Callable[[], None]] = []
-        self._modules: dict[str, Any] = {}  # fqn -> sharded EC / EBC
-        self._lookups: dict[tuple[int, tuple[str, ...]], _Lookup] = {}
-        self._tables: list[TableInfo] = []
+        found = find_shards(model, self.config)
+        self._modules: dict[str, Any] = found.modules  # fqn -> sharded EC / EBC
+        self._tables: list[TableInfo] = found.tables
         #: inner EC / EBC fqn -> its sharded MC-EC / MC-EBC
-        self._mc_inner: dict[str, Any] = {}
-        ec_type, ebc_type = _sharded_types()
-        mc_types = managed_collision_types()
+        self._mc_inner: dict[str, Any] = found.mc_inner
         #: fqn -> sharded MC-EC / MC-EBC (their inner EC / EBC are tracked as MC tables)
-        self._mc_parents: dict[str, Any] = {}
+        self._mc_parents: dict[str, Any] = found.mc_parents
         #: undo of the hooks on MC modules (lookup forward hooks, compute / evict wrappers)
         self._mc_undo: list[Callable[[], None]] = []
-        named = list(model.named_modules())
-        if mc_types is not None:
-            self._mc_parents = {
-                clean_fqn(fqn): mod for fqn, mod in named if isinstance(mod, mc_types[0])
-            }
-        for fqn, mod in named:
-            name = clean_fqn(fqn)
-            parent_name = name.rpartition(".")[0]
-            parent = self._mc_parents.get(parent_name)
-            if mc_types is not None and isinstance(mod, mc_types[1]) and parent is None:
-                raise UnsupportedModelError(
-                    f"{name} is a managed-collision collection outside a managed-collision "
-                    "EC / EBC: deltad tracks MC tables only inside "
-                    "ManagedCollisionEmbeddingCollection / ManagedCollisionEmbeddingBagCollection"
-                )
-            if not isinstance(mod, (ec_type, ebc_type)):
-                continue
-            if any(s in name.split(".") or s == name for s in self.config.fqns_to_skip):
-                continue
-            kind = "ebc" if isinstance(mod, ebc_type) else "ec"
-            mc = parent if parent is not None and parent._embedding_module is mod else None
-            if mc is not None and self._lookahead:
-                raise UnsupportedModelError(
-                    f"{parent_name} is a managed-collision module: train loop "
-                    f"{self.config.train_loop.value} runs the next forward (where eviction "
-                    "rewrites rows and the remapper) before this step's update is published; "
-                    "use the plain loop or TrainPipelineBase / TrainPipelineSparseDist"
-                )
-            self._add_module(name, kind, mod, mc)
-        if not self._modules:
-            raise UnsupportedModelError(
-                "no sharded EmbeddingCollection / EmbeddingBagCollection to track: wrap the "
-                "model with DistributedModelParallel (and check PublisherConfig.fqns_to_skip)"
+        self._lookups: dict[tuple[int, tuple[str, ...]], LookupBitmaps] = {
+            (id(lk.module), lk.keys): LookupBitmaps(
+                shards=lk.shards, key_shard=lk.key_shard, history=deque(maxlen=self._lookahead)
             )
+            for lk in found.lookups
+        }
         for name, mod in self._modules.items():
             if name in self._mc_inner:
                 continue  # hooked through its lookups (see _hook_mc)
@@ -407,134 +132,11 @@ class DeltaTracker:
                 continue
             mod.register_post_lookup_tracker_fn(self._make_lookup_hook(id(mod)))
             mod.register_post_odist_tracker_fn(self._fold_hook)
-        self._folder: _FoldThread | None = None
+        self._folder: FoldThread | None = None
         if knobs.FOLD_IN_BACKGROUND and all(s.weight.device.type == "cpu" for s in self.shards):
-            self._folder = _FoldThread(knobs.MAX_PENDING_FOLDS, self.stats)
+            self._folder = FoldThread(knobs.MAX_PENDING_FOLDS, self.stats)
             # A tracker dropped without detach() does not leave its thread waiting forever.
             weakref.finalize(self, self._folder.stop)
-
-    # -- construction -----------------------------------------------------------------------
-
-    def _add_module(self, name: str, kind: str, mod: Any, mc: Any = None) -> None:
-        """Track a sharded EC / EBC; ``mc``: the sharded MC-EC / MC-EBC it is the inner
-        module of (its tables are managed-collision tables), else None."""
-        if mc is not None:
-            self._mc_inner[name] = mc
-        if not hasattr(mod, "register_post_lookup_tracker_fn"):
-            raise UnsupportedModelError(
-                f"{name}: this TorchRec has no post-lookup tracker hooks (need torchrec>=1.8)"
-            )
-        plan: dict[str, Any] = dict(mod.module_sharding_plan)
-        configs: dict[str, Any] = dict(mod._table_name_to_config)
-        for table, cfg in configs.items():
-            st = plan[table].sharding_type
-            if st == "data_parallel":
-                raise UnsupportedModelError(
-                    f"table {table} of {name} is data-parallel: every rank updates every "
-                    "replica, so no rank owns its rows; shard it (TW, RW, CW, TWRW) instead"
-                )
-            if any(t.name == table for t in self._tables):
-                raise UnsupportedModelError(
-                    f"table name {table!r} is used by more than one tracked module; segments "
-                    "key rows by table name (rename it or skip a module via fqns_to_skip)"
-                )
-            self._tables.append(
-                TableInfo(
-                    name=table,
-                    num_rows=cfg.num_embeddings,
-                    dim=cfg.embedding_dim,
-                    dtype=_dtype_name(cfg.data_type),
-                    module=name,
-                    kind=kind,
-                    sharding_type=st,
-                    managed_collision=mc is not None,
-                )
-            )
-        local = self._local_shards(name, mod, configs)
-        for lookup in mod._lookups:
-            while isinstance(lookup, nn.parallel.DistributedDataParallel):
-                lookup = lookup.module
-            keys: list[str] = []
-            shards: list[TrackedShard] = []
-            key_shard: list[int] = []
-            for emb in getattr(lookup, "_emb_modules", []):
-                weights = emb.split_embedding_weights()
-                flush = cache_flush(emb)
-                for t, w in zip(emb._config.embedding_tables, weights, strict=True):
-                    shard = self._shard(name, kind, t, w, plan, configs, local, flush, mc)
-                    for feature in t.feature_names:
-                        keys.append(feature)
-                        key_shard.append(len(shards))
-                    shards.append(shard)
-            if not shards:
-                continue
-            self._lookups[(id(mod), tuple(keys))] = self._new_lookup(shards, key_shard)
-        self._modules[name] = mod
-
-    def _local_shards(
-        self, name: str, mod: Any, configs: dict[str, Any]
-    ) -> dict[tuple[str, int, int], torch.Tensor]:
-        """(table, row offset, col offset) -> local shard tensor, from the state_dict."""
-        out: dict[tuple[str, int, int], torch.Tensor] = {}
-        for key, value in mod.state_dict().items():
-            parts = key.split(".")
-            if len(parts) < 2 or parts[-1] != "weight" or parts[-2] not in configs:
-                continue
-            if not hasattr(value, "local_shards"):
-                raise UnsupportedModelError(f"{name}.{key} is not a ShardedTensor")
-            for s in value.local_shards():
-                r, c = s.metadata.shard_offsets
-                out[(parts[-2], int(r), int(c))] = s.tensor
-        return out
-
-    def _shard(
-        self,
-        name: str,
-        kind: str,
-        t: Any,
-        w: torch.Tensor,
-        plan: dict[str, Any],
-        configs: dict[str, Any],
-        local: dict[tuple[str, int, int], torch.Tensor],
-        flush: Callable[[], None] | None = None,
-        mc: Any = None,
-    ) -> TrackedShard:
-        cfg = configs[t.name]
-        meta = t.local_metadata
-        r0, c0 = (
-            (0, 0) if meta is None else (int(meta.shard_offsets[0]), int(meta.shard_offsets[1]))
-        )
-        rows, cols = int(t.local_rows), int(t.local_cols)
-        view = local.get((t.name, r0, c0))
-        if (
-            view is None
-            or tuple(view.shape) != (rows, cols)
-            or tuple(w.shape) != (rows, cols)
-            or view.data_ptr() != w.data_ptr()
-        ):
-            raise UnsupportedModelError(
-                f"cannot map table {t.name} of {name} (rows {r0}+{rows}, cols {c0}+{cols}) to a "
-                "local shard whose state_dict tensor is a view of the embedding kernel's weights"
-            )
-        state = None
-        if mc is not None:
-            mch = mc._managed_collision_collection._managed_collision_modules[t.name]
-            check_mch(mch, f"table {t.name} of {name}", r0, rows)
-            state = McShardState(mch, rows)
-        return TrackedShard(
-            module=name,
-            kind=kind,
-            sharding_type=plan[t.name].sharding_type,
-            shard=Shard(
-                t.name, cfg.num_embeddings, cfg.embedding_dim, r0, r0 + rows, c0, c0 + cols
-            ),
-            weight=w,
-            flush=flush,
-            mc=state,
-        )
-
-    def _new_lookup(self, shards: list[TrackedShard], key_shard: list[int]) -> _Lookup:
-        return _Lookup(shards=shards, key_shard=key_shard, history=deque(maxlen=self._lookahead))
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -623,14 +225,14 @@ class DeltaTracker:
             else:
                 self._mark(lookup, values, offsets)
 
-    def _mark(self, lookup: _Lookup, values: torch.Tensor, offsets: list[int]) -> None:
+    def _mark(self, lookup: LookupBitmaps, values: torch.Tensor, offsets: list[int]) -> None:
         lookup.mark(values, offsets)
         if self._lookahead:
             lookup.history.append((values, offsets))
 
-    def _swap_all(self) -> list[tuple[_Lookup, _Bitmap]]:
+    def _swap_all(self) -> list[tuple[LookupBitmaps, Bitmap]]:
         """Swap in clean bitmaps; re-mark the lookahead lookups into them (see drain)."""
-        parts: list[tuple[_Lookup, _Bitmap]] = []
+        parts: list[tuple[LookupBitmaps, Bitmap]] = []
         for lk in self._lookups.values():
             parts.append((lk, lk.swap()))
             lk.remark_history()
