@@ -107,13 +107,13 @@ def test_long_polls_past_the_waiter_places_answer_at_once(tmp_path: Path, redis_
             ask = pb.StatusRequest(after_generation=1, after_seq=0, wait_ms=20_000)
             holder = threading.Thread(target=lambda: _status(server.endpoint, ask))
             holder.start()
-            wait_for(lambda: server.servicer._waiters == 1, 10, "one waiter held")
+            wait_for(lambda: server.servicer.status.waiters == 1, 10, "one waiter held")
             st = _status(server.endpoint, ask, timeout=5)  # no place: at once, not waited
             assert not st.waited and st.head_seq == 0
             ft.step(10)  # releases the holder
             holder.join(timeout=20)
             assert not holder.is_alive()
-            wait_for(lambda: server.servicer._waiters == 0, 10, "the waiter's place freed")
+            wait_for(lambda: server.servicer.status.waiters == 0, 10, "the waiter's place freed")
         finally:
             server.stop(0.2)
 

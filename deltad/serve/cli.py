@@ -60,56 +60,52 @@ def value(v: Any) -> Any:
         raise ConfigError(f"{v.name}={v.raw[:64]!r} is not a valid {kind}") from None
 
 
+def _env_flag(
+    p: argparse.ArgumentParser, flag: str, text: str, default: Any = None, **kw: Any
+) -> None:
+    """A text flag ``--flag`` whose default is ``$DELTAD_<FLAG>`` (else ``default``), the
+    variable named at the end of its help."""
+    env = flag.upper().replace("-", "_")
+    p.add_argument(f"--{flag}", default=_env(env, default), help=f"{text} [DELTAD_{env}]", **kw)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a(
-        "--spool",
-        default=_env("SPOOL"),
-        help="spool directory shared with the trainer [DELTAD_SPOOL]",
-    )
-    a("--model", default=_env("MODEL", "model"), help="model name [DELTAD_MODEL]")
+    _env_flag(p, "spool", "spool directory shared with the trainer")
+    _env_flag(p, "model", "model name", "model")
     a(
         "--rank",
         type=int,
         default=_typed_env("RANK", int, 0),
         help="trainer rank served [DELTAD_RANK]",
     )
-    a(
-        "--listen",
-        default=_env("LISTEN", "127.0.0.1:50051"),
-        help="host:port (port 0: any) [DELTAD_LISTEN]",
-    )
-    a(
-        "--advertise",
-        default=_env("ADVERTISE"),
-        help="endpoint registered in Redis [DELTAD_ADVERTISE]",
-    )
-    a(
-        "--redis-url",
-        default=_env("REDIS_URL"),
-        help="redis:// or rediss://[user:password@]host:port/db (a CA for rediss: append "
-        "?ssl_ca_certs=/path/ca.pem), redis+sentinel://[:password@]h1:26379,h2:26379/MASTER[/db]"
-        "[?sentinel_password=..&min_replicas=1] or redis+cluster://[:password@]h1:7000,h2:7001;"
-        " unset: embedded Redis in the spool [DELTAD_REDIS_URL]",
-    )
-    a(
-        "--tls-cert",
-        default=_env("TLS_CERT"),
-        help="server certificate (PEM); it, the key and the client CA are reloaded on SIGHUP "
-        "or when they change [DELTAD_TLS_CERT]",
-    )
-    a("--tls-key", default=_env("TLS_KEY"), help="server private key (PEM) [DELTAD_TLS_KEY]")
-    a(
-        "--tls-client-ca",
-        default=_env("TLS_CLIENT_CA"),
-        help="require client certificates signed by this CA (mTLS) [DELTAD_TLS_CLIENT_CA]",
-    )
-    a(
-        "--tokens-file",
-        default=_env("TOKENS_FILE"),
-        help="scoped credentials, one 'TOKEN CONSUMERS ROLES' per line (TOKEN 'mtls:<CN>' "
-        "binds a client certificate; reloaded on SIGHUP or when it changes) [DELTAD_TOKENS_FILE]",
-    )
+    for flag, fallback, text in (
+        ("listen", "127.0.0.1:50051", "host:port (port 0: any)"),
+        ("advertise", None, "endpoint registered in Redis"),
+        (
+            "redis-url",
+            None,
+            "redis:// or rediss://[user:password@]host:port/db (a CA for rediss: append "
+            "?ssl_ca_certs=/path/ca.pem), redis+sentinel://[:password@]h1:26379,h2:26379/MASTER"
+            "[/db][?sentinel_password=..&min_replicas=1] or redis+cluster://[:password@]h1:7000,"
+            "h2:7001; unset: embedded Redis in the spool",
+        ),
+        (
+            "tls-cert",
+            None,
+            "server certificate (PEM); it, the key and the client CA are reloaded on SIGHUP "
+            "or when they change",
+        ),
+        ("tls-key", None, "server private key (PEM)"),
+        ("tls-client-ca", None, "require client certificates signed by this CA (mTLS)"),
+        (
+            "tokens-file",
+            None,
+            "scoped credentials, one 'TOKEN CONSUMERS ROLES' per line (TOKEN 'mtls:<CN>' "
+            "binds a client certificate; reloaded on SIGHUP or when it changes)",
+        ),
+    ):
+        _env_flag(p, flag, text, fallback)
     for flag, kind, default, text in (
         ("max-concurrent-streams", int, 64, "GetDelta streams at once (more wait in line)"),
         ("max-queued-streams", int, 64, "GetDelta calls waiting in line for a stream slot"),
@@ -241,40 +237,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="validation gate: fail a segment that changes more than this fraction of a "
         "table's rows on this rank (repeatable) [DELTAD_GATE_MAX_CHANGED_FRACTION]",
     )
-    a(
-        "--upstream",
-        default=_env("UPSTREAM"),
-        help="run as a relay: mirror this rank's log from the sidecar or relay at host:port "
-        "(token: DELTAD_UPSTREAM_TOKEN) [DELTAD_UPSTREAM]",
-    )
-    a(
-        "--upstream-consumer",
-        default=_env("UPSTREAM_CONSUMER"),
-        help="the relay's consumer name at the upstream (default relay-<hostname>) "
-        "[DELTAD_UPSTREAM_CONSUMER]",
-    )
-    a(
-        "--upstream-tls-ca",
-        default=_env("UPSTREAM_TLS_CA"),
-        help="CA (PEM) of the upstream's TLS certificate [DELTAD_UPSTREAM_TLS_CA]",
-    )
-    a(
-        "--upstream-tls-cert",
-        default=_env("UPSTREAM_TLS_CERT"),
-        help="the relay's client certificate (PEM) for an upstream that requires mTLS; "
-        "re-read when it changes [DELTAD_UPSTREAM_TLS_CERT]",
-    )
-    a(
-        "--upstream-tls-key",
-        default=_env("UPSTREAM_TLS_KEY"),
-        help="the key of --upstream-tls-cert [DELTAD_UPSTREAM_TLS_KEY]",
-    )
-    a(
-        "--upstream-token-file",
-        default=_env("UPSTREAM_TOKEN_FILE"),
-        help="file holding the upstream's bearer token (instead of DELTAD_UPSTREAM_TOKEN); "
-        "re-read when it changes [DELTAD_UPSTREAM_TOKEN_FILE]",
-    )
+    # relay: the upstream it mirrors, and the relay's credentials there
+    for flag, text in (
+        (
+            "upstream",
+            "run as a relay: mirror this rank's log from the sidecar or relay at host:port "
+            "(token: DELTAD_UPSTREAM_TOKEN)",
+        ),
+        (
+            "upstream-consumer",
+            "the relay's consumer name at the upstream (default relay-<hostname>)",
+        ),
+        ("upstream-tls-ca", "CA (PEM) of the upstream's TLS certificate"),
+        (
+            "upstream-tls-cert",
+            "the relay's client certificate (PEM) for an upstream that requires mTLS; "
+            "re-read when it changes",
+        ),
+        ("upstream-tls-key", "the key of --upstream-tls-cert"),
+        (
+            "upstream-token-file",
+            "file holding the upstream's bearer token (instead of DELTAD_UPSTREAM_TOKEN); "
+            "re-read when it changes",
+        ),
+    ):
+        _env_flag(p, flag, text)
     a(
         "--upstream-long-poll",
         type=float,
@@ -289,11 +276,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_typed_env("METRICS_PORT", int, None),
         help="serve Prometheus /metrics on this port [DELTAD_METRICS_PORT]",
     )
-    a(
-        "--metrics-listen",
-        default=_env("METRICS_LISTEN"),
-        metavar="HOST",
-        help="host /metrics binds to (default: the --listen host) [DELTAD_METRICS_LISTEN]",
+    _env_flag(
+        p, "metrics-listen", "host /metrics binds to (default: the --listen host)", metavar="HOST"
     )
 
 

@@ -229,7 +229,7 @@ class SidecarMetrics:
             base.heap_free_growth,
         )
         self.track(
-            "deltad_status_waiters", "Long-polling Status calls held", lambda: servicer._waiters
+            "deltad_status_waiters", "Long-polling Status calls held", lambda: servicer.status.waiters
         )  # fmt: skip
 
     def set_lag(self, consumer: str, segments: int, seconds: float) -> None:

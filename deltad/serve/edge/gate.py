@@ -10,7 +10,7 @@ once, before the servicer sees it.
   alignment, lease TTL: :func:`deltad.serve.windows.decide.check_request`) gets INVALID_ARGUMENT,
   checked here only;
 * a consumer name the offset store does not know yet is admitted only below
-  ``max_consumers`` (RESOURCE_EXHAUSTED otherwise, nothing stored);
+  ``max_consumers`` (RESOURCE_EXHAUSTED otherwise, nothing stored; deltad.serve.edge.admission);
 * ListConsumers shows a non-admin credential only its own consumers;
 * a GetDelta as a relay's mirror (``mirror``: past the release caps) needs the relay or admin
   role; without it the pull is served capped, as the consumer it names.
@@ -30,6 +30,7 @@ import grpc
 
 from deltad.errors import OffsetStoreError
 from deltad.serve.edge import auth
+from deltad.serve.edge.admission import Admission
 from deltad.serve.edge.auth import Credentials, Grant
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.windows.decide import check_request
@@ -80,14 +81,12 @@ class Gate(grpc.ServerInterceptor):
         max_consumers: int = 0,
     ) -> None:
         self._credentials = credentials
-        self._admit = admit
+        #: the consumer limit (None: no limit)
+        self.admission = Admission(admit, max_consumers) if admit is not None else None
         self.max_consumers = max_consumers
         self.bad_requests = 0
         self.denied = 0
         self._bad_log = RateLimitedLog()
-        # names admitted before (at most max_consumers); cleared by forget_admitted()
-        self._admitted: set[str] = set()
-        self._admitted_lock = threading.Lock()
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._deny_log = RateLimitedLog()
 
@@ -97,8 +96,8 @@ class Gate(grpc.ServerInterceptor):
     def forget_admitted(self) -> None:
         """Drop the cache of admitted names (after consumers were forgotten), so a forgotten
         name is counted against the limit again."""
-        with self._admitted_lock:
-            self._admitted.clear()
+        if self.admission is not None:
+            self.admission.forget()
 
     # --- decisions applied to a call ------------------------------------------------------
 
@@ -163,19 +162,12 @@ class Gate(grpc.ServerInterceptor):
         bad = check_request(method, req)  # the one check of the request's own fields
         if bad is not None:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, bad)
-        if method in ADMITTING and self._admit is not None:
-            name = consumer or ""
-            if name in self._admitted:  # known: no Redis round trip on every pull
-                return
+        if method in ADMITTING and self.admission is not None:
             try:
-                ok = self._admit(name)
+                ok = self.admission.admits(consumer or "")
             except OffsetStoreError as e:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            if ok:
-                with self._admitted_lock:
-                    if len(self._admitted) < max(self.max_consumers, 1):
-                        self._admitted.add(name)
-            else:
+            if not ok:
                 _abort(
                     context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -1,0 +1,142 @@
+"""The sidecar's periodic work (spool poll and registry, gate, forget sweep, ...), each loop on its own thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from deltad.config import ServerConfig
+from deltad.errors import DeltadError, OffsetStoreError
+from deltad.serve.edge.gate import Gate
+from deltad.serve.edge.health import SidecarHealth
+from deltad.serve.edge.service import DeltaServicer
+from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.state.offsets import OffsetStore
+from deltad.serve.state.owed import OwedStore
+
+log = logging.getLogger(__name__)
+
+#: Re-register the endpoint in Redis this often (and on every generation change).
+REGISTRY_REFRESH_S = 10.0
+
+
+class Upkeep:
+    """One sidecar's periodic duties, each run by :meth:`spawn` on a daemon thread until
+    ``stop`` is set (a duty's DeltadError is logged in one line, anything else with its
+    traceback; the loop goes on)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        servicer: DeltaServicer,
+        store: OffsetStore,
+        owed: OwedStore,
+        gate: Gate,
+        health: SidecarHealth,
+        metrics: SidecarMetrics,
+        endpoint: str,
+        stop: threading.Event,
+    ) -> None:
+        self.config = config
+        self.servicer = servicer
+        self.log = servicer.log
+        self.store = store
+        self.owed = owed
+        self.gate = gate
+        self.health = health
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self._stop = stop
+        self._threads: list[threading.Thread] = []
+        self._registered = 0.0
+
+    def spawn(self, name: str, fn: Callable[[], object], interval: float) -> None:
+        """Run ``fn`` every ``interval`` seconds on a thread named ``name``."""
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    fn()
+                except DeltadError as e:
+                    log.warning("%s: %s", name, e)
+                except Exception:
+                    log.exception("%s failed", name)
+
+        t = threading.Thread(target=loop, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def join(self) -> None:
+        """Wait for the loops to end (after ``stop`` was set)."""
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads.clear()
+
+    def register_endpoint(self) -> None:
+        """Record this rank's endpoint (and generation) in the offset store's registry."""
+        snap = self.log.snapshot()
+        self.store.register_rank(
+            self.config.rank, self.endpoint, snap.generation if snap is not None else None
+        )
+        self._registered = time.monotonic()
+
+    def poll(self) -> None:
+        """Index new segments; re-register on a generation change or every
+        ``REGISTRY_REFRESH_S`` (refreshing the lag gauges with it)."""
+        before = self.log.snapshot()
+        self.log.refresh()
+        snap = self.log.snapshot()
+        if snap is not None:
+            self.metrics.head_seq.set(snap.head.seq)
+        generation_changed = (before is None) != (snap is None) or (
+            before is not None and snap is not None and before.generation != snap.generation
+        )
+        if generation_changed or time.monotonic() - self._registered > REGISTRY_REFRESH_S:
+            try:
+                self.register_endpoint()
+                self.servicer.consumer_infos()  # refreshes the lag gauges
+            except OffsetStoreError as e:
+                log.warning("cannot refresh registry: %s", e)
+                self._registered = time.monotonic()
+
+    def gate_check(self) -> bool:
+        """Refresh the gate's gauge and health detail; True while a gate failure holds."""
+        snap = self.log.snapshot()
+        held = False
+        if snap is not None:
+            state = self.servicer.windows.rollout.state()
+            held = self.servicer.windows.gate_cap(state, snap.generation) is not None
+            self.metrics.gate_held.set(1 if held else 0)
+            self.metrics.rollout_held.set(1 if state.held else 0)
+            self.metrics.release_step.set(-1 if state.release_step is None else state.release_step)
+        if not self._stop.is_set():
+            self.health.set_gate_held(held)
+        return held
+
+    def forget_idle(self) -> list[str]:
+        """One forget sweep: consumers silent past ``forget_after_s`` (every rank's Redis
+        state), then this rank's owed files that no cursor or pull refers to any more."""
+        cfg = self.config
+        snap = self.log.snapshot()
+        world = max(
+            snap.manifest.world_size if snap is not None else 1,
+            max(self.store.ranks(), default=0) + 1,
+        )
+        gone = self.store.forget_idle(world, cfg.forget_after_s)
+        # any rank may have forgotten a name this one admitted before: count them afresh
+        self.gate.forget_admitted()
+        for name in gone:
+            log.info("forgot consumer %r: silent for %.0f s", name, cfg.forget_after_s)
+
+        def has_state(consumer: str) -> bool:
+            r = cfg.rank
+            return (
+                self.store.get_cursor(consumer, r) is not None
+                or self.store.pending_pulls([consumer], r)[consumer] is not None
+            )
+
+        # an owed file is written just before Redis records its pull: spare young files
+        self.owed.sweep(has_state, min_age_s=max(60.0, min(cfg.forget_after_s, 3600.0)))
+        return gone
