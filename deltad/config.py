@@ -539,7 +539,7 @@ SERVER_FLAG_NAMES: dict[str, str] = {
 @dataclass
 class RelayConfig:
     """`deltad serve --upstream`: a relay mirrors one rank's log from an upstream sidecar (or
-    relay) into its own spool and serves it like a sidecar (see deltad.serve.relay.server)."""
+    relay) into its own spool and serves it like a sidecar (see deltad.serve.relay.mirror)."""
 
     #: host:port of the upstream sidecar or relay (same model and rank).
     upstream: str

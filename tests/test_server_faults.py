@@ -150,7 +150,7 @@ def test_redis_outage_is_unavailable_and_never_resets_a_cursor(tmp_path: Path) -
     r = EmbeddedRedis(tmp_path / "redis")
     r.start()
     srv = SidecarServer(server_config(tmp_path / "spool", r.url)).start()
-    srv.store.attempts = 2
+    srv.store.calls.attempts = 2
     c = Client(f"127.0.0.1:{srv.port}")
     try:
         d = c.pull("r")

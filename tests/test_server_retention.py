@@ -202,7 +202,7 @@ def test_a_directory_named_like_a_segment_is_quarantined_once(
     path = spool.layout.segment_path(1, 0, 1)
     path.mkdir()  # not a regular file: quarantined (moved away), never opened as a segment
     seglog = SegmentLog(spool.layout, 0)
-    with caplog.at_level("WARNING", logger="deltad.serve.index.log"):
+    with caplog.at_level("WARNING", logger="deltad.serve.index.files"):
         for _ in range(5):
             seglog.refresh()
     assert sum(r.message.startswith("quarantined segment") for r in caplog.records) == 1

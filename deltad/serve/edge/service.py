@@ -70,7 +70,7 @@ class DeltaServicer:
         self.windows = WindowServer(config, seglog, store, owed, metrics, self.streams)
         self.cache = self.windows.cache
         self.runs = self.windows.runs
-        #: Set by a relay (deltad.serve.relay.server): the upstream it mirrors, shown in Status.
+        #: Set by a relay (deltad.serve.relay.mirror): the upstream it mirrors, shown in Status.
         self.upstream = ""
         #: The Rollout RPC (set by the sidecar once its release state is connected).
         self.rollout_control: RolloutControl | None = None

@@ -1,20 +1,16 @@
-"""The segment log of one rank: an index over its spool directory.
+"""The segment log of one rank: the served index over its spool directory, as snapshots.
 
-:meth:`SegmentLog.refresh` lists the rank's directory and loads each new file once through
-:func:`deltad.segment.validate.load_verified` (a private copy whose checksum and structure are
-verified: what is served and merged later is that copy). Bad files, and files named almost
-like a segment, are moved to the quarantine directory, counted and logged, never served. It drops
-files made redundant by a merged file (``first_seq..seq`` covers them: a merge that crashed
-before deleting its inputs) and switches to a newer generation once that generation's base for
-this rank is present. Served entries form a contiguous run from the base: a file after a gap
-(a segment still being written, or one that was quarantined) is held back until the gap is
-filled or a new generation arrives, so a window never silently misses a segment.
+:meth:`SegmentLog.refresh` reads the rank's new files into verified entries
+(:class:`~deltad.serve.index.files.RankFiles`: bad files are quarantined, never served) and
+switches to a newer generation once that generation's base for this rank is present. Served
+entries form a contiguous run from the base: a file after a gap (a segment still being written,
+or one that was quarantined) is held back until the gap is filled or a new generation arrives,
+so a window never silently misses a segment.
 
 A quarantined segment, or a gap that stays open for ``GAP_GRACE_S`` (a segment missing),
-makes the log ask the publisher beside it for a fresh base of its rank (the file
-``rebase.request`` in the rank's directory, see SpoolLayout); the publisher writes one at its
-next publish (first_seq 0, covering every earlier seq), the log serves from it and drops what
-it covers. Predictors stall for at most: ``GAP_GRACE_S`` (a missing segment only) + the
+makes the log ask the publisher beside it for a fresh base of its rank; the publisher writes
+one at its next publish (first_seq 0, covering every earlier seq), the log serves from it and
+drops what it covers. Predictors stall for at most: ``GAP_GRACE_S`` (a missing segment only) + the
 trainer's publish interval + one base write + one poll.
 
 Readers take an immutable :class:`LogSnapshot`; retention swaps entries with :meth:`replace`.
@@ -27,82 +23,31 @@ sidecar holds no previous generation (its consumers at one resync, and are told 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from deltad.errors import SegmentCorruptError, SpoolError
-from deltad.segment.format import DenseState, Segment, ShardRows
-from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout, write_atomic
-from deltad.segment.validate import load_verified, load_verified_dense
+from deltad.segment.spool import GenerationManifest, SpoolLayout
+from deltad.serve.index.files import REQUEST_EVERY_S, DenseEntry, LogEntry, RankFiles
 from deltad.serve.index.gate import SegmentGate
-from deltad.types import SegmentKind, ShardKey
+
+__all__ = [
+    "GAP_GRACE_S",
+    "REQUEST_EVERY_S",
+    "DenseEntry",
+    "LogEntry",
+    "LogSnapshot",
+    "SegmentLog",
+]
 
 log = logging.getLogger(__name__)
 
 #: A gap with later segments behind it for this long is a missing segment (a segment being
 #: written fills its gap in well under this).
 GAP_GRACE_S = 2.0
-#: A fresh base is asked for again this long after the last request if the gap stays.
-REQUEST_EVERY_S = 10.0
-
-
-@dataclass(frozen=True)
-class LogEntry:
-    """One verified segment file (possibly a merge of ``first_seq..seq``)."""
-
-    first_seq: int
-    seq: int
-    step: int
-    kind: SegmentKind
-    path: Path
-    nbytes: int
-    created_unix: float
-    segment: Segment = field(repr=False, compare=False)
-    shards: dict[ShardKey, ShardRows] = field(repr=False, compare=False)
-
-    @classmethod
-    def load(cls, path: Path, seg: Segment) -> LogEntry:
-        """The entry of ``seg``, loaded (and verified) from ``path``."""
-        h = seg.header
-        return cls(
-            first_seq=h.first_seq,
-            seq=h.seq,
-            step=h.step,
-            kind=h.kind,
-            path=path,
-            nbytes=sum(c.ids.nbytes + c.values.nbytes for c in seg.shards),
-            created_unix=h.created_unix,
-            segment=seg,
-            shards={c.key: c for c in seg.shards},
-        )
-
-    @property
-    def first_created_unix(self) -> float:
-        """When the trainer published ``first_seq`` (``created_unix``: when it published
-        ``seq``); the two differ for a merge."""
-        return self.segment.header.first_created
-
-
-@dataclass(frozen=True)
-class DenseEntry:
-    """One verified dense state file (rank 0): dense parameters and buffers at segment seq."""
-
-    seq: int
-    step: int
-    path: Path
-    nbytes: int
-    state: DenseState = field(repr=False, compare=False)
-
-    @classmethod
-    def load(cls, path: Path, state: DenseState) -> DenseEntry:
-        nbytes = sum(t.nbytes for t in state.tensors.values())
-        return cls(state.header.seq, state.header.step, path, nbytes, state)
 
 
 @dataclass(frozen=True)
@@ -174,10 +119,8 @@ class SegmentLog:
         #: Checks every entry and dense state before it is published (None: no gate).
         self.gate = gate
         self.rank = rank
-        self.on_quarantine = on_quarantine
-        #: Segments of this rank in the quarantine directory (kept there across restarts).
-        self.quarantined = self._count_quarantined()
-        self._unreadable: dict[Path, str] = {}  # path -> the error last logged for it
+        #: The rank's files on disk, read into verified entries (quarantine, rebase requests).
+        self.files = RankFiles(layout, rank, on_quarantine=on_quarantine)
         self._lock = threading.Lock()
         self._snapshot: LogSnapshot | None = None
         #: Notified whenever a new snapshot is published (long-polling Status waits on it).
@@ -185,11 +128,7 @@ class SegmentLog:
         self._known: dict[Path, LogEntry] = {}
         self._dense: dict[Path, DenseEntry] = {}
         self._generation: int | None = None
-        self._manifests: dict[int, GenerationManifest] = {}
         self._gap_since: float | None = None
-        self._requested: dict[int, float] = {}  # generation -> monotonic time of the request
-        #: Fresh bases asked of the publisher (rebase.request files written).
-        self.rebase_requests = 0
         self.keep_previous_s = keep_previous_s
         self.keep_previous_bytes = keep_previous_bytes
         #: The previous generation's log after a switch (see :meth:`previous`) and the
@@ -198,44 +137,28 @@ class SegmentLog:
         self._previous_until = 0.0
         self.previous_missing = "no generation switch since this sidecar started"
 
+    @property
+    def quarantined(self) -> int:
+        """Segments of this rank in the quarantine directory (kept there across restarts)."""
+        return self.files.quarantined
+
+    @property
+    def rebase_requests(self) -> int:
+        """Fresh bases asked of the publisher (rebase.request files written)."""
+        return self.files.rebase_requests
+
     def manifest(self, generation: int) -> GenerationManifest:
         """The manifest of ``generation`` (read once); SpoolError if unreadable."""
-        m = self._manifests.get(generation)
-        if m is None:
-            m = self._manifests[generation] = self.layout.read_manifest(generation)
-        return m
+        return self.files.manifest(generation)
 
     def load_entry(self, generation: int, seq: int, path: Path) -> LogEntry:
         """Load and verify one file of this rank (SegmentCorruptError / SpoolError)."""
-        seg = load_verified(
-            path,
-            self.layout.model_dir,
-            self.manifest(generation),
-            generation=generation,
-            rank=self.rank,
-            seq=seq,
-        )
-        return LogEntry.load(path, seg)
+        return self.files.load_entry(generation, seq, path)
 
-    def _listing(self, generation: int) -> tuple[list[tuple[int, Path]], list[Path]]:
-        """(seq, path) of the segment files, by seq, and the strays: names that start like a
-        segment but are not exactly one (other digits, a trailing newline, ...)."""
-        d = self.layout.rank_dir(generation, self.rank)
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return [], []
-        except OSError as e:
-            raise SpoolError(f"cannot list {d}: {e}") from e
-        present, strays = [], []
-        for n in names:
-            m = SEGMENT_RE.fullmatch(n)
-            if m is not None:
-                present.append((int(m.group(1)), d / n))
-            elif n.startswith("seg-"):
-                strays.append(d / n)
-        present.sort()
-        return present, strays
+    def request_base(self, generation: int, reason: str, *, force: bool = False) -> bool:
+        """Ask the publisher of this rank for a fresh base of ``generation`` (at most every
+        ``REQUEST_EVERY_S`` unless ``force``); True if a request was written."""
+        return self.files.request_base(generation, reason, force=force)
 
     def snapshot(self) -> LogSnapshot | None:
         """The current served log (None before any base segment of this rank exists).
@@ -270,15 +193,15 @@ class SegmentLog:
             if newest is not None and (self._generation is None or newest > self._generation):
                 self._try_switch(newest)
             if self._generation is not None:
-                self._scan(self._generation, self._known)
-                self._scan_dense(self._generation)
+                self.files.scan(self._generation, self._known)
+                self.files.scan_dense(self._generation, self._dense)
                 self._publish(self._generation)
             self.previous()  # drops a held previous generation once its time is up
             return self._snapshot is not before
 
     def _try_switch(self, generation: int) -> None:
         known: dict[Path, LogEntry] = {}
-        self._scan(generation, known)
+        self.files.scan(generation, known)
         if not any(e.first_seq == 0 for e in known.values()):
             return  # this rank's base of the new generation is not there yet
         old = self._generation
@@ -287,7 +210,7 @@ class SegmentLog:
         self._generation, self._known, self._dense = generation, known, {}
         if old is not None:
             log.info("rank %d: generation %d -> %d", self.rank, old, generation)
-            self._drop_generation(old)
+            self.files.drop_generation(old)
 
     def _hold_previous(self, snap: LogSnapshot | None) -> None:
         """Keep ``snap`` (the log being switched away from) for generation diffs, within the
@@ -310,86 +233,6 @@ class SegmentLog:
                 self.keep_previous_s,
             )  # fmt: skip
 
-    def _drop_generation(self, generation: int) -> None:
-        d = self.layout.rank_dir(generation, self.rank)
-        if d.is_symlink() or d.parent.is_symlink():
-            log.warning("not deleting through %s: a symbolic link", d)
-            return
-        for _, path in self.layout.segments(generation, self.rank):
-            path.unlink(missing_ok=True)
-        for _, path in self.layout.dense_files(generation, self.rank):
-            path.unlink(missing_ok=True)
-        self.layout.rebase_request_path(generation, self.rank).unlink(missing_ok=True)
-        try:
-            self.layout.rank_dir(generation, self.rank).rmdir()
-        except OSError:
-            pass
-
-    def _scan(self, generation: int, known: dict[Path, LogEntry]) -> None:
-        present, strays = self._listing(generation)
-        for p in strays:
-            self._quarantine(generation, p, "not an exact segment file name", request=False)
-        names = {p for _, p in present}
-        for p in [p for p in known if p not in names]:
-            del known[p]
-        for seq, path in present:
-            if path in known:
-                continue
-            try:
-                entry = self.load_entry(generation, seq, path)
-            except FileNotFoundError:
-                continue
-            except SegmentCorruptError as e:
-                self._quarantine(generation, path, str(e))
-                continue
-            except SpoolError as e:
-                if not path.exists():
-                    continue
-                if self._unreadable.get(path) != str(e):  # once, not at every poll
-                    log.warning("cannot index %s (holding the log back until it can): %s", path, e)
-                    self._unreadable[path] = str(e)
-                continue
-            self._unreadable.pop(path, None)
-            known[path] = entry
-        # a file whose range another file covers is the leftover of a merge: delete it
-        for old in list(known.values()):
-            if any(
-                o is not old and o.first_seq <= old.first_seq and old.seq <= o.seq
-                for o in known.values()
-            ):
-                log.info("deleting %s: covered by a merged segment", old.path)
-                old.path.unlink(missing_ok=True)
-                del known[old.path]
-
-    def _scan_dense(self, generation: int) -> None:
-        """Index new dense state files (bad ones are quarantined like segments)."""
-        present = self.layout.dense_files(generation, self.rank)
-        names = {p for _, p in present}
-        for p in [p for p in self._dense if p not in names]:
-            del self._dense[p]
-        for seq, path in present:
-            if path in self._dense:
-                continue
-            try:
-                state = load_verified_dense(
-                    path,
-                    self.layout.model_dir,
-                    self.manifest(generation),
-                    generation=generation,
-                    rank=self.rank,
-                    seq=seq,
-                )
-                entry = DenseEntry.load(path, state)
-            except FileNotFoundError:
-                continue
-            except SegmentCorruptError as e:
-                self._quarantine(generation, path, str(e))
-                continue
-            except SpoolError as e:
-                log.warning("cannot index dense state %s: %s", path, e)
-                continue
-            self._dense[path] = entry
-
     def prune_dense(self) -> int:
         """Delete the dense states no window can need any more: those older than the newest
         one at or before the base (every window ends at or after the base; a window serves
@@ -406,51 +249,6 @@ class SegmentLog:
             if old:
                 self._publish(snap.generation)
             return len(old)
-
-    def _count_quarantined(self) -> int:
-        try:
-            return sum(
-                f"-rank-{self.rank:05d}-" in p.name for p in self.layout.quarantine_dir.iterdir()
-            )
-        except OSError:
-            return 0
-
-    def _quarantine(
-        self, generation: int, path: Path, reason: str, *, request: bool = True
-    ) -> None:
-        qdir = self.layout.quarantine_dir
-        name = path.name.encode("ascii", "backslashreplace").decode()[:80].replace("\n", "_")
-        dest = qdir / f"gen-{generation}-rank-{self.rank:05d}-{name}.{time.time_ns()}"
-        try:
-            qdir.mkdir(parents=True, exist_ok=True)
-            os.replace(path, dest)
-        except OSError as e:
-            log.error("cannot quarantine %s (%s): %s", path, reason, e)
-            return
-        self.quarantined += 1
-        log.error("quarantined segment %s -> %s: %s", path, dest, reason)
-        if self.on_quarantine is not None:
-            self.on_quarantine(dest, reason)
-        if request:
-            self.request_base(generation, f"quarantined {path.name}: {reason}")
-
-    def request_base(self, generation: int, reason: str, *, force: bool = False) -> bool:
-        """Ask the publisher of this rank for a fresh base of ``generation`` (at most every
-        ``REQUEST_EVERY_S`` unless ``force``); True if a request was written."""
-        last = self._requested.get(generation)
-        now = time.monotonic()
-        if not force and last is not None and now - last < REQUEST_EVERY_S:
-            return False
-        path = self.layout.rebase_request_path(generation, self.rank)
-        try:
-            write_atomic(path, json.dumps({"reason": reason[:500], "unix": time.time()}).encode())
-        except OSError as e:
-            log.error("cannot ask for a fresh base of rank %d (%s): %s", self.rank, reason, e)
-            return False
-        self._requested[generation] = now
-        self.rebase_requests += 1
-        log.warning("rank %d: asked the publisher for a fresh base: %s", self.rank, reason)
-        return True
 
     def _publish(self, generation: int) -> None:
         entries = sorted(self._known.values(), key=lambda e: e.seq)
@@ -524,7 +322,7 @@ class SegmentLog:
             if merged.segment.header.generation != self._generation:
                 # the merge wrote into a generation dropped while it ran (re-creating its
                 # directory): nothing will ever read or delete it but this
-                self._drop_generation(merged.segment.header.generation)
+                self.files.drop_generation(merged.segment.header.generation)
                 return False
             if snap is None or any(self._known.get(e.path) is not e for e in covered):
                 return False

@@ -1,43 +1,25 @@
 """Per-consumer cursors, pulls, leases and the rank registry in Redis (keys: deltad.keys).
 
 Every call retries connection failures a bounded number of times with exponential backoff and
-then raises :class:`~deltad.errors.OffsetStoreError`; nothing is ever reset on failure. Commit
-is one Lua script: forward-only (except the commit of a rollback window, which moves the cursor back to the
-rollback's step), only for the pull this server issued to that consumer.
+then raises :class:`~deltad.errors.OffsetStoreError` (:mod:`deltad.serve.state.redis_calls`);
+nothing is ever reset on failure. Commit is one Lua script: forward-only (except the commit of a
+rollback window, which moves the cursor back to the rollback's step), only for the pull this
+server issued to that consumer.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import redis
-from redis.exceptions import RedisClusterException
+from typing import Any
 
 from deltad.config import SENTINEL_SCHEMES, clip, options_min_replicas
-from deltad.errors import OffsetStoreError, StaleCursorError
+from deltad.errors import StaleCursorError
 from deltad.keys import RedisKeys
-from deltad.redisutil import _redact, connect
-
-T = TypeVar("T")
-
-log = logging.getLogger(__name__)
-
-#: Errors a retry may outlive.
-_TRANSIENT = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    redis.ReadOnlyError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.TryAgainError,
-    RedisClusterException,
-    OSError,
-)
+from deltad.redisutil import connect
+from deltad.serve.state.redis_calls import RedisCalls
 
 #: Pull records of consumers that never commit disappear after this.
 PULL_TTL_MS = 7 * 24 * 3600 * 1000
@@ -198,14 +180,11 @@ class OffsetStore:
         min_replicas: int = 0,
     ) -> None:
         self.client = client
-        #: Replicas that must hold a commit before it is acknowledged (Redis WAIT): a
-        #: Sentinel failover promotes a replica, which then has every acknowledged cursor.
-        self.min_replicas = min_replicas
-        self._attached = True
+        #: How every call reaches Redis: retries, errors, replica acknowledgement.
+        self.calls = RedisCalls(
+            client, attempts=attempts, backoff_s=backoff_s, url=url, min_replicas=min_replicas
+        )
         self.keys = RedisKeys(model)
-        self.attempts = max(1, attempts)
-        self.backoff_s = backoff_s
-        self.url = url
         self._commit = client.register_script(_COMMIT)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._forget = client.register_script(_FORGET)
@@ -221,30 +200,10 @@ class OffsetStore:
             kw.setdefault("min_replicas", 1 if given is None else given)
         return cls(connect(url, socket_timeout_s=2.0), model, url=url, **kw)
 
-    def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        delay = self.backoff_s
-        last: Exception | None = None
-        for attempt in range(self.attempts):
-            try:
-                return fn()
-            except redis.AuthenticationError as e:  # a refused password is not transient
-                where = _redact(self.url) if self.url else "redis"
-                raise OffsetStoreError(f"offset store ({where}) refused authentication: {e}") from e
-            except _TRANSIENT as e:
-                # down, loading its data after a restart, a replica after a failover (Sentinel)
-                # or a cluster moving or electing a slot's master
-                last = e
-                if attempt + 1 < self.attempts:
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-            except redis.RedisError as e:  # an answer no retry changes (OOM, MISCONF, ...)
-                where = _redact(self.url) if self.url else "redis"
-                raise OffsetStoreError(f"offset store ({where}) refused {what}: {e}") from e
-        where = _redact(self.url) if self.url else "redis"
-        raise OffsetStoreError(
-            f"offset store ({where}) unavailable during {what} after {self.attempts} attempts: "
-            f"{last}"
-        )
+    @property
+    def min_replicas(self) -> int:
+        """Replicas that must hold a commit before it is acknowledged (Redis WAIT)."""
+        return self.calls.min_replicas
 
     # --- cursors and pulls ---------------------------------------------------------------
 
@@ -260,7 +219,7 @@ class OffsetStore:
                 pipe.hgetall(self.keys.cursor(c, rank))
             return list(pipe.execute())
 
-        raws = self._retry("get_cursor", run) if consumers else []
+        raws = self.calls.retry("get_cursor", run) if consumers else []
         return {c: _cursor(raw) for c, raw in zip(consumers, raws, strict=True)}
 
     def record_pull(self, consumer: str, rank: int, pull: PendingPull) -> None:
@@ -286,7 +245,7 @@ class OffsetStore:
             pipe.hset(self.keys.seen(), consumer, repr(time.time()))
             pipe.execute()
 
-        self._retry("record_pull", run)
+        self.calls.retry("record_pull", run)
 
     def pending_pulls(self, consumers: list[str], rank: int) -> dict[str, PendingPull | None]:
         """The uncommitted pulls of ``consumers`` on ``rank`` (one round trip)."""
@@ -297,7 +256,7 @@ class OffsetStore:
                 pipe.hgetall(self.keys.pull(c, rank))
             return list(pipe.execute())
 
-        raws = self._retry("pending_pulls", run) if consumers else []
+        raws = self.calls.retry("pending_pulls", run) if consumers else []
         return {c: _pull(raw) for c, raw in zip(consumers, raws, strict=True)}
 
     def commit(
@@ -323,7 +282,7 @@ class OffsetStore:
             written_on = str(info.get("run_id", ""))
             return answer
 
-        answer = _s(self._retry("commit", run))
+        answer = _s(self.calls.retry("commit", run))
         if answer not in ("ok", "same"):
             raise CommitRejected(
                 answer,
@@ -331,60 +290,10 @@ class OffsetStore:
                     consumer=consumer, rank=rank, pull_id=clip(pull_id, 40)
                 ),
             )
-        if self.min_replicas and int(replicas) < self.min_replicas:
-            # The write reached too few replicas. If the node that took it is no longer the
-            # master the sentinels name (a failover promoted a replica while we wrote), the
-            # write may be lost with the old master: never acknowledge it. The consumer
-            # retries; on the new master the commit is then made (or 'same') and waited for.
-            if self._master_changed(written_on):
-                raise OffsetStoreError(
-                    "the offset store's master changed during the commit (a failover): retry"
-                )
-            if self._replicas_attached():
-                raise OffsetStoreError(
-                    f"commit reached {replicas} of the {self.min_replicas} replica(s) it must "
-                    "reach within 1 s (min_replicas): retry"
-                )
+        self.calls.check_replicated(int(replicas), written_on)
         stored = self.get_cursor(consumer, rank)
         assert stored is not None
         return stored
-
-    def _master_changed(self, run_id: str) -> bool:
-        """Whether the sentinels name another master than the node ``run_id`` (or cannot say
-        which: then the write is not trusted either). False without Sentinel."""
-        pool = self.client.connection_pool
-        manager = getattr(pool, "sentinel_manager", None)
-        service = getattr(pool, "service_name", None)
-        if manager is None or service is None:
-            return False
-        named: set[str] = set()
-        for sentinel in manager.sentinels:  # every sentinel: one not yet told still names the old
-            try:
-                master = sentinel.sentinel_master(service)
-            except Exception:  # that sentinel is down: ask the next
-                continue
-            flags = str(master.get("flags", ""))
-            if "failover" in flags or "o_down" in flags or "s_down" in flags:
-                return True  # a failover is under way: the old master's writes may be lost
-            named.add(str(master.get("runid", "")))
-        return not run_id or named != {run_id}
-
-    def _replicas_attached(self) -> bool:
-        """Whether the master has ``min_replicas`` replicas attached: a commit waits for them.
-        With fewer (the replica just promoted has none until the lost node comes back) it
-        cannot, and an acknowledged commit is only as durable as the master's append-only
-        file, as with a single Redis: said once per change, in the log."""
-        info = self._retry("replicas", lambda: self.client.info("replication"))
-        attached = int(info.get("connected_slaves", 0)) >= self.min_replicas
-        if attached != self._attached:
-            self._attached = attached
-            if not attached:
-                log.warning(
-                    "offset store: fewer than %d replica(s) attached: commits are acknowledged "
-                    "without a replica until one is back",
-                    self.min_replicas,
-                )
-        return attached
 
     # --- leases and consumers ------------------------------------------------------------
 
@@ -400,7 +309,7 @@ class OffsetStore:
             pipe.hset(self.keys.seen(), consumer, repr(time.time()))
             pipe.execute()
 
-        self._retry("register", run)
+        self.calls.retry("register", run)
 
     def heartbeat(self, consumer: str, default_ttl_s: float) -> float | None:
         """Renew the lease (with its registered TTL); None for an unknown consumer."""
@@ -411,12 +320,12 @@ class OffsetStore:
             self.keys.seen(),
         ]
         args = [str(max(1, int(default_ttl_s * 1000))), consumer, repr(time.time())]
-        ttl = int(self._retry("heartbeat", lambda: self._heartbeat(keys=keys, args=args)))
+        ttl = int(self.calls.retry("heartbeat", lambda: self._heartbeat(keys=keys, args=args)))
         return None if ttl < 0 else ttl / 1000.0
 
     def release(self, consumer: str) -> None:
         """End ``consumer``'s lease now (it stays known, with its cursors, until forgotten)."""
-        self._retry("release", lambda: self.client.delete(self.keys.lease(consumer)))
+        self.calls.retry("release", lambda: self.client.delete(self.keys.lease(consumer)))
 
     def touch(self, consumer: str, default_ttl_s: float) -> None:
         """Register ``consumer`` if unknown, else renew its lease (GetDelta does this)."""
@@ -428,10 +337,10 @@ class OffsetStore:
         (one read-only script; concurrent first requests of new names may overshoot the
         limit by at most their number)."""
         keys, args = [self.keys.consumers()], [consumer, str(max_consumers)]
-        return bool(int(self._retry("admit", lambda: self._admit(keys=keys, args=args))))
+        return bool(int(self.calls.retry("admit", lambda: self._admit(keys=keys, args=args))))
 
     def consumers(self) -> list[str]:
-        raw = self._retry("consumers", lambda: self.client.smembers(self.keys.consumers()))
+        raw = self.calls.retry("consumers", lambda: self.client.smembers(self.keys.consumers()))
         return sorted(_s(c) for c in raw)
 
     def lease_remaining(self, consumers: list[str]) -> dict[str, float]:
@@ -443,7 +352,7 @@ class OffsetStore:
                 pipe.pttl(self.keys.lease(c))
             return list(pipe.execute())
 
-        ttls = self._retry("lease_remaining", run) if consumers else []
+        ttls = self.calls.retry("lease_remaining", run) if consumers else []
         return {c: max(0, int(t)) / 1000.0 for c, t in zip(consumers, ttls, strict=True)}
 
     def forget_idle(self, world_size: int, idle_s: float, *, limit: int = 100) -> list[str]:
@@ -460,11 +369,13 @@ class OffsetStore:
             return []
         now = time.time()
         seen_key = self.keys.seen()
-        raw = self._retry("seen", lambda: self.client.hmget(seen_key, idle))
+        raw = self.calls.retry("seen", lambda: self.client.hmget(seen_key, idle))
         due: list[str] = []
         for c, v in zip(idle, raw, strict=True):
             if v is None:
-                self._retry("seen", functools.partial(self.client.hsetnx, seen_key, c, repr(now)))
+                self.calls.retry(
+                    "seen", functools.partial(self.client.hsetnx, seen_key, c, repr(now))
+                )
             elif float(_s(v)) <= now - idle_s:
                 due.append(c)
         forgotten: list[str] = []
@@ -473,7 +384,9 @@ class OffsetStore:
             keys = [self.keys.lease(c), self.keys.consumers(), self.keys.lease_ttl(), seen_key]
             keys += [self.keys.cursor(c, r) for r in ranks] + [self.keys.pull(c, r) for r in ranks]
             args = [c, repr(now - idle_s)]
-            if int(self._retry("forget", functools.partial(self._forget, keys=keys, args=args))):
+            if int(
+                self.calls.retry("forget", functools.partial(self._forget, keys=keys, args=args))
+            ):
                 forgotten.append(c)
         return forgotten
 
@@ -495,7 +408,7 @@ class OffsetStore:
             removed, deleted, *_ = pipe.execute()
             return bool(removed or deleted)
 
-        return bool(self._retry("forget", run))
+        return bool(self.calls.retry("forget", run))
 
     def pins(self, rank: int, generation: int) -> list[int]:
         """Seqs that live consumers of ``generation`` stand on: committed cursors and pending
@@ -532,11 +445,13 @@ class OffsetStore:
         value = json.dumps(
             {"endpoint": endpoint, "generation": generation, "updated_unix": time.time()}
         )
-        self._retry("register_rank", lambda: self.client.hset(self.keys.ranks(), str(rank), value))
+        self.calls.retry(
+            "register_rank", lambda: self.client.hset(self.keys.ranks(), str(rank), value)
+        )
 
     def ranks(self) -> dict[int, dict[str, Any]]:
         """rank -> {endpoint, generation, updated_unix} of every registered sidecar."""
-        raw = self._retry("ranks", lambda: self.client.hgetall(self.keys.ranks()))
+        raw = self.calls.retry("ranks", lambda: self.client.hgetall(self.keys.ranks()))
         return {int(_s(k)): json.loads(_s(v)) for k, v in raw.items()}
 
 

@@ -73,7 +73,7 @@ class WindowServer:
         #: sidecar: Redis, or a relay's upstream); everything released until set
         self.rollout: RolloutSource = _Released()
 
-        #: Set by a relay (deltad.serve.relay.server): (snapshot, to_seq, to_step) -> why a
+        #: Set by a relay (deltad.serve.relay.mirror): (snapshot, to_seq, to_step) -> why a
         #: ``with_dense`` window ending there lacks its dense state ("" if it does not).
         self.dense_check: Callable[[LogSnapshot, int, int], str] | None = None
 
