@@ -22,10 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, NotAvailable
-
-DIM = 64
-TABLES = 4
+from bench.common import DIM, TABLES, Children, Context, NotAvailable
 
 #: (applier, wire dtype) measured at each size
 CASES = [("dict", "fp32"), ("int8", "packed-int8"), ("int8", "fp32")]

@@ -368,10 +368,10 @@ def fleet_table(results_dir: Path = RESULTS_DIR) -> list[str]:
 
 
 def model_table(results_dir: Path = RESULTS_DIR) -> list[str]:
-    """The README's scale-model table (markdown lines): :func:`bench.fanout.scale_model` of
+    """The README's scale-model table (markdown lines): :func:`bench.fanout_scale.scale_model` of
     the recorded fleet run (per-pull and per-GB costs) and the recorded relay tree (mirror,
     idle and per-hop freshness)."""
-    from bench.fanout import scale_model
+    from bench.fanout_scale import scale_model
 
     fleet = fleet_result(results_dir)
     tree = load(results_dir, "fanout-tree")

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    DIM,
     GB,
     MB,
+    TABLES,
     Children,
     Context,
     NotAvailable,
@@ -40,8 +42,6 @@ from bench.wire_baselines import (
     tcp_server_main,
 )
 
-DIM = 64
-TABLES = 4
 WIRE_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 
 
