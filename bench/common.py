@@ -297,10 +297,10 @@ def settle(
     return time.monotonic() - t0
 
 
-def headline(metric: str, value: Any, unit: str, **more: Any) -> dict[str, Any]:
-    """One headline figure of a benchmark (``metric``, ``value``, ``unit``, then ``more``:
-    ``baseline``, ``ratio``, ``target``, ``met`` where it has them)."""
-    return {"metric": metric, "value": value, "unit": unit, **more}
+def metric(name: str, value: Any, unit: str, **more: Any) -> dict[str, Any]:
+    """One row of a benchmark's headline: its metric's ``name``, ``value`` and ``unit``, then
+    ``more`` (``baseline``, ``ratio``, ``target``, ``met``, where it has them)."""
+    return {"metric": name, "value": value, "unit": unit, **more}
 
 
 def pyplot() -> Any:

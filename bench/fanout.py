@@ -49,7 +49,9 @@ from bench.common import (
     NotAvailable,
     PeakRssMonitor,
     med,
+    metric,
     percentile,
+    pyplot,
     ratio,
     rows_per_table,
     save_figure,
@@ -175,37 +177,19 @@ def run(ctx: Context) -> dict[str, Any]:
         *result["fleet"]["headline"],
         *result["cursors"]["headline"],
         *tree_headline(tree, max(counts)),
-        {
-            "metric": f"sidecar CPU, {n8} consumers same window / 1",
-            "value": r_same,
-            "unit": "x",
-            "target": "<= 1.5x",
-            "met": bool(r_same is not None and r_same <= 1.5),
-        },
-        {
-            "metric": f"least possible ratio with gRPC's own send cost (floor), {n8} / 1",
-            "value": floor_ratio,
-            "unit": "x",
-        },
-        {
-            "metric": "CPU per extra consumer, deltad / bare gRPC shared-message floor",
-            "value": ratio(deltad_per, floor_per),
-            "unit": "x",
-        },
-        {
-            "metric": f"sidecar CPU, {n8} consumers different windows / 1",
-            "value": r_diff,
-            "unit": "x",
-        },
+        metric(f"sidecar CPU, {n8} consumers same window / 1", r_same, "x", target="<= 1.5x",
+               met=bool(r_same is not None and r_same <= 1.5)),
+        metric(f"least possible ratio with gRPC's own send cost (floor), {n8} / 1",
+               floor_ratio, "x"),
+        metric("CPU per extra consumer, deltad / bare gRPC shared-message floor",
+               ratio(deltad_per, floor_per), "x"),
+        metric(f"sidecar CPU, {n8} consumers different windows / 1", r_diff, "x"),
         *[
-            {
-                "metric": f"aggregate, {p['consumers']} consumers, {p['mode']} window",
-                "value": med(p["aggregate_gbps"]),
-                "unit": "GB/s",
-            }
+            metric(f"aggregate, {p['consumers']} consumers, {p['mode']} window",
+                   med(p["aggregate_gbps"]), "GB/s")
             for p in top
         ],
-    ]
+    ]  # fmt: skip
     return result
 
 
@@ -305,10 +289,7 @@ def floor_round(
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Aggregate GB/s, p99 pull time and sidecar CPU vs consumers, per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     pts = result.get("points", [])
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))

@@ -19,6 +19,7 @@ from bench.common import (
     CpuMonitor,
     NotAvailable,
     med,
+    metric,
     percentile,
     proc_peak_rss,
     ratio,
@@ -114,64 +115,31 @@ def cursors(ctx: Context) -> dict[str, Any]:
         for h in herd
     }
     headline: list[dict[str, Any]] = [
-        {
-            "metric": f"sidecar CPU, {n} fresh consumers at {n} heads / {n} at one, runs",
-            "value": ratio(cpu("fresh-diff", True), cpu("fresh-same", True)),
-            "unit": "x", "target": "<= 2x",
-        },
-        {
-            "metric": "the same without runs (windows merged from segments, same run)",
-            "value": ratio(cpu("fresh-diff", False), cpu("fresh-same", True)),
-            "unit": "x",
-        },
-        {
-            "metric": f"sidecar CPU, {n} consumers at {n} cursors / {n} at one, runs",
-            "value": ratio(cpu("stag-diff", True), cpu("stag-same", True)),
-            "unit": "x", "target": "<= 2x",
-        },
-        {
-            "metric": "the same without runs",
-            "value": ratio(cpu("stag-diff", False), cpu("stag-same", True)),
-            "unit": "x",
-        },
-        {
-            "metric": f"fresh sidecar (warm-up round): {n} at {n} heads / {n} at one, runs",
-            "value": ratio(cold("fresh-diff", True), cold("fresh-same", True)),
-            "unit": "x",
-        },
-        {
-            "metric": "fresh sidecar (warm-up round): the same without runs",
-            "value": ratio(cold("fresh-diff", False), cold("fresh-same", True)),
-            "unit": "x",
-        },
-        *[
-            {
-                "metric": f"bootstrap herd: pull p50, {h} at once / 1",
-                "value": ratio(herd_p50[h], herd_p50[herd[0]]),
-                "unit": "x",
-            }
-            for h in herd[1:]
-        ],
-        *[
-            {
-                "metric": f"bootstrap herd: sidecar CPU, {h} at once / 1",
-                "value": ratio(cpu("herd", True, h), cpu("herd", True, herd[0])),
-                "unit": "x",
-            }
-            for h in herd[1:]
-        ],
+        metric(f"sidecar CPU, {n} fresh consumers at {n} heads / {n} at one, runs",
+               ratio(cpu("fresh-diff", True), cpu("fresh-same", True)), "x", target="<= 2x"),
+        metric("the same without runs (windows merged from segments, same run)",
+               ratio(cpu("fresh-diff", False), cpu("fresh-same", True)), "x"),
+        metric(f"sidecar CPU, {n} consumers at {n} cursors / {n} at one, runs",
+               ratio(cpu("stag-diff", True), cpu("stag-same", True)), "x", target="<= 2x"),
+        metric("the same without runs",
+               ratio(cpu("stag-diff", False), cpu("stag-same", True)), "x"),
+        metric(f"fresh sidecar (warm-up round): {n} at {n} heads / {n} at one, runs",
+               ratio(cold("fresh-diff", True), cold("fresh-same", True)), "x"),
+        metric("fresh sidecar (warm-up round): the same without runs",
+               ratio(cold("fresh-diff", False), cold("fresh-same", True)), "x"),
+        *[metric(f"bootstrap herd: pull p50, {h} at once / 1",
+                 ratio(herd_p50[h], herd_p50[herd[0]]), "x") for h in herd[1:]],
+        *[metric(f"bootstrap herd: sidecar CPU, {h} at once / 1",
+                 ratio(cpu("herd", True, h), cpu("herd", True, herd[0])), "x") for h in herd[1:]],
     ]  # fmt: skip
     for line in headline:
         if "target" in line:
             v = line["value"]
             line["met"] = bool(isinstance(v, float) and v <= 2.0)
     headline.append(
-        {
-            "metric": "bootstrap: predictor peak RSS over its RSS before / its tables",
-            "value": ratio(memory["peak_rss"] - memory["rss_before"], memory["tables_bytes"]),
-            "unit": "x",
-        }
-    )
+        metric("bootstrap: predictor peak RSS over its RSS before / its tables",
+               ratio(memory["peak_rss"] - memory["rss_before"], memory["tables_bytes"]), "x")
+    )  # fmt: skip
     return {"window_bytes_fp32": window, "consumers": n, "points": points, "runs": runs,
             "bootstrap_rss": memory, "headline": headline}  # fmt: skip
 

@@ -26,6 +26,7 @@ from bench.common import (
     CpuMonitor,
     NotAvailable,
     med,
+    metric,
     percentile,
     proc_peak_rss,
     rows_per_table,
@@ -265,41 +266,27 @@ def _tree_summary(raw: dict[str, Any], counts: list[int]) -> dict[str, Any]:
 
 
 def tree_headline(tree: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The headline rows of the tree (``n`` consumers per level) and of the overload runs."""
     pts = {(p["level"], p["consumers"]): p for p in tree.get("points", [])}
     fresh = {f["level"]: f for f in tree.get("freshness", [])}
-    out: list[dict[str, Any]] = []
-    for ov in tree.get("overload", []):
-        out.append(
-            {
-                "metric": f"failed pulls, {ov['consumers']} consumers on "
-                f"{ov['max_concurrent_streams']} stream slot(s)",
-                "value": ov["failed"],
-                "unit": "pulls",
-                "target": "0",
-                "met": ov["failed"] == 0,
-            }
-        )
+    out = [
+        metric(f"failed pulls, {ov['consumers']} consumers on "
+               f"{ov['max_concurrent_streams']} stream slot(s)", ov["failed"], "pulls",
+               target="0", met=ov["failed"] == 0)
+        for ov in tree.get("overload", [])
+    ]  # fmt: skip
     for lv in LEVELS:
         p = pts.get((lv, n))
         if p is None:
             continue
+        at = f"level {lv} ({n} consumers)"
         out += [
-            {
-                "metric": f"level {lv} ({n} consumers): sidecar CPU per delivered GB",
-                "value": p["sidecar_cpu_s_per_gb"],
-                "unit": "s/GB",
-            },
-            {
-                "metric": f"level {lv} ({n} consumers): serving node CPU per delivered GB",
-                "value": p["serving_cpu_s_per_gb"],
-                "unit": "s/GB",
-            },
-            {"metric": f"level {lv} ({n} consumers): pull p99", "value": p["p99_s"], "unit": "s"},
+            metric(f"{at}: sidecar CPU per delivered GB", p["sidecar_cpu_s_per_gb"], "s/GB"),
+            metric(f"{at}: serving node CPU per delivered GB", p["serving_cpu_s_per_gb"], "s/GB"),
+            metric(f"{at}: pull p99", p["p99_s"], "s"),
         ]
         if lv in fresh and fresh[lv]["p99_s"] is not None:
-            out.append(
-                {"metric": f"level {lv}: freshness p99", "value": fresh[lv]["p99_s"], "unit": "s"}
-            )
+            out.append(metric(f"level {lv}: freshness p99", fresh[lv]["p99_s"], "s"))
     return out
 
 

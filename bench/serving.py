@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Context, NotAvailable, med, summarize
+from bench.common import Context, NotAvailable, med, pyplot, summarize
 
 #: the demo's publish interval: one window per this many seconds
 WINDOW_EVERY_S = 0.5
@@ -328,10 +328,7 @@ def _throughput(applier: Any, names: list[str], n: int, repeats: int, gen: Any) 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Forward p50 / p99 idle and under apply (chunk, window)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from bench.common import save_figure
 

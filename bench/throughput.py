@@ -31,6 +31,7 @@ from bench.common import (
     NotAvailable,
     PeakRssMonitor,
     med,
+    pyplot,
     ratio,
     save_figure,
     summarize,
@@ -541,10 +542,7 @@ def _headline(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """GB/s vs window size: deltad per dtype, bare gRPC and TCP."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     pts = result.get("points", [])
