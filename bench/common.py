@@ -30,6 +30,7 @@ import psutil
 
 if TYPE_CHECKING:
     from bench.wire_baselines import ClientWorker
+    from deltad.config import ConsumerConfig
 
 #: The repository root (``bench/``'s parent): children get it on PYTHONPATH.
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -463,6 +464,17 @@ def spool_and_workers(
         finally:
             for w in started:
                 w.close()
+
+
+def consumer_config(consumer: str, model: str, endpoint: str, **more: Any) -> ConsumerConfig:
+    """A consumer of one sidecar as the benchmarks run it: ranks not aligned (one rank), a
+    600 s deadline per call; ``more``: the other :class:`~deltad.config.ConsumerConfig` fields."""
+    from deltad.config import ConsumerConfig
+
+    return ConsumerConfig(
+        consumer=consumer, model=model, sidecars=(endpoint,), align_steps=False,
+        rpc_deadline_s=600.0, **more,
+    )  # fmt: skip
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:

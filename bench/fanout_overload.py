@@ -15,6 +15,7 @@ from bench.common import (
     TABLES,
     Children,
     Context,
+    consumer_config,
     percentile,
     rows_per_table,
 )
@@ -85,7 +86,6 @@ def client_pull_many(
     their whole window at ``start_at``; per pull its seconds, bytes and any error."""
     import threading
 
-    from deltad.config import ConsumerConfig
     from deltad.consume.client import DeltaConsumer
 
     out: list[dict[str, Any]] = [{} for _ in range(n)]
@@ -93,10 +93,7 @@ def client_pull_many(
     def one(i: int) -> None:
         res: dict[str, Any] = {"seconds": None, "bytes": 0, "missing": 0, "error": None}
         try:
-            cfg = ConsumerConfig(
-                consumer=f"{prefix}-{i}", model=model, sidecars=(endpoint,), align_steps=False,
-                rpc_deadline_s=600.0, reuse_buffers_bytes=0,
-            )  # fmt: skip
+            cfg = consumer_config(f"{prefix}-{i}", model, endpoint, reuse_buffers_bytes=0)
             with DeltaConsumer(cfg) as c:
                 time.sleep(max(0.0, start_at - time.time()))
                 t0 = time.perf_counter()

@@ -39,6 +39,7 @@ from bench.common import (
     Children,
     Context,
     CpuMonitor,
+    consumer_config,
     percentile,
     proc_peak_rss,
     rows_per_table,
@@ -428,7 +429,6 @@ def client_fleet(
     while they ran."""
     import threading
 
-    from deltad.config import ConsumerConfig
     from deltad.consume.client import DeltaConsumer
     from deltad.perf import tune_malloc, tune_threads
 
@@ -444,10 +444,7 @@ def client_fleet(
         res: list[dict[str, Any]] = []
         c: Any = None
         try:
-            cfg = ConsumerConfig(
-                consumer=name, model=model, sidecars=(endpoint,), align_steps=False,
-                rpc_deadline_s=600.0,
-            )  # fmt: skip
+            cfg = consumer_config(name, model, endpoint)
             c = DeltaConsumer(cfg).connect()
         except Exception as e:
             res.append(_failed(f"connect: {type(e).__name__}: {e}"))

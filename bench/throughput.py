@@ -30,6 +30,7 @@ from bench.common import (
     Context,
     NotAvailable,
     PeakRssMonitor,
+    consumer_config,
     med,
     pyplot,
     ratio,
@@ -92,7 +93,7 @@ def client_pull(
     """
     import time
 
-    from deltad.config import ConsumerConfig, PullOptions
+    from deltad.config import PullOptions
     from deltad.consume.client import DeltaConsumer
     from deltad.perf import tune_malloc, tune_threads
     from deltad.types import Form, WireDtype
@@ -102,14 +103,8 @@ def client_pull(
     key = ("consumer", endpoint, consumer)
     c = state.get(key) if keep else None
     if c is None:
-        cfg = ConsumerConfig(
-            consumer=consumer,
-            model=model,
-            sidecars=(endpoint,),
-            pull=PullOptions(form=Form(form), k=k, wire_dtype=WireDtype(dtype), max_step=max_step),
-            align_steps=False,
-            rpc_deadline_s=600.0,
-        )
+        pull = PullOptions(form=Form(form), k=k, wire_dtype=WireDtype(dtype), max_step=max_step)
+        cfg = consumer_config(consumer, model, endpoint, pull=pull)
         c = DeltaConsumer(cfg).connect()
         if keep:
             state[key] = c
@@ -207,7 +202,7 @@ def client_bootstrap_rss(
     import gc
 
     from bench.common import proc_status_bytes
-    from deltad.config import ConsumerConfig, PullOptions
+    from deltad.config import PullOptions
     from deltad.consume.appliers import TensorDictApplier
     from deltad.consume.client import DeltaConsumer
     from deltad.perf import tune_malloc, tune_threads
@@ -218,14 +213,7 @@ def client_bootstrap_rss(
 
     tune_malloc()
     tune_threads()
-    cfg = ConsumerConfig(
-        consumer=consumer,
-        model=model,
-        sidecars=(endpoint,),
-        pull=PullOptions(wire_dtype=WireDtype.FP32),
-        align_steps=False,
-        rpc_deadline_s=600.0,
-    )
+    cfg = consumer_config(consumer, model, endpoint, pull=PullOptions(wire_dtype=WireDtype.FP32))
     c = DeltaConsumer(cfg).connect()
     applier = TensorDictApplier()
     try:
