@@ -328,6 +328,20 @@ def save_figure(
     return [path]
 
 
+def save_panels(
+    fig: Any, axes: Sequence[Any], ylabels: Sequence[str], title: str, out_dir: Path, name: str
+) -> list[Path]:
+    """Label a row of panels against consumers (their y labels, a legend each), title the
+    figure and save it (:func:`save_figure`)."""
+    for ax, ylabel in zip(axes, ylabels, strict=True):
+        ax.set_ylabel(ylabel)
+    for ax in axes:
+        ax.set_xlabel("consumers")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return save_figure(fig, out_dir, name)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

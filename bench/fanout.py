@@ -54,7 +54,7 @@ from bench.common import (
     pyplot,
     ratio,
     rows_per_table,
-    save_figure,
+    save_panels,
     settle,
     spool_and_workers,
     summarize,
@@ -62,7 +62,7 @@ from bench.common import (
 from bench.fanout_cursors import cursors
 from bench.fanout_overload import overload
 from bench.fanout_scale import scale_model
-from bench.fanout_tree import LEVELS, relay_tree, sizes, tree_headline, tree_only
+from bench.fanout_tree import plot_tree, relay_tree, sizes, tree_headline, tree_only
 from bench.wire_baselines import ClientWorker, grpc_server_main, start_server
 
 
@@ -290,7 +290,6 @@ def floor_round(
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Aggregate GB/s, p99 pull time and sidecar CPU vs consumers, per mode."""
     plt = pyplot()
-
     pts = result.get("points", [])
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for mode in ("same", "different"):
@@ -300,33 +299,12 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         axes[1].plot(xs, [p["p50_s"] for p in ps], "o-", label=f"{mode} p50")
         axes[1].plot(xs, [p["p99_s"] for p in ps], "x--", label=f"{mode} p99")
         axes[2].plot(xs, [med(p["sidecar_cpu_s"]) for p in ps], "o-", label=f"{mode} window")
-    axes[0].set_ylabel("aggregate GB/s")
-    axes[1].set_ylabel("pull completion (s)")
-    axes[2].set_ylabel("sidecar CPU seconds per run")
-    for ax in axes:
-        ax.set_xlabel("consumers")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"fan-out, {result.get('window_bytes_fp32', 0) / MB:.0f} MB window")
-    paths = save_figure(fig, out_dir, "fanout")
+    paths = save_panels(
+        fig, axes, ("aggregate GB/s", "pull completion (s)", "sidecar CPU seconds per run"),
+        f"fan-out, {result.get('window_bytes_fp32', 0) / MB:.0f} MB window", out_dir, "fanout",
+    )  # fmt: skip
     tree = result.get("tree", {}).get("points", [])
-    if tree:
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-        for lv in LEVELS:
-            ps = sorted((p for p in tree if p["level"] == lv), key=lambda p: p["consumers"])
-            xs = [p["consumers"] for p in ps]
-            name = "direct" if lv == 0 else f"{lv} relay level{'s' if lv > 1 else ''}"
-            axes[0].plot(xs, [p["p99_s"] for p in ps], "o-", label=f"{name} p99")
-            axes[1].plot(xs, [p["serving_cpu_s_per_gb"] for p in ps], "o-", label=name)
-            axes[2].plot(xs, [p["sidecar_cpu_s_per_gb"] for p in ps], "o-", label=name)
-        axes[0].set_ylabel("pull time (s)")
-        axes[1].set_ylabel("serving node CPU s per delivered GB")
-        axes[2].set_ylabel("trainer sidecar CPU s per delivered GB")
-        for ax in axes:
-            ax.set_xlabel("consumers")
-            ax.legend(fontsize=8)
-        fig.suptitle("fan-out through relays (cached window)")
-        paths += save_figure(fig, out_dir, "fanout-tree")
-    return paths
+    return paths + (plot_tree(tree, out_dir) if tree else [])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,9 @@ from bench.common import (
     metric,
     percentile,
     proc_peak_rss,
+    pyplot,
     rows_per_table,
+    save_panels,
     settle,
     spool_and_workers,
     summarize,
@@ -288,6 +290,23 @@ def tree_headline(tree: dict[str, Any], n: int) -> list[dict[str, Any]]:
         if lv in fresh and fresh[lv]["p99_s"] is not None:
             out.append(metric(f"level {lv}: freshness p99", fresh[lv]["p99_s"], "s"))
     return out
+
+
+def plot_tree(points: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Pull p99, serving node and sidecar CPU per delivered GB vs consumers, per level."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for lv in LEVELS:
+        ps = sorted((p for p in points if p["level"] == lv), key=lambda p: p["consumers"])
+        xs = [p["consumers"] for p in ps]
+        name = "direct" if lv == 0 else f"{lv} relay level{'s' if lv > 1 else ''}"
+        axes[0].plot(xs, [p["p99_s"] for p in ps], "o-", label=f"{name} p99")
+        axes[1].plot(xs, [p["serving_cpu_s_per_gb"] for p in ps], "o-", label=name)
+        axes[2].plot(xs, [p["sidecar_cpu_s_per_gb"] for p in ps], "o-", label=name)
+    ylabels = ("pull time (s)", "serving node CPU s per delivered GB",
+               "trainer sidecar CPU s per delivered GB")  # fmt: skip
+    title = "fan-out through relays (cached window)"
+    return save_panels(fig, axes, ylabels, title, out_dir, "fanout-tree")
 
 
 def sizes(ctx: Context) -> tuple[int, list[int]]:

@@ -192,7 +192,6 @@ def run(ctx: Context) -> dict[str, Any]:
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Bytes per predictor-hour vs RMSE, one point per predictor; full-sync lines."""
     plt = pyplot()
-
     pts = [p for p in result.get("points", []) if p.get("bytes_per_hour")]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     floor = 1e-9

@@ -152,7 +152,6 @@ def _f(x: float | None) -> str:
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """p50 / p99 lag vs publish interval."""
     plt = pyplot()
-
     pts = [p for p in result.get("points", []) if p["lag_p50_s"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [p["publish_every_s"] for p in pts]

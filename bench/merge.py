@@ -122,7 +122,6 @@ def run(ctx: Context) -> dict[str, Any]:
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Merge seconds and torch.unique seconds vs ids (8 segments) and vs segments."""
     plt = pyplot()
-
     pts = result.get("points", [])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     by_ids = sorted((p for p in pts if p["segments"] == 8), key=lambda p: p["ids"])

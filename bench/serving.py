@@ -304,7 +304,6 @@ def _throughput(applier: Any, names: list[str], n: int, repeats: int, gen: Any) 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Forward p50 / p99 idle and under apply (chunk, window)."""
     plt = pyplot()
-
     from bench.common import save_figure
 
     phases = {"idle": result["idle"], **{f"apply ({k})": v for k, v in result["apply"].items()}}

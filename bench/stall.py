@@ -142,7 +142,6 @@ def run(ctx: Context) -> dict[str, Any]:
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Stall (ms) and write rate (GB/s) vs segment bytes."""
     plt = pyplot()
-
     pts = sorted(result.get("points", []), key=lambda p: p["bytes_per_segment"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for d in sorted({p["dim"] for p in pts}):

@@ -531,7 +531,6 @@ def _headline(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """GB/s vs window size: deltad per dtype, bare gRPC and TCP."""
     plt = pyplot()
-
     fig, ax = plt.subplots(figsize=(7, 4.5))
     pts = result.get("points", [])
     for dtype in result.get("dtypes", []):

@@ -552,7 +552,6 @@ def run(ctx: Context) -> dict[str, Any]:
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Bar chart of step time per variant (median, min-max whiskers)."""
     plt = pyplot()
-
     vs = result.get("variants", {})
     names = list(vs)
     meds = [medf(vs[n]["step_s"]) * 1000 for n in names]
