@@ -23,6 +23,10 @@ their tables; the demo then checks
 
 Exit 0 only if all hold; otherwise one line on stderr and exit 1. Every child is stopped on
 exit or Ctrl-C (SIGTERM, a bounded wait, then SIGKILL).
+
+:class:`Demo` runs the loop; the work directory and the children are
+:mod:`deltad.demo_procs`, the predictors' logs and the traffic table :mod:`deltad.demo_report`,
+the checks :mod:`deltad.demo_checks`.
 """
 
 from __future__ import annotations
