@@ -22,10 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, NotAvailable
-
-DIM = 64
-TABLES = 4
+from bench.common import DIM, TABLES, Children, Context, NotAvailable, consumer_config
 
 #: (applier, wire dtype) measured at each size
 CASES = [("dict", "fp32"), ("int8", "packed-int8"), ("int8", "fp32")]
@@ -152,7 +149,7 @@ def client_bootstrap(
     import ctypes
     import gc
 
-    from deltad.config import ConsumerConfig, PullOptions
+    from deltad.config import PullOptions
     from deltad.consume.appliers import Applier, TensorDictApplier
     from deltad.consume.client import DeltaConsumer
     from deltad.consume.quant import QuantApplier
@@ -161,13 +158,8 @@ def client_bootstrap(
 
     tune_malloc()
     tune_threads()
-    cfg = ConsumerConfig(
-        consumer=consumer,
-        model=model,
-        sidecars=(endpoint,),
-        pull=PullOptions(wire_dtype=WireDtype(wire), dense=False),
-        align_steps=False,
-        rpc_deadline_s=600.0,
+    cfg = consumer_config(
+        consumer, model, endpoint, pull=PullOptions(wire_dtype=WireDtype(wire), dense=False)
     )
     a: Applier = (
         TensorDictApplier() if applier == "dict" else QuantApplier(_quant_model(rows_per_table))

@@ -24,9 +24,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
+
+if TYPE_CHECKING:
+    from bench.wire_baselines import ClientWorker
+    from deltad.config import ConsumerConfig
 
 #: The repository root (``bench/``'s parent): children get it on PYTHONPATH.
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +42,18 @@ FIGURES_DIR = Path(__file__).resolve().parent / "figures"
 
 GB = 1e9
 MB = 1 << 20
+
+#: The synthetic spool the sidecar benchmarks pull from (:func:`bench.datagen.write_spool`):
+#: ``TABLES`` tables of dim ``DIM``, a base and ``DELTAS`` deltas.
+TABLES = 4
+DIM = 64
+DELTAS = 16
+
+
+def rows_per_table(window_bytes: int) -> int:
+    """Rows per table for a fresh consumer's fp32 window of ``window_bytes`` over that
+    spool's tables (an 8-byte id and ``DIM`` floats a row)."""
+    return window_bytes // (8 + DIM * 4) // TABLES
 
 
 class NotAvailable(Exception):
@@ -282,16 +298,48 @@ def settle(
     return time.monotonic() - t0
 
 
-def save_figure(fig: Any, out_dir: Path, name: str, *, tight: bool = True) -> list[Path]:
-    """Write ``fig`` as ``out_dir/name.png`` (110 dpi), close it, return ``[path]``."""
+def metric(name: str, value: Any, unit: str, **more: Any) -> dict[str, Any]:
+    """One row of a benchmark's headline: its metric's ``name``, ``value`` and ``unit``, then
+    ``more`` (``baseline``, ``ratio``, ``target``, ``met``, where it has them)."""
+    return {"metric": name, "value": value, "unit": unit, **more}
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(
+    fig: Any, out_dir: Path, name: str, *, tight: bool = True, dpi: int = 110
+) -> list[Path]:
+    """Write ``fig`` as ``out_dir/name.png``, close it, return ``[path]``."""
     import matplotlib.pyplot as plt
 
     if tight:
         fig.tight_layout()
     path = out_dir / f"{name}.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return [path]
+
+
+def save_panels(
+    fig: Any, axes: Sequence[Any], ylabels: Sequence[str], title: str, out_dir: Path, name: str
+) -> list[Path]:
+    """Label a row of panels against consumers (their y labels, a legend each), title the
+    figure and save it (:func:`save_figure`)."""
+    for ax, ylabel in zip(axes, ylabels, strict=True):
+        ax.set_ylabel(ylabel)
+    for ax in axes:
+        ax.set_xlabel("consumers")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return save_figure(fig, out_dir, name)
 
 
 def free_port() -> int:
@@ -392,6 +440,55 @@ class Children:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
+
+
+def warm_workers(kids: Children, n: int) -> list[ClientWorker]:
+    """``n`` client worker processes with the consumer library imported (``client_warm``)."""
+    from bench.wire_baselines import ClientWorker
+
+    workers = [ClientWorker(kids) for _ in range(n)]
+    for w in workers:
+        w.send("call", module="bench.throughput", func="client_warm", kwargs={})
+    for w in workers:
+        w.recv("client_warm", 300.0)
+    return workers
+
+
+@contextlib.contextmanager
+def spool_and_workers(
+    ctx: Context, name: str, workers: int, *, rows: int, deltas: int = DELTAS
+) -> Iterator[tuple[Path, Children, list[ClientWorker]]]:
+    """A scratch spool (``rows`` rows per table, ``deltas`` deltas of 1 % of the rows), the
+    children of the run and ``workers`` warm client workers; the workers are closed, the
+    children stopped and the spool removed afterwards."""
+    from bench.datagen import write_spool
+    from bench.deltad_procs import MODEL
+
+    with ctx.tmpdir(name) as spool, Children() as kids:
+        ctx.status(f"{name}: spool")
+        write_spool(
+            spool, model=MODEL, tables=TABLES, rows_per_table=rows, dim=DIM, deltas=deltas,
+            delta_fraction=0.01,
+        )  # fmt: skip
+        ctx.status(f"{name}: consumer workers")
+        started: list[ClientWorker] = []
+        try:
+            started += warm_workers(kids, workers)
+            yield spool, kids, started
+        finally:
+            for w in started:
+                w.close()
+
+
+def consumer_config(consumer: str, model: str, endpoint: str, **more: Any) -> ConsumerConfig:
+    """A consumer of one sidecar as the benchmarks run it: ranks not aligned (one rank), a
+    600 s deadline per call; ``more``: the other :class:`~deltad.config.ConsumerConfig` fields."""
+    from deltad.config import ConsumerConfig
+
+    return ConsumerConfig(
+        consumer=consumer, model=model, sidecars=(endpoint,), align_steps=False,
+        rpc_deadline_s=600.0, **more,
+    )  # fmt: skip
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:

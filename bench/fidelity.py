@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Context, NotAvailable, save_figure
+from bench.common import Context, NotAvailable, pyplot, save_figure
 from bench.live import (
     TINY_PUBLISH_S,
     ConsumerSpec,
@@ -191,11 +191,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Bytes per predictor-hour vs RMSE, one point per predictor; full-sync lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     pts = [p for p in result.get("points", []) if p.get("bytes_per_hour")]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     floor = 1e-9

@@ -32,20 +32,22 @@ from typing import Any
 
 from bench import deltad_procs
 from bench.common import (
+    DIM,
     GB,
     MB,
+    TABLES,
     Children,
     Context,
     CpuMonitor,
+    consumer_config,
     percentile,
     proc_peak_rss,
+    rows_per_table,
     settle,
+    spool_and_workers,
     wait_until,
 )
 from bench.wire_baselines import ClientWorker
-
-DIM = 64
-TABLES = 4
 
 #: configuration name -> level whose nodes the consumers pull from
 CONFIGS = {"direct": 0, "1 level": 1, "2 levels": 2}
@@ -63,15 +65,13 @@ def _reset_hwm(pid: int) -> bool:
 
 def run(ctx: Context) -> dict[str, Any]:
     """Every configuration x consumer count once per repeat; see the module docstring."""
-    from bench.datagen import write_spool
-
     counts = ctx.pick([64, 256], [64, 256], [4, 8])
     n_workers = ctx.pick(8, 8, 2)
     relays = ctx.pick(2, 2, 1)
     window = ctx.pick(2 * MB, 1 * MB, 64 * 1024)
     pulls = ctx.pick(3, 2, 1)
     repeats = 1 if ctx.tiny else max(1, min(ctx.repeats, 2))
-    rows = max(1, window // (8 + DIM * 4) // TABLES)
+    rows = max(1, rows_per_table(window))
     out: dict[str, Any] = {
         "what": (
             f"1 sidecar, {relays} relay(s) per level, 2 levels (deltad serve processes); "
@@ -86,21 +86,9 @@ def run(ctx: Context) -> dict[str, Any]:
         "runs": [],
     }
     with (
-        ctx.tmpdir("fleet") as spool,
         ctx.tmpdir("fleet-relays") as rdir,
-        Children() as kids,
+        spool_and_workers(ctx, "fleet", n_workers, rows=rows, deltas=2) as (spool, kids, workers),
     ):
-        ctx.status("fleet: spool")
-        write_spool(
-            spool, model=deltad_procs.MODEL, tables=TABLES, rows_per_table=rows, dim=DIM,
-            deltas=2, delta_fraction=0.01,
-        )  # fmt: skip
-        ctx.status("fleet: consumer workers")
-        workers = [ClientWorker(kids) for _ in range(n_workers)]
-        for w in workers:
-            w.send("call", module="bench.throughput", func="client_warm", kwargs={})
-        for w in workers:
-            w.recv("client_warm", 300.0)
         nodes: dict[int, list[Any]] = {0: [], 1: [], 2: []}
         side_ports: list[int] = []  # each node's /metrics port, in start order
         try:
@@ -155,8 +143,6 @@ def run(ctx: Context) -> dict[str, Any]:
             for lv in (2, 1, 0):
                 for p in nodes[lv]:
                     p.stop()
-            for w in workers:
-                w.close()
     out["window_bytes"] = max((x["window_bytes"] for x in out["runs"]), default=0)
     out["points"] = _summary(out["runs"])
     n0 = counts[0]
@@ -443,7 +429,6 @@ def client_fleet(
     while they ran."""
     import threading
 
-    from deltad.config import ConsumerConfig
     from deltad.consume.client import DeltaConsumer
     from deltad.perf import tune_malloc, tune_threads
 
@@ -459,10 +444,7 @@ def client_fleet(
         res: list[dict[str, Any]] = []
         c: Any = None
         try:
-            cfg = ConsumerConfig(
-                consumer=name, model=model, sidecars=(endpoint,), align_steps=False,
-                rpc_deadline_s=600.0,
-            )  # fmt: skip
+            cfg = consumer_config(name, model, endpoint)
             c = DeltaConsumer(cfg).connect()
         except Exception as e:
             res.append(_failed(f"connect: {type(e).__name__}: {e}"))

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import Context, NotAvailable, percentile, save_figure
+from bench.common import Context, NotAvailable, percentile, pyplot, save_figure
 from bench.live import ConsumerSpec, LiveResult, TrainerSpec, run_live, tiny_shared_run
 
 
@@ -151,11 +151,7 @@ def _f(x: float | None) -> str:
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """p50 / p99 lag vs publish interval."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     pts = [p for p in result.get("points", []) if p["lag_p50_s"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [p["publish_every_s"] for p in pts]

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import Context, med, ratio, summarize
+from bench.common import Context, med, metric, ratio, summarize
 
 DIM = 64
 
@@ -169,26 +169,12 @@ def run(ctx: Context) -> dict[str, Any]:
         points.append(p)
     headline = []
     for p in points:
-        headline.append(
-            {
-                "metric": f"restart changing {p['changed_fraction']:.1%} of rows: diff time",
-                "value": med(p["diff_s"]),
-                "unit": "s",
-                "baseline": med(p["full_s"]),
-                "ratio": p["time_ratio"],
-                "target": None,
-                "met": None,
-            }
-        )
-        headline.append(
-            {
-                "metric": f"restart changing {p['changed_fraction']:.1%} of rows: diff bytes",
-                "value": float(p["diff_bytes"]),
-                "unit": "B",
-                "baseline": float(p["full_bytes"]),
-                "ratio": p["bytes_ratio"],
-                "target": None,
-                "met": None,
-            }
-        )
+        what = f"restart changing {p['changed_fraction']:.1%} of rows"
+        none = {"target": None, "met": None}
+        headline += [
+            metric(f"{what}: diff time", med(p["diff_s"]), "s", baseline=med(p["full_s"]),
+                   ratio=p["time_ratio"], **none),
+            metric(f"{what}: diff bytes", float(p["diff_bytes"]), "B",
+                   baseline=float(p["full_bytes"]), ratio=p["bytes_ratio"], **none),
+        ]  # fmt: skip
     return {"points": points, "headline": headline}

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Context, NotAvailable, med, ratio, save_figure, summarize
+from bench.common import Context, NotAvailable, med, pyplot, ratio, save_figure, summarize
 from bench.datagen import make_segments
 
 DIM = 16
@@ -121,11 +121,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Merge seconds and torch.unique seconds vs ids (8 segments) and vs segments."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     pts = result.get("points", [])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     by_ids = sorted((p for p in pts if p["segments"] == 8), key=lambda p: p["ids"])

@@ -15,11 +15,11 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import FIGURES_DIR, RESULTS_DIR
+from bench.common import FIGURES_DIR, RESULTS_DIR, pyplot, save_figure
 
 #: the figures' names (``<name>.png``), in the README's order; ``encode-once`` is drawn
 #: once the sidecar_mem benchmark is recorded (``deltad bench --only sidecar_mem --record``)
@@ -50,22 +50,12 @@ def fleet_result(results_dir: Path) -> dict[str, Any] | None:
     return res if res and res.get("points") else None
 
 
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, out_dir: Path, name: str) -> Path:
-    plt = _plt()
-    fig.tight_layout()
-    path = out_dir / f"{name}.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+def _save(fig: Any, out_dir: Path, name: str, grid: Sequence[Any] = (), axis: str = "both") -> Path:
+    """Grid lines on the ``grid`` axes (``axis``: "both", "x" or "y"), then the figure at the
+    README's 90 dpi."""
+    for ax in grid:
+        ax.grid(alpha=0.3, axis=axis)
+    return save_figure(fig, out_dir, name, dpi=90)[0]
 
 
 def plot_fanout(results_dir: Path, out_dir: Path) -> Path | None:
@@ -76,7 +66,7 @@ def plot_fanout(results_dir: Path, out_dir: Path) -> Path | None:
     tree = load(results_dir, "fanout-tree")
     if fleet is None and tree is None:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     (ax_t, ax_s), (ax_c, ax_g) = axes
     wmb = lambda b: f"{b / (1 << 20):.2g} MB"  # noqa: E731
@@ -135,7 +125,7 @@ def plot_fanout_memory(results_dir: Path, out_dir: Path) -> Path | None:
     fleet = fleet_result(results_dir)
     if fleet is None:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, (ax_r, ax_p) = plt.subplots(1, 2, figsize=(11, 3.8))
     pts = fleet["points"]
     labels = [f"{p['config']}\n{p['consumers']}" for p in pts]
@@ -163,9 +153,7 @@ def plot_fanout_memory(results_dir: Path, out_dir: Path) -> Path | None:
     ax_p.set_xticks(xs, labels, fontsize=7)
     ax_p.set_ylabel("MB per consumer")
     ax_p.set_title("consumer worker: RSS over its baseline / consumers hosted")
-    for ax in (ax_r, ax_p):
-        ax.grid(alpha=0.3, axis="y")
-    return _save(fig, out_dir, "fanout-memory")
+    return _save(fig, out_dir, "fanout-memory", (ax_r, ax_p), "y")
 
 
 def plot_serving(results_dir: Path, out_dir: Path) -> Path | None:
@@ -173,7 +161,7 @@ def plot_serving(results_dir: Path, out_dir: Path) -> Path | None:
     res = load(results_dir, "serving")
     if res is None:
         return None
-    plt = _plt()
+    plt = pyplot()
     runs = res["runs"]
     fig, (ax_f, ax_a) = plt.subplots(1, 2, figsize=(12, 4))
     xs = list(range(len(runs)))
@@ -209,9 +197,7 @@ def plot_serving(results_dir: Path, out_dir: Path) -> Path | None:
     ax_a.set_ylabel("deltad rows/s / bare fbgemm in-place update")
     ax_a.set_title("apply throughput into int8 tables vs bare fbgemm")
     ax_a.legend(fontsize=7)
-    for ax in (ax_f, ax_a):
-        ax.grid(alpha=0.3, axis="y")
-    return _save(fig, out_dir, "serving")
+    return _save(fig, out_dir, "serving", (ax_f, ax_a), "y")
 
 
 def plot_throughput(results_dir: Path, out_dir: Path) -> Path | None:
@@ -219,7 +205,7 @@ def plot_throughput(results_dir: Path, out_dir: Path) -> Path | None:
     res = load(results_dir, "throughput")
     if res is None:
         return None
-    plt = _plt()
+    plt = pyplot()
     pts = res["points"]
     fig, ax = plt.subplots(figsize=(9, 4))
     xs = list(range(len(pts)))
@@ -235,8 +221,7 @@ def plot_throughput(results_dir: Path, out_dir: Path) -> Path | None:
     ax.set_ylabel("GB/s")
     ax.set_title("GetDelta throughput per window and wire dtype (one consumer)")
     ax.legend(fontsize=7, loc="upper right")
-    ax.grid(alpha=0.3, axis="y")
-    return _save(fig, out_dir, "throughput")
+    return _save(fig, out_dir, "throughput", (ax,), "y")
 
 
 def plot_freshness(results_dir: Path, out_dir: Path) -> Path | None:
@@ -244,7 +229,7 @@ def plot_freshness(results_dir: Path, out_dir: Path) -> Path | None:
     res = load(results_dir, "freshness")
     if res is None:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, (ax_p, ax_l) = plt.subplots(1, 2, figsize=(11, 3.8))
     pub = res.get("publish", [])
     xs = [p["interval_s"] for p in pub]
@@ -268,9 +253,7 @@ def plot_freshness(results_dir: Path, out_dir: Path) -> Path | None:
     ax_l.set_ylabel("seconds")
     ax_l.set_title("new segment -> head at each level")
     ax_l.legend(fontsize=7)
-    for ax in (ax_p, ax_l):
-        ax.grid(alpha=0.3)
-    return _save(fig, out_dir, "freshness")
+    return _save(fig, out_dir, "freshness", (ax_p, ax_l))
 
 
 def plot_encode_once(results_dir: Path, out_dir: Path) -> Path | None:
@@ -286,7 +269,7 @@ def plot_encode_once(results_dir: Path, out_dir: Path) -> Path | None:
         ns = sorted({r["consumers"] for r in rows})
         return ns, [statistics.median(r[key] for r in rows if r["consumers"] == n) for n in ns]
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ns, ys = curve(eo["sidecar"], "cpu_s")
     ax.plot(ns, ys, "o-", label="deltad sidecar (window encoded once)")
@@ -368,10 +351,10 @@ def fleet_table(results_dir: Path = RESULTS_DIR) -> list[str]:
 
 
 def model_table(results_dir: Path = RESULTS_DIR) -> list[str]:
-    """The README's scale-model table (markdown lines): :func:`bench.fanout.scale_model` of
+    """The README's scale-model table (markdown lines): :func:`bench.fanout_scale.scale_model` of
     the recorded fleet run (per-pull and per-GB costs) and the recorded relay tree (mirror,
     idle and per-hop freshness)."""
-    from bench.fanout import scale_model
+    from bench.fanout_scale import scale_model
 
     fleet = fleet_result(results_dir)
     tree = load(results_dir, "fanout-tree")

@@ -187,17 +187,10 @@ def run(args: argparse.Namespace) -> int:
         log=log,
         status=status,
     )
-    preset = "tiny" if args.tiny else "quick" if quick else "full"
-    results: dict[str, Any] = {
-        "meta": {
-            **machine_info(),
-            "preset": preset,
-            "repeats": repeats,
-            "selected": names,
-            "malloc_env": {k: os.environ[k] for k in MALLOC_TUNING if k in os.environ},
-        },
-        "benchmarks": {},
-    }
+    meta = _meta(ctx, selected=names)
+    meta["malloc_env"] = {k: os.environ[k] for k in MALLOC_TUNING if k in os.environ}
+    preset = meta["preset"]
+    results: dict[str, Any] = {"meta": meta, "benchmarks": {}}
     failed = False
     for name in bar:
         bar.set_description(f"bench {name}")
@@ -286,12 +279,7 @@ def run_part(
         quick=args.quick or args.tiny, tiny=args.tiny, repeats=args.repeats,
         out_dir=args.out, work_dir=args.work_dir,
     )  # fmt: skip
-    meta = {
-        **machine_info(),
-        "preset": "tiny" if args.tiny else "quick" if args.quick else "full",
-        "repeats": args.repeats,
-        "command": f"{prog} " + " ".join(argv or []),
-    }
+    meta = _meta(ctx, command=f"{prog} " + " ".join(argv or []))
     t0 = time.monotonic()
     res = {"status": "ok", **fn(ctx), "wall_seconds": 0.0}
     res["wall_seconds"] = time.monotonic() - t0
@@ -302,6 +290,12 @@ def run_part(
         print(record(name, res, meta))
     report(res)
     return 0
+
+
+def _meta(ctx: Context, **more: Any) -> dict[str, Any]:
+    """What a results file says of its run: the machine, the preset, the repeats, ``more``."""
+    preset = "tiny" if ctx.tiny else "quick" if ctx.quick else "full"
+    return {**machine_info(), "preset": preset, "repeats": ctx.repeats, **more}
 
 
 def _write(results: dict[str, Any], out_dir: Path) -> Path:

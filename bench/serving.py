@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Context, NotAvailable, med, summarize
+from bench.common import Context, NotAvailable, med, metric, pyplot, summarize
 
 #: the demo's publish interval: one window per this many seconds
 WINDOW_EVERY_S = 0.5
@@ -102,46 +102,21 @@ def run(ctx: Context) -> dict[str, Any]:
     applier.consistency = ApplyConsistency.CHUNK
     ctx.status("serving: apply throughput vs bare fbgemm")
     tput = _throughput(applier, [*tables, "seq"], per_table * 5, ctx.repeats, gen)
-    chunk = modes["chunk"]
     head = [
-        {
-            "metric": "forward p99 while windows are applied (chunk), vs idle",
-            "value": chunk["p99_ms"],
-            "unit": "ms",
-            "baseline": idle["p99_ms"],
-            "baseline_unit": "ms idle",
-            "ratio": chunk["p99_ratio_vs_idle"],
-        },
-        {
-            "metric": "forward p99 while windows are applied (window), vs idle",
-            "value": modes["window"]["p99_ms"],
-            "unit": "ms",
-            "baseline": idle["p99_ms"],
-            "baseline_unit": "ms idle",
-            "ratio": modes["window"]["p99_ratio_vs_idle"],
-        },
-        {
-            "metric": "forward p99 while packed windows are applied (chunk), vs idle",
-            "value": modes["chunk-packed"]["p99_ms"],
-            "unit": "ms",
-            "baseline": idle["p99_ms"],
-            "baseline_unit": "ms idle",
-            "ratio": modes["chunk-packed"]["p99_ratio_vs_idle"],
-        },
-    ]
+        metric(f"forward p99 while {what} are applied ({key.split('-')[0]}), vs idle",
+               modes[key]["p99_ms"], "ms", baseline=idle["p99_ms"], baseline_unit="ms idle",
+               ratio=modes[key]["p99_ratio_vs_idle"])
+        for key, what in (("chunk", "windows"), ("window", "windows"),
+                          ("chunk-packed", "packed windows"))
+    ]  # fmt: skip
     for kind in ("float", "packed"):
         t = tput.get(kind)
         if t and t.get("bare_rows_per_s"):
             head.append(
-                {
-                    "metric": f"apply into int8 tables from {kind} rows, vs bare fbgemm",
-                    "value": med(t["deltad_rows_per_s"]),
-                    "unit": "rows/s",
-                    "baseline": med(t["bare_rows_per_s"]),
-                    "baseline_unit": "rows/s bare emb_inplace_update",
-                    "ratio": t["ratio"],
-                }
-            )
+                metric(f"apply into int8 tables from {kind} rows, vs bare fbgemm",
+                       med(t["deltad_rows_per_s"]), "rows/s", baseline=med(t["bare_rows_per_s"]),
+                       baseline_unit="rows/s bare emb_inplace_update", ratio=t["ratio"])
+            )  # fmt: skip
     return {"size": size, "idle": idle, "apply": modes, "throughput": tput, "headline": head}
 
 
@@ -328,11 +303,7 @@ def _throughput(applier: Any, names: list[str], n: int, repeats: int, gen: Any) 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Forward p50 / p99 idle and under apply (chunk, window)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     from bench.common import save_figure
 
     phases = {"idle": result["idle"], **{f"apply ({k})": v for k, v in result["apply"].items()}}

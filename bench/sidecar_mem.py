@@ -24,7 +24,7 @@ consumer processes; a fresh ``deltad serve`` (no retention) per measurement.
 * **encode-once**: N = 1 and 8 fresh consumers pull one base window at once from a fresh
   sidecar (after a warm-up round at another head: a long-lived sidecar's warm heap), vs a
   bare gRPC server streaming the same bytes in 2 MB messages built once and shared
-  (:func:`bench.fanout._floor`): sidecar CPU per extra consumer / the floor's.
+  (:func:`bench.fanout.floor_round`): sidecar CPU per extra consumer / the floor's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    DELTAS,
+    DIM,
     MB,
+    TABLES,
     Children,
     Context,
     CpuMonitor,
@@ -43,13 +46,12 @@ from bench.common import (
     med,
     proc_peak_rss,
     ratio,
+    rows_per_table,
     summarize,
+    warm_workers,
 )
 from bench.wire_baselines import ClientWorker, grpc_server_main, start_server
 
-DIM = 64
-TABLES = 4
-DELTAS = 16
 HEAVY_DELTAS = 13
 
 
@@ -129,7 +131,7 @@ def run(ctx: Context) -> dict[str, Any]:
     """Memory, bootstrap and encode-once sections (see the module docstring)."""
     from bench import deltad_procs
     from bench.datagen import write_spool
-    from bench.fanout import _floor
+    from bench.fanout import floor_round
 
     why = deltad_procs.sidecar_unavailable()
     if why:
@@ -137,7 +139,7 @@ def run(ctx: Context) -> dict[str, Any]:
     window = ctx.pick(512 * MB, 32 * MB, 1 * MB)
     n = ctx.pick(6, 16, 2)
     fan = ctx.pick([1, 8], [1, 8], [1, 2])
-    rows = window // (8 + DIM * 4) // TABLES
+    rows = rows_per_table(window)
     run_cache = window // 4  # runs of 16 deltas of 1 %: a few % of the window
     result: dict[str, Any] = {"window_bytes_fp32": window, "consumers": n}
     with ctx.tmpdir("sidecar-mem") as work, Children() as kids:
@@ -150,17 +152,13 @@ def run(ctx: Context) -> dict[str, Any]:
         # shards), a quarter of the window
         heavy, h_window = work / "heavy", window // 4
         kw_h = {**kw, "deltas": HEAVY_DELTAS}
-        h_rows = h_window // (8 + DIM * 4) // TABLES
+        h_rows = rows_per_table(h_window)
         write_spool(heavy, rows_per_table=h_rows, delta_fraction=0.3, **kw_h)  # type: ignore[arg-type]
         result["heavy_log_bytes"] = sum(p.stat().st_size for p in heavy.rglob("seg-*"))
         log_bytes = sum(p.stat().st_size for p in spool.rglob("seg-*"))
         result["log_bytes"] = log_bytes
-        workers = [ClientWorker(kids) for _ in range(max(n, *fan))]
+        workers = warm_workers(kids, max(n, *fan))
         try:
-            for w in workers:
-                w.send("call", module="bench.throughput", func="client_warm", kwargs={})
-            for w in workers:
-                w.recv("client_warm", 300.0)
             # the fixed process baseline: the same binary serving a tiny log
             side = _sidecar(kids, tiny, ctx, 1 << 30, run_cache)
             try:
@@ -257,7 +255,9 @@ def run(ctx: Context) -> dict[str, Any]:
                              "cached_cpu_s": cached_s, "pull_s": [x["seconds"] for x in res],
                              "idle_cpu_per_s": idle_rate}
                         )  # fmt: skip
-                        floor.append(_floor(bare_pid, bare_port, workers[:k], res[0]["bytes"], r))
+                        floor.append(
+                            floor_round(bare_pid, bare_port, workers[:k], res[0]["bytes"], r)
+                        )
             finally:
                 bare_conn.close()
             result["encode_once"] = {"sidecar": fanout, "floor": floor}

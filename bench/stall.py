@@ -22,7 +22,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import GB, Children, Context, NotAvailable, med, medf, save_figure, summarize
+from bench.common import (
+    GB,
+    Children,
+    Context,
+    NotAvailable,
+    med,
+    medf,
+    pyplot,
+    save_figure,
+    summarize,
+)
 from bench.tracking import run_worker
 
 
@@ -131,11 +141,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Stall (ms) and write rate (GB/s) vs segment bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     pts = sorted(result.get("points", []), key=lambda p: p["bytes_per_segment"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for d in sorted({p["dim"] for p in pts}):

@@ -22,13 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    DIM,
     GB,
     MB,
+    TABLES,
     Children,
     Context,
     NotAvailable,
     PeakRssMonitor,
+    consumer_config,
     med,
+    pyplot,
     ratio,
     save_figure,
     summarize,
@@ -40,8 +44,6 @@ from bench.wire_baselines import (
     tcp_server_main,
 )
 
-DIM = 64
-TABLES = 4
 WIRE_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 
 
@@ -91,7 +93,7 @@ def client_pull(
     """
     import time
 
-    from deltad.config import ConsumerConfig, PullOptions
+    from deltad.config import PullOptions
     from deltad.consume.client import DeltaConsumer
     from deltad.perf import tune_malloc, tune_threads
     from deltad.types import Form, WireDtype
@@ -101,14 +103,8 @@ def client_pull(
     key = ("consumer", endpoint, consumer)
     c = state.get(key) if keep else None
     if c is None:
-        cfg = ConsumerConfig(
-            consumer=consumer,
-            model=model,
-            sidecars=(endpoint,),
-            pull=PullOptions(form=Form(form), k=k, wire_dtype=WireDtype(dtype), max_step=max_step),
-            align_steps=False,
-            rpc_deadline_s=600.0,
-        )
+        pull = PullOptions(form=Form(form), k=k, wire_dtype=WireDtype(dtype), max_step=max_step)
+        cfg = consumer_config(consumer, model, endpoint, pull=pull)
         c = DeltaConsumer(cfg).connect()
         if keep:
             state[key] = c
@@ -206,7 +202,7 @@ def client_bootstrap_rss(
     import gc
 
     from bench.common import proc_status_bytes
-    from deltad.config import ConsumerConfig, PullOptions
+    from deltad.config import PullOptions
     from deltad.consume.appliers import TensorDictApplier
     from deltad.consume.client import DeltaConsumer
     from deltad.perf import tune_malloc, tune_threads
@@ -217,14 +213,7 @@ def client_bootstrap_rss(
 
     tune_malloc()
     tune_threads()
-    cfg = ConsumerConfig(
-        consumer=consumer,
-        model=model,
-        sidecars=(endpoint,),
-        pull=PullOptions(wire_dtype=WireDtype.FP32),
-        align_steps=False,
-        rpc_deadline_s=600.0,
-    )
+    cfg = consumer_config(consumer, model, endpoint, pull=PullOptions(wire_dtype=WireDtype.FP32))
     c = DeltaConsumer(cfg).connect()
     applier = TensorDictApplier()
     try:
@@ -541,11 +530,7 @@ def _headline(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """GB/s vs window size: deltad per dtype, bare gRPC and TCP."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     pts = result.get("points", [])
     for dtype in result.get("dtypes", []):

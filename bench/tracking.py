@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, NotAvailable, med, medf, save_figure, summarize
+from bench.common import Children, Context, NotAvailable, med, medf, pyplot, save_figure, summarize
 
 VARIANTS = (
     "none",
@@ -551,11 +551,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Bar chart of step time per variant (median, min-max whiskers)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     vs = result.get("variants", {})
     names = list(vs)
     meds = [medf(vs[n]["step_s"]) * 1000 for n in names]

@@ -33,21 +33,22 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    DELTAS,
+    DIM,
     GB,
     MB,
+    TABLES,
     Children,
     Context,
     CpuMonitor,
     machine_info,
     med,
     ratio,
+    rows_per_table,
     summarize,
 )
 from bench.wire_baselines import ClientWorker, grpc_server_main, start_server
 
-DIM = 64
-TABLES = 4
-DELTAS = 16
 CHUNK = 2 * MB  # the sidecar's default --chunk-bytes
 
 
@@ -96,7 +97,7 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
     from bench.datagen import write_spool
 
     window = ctx.pick(1024 * MB, 256 * MB, 8 * MB)
-    rows = window // (8 + DIM * 4) // TABLES
+    rows = rows_per_table(window)
     repeats = ctx.repeats
     out: dict[str, Any] = {"dim": DIM, "tables": TABLES, "deltas": DELTAS, "rows_per_table": rows}
     with ctx.tmpdir("wirespeed") as spool, Children() as kids:
@@ -154,7 +155,7 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
         with ctx.tmpdir("wirespeed-cursors") as cur_spool:
             write_spool(
                 cur_spool, model=deltad_procs.MODEL, tables=TABLES,
-                rows_per_table=cur_window // (8 + DIM * 4) // TABLES, dim=DIM, deltas=DELTAS,
+                rows_per_table=rows_per_table(cur_window), dim=DIM, deltas=DELTAS,
                 delta_fraction=0.01,
             )  # fmt: skip
             extra = [*deltad_procs.NO_RETENTION, "--window-cache-entries", "0"]

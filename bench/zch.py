@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Context, med, ratio, summarize
+from bench.common import Context, med, metric, ratio, summarize
 
 POLICIES = ("lru", "lfu")
 
@@ -190,28 +190,14 @@ def run(ctx: Context) -> dict[str, Any]:
         )
     headline = []
     for p in points:
-        headline.append(
-            {
-                "metric": f"{p['policy']}: identity bytes per step",
-                "value": med(p["identity_bytes_per_step"]),
-                "unit": "B",
-                "baseline": float(p["whole_remapper_bytes"]),
-                "ratio": p["identity_vs_whole_remapper"],
-                "target": None,
-                "met": None,
-            }
-        )
-        headline.append(
-            {
-                "metric": f"{p['policy']}: apply with identities (int8 MC-EBC)",
-                "value": med(p["apply_mc_s"]),
-                "unit": "s",
-                "baseline": med(p["apply_rows_only_s"]),
-                "ratio": p["apply_cost_ratio"],
-                "target": None,
-                "met": None,
-            }
-        )
+        none = {"target": None, "met": None}
+        headline += [
+            metric(f"{p['policy']}: identity bytes per step", med(p["identity_bytes_per_step"]),
+                   "B", baseline=float(p["whole_remapper_bytes"]),
+                   ratio=p["identity_vs_whole_remapper"], **none),
+            metric(f"{p['policy']}: apply with identities (int8 MC-EBC)", med(p["apply_mc_s"]),
+                   "s", baseline=med(p["apply_rows_only_s"]), ratio=p["apply_cost_ratio"], **none),
+        ]  # fmt: skip
     return {
         "headline": headline,
         "params": {

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from deltad.demo import MODEL, SERVING, TABLES, Demo, DemoFailed, PredictorLog
+from deltad.demo_checks import check_serving
+from deltad.demo_procs import wait_serving
 
 STEPS, START, CANARY, BAD, ROLLBACK = 40, 10, 24, 31, 18
 CANARY_PRED, MAIN_PRED = "pred-canary-0", "pred-main-0"
@@ -54,9 +56,9 @@ class BadUpdateDemo(Demo):
         lines: list[str] = []
         failures: list[str] = []
         try:
-            trainer = self.spawn("trainer", self.trainer_argv())
-            sidecars = [self.spawn(f"sidecar-{r}", self.serve_argv(r)) for r in range(2)]
-            endpoints = [self.wait_serving(s) for s in sidecars]
+            trainer = self.children.spawn("trainer", self.trainer_argv())
+            sidecars = [self.children.spawn(f"sidecar-{r}", self.serve_argv(r)) for r in range(2)]
+            endpoints = [wait_serving(s) for s in sidecars]
             self.target = endpoints[0]
             # 1. hold the fleet at START before any predictor starts
             self._until(lambda: self.status()["head_step"] >= START, a.duration + 600, "head")
@@ -71,7 +73,7 @@ class BadUpdateDemo(Demo):
             self.predictors = list(preds)
             logs = {}
             for name, extra in preds.items():
-                self.spawn(name, self.consume_argv(name, extra))
+                self.children.spawn(name, self.consume_argv(name, extra))
                 logs[name] = _StepLog(self.logs / f"{name}.jsonl")
             self._until(lambda: trainer.proc.poll() is not None, a.duration + 600, "training")
             if trainer.proc.returncode != 0:
@@ -119,7 +121,7 @@ class BadUpdateDemo(Demo):
             self.stop_predictors()
             lines += self._check_rollback(rolled, failures)
         finally:
-            self.stop_all()
+            self.children.stop_all()
             redis.stop()
         head = (
             f"deltad demo --scenario bad-update: 2 ranks, {TABLES} tables x {a.rows} rows x dim "
@@ -175,9 +177,11 @@ class BadUpdateDemo(Demo):
                 got.keys() == tables.keys() and all(torch.equal(got[k], tables[k]) for k in tables)
             )
         model = torch.load(dump / f"model-step-{ROLLBACK}.pt", weights_only=True)
-        line, serving_ok, _ = self.check_serving(
-            model, PredictorLog(self.logs / f"{SERVING}.jsonl")
-        )
+        serving, _ = check_serving(
+            self.work / f"{SERVING}-state.pt", self.args.rows, self.args.dim, model,
+            PredictorLog(self.logs / f"{SERVING}.jsonl"),
+        )  # fmt: skip
+        line, serving_ok = serving.line, serving.ok
         in_place = all(n > 0 for n in rolled.values())
         ok = all(exact) and serving_ok and in_place
         failures += [] if ok else ["rollback"]
@@ -194,7 +198,7 @@ class BadUpdateDemo(Demo):
         while time.monotonic() < deadline:  # bounded
             if cond():
                 return
-            self.check_alive()
+            self.children.check_alive()
             time.sleep(0.1)
         raise DemoFailed(f"timed out waiting for {what}")
 

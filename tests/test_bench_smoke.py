@@ -200,7 +200,7 @@ def test_plots_written(results: dict[str, Any]) -> None:
 def test_the_scale_model_ends_when_a_node_cannot_fan_out() -> None:
     """A measured send cost so high that one node serves one consumer (F = 1) used to loop
     forever growing a tree that never reaches the predictors (a tiny, loaded run hung)."""
-    from bench.fanout import scale_model
+    from bench.fanout_scale import scale_model
 
     tree = {
         "points": [{"consumers": 2, "serving_cpu_s_per_gb": 40.0}],
