@@ -1,4 +1,4 @@
-"""Hand parsing of raw GetDeltaResponse bytes: the message's framing and a RowChunk's fields as views."""
+"""Hand parsing of raw GetDeltaResponse bytes: its framing, and a RowChunk's fields as views."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Row values as they travel: each slice's wire encoding checked from its header, each chunk's values viewed or dequantized."""
+"""Row values on the wire: slice encodings checked, chunk values viewed or dequantized."""
 
 from __future__ import annotations
 
