@@ -11,10 +11,11 @@ tables per TBE, each table a run of rows in the TBE's ``weights_host`` byte buff
 
 :class:`QuantApplier` finds each table's rows as a ``[num_rows, row_bytes]`` uint8 view of
 that buffer (``split_embedding_weights_with_scale_bias(0)``; the quant module's state_dict
-shares the same storage), packs float rows exactly as torchrec's quantization does
-(``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`` for int8 / int4, a cast for fp16 / fp32;
-see :func:`pack_rows`, which is :func:`deltad.wire.pack_rows`, the sidecar's packer), and
-copies whole rows in with ``index_copy_`` (as 4-byte words). Bytes and forward outputs are
+shares the same storage; :mod:`deltad.consume.tbe`), packs float rows exactly as torchrec's
+quantization does (``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`` for int8 / int4, a cast
+for fp16 / fp32; see :func:`pack_rows`, which is :func:`deltad.wire.pack_rows`, the sidecar's
+packer), and copies whole rows in with ``index_copy_`` (as 16- or 4-byte words;
+:mod:`deltad.consume.inplace`). Bytes and forward outputs are
 therefore equal to quantizing the updated float tables from scratch. Rows that arrive
 already packed (``ShardUpdate.packed``, a pull in :func:`packed_wire_dtype`: uint8, the
 table's row layout above, with any zero padding) are copied as they are; a packed
