@@ -22,7 +22,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from deltad.config import ConsumerConfig, PublisherConfig, PullOptions
 from deltad.consume import decode
-from deltad.consume.client import DeltaConsumer, RankStatus, _dense_target
+from deltad.consume.align import dense_target
+from deltad.consume.client import DeltaConsumer, RankStatus
 from deltad.publish.publisher import SegmentPublisher
 from deltad.segment.format import decode_dense, encode_dense, read_dense, read_segment, write_dense
 from deltad.segment.spool import SpoolLayout
@@ -322,14 +323,14 @@ def test_dense_alignment_picks_a_step_every_rank_can_end_at() -> None:
         return RankStatus(rank, 2, 1, len(steps) - 1, head, 0.0, 0.0, dense, steps)
 
     # dense with every segment: the target itself
-    assert _dense_target([st(0, (0, 1, 2, 3), (0, 1, 2, 3)), st(1, (0, 1, 2, 3))], 3) == 3
+    assert dense_target([st(0, (0, 1, 2, 3), (0, 1, 2, 3)), st(1, (0, 1, 2, 3))], 3) == 3
     # dense every 2 steps: the newest dense step at or below the target
-    assert _dense_target([st(0, (0, 1, 2, 3), (0, 2)), st(1, (0, 1, 2, 3))], 3) == 2
+    assert dense_target([st(0, (0, 1, 2, 3), (0, 2)), st(1, (0, 1, 2, 3))], 3) == 2
     # rank 1 merged 1..3 into one entry ending at 3: step 2 is no end there; 0 is
-    assert _dense_target([st(0, (0, 1, 2, 3), (0, 2)), st(1, (0, 3))], 3) == 0
+    assert dense_target([st(0, (0, 1, 2, 3), (0, 2)), st(1, (0, 3))], 3) == 0
     # nothing common: rows move on to the target (the pull's dense_step tells the rest)
-    assert _dense_target([st(0, (1, 2, 3), (2,)), st(1, (3,))], 3) == 3
+    assert dense_target([st(0, (1, 2, 3), (2,)), st(1, (3,))], 3) == 3
     # no dense states published: the target
-    assert _dense_target([st(0, (0, 5)), st(1, (0, 5))], 5) == 5
+    assert dense_target([st(0, (0, 5)), st(1, (0, 5))], 5) == 5
     # an older sidecar reports no steps: trusted
-    assert _dense_target([st(0, (), (0, 4)), st(1, ())], 5) == 4
+    assert dense_target([st(0, (), (0, 4)), st(1, ())], 5) == 4

@@ -376,7 +376,7 @@ def test_consume_pulls_the_serving_tables_packed_form_by_default() -> None:
 def test_row_copy_moves_bits_as_they_are(width: int) -> None:
     """Rows copied as 16-byte / 4-byte words / bytes keep every bit: NaN payloads (signalling
     ones too), negative zeros; rows of a view into a wider buffer land at their offsets."""
-    from deltad.consume.quant import _copy_rows
+    from deltad.consume.inplace import copy_rows
 
     gen = torch.Generator().manual_seed(width)
     buf = torch.zeros(64, 96, dtype=torch.uint8)
@@ -386,7 +386,7 @@ def test_row_copy_moves_bits_as_they_are(width: int) -> None:
     if width >= 8:
         rows[:4, :8] = special.view(torch.uint8).view(4, 8)
     ids = torch.randperm(64, generator=gen)[:40]
-    _copy_rows(target, ids, rows)
+    copy_rows(target, ids, rows)
     assert torch.equal(target[ids], rows)
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[ids] = False

@@ -14,14 +14,15 @@ backoff; gRPC errors become :class:`deltad.errors.ConsumerError` at this boundar
 mTLS) are re-read when their files change, before the next call or reconnect (see
 deltad.consume.sidecars, which holds the connections; this module builds pulls and commits).
 
-Multi-rank alignment (``align_steps``): each pull first asks every sidecar's Status for its
-head step and requests ``max_step = min`` over ranks (with ``PullOptions.dense``, when the
-trainer publishes dense states: the newest step at or below it that has one, so the rows and
-the dense weights applied are of that one step); it applies only if every rank answered
-with the same generation and step, so a predictor never serves a mix of two model versions.
-Otherwise the whole pull is dropped uncommitted (``PullResult.missing`` says why) and the
-rows come again next time. A commit that fails (sidecar down) stays pending and is retried
-before that rank's next pull; commits only move forward, so none is lost or duplicated.
+Multi-rank alignment (``align_steps``; the step is chosen in :mod:`deltad.consume.align`): each
+pull first asks every sidecar's Status for its head step and requests ``max_step = min`` over
+ranks (with ``PullOptions.dense``, when the trainer publishes dense states: the newest step at
+or below it that has one, so the rows and the dense weights applied are of that one step); it
+applies only if every rank answered with the same generation and step, so a predictor never
+serves a mix of two model versions. Otherwise the whole pull is dropped uncommitted
+(``PullResult.missing`` says why) and the rows come again next time. A commit that fails
+(sidecar down) stays pending and is retried before that rank's next pull; commits only move
+forward, so none is lost or duplicated.
 
 Bootstrap memory: ``c.sync(applier.apply)`` (or ``c.pull(applier=applier)`` then
 ``applier.apply(result.deltas)``) streams every resync window's rows into the applier's staged
@@ -42,16 +43,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
-import torch
 
 from deltad import wire
 from deltad.config import ConsumerConfig
-from deltad.consume import decode
+from deltad.consume import align, decode, longpoll
 from deltad.consume.appliers import Applier, ResyncStage
+from deltad.consume.pullstage import keep_stage
+from deltad.consume.result import PullResult
 from deltad.consume.sidecars import RankLink, RankStatus, Sidecars
 from deltad.consume.window import Cursor, RankDelta
 from deltad.errors import ConfigError, ConsumerError, OverloadedError, SidecarUnavailableError
@@ -62,106 +63,6 @@ __all__ = ["DeltaConsumer", "PullResult", "RankStatus"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass
-class PullResult:
-    """One pull: the windows to apply (one per rank) and what serving them means."""
-
-    deltas: list[RankDelta] = field(default_factory=list)
-    #: Trainer step the tables serve once ``deltas`` are applied (None: nothing pulled). With
-    #: dense states asked for and published, the dense weights of that step come with it (in
-    #: the window of the rank that publishes them), unless the predictor holds them already.
-    step: int | None = None
-    #: Newest step any rank has published.
-    head_step: int | None = None
-    #: The newest step the model's release state lets this consumer be served (hold, pin,
-    #: canary, a validation gate failure; None: no cap: the head). Aligned pulls only.
-    cap_step: int | None = None
-    #: The newest step this consumer can reach now: ``head_step`` without a cap, else the
-    #: newest step at or below the cap every rank can end a window at. Aligned pulls only.
-    release_step: int | None = None
-    #: When the last segment of ``step`` was created (host clock), if known.
-    source_unix: float | None = None
-    #: Ranks not read this time, with the reason (the rows come next time).
-    missing: dict[int, str] = field(default_factory=dict)
-    pulled_unix: float = 0.0
-
-    @property
-    def caught_up(self) -> bool:
-        """Every rank read, the tables serve the newest step this consumer may have (the
-        head, or the release step while a hold, pin or gate caps it: a capped consumer is
-        caught up to the release, not behind), no row is owed and no dense state is
-        missing: nothing more to pull until the trainer publishes or an operator releases."""
-        if self.missing or self.dense_missing or self.step is None or self.owed:
-            return False
-        reach = self.release_step if self.release_step is not None else self.head_step
-        return reach is not None and self.step >= reach
-
-    @property
-    def rows(self) -> int:
-        return sum(d.rows for d in self.deltas)
-
-    @property
-    def bytes(self) -> int:
-        return sum(d.bytes for d in self.deltas)
-
-    @property
-    def resync(self) -> bool:
-        return any(d.resync for d in self.deltas)
-
-    @property
-    def generation_diff(self) -> bool:
-        """A rank moved to a new generation by a generation diff (only the rows that differ,
-        applied in place) rather than a full resync."""
-        return any(d.generation_diff is not None for d in self.deltas)
-
-    @property
-    def rollback_to(self) -> int | None:
-        """The step of the rollback this pull followed (the tables and dense state go back
-        to ``step``, the newest published step at or before it); None: no rollback."""
-        return next((d.rollback_to for d in self.deltas if d.rollback_to is not None), None)
-
-    @property
-    def rolled_back(self) -> bool:
-        """Whether this pull took the predictor back to an earlier step (a rollback)."""
-        return self.rollback_to is not None
-
-    @property
-    def resync_reasons(self) -> dict[int, str]:
-        """Why each resynced rank resynced, as its sidecar said (e.g. "new generation: ...")."""
-        return {d.rank: d.resync_reason for d in self.deltas if d.resync}
-
-    @property
-    def owed(self) -> int:
-        """Rows still owed after this pull (top-k or ``max_rows``: sent by later pulls)."""
-        return sum(s.owed for d in self.deltas for s in d.shards)
-
-    @property
-    def served_step(self) -> int | None:
-        """The step the predictor serves once it applied this pull (= ``step``)."""
-        return self.step
-
-    @property
-    def dense(self) -> dict[str, torch.Tensor]:
-        """The dense state this pull carries (empty: none new)."""
-        return next((d.dense for d in self.deltas if d.dense_step is not None), {})
-
-    @property
-    def dense_step(self) -> int | None:
-        """The step of the dense state this pull carries (None: none new)."""
-        return next((d.dense_step for d in self.deltas if d.dense_step is not None), None)
-
-    @property
-    def dense_bytes(self) -> int:
-        return sum(d.dense_bytes for d in self.deltas)
-
-    @property
-    def dense_missing(self) -> dict[int, str]:
-        """Ranks whose sidecar (or relay) says this pull lacks the dense state it should
-        bring, with the reason (asked with ``PullOptions.dense``). The rows applied are of
-        ``step``; the dense weights held are older (or the model's init): not caught up."""
-        return {d.rank: d.dense_missing for d in self.deltas if d.dense_missing}
 
 
 class DeltaConsumer:
@@ -271,7 +172,9 @@ class DeltaConsumer:
                 stage.discard("the pull failed")
             raise
         if stage is not None:
-            result = self._keep_stage(result, stage)
+            dropped = keep_stage(result, stage, self._ranks)
+            if dropped is not None:
+                log.warning("pull %s: %s", self.config.consumer, dropped)
         log.info(
             "pull %s step %s: %s: %d rows, %d bytes, %.0f ms%s",
             self.config.consumer, result.step,
@@ -284,39 +187,6 @@ class DeltaConsumer:
         )  # fmt: skip
         for rank, why in result.dense_missing.items():
             log.warning("pull %s rank %d: dense state missing: %s", self.config.consumer, rank, why)
-        return result
-
-    def _keep_stage(self, result: PullResult, stage: ResyncStage) -> PullResult:
-        """Discard ``stage`` unless every rank that staged rows into it delivered its window
-        in ``result``: a rank that failed mid-stream left rows of a window that will not be
-        applied, which nothing can tell from the rows other ranks staged next to them (a
-        row-wise shard shares its tables). The windows that were streamed go with it: their
-        ranks count as missing and ask for their full tables again."""
-        if stage.error is not None:
-            stage.discard(str(stage.error))
-            for d in result.deltas:
-                if d.stage is stage:
-                    self._ranks[d.rank].needs_base = True
-            raise stage.error  # the applier refused the window, as apply would have
-        delivered = {d.rank for d in result.deltas if d.stage is stage}
-        spoiled = sorted(stage.ranks - delivered)
-        if not spoiled:
-            if not delivered:
-                stage.discard("nothing streamed")
-            return result
-        why = f"resync discarded: rank(s) {spoiled} failed after staging rows"
-        stage.discard(why)
-        kept = []
-        for d in result.deltas:
-            if d.stage is stage:  # (auto-committed or not) the full tables come again
-                result.missing[d.rank] = why
-                self._ranks[d.rank].needs_base = True
-            else:
-                kept.append(d)
-        result.deltas = kept
-        if not kept:
-            result.step = None
-        log.warning("pull %s: %s", self.config.consumer, why)
         return result
 
     def _pull(self, stage: ResyncStage | None = None) -> PullResult:
@@ -409,37 +279,7 @@ class DeltaConsumer:
         (the next pull reports it). ``stop``, once set, ends the wait early (False).
         """
         self._require_connected()
-        if timeout_s <= 0 or any(r.needs_base and r.seen[1] >= 0 for r in self._ranks):
-            return True  # a rank has segments this consumer has not pulled yet
-        # (a rank with nothing published yet, seen (0, -1), is waited for like any other:
-        # its sidecar answers once the trainer's first segment lands)
-        answered = threading.Event()
-        calls = []
-        for r in self._ranks:
-            try:
-                call = self._sidecars.wait_past(r, timeout_s)
-            except grpc.RpcError:
-                return False
-            call.add_done_callback(lambda _: answered.set())
-            calls.append((r, call))
-        try:
-            end = time.monotonic() + timeout_s + 1.0  # each call has its own deadline too
-            while not answered.wait(0.1 if stop is not None else timeout_s + 1.0):
-                if (stop is not None and stop.is_set()) or time.monotonic() >= end:
-                    break
-            moved = False
-            for r, call in calls:
-                if not call.done() or call.cancelled() or call.exception() is not None:
-                    continue
-                st = call.result()
-                if (st.generation, st.head_seq) > r.seen:
-                    moved = True
-                if st.rollout_state and r.rollout_version not in (None, st.rollout_version):
-                    moved = True  # released (or held): the cap moved
-            return moved
-        finally:
-            for _, call in calls:
-                call.cancel()
+        return longpoll.wait_for_new(self._sidecars, timeout_s, stop)
 
     # ---- pulls -----------------------------------------------------------------------------
 
@@ -448,7 +288,7 @@ class DeltaConsumer:
         # arrive, but whenever this returns without handing every rank's window to the caller
         # (a rank missing, ranks at other generations or steps), the staged rows of the ranks
         # that did answer belong to no kept window, and pull() discards the stage
-        # (_keep_stage: a stage is kept only if every rank that touched it is in
+        # (keep_stage: a stage is kept only if every rank that touched it is in
         # result.deltas). The target step is chosen from Status before any GetDelta, so
         # every rank's window ends at one step or the pull is dropped whole.
         statuses: dict[int, RankStatus] = {}
@@ -459,30 +299,14 @@ class DeltaConsumer:
                 result.missing[r.rank] = str(st)
         if result.missing:
             return result
-        generations = {s.generation for s in statuses.values()}
-        if len(generations) > 1 or any(s.head_seq < 0 for s in statuses.values()):
-            result.missing = {
-                s.rank: (
-                    "nothing published yet"
-                    if s.head_seq < 0
-                    else f"generation {s.generation} head seq {s.head_seq}: ranks not aligned yet"
-                )
-                for s in statuses.values()
-            }
+        heads = list(statuses.values())
+        result.missing = align.unaligned(heads)
+        if result.missing:
             return result
-        target = min(s.head_step for s in statuses.values())
-        caps = [s.cap_step for s in statuses.values() if s.cap_step is not None]
-        result.head_step = max(s.head_step for s in statuses.values())
-        result.release_step = result.head_step
-        if caps:  # the release state caps this consumer: caught up at the release
-            result.cap_step = min(caps)
-            target = min(target, result.cap_step)
-            bound = min(result.head_step, result.cap_step)
-            result.release_step = _reachable(list(statuses.values()), bound)
-        if self.config.pull.max_step is not None:
-            target = min(target, self.config.pull.max_step)
-        if self.config.pull.dense:
-            target = _dense_target(list(statuses.values()), target)
+        aligned = align.align(heads, self.config.pull.max_step, self.config.pull.dense)
+        result.head_step, result.cap_step = aligned.head_step, aligned.cap_step
+        result.release_step = aligned.release_step
+        target = aligned.target
         deltas: list[RankDelta] = []
         got_all = _raise_overloaded(self._parallel(lambda r: self._get_delta(r, target, stage)))
         for r, got in zip(self._ranks, got_all, strict=True):
@@ -504,8 +328,7 @@ class DeltaConsumer:
             self.commit(result)
             for d in deltas:
                 d.committed = True
-        at_step = [s.head_created_unix for s in statuses.values() if s.head_step == result.step]
-        result.source_unix = max(at_step) if at_step else None
+        result.source_unix = align.source_unix(heads, result.step)
         return result
 
     def _request(self, r: RankLink, max_step: int | None) -> pb.GetDeltaRequest:
@@ -556,28 +379,6 @@ def _applier_of(apply: object) -> Applier | None:
         return None
     module = getattr(getattr(type(owner), "apply", None), "__module__", "") or ""
     return owner if module.startswith("deltad.consume.") else None
-
-
-def _dense_target(statuses: list[RankStatus], target: int) -> int:
-    """The step an aligned pull that wants dense weights goes to, at most ``target``: the
-    newest step that has a dense state and that every rank's log can end a window at (a
-    retention merge may have swallowed a step on some rank). With dense states published with
-    every segment (the default) that is ``target`` itself: no freshness is lost. If no such
-    step exists (none published, or all swallowed), ``target``: rows move on, and the pull's
-    ``dense_step`` (older) says which dense state the predictor holds."""
-    dense = sorted({t for s in statuses for t in s.dense_steps if t <= target}, reverse=True)
-    ends = [set(s.steps) for s in statuses]
-    for t in dense:
-        if all(t in e for e in ends if e):  # a rank that reports no steps: an older sidecar
-            return t
-    return target
-
-
-def _reachable(statuses: list[RankStatus], bound: int) -> int:
-    """The newest step at or below ``bound`` that a rank can end a window at (as
-    ``head_step`` is the newest any rank published; ``bound`` when ranks report no steps)."""
-    ends = set().union(*(s.steps for s in statuses))
-    return max((t for t in ends if t <= bound), default=bound)
 
 
 def _raise_overloaded(results: list[T | Exception]) -> list[T | Exception]:

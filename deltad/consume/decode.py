@@ -10,14 +10,13 @@ or, with any iterable of stream messages (parsed ``GetDeltaResponse`` protos *or
     delta = decode_stream(messages)          # -> deltad.consume.window.RankDelta
 
 :class:`WindowAssembler` is the incremental form (``add(msg)`` per message, ``result()``).
-Raw bytes take the fast path: RowChunk framing is parsed by hand and every row is copied
-once, straight from the received buffer into preallocated float32 / int64 tensors
-(dequantizing fp16 / bf16 / int8 on the way).
+Raw bytes take the fast path: RowChunk framing is parsed by hand (:mod:`deltad.consume.rawmsg`)
+and every row is copied once, straight from the received buffer into preallocated float32 /
+int64 tensors (dequantizing fp16 / bf16 / int8 on the way: :mod:`deltad.consume.wirerows`).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,63 +26,25 @@ import torch
 from google.protobuf.message import DecodeError
 
 from deltad.buffers import BufferPool
+from deltad.consume.rawmsg import (
+    CHUNK_TAG,
+    DENSE_TAG,
+    HEADER_TAG,
+    TRAILER_TAG,
+    parse_response,
+    parse_row_chunk,
+    split_response,
+)
 from deltad.consume.window import RankDelta, ShardUpdate
+from deltad.consume.wirerows import chunk_values, fill_values, slice_encodings, view
 from deltad.errors import SegmentCorruptError, StreamDecodeError
 from deltad.segment.format import dense_dtype
 from deltad.types import Form, Shard, WireDtype
 from deltad.v1 import delta_pb2 as pb
-from deltad.wire import (
-    GET_DELTA_METHOD,
-    MAX_SLICE_ELEMENTS,
-    WIRE_ITEMSIZE,
-    check_row_alignment,
-    cursor_from_pb,
-    dtype_from_pb,
-    form_from_pb,
-    packed_refusal,
-    packed_row_bytes,
-)
+from deltad.wire import GET_DELTA_METHOD, MAX_SLICE_ELEMENTS, cursor_from_pb
 
 if TYPE_CHECKING:
     from deltad.consume.window import ResyncStage
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= len(buf):
-            raise StreamDecodeError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise StreamDecodeError("varint too long")
-
-
-def _skip_field(buf: memoryview, pos: int, wire_type: int) -> int:
-    if wire_type == 0:
-        return _read_varint(buf, pos)[1]
-    if wire_type == 1:
-        return pos + 8
-    if wire_type == 2:
-        n, pos = _read_varint(buf, pos)
-        return pos + n
-    if wire_type == 5:
-        return pos + 4
-    raise StreamDecodeError(f"unsupported wire type {wire_type}")
-
-
-def _view(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
-    """A read-only tensor over received bytes (no copy; keeps the bytes alive)."""
-    if len(buf) == 0:
-        return torch.empty(0, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
-        return torch.frombuffer(buf, dtype=dtype)
 
 
 class _Slot:
@@ -274,29 +235,19 @@ class WindowAssembler:
             raise StreamDecodeError("empty GetDeltaResponse")
 
     def _add_raw(self, buf: memoryview) -> None:
-        if len(buf) < 2:
-            raise StreamDecodeError("empty GetDeltaResponse")
-        tag, pos = _read_varint(buf, 0)
-        n, pos = _read_varint(buf, pos)
-        body = buf[pos : pos + n]
-        if len(body) != n:
-            raise StreamDecodeError("bad GetDeltaResponse framing")
-        if pos + n != len(buf):
-            # fields after the first (a newer server's additions): decode the whole message
-            try:
-                msg = pb.GetDeltaResponse.FromString(bytes(buf))
-            except DecodeError as e:
-                raise StreamDecodeError(f"bad GetDeltaResponse: {e}") from e
-            self.add(msg)
+        split = split_response(buf)
+        if split is None:  # fields after the first (a newer server's additions)
+            self.add(parse_response(buf))
             return
+        tag, body = split
         try:
-            if tag == 0x0A:
+            if tag == HEADER_TAG:
                 self._on_header(pb.DeltaHeader.FromString(bytes(body)))
-            elif tag == 0x12:
-                self._parse_chunk(body)
-            elif tag == 0x1A:
+            elif tag == CHUNK_TAG:
+                self._on_chunk(*parse_row_chunk(body))
+            elif tag == TRAILER_TAG:
                 self._on_trailer(pb.DeltaTrailer.FromString(bytes(body)))
-            elif tag == 0x22:
+            elif tag == DENSE_TAG:
                 c = pb.DenseChunk.FromString(bytes(body))
                 self._on_dense(c.tensor, c.offset, memoryview(c.data))
             else:
@@ -304,79 +255,12 @@ class WindowAssembler:
         except DecodeError as e:
             raise StreamDecodeError(f"bad GetDeltaResponse: {e}") from e
 
-    def _parse_chunk(self, buf: memoryview) -> None:
-        fields = [0, 0, 0]
-        # ids, scale_bias, values, raw_ids, evicted, admitted (RowChunk fields 4..9)
-        blobs = [memoryview(b"")] * 6
-        pos = 0
-        while pos < len(buf):
-            key, pos = _read_varint(buf, pos)
-            num, wt = key >> 3, key & 7
-            if 1 <= num <= 3 and wt == 0:
-                fields[num - 1], pos = _read_varint(buf, pos)
-            elif 4 <= num <= 9 and wt == 2:
-                n, pos = _read_varint(buf, pos)
-                blobs[num - 4] = buf[pos : pos + n]
-                pos += n
-            else:
-                pos = _skip_field(buf, pos, wt)
-        if pos != len(buf):
-            raise StreamDecodeError("truncated RowChunk")
-        self._on_chunk(fields[0], fields[1], fields[2], *blobs)
-
     def _on_header(self, h: pb.DeltaHeader) -> None:
         if self.header is not None:
             raise StreamDecodeError("second header in one stream")
         self.header = h
-        try:
-            self.form = form_from_pb(h.form)
-            self.dtype = dtype_from_pb(h.dtype)
-        except ValueError as e:
-            raise StreamDecodeError(str(e)) from e
+        self.form, self.dtype, row_bytes, dtypes = slice_encodings(h)
         with_values = self.form is not Form.IDS
-        packed = with_values and self.dtype.packed
-        if packed:
-            try:
-                align = check_row_alignment(h.row_alignment)
-            except ValueError as e:
-                raise StreamDecodeError(str(e)) from e
-        row_bytes, dtypes = [], []
-        for s in h.slices:
-            if not 0 <= s.col_start <= s.col_end <= s.dim or s.count > s.num_rows:
-                raise StreamDecodeError(
-                    f"slice {s.table[:64]!r}: columns {s.col_start}..{s.col_end} of {s.dim}, "
-                    f"{s.count} rows of {s.num_rows}: not a slice of its table"
-                )
-            if s.count * max(1, s.col_end - s.col_start) > MAX_SLICE_ELEMENTS:
-                raise StreamDecodeError(
-                    f"slice {s.table[:64]!r} of {s.count} x {s.col_end - s.col_start}: too large"
-                )
-            if (s.evicted_count or s.admitted_count) and not s.identities:
-                raise StreamDecodeError(
-                    f"slice {s.table[:64]!r}: evicted / admitted raw ids without identities"
-                )
-            if s.admitted_count and with_values:
-                raise StreamDecodeError(f"slice {s.table[:64]!r}: admitted raw ids outside ids")
-            if s.evicted_count + s.admitted_count > MAX_SLICE_ELEMENTS:
-                raise StreamDecodeError(f"slice {s.table[:64]!r}: too many raw ids")
-            rb, dtype = 0, self.dtype
-            if s.dtype != pb.WIRE_DTYPE_UNSPECIFIED:  # a packed response's fp32 slice
-                if not packed or s.dtype != pb.WIRE_DTYPE_FP32 or s.row_bytes:
-                    raise StreamDecodeError(
-                        f"slice {s.table[:64]!r}: dtype {s.dtype} in a {self.dtype.value} "
-                        f"response (only fp32 slices of a packed one, without row_bytes)"
-                    )
-                dtype = WireDtype.FP32
-            elif packed:
-                why = packed_refusal(self.dtype, s.dim, s.col_start, s.col_end)
-                rb = packed_row_bytes(s.dim, self.dtype, align)
-                if why is not None or s.row_bytes != rb:
-                    raise StreamDecodeError(
-                        f"slice {s.table[:64]!r}: {why or ''} {s.row_bytes} bytes per "
-                        f"{self.dtype.value} row of dim {s.dim}, expected {rb}"
-                    )
-            row_bytes.append(rb)
-            dtypes.append(dtype)
         streamed = [False] * len(h.slices)
         if self.stage is not None and h.resync and with_values:
             # every slice is opened before any row arrives: a table the applier refuses
@@ -427,7 +311,7 @@ class WindowAssembler:
                 f"next, of {buf.numel()}"
             )
         if len(data):
-            buf[offset:end] = _view(data, torch.uint8)
+            buf[offset:end] = view(data, torch.uint8)
         filled[0] = end
         self.bytes += len(data)
         self.dense_bytes += len(data)
@@ -462,9 +346,11 @@ class WindowAssembler:
         elif slot.parts is not None:
             vals = None
             if slot.with_values:
-                packed, floats = self._chunk_values(slot, count, scale_bias, values)
+                packed, floats = chunk_values(
+                    slot.row_bytes, slot.dtype, slot.width, count, scale_bias, values
+                )
                 vals = packed if packed is not None else floats
-            slot.parts.append((offset, _view(ids, torch.int64), vals, raw))
+            slot.parts.append((offset, view(ids, torch.int64), vals, raw))
         else:
             slot.ids_np[offset:end] = np.frombuffer(ids, dtype=np.int64)
             if slot.raw_ids is not None and raw is not None:
@@ -477,7 +363,7 @@ class WindowAssembler:
                 )
             elif slot.values_np is not None:
                 out = slot.values_np[offset:end]
-                self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
+                fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
         slot.filled += count
         self.bytes += len(ids) + len(scale_bias) + len(values)
         self.bytes += len(raw_ids) + len(evicted) + len(admitted)
@@ -510,10 +396,10 @@ class WindowAssembler:
             n = len(blob) // 8
             if into is None or len(blob) % 8 or at + n > into.numel():
                 raise StreamDecodeError(f"chunk of slice {index}: {name} raw ids past its count")
-            into[at : at + n] = _view(blob, torch.int64)
+            into[at : at + n] = view(blob, torch.int64)
         slot.evicted_filled += len(evicted) // 8
         slot.admitted_filled += len(admitted) // 8
-        return _view(raw_ids, torch.int64)
+        return view(raw_ids, torch.int64)
 
     def _stream_chunk(
         self, slot: _Slot, count: int, ids: memoryview, scale_bias: memoryview, values: memoryview
@@ -521,59 +407,14 @@ class WindowAssembler:
         """One chunk of a streamed slice into the stage: ids, fp32 and packed rows as views of
         the received bytes; fp16 / bf16 / int8 dequantized into a chunk-sized buffer."""
         assert self.stage is not None and self.header is not None
-        packed, vals = self._chunk_values(slot, count, scale_bias, values)
+        packed, vals = chunk_values(
+            slot.row_bytes, slot.dtype, slot.width, count, scale_bias, values
+        )
         m = slot.meta
         shard = Shard.columns_of(m.table, m.num_rows, m.dim, m.col_start, m.col_end)
         self.stage.write(
-            self.header.rank, ShardUpdate(shard, _view(ids, torch.int64), vals, 0, packed)
+            self.header.rank, ShardUpdate(shard, view(ids, torch.int64), vals, 0, packed)
         )
-
-    def _chunk_values(
-        self, slot: _Slot, count: int, scale_bias: memoryview, values: memoryview
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One chunk's values: (packed rows, None) as a view of the received bytes, or (None,
-        float32 rows): fp32 as a view, fp16 / bf16 / int8 dequantized into a chunk buffer."""
-        if slot.row_bytes:
-            if len(values) != count * slot.row_bytes:
-                raise StreamDecodeError(f"chunk of {len(values)} bytes for {count} packed rows")
-            return _view(values, torch.uint8).view(count, slot.row_bytes), None
-        if slot.dtype is WireDtype.FP32 and len(values) == count * slot.width * 4:
-            return None, _view(values, torch.float32).view(count, slot.width)
-        out = np.empty((count, slot.width), dtype=np.float32)
-        self._fill_values(slot.dtype, out, slot.width, count, scale_bias, values)
-        return None, torch.from_numpy(out)
-
-    def _fill_values(
-        self,
-        dtype: WireDtype,
-        out: Any,
-        w: int,
-        count: int,
-        scale_bias: memoryview,
-        values: memoryview,
-    ) -> None:
-        """Write ``count`` rows of wire values in ``dtype``, dequantized to float32, into
-        ``out``."""
-        if len(values) != count * w * WIRE_ITEMSIZE[dtype]:
-            raise StreamDecodeError(f"chunk values of {len(values)} bytes for {count}x{w}")
-        if count == 0 or w == 0:
-            return
-        if dtype is WireDtype.FP32:
-            out[...] = np.frombuffer(values, dtype=np.float32).reshape(count, w)
-        elif dtype in (WireDtype.FP16, WireDtype.BF16):
-            # torch's vectorized casts: numpy's float16 -> float32 ran at ~1.2 GB/s of wire
-            # bytes (the fp16 pull's bottleneck), bf16 bit shifts at ~6 GB/s.
-            half = torch.float16 if dtype is WireDtype.FP16 else torch.bfloat16
-            torch.from_numpy(out).copy_(_view(values, half).view(count, w))
-        else:
-            if len(scale_bias) != count * 8:
-                raise StreamDecodeError("int8 chunk without a (scale, bias) per row")
-            # torch: a cast then two in-place passes, 3-6 GB/s of wire bytes against 1.2 for
-            # numpy's mixed int8 x float32 multiply
-            sb = _view(scale_bias, torch.float32).view(count, 2)
-            t = torch.from_numpy(out)
-            t.copy_(_view(values, torch.int8).view(count, w))
-            t.mul_(sb[:, :1]).add_(sb[:, 1:])
 
     def _on_trailer(self, t: pb.DeltaTrailer) -> None:
         if self.header is None:

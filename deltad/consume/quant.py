@@ -11,10 +11,11 @@ tables per TBE, each table a run of rows in the TBE's ``weights_host`` byte buff
 
 :class:`QuantApplier` finds each table's rows as a ``[num_rows, row_bytes]`` uint8 view of
 that buffer (``split_embedding_weights_with_scale_bias(0)``; the quant module's state_dict
-shares the same storage), packs float rows exactly as torchrec's quantization does
-(``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`` for int8 / int4, a cast for fp16 / fp32;
-see :func:`pack_rows`, which is :func:`deltad.wire.pack_rows`, the sidecar's packer), and
-copies whole rows in with ``index_copy_`` (as 4-byte words). Bytes and forward outputs are
+shares the same storage; :mod:`deltad.consume.tbe`), packs float rows exactly as torchrec's
+quantization does (``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`` for int8 / int4, a cast
+for fp16 / fp32; see :func:`pack_rows`, which is :func:`deltad.wire.pack_rows`, the sidecar's
+packer), and copies whole rows in with ``index_copy_`` (as 16- or 4-byte words;
+:mod:`deltad.consume.inplace`). Bytes and forward outputs are
 therefore equal to quantizing the updated float tables from scratch. Rows that arrive
 already packed (``ShardUpdate.packed``, a pull in :func:`packed_wire_dtype`: uint8, the
 table's row layout above, with any zero padding) are copied as they are; a packed
@@ -84,285 +85,45 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from deltad import wire
 from deltad.consume.appliers import Applier, ResyncStage, row_run, stages_of
-from deltad.consume.mc import IdentityPlan, IdentityUpdates, Remapper, identities_of, remappers
+from deltad.consume.inplace import ApplyStats, ServingLock, copy_rows, write_window
+from deltad.consume.mc import IdentityUpdates, Remapper, identities_of, remappers
+from deltad.consume.tbe import (
+    SCALE_BIAS_BYTES,
+    QuantTable,
+    data_row_bytes,
+    dense_state,
+    pack_rows,
+    packed_wire_dtype,
+    quant_tables,
+    quantize_model,
+    serve_torch_dtype,
+    table_rows,
+)
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConfigError, ConsumerError, UnsupportedModelError
-from deltad.types import ApplyConsistency, ServeDtype, Shard, WireDtype
+from deltad.types import ApplyConsistency, Shard
 
-#: fp16 scale + fp16 bias in front of an int8 / int4 row (fbgemm's default layout)
-SCALE_BIAS_BYTES = 4
+__all__ = [  # the tables (deltad.consume.tbe) and the writing (deltad.consume.inplace) too
+    "SCALE_BIAS_BYTES",
+    "ApplyStats",
+    "QuantApplier",
+    "QuantTable",
+    "ServingLock",
+    "data_row_bytes",
+    "pack_rows",
+    "packed_wire_dtype",
+    "quant_tables",
+    "quantize_model",
+    "serve_torch_dtype",
+]
 
 _R = TypeVar("_R")
-
-
-def serve_torch_dtype(dtype: ServeDtype | str) -> torch.dtype:
-    """The ``quantize_embeddings`` dtype of a serving dtype; bf16 raises ConfigError."""
-    try:
-        d = ServeDtype(dtype)
-    except ValueError:
-        raise ConfigError(f"serving dtype {dtype!r} is not one of int8, int4, fp16, fp32") from None
-    if d is ServeDtype.BF16:
-        raise ConfigError(
-            "serving dtype bf16 is not supported: torchrec 1.8's quantize_embeddings("
-            "dtype=torch.bfloat16) crashes the process (SIGFPE); use fp16, fp32, int8 or int4"
-        )
-    return {
-        ServeDtype.INT8: torch.qint8,
-        ServeDtype.INT4: torch.quint4x2,
-        ServeDtype.FP16: torch.float16,
-        ServeDtype.FP32: torch.float32,
-    }[d]
-
-
-def quantize_model(
-    model: torch.nn.Module, dtype: ServeDtype | str, *, inplace: bool = False
-) -> torch.nn.Module:
-    """``quantize_embeddings`` for every EmbeddingBagCollection *and* EmbeddingCollection.
-
-    The same call a predictor uses to build its serving model from float model code; bf16
-    raises ConfigError before torchrec is called. Managed-collision modules (MC-EC / MC-EBC)
-    become torchrec's ``QuantManagedCollisionEmbedding(Bag)Collection``: quantized tables
-    behind the float MCH remapper (see :mod:`deltad.consume.mc`). ``model`` must not *be* an
-    MC module itself (torchrec swaps children only): wrap it.
-    """
-    torch_dtype = serve_torch_dtype(dtype)
-    from torchrec import EmbeddingCollection
-    from torchrec.inference.modules import quantize_embeddings
-    from torchrec.modules.mc_embedding_modules import (
-        ManagedCollisionEmbeddingBagCollection,
-        ManagedCollisionEmbeddingCollection,
-    )
-    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
-    from torchrec.quant.embedding_modules import (
-        QuantManagedCollisionEmbeddingBagCollection,
-        QuantManagedCollisionEmbeddingCollection,
-    )
-
-    mapping: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
-        EmbeddingCollection: QuantEmbeddingCollection,
-        ManagedCollisionEmbeddingCollection: QuantManagedCollisionEmbeddingCollection,
-        ManagedCollisionEmbeddingBagCollection: QuantManagedCollisionEmbeddingBagCollection,
-    }
-    return quantize_embeddings(
-        model,
-        dtype=torch_dtype,
-        inplace=inplace,
-        additional_qconfig_spec_keys=list(mapping),
-        additional_mapping=mapping,
-    )
-
-
-#: the packed wire dtype of each quantized serving dtype's rows (same layout)
-_PACKED_WIRE = {
-    ServeDtype.INT8: WireDtype.PACKED_INT8,
-    ServeDtype.INT4: WireDtype.PACKED_INT4,
-    ServeDtype.FP16: WireDtype.PACKED_FP16,
-}
-
-
-def packed_wire_dtype(dtype: ServeDtype | str) -> WireDtype:
-    """The wire dtype whose rows are this serving dtype's table rows, byte for byte (fp32:
-    plain fp32 values, which are its rows)."""
-    d = ServeDtype(dtype)
-    return _PACKED_WIRE.get(d, WireDtype.FP32)
-
-
-def data_row_bytes(dtype: ServeDtype, dim: int) -> int:
-    """Bytes of one packed row without fbgemm's alignment padding."""
-    if dtype is ServeDtype.FP32:
-        return 4 * dim
-    if dtype in _PACKED_WIRE:
-        return wire.packed_data_bytes(dim, _PACKED_WIRE[dtype])
-    raise ConfigError(f"no row layout for serving dtype {dtype.value}")
-
-
-def pack_rows(
-    values: torch.Tensor,
-    dtype: ServeDtype,
-    row_bytes: int | None = None,
-    *,
-    scale_bias_last: bool = False,
-) -> torch.Tensor:
-    """Float rows ``[n, dim]`` -> uint8 ``[n, row_bytes]`` in a TBE's row layout.
-
-    Exactly torchrec's quantization of a float table (``quantize_state_dict``): int8 / int4 /
-    fp16 through :func:`deltad.wire.pack_rows` (the sidecar's packer: same bytes as a packed
-    pull), fp32 by a copy; zero padded to ``row_bytes`` (default: no padding).
-    """
-    x = values.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    n, dim = x.shape
-    width = data_row_bytes(dtype, dim)
-    out = torch.empty(n, width if row_bytes is None else row_bytes, dtype=torch.uint8)
-    if out.shape[1] < width:
-        raise ConsumerError(f"row_bytes {row_bytes} < {width} bytes of a {dtype.value} row")
-    if dtype is ServeDtype.FP32:
-        out[:, :width] = x.view(torch.uint8)
-        out[:, width:] = 0
-    else:
-        wire.pack_rows(x, _PACKED_WIRE[dtype], out, scale_bias_last=scale_bias_last)
-    return out
-
-
-@dataclass
-class QuantTable:
-    """One table of a quantized module: where its rows live and how they are laid out."""
-
-    name: str
-    module: str  # FQN of the quant EBC / EC holding it
-    num_rows: int
-    dim: int
-    dtype: ServeDtype
-    rows: torch.Tensor  # uint8 [num_rows, row_bytes]: a view of the TBE's weight buffer
-    data_bytes: int  # row bytes without the alignment padding
-    scale_bias_last: bool  # fbgemm reverse_qparam
-    tbe: torch.nn.Module = field(repr=False)
-    index: int = 0  # the table's index in its TBE
-
-    @property
-    def row_bytes(self) -> int:
-        return int(self.rows.shape[1])
-
-    @property
-    def quantized(self) -> bool:
-        return self.dtype in (ServeDtype.INT8, ServeDtype.INT4)
-
-    def pack(self, values: torch.Tensor) -> torch.Tensor:
-        """Float rows -> this table's padded row bytes."""
-        return pack_rows(values, self.dtype, self.row_bytes, scale_bias_last=self.scale_bias_last)
-
-    def decode(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp16 / fp32 rows ``ids`` as float32 (exact); int rows are not decodable exactly."""
-        raw = self.rows[ids, : self.data_bytes].contiguous()
-        if self.dtype is ServeDtype.FP16:
-            return raw.view(torch.float16).float()
-        if self.dtype is ServeDtype.FP32:
-            return raw.view(torch.float32).clone()
-        raise ConsumerError(f"table {self.name}: {self.dtype.value} rows cannot be decoded")
-
-
-_SPARSE_TO_SERVE = {"int8": ServeDtype.INT8, "int4": ServeDtype.INT4, "fp16": ServeDtype.FP16}
-_SPARSE_TO_SERVE["fp32"] = ServeDtype.FP32
-
-
-def quant_tables(model: torch.nn.Module) -> dict[str, QuantTable]:
-    """Every table of every torchrec.quant EBC / EC in ``model``, by name."""
-    from torchrec.quant.embedding_modules import (
-        EmbeddingBagCollection as QuantEBC,
-    )
-    from torchrec.quant.embedding_modules import (
-        EmbeddingCollection as QuantEC,
-    )
-
-    out: dict[str, QuantTable] = {}
-    for fqn, m in model.named_modules():
-        if not isinstance(m, QuantEBC | QuantEC):
-            continue
-        key_to_tables: dict[Any, list[Any]] = m._key_to_tables
-        for (_, configs), tbe in zip(key_to_tables.items(), m._emb_modules, strict=True):
-            kind = type(tbe).__name__
-            if kind != "IntNBitTableBatchedEmbeddingBagsCodegen":
-                raise UnsupportedModelError(f"{fqn}: {kind} tables are not supported")
-            if tbe.index_remappings_array.numel() or tbe.index_remapping_hash_table.numel():
-                raise UnsupportedModelError(f"{fqn}: pruned (remapped) tables are not supported")
-            if tbe.scale_bias_size_in_bytes != SCALE_BIAS_BYTES:
-                raise UnsupportedModelError(
-                    f"{fqn}: scale/bias of {tbe.scale_bias_size_in_bytes} bytes is not supported"
-                )
-            splits = tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)
-            for i, (config, (rows, _, _)) in enumerate(zip(configs, splits, strict=True)):
-                name, num_rows, dim, sparse_type, _ = tbe.embedding_specs[i]
-                assert name == config.name
-                dtype = _SPARSE_TO_SERVE.get(sparse_type.value)
-                if dtype is None:
-                    raise UnsupportedModelError(f"table {name}: {sparse_type.value} rows")
-                if rows.device.type != "cpu":
-                    raise UnsupportedModelError(f"table {name}: rows on {rows.device}")
-                if name in out:
-                    raise ConsumerError(f"table {name!r} appears twice in the inference model")
-                out[name] = QuantTable(
-                    name=name,
-                    module=fqn,
-                    num_rows=int(num_rows),
-                    dim=int(dim),
-                    dtype=dtype,
-                    rows=rows,
-                    data_bytes=data_row_bytes(dtype, int(dim)),
-                    scale_bias_last=bool(tbe.reverse_qparam),
-                    tbe=tbe,
-                    index=i,
-                )
-    return out
-
-
-class ServingLock:
-    """Shared (forwards) / exclusive (applier) lock with writer preference.
-
-    Reads re-enter on the same thread. Every wait is bounded by ``timeout_s``.
-    """
-
-    def __init__(self, timeout_s: float = 60.0) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-        self._local = threading.local()
-        self.timeout_s = timeout_s
-
-    def _wait(self, blocked: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while blocked():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ConsumerError(f"serving lock: {what} not acquired in {self.timeout_s}s")
-            self._cond.wait(left)
-
-    @contextmanager
-    def read(self) -> Iterator[None]:
-        """Hold while a forward looks rows up."""
-        depth = getattr(self._local, "depth", 0)
-        if depth:
-            self._local.depth = depth + 1
-            try:
-                yield
-            finally:
-                self._local.depth = depth
-            return
-        with self._cond:
-            self._wait(lambda: self._writer or self._writers_waiting > 0, "read")
-            self._readers += 1
-        self._local.depth = 1
-        try:
-            yield
-        finally:
-            self._local.depth = 0
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def write(self) -> Iterator[None]:
-        """Hold while rows are copied in: no forward runs inside it."""
-        with self._cond:
-            self._writers_waiting += 1
-            try:
-                self._wait(lambda: self._writer or self._readers > 0, "write")
-            finally:
-                self._writers_waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
 
 
 @dataclass
@@ -371,19 +132,6 @@ class _Shadow:
 
     values: torch.Tensor  # float32 [num_rows, dim]
     known: torch.Tensor  # bool [num_rows, dim]
-
-
-@dataclass
-class ApplyStats:
-    """What the last :meth:`QuantApplier.apply` did."""
-
-    rows: int = 0
-    chunks: int = 0
-    dense: int = 0
-    identities: int = 0  # managed-collision tables whose remapper was rebuilt
-    pack_s: float = 0.0
-    copy_s: float = 0.0
-    max_hold_s: float = 0.0  # longest write-lock hold: the longest a forward could wait
 
 
 class QuantApplier(Applier):
@@ -413,7 +161,7 @@ class QuantApplier(Applier):
         self._tables = quant_tables(model)
         if not self._tables:
             raise UnsupportedModelError("no torchrec.quant EmbeddingBagCollection / Collection")
-        self._dense = _dense_state(model)
+        self._dense = dense_state(model)
         self._shadows: dict[str, _Shadow] = {}
         #: managed-collision tables: their remappers (rebuilt from the windows' raw ids)
         self._remappers = remappers(model)
@@ -504,7 +252,10 @@ class QuantApplier(Applier):
             for t, _, _ in staged:  # a base restarts the table: columns seen before are void
                 self._shadows.pop(t.name, None)
             t1 = time.perf_counter()
-            stats = self._write(plan, dense_plan, staged, id_plans)
+            stats = write_window(
+                plan, dense_plan, staged, id_plans, remappers=self._remappers,
+                lock=self.serving_lock, consistency=self.consistency, chunk_rows=self.chunk_rows,
+            )  # fmt: skip
             for st in stages:
                 st.commit()
             stats.pack_s = t1 - t0
@@ -515,7 +266,10 @@ class QuantApplier(Applier):
         """Copy ``state`` (state_dict names) into the model's dense params/buffers, at once."""
         with self._apply_mutex:
             plan = self._plan_dense(state)
-            stats = self._write([], plan)
+            stats = write_window(
+                [], plan, remappers=self._remappers, lock=self.serving_lock,
+                consistency=self.consistency, chunk_rows=self.chunk_rows,
+            )  # fmt: skip
             return stats.dense
 
     def _table(self, name: str, num_rows: int, dim: int) -> QuantTable:
@@ -608,7 +362,7 @@ class QuantApplier(Applier):
             ids = s.ids.to(dtype=torch.int64, device="cpu")
             packed = getattr(s, "packed", None)
             if packed is not None:
-                full.setdefault(t.name, []).append((ids, _table_rows(t, packed)))
+                full.setdefault(t.name, []).append((ids, table_rows(t, packed)))
             elif (s.shard.col_start, s.shard.col_end) == (0, s.shard.dim):
                 assert s.values is not None
                 full.setdefault(t.name, []).append((ids, t.pack(s.values)))
@@ -674,119 +428,6 @@ class QuantApplier(Applier):
             plan.append((target, value.detach().to(device=target.device, dtype=target.dtype)))
         return plan
 
-    def _write(
-        self,
-        plan: list[tuple[QuantTable, torch.Tensor, torch.Tensor]],
-        dense: list[tuple[torch.Tensor, Any]],
-        staged: Sequence[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = (),
-        identities: Mapping[str, IdentityPlan] | None = None,
-    ) -> ApplyStats:
-        """Copy ``staged`` (``(table, ids, staging rows)``: rows ``ids`` -- None: every row --
-        of the staging copy) first, then ``plan`` (``(table, ids, rows)``), then ``dense``,
-        chunk by chunk; install ``identities`` (managed-collision tables) in one write-lock
-        hold with the rows of every slot whose raw id changed (all of a table's rows if it
-        has staged rows), so a forward never pairs a raw id with another identity's row."""
-        stats = ApplyStats()
-        identities = identities or {}
-        #: (table, ids or a row range, rows, staged, joint): staged rows are gathered at copy
-        #: time; joint rows are written in the identity hold
-        chunks: list[tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool, bool]] = []
-        staged_mc = {t.name for t, _, _ in staged if t.name in identities}
-        for t, ids, rows in staged:
-            joint = t.name in staged_mc
-            if ids is None:  # every row: contiguous ranges, no index
-                for i in range(0, t.num_rows, self.chunk_rows):
-                    r = slice(i, min(t.num_rows, i + self.chunk_rows))
-                    chunks.append((t, r, rows, True, joint))
-                continue
-            for i in range(0, ids.numel(), self.chunk_rows):
-                chunks.append((t, ids[i : i + self.chunk_rows], rows, True, joint))
-        for t, ids, rows in plan:
-            idp = identities.get(t.name)
-            parts: list[tuple[torch.Tensor, torch.Tensor, bool]] = [(ids, rows, False)]
-            if t.name in staged_mc:
-                parts = [(ids, rows, True)]
-            elif idp is not None:
-                mask = torch.isin(ids, idp.changed)
-                parts = [(ids[~mask], rows[~mask], False), (ids[mask], rows[mask], True)]
-            for pids, prows, in_hold in parts:
-                for i in range(0, pids.numel(), self.chunk_rows):
-                    r = slice(i, i + self.chunk_rows)
-                    chunks.append((t, pids[r], prows[r], False, in_hold))
-        t0 = time.perf_counter()
-
-        def gather(
-            c: tuple[QuantTable, torch.Tensor | slice, torch.Tensor, bool, bool],
-        ) -> torch.Tensor:
-            if not c[3]:
-                return c[2]
-            return c[2][c[1]] if isinstance(c[1], slice) else c[2].index_select(0, c[1])
-
-        def copy_rows(t: QuantTable, ids: torch.Tensor | slice, rows: torch.Tensor) -> None:
-            if isinstance(ids, slice):
-                t.rows[ids].copy_(rows)
-                stats.rows += int(rows.shape[0])
-            else:
-                _copy_rows(t.rows, ids, rows)
-                stats.rows += int(ids.numel())
-            stats.chunks += 1
-
-        def copy_dense() -> None:
-            for target, value in dense:
-                target.copy_(value)
-            stats.dense += len(dense)
-
-        def install_identities() -> None:
-            for name, idp in identities.items():
-                self._remappers[name].install(idp)
-            stats.identities += len(identities)
-
-        with torch.no_grad():
-            if self.consistency is ApplyConsistency.WINDOW:
-                with self.serving_lock.write():
-                    h = time.perf_counter()
-                    for c in chunks:
-                        copy_rows(c[0], c[1], gather(c))
-                    install_identities()
-                    copy_dense()
-                    stats.max_hold_s = time.perf_counter() - h
-            else:
-                for c in chunks:
-                    if c[4]:
-                        continue
-                    rows = gather(c)  # outside the lock
-                    with self.serving_lock.write():
-                        h = time.perf_counter()
-                        copy_rows(c[0], c[1], rows)
-                        stats.max_hold_s = max(stats.max_hold_s, time.perf_counter() - h)
-                if identities:
-                    held = [(c[0], c[1], gather(c)) for c in chunks if c[4]]
-                    with self.serving_lock.write():
-                        h = time.perf_counter()
-                        for t, where, rows in held:
-                            copy_rows(t, where, rows)
-                        install_identities()
-                        stats.max_hold_s = max(stats.max_hold_s, time.perf_counter() - h)
-                if dense:
-                    with self.serving_lock.write():
-                        h = time.perf_counter()
-                        copy_dense()
-                        stats.max_hold_s = max(stats.max_hold_s, time.perf_counter() - h)
-        stats.copy_s = time.perf_counter() - t0
-        return stats
-
-
-def _table_rows(t: QuantTable, packed: torch.Tensor) -> torch.Tensor:
-    """Packed wire rows (checked: :meth:`QuantApplier._check`) as ``t``'s padded rows."""
-    rows = packed.to("cpu")
-    if rows.shape[1] > t.row_bytes:  # a larger wire alignment: padding only
-        rows = rows[:, : t.row_bytes]
-    if rows.shape[1] != t.row_bytes:
-        padded = torch.zeros(rows.shape[0], t.row_bytes, dtype=torch.uint8)
-        padded[:, : rows.shape[1]] = rows
-        rows = padded
-    return rows.contiguous()
-
 
 class _QuantStage(ResyncStage):
     """A :class:`QuantApplier`'s stage: per table a staging copy of its rows and a mask of
@@ -828,7 +469,7 @@ class _QuantStage(ResyncStage):
             return 0
         ids = update.ids.to(dtype=torch.int64, device="cpu")
         if update.packed is not None:
-            rows = _table_rows(t, update.packed)
+            rows = table_rows(t, update.packed)
         else:
             assert update.values is not None
             rows = t.pack(update.values)
@@ -837,7 +478,7 @@ class _QuantStage(ResyncStage):
             buf[start : start + n].copy_(rows)
             written[start : start + n] = True
         else:
-            _copy_rows(buf, ids, rows)
+            copy_rows(buf, ids, rows)
             written[ids] = True
         return n
 
@@ -856,47 +497,3 @@ class _QuantStage(ResyncStage):
 
     def _release(self) -> None:
         self._bufs = {}
-
-
-def _copy_rows(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """``target[ids] = rows`` for uint8 rows, as the widest words both allow: 16 bytes
-    (``complex128``: fbgemm rows are 16-byte aligned), else 4 bytes, else bytes. ``index_copy_``
-    costs per element: measured (10 k rows of 80 B into 100 k, one thread) 16-byte words
-    58-68 M rows/s, 4-byte words 37-48 M, bytes ~8 M. A copy moves bits as they are (no
-    arithmetic, NaN payloads kept; checked in the tests)."""
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    for dtype, size in ((torch.complex128, 16), (torch.int32, 4)):
-        if (
-            target.shape[1] % size == 0
-            and target.stride(0) % size == 0
-            and target.data_ptr() % size == 0
-            and rows.data_ptr() % size == 0
-        ):
-            target.view(dtype).index_copy_(0, ids, rows.view(dtype))
-            return
-    target.index_copy_(0, ids, rows)
-
-
-def _dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state_dict entries that are not quantized embedding tables (shared), and
-    its non-persistent buffers (the publisher sends every buffer, as named_buffers names it)."""
-    from torchrec.quant.embedding_modules import (
-        EmbeddingBagCollection as QuantEBC,
-    )
-    from torchrec.quant.embedding_modules import (
-        EmbeddingCollection as QuantEC,
-    )
-
-    skip = [f"{fqn}." for fqn, m in model.named_modules() if isinstance(m, QuantEBC | QuantEC)]
-    if "." in skip:  # the model is itself one quant module: nothing dense
-        return {}
-    out: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict(keep_vars=True).items():
-        if any(name.startswith(p) for p in skip):
-            continue
-        out[name] = value.data if isinstance(value, torch.nn.Parameter) else value
-    for name, buf in model.named_buffers():
-        if name not in out and not any(name.startswith(p) for p in skip):
-            out[name] = buf
-    return out

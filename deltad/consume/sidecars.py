@@ -1,7 +1,8 @@
-"""The consumer's connections to its sidecars, one per rank: channels and credentials,
-deadlines and bounded retries, discovery in Redis, heartbeats, and the small RPCs (Status,
-Register, Commit). :class:`deltad.consume.client.DeltaConsumer` builds pulls and commits on
-top of :class:`Sidecars`; gRPC errors become :class:`deltad.errors.ConsumerError` here.
+"""The consumer's connections to its sidecars, one per rank: channels and credentials, deadlines
+and bounded retries, heartbeats (discovery in Redis: :mod:`deltad.consume.discovery`), and the
+small RPCs (Status, Register, Commit). :class:`deltad.consume.client.DeltaConsumer` builds pulls
+and commits on top of :class:`Sidecars`; gRPC errors become :class:`deltad.errors.ConsumerError`
+here.
 
 Credentials come from :class:`deltad.clientauth.ClientAuth`: the token file is re-read when
 it changes (before each call), the TLS files before each retry and each reconnect (a rank
@@ -10,7 +11,6 @@ whose channel was opened with older files gets a new channel).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
@@ -27,9 +27,9 @@ from deltad import wire
 from deltad.buffers import BufferPool
 from deltad.clientauth import ClientAuth
 from deltad.config import ConsumerConfig
+from deltad.consume.discovery import Discovery
 from deltad.consume.window import Cursor
 from deltad.errors import ConsumerError, DeltadError, OverloadedError, SidecarUnavailableError
-from deltad.keys import RedisKeys
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 
@@ -135,8 +135,7 @@ class Sidecars:
             raise ConsumerError(str(e)) from e
         self.ranks: list[RankLink] = []
         self.closed = threading.Event()
-        self._redis: Any = None
-        self._redis_lock = threading.Lock()
+        self.discovery = Discovery(config, self.auth, CHANNEL_OPTIONS)
         self._pool: ThreadPoolExecutor | None = None
         self._heartbeat: threading.Thread | None = None
 
@@ -144,7 +143,7 @@ class Sidecars:
 
     def open_all(self) -> None:
         """Resolve the endpoints (static list or Redis), open a channel to each."""
-        endpoints = list(self.config.sidecars) or self._discover_all()
+        endpoints = list(self.config.sidecars) or self.discovery.all()
         self.ranks = [
             RankLink(r, ep, self.config.reuse_buffers_bytes) for r, ep in enumerate(endpoints)
         ]
@@ -172,8 +171,7 @@ class Sidecars:
         for r in self.ranks:
             if r.channel is not None:
                 r.channel.close()
-        if self._redis is not None:
-            self._redis.close()
+        self.discovery.close()
 
     def _release(self) -> None:
         """End the lease of a consumer that committed nothing (it failed at once, or
@@ -405,67 +403,10 @@ class Sidecars:
 
     # ---- discovery -------------------------------------------------------------------------
 
-    def _registry(self) -> dict[int, str]:
-        """rank -> endpoint, as the sidecars registered themselves in Redis."""
-        from deltad.redisutil import connect
-
-        assert self.config.redis_url is not None
-        try:
-            with self._redis_lock:
-                if self._redis is None:
-                    self._redis = connect(
-                        self.config.redis_url, attempts=self.config.max_retries + 1
-                    )
-                client = self._redis
-            raw = client.hgetall(RedisKeys(self.config.model).ranks())
-        except Exception as e:  # redis errors and OffsetStoreError alike
-            raise ConsumerError(f"sidecar discovery in redis failed: {e}") from e
-        out: dict[int, str] = {}
-        for k, v in raw.items():
-            try:
-                out[int(k)] = str(json.loads(v)["endpoint"])
-            except (ValueError, KeyError, TypeError):
-                log.warning("ignoring bad ranks entry %r", k)
-        return out
-
-    def _discover_all(self) -> list[str]:
-        """Every rank's endpoint; waits (bounded) until all ranks 0..world-1 registered."""
-        deadline = time.monotonic() + self.config.discovery_timeout_s
-        delay = self.config.backoff_initial_s
-        found: dict[int, str] = {}
-        while True:
-            found = self._registry()
-            world = self._world_size(found)
-            if world and all(r in found for r in range(world)):
-                return [found[r] for r in range(world)]
-            if time.monotonic() >= deadline:
-                raise SidecarUnavailableError(
-                    f"model {self.config.model}: ranks {sorted(found)} registered in redis, "
-                    f"not all of 0..{max(world, 1) - 1} after {self.config.discovery_timeout_s}s"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, self.config.backoff_max_s)
-
-    def _world_size(self, found: dict[int, str]) -> int:
-        """World size as a registered sidecar's Status reports it (0 if none answers)."""
-        for rank in sorted(found):
-            channel = self.auth.channel(found[rank], CHANNEL_OPTIONS)
-            try:
-                s = pb_grpc.DeltaServiceStub(channel).Status(
-                    pb.StatusRequest(), timeout=min(2.0, self.config.rpc_deadline_s),
-                    metadata=self.auth.metadata(),
-                )  # fmt: skip
-                return int(s.world_size)
-            except grpc.RpcError:
-                continue
-            finally:
-                channel.close()
-        return 0
-
     def _rediscover(self, r: RankLink) -> None:
         """Reopen the rank's channel if its sidecar registered a new endpoint."""
         try:
-            endpoint = self._registry().get(r.rank)
+            endpoint = self.discovery.registry().get(r.rank)
         except ConsumerError as e:
             log.debug("rediscovery failed: %s", e)
             return
