@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "SegmentPublisher": "deltad.publish.publisher",
     # consume side
     "DeltaConsumer": "deltad.consume.client",
-    "PullResult": "deltad.consume.client",
+    "PullResult": "deltad.consume.result",
     "RankDelta": "deltad.consume.window",
     "ShardUpdate": "deltad.consume.window",
     "SliceUpdate": "deltad.consume.window",  # the former name of ShardUpdate (not in __all__)
@@ -106,8 +106,9 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         TrackerConfig,
     )
     from deltad.consume.appliers import Applier, TensorDictApplier, TorchRecApplier
-    from deltad.consume.client import DeltaConsumer, PullResult
+    from deltad.consume.client import DeltaConsumer
     from deltad.consume.quant import QuantApplier, quantize_model
+    from deltad.consume.result import PullResult
     from deltad.consume.window import RankDelta, ShardUpdate
     from deltad.errors import ConfigError, ConsumerError, DeltadError, SidecarUnavailableError
     from deltad.publish.publisher import SegmentPublisher
