@@ -20,7 +20,7 @@ import pytest
 from serverkit import SpoolWriter, server_config
 from spoolkit import FakeTrainer, child_env, wait_for
 
-from deltad import redisutil, status
+from deltad import redisdir, status
 from deltad.config import ConsumerConfig, RelayConfig
 from deltad.consume.client import DeltaConsumer
 from deltad.healthcheck import LIVENESS_SERVICE, check
@@ -95,13 +95,13 @@ def test_a_full_spool_turns_the_embedded_redis_sidecar_not_serving_once_and_it_r
     ep = srv.endpoint
     embedded = srv._embedded
     assert embedded is not None and _health(ep) == "SERVING"
-    real_write = redisutil._write_private
+    real_write = redisdir._write_private
 
     def full(path: Path, data: str) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     caplog.set_level(logging.INFO, logger="deltad")
-    monkeypatch.setattr(redisutil, "_write_private", full)
+    monkeypatch.setattr(redisdir, "_write_private", full)
     pid = embedded.pid()
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
@@ -114,7 +114,7 @@ def test_a_full_spool_turns_the_embedded_redis_sidecar_not_serving_once_and_it_r
     assert _health(ep, LIVENESS_SERVICE) == "SERVING"
     assert len(_not_serving_lines(caplog)) == 1
     assert not [r for r in caplog.records if r.exc_info]  # no traceback per probe
-    monkeypatch.setattr(redisutil, "_write_private", real_write)  # space returns
+    monkeypatch.setattr(redisdir, "_write_private", real_write)  # space returns
     wait_for(lambda: _health(ep) == "SERVING", 30, "SERVING once space returns")
     assert _status(ep).health_reason == ""
 
