@@ -46,15 +46,12 @@ from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.windows import encode
+from deltad.serve.windows.cache import WindowCache
 from deltad.serve.windows.decide import LogView, WindowDecision
-from deltad.serve.windows.pull import (
-    EncodedWindow,
-    ShardLine,
-    WindowCache,
-    WindowSpec,
-    window_dense,
-    window_parts,
-)
+from deltad.serve.windows.encoded import EncodedWindow
+from deltad.serve.windows.header import ShardLine
+from deltad.serve.windows.parts import window_dense, window_parts
+from deltad.serve.windows.spec import WindowSpec
 from deltad.types import EMPTY_RAW_ID, Form, ShardKey
 from deltad.v1 import delta_pb2 as pb
 

@@ -30,12 +30,15 @@ from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull,
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
+from deltad.serve.windows.cache import WindowCache
 from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, decide_window
+from deltad.serve.windows.encoded import EncodedWindow
 from deltad.serve.windows.gendiff import GenerationDiffs, with_reason, with_rollback
 from deltad.serve.windows.packed import PackedStore
+from deltad.serve.windows.plan import build_window
 from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
-from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec, build_window
 from deltad.serve.windows.rollback import RollbackWindows
+from deltad.serve.windows.spec import WindowSpec
 from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 

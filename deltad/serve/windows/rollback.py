@@ -29,9 +29,11 @@ from dataclasses import replace
 
 from deltad.segment.format import ShardRows
 from deltad.serve.index.log import LogSnapshot
+from deltad.serve.windows.cache import WindowCache
 from deltad.serve.windows.decide import WindowDecision
+from deltad.serve.windows.encoded import EncodedWindow
 from deltad.serve.windows.gendiff import state_diff_window
-from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec
+from deltad.serve.windows.spec import WindowSpec
 from deltad.types import ShardKey
 
 #: Rollback windows (no owed rows) kept for the consumers at one cursor.
