@@ -84,8 +84,9 @@ class WindowCache:
     ) -> tuple[EncodedWindow, bool]:
         """The window for ``spec`` and whether it came from the cache.
 
-        ``build(kept)`` plans the window (see :func:`~deltad.serve.windows.plan.build_window`); ``kept`` is False when
-        the cache is off (the one reader may drop chunks as it streams them).
+        ``build(kept)`` plans the window (see :func:`~deltad.serve.windows.plan.build_window`);
+        ``kept`` is False when the cache is off (the one reader may drop chunks as it streams
+        them).
         """
         if self.entries <= 0:
             return build(False), False

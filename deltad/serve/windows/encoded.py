@@ -46,9 +46,10 @@ class EncodedWindow:
         self.payload_bytes = 0
         self.kept = kept
         #: an upper bound of :attr:`nbytes` known at once (what the cache reserves for it;
-        #: set by :func:`~deltad.serve.windows.plan.build_window`). None: unknown, and the cache reserves nothing while it is
-        #: live (the budget then holds only once it is done; windows built elsewhere should
-        #: set it, see :func:`~deltad.serve.windows.header.window_bound`)
+        #: set by :func:`~deltad.serve.windows.plan.build_window`). None: unknown, and the
+        #: cache reserves nothing while it is live (the budget then holds only once it is
+        #: done; windows built elsewhere should set it, see
+        #: :func:`~deltad.serve.windows.header.window_bound`)
         self.bound: int | None = None
         self._cond = threading.Condition()
         self._chunks: list[bytes] = []

@@ -33,7 +33,7 @@ from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
 from deltad.serve.windows.caps import ReleaseCaps, past_cap, within_cap
 from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
-from deltad.serve.windows.gendiff import with_reason, with_rollback
+from deltad.serve.windows.header import with_dense_missing, with_reason, with_rollback
 from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
 from deltad.serve.windows.source import SourcedWindow, WindowSource
 from deltad.serve.windows.spec import WindowSpec
@@ -285,10 +285,3 @@ class WindowServer:
             slot.release()
             if got is not None and not got.hit:  # (built but never read: free its reservation)
                 self.source.cache.abandon(got.spec, got.win)
-
-
-def with_dense_missing(header: bytes, reason: str) -> bytes:
-    """A serialized header message with ``dense_missing`` set to ``reason``."""
-    msg = pb.GetDeltaResponse.FromString(header)
-    msg.header.dense_missing = reason[:512]
-    return msg.SerializeToString()

@@ -1,4 +1,4 @@
-"""A window's header: a line per shard, the header message, and the chunk bytes it bounds."""
+"""A window's header: its shard lines, the message and its per-pull marks, the bytes it bounds."""
 
 from __future__ import annotations
 
@@ -112,3 +112,24 @@ def window_bound(spec: WindowSpec, lines: list[ShardLine], dense: DenseEntry | N
         for t in dense.state.header.tensors:
             total += t.nbytes + (t.nbytes // step + 1) * _CHUNK_FRAMING
     return total
+
+
+def with_rollback(header: bytes, step: int, epoch: int) -> bytes:
+    """A serialized header message marked as following the rollback to ``step`` (``epoch``)."""
+    msg = pb.GetDeltaResponse.FromString(header)
+    msg.header.rollback_to_step, msg.header.rollback_epoch = step, epoch
+    return msg.SerializeToString()
+
+
+def with_reason(header: bytes, reason: str) -> bytes:
+    """A serialized header message with ``resync_reason`` set to ``reason``."""
+    msg = pb.GetDeltaResponse.FromString(header)
+    msg.header.resync_reason = reason[:512]
+    return msg.SerializeToString()
+
+
+def with_dense_missing(header: bytes, reason: str) -> bytes:
+    """A serialized header message with ``dense_missing`` set to ``reason``."""
+    msg = pb.GetDeltaResponse.FromString(header)
+    msg.header.dense_missing = reason[:512]
+    return msg.SerializeToString()

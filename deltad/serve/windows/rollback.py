@@ -9,7 +9,7 @@ whose value at ``R`` differs bit-exactly from its value at ``C``: the rows chang
 with their values at ``S`` (from the restore-point segments or the base), plus the rows still
 owed to the consumer from a top-k pull (it holds stale values for those), and the dense state
 at ``R`` when asked for. It is the generation diff's comparison of two states
-(:func:`deltad.serve.windows.gendiff.state_diff_window`) within one generation, and like a
+(:func:`deltad.serve.windows.statediff.state_diff_window`) within one generation, and like a
 generation diff it is complete in every form and wire dtype (k, fraction, max_rows do not
 apply: a rollback is never partial). The header says ``resync = false``, ``from_seq = C``,
 ``to_seq = R`` and ``rollback_to_step = S``; the consumer applies it in place and commits the
@@ -32,8 +32,8 @@ from deltad.serve.index.log import LogSnapshot
 from deltad.serve.windows.cache import WindowCache
 from deltad.serve.windows.decide import WindowDecision
 from deltad.serve.windows.encoded import EncodedWindow
-from deltad.serve.windows.gendiff import state_diff_window
 from deltad.serve.windows.spec import WindowSpec
+from deltad.serve.windows.statediff import state_diff_window
 from deltad.types import ShardKey
 
 #: Rollback windows (no owed rows) kept for the consumers at one cursor.

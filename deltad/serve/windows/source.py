@@ -1,4 +1,4 @@
-"""Where a decided window comes from: a generation diff, a rollback, the window cache, or a build."""
+"""Where a decided window comes from: a generation diff, a rollback, the window cache, a build."""
 
 from __future__ import annotations
 
