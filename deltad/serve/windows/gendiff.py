@@ -119,7 +119,7 @@ def drop_unpinned(seglog: SegmentLog, store: OffsetStore) -> bool:
 
 
 class GenerationDiffs:
-    """The generation diffs of one rank's sidecar (called by deltad.serve.windows.getdelta)."""
+    """The generation diffs of one rank's sidecar (called by deltad.serve.windows.source)."""
 
     def __init__(
         self, seglog: SegmentLog, owed: OwedStore, metrics: SidecarMetrics, budget: WindowCache

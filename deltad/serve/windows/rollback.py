@@ -57,7 +57,7 @@ def build_rollback_window(
 
 
 class RollbackWindows:
-    """The rollback windows of one rank's sidecar (called by deltad.serve.windows.getdelta);
+    """The rollback windows of one rank's sidecar (called by deltad.serve.windows.source);
     cached windows count against the window cache's byte budget."""
 
     def __init__(self, budget: WindowCache) -> None:
