@@ -50,7 +50,7 @@ def cursors(ctx: Context) -> dict[str, Any]:
 
     Also the bootstrap herd: 1, 2 and 8 (quick: 1, 2, 4) fresh consumers pulling one window at
     once (concurrent identical windows are built once, see
-    :class:`deltad.serve.windows.pull.WindowCache`): pull p50 and sidecar CPU against one.
+    :class:`deltad.serve.windows.cache.WindowCache`): pull p50 and sidecar CPU against one.
 
     Every run has an unmeasured warm-up round first (see :func:`_cursor_run`): a fresh
     process's first distinct windows pay first-touch page faults on every byte they keep

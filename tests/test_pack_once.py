@@ -21,7 +21,8 @@ from deltad.serve.index.merge import merge_entries
 from deltad.serve.index.runs import RunCache
 from deltad.serve.windows import encode
 from deltad.serve.windows.packed import PackedStore
-from deltad.serve.windows.pull import WindowSpec, build_window
+from deltad.serve.windows.plan import build_window
+from deltad.serve.windows.spec import WindowSpec
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 

@@ -247,8 +247,8 @@ def test_the_gate_fails_a_dense_state_with_nan_and_holds_before_its_step(tmp_pat
 
 def test_an_asked_resync_of_a_cursor_past_the_cap_goes_to_the_cursor_not_the_head() -> None:
     from deltad.serve.state.offsets import StoredCursor
+    from deltad.serve.windows.caps import within_cap
     from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
-    from deltad.serve.windows.getdelta import within_cap
 
     log = LogView(1, ((0, 0), (1, 10), (2, 20), (3, 30), (4, 40)))
     cursor = StoredCursor(generation=1, seq=2, step=20, pull_id="x")
@@ -263,8 +263,8 @@ def test_an_asked_resync_of_a_cursor_past_the_cap_goes_to_the_cursor_not_the_hea
 
 def test_a_window_past_the_cap_is_told_apart_from_a_cursor_already_past_it() -> None:
     from deltad.serve.state.offsets import StoredCursor
+    from deltad.serve.windows.caps import past_cap
     from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
-    from deltad.serve.windows.getdelta import past_cap
 
     log = LogView(1, ((3, 30), (4, 40)))  # the base merged forward to step 30
     fresh = decide_window(WindowAsk("p", max_step=10), None, log)

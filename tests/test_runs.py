@@ -15,7 +15,8 @@ from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.runs import RunCache, cover
-from deltad.serve.windows.pull import WindowSpec, build_window
+from deltad.serve.windows.plan import build_window
+from deltad.serve.windows.spec import WindowSpec
 from deltad.types import Form, WireDtype
 
 DELTAS = 21

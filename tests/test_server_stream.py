@@ -17,13 +17,11 @@ from deltad.segment.format import ShardRows
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.merge import merge_rows
 from deltad.serve.windows import encode
-from deltad.serve.windows.pull import (
-    EncodedWindow,
-    WindowCache,
-    WindowSpec,
-    _MergedShard,
-    build_window,
-)
+from deltad.serve.windows.cache import WindowCache
+from deltad.serve.windows.encoded import EncodedWindow
+from deltad.serve.windows.merged import MergedShard
+from deltad.serve.windows.plan import build_window
+from deltad.serve.windows.spec import WindowSpec
 from deltad.types import Form, Shard, WireDtype
 
 
@@ -284,7 +282,7 @@ def test_range_merge_equals_merge_rows(layout: str, dtype: torch.dtype) -> None:
     cs = [_chunk(rows if n == 5000 else pick(n), w, gen, dtype) for n in sizes]
     for chunk_bytes in (64, 4096, 1 << 20):
         want = merge_rows(cs)
-        src = _MergedShard(cs)
+        src = MergedShard(cs)
         assert torch.equal(src.ids, want.ids)
         assert src.ranged == (layout != "dense-overlap")
         for ranged in (True, False):

@@ -24,7 +24,9 @@ from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.merge import merge_entries
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
-from deltad.serve.windows.pull import WindowCache, WindowSpec, build_window
+from deltad.serve.windows.cache import WindowCache
+from deltad.serve.windows.plan import build_window
+from deltad.serve.windows.spec import WindowSpec
 from deltad.types import Form, WireDtype
 
 DELTAS = 21

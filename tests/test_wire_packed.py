@@ -282,7 +282,7 @@ def test_packed_pull_sends_column_wise_shards_as_fp32(
             assert applier.pending_rows == 0
             for t in specs:
                 assert torch.equal(tables[t].rows, torchrec_rows(spool.truth[t], dtype)), t
-        # a fresh consumer: base + 2 deltas merged range by range (_MergedShard), as fp32
+        # a fresh consumer: base + 2 deltas merged range by range (MergedShard), as fp32
         fresh = _quant_ebc(specs, dtype)
         d = c.pull("r", dtype=dtype, chunk_bytes=1)
         assert d.resync and all(s.packed is None for s in d.shards)

@@ -31,7 +31,8 @@ from deltad.serve.index.merge import merge_rows
 from deltad.serve.index.runs import RunCache
 from deltad.serve.index.spill import SpillStore
 from deltad.serve.windows.encode import encode_trailer
-from deltad.serve.windows.pull import WindowSpec, build_window
+from deltad.serve.windows.plan import build_window
+from deltad.serve.windows.spec import WindowSpec
 from deltad.types import EMPTY_RAW_ID, Form, SegmentKind, Shard, WireDtype
 from deltad.v1 import delta_pb2 as pb
 

@@ -2,7 +2,7 @@
 (base windows) larger than the window cache are not merged again for every bootstrap.
 
 A base window at head ``h`` is the base merged with every delta up to ``h``. Without a spill,
-a base window that does not fit the window cache (:class:`deltad.serve.windows.pull.WindowCache`) is
+a base window that does not fit the window cache (:class:`deltad.serve.windows.cache.WindowCache`) is
 merged again by every bootstrap. With one, the sidecar keeps ``base + deltas[0:p]`` merged
 (:class:`Spill`) in a file opened ``O_TMPFILE`` in a 0700 directory of the spool: it has no
 name, so no other process can open, replace or change it (the spool is hostile input; this
@@ -154,7 +154,7 @@ class SpillStore:
         self.directory = directory
         self.max_bytes = max_bytes
         #: used only for a base window that would otherwise merge whole shards (see
-        #: :func:`deltad.serve.windows.pull.window_parts`); False: for every base window (tests)
+        #: :func:`deltad.serve.windows.parts.window_parts`); False: for every base window (tests)
         self.only_when_merged = only_when_merged
         self._lock = threading.Lock()
         self._build = threading.Lock()

@@ -1,7 +1,10 @@
-"""GetDelta of one sidecar: decide the window (:func:`deltad.serve.windows.decide.decide_window`, a
-pure function), load what it names (the cursor, owed rows), plan and stream it (header,
-chunks, trailer: pre-serialized bytes), record the pull, optionally commit it. At ``-v`` one
-log line per pull (consumer, rank, window seq range, rows, bytes, ms).
+"""GetDelta's handler: one consumer's pull from one rank's log, from the request to the trailer.
+
+It loads the cursor, decides the window (:func:`deltad.serve.windows.decide.decide_window`, a
+pure function) within the consumer's release cap (deltad.serve.windows.caps), takes it from the
+window source (deltad.serve.windows.source: owed rows loaded, planned, cached), records the
+pull, streams it (header, chunks, trailer: pre-serialized bytes) and optionally commits it. At
+``-v`` one log line per pull (consumer, rank, window seq range, rows, bytes, ms).
 
 The request's own fields were checked at the edge (deltad.serve.edge.gate); what depends on the
 log (unknown tables, tables a packed dtype cannot serve) is checked here.
@@ -22,20 +25,18 @@ from deltad.config import ServerConfig, clip
 from deltad.errors import OffsetStoreError, OwedBudgetError, SpoolError
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import LogSnapshot, SegmentLog
-from deltad.serve.index.runs import RunCache
-from deltad.serve.index.spill import SpillStore
 from deltad.serve.metrics import SidecarMetrics
-from deltad.serve.rollout import Cap, ReleaseState, cap_for, gate_open, lower
-from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull, StoredCursor
+from deltad.serve.rollout import Cap, ReleaseState, lower
+from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
-from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, decide_window
-from deltad.serve.windows.gendiff import GenerationDiffs, with_reason, with_rollback
-from deltad.serve.windows.packed import PackedStore
+from deltad.serve.windows.caps import ReleaseCaps, past_cap, within_cap
+from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+from deltad.serve.windows.header import with_dense_missing, with_reason, with_rollback
 from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
-from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec, build_window
-from deltad.serve.windows.rollback import RollbackWindows
+from deltad.serve.windows.source import SourcedWindow, WindowSource
+from deltad.serve.windows.spec import WindowSpec
 from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
@@ -45,7 +46,8 @@ MIN_CHUNK_BYTES = 64 * 1024
 
 
 class WindowServer:
-    """Serves GetDelta for one rank (see the module docstring)."""
+    """Serves GetDelta for one rank (see the module docstring); its window source and release
+    caps are :attr:`source` and :attr:`caps`."""
 
     def __init__(
         self,
@@ -62,44 +64,34 @@ class WindowServer:
         self.owed = owed
         self.metrics = metrics
         self.streams = streams
-        self.cache = WindowCache(config.window_cache_entries, config.window_cache_bytes)
-        self.runs = RunCache(config.run_cache_bytes)
-        self.packed = PackedStore(config.packed_cache_bytes)
-        self.gendiff = GenerationDiffs(seglog, owed, metrics, self.cache)
-        # bootstraps bigger than the window cache start from a spilled merged base
-        self.spill = SpillStore(seglog.layout.model_dir / ".spill", config.spill_max_bytes)
-        self.rollbacks = RollbackWindows(self.cache)
-        #: the release state applied to every window (deltad.serve.state.release; set by the
-        #: sidecar: Redis, or a relay's upstream); everything released until set
-        self.rollout: RolloutSource = _Released()
+        self.source = WindowSource(config, seglog, owed, metrics)
+        self.caps = ReleaseCaps(seglog)
+        # (the window source's stores, read by the metrics and the status)
+        self.cache, self.runs = self.source.cache, self.source.runs
+        self.gendiff, self.spill = self.source.gendiff, self.source.spill
 
         #: Set by a relay (deltad.serve.relay.mirror): (snapshot, to_seq, to_step) -> why a
         #: ``with_dense`` window ending there lacks its dense state ("" if it does not).
         self.dense_check: Callable[[LogSnapshot, int, int], str] | None = None
 
+    @property
+    def rollout(self) -> RolloutSource:
+        """The release state applied to every window (see :class:`ReleaseCaps`)."""
+        return self.caps.rollout
+
+    @rollout.setter
+    def rollout(self, source: RolloutSource) -> None:
+        self.caps.rollout = source
+
     def gate_cap(self, state: ReleaseState, generation: int) -> int | None:
-        """The newest step the validation gate lets any window of ``generation`` end at
-        (None: no gate failure stands), given what an operator released past."""
-        gate = self.log.gate
-        if gate is None:
-            return None
-        accepted = state.gate_accepted_step if state.gate_generation == generation else None
-        return gate.cap(generation, accepted)
+        """See :meth:`ReleaseCaps.gate_cap`."""
+        return self.caps.gate_cap(state, generation)
 
     def cap(
         self, consumer: str, generation: int, *, mirror: bool = False
     ) -> tuple[Cap, int | None]:
-        """The release state's cap of ``consumer`` (none for a relay's mirror) and the
-        newest step it may be served: that cap's step and the gate's, whichever is lower."""
-        state = self.rollout.state()
-        gate = self.gate_cap(state, generation)
-        if mirror:
-            return Cap(None), gate
-        cap = cap_for(state, consumer)
-        # a step another rank's gate failed caps this rank too (every rank agrees)
-        bad = gate_open(state, generation)
-        model_gate = None if bad is None else bad - 1
-        return cap, lower(lower(cap.max_step, gate), model_gate)
+        """See :meth:`ReleaseCaps.cap`."""
+        return self.caps.cap(consumer, generation, mirror=mirror)
 
     def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
         snap = self.log.snapshot()
@@ -149,8 +141,7 @@ class WindowServer:
         snap = self.snapshot(context)
         shape = self.spec(req, snap, context)
         slot = self.streams.acquire(context, consumer)
-        win: EncodedWindow | None = None
-        hit = False
+        got: SourcedWindow | None = None
         try:
             rank, gen = self.config.rank, snap.generation
             try:
@@ -162,17 +153,17 @@ class WindowServer:
             # the cap is never served; a cursor past it gets an empty window at the cursor)
             # (cap.rollback: the rollback order this consumer must follow first, whatever
             # the cap; decide_window turns it into a rollback window)
-            cap, max_step = self.cap(consumer, gen, mirror=req.mirror)
+            cap, max_step = self.caps.cap(consumer, gen, mirror=req.mirror)
             ask = WindowAsk.of(req)
             ask = replace(ask, max_step=lower(ask.max_step, max_step))
             view = LogView.of(snap)
             decision = decide_window(
-                ask, stored, view, *self.gendiff.previous(), rollback=cap.rollback
+                ask, stored, view, *self.source.gendiff.previous(), rollback=cap.rollback
             )
             decision = within_cap(decision, stored, view, max_step)
             if past_cap(decision, stored, view, max_step):
                 # the oldest state the log holds (its base) is past the cap already
-                gate = self.gate_cap(self.rollout.state(), gen)
+                gate = self.caps.gate_cap(self.caps.rollout.state(), gen)
                 if gate is not None and gate < snap.base.step:
                     _abort(
                         context,
@@ -189,54 +180,10 @@ class WindowServer:
                 )
             if decision.refusal:
                 _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
-            diff, diff_hit, decision = self.gendiff.window(consumer, snap, shape, decision)
-            owed = {}
-            if decision.rollback_to is not None and not decision.resync:
-                try:
-                    if decision.owed_token:
-                        owed = self.owed.load(consumer, decision.owed_token, gen)
-                    diff, diff_hit = self.rollbacks.window(snap, shape, decision, owed)
-                    owed = {}
-                except SpoolError as e:
-                    log.warning("%s: rollback from the base: %s", consumer, e)
-                    decision = decision.resynced(f"rollback to step {decision.rollback_to}: {e}")
-            if decision.owed_token and diff is None:
-                try:
-                    owed = self.owed.load(consumer, decision.owed_token, gen)
-                except SpoolError as e:
-                    # The rows owed to it are unknown (file lost or corrupt): the consumer
-                    # gets the full tables again, never a window missing them.
-                    log.warning("%s: resync from the base: %s", consumer, e)
-                    decision = decision.resynced("owed rows lost")
+            # planned here (header, owed rows); merged and encoded as the stream sends it
+            got = self.source.window(consumer, snap, shape, decision)
+            win, hit, decision = got.win, got.hit, got.decision
             to_seq, to_step = decision.to_seq, decision.to_step
-            spec = replace(shape, resync=decision.resync, from_seq=decision.from_seq, to_seq=to_seq)
-            # The window is planned here (header, owed rows); its chunks are merged and
-            # encoded as the stream sends them (see build_window).
-            # (a base window that the window cache cannot keep: from the spilled base)
-            spill = self.spill if spec.resync and snap.base.nbytes > self.cache.max_bytes else None
-            if diff is not None:
-                win, hit = diff, diff_hit
-            elif owed:
-                win, hit = (
-                    build_window(
-                        snap, spec, to_step, owed, kept=False, runs=self.runs, packed=self.packed
-                    ),
-                    False,
-                )
-            else:
-                win, hit = self.cache.get(
-                    spec,
-                    lambda kept: build_window(
-                        snap,
-                        spec,
-                        to_step,
-                        {},
-                        kept=kept,
-                        runs=self.runs,
-                        spill=spill,
-                        packed=self.packed,
-                    ),
-                )
             pull_id = uuid.uuid4().hex
             token = pull_id if win.owed else ""
             try:
@@ -336,50 +283,5 @@ class WindowServer:
             )  # fmt: skip
         finally:
             slot.release()
-            if win is not None and not hit:  # (built but never read: free its reservation)
-                self.cache.abandon(spec, win)
-
-
-def within_cap(
-    d: WindowDecision, stored: StoredCursor | None, log: LogView, cap: int | None
-) -> WindowDecision:
-    """``d``, unless it is a resync of a cursor past the release cap that decide_window sent
-    to the head (so that its commit is not refused): then to the cursor's own state (the
-    first entry at or after it), no further past the cap than the consumer already is."""
-    if (
-        cap is None
-        or not d.resync
-        or stored is None
-        or stored.generation != d.generation
-        or d.to_step <= cap
-        or d.to_seq <= stored.seq
-    ):
-        return d
-    seq, step = next(e for e in log.entries if e[0] >= stored.seq)
-    return replace(d, to_seq=seq, to_step=step)
-
-
-def past_cap(d: WindowDecision, stored: StoredCursor | None, log: LogView, cap: int | None) -> bool:
-    """Whether ``d`` would take the consumer past ``cap`` (further than its own cursor is
-    already: the log holds nothing at or below the cap for it)."""
-    if cap is None or d.to_step <= cap:
-        return False
-    if stored is not None and stored.generation == d.generation:
-        first = next((e for e in log.entries if e[0] >= stored.seq), None)
-        if first is not None and d.to_seq <= first[0]:
-            return False
-    return True
-
-
-class _Released:
-    """Everything released (no rollout state known)."""
-
-    def state(self) -> ReleaseState:
-        return ReleaseState()
-
-
-def with_dense_missing(header: bytes, reason: str) -> bytes:
-    """A serialized header message with ``dense_missing`` set to ``reason``."""
-    msg = pb.GetDeltaResponse.FromString(header)
-    msg.header.dense_missing = reason[:512]
-    return msg.SerializeToString()
+            if got is not None and not got.hit:  # (built but never read: free its reservation)
+                self.source.cache.abandon(got.spec, got.win)

@@ -9,7 +9,7 @@ whose value at ``R`` differs bit-exactly from its value at ``C``: the rows chang
 with their values at ``S`` (from the restore-point segments or the base), plus the rows still
 owed to the consumer from a top-k pull (it holds stale values for those), and the dense state
 at ``R`` when asked for. It is the generation diff's comparison of two states
-(:func:`deltad.serve.windows.gendiff.state_diff_window`) within one generation, and like a
+(:func:`deltad.serve.windows.statediff.state_diff_window`) within one generation, and like a
 generation diff it is complete in every form and wire dtype (k, fraction, max_rows do not
 apply: a rollback is never partial). The header says ``resync = false``, ``from_seq = C``,
 ``to_seq = R`` and ``rollback_to_step = S``; the consumer applies it in place and commits the
@@ -29,9 +29,11 @@ from dataclasses import replace
 
 from deltad.segment.format import ShardRows
 from deltad.serve.index.log import LogSnapshot
+from deltad.serve.windows.cache import WindowCache
 from deltad.serve.windows.decide import WindowDecision
-from deltad.serve.windows.gendiff import state_diff_window
-from deltad.serve.windows.pull import EncodedWindow, WindowCache, WindowSpec
+from deltad.serve.windows.encoded import EncodedWindow
+from deltad.serve.windows.spec import WindowSpec
+from deltad.serve.windows.statediff import state_diff_window
 from deltad.types import ShardKey
 
 #: Rollback windows (no owed rows) kept for the consumers at one cursor.
@@ -55,7 +57,7 @@ def build_rollback_window(
 
 
 class RollbackWindows:
-    """The rollback windows of one rank's sidecar (called by deltad.serve.windows.getdelta);
+    """The rollback windows of one rank's sidecar (called by deltad.serve.windows.source);
     cached windows count against the window cache's byte budget."""
 
     def __init__(self, budget: WindowCache) -> None:
