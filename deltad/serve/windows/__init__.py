@@ -1,1 +1,8 @@
-"""GetDelta windows: the window decision, merges into windows, encoding, generation diffs, stream limits."""
+"""GetDelta windows, in the order a pull meets them.
+
+``decide`` (which window a cursor gets) -> ``caps`` (the release cap) -> ``source`` (generation
+diff, rollback, cache or build) -> ``plan`` (``parts``, ``merged``, ``header``, ``encode``,
+``packed``) -> ``encoded`` / ``cache`` (a window streamed while built, shared by readers) ->
+``prefetch`` / ``streams`` -> ``getdelta`` (the handler). ``gendiff``, ``rollback`` and
+``statediff`` build the windows that compare two states.
+"""
