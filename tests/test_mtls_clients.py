@@ -35,33 +35,6 @@ from deltad.v1 import delta_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.timeout(120)
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _pki(d: Path, *names: str, ca: str = "ca") -> None:
-    """A CA ``<ca>.pem`` and a certificate ``<name>.pem``/``.key`` (CN = name) per name."""
-    d.mkdir(exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out",
-             f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}", cwd=d)  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in names:
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext",
-                 cwd=d)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two independent CAs, each with a server and a client certificate."""
-    d = tmp_path_factory.mktemp("pki")
-    _pki(d / "a", "server", "client")
-    _pki(d / "b", "server", "client")
-    return d
-
-
 def _install(src: Path, dst: Path) -> None:
     """Copy a PKI's files over the live ones (a rotation: new inode, like a rename)."""
     dst.mkdir(exist_ok=True)
