@@ -17,8 +17,10 @@ test: setup
 	$(BIN)/python -m pytest
 
 # Day-to-day lane: everything but the multi-process training, subprocess and long tests.
+# Budget: under 2 min on 2 cores; the slowest tests are listed so a new one that breaks the
+# budget shows itself (tests/conftest.py shares one Redis and one PKI across tests).
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" --durations=15
 
 lint: setup
 	$(BIN)/ruff check deltad trainer consumers bench tests

@@ -4,12 +4,13 @@ real sidecar on port 0, and a consumer-side table rebuild. No mocks."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import redis
 import torch
 from spoolkit import wait_for  # noqa: F401  (the one wait_for; re-exported for tests)
 
@@ -203,15 +204,93 @@ def server_config(root: Path, redis_url: str | None, **kw: Any) -> ServerConfig:
     return ServerConfig(**opts)
 
 
+class ReusedRedis:
+    """One real embedded redis-server handed from test to test, as empty as a new one.
+
+    Starting and stopping a redis-server for each of a few hundred tests cost the fast lane
+    more than many of their bodies. After a test, every key of every db is deleted, and the
+    server is replaced by a new one when the test left it in any other state: stopped or
+    killed, or with a client still connected (a server or consumer left running could write
+    into the next test's store)."""
+
+    def __init__(self) -> None:
+        self.server: EmbeddedRedis | None = None
+        self.started = 0
+        self.reused = 0
+
+    def acquire(self, new_dir: Callable[[], Path]) -> EmbeddedRedis:
+        """The server for the next test: the previous one if clean, else a new one in
+        ``new_dir()``."""
+        if self.server is not None:
+            self.reused += 1
+            return self.server
+        self.server = EmbeddedRedis(new_dir())
+        self.server.start()
+        self.started += 1
+        return self.server
+
+    def release(self) -> None:
+        """After a test: empty the server, or drop it if it is not as a new one would be."""
+        server = self.server
+        if server is None:
+            return
+        try:
+            clean = self._empty(server)
+        except (redis.RedisError, OSError):
+            clean = False
+        if not clean:
+            self.close()
+
+    @staticmethod
+    def _empty(server: EmbeddedRedis) -> bool:
+        if server.proc is None or server.proc.poll() is not None:
+            return False
+        admin = redis.Redis.from_url(server.url, socket_timeout=5, socket_connect_timeout=5)
+        try:
+            if len(admin.client_list()) > 1:
+                return False
+            for db in admin.info("keyspace"):  # "db0", "db3": the dbs holding keys (relays)
+                url = server.url.replace("?db=0&", f"?db={int(db[2:])}&")
+                c = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+                try:
+                    for keys in _batches(c.scan_iter(count=1000), 1000):
+                        c.unlink(*keys)
+                finally:
+                    c.close()
+            return not admin.info("keyspace")
+        finally:
+            admin.close()
+
+    def close(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop(kill=True)
+
+
+def _batches(it: Iterator[bytes], n: int) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+#: The server every test of this session gets from :func:`redis_server`.
+REUSED_REDIS = ReusedRedis()
+
+
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    """The one Redis fixture (conftest re-exports it): a real redis-server in tmp_path."""
-    r = EmbeddedRedis(tmp_path / "redis-data")
-    r.start()
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    """The one Redis fixture (conftest re-exports it): a real redis-server with no keys and no
+    other client, reused across tests while they leave it so (:class:`ReusedRedis`)."""
+    r = REUSED_REDIS.acquire(lambda: tmp_path_factory.mktemp("redis-data"))
     try:
         yield r
     finally:
-        r.stop()
+        REUSED_REDIS.release()
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 :class:`FakeTrainer` writes what a row-wise sharded trainer would publish (manifest, a base per
 rank, then delta segments of random rows) and keeps the truth: the full tables at every step.
 :class:`ZchWriter` writes managed-collision tables (segment format version 3) with their
-slot -> raw id maps. :func:`running_serve` runs a real sidecar (a `deltad serve` subprocess).
+slot -> raw id maps. :func:`running_serve` runs a real sidecar (a `deltad serve` subprocess);
+:func:`cli_sidecar` starts the one `deltad serve` would, in this process.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -321,7 +323,7 @@ def wait_for(cond: object, timeout_s: float = 30.0, what: str = "condition") -> 
         if cond():
             return
         time.sleep(delay)
-        delay = min(delay * 2, 0.2)
+        delay = min(delay * 2, 0.05)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
@@ -364,6 +366,19 @@ def running_serve(
         yield endpoint
     finally:
         stop_process(proc)
+
+
+def cli_sidecar(*argv: str) -> Any:
+    """The sidecar ``deltad serve <argv>`` runs (config from the CLI's own parser and
+    environment), started in this process: a restart that does not pay a new interpreter's
+    torch import. Only a test of the process itself (signals, kill -9, env) needs the real
+    subprocess. Returns the started :class:`~deltad.serve.edge.app.SidecarServer`."""
+    from deltad.cli import build_parser
+    from deltad.serve import cli as serve_cli
+    from deltad.serve.edge.app import SidecarServer
+
+    args = build_parser().parse_args(["serve", *argv])
+    return SidecarServer(serve_cli.build_config(args)).start()
 
 
 def read_serving_line(proc: subprocess.Popen[str], timeout_s: float) -> str:

@@ -309,26 +309,10 @@ def test_sighup_reloads_the_tokens_file_and_keeps_the_old_one_if_the_new_is_bad(
         stop_process(proc)
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _pki(d: Path, *clients: str) -> None:
-    d.mkdir()
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-             "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("server", *clients):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext",
-                 cwd=d)  # fmt: skip
-
-
-def test_mtls_identity_binds_like_a_token(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
-    d = tmp_path / "pki"
-    _pki(d, "pred-1", "stranger")
+def test_mtls_identity_binds_like_a_token(
+    tmp_path: Path, redis_server: EmbeddedRedis, pki: Path
+) -> None:
+    d = pki / "a"
     SpoolWriter(tmp_path / "spool")
     srv = _serve(
         tmp_path,

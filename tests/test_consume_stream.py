@@ -278,7 +278,7 @@ def test_deadline_mid_bootstrap_installs_nothing_and_the_next_pull_bootstraps(
     def stall(rank: int, update: ShardUpdate, stage: ResyncStage) -> None:
         if stalls[0] < 1:
             stalls[0] += 1
-            time.sleep(2.5)  # past the 1 s deadline
+            time.sleep(1.5)  # past the 1 s deadline (counted from before this chunk)
 
     applier = _Hooked(stall)
     with (

@@ -188,11 +188,14 @@ def test_k8s_pod_runs_existing_commands() -> None:
 
 
 def test_healthcheck_follows_the_sidecars_environment(tmp_path: Path, redis_url: str) -> None:
-    """With no target, the probe finds the sidecar through DELTAD_LISTEN, as the sidecar does."""
-    from spoolkit import running_serve
+    """With no target, the probe finds the sidecar through DELTAD_LISTEN, as the sidecar does.
+    (The probe is the process under test; the sidecar runs in this process.)"""
+    from spoolkit import cli_sidecar
 
-    with running_serve(tmp_path / "spool", rank=0, redis_url=redis_url) as endpoint:
-        port = endpoint.rsplit(":", 1)[1]
+    srv = cli_sidecar("--spool", str(tmp_path / "spool"), "--model", "m", "--rank", "0",
+                      "--listen", "127.0.0.1:0", "--redis-url", redis_url)  # fmt: skip
+    try:
+        port = srv.endpoint.rsplit(":", 1)[1]
         env = {**os.environ, "DELTAD_LISTEN": f"0.0.0.0:{port}"}
         ok = subprocess.run(
             [sys.executable, "-m", "deltad.healthcheck", "--timeout", "5"],
@@ -211,6 +214,8 @@ def test_healthcheck_follows_the_sidecars_environment(tmp_path: Path, redis_url:
             env=env,
         )
         assert bad.returncode == 1 and "127.0.0.1:1" in bad.stderr
+    finally:
+        srv.stop(0)
 
 
 @pytest.mark.slow

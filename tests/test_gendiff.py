@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 import torch
 from serverkit import Client, Replica, SpoolWriter, server_config
-from spoolkit import FakeTrainer, child_env, read_serving_line, stop_process, wait_for
+from spoolkit import (
+    FakeTrainer,
+    child_env,
+    cli_sidecar,
+    read_serving_line,
+    stop_process,
+    wait_for,
+)
 from test_relay import at_step, equal, predictor, status, tree
 
 from deltad.consume.appliers import TensorDictApplier
@@ -278,11 +285,14 @@ def test_the_opt_out_and_from_base_are_full_resyncs(
         srv.stop(0)
 
 
+def _serve_args(spool: Path, redis_url: str) -> list[str]:
+    return ["--spool", str(spool), "--model", "m", "--rank", "0", "--listen", "127.0.0.1:0",
+            "--redis-url", redis_url, "--poll-interval", "0.02", "--grace-period", "0.2"]  # fmt: skip
+
+
 def _serve(spool: Path, redis_url: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(spool), "--model", "m",
-         "--rank", "0", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
-         "--poll-interval", "0.02", "--grace-period", "0.2"],
+        [sys.executable, "-m", "deltad.cli", "serve", *_serve_args(spool, redis_url)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
         start_new_session=True,
     )  # fmt: skip
@@ -296,6 +306,7 @@ def test_kill_9_of_the_sidecar_after_the_switch_resyncs_with_the_reason(
     old generation resyncs, told why."""
     spool = SpoolWriter(tmp_path / "spool")
     proc = _serve(tmp_path / "spool", redis_server.url)
+    restarted: SidecarServer | None = None
     try:
         endpoint = read_serving_line(proc, 60)
         c = Client(endpoint)
@@ -309,8 +320,10 @@ def test_kill_9_of_the_sidecar_after_the_switch_resyncs_with_the_reason(
         c.close()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        proc = _serve(tmp_path / "spool", redis_server.url)
-        c = Client(read_serving_line(proc, 60))
+        # the restart: the same `deltad serve` command line, in this process (a new process
+        # would hold nothing more than a new server object does)
+        restarted = cli_sidecar(*_serve_args(tmp_path / "spool", redis_server.url))
+        c = Client(restarted.endpoint)
         d = c.pull("p")
         assert d.resync and d.generation == 2
         assert d.resync_reason == (
@@ -322,6 +335,8 @@ def test_kill_9_of_the_sidecar_after_the_switch_resyncs_with_the_reason(
         c.close()
     finally:
         stop_process(proc)
+        if restarted is not None:
+            restarted.stop(0)
 
 
 def test_a_predictor_behind_a_relay_gets_the_diff_from_the_relay(

@@ -173,14 +173,10 @@ def test_a_relay_its_upstream_refuses_is_not_serving_with_the_reason(
 
 
 def test_a_relay_that_does_not_trust_its_upstreams_certificate_is_not_serving(
-    tmp_path: Path, redis_server: EmbeddedRedis
+    tmp_path: Path, redis_server: EmbeddedRedis, pki: Path
 ) -> None:
-    from test_mtls_clients import _pki
-
-    _pki(tmp_path / "a", "server")
-    _pki(tmp_path / "b", "server")
     SpoolWriter(tmp_path / "spool")
-    a = tmp_path / "a"
+    a = pki / "a"
     cfg = server_config(
         tmp_path / "spool", redis_server.url, listen="localhost:0",
         tls_cert=a / "server.pem", tls_key=a / "server.key",
@@ -188,7 +184,7 @@ def test_a_relay_that_does_not_trust_its_upstreams_certificate_is_not_serving(
     up = SidecarServer(cfg).start()
     relay = _relay(
         tmp_path, "relay-b", f"localhost:{up.port}", redis_server.url,
-        tls_ca=tmp_path / "b" / "ca.pem",
+        tls_ca=pki / "b" / "ca.pem",
     )  # fmt: skip
     try:
         wait_for(lambda: _health(relay.endpoint) == "NOT_SERVING", 30, "the wrong CA refused")

@@ -17,6 +17,7 @@ import pytest
 import redis
 import torch
 from serverkit import Client, Replica, SpoolWriter, redis_server, server_config, wait_for
+from spoolkit import cli_sidecar
 
 from deltad.consume import decode, window
 from deltad.redisutil import EmbeddedRedis
@@ -219,12 +220,15 @@ def test_env_vars_configure_serve(tmp_path: Path, redis_server: EmbeddedRedis) -
 
 def test_embedded_redis_keeps_cursors_across_a_sidecar_kill(tmp_path: Path) -> None:
     """Without --redis-url the sidecar runs Redis in the spool; it outlives a killed sidecar
-    (other ranks use it) and the restarted sidecar reuses it, cursors intact."""
+    (other ranks use it) and the restarted sidecar reuses it, cursors intact. (The restart is
+    the same command line in this process: the killed one is the process under test.)"""
     SpoolWriter(tmp_path / "spool")
-    args = [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path / "spool"),
-            "--model", "m", "--listen", "127.0.0.1:0"]  # fmt: skip
+    args = ["--spool", str(tmp_path / "spool"), "--model", "m", "--listen", "127.0.0.1:0"]
     url_file = tmp_path / "spool" / "m" / "redis" / "embedded.url"
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltad.cli", "serve", *args], stdout=subprocess.PIPE, text=True
+    )
+    restarted: SidecarServer | None = None
     try:
         assert proc.stdout is not None
         c = Client(proc.stdout.readline().split()[-1])
@@ -232,15 +236,17 @@ def test_embedded_redis_keeps_cursors_across_a_sidecar_kill(tmp_path: Path) -> N
         c.close()
         proc.kill()
         proc.wait(10)
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        c = Client(proc.stdout.readline().split()[-1])
+        restarted = cli_sidecar(*args)
+        c = Client(restarted.endpoint)
         d = c.pull("e")
         assert not d.resync and d.from_seq == 0
         c.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(20)
+        if restarted is not None:
+            restarted.stop(0)
         try:
             redis.Redis.from_url(url_file.read_text().strip()).shutdown(nosave=True)
         except (redis.RedisError, OSError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -99,22 +98,8 @@ def test_tokens_health_reflection_metrics(tmp_path: Path, redis_server: Embedded
         srv.stop(0)
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def test_tls_and_mutual_tls(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
-    d = tmp_path / "pki"
-    d.mkdir()
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-             "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext",
-                 cwd=d)  # fmt: skip
+def test_tls_and_mutual_tls(tmp_path: Path, redis_server: EmbeddedRedis, pki: Path) -> None:
+    d = pki / "a"
     SpoolWriter(tmp_path / "spool")
     srv = _serve(
         tmp_path,

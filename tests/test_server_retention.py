@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -101,7 +100,8 @@ def test_expired_consumer_pins_nothing_and_resyncs_from_the_merged_base(setup) -
     _head(srv, 3)
     _retain(srv)
     assert srv.log.snapshot().base.seq == 0  # type: ignore[union-attr]  # pinned while live
-    time.sleep(2.4)  # lease expired (GetDelta renewed it to 2 s)
+    # the lease runs out (GetDelta renewed it to 2 s): polled, not slept past
+    wait_for(lambda: srv.store.lease_remaining(["gone"])["gone"] <= 0, 10, "gone's lease to end")
     _retain(srv)
     snap = srv.log.snapshot()
     assert snap is not None and snap.base.seq == 3 and len(snap.entries) == 1

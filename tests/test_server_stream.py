@@ -244,9 +244,16 @@ def test_tune_malloc_is_idempotent_and_never_raises(monkeypatch: pytest.MonkeyPa
     assert perf.tune_malloc() is False
 
 
+#: Rows of the shard the range-merge test merges: every chunk size below still cuts it into
+#: many chunks (64 B: a row or two each), and the layouts keep their proportions.
+_SHARD_ROWS = 1000
+
+
 def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dtype) -> ShardRows:
     values = torch.randn(ids.numel(), width, generator=gen).to(dtype)
-    return ShardRows(Shard("t", 10_000, width, 1000, 6000, 0, width), ids.sort().values, values)
+    return ShardRows(
+        Shard("t", 10_000, width, 1000, 1000 + _SHARD_ROWS, 0, width), ids.sort().values, values
+    )
 
 
 @pytest.mark.parametrize(
@@ -266,20 +273,21 @@ def _chunk(ids: torch.Tensor, width: int, gen: torch.Generator, dtype: torch.dty
 )
 def test_range_merge_equals_merge_rows(layout: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(len(layout))
-    rows = torch.arange(1000, 6000)
+    full = _SHARD_ROWS
+    rows = torch.arange(1000, 1000 + full)
 
     def pick(n: int) -> torch.Tensor:
         return rows[torch.randperm(rows.numel(), generator=gen)[:n]]
 
     w = 8
-    sizes = {
-        "base+deltas": [5000, 300, 700, 50],
-        "deltas": [300, 700, 50],
-        "dense-overlap": [3000, 3500, 4000, 2500],
-        "full-last": [300, 700, 5000],
-        "one-row-chunks": [1, 1, 5000, 1],
+    sizes = {  # in rows of the shard's `full` (6 %, 14 %, 1 % ...)
+        "base+deltas": [full, full * 6 // 100, full * 14 // 100, full // 100],
+        "deltas": [full * 6 // 100, full * 14 // 100, full // 100],
+        "dense-overlap": [full * 60 // 100, full * 70 // 100, full * 80 // 100, full // 2],
+        "full-last": [full * 6 // 100, full * 14 // 100, full],
+        "one-row-chunks": [1, 1, full, 1],
     }[layout]
-    cs = [_chunk(rows if n == 5000 else pick(n), w, gen, dtype) for n in sizes]
+    cs = [_chunk(rows if n == full else pick(n), w, gen, dtype) for n in sizes]
     for chunk_bytes in (64, 4096, 1 << 20):
         want = merge_rows(cs)
         src = MergedShard(cs)
