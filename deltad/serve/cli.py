@@ -128,7 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "stream-deadline",
             float,
             300.0,
-            "seconds one GetDelta stream may run (then cancelled, even if its client stopped reading)",
+            "seconds one GetDelta stream may run (then DEADLINE_EXCEEDED; a stream whose client "
+            "stopped reading is cancelled 1 s later)",
         ),
         ("lease-ttl", float, 30.0, "default consumer lease in seconds"),
         ("poll-interval", float, 0.05, "seconds between spool scans"),

@@ -19,6 +19,11 @@ from deltad.serve.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
 
+#: A stream past its deadline ends with DEADLINE_EXCEEDED (and a message) at its next message;
+#: one stuck in a send (its client stopped reading) is cancelled this long after the deadline,
+#: so a client that reads on at the deadline gets the status rather than a bare CANCELLED.
+CANCEL_GRACE_S = 1.0
+
 
 class StreamSlot:
     """One unit of the GetDelta concurrency limit, with its stream's deadline; release is
@@ -115,13 +120,14 @@ class StreamSlots:
         )
 
     def cancel_overdue(self) -> int:
-        """Cancel GetDelta streams past ``stream_deadline_s``; return how many.
+        """Cancel GetDelta streams past ``stream_deadline_s`` + :data:`CANCEL_GRACE_S`; return
+        how many.
 
         The stream checks its deadline between messages; one whose client stopped reading
         waits in a send for flow control and never gets there, holding its slot (and with
         ``max_concurrent_streams`` of them, every other consumer out). The sidecar calls this
         periodically (``SidecarServer``)."""
-        now = time.monotonic()
+        now = time.monotonic() - CANCEL_GRACE_S
         with self._streams_lock:
             overdue = [s for s in self._slots if s.held and s.deadline < now]
         for s in overdue:
