@@ -9,11 +9,11 @@ import argparse
 import os
 import signal
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from deltad import output
 from deltad.config import MAX_COUNT, MAX_SECONDS, Range
+from deltad.signals import handle_signals
 
 if TYPE_CHECKING:
     from deltad.types import WireDtype
@@ -297,17 +297,12 @@ def run(args: argparse.Namespace) -> int:
         )
     )
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        predictor.stop()
-
     # Both finish the pull in flight, commit, write --final-tables, exit 0: tables saved by a
     # Ctrl-C are then the state of the committed cursors (what --resume relies on).
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handle_signals(
+        {sig: lambda _: predictor.stop() for sig in (signal.SIGTERM, signal.SIGINT)}
+    ):
         s = predictor.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     output.line(
         f"consumer {s.consumer}: {s.pulls} pulls, {s.rows} rows, {s.bytes} bytes, "
         f"step {s.step}, freshness p50 {_fmt(s.freshness_p50_s)} p99 {_fmt(s.freshness_p99_s)}"

@@ -41,6 +41,7 @@ from deltad.errors import ConfigError, DeltadError
 from deltad.publish.publisher import SegmentPublisher
 from deltad.publish.tracker import clean_fqn
 from deltad.segment.spool import SpoolLayout
+from deltad.signals import handle_signals
 from deltad.types import TrainLoop
 
 from .data import SEQ_FEATURE, ZCH_TABLE, Batch, ClickStream
@@ -315,21 +316,20 @@ def _worker(rank: int, cfg: TrainConfig, work: Path) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ["LOCAL_WORLD_SIZE"] = str(cfg.world_size)  # one host
     os.environ["LOCAL_RANK"] = str(rank)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: _STOP.set())
-    dist.init_process_group(
-        "gloo", init_method=f"file://{work}/pg", rank=rank, world_size=cfg.world_size
-    )
-    try:
-        _train(rank, cfg, work)
-        dist.barrier()  # no rank tears its process group down while another still talks
-    except DeltadError as e:
-        (work / f"error-{rank}.json").write_text(
-            json.dumps({"rank": rank, "type": type(e).__name__, "message": str(e)})
+    with handle_signals({sig: lambda _: _STOP.set() for sig in (signal.SIGTERM, signal.SIGINT)}):
+        dist.init_process_group(
+            "gloo", init_method=f"file://{work}/pg", rank=rank, world_size=cfg.world_size
         )
-        raise
-    finally:
-        dist.destroy_process_group()
+        try:
+            _train(rank, cfg, work)
+            dist.barrier()  # no rank tears its process group down while another still talks
+        except DeltadError as e:
+            (work / f"error-{rank}.json").write_text(
+                json.dumps({"rank": rank, "type": type(e).__name__, "message": str(e)})
+            )
+            raise
+        finally:
+            dist.destroy_process_group()
     # Everything this rank owes is on disk (segments flushed by the publisher's close, the
     # result and the final tables written). Leave without interpreter teardown: destroying
     # gloo's / TorchRec's C++ state at exit intermittently aborted a rank with "terminate

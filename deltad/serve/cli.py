@@ -19,6 +19,7 @@ from typing import Any
 from deltad import output
 from deltad.config import RELAY_RANGES, SERVER_FLAG_DESTS, SERVER_RANGES, Range
 from deltad.errors import ConfigError
+from deltad.signals import handle_signals
 
 #: Every numeric flag's range (by argparse dest; the ServerConfig field's, checked again
 #: there for values from the environment).
@@ -386,32 +387,32 @@ def run(args: argparse.Namespace) -> int:
     stop, reload = threading.Event(), threading.Event()
     relay = build_relay_config(args)
 
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
+    # SIGHUP: the loop below re-reads the tokens and TLS files within 0.5 s
+    actions = {
+        signal.SIGTERM: lambda _: stop.set(),
+        signal.SIGINT: lambda _: stop.set(),
+        signal.SIGHUP: lambda _: reload.set(),
+    }
+    with handle_signals(actions):
+        server: Any
+        if relay is not None:
+            from deltad.serve.relay.server import RelayServer
 
-    def on_hup(signum: int, frame: Any) -> None:
-        reload.set()  # the loop below re-reads the tokens and TLS files within 0.5 s
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_hup)
-    server: Any
-    if relay is not None:
-        from deltad.serve.relay.server import RelayServer
-
-        server = RelayServer(config, relay)
-    else:
-        server = SidecarServer(config)
-    server.start()
-    output.line(f"serving {config.model} rank {config.rank} on {server.endpoint}", file=sys.stdout)
-    while not stop.wait(0.5):
-        if reload.is_set():
-            reload.clear()
-            server.reload_credentials()  # logs what it did, once
-        if server.wait(0):
-            break
-    output.line(f"deltad serve: stopping (grace {config.grace_period_s}s)")
-    server.stop(config.grace_period_s)
+            server = RelayServer(config, relay)
+        else:
+            server = SidecarServer(config)
+        server.start()
+        output.line(
+            f"serving {config.model} rank {config.rank} on {server.endpoint}", file=sys.stdout
+        )
+        while not stop.wait(0.5):
+            if reload.is_set():
+                reload.clear()
+                server.reload_credentials()  # logs what it did, once
+            if server.wait(0):
+                break
+        output.line(f"deltad serve: stopping (grace {config.grace_period_s}s)")
+        server.stop(config.grace_period_s)
     if getattr(server, "error", None) is not None:
         return 2  # the relay logged why it stopped
     return 0
