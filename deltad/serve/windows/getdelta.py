@@ -7,7 +7,8 @@ pull, streams it (header, chunks, trailer: pre-serialized bytes) and optionally 
 ``-v`` one log line per pull (consumer, rank, window seq range, rows, bytes, ms).
 
 The request's own fields were checked at the edge (deltad.serve.edge.gate); what depends on the
-log (unknown tables, tables a packed dtype cannot serve) is checked here.
+log (unknown tables, tables a packed dtype cannot serve) is checked by
+:mod:`deltad.serve.windows.request`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from dataclasses import replace
 
 import grpc
 
-from deltad import wire
-from deltad.config import ServerConfig, clip
+from deltad.config import ServerConfig
 from deltad.errors import OffsetStoreError, OwedBudgetError, SpoolError
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import LogSnapshot, SegmentLog
@@ -36,14 +36,13 @@ from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, deci
 from deltad.serve.windows.encoded import EncodedWindow
 from deltad.serve.windows.header import with_dense_missing, with_reason, with_rollback
 from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
+from deltad.serve.windows.request import MIN_CHUNK_BYTES as MIN_CHUNK_BYTES  # (re-exported)
+from deltad.serve.windows.request import log_snapshot, request_spec
 from deltad.serve.windows.source import SourcedWindow, WindowSource
-from deltad.serve.windows.spec import WindowSpec
 from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-MIN_CHUNK_BYTES = 64 * 1024
 
 
 class WindowServer:
@@ -94,53 +93,12 @@ class WindowServer:
         """See :meth:`ReleaseCaps.cap`."""
         return self.caps.cap(consumer, generation, mirror=mirror)
 
-    def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
-        snap = self.log.snapshot()
-        if snap is None:
-            _abort(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                f"no base segment for model {self.config.model!r} rank {self.config.rank} "
-                f"in {self.config.spool_dir} yet",
-            )
-        return snap
-
-    def spec(
-        self, req: pb.GetDeltaRequest, snap: LogSnapshot, context: grpc.ServicerContext
-    ) -> WindowSpec:
-        """The request's form, tables and limits as a WindowSpec (the window's seqs still
-        to be decided); NOT_FOUND for unknown tables, INVALID_ARGUMENT for tables a packed
-        dtype cannot serve here (column-wise shards)."""
-        form, dtype = wire.form_from_pb(req.form), wire.dtype_from_pb(req.dtype)
-        known = {t.name for t in snap.manifest.tables}
-        unknown = sorted(set(req.tables) - known)
-        if unknown:
-            _abort(
-                context,
-                grpc.StatusCode.NOT_FOUND,
-                f"{len(unknown)} unknown table(s) {clip(unknown, 256)}; model "
-                f"{self.config.model!r} has {clip(sorted(known), 512)}",
-            )
-        tables = tuple(sorted(set(req.tables)))
-        align = 0
-        if dtype.packed:  # shards that cannot be packed (column-wise) travel as fp32
-            align = wire.check_row_alignment(req.row_alignment)  # checked at the edge
-        # a chunk and its framing fit in the server's send limit and in every consumer's
-        # receive limit (a larger --max-message-bytes must not make pulls fail)
-        limit = min(self.config.max_message_bytes, wire.CONSUMER_MAX_MESSAGE_BYTES)
-        cap = max(MIN_CHUNK_BYTES, limit - 64 * 1024)
-        chunk = min(max(req.chunk_bytes or self.config.chunk_bytes, MIN_CHUNK_BYTES), cap)
-        return WindowSpec(
-            self.config.rank, snap.generation, False, -1, -1, form, dtype, tables, int(req.k),
-            float(req.fraction), int(req.max_rows), chunk, align, req.with_dense,
-        )  # fmt: skip
-
     def serve(self, req: pb.GetDeltaRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """The consumer's window after its committed cursor: header, chunks, trailer."""
         started = time.monotonic()
         consumer = req.consumer
-        snap = self.snapshot(context)
-        shape = self.spec(req, snap, context)
+        snap = log_snapshot(self.config, self.log, context)
+        shape = request_spec(self.config, req, snap, context)
         slot = self.streams.acquire(context, consumer)
         got: SourcedWindow | None = None
         try:
