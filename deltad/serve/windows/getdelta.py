@@ -7,7 +7,8 @@ pull, streams it (header, chunks, trailer: pre-serialized bytes) and optionally 
 ``-v`` one log line per pull (consumer, rank, window seq range, rows, bytes, ms).
 
 The request's own fields were checked at the edge (deltad.serve.edge.gate); what depends on the
-log (unknown tables, tables a packed dtype cannot serve) is checked here.
+log (unknown tables, tables a packed dtype cannot serve) is checked by
+:mod:`deltad.serve.windows.request`.
 """
 
 from __future__ import annotations
@@ -20,29 +21,28 @@ from dataclasses import replace
 
 import grpc
 
-from deltad import wire
-from deltad.config import ServerConfig, clip
+from deltad.config import ServerConfig
 from deltad.errors import OffsetStoreError, OwedBudgetError, SpoolError
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.rollout import Cap, ReleaseState, lower
-from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
+from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull, StoredCursor
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
 from deltad.serve.windows.caps import ReleaseCaps, past_cap, within_cap
-from deltad.serve.windows.decide import LogView, WindowAsk, decide_window
+from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, decide_window
+from deltad.serve.windows.encoded import EncodedWindow
 from deltad.serve.windows.header import with_dense_missing, with_reason, with_rollback
 from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
+from deltad.serve.windows.request import MIN_CHUNK_BYTES as MIN_CHUNK_BYTES  # (re-exported)
+from deltad.serve.windows.request import log_snapshot, request_spec
 from deltad.serve.windows.source import SourcedWindow, WindowSource
-from deltad.serve.windows.spec import WindowSpec
 from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-MIN_CHUNK_BYTES = 64 * 1024
 
 
 class WindowServer:
@@ -93,141 +93,25 @@ class WindowServer:
         """See :meth:`ReleaseCaps.cap`."""
         return self.caps.cap(consumer, generation, mirror=mirror)
 
-    def snapshot(self, context: grpc.ServicerContext) -> LogSnapshot:
-        snap = self.log.snapshot()
-        if snap is None:
-            _abort(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                f"no base segment for model {self.config.model!r} rank {self.config.rank} "
-                f"in {self.config.spool_dir} yet",
-            )
-        return snap
-
-    def spec(
-        self, req: pb.GetDeltaRequest, snap: LogSnapshot, context: grpc.ServicerContext
-    ) -> WindowSpec:
-        """The request's form, tables and limits as a WindowSpec (the window's seqs still
-        to be decided); NOT_FOUND for unknown tables, INVALID_ARGUMENT for tables a packed
-        dtype cannot serve here (column-wise shards)."""
-        form, dtype = wire.form_from_pb(req.form), wire.dtype_from_pb(req.dtype)
-        known = {t.name for t in snap.manifest.tables}
-        unknown = sorted(set(req.tables) - known)
-        if unknown:
-            _abort(
-                context,
-                grpc.StatusCode.NOT_FOUND,
-                f"{len(unknown)} unknown table(s) {clip(unknown, 256)}; model "
-                f"{self.config.model!r} has {clip(sorted(known), 512)}",
-            )
-        tables = tuple(sorted(set(req.tables)))
-        align = 0
-        if dtype.packed:  # shards that cannot be packed (column-wise) travel as fp32
-            align = wire.check_row_alignment(req.row_alignment)  # checked at the edge
-        # a chunk and its framing fit in the server's send limit and in every consumer's
-        # receive limit (a larger --max-message-bytes must not make pulls fail)
-        limit = min(self.config.max_message_bytes, wire.CONSUMER_MAX_MESSAGE_BYTES)
-        cap = max(MIN_CHUNK_BYTES, limit - 64 * 1024)
-        chunk = min(max(req.chunk_bytes or self.config.chunk_bytes, MIN_CHUNK_BYTES), cap)
-        return WindowSpec(
-            self.config.rank, snap.generation, False, -1, -1, form, dtype, tables, int(req.k),
-            float(req.fraction), int(req.max_rows), chunk, align, req.with_dense,
-        )  # fmt: skip
-
     def serve(self, req: pb.GetDeltaRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """The consumer's window after its committed cursor: header, chunks, trailer."""
         started = time.monotonic()
         consumer = req.consumer
-        snap = self.snapshot(context)
-        shape = self.spec(req, snap, context)
+        snap = log_snapshot(self.config, self.log, context)
+        shape = request_spec(self.config, req, snap, context)
         slot = self.streams.acquire(context, consumer)
         got: SourcedWindow | None = None
         try:
-            rank, gen = self.config.rank, snap.generation
-            try:
-                stored = self.store.get_cursor(consumer, rank)
-                self.store.touch(consumer, self.config.lease_ttl_s)
-            except OffsetStoreError as e:
-                _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            # the release state and the validation gate bound the window (a window past
-            # the cap is never served; a cursor past it gets an empty window at the cursor)
-            # (cap.rollback: the rollback order this consumer must follow first, whatever
-            # the cap; decide_window turns it into a rollback window)
-            cap, max_step = self.caps.cap(consumer, gen, mirror=req.mirror)
-            ask = WindowAsk.of(req)
-            ask = replace(ask, max_step=lower(ask.max_step, max_step))
-            view = LogView.of(snap)
-            decision = decide_window(
-                ask, stored, view, *self.source.gendiff.previous(), rollback=cap.rollback
-            )
-            decision = within_cap(decision, stored, view, max_step)
-            if past_cap(decision, stored, view, max_step):
-                # the oldest state the log holds (its base) is past the cap already
-                gate = self.caps.gate_cap(self.caps.rollout.state(), gen)
-                if gate is not None and gate < snap.base.step:
-                    _abort(
-                        context,
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"the base of generation {gen} (step {snap.base.step}) failed the "
-                        f"validation gate; nothing can be served until a new base or generation",
-                    )
-                _abort(
-                    context,
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"the release state caps consumer {consumer!r} at step {max_step}, older "
-                    f"than the oldest state this log holds (step {snap.base.step}): pin or "
-                    f"release a later step",
-                )
-            if decision.refusal:
-                _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
+            stored = self._load_cursor(consumer, context)
+            decision = self._decide(req, snap, stored, context)
             # planned here (header, owed rows); merged and encoded as the stream sends it
             got = self.source.window(consumer, snap, shape, decision)
-            win, hit, decision = got.win, got.hit, got.decision
-            to_seq, to_step = decision.to_seq, decision.to_step
-            pull_id = uuid.uuid4().hex
-            token = pull_id if win.owed else ""
-            try:
-                if win.owed:
-                    self.owed.save(consumer, token, gen, to_seq, win.owed)
-                self.store.record_pull(
-                    consumer,
-                    rank,
-                    PendingPull(
-                        pull_id, gen, to_seq, to_step, token, win.owed_rows,
-                        decision.rollback_epoch, decision.rollback_to is not None,
-                    ),
-                )  # fmt: skip
-                self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
-            except OffsetStoreError as e:
-                _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            except OwedBudgetError as e:
-                _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except SpoolError as e:
-                _abort(context, grpc.StatusCode.INTERNAL, str(e))
-            if hit:
-                self.metrics.cache_hits.inc()
-            if decision.rollback_to is not None:
-                self.metrics.rollbacks.inc()
-            header = with_reason(win.header, decision.reason) if decision.resync else win.header
-            if decision.rollback_to is not None and decision.resync:
-                header = with_rollback(header, decision.rollback_to, decision.rollback_epoch)
-            dense_missing = ""
-            if req.with_dense and self.dense_check is not None:
-                dense_missing = self.dense_check(snap, to_seq, to_step)
-                if dense_missing:
-                    header = with_dense_missing(header, dense_missing)
+            win, hit = got.win, got.hit
+            pull_id = self._record_pull(consumer, snap.generation, got, stored, context)
+            header, dense_missing = self._header(req, snap, got)
             yield header
-            chunks: Iterator[bytes] = win.iter_chunks()
-            ahead = None
-            if self.config.prefetch_messages > 0:  # build the next chunks while gRPC sends
-                ahead = Prefetch(
-                    chunks,
-                    max_items=self.config.prefetch_messages,
-                    max_bytes=self.config.prefetch_bytes,
-                )
-                context.add_callback(ahead.stop)  # cancel / deadline: stop building
-                chunks = ahead
-            try:
+            chunks, ahead = self._chunks(win, context)
+            try:  # the hot loop: one deadline check per chunk, nothing else
                 for c in chunks:
                     if time.monotonic() > slot.deadline:
                         _abort(
@@ -244,44 +128,207 @@ class WindowServer:
                     ahead.close()
             if not hit:
                 self.metrics.merge_seconds.observe(win.merge_seconds)
-            cursor = pb.Cursor(
-                consumer=consumer, rank=rank, generation=gen, seq=to_seq, step=to_step,
-                pull_id=pull_id,
-            )  # fmt: skip
-            committed = False
-            if req.auto_commit:
-                try:
-                    self.store.commit(
-                        consumer, rank, pull_id=pull_id, generation=gen, seq=to_seq, step=to_step
-                    )
-                    committed = True
-                except CommitRejected as e:
-                    log.warning("auto-commit of %s refused: %s", consumer, e)
-                except OffsetStoreError as e:
-                    _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-            self.metrics.rows_served.inc(win.rows)
-            self.metrics.bytes_served.inc(win.payload_bytes)
-            self.metrics.pulls.inc()
-            yield encode.encode_trailer(
-                pb.DeltaTrailer(
-                    cursor=cursor,
-                    rows=win.rows,
-                    bytes=win.payload_bytes,
-                    committed=committed,
-                    merge_seconds=0.0 if hit else win.merge_seconds,
-                )
-            )
-            log.info(
-                "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes%s, %.0f ms%s",
-                consumer, rank, decision.from_seq, to_seq, to_step,
-                "resync: " if decision.resync else "", decision.reason,
-                ", committed" if committed else "", win.rows, win.payload_bytes,
-                "" if ahead is None else
-                f" (prefetch: sender waited {ahead.reader_waits}x, builder {ahead.producer_waits}x)",
-                (time.monotonic() - started) * 1000,
-                f"; dense state missing: {dense_missing}" if dense_missing else "",
-            )  # fmt: skip
+            committed = self._auto_commit(req, snap.generation, got, pull_id, context)
+            yield self._trailer(consumer, snap.generation, got, pull_id, committed)
+            self._log_pull(consumer, got, committed, ahead, started, dense_missing)
         finally:
             slot.release()
             if got is not None and not got.hit:  # (built but never read: free its reservation)
                 self.source.cache.abandon(got.spec, got.win)
+
+    # --- the steps of a pull (serve) -----------------------------------------------------
+
+    def _load_cursor(self, consumer: str, context: grpc.ServicerContext) -> StoredCursor | None:
+        """The consumer's committed cursor on this rank; renews its lease (or registers it).
+        UNAVAILABLE if the offset store is."""
+        try:
+            stored = self.store.get_cursor(consumer, self.config.rank)
+            self.store.touch(consumer, self.config.lease_ttl_s)
+        except OffsetStoreError as e:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        return stored
+
+    def _decide(
+        self,
+        req: pb.GetDeltaRequest,
+        snap: LogSnapshot,
+        stored: StoredCursor | None,
+        context: grpc.ServicerContext,
+    ) -> WindowDecision:
+        """The window to serve after ``stored``, within the consumer's release cap; aborts
+        when the cap is older than the log's base or the decision is a refusal."""
+        consumer, gen = req.consumer, snap.generation
+        # the release state and the validation gate bound the window (a window past
+        # the cap is never served; a cursor past it gets an empty window at the cursor)
+        # (cap.rollback: the rollback order this consumer must follow first, whatever
+        # the cap; decide_window turns it into a rollback window)
+        cap, max_step = self.caps.cap(consumer, gen, mirror=req.mirror)
+        ask = WindowAsk.of(req)
+        ask = replace(ask, max_step=lower(ask.max_step, max_step))
+        view = LogView.of(snap)
+        decision = decide_window(
+            ask, stored, view, *self.source.gendiff.previous(), rollback=cap.rollback
+        )
+        decision = within_cap(decision, stored, view, max_step)
+        if past_cap(decision, stored, view, max_step):
+            # the oldest state the log holds (its base) is past the cap already
+            gate = self.caps.gate_cap(self.caps.rollout.state(), gen)
+            if gate is not None and gate < snap.base.step:
+                _abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the base of generation {gen} (step {snap.base.step}) failed the "
+                    f"validation gate; nothing can be served until a new base or generation",
+                )
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the release state caps consumer {consumer!r} at step {max_step}, older "
+                f"than the oldest state this log holds (step {snap.base.step}): pin or "
+                f"release a later step",
+            )
+        if decision.refusal:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
+        return decision
+
+    def _record_pull(
+        self,
+        consumer: str,
+        gen: int,
+        got: SourcedWindow,
+        stored: StoredCursor | None,
+        context: grpc.ServicerContext,
+    ) -> str:
+        """Save the window's owed rows, record the pull (its new id, returned) and drop the
+        consumer's older owed rows; then count the pull's cache hit and rollback."""
+        win, decision = got.win, got.decision
+        pull_id = uuid.uuid4().hex
+        token = pull_id if win.owed else ""
+        try:
+            if win.owed:
+                self.owed.save(consumer, token, gen, decision.to_seq, win.owed)
+            self.store.record_pull(
+                consumer,
+                self.config.rank,
+                PendingPull(
+                    pull_id, gen, decision.to_seq, decision.to_step, token, win.owed_rows,
+                    decision.rollback_epoch, decision.rollback_to is not None,
+                ),
+            )  # fmt: skip
+            self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
+        except OffsetStoreError as e:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        except OwedBudgetError as e:
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except SpoolError as e:
+            _abort(context, grpc.StatusCode.INTERNAL, str(e))
+        if got.hit:
+            self.metrics.cache_hits.inc()
+        if decision.rollback_to is not None:
+            self.metrics.rollbacks.inc()
+        return pull_id
+
+    def _header(
+        self, req: pb.GetDeltaRequest, snap: LogSnapshot, got: SourcedWindow
+    ) -> tuple[bytes, str]:
+        """The window's header as this pull sends it (a resync's reason, a rollback, missing
+        dense state), and why its dense state is missing ("" if it is not)."""
+        win, decision = got.win, got.decision
+        header = with_reason(win.header, decision.reason) if decision.resync else win.header
+        if decision.rollback_to is not None and decision.resync:
+            header = with_rollback(header, decision.rollback_to, decision.rollback_epoch)
+        dense_missing = ""
+        if req.with_dense and self.dense_check is not None:
+            dense_missing = self.dense_check(snap, decision.to_seq, decision.to_step)
+            if dense_missing:
+                header = with_dense_missing(header, dense_missing)
+        return header, dense_missing
+
+    def _chunks(
+        self, win: EncodedWindow, context: grpc.ServicerContext
+    ) -> tuple[Iterator[bytes], Prefetch | None]:
+        """The window's chunks, built ahead while gRPC sends when prefetch is on (then also
+        the Prefetch, stopped on cancel or deadline; the caller closes it)."""
+        chunks: Iterator[bytes] = win.iter_chunks()
+        if self.config.prefetch_messages <= 0:
+            return chunks, None
+        ahead = Prefetch(
+            chunks,
+            max_items=self.config.prefetch_messages,
+            max_bytes=self.config.prefetch_bytes,
+        )
+        context.add_callback(ahead.stop)  # cancel / deadline: stop building
+        return ahead, ahead
+
+    def _auto_commit(
+        self,
+        req: pb.GetDeltaRequest,
+        gen: int,
+        got: SourcedWindow,
+        pull_id: str,
+        context: grpc.ServicerContext,
+    ) -> bool:
+        """Commit the pull if the request asked to; False if it did not or the store refused
+        (logged). UNAVAILABLE if the offset store is."""
+        if not req.auto_commit:
+            return False
+        d = got.decision
+        try:
+            self.store.commit(
+                req.consumer,
+                self.config.rank,
+                pull_id=pull_id,
+                generation=gen,
+                seq=d.to_seq,
+                step=d.to_step,
+            )
+        except CommitRejected as e:
+            log.warning("auto-commit of %s refused: %s", req.consumer, e)
+            return False
+        except OffsetStoreError as e:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        return True
+
+    def _trailer(
+        self, consumer: str, gen: int, got: SourcedWindow, pull_id: str, committed: bool
+    ) -> bytes:
+        """Count the pull served and encode its trailer (the cursor to commit, the totals)."""
+        win, d = got.win, got.decision
+        cursor = pb.Cursor(
+            consumer=consumer, rank=self.config.rank, generation=gen, seq=d.to_seq,
+            step=d.to_step, pull_id=pull_id,
+        )  # fmt: skip
+        self.metrics.rows_served.inc(win.rows)
+        self.metrics.bytes_served.inc(win.payload_bytes)
+        self.metrics.pulls.inc()
+        return encode.encode_trailer(
+            pb.DeltaTrailer(
+                cursor=cursor,
+                rows=win.rows,
+                bytes=win.payload_bytes,
+                committed=committed,
+                merge_seconds=0.0 if got.hit else win.merge_seconds,
+            )
+        )
+
+    def _log_pull(
+        self,
+        consumer: str,
+        got: SourcedWindow,
+        committed: bool,
+        ahead: Prefetch | None,
+        started: float,
+        dense_missing: str,
+    ) -> None:
+        """The pull's one log line (at ``-v``): its seqs, rows, bytes, prefetch waits, time."""
+        win, d = got.win, got.decision
+        log.info(
+            "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes%s, %.0f ms%s",
+            consumer, self.config.rank, d.from_seq, d.to_seq, d.to_step,
+            "resync: " if d.resync else "", d.reason,
+            ", committed" if committed else "", win.rows, win.payload_bytes,
+            "" if ahead is None else
+            f" (prefetch: sender waited {ahead.reader_waits}x, builder {ahead.producer_waits}x)",
+            (time.monotonic() - started) * 1000,
+            f"; dense state missing: {dense_missing}" if dense_missing else "",
+        )  # fmt: skip
