@@ -58,6 +58,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Wait up to 10 s for ``proc`` to exit (it was told to), then kill it."""
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 class EmbeddedRedis:
     """A real Redis server for this machine's sidecars, persisting into ``data_dir``.
 
@@ -248,11 +257,7 @@ class EmbeddedRedis:
                 self.proc.kill()
             else:
                 self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            _reap(self.proc)
         self.proc = None
         if self.url_file.exists() and not kill:
             self.url_file.unlink(missing_ok=True)
@@ -268,11 +273,7 @@ class EmbeddedRedis:
         except (redis.RedisError, OSError, ValueError):
             pass
         if self.proc is not None:
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            _reap(self.proc)
             self.proc = None
         self.url_file.unlink(missing_ok=True)
 
