@@ -640,3 +640,65 @@ def test_time_based_publishing_predicts_the_step_of_the_next_publish(tmp_path: P
     # ~10 steps of 10 ms per 0.1 s (a loaded machine only makes steps longer: fewer steps)
     assert gaps and all(1 <= g <= 11 for g in gaps) and max(gaps) >= 3
     assert pub.stats.collectives == 0  # not distributed
+
+
+def _agreement_worker(rank: int, world_size: int, spool: str, flag: str) -> None:
+    """The publish's all-reduce is waited for at the next call: a rank's publish returns
+    before a slower rank has reached its own; a fatal failure on one rank raises on both,
+    together, at the call after the publish that found it, and the step between them trains
+    on both ranks (nobody is left alone in a collective)."""
+    import deltad.publish.writer as writer_mod
+
+    dmp = toy_dmp(world_size)
+    tracker = DeltaTracker(dmp)
+    cfg = PublisherConfig(Path(spool), model="toy", every_steps=1, fsync=False)
+    pub = SegmentPublisher(dmp, cfg, tracker=tracker)
+    pub.start(0)
+    published = Path(flag)
+    dmp(batch(rank, 1))[0].backward()
+    if rank == 1:  # rank 1 reaches the publish only once rank 0 has come back from its own
+        deadline = time.monotonic() + 60
+        while not published.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert published.exists(), "rank 0's publish waited for rank 1"
+    before = pub.stats.collectives
+    assert pub.maybe_publish(1) is not None
+    if rank == 0:
+        published.write_text("1")
+    assert pub.stats.collectives == before + 1  # the publish's one all-reduce
+
+    if rank == 1:  # once segment 1 is written, every write of rank 1 fails in a way no
+        # fresh base heals
+        deadline = time.monotonic() + 60
+        while pub.stats.segments[-1].write_s == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub.stats.segments[-1].write_s > 0
+
+        def broken(*a: Any, **kw: Any) -> None:
+            raise RuntimeError("segment encoder bug")
+
+        writer_mod.write_segment = broken  # type: ignore[assignment]
+    dmp(batch(rank, 2))[0].backward()
+    assert pub.maybe_publish(2) is not None  # rank 1's writer fails on this segment, later
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while pub._writer.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(pub._writer.error, RuntimeError)
+    dist.barrier()
+    dmp(batch(rank, 3))[0].backward()
+    assert pub.maybe_publish(3) is not None  # found on rank 1 here; nobody raises yet
+    dmp(batch(rank, 4))[0].backward()  # the next step trains on both ranks
+    with pytest.raises(SpoolError) as info:  # ... and both raise at the call after it
+        pub.maybe_publish(4)
+    expected = "segment encoder bug" if rank == 1 else "failed on another rank"
+    assert expected in str(info.value)
+    with pytest.raises(SpoolError):  # close stops the threads; the failure stays reported
+        pub.close(4)
+    assert pub._writer.thread is not None and not pub._writer.thread.is_alive()
+
+
+def test_the_publish_agreement_is_waited_for_a_step_later_and_a_failure_raises_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    spawn(_agreement_worker, 2, tmp_path, str(tmp_path / "spool"), str(tmp_path / "published"))

@@ -7,7 +7,9 @@ publish decision is identical on all ranks and needs no collective on a step tha
 publish (:mod:`deltad.publish.schedule`, time-based publishing included); each publish
 all-reduces one small tensor (:mod:`deltad.publish.ranks`), so that a segment that failed to
 write on any rank raises on all of them together (and, time-based, to agree on the next
-publish's step).
+publish's step). That all-reduce is issued at the publish and waited for at the next call,
+a training step later (:meth:`SegmentPublisher._settle`): the loop does not wait in it for a
+slower rank.
 
 The data path of one publish: drain the tracker (the cut), take the managed-collision
 identities and, on rank 0, the dense state (:mod:`deltad.publish.dense`) in the loop; copy the
@@ -15,8 +17,8 @@ rows (:mod:`deltad.publish.copier`); write the segment (:mod:`deltad.publish.wri
 
 What the training loop pays, per segment
 ----------------------------------------
-* **CPU weights** (``PublisherConfig.copy_in_background``, the default): only the error
-  all-reduce and the drain, a swap of the tracker's bitmaps (queued behind the tracker's fold
+* **CPU weights** (``PublisherConfig.copy_in_background``, the default): only issuing the
+  error all-reduce and the drain, a swap of the tracker's bitmaps (queued behind the tracker's fold
   thread). A *copier* thread then reads the ids out of the drained bitmaps and copies the
   rows while the next step's forward runs. The cut stays consistent because nothing may
   update a tracked row before that copy is done: the tracker runs
@@ -47,6 +49,7 @@ training: the rank publishes a fresh base once it can (see :meth:`SegmentPublish
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,7 +61,7 @@ from deltad.publish.copier import CopierThread, CopyRequest, RowCopier, pack
 from deltad.publish.dense import DenseCapture
 from deltad.publish.generation import open_generation
 from deltad.publish.mc import SlotIdentities
-from deltad.publish.ranks import RankGroup
+from deltad.publish.ranks import PendingMax, RankGroup
 from deltad.publish.schedule import PublishSchedule, RebaseSchedule
 from deltad.publish.shards import TrackedShard
 from deltad.publish.stats import PublisherStats, SegmentStats
@@ -115,6 +118,8 @@ class SegmentPublisher:
         self._schedule = PublishSchedule(config.every_steps, config.every_seconds, self.rank)
         self._rebase = RebaseSchedule(self.layout, self.rank, config.rebase_retry_s)
         self._agree_s = 0.0  # the last publish's all-reduce (SegmentStats.agree_s)
+        #: the last publish's all-reduce, waited for at the next call (:meth:`_settle`)
+        self._agreement: _Agreement | None = None
         self._dense = DenseCapture(model, tracker, config, self.rank)
         self._closed = False
         self._final = False
@@ -195,6 +200,7 @@ class SegmentPublisher:
         self._check_open()
         t0 = time.perf_counter()
         self.stats.calls += 1
+        self._settle()  # the previous publish's agreement: the next step is known from here
         due = self._schedule.due(step)
         self.stats.decide_s += time.perf_counter() - t0
         return self.publish(step) if due else None
@@ -207,12 +213,13 @@ class SegmentPublisher:
         (``stats.write_errors``) and logged, later deltas of the rank are dropped, and a
         publish at most every ``rebase_retry_s`` writes a fresh base of the rank instead
         (rank-local, no collective), which covers every row; so does a sidecar's
-        ``rebase.request``. Any other failure (the copier) raises SpoolError here on every
-        rank at once: one all-reduce per segment, so that no rank is left waiting in the
-        trainer's next collective.
+        ``rebase.request``. Any other failure (the writer's or the copier's) raises
+        SpoolError on every rank at once, at the publisher's next call (the next
+        ``maybe_publish``, ``publish`` or ``close``): see :meth:`_settle`.
         """
         self._check_open()
         t0 = time.perf_counter()
+        self._settle()
         # The previous copy is long done unless the writer is behind (backpressure); a wait
         # here is part of this publish's stall. Its failure is reported now, not one later.
         if self._copier is not None:
@@ -223,17 +230,46 @@ class SegmentPublisher:
             error.__cause__ = self._writer.error
         elif self._copier is not None and not self._copier.alive():
             error = SpoolError("the publisher's copier thread stopped")
-        # one all-reduce: any rank failed, and (time-based) rank 0's next publish step
+        # One all-reduce, issued now and waited for at the next call: any rank failed, and
+        # (time-based) rank 0's next publish step.
         a0 = time.perf_counter()
-        failed, nxt = self._ranks.all_reduce_max(
+        pending = self._ranks.all_reduce_max_async(
             1 if error else 0, self._schedule.predict_next(step)
         )
         self._agree_s = time.perf_counter() - a0
+        stats = self._publish_now(step, t0)
+        self._agreement = _Agreement(pending, error, stats)
+        return stats
+
+    def _settle(self) -> None:
+        """Wait for the last publish's all-reduce, take the agreed next step, and raise if
+        any rank failed.
+
+        The all-reduce is issued at the publish and waited for here, at the publisher's next
+        call, so the loop never waits in it for a slower rank: by then every rank has gone
+        through a whole training step (whose own collectives every rank joins after its
+        publish), so the result is in. A rank that found a failure at that publish still
+        published (a dead copier or writer drops the segment, harmlessly) and trained one
+        more step with the others; every rank raises here together, so none is left alone
+        in the trainer's next collective. The wait counts in ``stats.decide_s`` and in the
+        publish's ``agree_s``.
+        """
+        agreement, self._agreement = self._agreement, None
+        if agreement is None:
+            return
+        t0 = time.perf_counter()
+        failed, nxt = agreement.pending.result()
+        waited = time.perf_counter() - t0
+        agreement.stats.agree_s += waited
+        self.stats.decide_s += waited
         if failed:
-            if error is not None:
-                raise error
+            if agreement.error is not None:
+                raise agreement.error
             raise SpoolError("writing a segment failed on another rank")
         self._schedule.agreed(nxt)
+
+    def _publish_now(self, step: int, t0: float) -> SegmentStats:
+        """The publish itself: a fresh base if one is owed, else a delta of the drained rows."""
         assert self.generation is not None
         if self._rebase.due(self.generation, self._writer.write_failed):
             return self._publish_base(step, t0)
@@ -289,6 +325,7 @@ class SegmentPublisher:
         try:
             self._final = True  # the last segment always carries the dense state
             self.publish(step)
+            self._settle()  # its failure, if any, is raised here on every rank
         finally:
             self._closed = True
             if self._copier is not None:  # its last jobs reach the writer before it stops
@@ -356,6 +393,15 @@ class SegmentPublisher:
         self._schedule.segment(step)
         self.stats.segments.append(stats)
         return stats
+
+
+@dataclass
+class _Agreement:
+    """A publish's all-reduce in flight: this rank's own failure, and the segment it was for."""
+
+    pending: PendingMax
+    error: SpoolError | None
+    stats: SegmentStats
 
 
 def _all_rows(shards: list[TrackedShard]) -> list[torch.Tensor]:

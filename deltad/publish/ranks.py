@@ -35,6 +35,16 @@ class RankGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
         return [int(x) for x in t.tolist()]
 
+    def all_reduce_max_async(self, *values: int) -> PendingMax:
+        """The same all-reduce, issued now and waited for by :meth:`PendingMax.result`: the
+        publish does not wait for the slowest rank to reach it."""
+        if not self.distributed:
+            return PendingMax(list(values))
+        self._stats.collectives += 1
+        t = torch.tensor(values, dtype=torch.int64, device=self._device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg, async_op=True)
+        return PendingMax(t, work)
+
     def broadcast(self, value: int) -> int:
         """Rank 0's ``value`` on every rank."""
         if not self.distributed:
@@ -50,3 +60,20 @@ class RankGroup:
             if error is not None:
                 raise error
             raise SpoolError(f"{what} failed on another rank")
+
+
+class PendingMax:
+    """An all-reduce MAX in flight (or, with one rank, its values); :meth:`result` waits once."""
+
+    def __init__(self, values: torch.Tensor | list[int], work: Any = None) -> None:
+        self._values = values
+        self._work = work
+
+    def result(self) -> list[int]:
+        """The reduced values, waiting for every rank to have issued the all-reduce."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if isinstance(self._values, torch.Tensor):
+            self._values = [int(x) for x in self._values.tolist()]
+        return list(self._values)

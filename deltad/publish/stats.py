@@ -17,8 +17,8 @@ class SegmentStats:
     kind: SegmentKind
     rows: int
     nbytes: int
-    stall_s: float  # in the loop: the error all-reduce, drain (+ copy and waiting for a
-    # write slot if not copied in the background)
+    stall_s: float  # in the loop: issuing the error all-reduce, drain (+ copy and waiting
+    # for a write slot if not copied in the background)
     write_s: float = 0.0  # in the writer thread (filled in when written)
     write_cpu_s: float = 0.0  # CPU time of the writer thread on it (checksum, write, fsync)
     path: Path | None = None
@@ -31,8 +31,9 @@ class SegmentStats:
     dense_bytes: int = 0
     dense_s: float = 0.0
     dense_path: Path | None = None
-    #: Of ``stall_s``: the publish's all-reduce (the failure flag and the next time-based
-    #: publish's step), mostly waiting for the slowest rank to reach it.
+    #: The publish's all-reduce (the failure flag and the next time-based publish's step):
+    #: issuing it (part of ``stall_s``) plus waiting for its result at the publisher's next
+    #: call, a step later (part of ``PublisherStats.decide_s``).
     agree_s: float = 0.0
 
 
@@ -42,7 +43,7 @@ class PublisherStats:
 
     segments: list[SegmentStats] = field(default_factory=list)
     #: Time spent deciding whether to publish (a comparison with the agreed step: no
-    #: collective; the next step is agreed inside the publish, counted in its ``stall_s``).
+    #: collective), with the wait for the last publish's all-reduce at the call after it.
     decide_s: float = 0.0
     calls: int = 0
     #: Collectives the publisher issued (all-reduces and broadcasts), all in the loop: at
