@@ -154,8 +154,8 @@ def run(ctx: Context) -> dict[str, Any]:
         },
         {
             "metric": (
-                "off-loop CPU as the publisher accounts it (writer + copier + fold threads), "
-                "% of the loop's own CPU per step"
+                "off-loop CPU as the publisher accounts it (writer + copier + fold threads; "
+                "not the base start() writes before the loop), % of the loop's own CPU per step"
             ),
             "value": med(offloop),
             "unit": "%",

@@ -236,7 +236,8 @@ class RankStats:
     #: the decision, drains, the publish's all-reduce, backward waits for copies)
     loop_publish_s: float = 0.0
     #: off the loop, over the whole run: CPU seconds of the publisher's writer and copier
-    #: threads and of the tracker's fold thread (the publisher's own accounting)
+    #: threads and of the tracker's fold thread (the publisher's own accounting), less the
+    #: base segment that ``start()`` writes before the loop
     offloop_cpu_s: float = 0.0
     #: of the publisher's loop time, over the whole run: its per-publish all-reduce
     agree_s: float = 0.0
@@ -535,8 +536,13 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     mine.loop_publish_s = loop_publish
     if publisher is not None:
         s = publisher.stats
+        # the base written by start(), before the loop (a one-off, like loading a
+        # checkpoint), is not a cost of the steps: every later segment is counted, the
+        # final one and any fresh base included
+        start_base = s.segments[0].write_cpu_s if s.segments else 0.0
         mine.offloop_cpu_s = (
             s.write_cpu_s
+            - start_base
             + sum(x.copy_cpu_s for x in s.segments)
             + publisher.tracker.stats.background_s
         )
