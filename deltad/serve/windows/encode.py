@@ -78,6 +78,23 @@ _NEW_BYTES = _new_bytes()
 _BYTES_DATA = sys.getsizeof(b"") - 1
 
 
+class _BytesData:
+    """The data of a new ``bytes`` object as a writable uint8 array (``np.asarray`` of it),
+    through numpy's array interface; the array keeps the ``bytes`` alive. (A ctypes array
+    type per message length cost ~8 us more a message whose size had not been seen.)"""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, data: bytes) -> None:
+        self.owner = data
+        self.__array_interface__ = {
+            "data": (id(data) + _BYTES_DATA, False),
+            "shape": (len(data),),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
 class ChunkMessage:
     """One serialized GetDeltaResponse{chunk} built in place: the framing is written, and the
     ids, scale/bias and values fields are writable numpy views into the message itself.
@@ -122,9 +139,7 @@ class ChunkMessage:
         size = sum(len(h) + n for _, h, n in fields)
         head = b"\x12" + _varint(size)
         self.data = _NEW_BYTES(len(head) + size)
-        raw: Any = (ctypes.c_char * len(self.data)).from_address(id(self.data) + _BYTES_DATA)
-        raw.owner = self.data  # every view keeps the message alive
-        buf: Any = np.frombuffer(raw, dtype=np.uint8)
+        buf: Any = np.asarray(_BytesData(self.data))  # every view keeps the message alive
         buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
         pos = len(head)
         views: dict[str, Any] = {}
