@@ -98,6 +98,13 @@ def run(ctx: Context) -> dict[str, Any]:
     every = ctx.pick(EVERY_S, EVERY_S, 0.05)
     rounds = ctx.pick(max(2, ctx.repeats), 1, 1)
     per_round: list[dict[str, Any]] = []
+    if ctx.pick(True, False, False):
+        # One discarded run first: the first run of a benchmark measured 15-45 % more CPU
+        # per step than the same run later (caches, page cache, the box settling), which
+        # showed as the noise line of round 1 (baseline B vs A -15 % / -32 %).
+        ctx.status("timed publish: warm-up run (not measured)")
+        with ctx.tmpdir("timed") as spool:
+            _one(spool, size, False, every)
     for r in range(rounds):
         runs = {}
         for name, publish in (("baseline_a", False), ("publish", True), ("baseline_b", False)):
