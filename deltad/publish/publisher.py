@@ -241,7 +241,7 @@ class SegmentPublisher:
         self._agreement = _Agreement(pending, error, stats)
         return stats
 
-    def _settle(self) -> None:
+    def _settle(self) -> float:
         """Wait for the last publish's all-reduce, take the agreed next step, and raise if
         any rank failed.
 
@@ -251,22 +251,23 @@ class SegmentPublisher:
         publish), so the result is in. A rank that found a failure at that publish still
         published (a dead copier or writer drops the segment, harmlessly) and trained one
         more step with the others; every rank raises here together, so none is left alone
-        in the trainer's next collective. The wait counts in ``stats.decide_s`` and in the
-        publish's ``agree_s``.
+        in the trainer's next collective. The wait is added to the publish's ``agree_s``
+        and returned; the caller's own clock counts it on the loop (``decide_s`` in
+        ``maybe_publish``, ``stall_s`` in ``publish``).
         """
         agreement, self._agreement = self._agreement, None
         if agreement is None:
-            return
+            return 0.0
         t0 = time.perf_counter()
         failed, nxt = agreement.pending.result()
         waited = time.perf_counter() - t0
         agreement.stats.agree_s += waited
-        self.stats.decide_s += waited
         if failed:
             if agreement.error is not None:
                 raise agreement.error
             raise SpoolError("writing a segment failed on another rank")
         self._schedule.agreed(nxt)
+        return waited
 
     def _publish_now(self, step: int, t0: float) -> SegmentStats:
         """The publish itself: a fresh base if one is owed, else a delta of the drained rows."""
@@ -325,7 +326,8 @@ class SegmentPublisher:
         try:
             self._final = True  # the last segment always carries the dense state
             self.publish(step)
-            self._settle()  # its failure, if any, is raised here on every rank
+            # its failure, if any, is raised here on every rank
+            self.stats.decide_s += self._settle()
         finally:
             self._closed = True
             if self._copier is not None:  # its last jobs reach the writer before it stops

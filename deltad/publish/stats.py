@@ -33,7 +33,7 @@ class SegmentStats:
     dense_path: Path | None = None
     #: The publish's all-reduce (the failure flag and the next time-based publish's step):
     #: issuing it (part of ``stall_s``) plus waiting for its result at the publisher's next
-    #: call, a step later (part of ``PublisherStats.decide_s``).
+    #: call, a step later (part of that call's ``PublisherStats.decide_s`` or ``stall_s``).
     agree_s: float = 0.0
 
 
