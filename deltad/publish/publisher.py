@@ -221,7 +221,8 @@ class SegmentPublisher:
         t0 = time.perf_counter()
         self._settle()
         # The previous copy is long done unless the writer is behind (backpressure); a wait
-        # here is part of this publish's stall. Its failure is reported now, not one later.
+        # here is part of this publish's stall. Its failure goes into this publish's
+        # agreement (raised on every rank at the next call), not one publish later.
         if self._copier is not None:
             self._copier.wait()
         error = None
