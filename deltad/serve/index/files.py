@@ -255,12 +255,13 @@ class RankFiles:
         except OSError as e:
             log.error("cannot quarantine %s (%s): %s", path, reason, e)
             return
-        self.quarantined += 1
         log.error("quarantined segment %s -> %s: %s", path, dest, reason)
-        if self.on_quarantine is not None:
-            self.on_quarantine(dest, reason)
         if request:
             self.request_base(generation, f"quarantined {path.name}: {reason}")
+        # counted last: whoever sees a count (this, the metric) sees the request too
+        if self.on_quarantine is not None:
+            self.on_quarantine(dest, reason)
+        self.quarantined += 1
 
     def request_base(self, generation: int, reason: str, *, force: bool = False) -> bool:
         """Ask the publisher of this rank for a fresh base of ``generation`` (at most every
