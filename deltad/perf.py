@@ -84,6 +84,20 @@ def tune_malloc() -> bool:
         return _applied
 
 
+def trim_heap() -> bool:
+    """Hand malloc's free heap back to the kernel now (glibc ``malloc_trim(0)``; the tuning
+    above otherwise keeps it for good); True if memory was released. Never raises."""
+    try:
+        libc = _glibc()
+        if libc is None:
+            return False
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+        return bool(libc.malloc_trim(0))
+    except Exception:
+        return False
+
+
 def tune_threads() -> None:
     """One torch intra-op thread, for processes that move data rather than compute on it.
 

@@ -131,3 +131,56 @@ def test_after_a_base_forward_merge_the_sidecar_holds_its_log_and_the_gauges_add
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_an_idle_sidecar_hands_its_free_heap_back(tmp_path: Path) -> None:
+    """A pull merges a window of 13 parts whole (temporaries of the window's size, freed into
+    the heap malloc keeps); once no stream has run for ``IDLE_HEAP_TRIM_S`` the sidecar gives
+    that heap back: the free-heap gauge and the RSS drop, and the next pull is served as
+    before."""
+    from bench.throughput import client_pull
+
+    write_spool(tmp_path, model="m", tables=2, rows_per_table=200_000, dim=64, deltas=12)
+    metrics, listen = _port(), _port()
+    env = {
+        **os.environ,
+        "DELTAD_SPOOL": "",
+        "DELTAD_KNOB_IDLE_HEAP_TRIM_S": "2",
+        "DELTAD_KNOB_IDLE_HEAP_TRIM_MIN_BYTES": str(4 << 20),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltad", "serve", "--spool", str(tmp_path), "--model", "m",
+         "--listen", f"127.0.0.1:{listen}", "--metrics-port", str(metrics),
+         "--window-cache-entries", "0", "--retention-interval", "3600"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "deltad serve exited"
+            try:
+                if _gauges(metrics).get("deltad_log_bytes", 0) > 0:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        endpoint = f"127.0.0.1:{listen}"
+        first = client_pull({}, endpoint, "m", "c1", "fp32")
+        assert first["rows"] == 2 * 200_000
+        g = _gauges(metrics)  # right after the pull: its temporaries are free heap
+        assert g["deltad_heap_free_bytes"] >= 12 << 20, g
+        peak_rss = g["deltad_rss_bytes"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # 2 s idle + a 2 s check interval
+            g = _gauges(metrics)
+            if g["deltad_heap_free_bytes"] < 4 << 20:
+                break
+            time.sleep(0.5)
+        assert g["deltad_heap_free_bytes"] < 4 << 20, g
+        assert g["deltad_rss_bytes"] <= peak_rss - (8 << 20), (peak_rss, g["deltad_rss_bytes"])
+        again = client_pull({}, endpoint, "m", "c2", "fp32")
+        assert again["rows"] == first["rows"] and again["bytes"] == first["bytes"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -78,3 +78,9 @@ class MemoryBaseline:
     def heap_free_growth(self) -> int:
         """Free heap bytes kept beyond those at start (freed temporaries malloc keeps)."""
         return max(0, heap_free_bytes() - self.heap_free)
+
+    def heap_trimmed(self) -> None:
+        """The free heap was just handed back to the kernel (``malloc_trim``): malloc still
+        counts those bytes free, but their pages are no longer resident, so growth counts
+        from here."""
+        self.heap_free = heap_free_bytes()

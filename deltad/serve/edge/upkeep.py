@@ -7,11 +7,14 @@ import threading
 import time
 from collections.abc import Callable
 
+from deltad import knobs
 from deltad.config import ServerConfig
 from deltad.errors import DeltadError, OffsetStoreError
+from deltad.perf import trim_heap
 from deltad.serve.edge.gate import Gate
 from deltad.serve.edge.health import SidecarHealth
 from deltad.serve.edge.service import DeltaServicer
+from deltad.serve.memory import rss_bytes
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.state.owed import OwedStore
@@ -51,6 +54,7 @@ class Upkeep:
         self._stop = stop
         self._threads: list[threading.Thread] = []
         self._registered = 0.0
+        self._trimmed_at = -1.0  # the last stream end whose freed heap was handed back
 
     def spawn(self, name: str, fn: Callable[[], object], interval: float) -> None:
         """Run ``fn`` every ``interval`` seconds on a thread named ``name``."""
@@ -67,6 +71,28 @@ class Upkeep:
         t = threading.Thread(target=loop, name=name, daemon=True)
         t.start()
         self._threads.append(t)
+
+    def trim_idle_heap(self) -> bool:
+        """Once no GetDelta stream has run for ``knobs.IDLE_HEAP_TRIM_S``, hand the free heap
+        malloc keeps (``knobs.IDLE_HEAP_TRIM_MIN_BYTES`` or more) back to the kernel, once per
+        idle spell: the next pull faults its pages in again (~0.1 s per GB), an idle sidecar
+        holds its log and runtime, not the high-water mark of its last bootstraps."""
+        after = knobs.IDLE_HEAP_TRIM_S
+        streams = self.servicer.streams
+        if after <= 0 or streams.idle_s() < after or streams.last_release == self._trimmed_at:
+            return False
+        free = self.metrics.memory.heap_free_growth()  # (resident: none trimmed since)
+        if free < max(1, knobs.IDLE_HEAP_TRIM_MIN_BYTES):
+            return False
+        self._trimmed_at = streams.last_release
+        before = rss_bytes()
+        trim_heap()
+        self.metrics.memory.heap_trimmed()
+        log.info(
+            "idle %.0f s: handed %.0f MB of free heap back (RSS %.0f -> %.0f MB)",
+            streams.idle_s(), free / 1e6, before / 1e6, rss_bytes() / 1e6,
+        )  # fmt: skip
+        return True
 
     def join(self) -> None:
         """Wait for the loops to end (after ``stop`` was set)."""

@@ -49,6 +49,7 @@ class StreamSlot:
                 owner.metrics.active_streams.set(owner.active)
                 took = time.monotonic() - self.started
                 owner._stream_seconds += 0.2 * (took - owner._stream_seconds)
+                owner.last_release = time.monotonic()
                 owner._slot_free.notify_all()  # the first waiter in line takes it
 
 
@@ -68,6 +69,14 @@ class StreamSlots:
         self._stream_seconds = 0.2  # moving average of a stream's duration (retry hints)
         #: GetDelta calls refused for want of a slot (RESOURCE_EXHAUSTED with a retry hint)
         self.refused = 0
+        #: when the last stream ended (monotonic; the sidecar's start before any)
+        self.last_release = time.monotonic()
+
+    def idle_s(self) -> float:
+        """Seconds since the last GetDelta stream ended; 0 while one runs or waits."""
+        if self.active or self.queue:
+            return 0.0
+        return time.monotonic() - self.last_release
 
     def acquire(self, context: grpc.ServicerContext, consumer: str) -> StreamSlot:
         """A stream slot: at once, or after waiting in line (``max_queued_streams`` callers,
