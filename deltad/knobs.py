@@ -28,7 +28,7 @@ The knobs (default in brackets):
 * ``IDLE_HEAP_TRIM_S`` [30]: the sidecar hands the free heap malloc keeps (freed windows and
   merges: :mod:`deltad.perf` tunes malloc to keep it for the next pull) back to the kernel once
   no GetDelta stream has run for this many seconds (0 = never; >= 0),
-* ``IDLE_HEAP_TRIM_MIN_BYTES`` [64 MiB]: when at least this much is free (>= 0).
+* ``IDLE_HEAP_TRIM_MIN_BYTES`` [16 MiB]: when at least this much is free (>= 0).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ MERGE_MAX_BYTES_PER_ROUND: int = _knob("MERGE_MAX_BYTES_PER_ROUND", 1 << 30, int
 STATUS_WAITERS: int = _knob("STATUS_WAITERS", 64, int, lambda v: v >= 0)
 STATUS_MAX_WAIT_S: float = _knob("STATUS_MAX_WAIT_S", 30.0, float, lambda v: v > 0)
 IDLE_HEAP_TRIM_S: float = _knob("IDLE_HEAP_TRIM_S", 30.0, float, lambda v: v >= 0)
-IDLE_HEAP_TRIM_MIN_BYTES: int = _knob("IDLE_HEAP_TRIM_MIN_BYTES", 64 << 20, int, lambda v: v >= 0)
+IDLE_HEAP_TRIM_MIN_BYTES: int = _knob("IDLE_HEAP_TRIM_MIN_BYTES", 16 << 20, int, lambda v: v >= 0)
 
 #: The knobs' names.
 NAMES = tuple(_CHECKS)
