@@ -28,12 +28,7 @@ class RankGroup:
 
     def all_reduce_max(self, *values: int) -> list[int]:
         """Element-wise MAX of ``values`` over the ranks: one all-reduce."""
-        if not self.distributed:
-            return list(values)
-        self._stats.collectives += 1
-        t = torch.tensor(values, dtype=torch.int64, device=self._device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
-        return [int(x) for x in t.tolist()]
+        return self.all_reduce_max_async(*values).result()
 
     def all_reduce_max_async(self, *values: int) -> PendingMax:
         """The same all-reduce, issued now and waited for by :meth:`PendingMax.result`: the
