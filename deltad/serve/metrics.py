@@ -209,9 +209,9 @@ class SidecarMetrics:
             "Bytes of rows kept packed for the packed wire dtypes (packed once per row version)",
             lambda: 0 if packed is None else packed.nbytes,
         )
-        # fbgemm's quantizer (~40 MB of heap and code) is part of the runtime: loaded now,
-        # before the baseline is taken, not in the first pull (the warm-up thread then has
-        # nothing left to do)
+        # fbgemm's quantizers (~8 MB of code and heap: only the library that holds them) are
+        # part of the runtime: loaded now, before the baseline is taken, not in the first pull
+        # (the warm-up thread then has nothing left to do)
         wire.preload_quantizer()
         base = self.memory = memory.MemoryBaseline()  # (the log indexed, nothing served)
         self.track(

@@ -1,0 +1,102 @@
+"""The idle sidecar's memory against its log at 5 x 1M x 64 (issue #22 item 4).
+
+Run: ``python -m bench.idle_rss [--rows 1000000] [--tables 5] [--seconds 75]``; prints one
+JSON line. A spool of a base (every row) and 4 deltas of 10 % skewed rows (1762 MiB of segment
+files at the default size); a fresh ``deltad serve`` with default flags and no consumer:
+retention merges the log into one base at once (no consumer pins it). VmRSS, RssAnon, RssFile
+and RssShmem (the log: the sidecar keeps its verified copies in shared memory) are sampled
+every second; at the end the Prometheus gauges are scraped and summed. ``RSS / log`` is the
+last sample's VmRSS over the log's bytes (``deltad_log_bytes``), taken after the idle heap
+trim (``knobs.IDLE_HEAP_TRIM_S`` after the merge).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.common import Children, Context, free_port
+from bench.datagen import write_spool
+from bench.deltad_procs import MODEL, start_sidecar
+
+MIB = 1 << 20
+_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def _status_mib(pid: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in _KEYS:
+            out[key] = int(rest.split()[0]) / 1024
+    return out
+
+
+def _gauges(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("deltad_") and "_bytes" in line.split(" ")[0].split("{")[0]:
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def measure(work: Path, *, rows: int, tables: int, dim: int, seconds: float) -> dict[str, Any]:
+    """Write the spool, start the sidecar, sample its memory for ``seconds``."""
+    spool = work / "spool"
+    sizes = write_spool(
+        spool, model=MODEL, tables=tables, rows_per_table=rows, dim=dim, deltas=4,
+        delta_fraction=0.1,
+    )  # fmt: skip
+    kids = Children()
+    try:
+        port = free_port()
+        side = start_sidecar(kids, spool, Context(), extra=["--metrics-port", str(port)])
+        samples: list[dict[str, float]] = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            samples.append(_status_mib(side.proc.pid))
+            time.sleep(1.0)
+        gauges = _gauges(port)
+        last = samples[-1]
+        log_mib = gauges.get("deltad_log_bytes", 0.0) / MIB
+        parts = ("deltad_runtime_bytes", "deltad_log_bytes", "deltad_heap_free_bytes")
+        caches = [k for k in gauges if k.endswith("cache_bytes") or k == "deltad_spill_bytes"]
+        accounted = sum(gauges.get(k, 0.0) for k in (*parts, *caches))
+        return {
+            "spool_bytes": sizes,
+            "peak_rss_mib": max(s["VmRSS"] for s in samples),
+            "last": last,
+            "log_mib": log_mib,
+            "rss_over_log": last["VmRSS"] / log_mib if log_mib else None,
+            "runtime_mib": gauges.get("deltad_runtime_bytes", 0.0) / MIB,
+            "gauges_sum_mb": accounted / 1e6,
+            "rss_gauge_mb": gauges.get("deltad_rss_bytes", 0.0) / 1e6,
+            "samples_vmrss": [round(s["VmRSS"]) for s in samples],
+        }
+    finally:
+        kids.stop_all()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
+    ap.add_argument("--tables", type=int, default=5)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=75.0, help="how long to sample")
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp"))
+    a = ap.parse_args()
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="deltad-idle-rss-", dir=a.work_dir) as d:
+        out = measure(Path(d), rows=a.rows, tables=a.tables, dim=a.dim, seconds=a.seconds)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
