@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,26 +108,16 @@ def _tracker_worker(rank: int, world_size: int) -> None:
         assert mod.post_lookup_tracker_fn is None and mod.post_odist_tracker_fn is None
 
     # Lookahead 1: ids of the last lookup stay owed after a drain; folded by the fold thread
-    # (the default on CPU) or in the output dist's hook, alike.
-    for background in (True, False):
+    # (the default on CPU: small lookups in the hook while it has nothing queued, the others
+    # handed to it) or always in the output dist's hook, alike.
+    for background, inline_max in ((True, 0), (True, knobs.FOLD_INLINE_MAX_IDS), (False, 0)):
         cfg = TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST)
-        with knobs.override(FOLD_IN_BACKGROUND=background):
+        with knobs.override(FOLD_IN_BACKGROUND=background, FOLD_INLINE_MAX_IDS=inline_max):
             ahead = DeltaTracker(dmp, cfg)
-        assert ahead.lookahead == 1 and (ahead._folder is not None) == background
-        ids_a = _expected(ahead, fed_ids([batch(r, 10) for r in range(world_size)]))
-        ids_b = _expected(ahead, fed_ids([batch(r, 11) for r in range(world_size)]))
-        both = {k: sorted(set(ids_a[k]) | set(ids_b[k])) for k in ids_a}
-        with torch.no_grad():
-            dmp(batch(rank, 10))  # lookup of A (its update would come in the next step)
-            assert _ids(ahead.drain()) == ids_a
-            assert _ids(ahead.drain()) == ids_a  # still owed: no newer lookup yet
-            dmp(batch(rank, 11))
-            assert _ids(ahead.drain()) == both
-            assert _ids(ahead.drain()) == ids_b
-        assert (ahead.stats.background_s > 0) == background
-        ahead.detach()
+            _lookahead_case(ahead, background, inline_max, rank, world_size, dmp)
 
     # fqns_to_skip leaves a module out.
+
     only_ebc = DeltaTracker(dmp, TrackerConfig(fqns_to_skip=("ec",)))
     assert {s.kind for s in only_ebc.shards} == {"ebc"}
     assert {t.name for t in only_ebc.tables} == set(EBC_TABLES)
@@ -139,11 +130,38 @@ def _tracker_worker(rank: int, world_size: int) -> None:
     assert set(EC_TABLES) <= {t.name for t in tracker.tables}
 
 
+def _lookahead_case(
+    ahead: DeltaTracker, background: bool, inline_max: int, rank: int, world_size: int, dmp: Any
+) -> None:
+    assert ahead.lookahead == 1 and (ahead._folder is not None) == background
+    ids_a = _expected(ahead, fed_ids([batch(r, 10) for r in range(world_size)]))
+    ids_b = _expected(ahead, fed_ids([batch(r, 11) for r in range(world_size)]))
+    both = {k: sorted(set(ids_a[k]) | set(ids_b[k])) for k in ids_a}
+    with torch.no_grad():
+        dmp(batch(rank, 10))  # lookup of A (its update would come in the next step)
+        lookups = ahead.stats.lookups
+        if ahead._folder is not None:  # the toy's lookups are small: folded in the hook
+            assert ahead._folder._submitted == (lookups if inline_max == 0 else 0)
+        assert _ids(ahead.drain()) == ids_a
+        assert _ids(ahead.drain()) == ids_a  # still owed: no newer lookup yet
+        dmp(batch(rank, 11))
+        assert _ids(ahead.drain()) == both
+        assert _ids(ahead.drain()) == ids_b
+    assert (ahead.stats.background_s > 0) == background
+    ahead.detach()
+
+
 def _fold_failure_worker(rank: int, world_size: int) -> None:
     """A fold that fails in the fold thread is raised by the drain behind it (and every
     later one), never turned into rows missing that lookup's; forwards go on (an error
     raised mid-forward on one rank would leave the others waiting in the output dist)."""
     dmp = toy_dmp(world_size)
+    for inline_max in (knobs.FOLD_INLINE_MAX_IDS, 0):  # folded in the hook, in the thread
+        with knobs.override(FOLD_INLINE_MAX_IDS=inline_max):
+            _fold_failure_case(dmp, rank)
+
+
+def _fold_failure_case(dmp: Any, rank: int) -> None:
     flaky = DeltaTracker(dmp)
     real_mark, calls = LookupBitmaps.mark, [0]
 
@@ -164,6 +182,7 @@ def _fold_failure_worker(rank: int, world_size: int) -> None:
             flaky.drain()
     assert calls[0] >= 2
     flaky.detach()
+    LookupBitmaps.mark = real_mark  # type: ignore[method-assign]
 
 
 def _fold_order_worker(rank: int, world_size: int) -> None:

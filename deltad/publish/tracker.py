@@ -13,7 +13,9 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   per-step ``torch.unique`` of TorchRec's own tracker; memory is one byte per local row.
   With CPU weights (``deltad.knobs.FOLD_IN_BACKGROUND``) the hook only hands the stash to a
   **fold thread** that scatters while training goes on, in order, with drains queued behind
-  the lookups before them (bounded: the hook blocks when the thread is behind); a failed fold
+  the lookups before them (bounded: the hook blocks when the thread is behind); a lookup of
+  at most ``knobs.FOLD_INLINE_MAX_IDS`` ids is folded in the hook when the thread has nothing
+  queued (waking it costs more than such a fold). A failed fold (either way)
   is raised by the drain that follows it (never rows without that lookup's), which the
   publisher turns into an error on every rank at its next publish. Raising in the hook would
   stop one rank mid-forward and leave the others waiting in the output dist.
@@ -221,7 +223,9 @@ class DeltaTracker:
         pending, self._pending = self._pending, []
         for lookup, values, offsets in pending:
             if self._folder is not None:
-                self._folder.submit(functools.partial(self._mark, lookup, values, offsets))
+                small = values.numel() <= knobs.FOLD_INLINE_MAX_IDS
+                call = functools.partial(self._mark, lookup, values, offsets)
+                self._folder.run_or_submit(call, small)
             else:
                 self._mark(lookup, values, offsets)
 
