@@ -134,39 +134,50 @@ def test_after_a_base_forward_merge_the_sidecar_holds_its_log_and_the_gauges_add
 
 
 @pytest.mark.slow
-def test_an_idle_sidecar_hands_its_free_heap_back(tmp_path: Path) -> None:
+def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> None:
     """A pull merges a window of 13 parts whole (temporaries of the window's size, freed into
     the heap malloc keeps); once no stream has run for ``IDLE_HEAP_TRIM_S`` the sidecar gives
     that heap back: the free-heap gauge and the RSS drop, and the next pull is served as
-    before."""
+    before. A relay (a sidecar mirroring its upstream's log) does the same for the pulls it
+    serves (it mirrors the log compacted: its RSS is its runtime and log)."""
     from bench.throughput import client_pull
 
-    write_spool(tmp_path, model="m", tables=2, rows_per_table=200_000, dim=64, deltas=12)
-    metrics, listen = _port(), _port()
+    write_spool(tmp_path / "up", model="m", tables=2, rows_per_table=200_000, dim=64, deltas=12)
     env = {
         **os.environ,
         "DELTAD_SPOOL": "",
         "DELTAD_KNOB_IDLE_HEAP_TRIM_S": "2",
         "DELTAD_KNOB_IDLE_HEAP_TRIM_MIN_BYTES": str(4 << 20),
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deltad", "serve", "--spool", str(tmp_path), "--model", "m",
-         "--listen", f"127.0.0.1:{listen}", "--metrics-port", str(metrics),
-         "--window-cache-entries", "0", "--retention-interval", "3600"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "deltad serve exited"
+    procs = []
+
+    def serve(spool: Path, *extra: str) -> tuple[str, int]:
+        metrics, listen = _port(), _port()
+        flags = ["--model", "m", "--window-cache-entries", "0", "--retention-interval", "3600"]
+        args = ["serve", "--spool", str(spool), "--listen", f"127.0.0.1:{listen}", *flags]
+        args += ["--metrics-port", str(metrics), *extra]
+        out = subprocess.DEVNULL
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "deltad", *args], env=env, stdout=out, stderr=out
+            )
+        )
+        return f"127.0.0.1:{listen}", metrics
+
+    def wait_log(metrics: int, nbytes: float) -> float:
+        deadline, have = time.monotonic() + 90, 0.0
+        while time.monotonic() < deadline and have < nbytes:
+            assert all(p.poll() is None for p in procs), "deltad serve exited"
             try:
-                if _gauges(metrics).get("deltad_log_bytes", 0) > 0:
-                    break
+                have = _gauges(metrics).get("deltad_log_bytes", 0.0)
             except OSError:
                 pass
             time.sleep(0.2)
-        endpoint = f"127.0.0.1:{listen}"
-        first = client_pull({}, endpoint, "m", "c1", "fp32")
+        assert have >= nbytes, (have, nbytes)
+        return have
+
+    def pull_then_trim(endpoint: str, metrics: int, consumer: str) -> dict:
+        first = client_pull({}, endpoint, "m", f"{consumer}-1", "fp32")
         assert first["rows"] == 2 * 200_000
         g = _gauges(metrics)  # right after the pull: its temporaries are free heap
         assert g["deltad_heap_free_bytes"] >= 12 << 20, g
@@ -179,8 +190,31 @@ def test_an_idle_sidecar_hands_its_free_heap_back(tmp_path: Path) -> None:
             time.sleep(0.5)
         assert g["deltad_heap_free_bytes"] < 4 << 20, g
         assert g["deltad_rss_bytes"] <= peak_rss - (8 << 20), (peak_rss, g["deltad_rss_bytes"])
-        again = client_pull({}, endpoint, "m", "c2", "fp32")
+        again = client_pull({}, endpoint, "m", f"{consumer}-2", "fp32")
         assert again["rows"] == first["rows"] and again["bytes"] == first["bytes"]
+        return first
+
+    try:
+        up, up_metrics = serve(tmp_path / "up")
+        wait_log(up_metrics, 1)
+        relay, relay_metrics = serve(tmp_path / "relay", "--upstream", up)
+        direct = pull_then_trim(up, up_metrics, "c")
+        # The relay mirrors the upstream's log compacted (one base): its pulls merge nothing
+        # whole, and once idle it holds its runtime and its log, its free heap handed back.
+        wait_log(relay_metrics, 2 * 200_000 * (8 + 64 * 4))
+        relayed = client_pull({}, relay, "m", "r-1", "fp32")
+        assert relayed["rows"] == direct["rows"] and relayed["bytes"] == direct["bytes"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            g = _gauges(relay_metrics)
+            if g["deltad_heap_free_bytes"] < 4 << 20:
+                break
+            time.sleep(0.5)
+        assert g["deltad_heap_free_bytes"] < 4 << 20, g
+        held = g["deltad_runtime_bytes"] + g["deltad_log_bytes"]
+        assert g["deltad_rss_bytes"] <= 1.1 * held, g
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
