@@ -16,7 +16,7 @@ from deltad.consume import decode
 from deltad.segment.format import ShardRows
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.merge import merge_rows
-from deltad.serve.windows import encode
+from deltad.serve.windows import encode, merged
 from deltad.serve.windows.cache import WindowCache
 from deltad.serve.windows.encoded import EncodedWindow
 from deltad.serve.windows.merged import MergedShard
@@ -292,7 +292,14 @@ def test_range_merge_equals_merge_rows(layout: str, dtype: torch.dtype) -> None:
         want = merge_rows(cs)
         src = MergedShard(cs)
         assert torch.equal(src.ids, want.ids)
-        assert src.ranged == (layout != "dense-overlap")
+        # every layout streams range by range (heavy overlap too: the same row copies as a
+        # whole merge, without its shard-sized output); too many ranges x parts merge whole
+        step = encode.rows_per_chunk(w, WireDtype.FP32, chunk_bytes)
+        assert not src.merges_whole(step)
+        assert 1000 * len(cs) <= merged.STREAM_MAX_VISITS  # (1-row chunks here)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(merged, "STREAM_MAX_VISITS", len(cs) - 1)
+            assert src.merges_whole(step)
         for ranged in (True, False):
             src.ranged = ranged
             for wdt in WireDtype:

@@ -17,16 +17,20 @@ from deltad.serve.windows.encode import Identities
 from deltad.serve.windows.packed import PackedStore
 from deltad.types import ShardKey, WireDtype
 
-#: a complete window's shard is streamed range by range from at most this many parts whose
-#: rows are at most this many times its union (else merged whole first: MergedShard)
+#: a base window of at most this many parts whose rows are at most this many times its union
+#: streams range by range at about the cost of one copy: a spilled merged base would save
+#: nothing (:func:`ranged`)
 RANGED_MAX_PARTS = 8
 RANGED_MAX_OVERLAP = 2
+#: a complete window's shard streams range by range (:class:`MergedShard`) unless its ranges
+#: x parts exceed this (each visit is a Python step); beyond it, it is merged whole first
+STREAM_MAX_VISITS = 50_000
 
 
 def ranged(parts: list[dict[ShardKey, ShardRows]]) -> bool:
-    """Whether a base window of ``parts`` (the base first) is sure to stream range by range
-    (:class:`MergedShard` ``ranged``: few parts, little overlap) rather than merge whole
-    shards first."""
+    """Whether a base window of ``parts`` (the base first) streams at about the cost of one
+    copy (few parts, little overlap: :class:`MergedShard` writes few rows twice), so that a
+    spilled merged base would save nothing."""
     if len(parts) > RANGED_MAX_PARTS:
         return False
     for key, base in parts[0].items():
@@ -51,7 +55,12 @@ class MergedShard:
     row range is assembled right before it is encoded, in the message itself (fp32), in a
     reused buffer (other wire dtypes), or taken as a view of the one part that holds all of
     it. Measured (1 GB fp32 window, base + 2 deltas, 2 cores): the whole-shard merge costs
-    0.44 s before encoding; ranges cost <0.1 s.
+    0.44 s before encoding; ranges cost <0.1 s. Many parts or heavy overlap stream too: each
+    range takes every part's rows for it, oldest first, the same copies a whole merge makes
+    without its shard-sized output and second pass (measured, 264 MB fp32 shard, 2 cores,
+    CPU-ms merged whole / ranged: base + 16 deltas of 1 % 105-248 / 50-66, + 64 of 1 %
+    159-283 / 92-94, + 16 of 30 % 405-1301 / 206-230); only a window of more than
+    :data:`STREAM_MAX_VISITS` ranges x parts is merged whole (all threads).
     """
 
     def __init__(self, parts: list[ShardRows]) -> None:
@@ -64,12 +73,15 @@ class MergedShard:
             self.ids = torch.arange(self.row_start, self.row_start + n, dtype=torch.int64)
         else:
             self.ids = merge_rows(parts, with_values=False).ids
-        # Range by range writes every part's rows (oldest first) and loops over the parts
-        # per range: heavy overlap or many segments take merge_rows (one merge, all threads).
-        total = sum(c.ids.numel() for c in parts)
-        self.ranged = (
-            len(parts) <= RANGED_MAX_PARTS and total <= RANGED_MAX_OVERLAP * self.ids.numel()
-        )
+        #: None: stream range by range unless :meth:`merges_whole`; True / False force it
+        self.ranged: bool | None = None
+
+    def merges_whole(self, step: int) -> bool:
+        """Whether :meth:`encode` merges the shard whole first with RowChunks of ``step`` rows:
+        more than :data:`STREAM_MAX_VISITS` ranges x parts (or ``ranged`` set False)."""
+        if self.ranged is not None:
+            return not self.ranged
+        return -(-self.ids.numel() // max(1, step)) * len(self.parts) > STREAM_MAX_VISITS
 
     def encode(
         self,
@@ -91,7 +103,10 @@ class MergedShard:
             yield from encode.extra_identity_chunks(index, 0, idn, chunk_bytes)
             return
         prows = None if idn is not None else self._packed_parts(packed, dtype, alignment)
-        if not self.ranged:
+        last = cs[-1]
+        width = last.shard.col_end - last.shard.col_start
+        step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment, idn is not None)
+        if self.merges_whole(step):
             if prows is not None:  # merged packed: the bytes of packing the merged rows
                 m = merge_rows(prows)
                 yield from encode.encode_packed_chunks(index, m.ids, m.values, chunk_bytes)
@@ -101,9 +116,6 @@ class MergedShard:
                 index, m.ids, m.values, dtype, chunk_bytes, alignment, idn
             )
             return
-        last = cs[-1]
-        width = last.shard.col_end - last.shard.col_start
-        step = encode.rows_per_chunk(width, dtype, chunk_bytes, alignment, idn is not None)
         if prows is not None:  # rows packed once: merged as opaque rows, like fp32 ones
             yield from self._ranged(index, ids, prows, step, None)
             return
