@@ -408,7 +408,8 @@ class ServerConfig:
     #: pull packs its rows.
     packed_cache_bytes: int = 512 << 20
     #: GetDelta's prefetching producer (deltad.serve.windows.prefetch): a thread builds up to
-    #: this many chunk messages ahead of the one gRPC is sending; 0: built in the handler
+    #: this many chunk messages ahead of the one gRPC is sending (windows being merged, not
+    #: cached ones nor packed dtypes: there building is only copies); 0: built in the handler
     #: thread as gRPC asks for each (no overlap of building and sending).
     prefetch_messages: int = 3
     #: ... and at most this many bytes of them (one message is always let in).

@@ -210,3 +210,39 @@ def test_a_cancelled_stream_leaves_no_producer_thread(
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_no_producer_thread_for_a_cached_window_or_a_packed_dtype(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Prefetch builds ahead only where building is work: an uncached fp32 window gets a
+    producer thread; the same window once cached (every chunk built) and a packed-int8 window
+    (copies of rows packed once) are streamed from the handler thread, with the same bytes."""
+    spool = SpoolWriter(tmp_path / "spool", tables={"big": (100_000, 64)})
+    srv = _serve(tmp_path, redis_server.url, prefetch_messages=2)
+    c = Client(f"127.0.0.1:{srv.port}")
+
+    def first_messages(consumer: str, dtype: int) -> tuple[bool, list[bytes]]:
+        req = pb.GetDeltaRequest(consumer=consumer, chunk_bytes=64 * 1024, dtype=dtype)
+        stream = c.stub.GetDelta(req, timeout=30)
+        msgs = [next(stream).SerializeToString() for _ in range(3)]
+        producing = bool(_prefetch_threads())
+        msgs += [m.SerializeToString() for m in stream]
+        wait_for(lambda: not _prefetch_threads(), timeout_s=15.0, what="the producer to end")
+        return producing, msgs
+
+    try:
+        fp32 = pb.WIRE_DTYPE_FP32
+        assert first_messages("fresh", fp32)[0]  # merged and encoded as it is sent
+        cached, again = first_messages("cached", fp32)
+        # (the trailer holds the consumer's name and pull id)
+        assert not cached and again[:-1] == first_messages("fresh-2", fp32)[1][:-1]
+        packed, msgs = first_messages("packed", pb.WIRE_DTYPE_PACKED_INT8)
+        assert not packed and msgs[-1] and len(msgs) > 3
+        d = c.pull("check", chunk_bytes=64 * 1024)
+        assert (
+            d.rows == 100_000 and (d.shards[0].values == spool.shard("big")[d.shards[0].ids]).all()
+        )
+    finally:
+        c.close()
+        srv.stop(0)

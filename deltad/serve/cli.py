@@ -154,8 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "prefetch-messages",
             int,
             3,
-            "GetDelta chunk messages a producer thread builds ahead of the one being sent "
-            "(0..64; 0 = build each as gRPC asks for it)",
+            "GetDelta chunk messages a producer thread builds ahead of the one being sent, "
+            "for windows being merged in fp32/fp16/bf16/int8 (0..64; 0 = build each as gRPC "
+            "asks for it)",
         ),
         ("prefetch-bytes", int, 64 << 20, "byte bound of those prefetched messages (1..1 GiB)"),
         (
