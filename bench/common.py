@@ -217,6 +217,25 @@ def proc_status_bytes(key: str, pid: int | str = "self") -> int | None:
     return None
 
 
+#: the memory lines of ``/proc/<pid>/status`` that :func:`proc_status` reads
+STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+
+
+def proc_status(pid: int | str = "self", keys: tuple[str, ...] = STATUS_KEYS) -> dict[str, int]:
+    """Those kB lines of ``/proc/<pid>/status``, in bytes, by name; empty if the process is
+    gone."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in keys:
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 class PeakRssMonitor:
     """Samples the peak RSS (VmHWM, including children) of named processes until stopped.
 

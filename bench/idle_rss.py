@@ -14,26 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, free_port
+from bench.common import Children, Context, free_port, proc_status
 from bench.datagen import write_spool
 from bench.deltad_procs import MODEL, start_sidecar
 
 MIB = 1 << 20
-_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
-
-
-def _status_mib(pid: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in _KEYS:
-            out[key] = int(rest.split()[0]) / 1024
-    return out
 
 
 def _gauges(port: int) -> dict[str, float]:
@@ -53,14 +44,13 @@ def measure(work: Path, *, rows: int, tables: int, dim: int, seconds: float) -> 
         spool, model=MODEL, tables=tables, rows_per_table=rows, dim=dim, deltas=4,
         delta_fraction=0.1,
     )  # fmt: skip
-    kids = Children()
-    try:
+    with Children() as kids:
         port = free_port()
         side = start_sidecar(kids, spool, Context(), extra=["--metrics-port", str(port)])
         samples: list[dict[str, float]] = []
         t0 = time.monotonic()
         while time.monotonic() - t0 < seconds:
-            samples.append(_status_mib(side.proc.pid))
+            samples.append({k: v / MIB for k, v in proc_status(side.proc.pid).items()})
             time.sleep(1.0)
         gauges = _gauges(port)
         last = samples[-1]
@@ -79,8 +69,6 @@ def measure(work: Path, *, rows: int, tables: int, dim: int, seconds: float) -> 
             "rss_gauge_mb": gauges.get("deltad_rss_bytes", 0.0) / 1e6,
             "samples_vmrss": [round(s["VmRSS"]) for s in samples],
         }
-    finally:
-        kids.stop_all()
 
 
 def main() -> None:
@@ -91,8 +79,6 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=75.0, help="how long to sample")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp"))
     a = ap.parse_args()
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="deltad-idle-rss-", dir=a.work_dir) as d:
         out = measure(Path(d), rows=a.rows, tables=a.tables, dim=a.dim, seconds=a.seconds)
     print(json.dumps(out))

@@ -45,6 +45,7 @@ from bench.common import (
     NotAvailable,
     med,
     proc_peak_rss,
+    proc_status,
     ratio,
     rows_per_table,
     summarize,
@@ -53,19 +54,6 @@ from bench.common import (
 from bench.wire_baselines import ClientWorker, grpc_server_main, start_server
 
 HEAVY_DELTAS = 13
-
-
-def _status_kb(pid: int) -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                    out[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 class _Peaks:
@@ -79,7 +67,7 @@ class _Peaks:
 
     def _loop(self) -> None:
         while not self._stop.wait(0.01):
-            for k, v in _status_kb(self.pid).items():
+            for k, v in proc_status(self.pid).items():
                 self.peak[k] = max(self.peak.get(k, 0), v)
 
     def __enter__(self) -> _Peaks:
@@ -89,7 +77,7 @@ class _Peaks:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._t.join(5)
-        for k, v in _status_kb(self.pid).items():
+        for k, v in proc_status(self.pid).items():
             self.peak[k] = max(self.peak.get(k, 0), v)
 
 
@@ -163,7 +151,7 @@ def run(ctx: Context) -> dict[str, Any]:
             side = _sidecar(kids, tiny, ctx, 1 << 30, run_cache)
             try:
                 _pull(workers[:1], side, "base", [DELTAS])
-                result["baseline"] = _status_kb(side.proc.pid)
+                result["baseline"] = proc_status(side.proc.pid)
                 # a pull's fixed cost (register, Redis, commit; ~no bytes): 8 fresh consumers
                 k = fan[-1]
                 _, fixed = _pull(workers[:k], side, "fixed", [DELTAS] * k)

@@ -14,6 +14,7 @@ sends that step as the scale, so the error is at most half of it (up to float32 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import threading
@@ -287,8 +288,9 @@ def load_fbgemm_quantizers() -> None:
             import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
 
+@functools.cache
 def _fbgemm_nbit() -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """fbgemm's fused N-bit row-wise quantizer with fp16 scale and bias."""
+    """fbgemm's fused N-bit row-wise quantizer with fp16 scale and bias (looked up once)."""
     load_fbgemm_quantizers()
     op: Callable[[torch.Tensor, int], torch.Tensor] = (
         torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf

@@ -46,7 +46,7 @@ class FoldThread:
         few hundred ids costs more than the fold: measured here, ~60 us of the caller's time
         and ~90 us of the thread's per hand-off against ~25 us folded in place
         (``knobs.FOLD_INLINE_MAX_IDS``). A failure is kept in ``error`` either way."""
-        if small and self._finished == self._submitted and self.alive():
+        if small and self._finished == self._submitted:
             self._call(call)
         else:
             self.submit(call)
