@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Children, Context, deltad_command, free_port, wait_until
-from bench.datagen import write_spool
 
 MODEL = "bench"
 
@@ -35,6 +34,8 @@ def sidecar_unavailable() -> str | None:
 
 def write_bench_spool(spool: Path, *, rows: int, tables: int, dim: int) -> dict[str, int]:
     """A spool whose fresh-consumer window is ``rows`` rows over ``tables`` tables."""
+    from bench.datagen import write_spool  # (torch: not in a parent that only measures)
+
     return write_spool(
         spool, model=MODEL, tables=tables, rows_per_table=rows // tables, dim=dim, deltas=2
     )

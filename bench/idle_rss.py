@@ -8,12 +8,18 @@ and RssShmem (the log: the sidecar keeps its verified copies in shared memory) a
 every second; at the end the Prometheus gauges are scraped and summed. ``RSS / log`` is the
 last sample's VmRSS over the log's bytes (``deltad_log_bytes``), taken after the idle heap
 trim (``knobs.IDLE_HEAP_TRIM_S`` after the merge).
+
+The spool is written by a child process: this one never imports torch, so the sidecar is
+measured as it runs in its own container. (Library pages another process maps too stay
+resident: ``madvise(MADV_PAGEOUT)``, the idle trim's page-out, skips shared pages.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -21,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Children, Context, free_port, proc_status
-from bench.datagen import write_spool
 from bench.deltad_procs import MODEL, start_sidecar
 
 MIB = 1 << 20
@@ -40,10 +45,17 @@ def _gauges(port: int) -> dict[str, float]:
 def measure(work: Path, *, rows: int, tables: int, dim: int, seconds: float) -> dict[str, Any]:
     """Write the spool, start the sidecar, sample its memory for ``seconds``."""
     spool = work / "spool"
-    sizes = write_spool(
-        spool, model=MODEL, tables=tables, rows_per_table=rows, dim=dim, deltas=4,
-        delta_fraction=0.1,
+    write = (
+        "import json, sys; from pathlib import Path; from bench.datagen import write_spool; "
+        "print(json.dumps(write_spool(Path(sys.argv[1]), model=sys.argv[2], tables=int(sys.argv[3]), "
+        "rows_per_table=int(sys.argv[4]), dim=int(sys.argv[5]), deltas=4, delta_fraction=0.1)))"
+    )
+    args = [str(spool), MODEL, str(tables), str(rows), str(dim)]
+    done = subprocess.run(
+        [sys.executable, "-c", write, *args],
+        check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
     )  # fmt: skip
+    sizes = json.loads(done.stdout.strip().splitlines()[-1])
     with Children() as kids:
         port = free_port()
         side = start_sidecar(kids, spool, Context(), extra=["--metrics-port", str(port)])
@@ -53,6 +65,7 @@ def measure(work: Path, *, rows: int, tables: int, dim: int, seconds: float) -> 
             samples.append({k: v / MIB for k, v in proc_status(side.proc.pid).items()})
             time.sleep(1.0)
         gauges = _gauges(port)
+        assert "torch" not in sys.modules, "the measuring process maps libtorch too"
         last = samples[-1]
         log_mib = gauges.get("deltad_log_bytes", 0.0) / MIB
         parts = ("deltad_runtime_bytes", "deltad_log_bytes", "deltad_heap_free_bytes")

@@ -32,6 +32,9 @@ The knobs (default in brackets):
   merges: :mod:`deltad.perf` tunes malloc to keep it for the next pull) back to the kernel once
   no GetDelta stream has run for this many seconds (0 = never; >= 0),
 * ``IDLE_HEAP_TRIM_MIN_BYTES`` [16 MiB]: when at least this much is free (>= 0).
+* ``IDLE_PAGE_OUT_LIBRARIES`` [1]: in the same idle spell, once, the sidecar also gives back the
+  resident pages of its loaded libraries' code (:func:`deltad.perf.page_out_libraries`: clean
+  file pages, mostly libtorch's start-up; the next pull reads back the few it uses). 0 = keep.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ STATUS_WAITERS: int = _knob("STATUS_WAITERS", 64, int, lambda v: v >= 0)
 STATUS_MAX_WAIT_S: float = _knob("STATUS_MAX_WAIT_S", 30.0, float, lambda v: v > 0)
 IDLE_HEAP_TRIM_S: float = _knob("IDLE_HEAP_TRIM_S", 30.0, float, lambda v: v >= 0)
 IDLE_HEAP_TRIM_MIN_BYTES: int = _knob("IDLE_HEAP_TRIM_MIN_BYTES", 16 << 20, int, lambda v: v >= 0)
+IDLE_PAGE_OUT_LIBRARIES: bool = _knob("IDLE_PAGE_OUT_LIBRARIES", True, _parse_bool, lambda v: True)
 
 #: The knobs' names.
 NAMES = tuple(_CHECKS)

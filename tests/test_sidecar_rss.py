@@ -4,6 +4,7 @@ the scrape-time memory gauges add up to the process's RSS."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -218,3 +219,53 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
+
+
+_PAGE_OUT_CHILD = """
+import json, mmap, sys
+from deltad.perf import page_out_libraries
+
+def resident():
+    # Rss of each mapping of the test's files, by "path perms"
+    out, key = {}, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if not head[0].endswith(":"):  # a mapping's first line: range perms ... [path]
+                key = None
+                if len(head) >= 6 and head[5].startswith(sys.argv[1]):
+                    key = head[5] + " " + head[1]
+            elif key and head[0] == "Rss:":
+                out[key] = int(head[1]) * 1024
+    return out
+
+maps = []
+for name in ("libdeltadtest.so", "segment.bin"):
+    with open(sys.argv[1] + "/" + name, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    sum(m[i] for i in range(0, len(m), 4096))  # every page resident
+    maps.append(m)
+before = resident()
+advised = page_out_libraries()
+print(json.dumps({"advised": advised, "before": before, "after": resident()}))
+"""
+
+
+def test_paging_out_gives_back_the_libraries_read_only_pages_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """``page_out_libraries`` gives back the resident pages of read-only mappings of ``*.so``
+    files (a library's code and constants; here a file of this test's own: the kernel keeps
+    pages another process maps too), and leaves alone a data file's mapping (a segment)."""
+    for name in ("libdeltadtest.so", "segment.bin"):
+        (tmp_path / name).write_bytes(os.urandom(8 << 20))
+    child = subprocess.run(
+        [sys.executable, "-c", _PAGE_OUT_CHILD, str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    if out["advised"] == 0:
+        pytest.skip("this kernel cannot page out (MADV_PAGEOUT: Linux >= 5.4)")
+    lib, seg = (f"{tmp_path}/{n}" for n in ("libdeltadtest.so r--p", "segment.bin r--p"))
+    assert out["before"] == {lib: 8 << 20, seg: 8 << 20}, out
+    assert out["after"] == {lib: 0, seg: 8 << 20}, out

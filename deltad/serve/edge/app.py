@@ -82,8 +82,9 @@ log = logging.getLogger(__name__)
 
 #: Probe the offset store this often (health, gauge, embedded restart).
 REDIS_PROBE_S = 0.5
-#: Check this often whether an idle sidecar should hand its free heap back (knobs.IDLE_HEAP_TRIM_S).
-HEAP_TRIM_CHECK_S = 2.0
+#: Check this often whether an idle sidecar should give back its free heap and its libraries' code
+#: pages (knobs.IDLE_HEAP_TRIM_S, Upkeep.trim_idle).
+IDLE_TRIM_CHECK_S = 2.0
 
 
 class SidecarServer:
@@ -165,7 +166,7 @@ class SidecarServer:
             up.spawn("deltad-credentials", self.watch_credentials, CREDENTIALS_WATCH_S)
         if cfg.forget_after_s > 0:
             up.spawn("deltad-forget", self.forget_idle, cfg.forget_interval_s)
-        up.spawn("deltad-heap-trim", up.trim_idle_heap, HEAP_TRIM_CHECK_S)
+        up.spawn("deltad-idle-trim", up.trim_idle, IDLE_TRIM_CHECK_S)
         log.debug(
             "serving %s rank %d on %s", cfg.model, cfg.rank, self.endpoint
         )  # printed by the CLI

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from deltad import knobs
 from deltad.config import ServerConfig
 from deltad.errors import DeltadError, OffsetStoreError
-from deltad.perf import trim_heap
+from deltad.perf import page_out_libraries, trim_heap
 from deltad.serve.edge.gate import Gate
 from deltad.serve.edge.health import SidecarHealth
 from deltad.serve.edge.service import DeltaServicer
@@ -55,6 +55,7 @@ class Upkeep:
         self._threads: list[threading.Thread] = []
         self._registered = 0.0
         self._trimmed_at = -1.0  # the last stream end whose freed heap was handed back
+        self._paged_out_at = -1.0  # the last stream end after which the libraries were paged out
 
     def spawn(self, name: str, fn: Callable[[], object], interval: float) -> None:
         """Run ``fn`` every ``interval`` seconds on a thread named ``name``."""
@@ -72,25 +73,37 @@ class Upkeep:
         t.start()
         self._threads.append(t)
 
-    def trim_idle_heap(self) -> bool:
-        """Once no GetDelta stream has run for ``knobs.IDLE_HEAP_TRIM_S``, hand the free heap
-        malloc keeps (``knobs.IDLE_HEAP_TRIM_MIN_BYTES`` or more) back to the kernel, once per
-        idle spell: the next pull faults its pages in again (~0.1 s per GB), an idle sidecar
-        holds its log and runtime, not the high-water mark of its last bootstraps."""
+    def trim_idle(self) -> bool:
+        """Once no GetDelta stream has run for ``knobs.IDLE_HEAP_TRIM_S``, give back, once per
+        idle spell, what a busy sidecar keeps resident for the next pull: the free heap malloc
+        keeps (``knobs.IDLE_HEAP_TRIM_MIN_BYTES`` or more; the next pull faults its pages in
+        again, ~0.1 s per GB) and, with ``knobs.IDLE_PAGE_OUT_LIBRARIES``, the loaded
+        libraries' code pages (mostly libtorch's start-up; the next pull reads back the few
+        it runs). An idle sidecar holds its log and the runtime it uses, not the high-water
+        mark of its last bootstraps. True if anything was given back."""
         after = knobs.IDLE_HEAP_TRIM_S
         streams = self.servicer.streams
-        if after <= 0 or streams.idle_s() < after or streams.last_release == self._trimmed_at:
+        if after <= 0 or streams.idle_s() < after:
             return False
-        free = self.metrics.memory.heap_free_growth()  # (resident: none trimmed since)
-        if free < max(1, knobs.IDLE_HEAP_TRIM_MIN_BYTES):
-            return False
-        self._trimmed_at = streams.last_release
+        spell = streams.last_release
         before = rss_bytes()
-        trim_heap()
-        self.metrics.memory.heap_trimmed()
+        done: list[str] = []
+        if spell != self._trimmed_at:
+            free = self.metrics.memory.heap_free_growth()  # (resident: none trimmed since)
+            if free >= max(1, knobs.IDLE_HEAP_TRIM_MIN_BYTES):
+                self._trimmed_at = spell
+                trim_heap()
+                self.metrics.memory.heap_trimmed()
+                done.append(f"{free / 1e6:.0f} MB of free heap")
+        if knobs.IDLE_PAGE_OUT_LIBRARIES and spell != self._paged_out_at:
+            self._paged_out_at = spell
+            if page_out_libraries():
+                done.append("the libraries' code pages")
+        if not done:
+            return False
         log.info(
-            "idle %.0f s: handed %.0f MB of free heap back (RSS %.0f -> %.0f MB)",
-            streams.idle_s(), free / 1e6, before / 1e6, rss_bytes() / 1e6,
+            "idle %.0f s: handed %s back (RSS %.0f -> %.0f MB)",
+            streams.idle_s(), " and ".join(done), before / 1e6, rss_bytes() / 1e6,
         )  # fmt: skip
         return True
 
