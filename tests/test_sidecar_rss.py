@@ -138,8 +138,8 @@ def test_after_a_base_forward_merge_the_sidecar_holds_its_log_and_the_gauges_add
 def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> None:
     """A pull merges a window of 13 parts whole (temporaries of the window's size, freed into
     the heap malloc keeps); once no stream has run for ``IDLE_HEAP_TRIM_S`` the sidecar gives
-    that heap back: the free-heap gauge and the RSS drop, and the next pull is served as
-    before. A relay (a sidecar mirroring its upstream's log) does the same for the pulls it
+    that heap back and pages out its libraries' code, once per idle spell: the free-heap
+    gauge and the RSS drop, and the next pull is served as before. A relay (a sidecar mirroring its upstream's log) does the same for the pulls it
     serves (it mirrors the log compacted: its RSS is its runtime and log)."""
     from bench.throughput import client_pull
 
@@ -183,6 +183,7 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
         g = _gauges(metrics)  # right after the pull: its temporaries are free heap
         assert g["deltad_heap_free_bytes"] >= 12 << 20, g
         peak_rss = g["deltad_rss_bytes"]
+        trims, page_outs = g["deltad_idle_heap_trims_total"], g["deltad_idle_page_outs_total"]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # 2 s idle + a 2 s check interval
             g = _gauges(metrics)
@@ -191,6 +192,12 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
             time.sleep(0.5)
         assert g["deltad_heap_free_bytes"] < 4 << 20, g
         assert g["deltad_rss_bytes"] <= peak_rss - (8 << 20), (peak_rss, g["deltad_rss_bytes"])
+        # once per idle spell: the heap handed back and the libraries' code paged out, and
+        # not again while the spell lasts (the check runs every 2 s)
+        time.sleep(4.5)
+        g = _gauges(metrics)
+        assert g["deltad_idle_heap_trims_total"] == trims + 1, g
+        assert g["deltad_idle_page_outs_total"] == page_outs + 1, g
         again = client_pull({}, endpoint, "m", f"{consumer}-2", "fp32")
         assert again["rows"] == first["rows"] and again["bytes"] == first["bytes"]
         return first
@@ -212,6 +219,7 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
                 break
             time.sleep(0.5)
         assert g["deltad_heap_free_bytes"] < 4 << 20, g
+        assert g["deltad_idle_page_outs_total"] >= 1, g
         held = g["deltad_runtime_bytes"] + g["deltad_log_bytes"]
         assert g["deltad_rss_bytes"] <= 1.1 * held, g
     finally:

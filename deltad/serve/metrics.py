@@ -67,6 +67,13 @@ class SidecarMetrics:
             "deltad_rollbacks",
             "Rollback windows served (a consumer taken back to a rollback order's step)",
         )
+        # idle trim (issue 22 item 4): what an idle sidecar gave back (Upkeep.trim_idle)
+        self.idle_heap_trims = counter(
+            "deltad_idle_heap_trims", "Idle spells in which the free heap was handed back"
+        )
+        self.idle_page_outs = counter(
+            "deltad_idle_page_outs", "Idle spells in which the libraries' code pages were paged out"
+        )
         self.rpc_requests = Counter(
             "deltad_rpc_requests",
             "RPCs handled, by method and gRPC status code",

@@ -94,10 +94,12 @@ class Upkeep:
                 self._trimmed_at = spell
                 trim_heap()
                 self.metrics.memory.heap_trimmed()
+                self.metrics.idle_heap_trims.inc()
                 done.append(f"{free / 1e6:.0f} MB of free heap")
         if knobs.IDLE_PAGE_OUT_LIBRARIES and spell != self._paged_out_at:
             self._paged_out_at = spell
             if page_out_libraries():
+                self.metrics.idle_page_outs.inc()
                 done.append("the libraries' code pages")
         if not done:
             return False
