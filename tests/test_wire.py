@@ -80,6 +80,26 @@ def test_a_message_built_in_place_is_protobuf_and_outlives_its_builder(sb_nbytes
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_rows_copied_by_address_equal_the_rows(dtype: torch.dtype) -> None:
+    """``copy_to`` writes rows ``[start, start + count)`` of a tensor into a message's field
+    by address: the same bytes as the rows, for a contiguous tensor, a transposed
+    (non-contiguous) one, and no rows; the bytes around the field are untouched."""
+    rows = (torch.arange(7 * 6) % 251).to(dtype).view(7, 6)
+    for src in (rows, rows.t().contiguous().t()):
+        assert src.is_contiguous() == (src is rows)
+        for start, count in ((0, 7), (2, 3), (6, 1), (3, 0), (4, -1)):
+            n = 7 - start if count < 0 else count
+            m = encode.ChunkMessage(0, start, n, n * 6 * rows.element_size())
+            encode.copy_to(m.values_at, src, start, count)
+            encode.copy_to(m.ids_at, torch.arange(start, start + n))
+            c = pb.GetDeltaResponse.FromString(m.data).chunk
+            assert (
+                c.values == rows[start : start + n].contiguous().view(torch.uint8).numpy().tobytes()
+            )
+            assert np.frombuffer(c.ids, dtype=np.int64).tolist() == list(range(start, start + n))
+
+
 @pytest.mark.parametrize("dtype", [d for d in WireDtype if not d.packed])
 def test_raw_and_parsed_decoding_agree(dtype: WireDtype) -> None:
     ids = torch.arange(0, 5000, 7)

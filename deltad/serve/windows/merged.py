@@ -68,9 +68,10 @@ class MergedShard:
         self.row_start = min(c.shard.row_start for c in parts)
         n = max(c.shard.row_end for c in parts) - self.row_start
         # a part with every row of the shard (a base segment) makes the union trivial
-        self.full = any(c.ids.numel() == n for c in parts)
-        if self.full:
-            self.ids = torch.arange(self.row_start, self.row_start + n, dtype=torch.int64)
+        whole = [c for c in parts if c.ids.numel() == n]
+        self.full = bool(whole)
+        if whole:  # its ids (unique, ascending, n of them) are row_start, row_start + 1, ...
+            self.ids = whole[-1].ids
         else:
             self.ids = merge_rows(parts, with_values=False).ids
         #: None: stream range by range unless :meth:`merges_whole`; True / False force it
@@ -184,8 +185,9 @@ class MergedShard:
         wire_row_bytes = 0
         if wire_torch is not None:
             wire_row_bytes = row_bytes if dtype is None else width * wire.WIRE_ITEMSIZE[dtype]
-        for r in range(len(bounds) - 1):
-            a, b = int(bounds[r]), int(bounds[r + 1])
+        cuts: list[int] = bounds.tolist()
+        for r in range(len(cuts) - 1):
+            a, b = cuts[r], cuts[r + 1]
             # the newest part holding every row of [a, b): older parts are overwritten by it
             first = 0
             for j in range(len(cs) - 1, -1, -1):
@@ -196,7 +198,7 @@ class MergedShard:
             later = [j for j in range(first + 1, len(cs)) if spans[j][r + 1] > spans[j][r]]
             lo, hi = spans[first][r], spans[first][r + 1]
             ev, ad = encode.identity_runs(idn, a, b)
-            if hi - lo == b - a and not later:  # nothing newer in this range: a view
+            if hi - lo == b - a and not later and not direct:  # nothing newer: a view, cast
                 vals = cs[first].values[lo:hi]
                 if dtype is None:
                     yield encode.encode_chunk(index, a, ids[a:b], vals)
@@ -216,22 +218,21 @@ class MergedShard:
                     evicted=ev[1] - ev[0],
                     admitted=ad[1] - ad[0],
                 )
-                encode.copy_bytes(msg.ids, ids[a:b])
+                encode.copy_to(msg.ids_at, ids, a, b - a)
                 encode.put_identities(msg, idn, a, b, ev, ad)
-            if direct:
-                assert msg is not None
-                out = msg.values.view(np.dtype((np.void, row_bytes)))
-            else:
-                out = buf_rows[: b - a]
+            out: Any = None if direct else buf_rows[: b - a]
             if hi - lo == b - a:
-                if direct:  # (one flat byte copy into the message: see encode.copy_bytes)
+                if direct:  # one flat byte copy into the message (encode.copy_to)
                     assert msg is not None
-                    encode.copy_bytes(msg.values, cs[first].values[lo:hi])
+                    encode.copy_to(msg.values_at, cs[first].values, lo, hi - lo)
                 else:
                     out[:] = src_rows[first][lo:hi]
                 todo = later
             else:  # no one part covers the range; together they cover every row of it
                 todo = [j for j in range(len(cs)) if spans[j][r + 1] > spans[j][r]]
+            if todo and out is None:  # rows scattered into the message: a view of its values
+                assert msg is not None
+                out = msg.values.view(np.dtype((np.void, row_bytes)))
             for j in todo:
                 lo, hi = spans[j][r], spans[j][r + 1]
                 out[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
