@@ -66,7 +66,7 @@ def copy_to(address: int, src: torch.Tensor, start: int = 0, count: int = -1) ->
     ``memmove`` from the tensor's memory, no tensor or array views made (per message they cost
     more than a 2 MB copy's tenth). A device or non-contiguous tensor is copied to the host
     first. The caller sized the field to the rows' bytes."""
-    if src.device.type != "cpu" or not src.is_contiguous():
+    if not (src.is_cpu and src.is_contiguous()):
         src = src.contiguous().cpu()
     shape = src.shape
     row = src.element_size() * math.prod(shape[1:])
