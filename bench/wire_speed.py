@@ -18,7 +18,9 @@ bytes in messages of the sidecar's chunk size, built once), one client process e
   packed-int8: the sidecar's CPU for the 16 int8 pulls over its CPU for the 16 fp32 pulls.
 
 Noise: every bare stream is measured twice in a row (``bare`` and ``bare_again``), and the
-fp32 cursor round twice; ``noise`` is their ratio.
+fp32 cursor round twice; ``noise`` is their ratio. CPU: the sidecar's per GB of each pull and
+the bare server's per GB of the first bare stream after it (``bare_server_cpu_s_per_gb``); with
+the client on the same cores, speed follows the two sides' CPU together.
 
 ``python -m bench.wire_speed [--quick] [--send-only] [--record]`` (results: bench/results/wire-speed.json).
 """
@@ -71,9 +73,14 @@ def _bare(w: ClientWorker, port: int, nbytes: int) -> float:
 def _paired(
     pull: dict[str, Any], w: ClientWorker, port: int, cpu: CpuMonitor | None
 ) -> dict[str, float]:
-    """One pull's figures with two bare streams of its bytes right after it."""
+    """One pull's figures with two bare streams of its bytes right after it (``cpu``: the
+    bare server's, for the first of them)."""
     nbytes = int(pull["bytes"])
-    a, b = _bare(w, port, nbytes), _bare(w, port, nbytes)
+    if cpu is not None:
+        cpu.reset()
+    a = _bare(w, port, nbytes)
+    bare_cpu = cpu.seconds() if cpu is not None else float("nan")
+    b = _bare(w, port, nbytes)
     return {
         "bytes": nbytes,
         "pull_s": pull["seconds"],
@@ -81,6 +88,7 @@ def _paired(
         "bare_again_s": b,
         "vs_bare": a / pull["seconds"],
         "noise": b / a,
+        "bare_server_cpu_s": bare_cpu,
     }
 
 
@@ -105,7 +113,8 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
             spool, model=deltad_procs.MODEL, tables=TABLES, rows_per_table=rows, dim=DIM,
             deltas=DELTAS, delta_fraction=0.01,
         )  # fmt: skip
-        bare_conn, bare_port, _ = start_server(kids, grpc_server_main, 2 * window)
+        bare_conn, bare_port, bare_pid = start_server(kids, grpc_server_main, 2 * window)
+        bare_cpu = CpuMonitor(bare_pid)
         worker, base_worker = ClientWorker(kids), ClientWorker(kids)
         worker.call("call", module="bench.throughput", func="client_warm", kwargs={})
         configs = ["off", "off_noprefetch"] + ([] if send_only else ["on"])
@@ -132,7 +141,7 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
                     for dtype in order:
                         tag = "p8" if dtype == "packed-int8" else "fp32"
                         p, c = _timed(worker, side, f"{cache}-{tag}", dtype, cpu)
-                        row = _paired(p, base_worker, bare_port, None)
+                        row = _paired(p, base_worker, bare_port, bare_cpu)
                         row["sidecar_cpu_s"] = c
                         res[dtype].append(row)
                 out[f"cache_{cache}"] = {
@@ -180,6 +189,9 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, Any]:
         "noise": summarize([r["noise"] for r in rows]),
         "gbps": summarize([r["bytes"] / r["pull_s"] / GB for r in rows]),
         "sidecar_cpu_s_per_gb": summarize([r["sidecar_cpu_s"] / (r["bytes"] / GB) for r in rows]),
+        "bare_server_cpu_s_per_gb": summarize(
+            [r["bare_server_cpu_s"] / (r["bytes"] / GB) for r in rows]
+        ),
     }
 
 
@@ -219,6 +231,7 @@ def _headline(out: dict[str, Any]) -> list[dict[str, Any]]:
             "ratio": med(s["vs_bare"]),
             "noise": med(s["noise"]),
             "sidecar_cpu_s_per_gb": med(s["sidecar_cpu_s_per_gb"]),
+            "bare_server_cpu_s_per_gb": med(s["bare_server_cpu_s_per_gb"]),
         }
 
     rows = [cell("cache_off", "fp32"), cell("cache_off", "packed-int8")]
