@@ -81,23 +81,35 @@ def test_a_message_built_in_place_is_protobuf_and_outlives_its_builder(sb_nbytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
-def test_rows_copied_by_address_equal_the_rows(dtype: torch.dtype) -> None:
-    """``copy_to`` writes rows ``[start, start + count)`` of a tensor into a message's field
-    by address: the same bytes as the rows, for a contiguous tensor, a transposed
-    (non-contiguous) one, and no rows; the bytes around the field are untouched."""
+def test_rows_filled_by_address_equal_the_rows_and_never_overrun(dtype: torch.dtype) -> None:
+    """``ChunkMessage.fill`` writes rows ``[start, start + count)`` of a tensor into a field
+    with one memmove: the same bytes as the rows, for a contiguous tensor, a transposed
+    (non-contiguous) one, and no rows. Rows that do not fit the field, or are not all in the
+    tensor, are refused (ValueError) before a byte is written."""
     rows = (torch.arange(7 * 6) % 251).to(dtype).view(7, 6)
     for src in (rows, rows.t().contiguous().t()):
         assert src.is_contiguous() == (src is rows)
         for start, count in ((0, 7), (2, 3), (6, 1), (3, 0), (4, -1)):
             n = 7 - start if count < 0 else count
             m = encode.ChunkMessage(0, start, n, n * 6 * rows.element_size())
-            encode.copy_to(m.values_at, src, start, count)
-            encode.copy_to(m.ids_at, torch.arange(start, start + n))
+            m.fill("values", src, start, count)
+            m.fill("ids", torch.arange(start, start + n))
             c = pb.GetDeltaResponse.FromString(m.data).chunk
-            assert (
-                c.values == rows[start : start + n].contiguous().view(torch.uint8).numpy().tobytes()
-            )
+            want = rows[start : start + n].contiguous().view(torch.uint8).numpy().tobytes()
+            assert c.values == want
             assert np.frombuffer(c.ids, dtype=np.int64).tolist() == list(range(start, start + n))
+    m = encode.ChunkMessage(0, 0, 2, 2 * 6 * rows.element_size())
+    before = bytearray(m.data)  # (a copy: bytes(m.data) would be m.data itself)
+    for bad in (
+        lambda: m.fill("values", rows, 0, 3),  # 3 rows into a field of 2
+        lambda: m.fill("values", rows, 6, 2),  # rows 6, 7 of 7
+        lambda: m.fill("values", rows, -1, 1),
+        lambda: m.fill("ids", torch.arange(3)),  # 3 ids into 2
+        lambda: m.fill("scale_bias", rows, 0, 1),  # a field this message has not
+    ):
+        with pytest.raises(ValueError):
+            bad()
+    assert m.data == bytes(before)
 
 
 @pytest.mark.parametrize("dtype", [d for d in WireDtype if not d.packed])

@@ -60,18 +60,24 @@ def copy_bytes(dst: Any, src: torch.Tensor) -> None:
 _MEMMOVE = ctypes.memmove  # (a ctypes foreign call: the GIL is released while it copies)
 
 
-def copy_to(address: int, src: torch.Tensor, start: int = 0, count: int = -1) -> None:
+def copy_to(address: int, limit: int, src: torch.Tensor, start: int = 0, count: int = -1) -> None:
     """Copy rows ``[start, start + count)`` (all from ``start`` if ``count`` < 0) of tensor
-    ``src`` to ``address`` (a field of a :class:`ChunkMessage`, e.g. ``m.values_at``): one
-    ``memmove`` from the tensor's memory, no tensor or array views made (per message they cost
-    more than a 2 MB copy's tenth). A device or non-contiguous tensor is copied to the host
-    first. The caller sized the field to the rows' bytes."""
+    ``src`` to ``address``, where ``limit`` bytes may be written (a field of a
+    :class:`ChunkMessage`: :meth:`ChunkMessage.fill`): one ``memmove`` from the tensor's memory,
+    no tensor or array views made (per message they cost more than a 2 MB copy's tenth). A
+    device or non-contiguous tensor is copied to the host first. ValueError (nothing written)
+    if the rows are not all in ``src`` or their bytes exceed ``limit``."""
     if not (src.is_cpu and src.is_contiguous()):
         src = src.contiguous().cpu()
     shape = src.shape
+    rows = shape[0] if shape else 1
     row = src.element_size() * math.prod(shape[1:])
-    n = (shape[0] if shape else 1) - start if count < 0 else count
-    if n > 0:
+    n = rows - start if count < 0 else count
+    if start < 0 or n < 0 or start + n > rows or n * row > limit:
+        raise ValueError(
+            f"copy of rows [{start}, {start + n}) of {rows} ({n * row} bytes) into {limit} bytes"
+        )
+    if n:
         _MEMMOVE(address, src.data_ptr() + start * row, n * row)
 
 
@@ -116,9 +122,9 @@ class _BytesData:
 
 class ChunkMessage:
     """One serialized GetDeltaResponse{chunk} built in place: the framing is written, and the
-    ids, scale/bias and values fields are left to fill, through their addresses
-    (:attr:`ids_at`, :attr:`values_at`, for :func:`copy_to`) or writable numpy views into the
-    message itself (:attr:`ids`, :attr:`values`, ..., made when first asked for).
+    ids, scale/bias and values fields are left to fill, by :meth:`fill` (rows of a tensor,
+    one ``memmove``) or through writable numpy views into the message itself (:attr:`ids`,
+    :attr:`values`, ..., made when first asked for).
 
     Fill every byte of :attr:`ids`, :attr:`scale_bias` (INT8) and :attr:`values` (uint8),
     and of :attr:`raw_ids`, :attr:`evicted`, :attr:`admitted` (int64; a managed-collision
@@ -129,7 +135,7 @@ class ChunkMessage:
     besides its copies (numpy views of every field cost ~45 us, a fifth of a 2 MB copy).
     """
 
-    __slots__ = ("_buf", "_fields", "data", "ids_at", "values_at")
+    __slots__ = ("_at", "_buf", "_fields", "data")
 
     def __init__(
         self,
@@ -175,9 +181,14 @@ class ChunkMessage:
             pos += n
         self._fields = spans
         self._buf: Any = None
-        #: addresses of the ids and values fields' first bytes (for :func:`copy_to`)
-        self.ids_at: int = at + spans["ids"][0]
-        self.values_at: int = at + spans.get("values", (pos, 0))[0]
+        self._at = at
+
+    def fill(self, name: str, src: torch.Tensor, start: int = 0, count: int = -1) -> None:
+        """Copy rows ``[start, start + count)`` of ``src`` (all from ``start`` if ``count``
+        < 0) into field ``name`` from its first byte (:func:`copy_to`: one ``memmove``, no
+        view; ValueError if they do not fit the field)."""
+        at, n = self._fields.get(name, (len(self.data), 0))
+        copy_to(self._at + at, n, src, start, count)
 
     def _view(self, name: str) -> Any:
         """A writable uint8 view of field ``name`` (empty if it has no bytes)."""
@@ -279,12 +290,12 @@ def encode_chunk(
         evicted=ev[1] - ev[0],
         admitted=ad[1] - ad[0],
     )
-    copy_to(m.ids_at, ids)
+    m.fill("ids", ids)
     if sb is not None:
         m.scale_bias.view(np.uint8)[:] = np.frombuffer(sb, dtype=np.uint8)
     if nvals:
         assert values is not None
-        copy_to(m.values_at, values)
+        m.fill("values", values)
     put_identities(m, idn, offset, offset + ids.numel(), ev, ad)
     data = m.data
     del m
@@ -343,7 +354,7 @@ def encode_rows(
         evicted=ev[1] - ev[0],
         admitted=ad[1] - ad[0],
     )
-    copy_to(m.ids_at, ids)
+    m.fill("ids", ids)
     if n:
         pack_rows(values, dtype, torch.from_numpy(m.values).view(n, row_bytes))
     put_identities(m, idn, offset, offset + n, ev, ad)

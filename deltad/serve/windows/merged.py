@@ -218,13 +218,13 @@ class MergedShard:
                     evicted=ev[1] - ev[0],
                     admitted=ad[1] - ad[0],
                 )
-                encode.copy_to(msg.ids_at, ids, a, b - a)
+                msg.fill("ids", ids, a, b - a)
                 encode.put_identities(msg, idn, a, b, ev, ad)
             out: Any = None if direct else buf_rows[: b - a]
             if hi - lo == b - a:
-                if direct:  # one flat byte copy into the message (encode.copy_to)
+                if direct:  # one flat byte copy into the message (ChunkMessage.fill)
                     assert msg is not None
-                    encode.copy_to(msg.values_at, cs[first].values, lo, hi - lo)
+                    msg.fill("values", cs[first].values, lo, hi - lo)
                 else:
                     out[:] = src_rows[first][lo:hi]
                 todo = later
