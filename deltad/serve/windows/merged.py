@@ -198,14 +198,12 @@ class MergedShard:
             later = [j for j in range(first + 1, len(cs)) if spans[j][r + 1] > spans[j][r]]
             lo, hi = spans[first][r], spans[first][r + 1]
             ev, ad = encode.identity_runs(idn, a, b)
-            if hi - lo == b - a and not later and not direct:  # nothing newer: a view, cast
+            if hi - lo == b - a and not later and not direct:
+                # nothing newer, rows to cast / quantize / pack: encoded from a view (rows
+                # already in the wire's dtype, packed ones too, take the one copy below)
+                assert dtype is not None
                 vals = cs[first].values[lo:hi]
-                if dtype is None:
-                    yield encode.encode_chunk(index, a, ids[a:b], vals)
-                else:
-                    yield encode.encode_rows(
-                        index, a, ids[a:b], vals, dtype, alignment, idn, ev, ad
-                    )
+                yield encode.encode_rows(index, a, ids[a:b], vals, dtype, alignment, idn, ev, ad)
                 continue
             msg = None
             if wire_torch is not None:
