@@ -64,11 +64,9 @@ def copy_to(address: int, limit: int, src: torch.Tensor, start: int = 0, count: 
     """Copy rows ``[start, start + count)`` (all from ``start`` if ``count`` < 0) of tensor
     ``src`` to ``address``, where ``limit`` bytes may be written (a field of a
     :class:`ChunkMessage`: :meth:`ChunkMessage.fill`): one ``memmove`` from the tensor's memory,
-    no tensor or array views made (per message they cost more than a 2 MB copy's tenth). A
-    device or non-contiguous tensor is copied to the host first. ValueError (nothing written)
-    if the rows are not all in ``src`` or their bytes exceed ``limit``."""
-    if not (src.is_cpu and src.is_contiguous()):
-        src = src.contiguous().cpu()
+    no tensor or array views made (per message they cost more than a 2 MB copy's tenth). From a
+    device or non-contiguous tensor, the rows copied are gathered to the host first. ValueError
+    (nothing written) if the rows are not all in ``src`` or their bytes exceed ``limit``."""
     shape = src.shape
     rows = shape[0] if shape else 1
     row = src.element_size() * math.prod(shape[1:])
@@ -77,8 +75,15 @@ def copy_to(address: int, limit: int, src: torch.Tensor, start: int = 0, count: 
         raise ValueError(
             f"copy of rows [{start}, {start + n}) of {rows} ({n * row} bytes) into {limit} bytes"
         )
-    if n:
+    if not n:
+        return
+    if src.is_cpu and src.is_contiguous():
         _MEMMOVE(address, src.data_ptr() + start * row, n * row)
+        return
+    # a strided or device tensor: only the rows copied are gathered to the host, never the
+    # whole tensor (a part's values are shard-sized)
+    part = (src[start : start + n] if shape else src).contiguous().cpu()
+    _MEMMOVE(address, part.data_ptr(), n * row)
 
 
 def encode_header(header: pb.DeltaHeader) -> bytes:
