@@ -3,9 +3,9 @@
 :func:`encode_header`, :func:`encode_trailer` and :func:`encode_shard_chunks` return
 *serialized* messages (``bytes``). The servicer passes them through an identity response
 serializer, so each RowChunk costs exactly one copy: :class:`ChunkMessage` writes the field
-tags and varint lengths into a new ``bytes`` object and exposes its ids / scale-bias / values
-fields as writable arrays, which a merge fills directly (no intermediate tensor) or
-:func:`encode_chunk` copies tensors into.
+tags and varint lengths into a new ``bytes`` object, and a merge or :func:`encode_chunk` fills
+its ids / scale-bias / values fields directly (:meth:`ChunkMessage.fill`: one ``memmove`` of a
+tensor's rows; writable arrays where rows are scattered), with no intermediate tensor.
 """
 
 from __future__ import annotations
@@ -47,14 +47,6 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
         t = t.view(torch.int16)
     arr: Any = t.numpy().reshape(-1).view(np.uint8)
     return memoryview(arr)
-
-
-def copy_bytes(dst: Any, src: torch.Tensor) -> None:
-    """Copy the bytes of tensor ``src`` into the numpy array ``dst`` (a field of a
-    :class:`ChunkMessage`) as one flat byte copy (a memcpy). A message's fields sit at any
-    byte offset, where numpy's typed copies (int64 ids, rows as void elements) take a slower
-    unaligned / per-element path."""
-    dst.view(np.uint8)[:] = np.frombuffer(_bytes_view(src.contiguous()), dtype=np.uint8)
 
 
 _MEMMOVE = ctypes.memmove  # (a ctypes foreign call: the GIL is released while it copies)
