@@ -272,8 +272,8 @@ def test_paging_out_gives_back_the_libraries_read_only_pages_and_nothing_else(
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     out = json.loads(child.stdout.strip().splitlines()[-1])
-    if out["advised"] == 0:
-        pytest.skip("this kernel cannot page out (MADV_PAGEOUT: Linux >= 5.4)")
+    # (MADV_PAGEOUT needs Linux >= 5.4; these machines and CI run 6.x: no advice taken fails)
+    assert out["advised"] > 0, out
     lib, seg = (f"{tmp_path}/{n}" for n in ("libdeltadtest.so r--p", "segment.bin r--p"))
     assert out["before"] == {lib: 8 << 20, seg: 8 << 20}, out
     assert out["after"] == {lib: 0, seg: 8 << 20}, out
