@@ -207,14 +207,8 @@ def proc_peak_rss(pid: int) -> int | None:
 def proc_status_bytes(key: str, pid: int | str = "self") -> int | None:
     """A kB line of ``/proc/<pid>/status`` (``"VmRSS:"``, ``"VmHWM:"``, ...), in bytes; None
     if the process is gone or has no such line."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    name = key.rstrip(":")
+    return proc_status(pid, (name,)).get(name)
 
 
 #: the memory lines of ``/proc/<pid>/status`` that :func:`proc_status` reads

@@ -117,6 +117,12 @@ class _BytesData:
         }
 
 
+def _field_view(name: str, dtype: Any, doc: str) -> Any:
+    """A read-only property of :class:`ChunkMessage`: a writable ``dtype`` view of field
+    ``name`` (its ``_view``)."""
+    return property(lambda m: m._view(name).view(dtype), doc=doc)
+
+
 class ChunkMessage:
     """One serialized GetDeltaResponse{chunk} built in place: the framing is written, and the
     ids, scale/bias and values fields are left to fill, by :meth:`fill` (rows of a tensor,
@@ -194,35 +200,13 @@ class ChunkMessage:
         at, n = self._fields.get(name, (len(self.data), 0))
         return self._buf[at : at + n]
 
-    @property
-    def ids(self) -> Any:
-        """int64 view of the ids."""
-        return self._view("ids").view(np.int64)
-
-    @property
-    def scale_bias(self) -> Any:
-        """float32 (scale, bias) pairs; empty unless ``sb_nbytes``."""
-        return self._view("scale_bias").view(np.float32)
-
-    @property
-    def values(self) -> Any:
-        """uint8 view of the values' bytes."""
-        return self._view("values")
-
-    @property
-    def raw_ids(self) -> Any:
-        """int64 view (empty unless sized)."""
-        return self._view("raw_ids").view(np.int64)
-
-    @property
-    def evicted(self) -> Any:
-        """int64 view (empty unless sized)."""
-        return self._view("evicted").view(np.int64)
-
-    @property
-    def admitted(self) -> Any:
-        """int64 view (empty unless sized)."""
-        return self._view("admitted").view(np.int64)
+    #: writable numpy views of the fields, made when asked for (empty where a field is unsized)
+    ids = _field_view("ids", np.int64, "int64 view of the ids.")
+    scale_bias = _field_view("scale_bias", np.float32, "float32 (scale, bias) pairs (INT8).")
+    values = _field_view("values", np.uint8, "uint8 view of the values' bytes.")
+    raw_ids = _field_view("raw_ids", np.int64, "int64 view of the raw ids (identities).")
+    evicted = _field_view("evicted", np.int64, "int64 view of the evicted raw ids.")
+    admitted = _field_view("admitted", np.int64, "int64 view of the admitted raw ids.")
 
 
 @dataclass(frozen=True)
