@@ -355,6 +355,23 @@ def save_panels(
     return save_figure(fig, out_dir, name)
 
 
+def metric_sums(port: int, prefix: str = "deltad_", timeout_s: float = 10.0) -> dict[str, float]:
+    """A Prometheus ``/metrics`` page on 127.0.0.1:``port``: each sample named ``prefix...``
+    summed over its labels (``name -> value``; counters keep their ``_total``)."""
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

@@ -22,24 +22,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, free_port, proc_status
+from bench.common import Children, Context, free_port, metric_sums, proc_status
 from bench.deltad_procs import MODEL, start_sidecar
 
 MIB = 1 << 20
 
 
 def _gauges(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("deltad_") and "_bytes" in line.split(" ")[0].split("{")[0]:
-            name = line.split("{")[0].split(" ")[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return {k: v for k, v in metric_sums(port).items() if "_bytes" in k}
 
 
 def measure(work: Path, *, rows: int, tables: int, dim: int, seconds: float) -> dict[str, Any]:

@@ -20,7 +20,10 @@ bytes in messages of the sidecar's chunk size, built once), one client process e
 Noise: every bare stream is measured twice in a row (``bare`` and ``bare_again``), and the
 fp32 cursor round twice; ``noise`` is their ratio. CPU: the sidecar's per GB of each pull and
 the bare server's per GB of the first bare stream after it (``bare_server_cpu_s_per_gb``); with
-the client on the same cores, speed follows the two sides' CPU together.
+the client on the same cores, speed follows the two sides' CPU together. The sidecar's own
+split of it (its /metrics: ``deltad_window_build_cpu_seconds_total``,
+``deltad_getdelta_stream_cpu_seconds_total``): building the messages, and the gRPC handler
+thread's chunk loop, where gRPC copies and sends them (as the bare server's handler does).
 
 ``python -m bench.wire_speed [--quick] [--send-only] [--record]`` (results: bench/results/wire-speed.json).
 """
@@ -43,8 +46,10 @@ from bench.common import (
     Children,
     Context,
     CpuMonitor,
+    free_port,
     machine_info,
     med,
+    metric_sums,
     ratio,
     rows_per_table,
     summarize,
@@ -92,12 +97,25 @@ def _paired(
     }
 
 
+#: the sidecar's own account of a pull's CPU (its /metrics): building the messages, and the
+#: gRPC handler thread's chunk loop (handing them to gRPC, which copies and sends them)
+_CPU_SPLIT = {
+    "build": "deltad_window_build_cpu_seconds_total",
+    "stream": "deltad_getdelta_stream_cpu_seconds_total",
+}
+
+
 def _timed(
     worker: ClientWorker, side: Any, consumer: str, dtype: str, cpu: CpuMonitor
 ) -> tuple[dict[str, Any], float]:
+    """One pull, the sidecar's CPU for it, and (``r["cpu_split"]``) its own split of it."""
+    before = metric_sums(side.metrics_port)
     cpu.reset()
     r = _pull(worker, side, consumer, dtype)
-    return r, cpu.seconds()
+    seconds = cpu.seconds()
+    after = metric_sums(side.metrics_port)
+    r["cpu_split"] = {k: after.get(m, 0.0) - before.get(m, 0.0) for k, m in _CPU_SPLIT.items()}
+    return r, seconds
 
 
 def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, Any]:
@@ -126,7 +144,10 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
                 extra += ["--window-cache-entries", "0"]
             if cache.endswith("noprefetch"):
                 extra += ["--prefetch-messages", "0"]
+            port = free_port()
+            extra += ["--metrics-port", str(port)]
             side = deltad_procs.start_sidecar(kids, spool, ctx, extra=extra)
+            side.metrics_port = port
             cpu = CpuMonitor(side.proc.pid)
             try:
                 ctx.status(f"wire speed, window cache {cache}: warm-up")
@@ -143,6 +164,8 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
                         p, c = _timed(worker, side, f"{cache}-{tag}", dtype, cpu)
                         row = _paired(p, base_worker, bare_port, bare_cpu)
                         row["sidecar_cpu_s"] = c
+                        for k, v in p["cpu_split"].items():
+                            row[f"sidecar_{k}_cpu_s"] = v
                         res[dtype].append(row)
                 out[f"cache_{cache}"] = {
                     "first_packed_pull": {
@@ -189,6 +212,12 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, Any]:
         "noise": summarize([r["noise"] for r in rows]),
         "gbps": summarize([r["bytes"] / r["pull_s"] / GB for r in rows]),
         "sidecar_cpu_s_per_gb": summarize([r["sidecar_cpu_s"] / (r["bytes"] / GB) for r in rows]),
+        **{
+            f"sidecar_{k}_cpu_s_per_gb": summarize(
+                [r[f"sidecar_{k}_cpu_s"] / (r["bytes"] / GB) for r in rows]
+            )
+            for k in _CPU_SPLIT
+        },
         "bare_server_cpu_s_per_gb": summarize(
             [r["bare_server_cpu_s"] / (r["bytes"] / GB) for r in rows]
         ),
@@ -231,6 +260,10 @@ def _headline(out: dict[str, Any]) -> list[dict[str, Any]]:
             "ratio": med(s["vs_bare"]),
             "noise": med(s["noise"]),
             "sidecar_cpu_s_per_gb": med(s["sidecar_cpu_s_per_gb"]),
+            # of which building the messages / the gRPC handler's chunk loop (sending; building
+            # too without prefetch and for packed windows)
+            "sidecar_build_cpu_s_per_gb": med(s["sidecar_build_cpu_s_per_gb"]),
+            "sidecar_stream_cpu_s_per_gb": med(s["sidecar_stream_cpu_s_per_gb"]),
             "bare_server_cpu_s_per_gb": med(s["bare_server_cpu_s_per_gb"]),
         }
 

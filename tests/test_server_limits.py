@@ -18,7 +18,7 @@ from deltad import wire
 from deltad.consume import decode
 from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
-from deltad.types import Form
+from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
@@ -95,6 +95,41 @@ def test_tokens_health_reflection_metrics(tmp_path: Path, redis_server: Embedded
             assert process + b" " in text
         c.close()
     finally:
+        srv.stop(0)
+
+
+def test_metrics_split_a_pulls_cpu_into_building_and_streaming(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """``deltad_window_build_cpu_seconds`` counts the CPU that built a window's messages, once
+    per window built (a cache hit builds nothing); ``deltad_getdelta_stream_cpu_seconds`` the
+    gRPC handler's chunk loop of every stream."""
+    SpoolWriter(tmp_path / "spool", tables={"big": (200_000, 32)})
+    srv = _serve(tmp_path, redis_server.url, metrics_port=0)
+    c = Client(f"127.0.0.1:{srv.port}")
+    build, stream = "deltad_window_build_cpu_seconds", "deltad_getdelta_stream_cpu_seconds"
+
+    def split() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics").read()
+        return {
+            line.split("_total{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.decode().splitlines()
+            if line.startswith((build + "_total{", stream + "_total{"))
+        }
+
+    try:
+        assert split() == {build: 0.0, stream: 0.0}
+        assert c.pull("a").rows == 200_000  # built (a 25.6 MB window), kept in the cache
+        first = split()
+        assert first[build] > 0 and first[stream] > 0
+        assert c.pull("a").rows == 200_000  # not committed: the same window, a cache hit
+        hit = split()
+        assert hit[build] == first[build]
+        assert hit[stream] > first[stream]
+        assert c.pull("b", dtype=WireDtype.FP16).rows == 200_000  # another window: built
+        assert split()[build] > hit[build]
+    finally:
+        c.close()
         srv.stop(0)
 
 

@@ -83,6 +83,32 @@ def test_streamed_window_equals_the_window_built_first(tmp_path: Path, kw: dict)
         assert bool((s.ids[1:] > s.ids[:-1]).all())
 
 
+def test_build_cpu_is_the_building_not_the_reading(tmp_path: Path) -> None:
+    """A window's ``build_cpu_seconds`` (the sidecar's ``deltad_window_build_cpu_seconds``) is
+    the CPU that built its chunks: here the reader builds them, and the CPU it spends on its
+    own between chunks is not counted."""
+    spool = SpoolWriter(tmp_path / "spool", tables={"a": (300_000, 32)})
+    spool.delta(n=30_000)
+    log = SegmentLog(spool.layout, 0)
+    log.refresh()
+    snap = log.snapshot()
+    assert snap is not None
+    spec = _spec(snap, resync=True, from_seq=-1, chunk_bytes=2 << 20)  # base + delta: merged
+    win = build_window(snap, spec, 7, {}, kept=False)
+    planned = win.build_cpu_seconds
+    start, own, chunks = time.thread_time(), 0.0, 0
+    for _ in win.iter_chunks():
+        chunks += 1
+        t = time.thread_time()
+        while time.thread_time() - t < 0.003:  # the reader's own work between chunks
+            pass
+        own += time.thread_time() - t
+    building = time.thread_time() - start - own
+    built = win.build_cpu_seconds - planned
+    assert chunks > 10 and own > 3 * building  # (the reader's own time would dominate)
+    assert 0.7 * building <= built <= building + 0.001
+
+
 def _trailer() -> bytes:
     from deltad.v1 import delta_pb2 as pb
 

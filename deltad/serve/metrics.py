@@ -52,6 +52,19 @@ class SidecarMetrics:
         ).labels(**labels, version=__version__).set(1)
         self.bytes_served = counter("deltad_served_bytes", "Payload bytes sent by GetDelta")
         self.rows_served = counter("deltad_served_rows", "Rows sent by GetDelta")
+        # where a GetDelta's CPU goes (thread CPU time): building its messages (merging,
+        # casting, packing, encoding; in whichever thread builds them) and the gRPC handler
+        # thread's chunk loop (handing messages to gRPC, which copies and sends them; building
+        # too where it runs there: prefetch off, packed windows)
+        self.build_cpu_seconds = counter(
+            "deltad_window_build_cpu_seconds",
+            "CPU seconds spent building GetDelta windows' messages (merge, cast, pack, encode)",
+        )
+        self.stream_cpu_seconds = counter(
+            "deltad_getdelta_stream_cpu_seconds",
+            "CPU seconds of the gRPC handler threads in GetDelta's chunk loops (sending; "
+            "building as well where it runs there)",
+        )
         self.pulls = counter("deltad_pulls", "GetDelta streams completed")
         self.cache_hits = counter("deltad_window_cache_hits", "Windows served from the cache")
         self.generation_diffs = counter(

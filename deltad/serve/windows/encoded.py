@@ -43,6 +43,9 @@ class EncodedWindow:
         self.rows = rows
         self.owed = owed
         self.merge_seconds = merge_seconds
+        #: CPU time of the threads that built its chunks (merge, cast, pack, encode), set by
+        #: its producer (:func:`~deltad.serve.windows.plan.build_window`); final when done
+        self.build_cpu_seconds = 0.0
         self.payload_bytes = 0
         self.kept = kept
         #: an upper bound of :attr:`nbytes` known at once (what the cache reserves for it;

@@ -14,6 +14,7 @@ log (unknown tables, tables a packed dtype cannot serve) is checked by
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -108,10 +109,13 @@ class WindowServer:
             # planned here (header, owed rows); merged and encoded as the stream sends it
             got = self.source.window(consumer, snap, shape, decision)
             win, hit = got.win, got.hit
+            if not hit:  # counted once, when its last chunk is built (by whichever reader)
+                win.on_done(self._count_build)
             pull_id = self._record_pull(consumer, snap.generation, got, stored, context)
             header, dense_missing = self._header(req, snap, got)
             yield header
             chunks, ahead = self._chunks(win, shape.dtype, context)
+            thread, cpu = threading.get_ident(), time.thread_time()
             try:  # the hot loop: one deadline check per chunk, nothing else
                 for c in chunks:
                     if time.monotonic() > slot.deadline:
@@ -127,6 +131,8 @@ class WindowServer:
             finally:
                 if ahead is not None:
                     ahead.close()
+                if threading.get_ident() == thread:  # (not if closed from another thread)
+                    self.metrics.stream_cpu_seconds.inc(max(0.0, time.thread_time() - cpu))
             if not hit:
                 self.metrics.merge_seconds.observe(win.merge_seconds)
             committed = self._auto_commit(req, snap.generation, got, pull_id, context)
@@ -266,6 +272,9 @@ class WindowServer:
         context.add_callback(ahead.stop)  # cancel / deadline: stop building
         return ahead, ahead
 
+    def _count_build(self, win: EncodedWindow) -> None:
+        self.metrics.build_cpu_seconds.inc(max(0.0, win.build_cpu_seconds))
+
     def _auto_commit(
         self,
         req: pb.GetDeltaRequest,
@@ -326,13 +335,15 @@ class WindowServer:
         started: float,
         dense_missing: str,
     ) -> None:
-        """The pull's one log line (at ``-v``): its seqs, rows, bytes, prefetch waits, time."""
+        """The pull's one log line (at ``-v``): its seqs, rows, bytes, the CPU its build took
+        (cache misses), prefetch waits, time."""
         win, d = got.win, got.decision
         log.info(
-            "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes%s, %.0f ms%s",
+            "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes%s%s, %.0f ms%s",
             consumer, self.config.rank, d.from_seq, d.to_seq, d.to_step,
             "resync: " if d.resync else "", d.reason,
             ", committed" if committed else "", win.rows, win.payload_bytes,
+            "" if got.hit else f", built in {win.build_cpu_seconds * 1000:.0f} CPU-ms",
             "" if ahead is None else
             f" (prefetch: sender waited {ahead.reader_waits}x, builder {ahead.producer_waits}x)",
             (time.monotonic() - started) * 1000,

@@ -62,7 +62,7 @@ def build_window(
     packed dtypes copy the parts' rows packed once (:mod:`deltad.serve.windows.packed`)
     instead of packing them for this window.
     """
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
     if spec.resync:
         owed = {}
@@ -154,10 +154,13 @@ def build_window(
         kept=kept,
     )
     win.bound = len(win.header) + bound
+    win.build_cpu_seconds = time.thread_time() - cpu0  # the plan: ids merged, header
 
     def produce() -> Iterator[tuple[bytes | None, float]]:
-        """(chunk, seconds spent on it), shard by shard."""
+        """(chunk, seconds spent on it), shard by shard; the building thread's CPU time for
+        each chunk goes to ``win.build_cpu_seconds`` (whichever thread resumes it)."""
         t = time.perf_counter()
+        cpu = time.thread_time()
         for i, (r, m) in enumerate(plan):
             dtype = m.wire_dtype(spec.dtype)
             rows = None
@@ -176,12 +179,14 @@ def build_window(
                     i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i)
                 )
             for msg in chunks:
+                win.build_cpu_seconds += time.thread_time() - cpu
                 yield msg, time.perf_counter() - t
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.thread_time()
         if dense is not None:
             for msg in encode.encode_dense_chunks(dense.state, spec.chunk_bytes):
+                win.build_cpu_seconds += time.thread_time() - cpu
                 yield msg, time.perf_counter() - t
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.thread_time()
 
     if lazy:
         return win.start(produce())
