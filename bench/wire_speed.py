@@ -11,8 +11,9 @@ bytes in messages of the sidecar's chunk size, built once), one client process e
   the untimed warm-up) and cache on (the encoded window is reused): against a bare stream of
   *its* bytes; plus the first packed pull of a fresh sidecar (it packs the log once);
 * **prefetch off**: the uncached windows again from a sidecar with ``--prefetch-messages 0``
-  (chunks built in gRPC's handler thread, no overlap of building and sending), and the
-  speed ratio prefetch on / off;
+  (chunks built in gRPC's handler thread, no overlap of building and sending; the default
+  with fewer than 4 usable cores) against one with ``3``, and the speed ratio prefetch on /
+  off;
 * **16 cursors** (own spool, a 128 MB base window): 16 consumers committed at seqs 0..15 pull
   to the head (16 distinct windows ``(i, 16]``, cache off, runs on) in fp32 and in
   packed-int8: the sidecar's CPU for the 16 int8 pulls over its CPU for the 16 fp32 pulls.
@@ -142,8 +143,8 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
             extra = list(deltad_procs.NO_RETENTION)
             if cache.startswith("off"):
                 extra += ["--window-cache-entries", "0"]
-            if cache.endswith("noprefetch"):
-                extra += ["--prefetch-messages", "0"]
+            # (prefetch explicitly on or off: its default depends on the cores here)
+            extra += ["--prefetch-messages", "0" if cache.endswith("noprefetch") else "3"]
             port = free_port()
             extra += ["--metrics-port", str(port)]
             side = deltad_procs.start_sidecar(kids, spool, ctx, extra=extra)
@@ -252,11 +253,20 @@ def _cursors(ctx: Context, worker: ClientWorker, side: Any, cpu: CpuMonitor) -> 
     }
 
 
+#: the sidecars measured (keys of the results) as the headline names them; packed windows are
+#: never prefetched (:meth:`deltad.serve.windows.getdelta.WindowServer._chunks`)
+_CONFIGS = {
+    "cache_off": "off, prefetch 3",
+    "cache_off_noprefetch": "off, prefetch off (the default with < 4 cores)",
+    "cache_on": "on",
+}
+
+
 def _headline(out: dict[str, Any]) -> list[dict[str, Any]]:
     def cell(key: str, dtype: str) -> dict[str, Any]:
         s = out[key][dtype]
         return {
-            "what": f"GetDelta {dtype}, window cache {key[6:]}: x bare gRPC of its bytes",
+            "what": f"GetDelta {dtype}, window cache {_CONFIGS[key]}: x bare gRPC of its bytes",
             "ratio": med(s["vs_bare"]),
             "noise": med(s["noise"]),
             "sidecar_cpu_s_per_gb": med(s["sidecar_cpu_s_per_gb"]),

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deltad import perf
 from deltad.errors import ConfigError
 from deltad.types import Form, TrainLoop, WireDtype
 
@@ -410,8 +411,9 @@ class ServerConfig:
     #: GetDelta's prefetching producer (deltad.serve.windows.prefetch): a thread builds up to
     #: this many chunk messages ahead of the one gRPC is sending (windows being merged, not
     #: cached ones nor packed dtypes: there building is only copies); 0: built in the handler
-    #: thread as gRPC asks for each (no overlap of building and sending).
-    prefetch_messages: int = 3
+    #: thread as gRPC asks for each (no overlap of building and sending). Default: 3 where the
+    #: process has at least 4 usable cores, else 0 (deltad.perf.default_prefetch_messages).
+    prefetch_messages: int = field(default_factory=perf.default_prefetch_messages)
     #: ... and at most this many bytes of them (one message is always let in).
     prefetch_bytes: int = 64 << 20
     #: Generation diffs (deltad.serve.windows.gendiff): after a switch to a new generation the previous

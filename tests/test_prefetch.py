@@ -4,6 +4,9 @@ or a cancel ends the producer thread and closes its source."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +15,7 @@ import grpc
 import pytest
 from serverkit import Client, SpoolWriter, redis_server, server_config, wait_for
 
+from deltad import perf
 from deltad.errors import SpoolError
 from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
@@ -246,3 +250,55 @@ def test_no_producer_thread_for_a_cached_window_or_a_packed_dtype(
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_the_default_depth_follows_the_cores_the_sidecar_may_use(tmp_path: Path) -> None:
+    """The producer thread is on by default only with cores to spare for it (on 2 it costs
+    more than it overlaps: deltad.perf.PREFETCH_MIN_CORES); an explicit depth always wins."""
+    assert [perf.default_prefetch_messages(n) for n in (1, 2, 3, 4, 64)] == [0, 0, 0, 3, 3]
+    cores = perf.usable_cores()
+    assert 1 <= cores <= (os.cpu_count() or 1)
+    cfg = server_config(tmp_path / "spool", None)
+    assert cfg.prefetch_messages == perf.default_prefetch_messages(cores)
+    assert server_config(tmp_path / "spool", None, prefetch_messages=5).prefetch_messages == 5
+    # a process allowed one CPU (taskset, a cpuset) counts one, and builds in gRPC's thread
+    first = min(os.sched_getaffinity(0))
+    code = (
+        f"import os; os.sched_setaffinity(0, {{{first}}}); from deltad import perf; "
+        "from deltad.config import ServerConfig; "
+        "print(perf.usable_cores(), ServerConfig(spool_dir='x', model='m').prefetch_messages)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "0"]
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "cores"),
+    [
+        ("0::/kubepods/pod1\n", {"kubepods/pod1/cpu.max": "150000 100000\n"}, 1.5),
+        ("0::/kubepods/pod1\n", {"kubepods/pod1/cpu.max": "max 100000\n"}, None),
+        (
+            "4:memory:/x\n3:cpu,cpuacct:/docker/abc\n",
+            {
+                "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "400000\n",
+                "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+            },
+            4.0,
+        ),
+        (
+            "3:cpu,cpuacct:/docker/abc\n",  # mounted as "cpu" only
+            {"cpu/docker/abc/cpu.cfs_quota_us": "-1\n", "cpu/docker/abc/cpu.cfs_period_us": "1"},
+            None,
+        ),
+        ("0::/gone\n", {}, None),
+    ],
+)
+def test_a_containers_cpu_limit_is_read_from_its_cgroup(
+    tmp_path: Path, cgroup: str, files: dict[str, str], cores: float | None
+) -> None:
+    (tmp_path / "cgroup").write_text(cgroup)
+    for rel, text in files.items():
+        (tmp_path / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / rel).write_text(text)
+    got = perf.cgroup_cpu_quota(str(tmp_path / "cgroup"), str(tmp_path / "fs"))
+    assert got == cores

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from deltad import output
+from deltad import output, perf
 from deltad.config import RELAY_RANGES, SERVER_FLAG_DESTS, SERVER_RANGES, Range
 from deltad.errors import ConfigError
 from deltad.signals import handle_signals
@@ -153,10 +153,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         (
             "prefetch-messages",
             int,
-            3,
+            perf.default_prefetch_messages(),
             "GetDelta chunk messages a producer thread builds ahead of the one being sent, "
             "for windows being merged in fp32/fp16/bf16/int8 (0..64; 0 = build each as gRPC "
-            "asks for it)",
+            f"asks for it; default {perf.PREFETCH_MESSAGES} with at least "
+            f"{perf.PREFETCH_MIN_CORES} usable cores, else 0: here {perf.usable_cores()})",
         ),
         ("prefetch-bytes", int, 64 << 20, "byte bound of those prefetched messages (1..1 GiB)"),
         (

@@ -259,8 +259,10 @@ class WindowServer:
         it). Not for a window whose chunks are all built (a cached one), nor for a packed
         dtype, whose chunks are copies of rows packed once: there the producer thread's
         hand-offs cost about what the overlap saves on 2 cores (measured, 1 GB window, cache
-        off: packed-int8 speed with / without prefetch 0.82-1.11, median 0.89 over 5 runs;
-        fp32 0.83-1.19, median 1.0-1.04)."""
+        off: packed-int8 speed with / without prefetch 0.82-1.11, median 0.89 over 5 runs).
+        Since chunks are built by address (~0.2 CPU-s per GB), that holds for every dtype on 2
+        cores, hence prefetch is off by default there
+        (:func:`~deltad.perf.default_prefetch_messages`)."""
         chunks: Iterator[bytes] = win.iter_chunks()
         if self.config.prefetch_messages <= 0 or win.done or dtype.packed:
             return chunks, None
