@@ -155,6 +155,8 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
     def serve(spool: Path, *extra: str) -> tuple[str, int]:
         metrics, listen = _port(), _port()
         flags = ["--model", "m", "--window-cache-entries", "0", "--retention-interval", "3600"]
+        # messages built ahead (whatever the cores here): more heap for the trim to hand back
+        flags += ["--prefetch-messages", "3"]
         args = ["serve", "--spool", str(spool), "--listen", f"127.0.0.1:{listen}", *flags]
         args += ["--metrics-port", str(metrics), *extra]
         out = subprocess.DEVNULL
