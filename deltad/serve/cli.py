@@ -157,7 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "GetDelta chunk messages a producer thread builds ahead of the one being sent, "
             "for windows being merged in fp32/fp16/bf16/int8 (0..64; 0 = build each as gRPC "
             f"asks for it; default {perf.PREFETCH_MESSAGES} with at least "
-            f"{perf.PREFETCH_MIN_CORES} usable cores, else 0: here {perf.usable_cores()})",
+            f"{perf.PREFETCH_MIN_CORES} usable cores, else 0; here {perf.usable_cores()} "
+            f"usable, so {perf.default_prefetch_messages()})",
         ),
         ("prefetch-bytes", int, 64 << 20, "byte bound of those prefetched messages (1..1 GiB)"),
         (
