@@ -125,8 +125,12 @@ def test_a_restart_costs_a_predictor_only_the_rows_that_differ(
         new.step(110, touch=10)
         wait_for(lambda: at_step(eps, 110, 2), 30, "sidecars at generation 2")
         held = {n: t.clone() for n, t in applier.tables().items()}
+        built = [metric(s, "window_build_cpu_seconds") for s in servers]
         r = c.sync(applier.apply)
         assert r.step == 110 and not r.resync and r.generation_diff
+        # the diff's build is CPU the sidecars account for (deltad_window_build_cpu_seconds)
+        after = [metric(s, "window_build_cpu_seconds") for s in servers]
+        assert all(a > b for a, b in zip(after, built, strict=True)), (built, after)
         assert all(d.generation_diff == 1 and d.generation == 2 for d in r.deltas)
         assert all(d.from_seq == -1 and d.resync_reason == "" for d in r.deltas)
         rows = assert_exact_diff(held, new.history[110], r.deltas)

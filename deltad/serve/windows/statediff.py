@@ -97,7 +97,7 @@ def state_diff_window(
     differs bit-exactly, complete in every form, with the dense state at ``to_seq`` when
     asked for. ``header_fields``: set on the DeltaHeader (what kind of diff it is: a
     generation diff, a rollback). Raises :class:`Incompatible`."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     full = replace(spec, resync=True, from_seq=-1)
     new_parts = window_parts(snap, full)
     keys = [k for k in snap.base.shards if not spec.tables or k[0] in spec.tables]
@@ -164,4 +164,5 @@ def state_diff_window(
     win = EncodedWindow(
         encode.encode_header(header), spec.to_seq, to_step, rows, {}, time.perf_counter() - t0
     )
+    win.build_cpu_seconds = time.thread_time() - cpu0  # built here, whole
     return win.finish_with(out)
