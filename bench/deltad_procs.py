@@ -95,8 +95,10 @@ def start_sidecar(
     extra: list[str] | None = None,
     timeout_s: float = 90.0,
     require_head: bool = True,
+    metrics: bool = False,
 ) -> Sidecar:
-    """Start ``deltad serve`` on a free port and wait until its Status answers."""
+    """Start ``deltad serve`` on a free port and wait until its Status answers (``metrics``:
+    with ``/metrics`` on another free port, :attr:`Sidecar.metrics_port`)."""
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
     spool.mkdir(parents=True, exist_ok=True)
@@ -115,9 +117,12 @@ def start_sidecar(
     ]
     if redis_url:
         args += ["--redis-url", redis_url]
+    metrics_port = free_port() if metrics else None
+    if metrics_port is not None:
+        args += ["--metrics-port", str(metrics_port)]
     args += extra or []
     proc = children.popen(args, log_path=log_path)
-    side = Sidecar(proc, endpoint, model, spool, log_path, children)
+    side = Sidecar(proc, endpoint, model, spool, log_path, children, metrics_port)
     ok = wait_until(lambda: proc.poll() is not None or _answers(endpoint), timeout_s, 0.2)
     if not ok or proc.poll() is not None:
         tail = side.log_tail()

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, free_port, metric_sums, proc_status
+from bench.common import Children, Context, metric_sums, proc_status
 from bench.deltad_procs import MODEL, start_sidecar
 
 MIB = 1 << 20
@@ -50,8 +50,9 @@ def measure(work: Path, *, rows: int, tables: int, dim: int, seconds: float) -> 
     )  # fmt: skip
     sizes = json.loads(done.stdout.strip().splitlines()[-1])
     with Children() as kids:
-        port = free_port()
-        side = start_sidecar(kids, spool, Context(), extra=["--metrics-port", str(port)])
+        side = start_sidecar(kids, spool, Context(), metrics=True)
+        port = side.metrics_port
+        assert port is not None
         samples: list[dict[str, float]] = []
         t0 = time.monotonic()
         while time.monotonic() - t0 < seconds:

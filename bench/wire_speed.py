@@ -47,7 +47,6 @@ from bench.common import (
     Children,
     Context,
     CpuMonitor,
-    free_port,
     machine_info,
     med,
     metric_sums,
@@ -145,10 +144,7 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
                 extra += ["--window-cache-entries", "0"]
             # (prefetch explicitly on or off: its default depends on the cores here)
             extra += ["--prefetch-messages", "0" if cache.endswith("noprefetch") else "3"]
-            port = free_port()
-            extra += ["--metrics-port", str(port)]
-            side = deltad_procs.start_sidecar(kids, spool, ctx, extra=extra)
-            side.metrics_port = port
+            side = deltad_procs.start_sidecar(kids, spool, ctx, extra=extra, metrics=True)
             cpu = CpuMonitor(side.proc.pid)
             try:
                 ctx.status(f"wire speed, window cache {cache}: warm-up")

@@ -107,6 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ),
     ):
         _env_flag(p, flag, text, fallback)
+    cores = perf.usable_cores()
+    prefetch = perf.default_prefetch_messages(cores)
     for flag, kind, default, text in (
         ("max-concurrent-streams", int, 64, "GetDelta streams at once (more wait in line)"),
         ("max-queued-streams", int, 64, "GetDelta calls waiting in line for a stream slot"),
@@ -153,12 +155,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         (
             "prefetch-messages",
             int,
-            perf.default_prefetch_messages(),
+            prefetch,
             "GetDelta chunk messages a producer thread builds ahead of the one being sent, "
             "for windows being merged in fp32/fp16/bf16/int8 (0..64; 0 = build each as gRPC "
             f"asks for it; default {perf.PREFETCH_MESSAGES} with at least "
-            f"{perf.PREFETCH_MIN_CORES} usable cores, else 0; here {perf.usable_cores()} "
-            f"usable, so {perf.default_prefetch_messages()})",
+            f"{perf.PREFETCH_MIN_CORES} usable cores, else 0; here {cores} usable, so "
+            f"{prefetch})",
         ),
         ("prefetch-bytes", int, 64 << 20, "byte bound of those prefetched messages (1..1 GiB)"),
         (

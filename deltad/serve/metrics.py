@@ -52,10 +52,7 @@ class SidecarMetrics:
         ).labels(**labels, version=__version__).set(1)
         self.bytes_served = counter("deltad_served_bytes", "Payload bytes sent by GetDelta")
         self.rows_served = counter("deltad_served_rows", "Rows sent by GetDelta")
-        # where a GetDelta's CPU goes (thread CPU time): building its messages (merging,
-        # casting, packing, encoding; in whichever thread builds them) and the gRPC handler
-        # thread's chunk loop (handing messages to gRPC, which copies and sends them; building
-        # too where it runs there: prefetch off, packed windows)
+        # where a GetDelta's CPU goes (thread CPU time; building: in whichever thread builds)
         self.build_cpu_seconds = counter(
             "deltad_window_build_cpu_seconds",
             "CPU seconds spent building GetDelta windows' messages (merge, cast, pack, encode)",
