@@ -19,13 +19,19 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltad.errors import SegmentCorruptError, SpoolError
 from deltad.segment.format import DenseState, Segment, ShardRows
-from deltad.segment.spool import SEGMENT_RE, GenerationManifest, SpoolLayout, write_atomic
+from deltad.segment.spool import (
+    DENSE_RE,
+    SEGMENT_RE,
+    GenerationManifest,
+    SpoolLayout,
+    write_atomic,
+)
 from deltad.segment.validate import load_verified, load_verified_dense
 from deltad.types import SegmentKind, ShardKey
 
@@ -33,6 +39,26 @@ log = logging.getLogger(__name__)
 
 #: A fresh base is asked for again this long after the last request if the gap stays.
 REQUEST_EVERY_S = 10.0
+#: An unchanged rank directory is listed again at least this often anyway (a filesystem whose
+#: directory times are coarse or cached: NFS, some FUSE mounts; a clock stepped back).
+FULL_SCAN_EVERY_S = 2.0
+#: A directory modified less than this long before it was listed is listed again at the next
+#: poll: a file added within the same tick of the directory's clock leaves its time unchanged.
+RACY_S = 0.05
+
+
+def covered(entries: Iterable[LogEntry]) -> list[LogEntry]:
+    """The entries whose range ``first_seq..seq`` another entry's range covers (of entries with
+    the same range, all but the first): leftovers of a merge. One sort, not a pass per pair
+    (a log of thousands of segments, e.g. under a restore window, is scanned at every poll)."""
+    out: list[LogEntry] = []
+    reach = -1  # the highest seq of the entries starting at or before this one
+    for e in sorted(entries, key=lambda e: (e.first_seq, -e.seq)):
+        if e.seq <= reach:
+            out.append(e)
+        else:
+            reach = e.seq
+    return out
 
 
 @dataclass(frozen=True)
@@ -110,6 +136,11 @@ class RankFiles:
         self._requested: dict[int, float] = {}  # generation -> monotonic time of the request
         #: Fresh bases asked of the publisher (rebase.request files written).
         self.rebase_requests = 0
+        #: the directory as the last :meth:`scan_all` found it (see :meth:`unchanged`): its
+        #: stamp (None: scan again) and when (monotonic); whether a file is to be tried again
+        self._stamp: tuple[int, int, int, int] | None = None
+        self._stamped_at = 0.0
+        self._retry = False
 
     def manifest(self, generation: int) -> GenerationManifest:
         """The manifest of ``generation`` (read once); SpoolError if unreadable."""
@@ -130,25 +161,69 @@ class RankFiles:
         )
         return LogEntry.load(path, seg)
 
-    def _listing(self, generation: int) -> tuple[list[tuple[int, Path]], list[Path]]:
-        """(seq, path) of the segment files, by seq, and the strays: names that start like a
-        segment but are not exactly one (other digits, a trailing newline, ...)."""
+    def _listing(
+        self, generation: int
+    ) -> tuple[list[tuple[int, str]], list[tuple[int, str]], list[str]]:
+        """One listing of the rank's directory: (seq, name) of the segment files and of the
+        dense state files, by seq, and the strays: names that start like a segment but are not
+        exactly one (other digits, a trailing newline, ...)."""
         d = self.layout.rank_dir(generation, self.rank)
         try:
             names = os.listdir(d)
         except FileNotFoundError:
-            return [], []
+            return [], [], []
         except OSError as e:
             raise SpoolError(f"cannot list {d}: {e}") from e
-        present, strays = [], []
+        segments, dense, strays = [], [], []
         for n in names:
-            m = SEGMENT_RE.fullmatch(n)
-            if m is not None:
-                present.append((int(m.group(1)), d / n))
+            if (m := SEGMENT_RE.fullmatch(n)) is not None:
+                segments.append((int(m.group(1)), n))
+            elif (m := DENSE_RE.fullmatch(n)) is not None:
+                dense.append((int(m.group(1)), n))
             elif n.startswith("seg-"):
-                strays.append(d / n)
-        present.sort()
-        return present, strays
+                strays.append(n)
+        segments.sort()
+        dense.sort()
+        return segments, dense, strays
+
+    def _dir_stamp(self, generation: int) -> tuple[int, int, int, int] | None:
+        """(generation, device, inode, modification time in ns) of the rank's directory; None
+        if it cannot be read."""
+        try:
+            st = os.stat(self.layout.rank_dir(generation, self.rank))
+        except OSError:
+            return None
+        return generation, st.st_dev, st.st_ino, st.st_mtime_ns
+
+    def unchanged(self, generation: int) -> bool:
+        """Whether a scan of ``generation`` would find nothing new: the rank's directory has
+        its modification time of the last :meth:`scan_all` (whose listing came at least
+        :data:`RACY_S` after that time and left no file to retry), which was less than
+        :data:`FULL_SCAN_EVERY_S` ago. A directory's modification time changes with every
+        file created, renamed in or out, or removed in it; a file is never changed in place."""
+        if self._stamp is None or self._stamp[0] != generation:
+            return False
+        if time.monotonic() - self._stamped_at >= FULL_SCAN_EVERY_S:
+            return False
+        return self._dir_stamp(generation) == self._stamp
+
+    def scan_all(
+        self, generation: int, known: dict[Path, LogEntry], dense: dict[Path, DenseEntry]
+    ) -> bool:
+        """:meth:`scan` and :meth:`scan_dense` from one listing; True if ``known`` or
+        ``dense`` changed. Notes the directory's modification time for :meth:`unchanged`."""
+        stamp = self._dir_stamp(generation)  # (before listing: a later change is seen)
+        listed_unix = time.time()
+        self._retry = False
+        segments, dense_files, strays = self._listing(generation)
+        changed = self.scan(generation, known, (segments, strays))
+        changed = self.scan_dense(generation, dense, dense_files) or changed
+        # (a time in whole seconds: a filesystem that keeps no finer ones, racy for longer)
+        racy = RACY_S if stamp is None or stamp[3] % 1_000_000_000 else FULL_SCAN_EVERY_S
+        settled = stamp is not None and listed_unix - stamp[3] / 1e9 >= racy
+        self._stamp = stamp if settled and not self._retry else None
+        self._stamped_at = time.monotonic()
+        return changed
 
     def drop_generation(self, generation: int) -> None:
         """Delete ``generation``'s files of this rank and its directory (never through a
@@ -167,18 +242,32 @@ class RankFiles:
         except OSError:
             pass
 
-    def scan(self, generation: int, known: dict[Path, LogEntry]) -> None:
-        """Update ``known`` to the segment files of ``generation`` on disk: drop the gone,
-        load the new (quarantining bad ones), delete those a merged file covers."""
-        present, strays = self._listing(generation)
-        for p in strays:
-            self._quarantine(generation, p, "not an exact segment file name", request=False)
-        names = {p for _, p in present}
-        for p in [p for p in known if p not in names]:
+    def scan(
+        self,
+        generation: int,
+        known: dict[Path, LogEntry],
+        listing: tuple[list[tuple[int, str]], list[str]] | None = None,
+    ) -> bool:
+        """Update ``known`` to the segment files of ``generation`` on disk (``listing``: its
+        segments and strays, if listed already): drop the gone, load the new (quarantining bad
+        ones), delete those a merged file covers. True if ``known`` changed."""
+        if listing is None:
+            segments, _, strays = self._listing(generation)
+        else:
+            segments, strays = listing
+        d = self.layout.rank_dir(generation, self.rank)
+        for n in strays:
+            self._quarantine(generation, d / n, "not an exact segment file name", request=False)
+        names = {n for _, n in segments}
+        gone = [p for p in known if p.name not in names]
+        for p in gone:
             del known[p]
-        for seq, path in present:
-            if path in known:
+        have = {p.name for p in known}
+        added = False
+        for seq, n in segments:
+            if n in have:
                 continue
+            path = d / n
             try:
                 entry = self.load_entry(generation, seq, path)
             except FileNotFoundError:
@@ -189,32 +278,43 @@ class RankFiles:
             except SpoolError as e:
                 if not path.exists():
                     continue
+                self._retry = True
                 if self._unreadable.get(path) != str(e):  # once, not at every poll
                     log.warning("cannot index %s (holding the log back until it can): %s", path, e)
                     self._unreadable[path] = str(e)
                 continue
             self._unreadable.pop(path, None)
             known[path] = entry
-        # a file whose range another file covers is the leftover of a merge: delete it
-        for old in list(known.values()):
-            if any(
-                o is not old and o.first_seq <= old.first_seq and old.seq <= o.seq
-                for o in known.values()
-            ):
+            added = True
+        if added:  # a file whose range another file covers is the leftover of a merge
+            for old in covered(known.values()):
                 log.info("deleting %s: covered by a merged segment", old.path)
                 old.path.unlink(missing_ok=True)
                 del known[old.path]
+        return added or bool(gone)
 
-    def scan_dense(self, generation: int, dense: dict[Path, DenseEntry]) -> None:
-        """Update ``dense`` to the dense state files of ``generation`` on disk (bad ones are
-        quarantined like segments)."""
-        present = self.layout.dense_files(generation, self.rank)
-        names = {p for _, p in present}
-        for p in [p for p in dense if p not in names]:
+    def scan_dense(
+        self,
+        generation: int,
+        dense: dict[Path, DenseEntry],
+        files: list[tuple[int, str]] | None = None,
+    ) -> bool:
+        """Update ``dense`` to the dense state files of ``generation`` on disk (``files``:
+        their (seq, name), if listed already; bad ones are quarantined like segments). True if
+        ``dense`` changed."""
+        if files is None:
+            files = self._listing(generation)[1]
+        d = self.layout.rank_dir(generation, self.rank)
+        names = {n for _, n in files}
+        gone = [p for p in dense if p.name not in names]
+        for p in gone:
             del dense[p]
-        for seq, path in present:
-            if path in dense:
+        have = {p.name for p in dense}
+        added = False
+        for seq, n in files:
+            if n in have:
                 continue
+            path = d / n
             try:
                 state = load_verified_dense(
                     path,
@@ -231,9 +331,15 @@ class RankFiles:
                 self._quarantine(generation, path, str(e))
                 continue
             except SpoolError as e:
-                log.warning("cannot index dense state %s: %s", path, e)
+                self._retry = True
+                if self._unreadable.get(path) != str(e):  # once, not at every poll
+                    log.warning("cannot index dense state %s: %s", path, e)
+                    self._unreadable[path] = str(e)
                 continue
+            self._unreadable.pop(path, None)
             dense[path] = entry
+            added = True
+        return added or bool(gone)
 
     def _count_quarantined(self) -> int:
         try:
@@ -254,6 +360,7 @@ class RankFiles:
             os.replace(path, dest)
         except OSError as e:
             log.error("cannot quarantine %s (%s): %s", path, reason, e)
+            self._retry = True  # (still there: tried again at the next poll)
             return
         log.error("quarantined segment %s -> %s: %s", path, dest, reason)
         if request:

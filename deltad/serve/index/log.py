@@ -192,10 +192,12 @@ class SegmentLog:
             newest = self.layout.latest_generation()
             if newest is not None and (self._generation is None or newest > self._generation):
                 self._try_switch(newest)
-            if self._generation is not None:
-                self.files.scan(self._generation, self._known)
-                self.files.scan_dense(self._generation, self._dense)
-                self._publish(self._generation)
+            gen = self._generation
+            # an idle poll costs a stat of the rank's directory, whatever the log's length;
+            # a gap being waited out is looked at every poll (its grace, a fresh base)
+            if gen is not None and (self._gap_since is not None or not self.files.unchanged(gen)):
+                self.files.scan_all(gen, self._known, self._dense)
+                self._publish(gen)
             self.previous()  # drops a held previous generation once its time is up
             return self._snapshot is not before
 
