@@ -10,6 +10,8 @@ bytes in messages of the sidecar's chunk size, built once), one client process e
 * **packed-int8**, cache off (every pull merges packed rows; the packed store is warm after
   the untimed warm-up) and cache on (the encoded window is reused): against a bare stream of
   *its* bytes; plus the first packed pull of a fresh sidecar (it packs the log once);
+* **fp32, cache on**: the window built by an earlier pull (predictors at one cursor): the
+  sidecar only hands its messages to gRPC, the bare server builds each (one copy) first;
 * **prefetch off**: the uncached windows again from a sidecar with ``--prefetch-messages 0``
   (chunks built in gRPC's handler thread, no overlap of building and sending; the default
   with fewer than 4 usable cores) against one with ``3``, and the speed ratio prefetch on /
@@ -19,7 +21,10 @@ bytes in messages of the sidecar's chunk size, built once), one client process e
   packed-int8: the sidecar's CPU for the 16 int8 pulls over its CPU for the 16 fp32 pulls.
 
 Noise: every bare stream is measured twice in a row (``bare`` and ``bare_again``), and the
-fp32 cursor round twice; ``noise`` is their ratio. CPU: the sidecar's per GB of each pull and
+fp32 cursor round twice; ``noise`` is their ratio. ``process_noise``: the bare stream over the
+same stream from a second bare server process (same code): a process's speed on these 2 cores
+depends on the process too (measured 0.37-0.51 CPU-s per GB for the bare server across
+processes), which repeats within one process do not show. CPU: the sidecar's per GB of each pull and
 the bare server's per GB of the first bare stream after it (``bare_server_cpu_s_per_gb``); with
 the client on the same cores, speed follows the two sides' CPU together. The sidecar's own
 split of it (its /metrics: ``deltad_window_build_cpu_seconds_total``,
@@ -76,17 +81,23 @@ def _bare(w: ClientWorker, port: int, nbytes: int) -> float:
 
 
 def _paired(
-    pull: dict[str, Any], w: ClientWorker, port: int, cpu: CpuMonitor | None
+    pull: dict[str, Any],
+    w: ClientWorker,
+    port: int,
+    cpu: CpuMonitor | None,
+    other_port: int | None = None,
 ) -> dict[str, float]:
     """One pull's figures with two bare streams of its bytes right after it (``cpu``: the
-    bare server's, for the first of them)."""
+    bare server's, for the first of them), and one from the other bare server process
+    (``other_port``): the same code in another process, whose speed differs by more than
+    one process's repeats do."""
     nbytes = int(pull["bytes"])
     if cpu is not None:
         cpu.reset()
     a = _bare(w, port, nbytes)
     bare_cpu = cpu.seconds() if cpu is not None else float("nan")
     b = _bare(w, port, nbytes)
-    return {
+    row = {
         "bytes": nbytes,
         "pull_s": pull["seconds"],
         "bare_s": a,
@@ -95,6 +106,11 @@ def _paired(
         "noise": b / a,
         "bare_server_cpu_s": bare_cpu,
     }
+    if other_port is not None:
+        c = _bare(w, other_port, nbytes)
+        row["bare_other_s"] = c
+        row["process_noise"] = a / c
+    return row
 
 
 #: the sidecar's own account of a pull's CPU (its /metrics): building the messages, and the
@@ -133,6 +149,8 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
         )  # fmt: skip
         bare_conn, bare_port, bare_pid = start_server(kids, grpc_server_main, 2 * window)
         bare_cpu = CpuMonitor(bare_pid)
+        # (a second bare server process: the process-to-process noise line)
+        other_conn, other_port, _ = start_server(kids, grpc_server_main, 2 * window)
         worker, base_worker = ClientWorker(kids), ClientWorker(kids)
         worker.call("call", module="bench.throughput", func="client_warm", kwargs={})
         configs = ["off", "off_noprefetch"] + ([] if send_only else ["on"])
@@ -142,6 +160,8 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
             extra = list(deltad_procs.NO_RETENTION)
             if cache.startswith("off"):
                 extra += ["--window-cache-entries", "0"]
+            else:  # (room for both windows: the 1 GB fp32 one is over the default budget)
+                extra += ["--window-cache-bytes", str(3 * window)]
             # (prefetch explicitly on or off: its default depends on the cores here)
             extra += ["--prefetch-messages", "0" if cache.endswith("noprefetch") else "3"]
             side = deltad_procs.start_sidecar(kids, spool, ctx, extra=extra, metrics=True)
@@ -152,6 +172,7 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
                 first, first_cpu = _timed(worker, side, f"{cache}-p8", "packed-int8", cpu)
                 _pull(worker, side, f"{cache}-fp32", "fp32")
                 _bare(base_worker, bare_port, int(first["bytes"]))
+                _bare(base_worker, other_port, int(first["bytes"]))
                 res: dict[str, list[dict[str, float]]] = {"fp32": [], "packed-int8": []}
                 for r in range(repeats):
                     ctx.status(f"wire speed, window cache {cache}: repeat {r + 1}/{repeats}")
@@ -159,7 +180,7 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
                     for dtype in order:
                         tag = "p8" if dtype == "packed-int8" else "fp32"
                         p, c = _timed(worker, side, f"{cache}-{tag}", dtype, cpu)
-                        row = _paired(p, base_worker, bare_port, bare_cpu)
+                        row = _paired(p, base_worker, bare_port, bare_cpu, other_port)
                         row["sidecar_cpu_s"] = c
                         for k, v in p["cpu_split"].items():
                             row[f"sidecar_{k}_cpu_s"] = v
@@ -178,6 +199,7 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
             worker.close()
             base_worker.close()
             bare_conn.close()
+            other_conn.close()
             out["headline"] = _headline(out)
             return out
         cur_window = ctx.pick(128 * MB, 64 * MB, 4 * MB)
@@ -197,6 +219,7 @@ def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, 
         worker.close()
         base_worker.close()
         bare_conn.close()
+        other_conn.close()
     out["headline"] = _headline(out)
     return out
 
@@ -207,6 +230,7 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, Any]:
         "samples": rows,
         "vs_bare": summarize([r["vs_bare"] for r in rows]),
         "noise": summarize([r["noise"] for r in rows]),
+        "process_noise": summarize([r["process_noise"] for r in rows if "process_noise" in r]),
         "gbps": summarize([r["bytes"] / r["pull_s"] / GB for r in rows]),
         "sidecar_cpu_s_per_gb": summarize([r["sidecar_cpu_s"] / (r["bytes"] / GB) for r in rows]),
         **{
@@ -265,6 +289,10 @@ def _headline(out: dict[str, Any]) -> list[dict[str, Any]]:
             "what": f"GetDelta {dtype}, window cache {_CONFIGS[key]}: x bare gRPC of its bytes",
             "ratio": med(s["vs_bare"]),
             "noise": med(s["noise"]),
+            # the bare server over the same code in another process: how much its speed
+            # depends on the process (memory placement, caches) rather than on the code
+            "process_noise": med(s["process_noise"]),
+            "process_noise_range": [s["process_noise"].get("min"), s["process_noise"].get("max")],
             "sidecar_cpu_s_per_gb": med(s["sidecar_cpu_s_per_gb"]),
             # of which building the messages / the gRPC handler's chunk loop (sending; building
             # too without prefetch and for packed windows)
@@ -286,6 +314,7 @@ def _headline(out: dict[str, Any]) -> list[dict[str, Any]]:
         )
     if "cache_on" not in out:
         return rows
+    rows.append(cell("cache_on", "fp32"))  # (a window built before: gRPC's copy and send)
     rows.append(cell("cache_on", "packed-int8"))
     cur = out["cursors"]
     cpu = cur["sidecar_cpu_s"]
