@@ -660,7 +660,12 @@ class ConsumerConfig:
     pull: PullOptions = field(default_factory=PullOptions)
     #: Apply only up to the highest trainer step every rank has published.
     align_steps: bool = True
+    #: Deadline of each RPC; for a GetDelta stream, of each wait for its next message (a
+    #: stream that stalls that long is cancelled and retried, however long it has run).
     rpc_deadline_s: float = 30.0
+    #: Longest one GetDelta stream may run in all (a bootstrap of a big shard over a slow
+    #: link); the sidecar's ``--stream-deadline`` (default 300 s) ends streams too.
+    stream_deadline_s: float = 3600.0
     max_retries: int = 5
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
@@ -714,6 +719,7 @@ class ConsumerConfig:
 
 CONSUMER_RANGES: dict[str, Range] = {
     "rpc_deadline_s": Range(0, 86400, lo_open=True),
+    "stream_deadline_s": Range(0, 7 * 86400, lo_open=True),
     "max_retries": Range(0, 1000),
     "backoff_initial_s": Range(0, 3600, lo_open=True),
     "backoff_max_s": Range(0, 3600, lo_open=True),

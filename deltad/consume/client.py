@@ -345,14 +345,25 @@ class DeltaConsumer:
     ) -> RankDelta:
         req = self._request(r, max_step)
         started = time.monotonic()
+        broke: list[str] = []  # how the last attempt ended
 
         def call(ch: grpc.Channel, timeout: float, md: Sequence[tuple[str, str]]) -> RankDelta:
             if stage is not None and stage.touched(r.rank):
                 # an earlier attempt staged rows and broke: they cannot be told apart from
                 # the rows a retry would stage, so this pull's stage is spoiled (pull()
                 # discards it; the next pull starts over)
-                raise ConsumerError(f"rank {r.rank}: a resync stream broke after staging rows")
-            return decode.pull(ch, req, timeout=timeout, metadata=md, pool=r.buffers, stage=stage)
+                why = f" ({broke[-1]})" if broke else ""
+                raise ConsumerError(f"rank {r.rank}: a resync stream broke after staging rows{why}")
+            try:
+                # ``timeout`` (rpc_deadline_s) bounds each wait for a message, not the
+                # stream: a bootstrap of a big shard may take longer (stream_deadline_s)
+                return decode.pull(
+                    ch, req, timeout=max(timeout, self.config.stream_deadline_s),
+                    metadata=md, pool=r.buffers, stage=stage, stall_s=timeout,
+                )  # fmt: skip
+            except grpc.RpcError as e:
+                broke.append(f"{e.code().name}: {e.details()}")
+                raise
 
         delta = self._sidecars.retry(r, "GetDelta", call)
         r.seen = max(r.seen, (delta.generation, delta.to_seq))

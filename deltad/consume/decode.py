@@ -26,6 +26,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from deltad.buffers import BufferPool
+from deltad.consume import stall
 from deltad.consume.rawmsg import (
     CHUNK_TAG,
     DENSE_TAG,
@@ -510,11 +511,22 @@ def pull(
     zero_copy: bool = False,
     pool: BufferPool | None = None,
     stage: ResyncStage | None = None,
+    stall_s: float | None = None,
 ) -> RankDelta:
     """Run one GetDelta on ``channel`` over the raw fast path and decode it.
 
     gRPC errors propagate as ``grpc.RpcError``; a malformed stream raises StreamDecodeError.
-    ``zero_copy``, ``pool``, ``stage``: see :class:`WindowAssembler`.
+    ``zero_copy``, ``pool``, ``stage``: see :class:`WindowAssembler`. ``timeout`` bounds the
+    whole stream; ``stall_s`` the wait for each message (:mod:`deltad.consume.stall`: a
+    stream that stalls raises :class:`~deltad.consume.stall.StalledStream`).
     """
     stream = raw_get_delta(channel)(request, timeout=timeout, metadata=metadata)
-    return decode_stream(stream, zero_copy=zero_copy, pool=pool, stage=stage)
+    if stall_s is None:
+        return decode_stream(stream, zero_copy=zero_copy, pool=pool, stage=stage)
+    watch = stall.watched(stream, stall_s)
+    try:
+        return decode_stream(watch.messages(), zero_copy=zero_copy, pool=pool, stage=stage)
+    except grpc.RpcError as e:
+        raise watch.stalled(e) from None
+    finally:
+        watch.close()

@@ -18,6 +18,10 @@ from deltad.v1 import delta_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+#: A mirror pull whose stream brings no message for this long is cancelled (and retried):
+#: ``rpc_deadline_s`` bounds the whole stream, which a stalled upstream would hold that long.
+STALL_S = 30.0
+
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", wire.CONSUMER_MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
@@ -166,7 +170,8 @@ class Upstream:
             from_base=from_base, no_generation_diff=True, mirror=True, with_dense=True,
         )  # fmt: skip
         d = decode.pull(
-            self._channel, req, timeout=self.config.rpc_deadline_s, metadata=self._metadata
-        )
+            self._channel, req, timeout=self.config.rpc_deadline_s, metadata=self._metadata,
+            stall_s=min(STALL_S, self.config.rpc_deadline_s),
+        )  # fmt: skip
         self._touched = time.monotonic()
         return d

@@ -1,0 +1,171 @@
+"""A GetDelta stream is bounded by the wait for its next message, not by its length: a
+bootstrap that takes longer than ``rpc_deadline_s`` completes (before, every attempt was cut
+at that deadline and the predictor never got its tables); a stream that stops moving is
+cancelled within about ``rpc_deadline_s`` and the pull says why. Real sidecars (in-process and
+a `deltad serve` process stopped with SIGSTOP), real Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from spoolkit import child_env, read_serving_line, stop_process
+from test_client import assert_tables, wait_head
+
+from deltad.config import ConsumerConfig, ServerConfig
+from deltad.consume.appliers import TensorDictApplier, _TensorStage
+from deltad.consume.client import DeltaConsumer
+from deltad.consume.window import ShardUpdate
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.windows.request import MIN_CHUNK_BYTES
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _SlowStage(_TensorStage):
+    """A predictor that takes ``delay`` s to write each chunk of a resync (a busy model)."""
+
+    def __init__(self, applier: SlowApplier) -> None:
+        super().__init__(applier)
+        self._slow = applier
+
+    def _write(self, update: ShardUpdate) -> int:
+        self._slow.writes += 1
+        time.sleep(self._slow.delays.get(self._slow.writes, self._slow.delay))
+        return super()._write(update)
+
+
+class SlowApplier(TensorDictApplier):
+    def __init__(self, delay: float, delays: dict[int, float] | None = None) -> None:
+        super().__init__()
+        self.delay = delay
+        self.delays = delays or {}  # write number -> its delay
+        self.writes = 0
+
+    def stage(self) -> _TensorStage:
+        return _SlowStage(self)
+
+
+def _trainer_spool(root: Path, rows: int) -> dict[str, torch.Tensor]:
+    from serverkit import SpoolWriter
+
+    w = SpoolWriter(root, tables={"t0": (rows, 8)})
+    w.delta(n=10)
+    return {"t0": w.truth["t0"].clone()}
+
+
+def _sidecar(spool: Path, redis_url: str) -> SidecarServer:
+    cfg = ServerConfig(
+        spool_dir=spool, model="m", listen="127.0.0.1:0", redis_url=redis_url,
+        poll_interval_s=0.02, grace_period_s=0.5, chunk_bytes=MIN_CHUNK_BYTES,
+    )  # fmt: skip
+    return SidecarServer(cfg).start()
+
+
+def consumer(name: str, srv: SidecarServer, rpc_deadline_s: float) -> DeltaConsumer:
+    cfg = ConsumerConfig(
+        consumer=name, model="m", sidecars=(srv.endpoint,), rpc_deadline_s=rpc_deadline_s,
+        max_retries=2, backoff_initial_s=0.05, heartbeat_interval_s=0.5,
+    )  # fmt: skip
+    return DeltaConsumer(cfg)
+
+
+def test_a_bootstrap_longer_than_the_rpc_deadline_completes(tmp_path: Path, redis_url: str) -> None:
+    truth = _trainer_spool(tmp_path, 20_000)  # 800 kB in 64 kB chunks: 13 of them
+    srv = _sidecar(tmp_path, redis_url)
+    try:
+        with consumer("slow", srv, 0.6) as c:
+            wait_head(c, [10])
+            applier = SlowApplier(delay=0.15)  # ~2 s of stream, each message within 0.15 s
+            t0 = time.monotonic()
+            r = c.sync(applier)
+            took = time.monotonic() - t0
+            assert r.resync and not r.missing, r.missing
+            assert applier.writes >= 10 and took > 0.6 * 2  # (longer than the old deadline)
+            assert_tables(applier, truth)
+    finally:
+        srv.stop(0.5)
+
+
+def test_a_predictor_stuck_on_a_chunk_gets_a_stall_and_the_next_pull_heals(
+    tmp_path: Path, redis_url: str
+) -> None:
+    truth = _trainer_spool(tmp_path, 20_000)
+    srv = _sidecar(tmp_path, redis_url)
+    try:
+        with consumer("stuck", srv, 0.5) as c:
+            wait_head(c, [10])
+            applier = SlowApplier(delay=0.0, delays={3: 2.0})  # the third write takes 2 s
+            r = c.sync(applier)
+            assert not r.deltas and 0 in r.missing
+            why = r.missing[0]
+            assert "broke after staging rows" in why and "stalled" in why, why
+            assert "no message for 0.5 s" in why, why
+            assert applier.tables() == {}  # nothing of the broken stream was installed
+            r = c.sync(applier)  # the next pull starts over and heals
+            assert r.resync and not r.missing
+            assert_tables(applier, truth)
+    finally:
+        srv.stop(0.5)
+
+
+@pytest.mark.slow
+def test_a_sidecar_that_stops_sending_is_given_up_within_the_stall_bound(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """`deltad serve` stopped (SIGSTOP) in the middle of a 40 MB bootstrap: the consumer's
+    overall deadline is an hour, yet the pull returns a few rpc_deadline_s later, saying the
+    stream stalled; continued (SIGCONT), the next pull brings the tables bit-equal. (The
+    StalledStream's code is DEADLINE_EXCEEDED: retried like one.)"""
+    truth = _trainer_spool(tmp_path, 1_000_000)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path), "--model", "m",
+         "--listen", "127.0.0.1:0", "--redis-url", redis_url, "--chunk-bytes",
+         str(256 * 1024)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+        start_new_session=True,
+    )  # fmt: skip
+    resumed = threading.Event()
+    try:
+        endpoint = read_serving_line(proc, 60.0)
+        cfg = ConsumerConfig(
+            consumer="stopped", model="m", sidecars=(endpoint,), rpc_deadline_s=1.0,
+            max_retries=1, backoff_initial_s=0.05, heartbeat_interval_s=0.5,
+        )  # fmt: skip
+        with DeltaConsumer(cfg) as c:
+            wait_head(c, [10])
+            applier = SlowApplier(delay=0.02)  # 160 chunks: ~3 s of stream
+
+            def stop_then_resume() -> None:
+                while applier.writes < 20:
+                    time.sleep(0.005)
+                os.kill(proc.pid, signal.SIGSTOP)
+                resumed.wait(30.0)
+                os.kill(proc.pid, signal.SIGCONT)
+
+            t = threading.Thread(target=stop_then_resume, daemon=True)
+            t.start()
+            t0 = time.monotonic()
+            r = c.sync(applier)
+            took = time.monotonic() - t0
+            resumed.set()
+            t.join(10.0)
+            assert not r.deltas and "stalled" in r.missing.get(0, ""), r.missing
+            assert took < 20.0, took  # (the sidecar stayed stopped for up to 30 s)
+            assert applier.tables() == {}
+            applier.delay = 0.0
+            r = c.sync(applier)
+            assert r.resync and not r.missing, r.missing
+            assert_tables(applier, truth)
+    finally:
+        resumed.set()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        stop_process(proc)
