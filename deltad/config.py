@@ -389,8 +389,12 @@ class ServerConfig:
     stream_queue_wait_s: float = 10.0
     max_message_bytes: int = 16 * 1024 * 1024
     chunk_bytes: int = 2 * 1024 * 1024
-    #: Longest a single GetDelta stream may run before the server aborts it.
-    stream_deadline_s: float = 300.0
+    #: Longest a single GetDelta stream may run before the server aborts it (a bootstrap of a
+    #: big shard over a slow link runs long; a stuck one is ended by ``stream_stall_s``).
+    stream_deadline_s: float = 3600.0
+    #: A GetDelta stream that handed gRPC no message for this long (its client stopped
+    #: reading: the stream waits for flow control) is cancelled and its slot freed.
+    stream_stall_s: float = 60.0
     lease_ttl_s: float = 30.0
     poll_interval_s: float = 0.05
     grace_period_s: float = 10.0
@@ -504,6 +508,7 @@ SERVER_RANGES: dict[str, Range] = {
     "max_message_bytes": Range(1 << 20, (1 << 31) - 1),
     "chunk_bytes": Range(1024, 1 << 30),
     "stream_deadline_s": Range(0, 7 * 24 * 3600, lo_open=True),
+    "stream_stall_s": Range(0, 7 * 24 * 3600, lo_open=True),
     "lease_ttl_s": Range(0, 86400, lo_open=True),
     "poll_interval_s": Range(0.001, 60),
     "grace_period_s": Range(0, 3600),
@@ -664,7 +669,7 @@ class ConsumerConfig:
     #: stream that stalls that long is cancelled and retried, however long it has run).
     rpc_deadline_s: float = 30.0
     #: Longest one GetDelta stream may run in all (a bootstrap of a big shard over a slow
-    #: link); the sidecar's ``--stream-deadline`` (default 300 s) ends streams too.
+    #: link); the sidecar's ``--stream-deadline`` (default an hour too) ends streams too.
     stream_deadline_s: float = 3600.0
     max_retries: int = 5
     backoff_initial_s: float = 0.1

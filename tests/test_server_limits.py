@@ -268,6 +268,40 @@ def test_a_client_that_stops_reading_loses_its_slot_at_the_deadline(
         srv.stop(0)
 
 
+def test_a_stream_that_sends_nothing_loses_its_slot_at_the_stall_bound_not_the_deadline(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """stream_stall_s frees a stuck stream's slot long before its deadline (an hour, the
+    default); a slow reader that keeps reading for longer than the stall bound finishes."""
+    SpoolWriter(tmp_path / "spool", tables={"big": (200_000, 64)})
+    srv = _serve(tmp_path, redis_server.url, max_concurrent_streams=1, stream_stall_s=1.0)
+    assert srv.config.stream_deadline_s == 3600.0
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        req = pb.GetDeltaRequest(consumer="stuck", chunk_bytes=64 * 1024)
+        stuck = decode.raw_get_delta(c.channel)(req)  # never read again, never cancelled
+        next(stuck)
+        t0 = time.monotonic()
+        wait_for(lambda: srv.servicer._streams == 0, timeout_s=10.0, what="the stuck stream freed")
+        assert time.monotonic() - t0 < 5.0
+        assert c.pull("b", Form.IDS).rows == 200_000
+        stuck.cancel()
+        slow = decode.raw_get_delta(c.channel)(
+            pb.GetDeltaRequest(consumer="slow", chunk_bytes=64 * 1024), timeout=60
+        )
+        t0 = time.monotonic()
+        msgs, last = 0, b""
+        for msg in slow:  # ~800 messages; a pause of half the stall bound every 200
+            msgs, last = msgs + 1, msg
+            if msgs % 200 == 0:
+                time.sleep(0.5)
+        assert msgs > 800 and time.monotonic() - t0 > 1.0
+        assert pb.GetDeltaResponse.FromString(last).WhichOneof("msg") == "trailer"
+    finally:
+        c.close()
+        srv.stop(0)
+
+
 def test_large_server_chunks_still_fit_the_consumers_receive_limit(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:

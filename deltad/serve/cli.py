@@ -130,9 +130,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         (
             "stream-deadline",
             float,
-            300.0,
+            3600.0,
             "seconds one GetDelta stream may run (then DEADLINE_EXCEEDED; a stream whose client "
             "stopped reading is cancelled 1 s later)",
+        ),
+        (
+            "stream-stall",
+            float,
+            60.0,
+            "seconds a GetDelta stream may send nothing (its client stopped reading) before it "
+            "is cancelled and its slot freed",
         ),
         ("lease-ttl", float, 30.0, "default consumer lease in seconds"),
         ("poll-interval", float, 0.05, "seconds between spool scans"),
@@ -323,6 +330,7 @@ def build_config(args: argparse.Namespace) -> Any:
         max_message_bytes=value(args.max_message_bytes),
         chunk_bytes=value(args.chunk_bytes),
         stream_deadline_s=value(args.stream_deadline),
+        stream_stall_s=value(args.stream_stall),
         lease_ttl_s=value(args.lease_ttl),
         poll_interval_s=value(args.poll_interval),
         grace_period_s=value(args.grace_period),

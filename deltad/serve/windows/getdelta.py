@@ -118,7 +118,9 @@ class WindowServer:
             thread, cpu = threading.get_ident(), time.thread_time()
             try:  # the hot loop: one deadline check per chunk, nothing else
                 for c in chunks:
-                    if time.monotonic() > slot.deadline:
+                    # (resumed: gRPC took the previous message; see StreamSlots.cancel_overdue)
+                    slot.progress = now = time.monotonic()
+                    if now > slot.deadline:
                         _abort(
                             context,
                             grpc.StatusCode.DEADLINE_EXCEEDED,

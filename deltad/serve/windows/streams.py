@@ -1,6 +1,7 @@
 """GetDelta's concurrency limit: ``max_concurrent_streams`` slots, a first-come-first-served
 line of ``max_queued_streams`` callers waiting up to ``stream_queue_wait_s`` each, refusals
-with a retry hint, and each stream's deadline (``stream_deadline_s``)."""
+with a retry hint, and each stream's bounds: its deadline (``stream_deadline_s``) and the
+longest it may go without handing gRPC a message (``stream_stall_s``)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class StreamSlot:
         self.consumer = consumer
         self.deadline = deadline
         self.started = time.monotonic()
+        #: when the stream last handed gRPC a message (or started): set by its handler
+        self.progress = self.started
         self.held = True
 
     def release(self) -> None:
@@ -129,22 +132,27 @@ class StreamSlots:
         )
 
     def cancel_overdue(self) -> int:
-        """Cancel GetDelta streams past ``stream_deadline_s`` + :data:`CANCEL_GRACE_S`; return
-        how many.
+        """Cancel GetDelta streams past ``stream_deadline_s`` + :data:`CANCEL_GRACE_S`, or that
+        handed gRPC no message for ``stream_stall_s``; return how many.
 
         The stream checks its deadline between messages; one whose client stopped reading
         waits in a send for flow control and never gets there, holding its slot (and with
         ``max_concurrent_streams`` of them, every other consumer out). The sidecar calls this
         periodically (``SidecarServer``)."""
-        now = time.monotonic() - CANCEL_GRACE_S
+        now = time.monotonic()
+        stall = self.config.stream_stall_s
         with self._streams_lock:
-            overdue = [s for s in self._slots if s.held and s.deadline < now]
+            overdue = [
+                s
+                for s in self._slots
+                if s.held and (s.deadline < now - CANCEL_GRACE_S or now - s.progress > stall)
+            ]
         for s in overdue:
-            log.warning(
-                "GetDelta of %s cancelled: past stream_deadline_s=%s (client not reading?)",
-                s.consumer,
-                self.config.stream_deadline_s,
-            )
+            if s.deadline < now - CANCEL_GRACE_S:
+                why = f"past stream_deadline_s={self.config.stream_deadline_s:g}"
+            else:
+                why = f"no message sent for {now - s.progress:.0f} s (stream_stall_s={stall:g})"
+            log.warning("GetDelta of %s cancelled: %s (client not reading?)", s.consumer, why)
             s.context.cancel()
             s.release()
         return len(overdue)
