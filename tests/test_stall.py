@@ -169,3 +169,32 @@ def test_a_sidecar_that_stops_sending_is_given_up_within_the_stall_bound(
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGCONT)
         stop_process(proc)
+
+
+def test_a_forked_child_starts_its_own_watchdog() -> None:
+    """A child forked while the watchdog runs (e.g. a predictor's worker processes) starts its
+    own at its first watched stream, instead of counting on a thread it does not have."""
+    from deltad.consume import stall
+
+    dog = stall._WATCHDOG
+    held = stall._Watched(None, 1e9)
+    dog.add(held)
+    try:
+        assert dog._thread is not None and dog._thread.is_alive()
+        pid = os.fork()
+        if pid == 0:  # the child: nothing watched, no thread; a new stream starts one
+            ok = dog._thread is None and not dog._watched
+            dog.add(stall._Watched(None, 1e9))
+            ok = ok and dog._thread is not None and dog._thread.is_alive()
+            os._exit(0 if ok else 1)
+        deadline = time.monotonic() + 10.0  # (a child stuck on the parent's lock: killed)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.02)
+            done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert done and os.waitstatus_to_exitcode(status) == 0, "the child's watchdog"
+    finally:
+        dog.remove(held)

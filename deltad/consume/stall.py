@@ -12,6 +12,7 @@ sleeps while none is watched.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -87,8 +88,15 @@ class _Watchdog:
             with self._cond:
                 self._cond.wait(timeout=min(1.0, max(0.01, nxt - time.monotonic())))
 
+    def reset_in_child(self) -> None:
+        """After a fork: the child has no watchdog thread (and no watched stream) yet."""
+        self._cond = threading.Condition()
+        self._watched = set()
+        self._thread = None
+
 
 _WATCHDOG = _Watchdog()
+os.register_at_fork(after_in_child=_WATCHDOG.reset_in_child)
 
 
 class Watched:
