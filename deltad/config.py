@@ -567,8 +567,12 @@ class RelayConfig:
     #: Longest wait of one long-polling Status call (the upstream answers as soon as its head
     #: moves); 0 polls every ``poll_interval_s`` instead. Capped at a third of the lease.
     long_poll_s: float = 10.0
-    #: Deadline of one upstream RPC (a GetDelta stream of a whole base included).
+    #: Deadline of one upstream RPC; a mirror pull's stream is bounded instead by each wait
+    #: for its next message (``deltad.serve.relay.upstream.STALL_S`` or this, the shorter) and
+    #: as a whole by ``stream_deadline_s``.
     rpc_deadline_s: float = 300.0
+    #: Longest one mirror pull's stream may run in all (a whole base over a slow link).
+    stream_deadline_s: float = 3600.0
     #: The relay's lease at the upstream; renewed every third of it.
     lease_ttl_s: float = 30.0
     backoff_initial_s: float = 0.1
@@ -600,6 +604,7 @@ RELAY_RANGES: dict[str, Range] = {
     "poll_interval_s": Range(0.001, 60),
     "long_poll_s": Range(0, 3600),
     "rpc_deadline_s": Range(0, 86400, lo_open=True),
+    "stream_deadline_s": Range(0, 7 * 86400, lo_open=True),
     "lease_ttl_s": Range(0, 86400, lo_open=True),
     "backoff_initial_s": Range(0, 3600, lo_open=True),
     "backoff_max_s": Range(0, 3600, lo_open=True),

@@ -18,8 +18,8 @@ from deltad.v1 import delta_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-#: A mirror pull whose stream brings no message for this long is cancelled (and retried):
-#: ``rpc_deadline_s`` bounds the whole stream, which a stalled upstream would hold that long.
+#: A mirror pull whose stream brings no message for this long is cancelled (and retried); the
+#: whole stream may run ``stream_deadline_s`` (a base over a slow link).
 STALL_S = 30.0
 
 _CHANNEL_OPTIONS = [
@@ -170,7 +170,8 @@ class Upstream:
             from_base=from_base, no_generation_diff=True, mirror=True, with_dense=True,
         )  # fmt: skip
         d = decode.pull(
-            self._channel, req, timeout=self.config.rpc_deadline_s, metadata=self._metadata,
+            self._channel, req, metadata=self._metadata,
+            timeout=max(self.config.rpc_deadline_s, self.config.stream_deadline_s),
             stall_s=min(STALL_S, self.config.rpc_deadline_s),
         )  # fmt: skip
         self._touched = time.monotonic()
