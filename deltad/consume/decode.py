@@ -523,7 +523,7 @@ def pull(
     stream = raw_get_delta(channel)(request, timeout=timeout, metadata=metadata)
     if stall_s is None:
         return decode_stream(stream, zero_copy=zero_copy, pool=pool, stage=stage)
-    watch = stall.watched(stream, stall_s)
+    watch = stall.Watched(stream, stall_s)
     try:
         return decode_stream(watch.messages(), zero_copy=zero_copy, pool=pool, stage=stage)
     except grpc.RpcError as e:

@@ -4,7 +4,7 @@ not by its length.
 A whole-stream deadline either cuts a predictor's bootstrap of a big shard short (a 30 s
 deadline never lets a stream of more than 30 s finish, so every retry starts over and the
 predictor never serves) or, set long enough for the biggest bootstrap, lets a stalled stream
-hang that long. :func:`watched` gives a stream two bounds instead: no message for ``stall_s``
+hang that long. :class:`Watched` gives a stream two bounds instead: no message for ``stall_s``
 cancels it (:class:`StalledStream`, a retryable DEADLINE_EXCEEDED), and the call's own gRPC
 deadline bounds it as a whole. One daemon thread watches every stream of the process and
 sleeps while none is watched.
@@ -100,7 +100,8 @@ os.register_at_fork(after_in_child=_WATCHDOG.reset_in_child)
 
 
 class Watched:
-    """A stream under watch (see :func:`watched`): iterate :meth:`messages`, then
+    """A gRPC response stream under watch, cancelled once no message came for ``stall_s``
+    seconds (counted from now, then from each message read): iterate :meth:`messages`, then
     :meth:`close`; :meth:`stalled` turns the error of a cancelled stream into
     :class:`StalledStream`."""
 
@@ -123,9 +124,3 @@ class Watched:
 
     def close(self) -> None:
         _WATCHDOG.remove(self._w)
-
-
-def watched(call: Any, stall_s: float) -> Watched:
-    """Watch ``call`` (a gRPC response stream): cancelled once no message came for
-    ``stall_s`` seconds (counted from now, then from each message read)."""
-    return Watched(call, stall_s)

@@ -131,6 +131,15 @@ class StreamSlots:
             f"{cfg.max_queued_streams}); retry in {hint:.2f}s",
         )
 
+    def _overdue(self, s: StreamSlot, now: float) -> str:
+        """Why stream ``s`` is to be cancelled at ``now`` ("" if it is not)."""
+        cfg = self.config
+        if s.deadline < now - CANCEL_GRACE_S:
+            return f"past stream_deadline_s={cfg.stream_deadline_s:g}"
+        if now - s.progress > cfg.stream_stall_s:
+            return f"no message sent for {now - s.progress:.0f} s (stream_stall_s={cfg.stream_stall_s:g})"
+        return ""
+
     def cancel_overdue(self) -> int:
         """Cancel GetDelta streams past ``stream_deadline_s`` + :data:`CANCEL_GRACE_S`, or that
         handed gRPC no message for ``stream_stall_s``; return how many.
@@ -140,18 +149,9 @@ class StreamSlots:
         ``max_concurrent_streams`` of them, every other consumer out). The sidecar calls this
         periodically (``SidecarServer``)."""
         now = time.monotonic()
-        stall = self.config.stream_stall_s
         with self._streams_lock:
-            overdue = [
-                s
-                for s in self._slots
-                if s.held and (s.deadline < now - CANCEL_GRACE_S or now - s.progress > stall)
-            ]
-        for s in overdue:
-            if s.deadline < now - CANCEL_GRACE_S:
-                why = f"past stream_deadline_s={self.config.stream_deadline_s:g}"
-            else:
-                why = f"no message sent for {now - s.progress:.0f} s (stream_stall_s={stall:g})"
+            overdue = [(s, why) for s in self._slots if s.held and (why := self._overdue(s, now))]
+        for s, why in overdue:
             log.warning("GetDelta of %s cancelled: %s (client not reading?)", s.consumer, why)
             s.context.cancel()
             s.release()
