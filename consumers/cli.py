@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltad import output
-from deltad.config import MAX_COUNT, MAX_SECONDS, Range
+from deltad.config import MAX_COUNT, MAX_SECONDS, ConsumerConfig, PullOptions, Range
 from deltad.signals import handle_signals
+from deltad.types import Form
 
 if TYPE_CHECKING:
     from deltad.types import WireDtype
@@ -78,7 +79,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--final-tables", type=Path, help="torch.save the tables here at the end")
     p.add_argument("--json-log", metavar="PATH", help='JSON line per pull ("-": stdout)')
-    p.add_argument("--rpc-deadline", type=float, default=30.0, help="seconds per RPC")
+    p.add_argument(
+        "--rpc-deadline",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="deadline of each RPC, and of each wait for a GetDelta stream's next message (a "
+        "stream silent that long is cancelled and retried)",
+    )
+    p.add_argument(
+        "--stream-deadline",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="longest one GetDelta stream may run in all (a bootstrap of a big shard over a "
+        "slow link; the sidecar's --stream-deadline bounds it too)",
+    )
     p.add_argument(
         "--max-retries", type=int, default=5, help="retries of a failed RPC, with backoff"
     )
@@ -172,6 +188,7 @@ RANGES: dict[str, Range] = {
     "duration": Range(0, MAX_SECONDS, note="0 = no limit"),
     "pulls": Range(0, MAX_COUNT, note="0 = no limit"),
     "rpc_deadline": Range(0, 86400, lo_open=True),
+    "stream_deadline": Range(0, 7 * 86400, lo_open=True),
     "max_retries": Range(0, 1000),
     "discovery_timeout": Range(0, 86400),
     "reuse_buffers_mb": Range(0, 1 << 30, note="0 = off"),
@@ -185,15 +202,43 @@ RANGES: dict[str, Range] = {
 }
 
 
+def build_consumer_config(args: argparse.Namespace) -> ConsumerConfig:
+    """The ConsumerConfig of parsed ``deltad consume`` flags (ConfigError on bad values)."""
+    return ConsumerConfig(
+        consumer=args.consumer,
+        model=args.model,
+        sidecars=tuple(args.sidecar),
+        redis_url=args.redis_url,
+        pull=PullOptions(
+            form=Form(args.form),
+            k=args.k,
+            fraction=args.fraction,
+            wire_dtype=_wire_dtype(args.dtype, args.serve_dtype),
+            max_rows=args.max_rows,
+            auto_commit=args.auto_commit,
+        ),
+        align_steps=not args.no_align,
+        rpc_deadline_s=args.rpc_deadline,
+        stream_deadline_s=args.stream_deadline,
+        max_retries=args.max_retries,
+        discovery_timeout_s=args.discovery_timeout,
+        token=None if args.token_file else (os.environ.get(args.token_env) or None),
+        token_file=args.token_file,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        reuse_buffers_bytes=args.reuse_buffers_mb * (1 << 20),
+        resume=args.resume,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the predictor until --duration / --pulls / SIGTERM; 0 on a clean stop."""
     from deltad.perf import tune_malloc, tune_threads
 
     tune_malloc()  # before torch loads (see deltad.perf)
     tune_threads()
-    from deltad.config import ConsumerConfig, PullOptions
     from deltad.errors import ConfigError
-    from deltad.types import Form
 
     from .predictor import SyncLoop, SyncLoopConfig
 
@@ -236,33 +281,7 @@ def run(args: argparse.Namespace) -> int:
         )
     elif args.final_state is not None:
         raise ConfigError("--final-state needs --serve-dtype")
-    wire_dtype = _wire_dtype(args.dtype, args.serve_dtype)
-
-    consumer = ConsumerConfig(
-        consumer=args.consumer,
-        model=args.model,
-        sidecars=tuple(args.sidecar),
-        redis_url=args.redis_url,
-        pull=PullOptions(
-            form=Form(args.form),
-            k=args.k,
-            fraction=args.fraction,
-            wire_dtype=wire_dtype,
-            max_rows=args.max_rows,
-            auto_commit=args.auto_commit,
-        ),
-        align_steps=not args.no_align,
-        rpc_deadline_s=args.rpc_deadline,
-        max_retries=args.max_retries,
-        discovery_timeout_s=args.discovery_timeout,
-        token=None if args.token_file else (os.environ.get(args.token_env) or None),
-        token_file=args.token_file,
-        tls_ca=args.tls_ca,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        reuse_buffers_bytes=args.reuse_buffers_mb * (1 << 20),
-        resume=args.resume,
-    )
+    consumer = build_consumer_config(args)
     for flag, dest in (("--final-tables", args.final_tables), ("--final-state", args.final_state)):
         if dest is not None:
             _check_writable(flag, Path(dest))

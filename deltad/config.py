@@ -571,7 +571,8 @@ class RelayConfig:
     #: for its next message (``deltad.serve.relay.upstream.STALL_S`` or this, the shorter) and
     #: as a whole by ``stream_deadline_s``.
     rpc_deadline_s: float = 300.0
-    #: Longest one mirror pull's stream may run in all (a whole base over a slow link).
+    #: Longest one mirror pull's stream may run in all (a whole base over a slow link;
+    #: `deltad serve --stream-deadline`, which bounds the streams the relay serves too).
     stream_deadline_s: float = 3600.0
     #: The relay's lease at the upstream; renewed every third of it.
     lease_ttl_s: float = 30.0

@@ -113,6 +113,25 @@ def test_every_serve_environment_variable_is_range_checked(
         monkeypatch.delenv(env)
 
 
+def test_stream_deadline_flags_reach_the_consumer_and_the_relay() -> None:
+    """`deltad consume --stream-deadline` bounds the consumer's whole streams; `deltad serve
+    --stream-deadline` the streams a sidecar serves and, on a relay, its mirror pulls."""
+    from deltad.reference.consumers.cli import build_consumer_config
+
+    sps = _subparsers()
+    consume = [*REQUIRED["consume"], "--stream-deadline", "7200", "--rpc-deadline", "12"]
+    cfg = build_consumer_config(sps["consume"].parse_args(consume))
+    assert (cfg.stream_deadline_s, cfg.rpc_deadline_s) == (7200.0, 12.0)
+    default = build_consumer_config(sps["consume"].parse_args(REQUIRED["consume"]))
+    assert default.stream_deadline_s == ConsumerConfig("c").stream_deadline_s == 3600.0
+    serve = [*REQUIRED["serve"], "--upstream", "up:1", "--stream-deadline", "7200"]
+    args = sps["serve"].parse_args(serve)
+    assert serve_cli.build_relay_config(args).stream_deadline_s == 7200.0
+    assert serve_cli.build_config(args).stream_deadline_s == 7200.0
+    default_args = sps["serve"].parse_args([*REQUIRED["serve"], "--upstream", "up:1"])
+    assert serve_cli.build_relay_config(default_args).stream_deadline_s == 3600.0
+
+
 @pytest.mark.parametrize(
     ("cls", "kw"),
     [

@@ -69,10 +69,13 @@ def _sidecar(spool: Path, redis_url: str) -> SidecarServer:
     return SidecarServer(cfg).start()
 
 
-def consumer(name: str, srv: SidecarServer, rpc_deadline_s: float) -> DeltaConsumer:
+def consumer(
+    name: str, srv: SidecarServer, rpc_deadline_s: float, stream_deadline_s: float = 3600.0
+) -> DeltaConsumer:
     cfg = ConsumerConfig(
         consumer=name, model="m", sidecars=(srv.endpoint,), rpc_deadline_s=rpc_deadline_s,
-        max_retries=2, backoff_initial_s=0.05, heartbeat_interval_s=0.5,
+        stream_deadline_s=stream_deadline_s, max_retries=2, backoff_initial_s=0.05,
+        heartbeat_interval_s=0.5,
     )  # fmt: skip
     return DeltaConsumer(cfg)
 
@@ -89,6 +92,34 @@ def test_a_bootstrap_longer_than_the_rpc_deadline_completes(tmp_path: Path, redi
             took = time.monotonic() - t0
             assert r.resync and not r.missing, r.missing
             assert applier.writes >= 10 and took > 0.6 * 2  # (longer than the old deadline)
+            assert_tables(applier, truth)
+    finally:
+        srv.stop(0.5)
+
+
+def test_the_consumer_bounds_a_whole_stream_by_its_stream_deadline(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Each message within ``rpc_deadline_s`` but the stream longer than
+    ``stream_deadline_s`` (``deltad consume --stream-deadline``): cut there, nothing
+    installed; with the bound raised the same bootstrap completes."""
+    truth = _trainer_spool(tmp_path, 20_000)
+    srv = _sidecar(tmp_path, redis_url)
+    try:
+        with consumer("bounded", srv, 0.6, stream_deadline_s=1.0) as c:
+            wait_head(c, [10])
+            applier = SlowApplier(delay=0.15)  # ~2 s of stream
+            t0 = time.monotonic()
+            r = c.sync(applier)
+            assert not r.deltas and 0 in r.missing, r.missing
+            assert "broke after staging rows" in r.missing[0], r.missing[0]
+            assert "DEADLINE_EXCEEDED" in r.missing[0], r.missing[0]
+            assert applier.tables() == {}
+            assert time.monotonic() - t0 < 3 * 2.0  # three attempts, each cut at ~1 s
+        with consumer("bounded", srv, 0.6, stream_deadline_s=30.0) as c:
+            applier = SlowApplier(delay=0.15)
+            r = c.sync(applier)
+            assert r.resync and not r.missing, r.missing
             assert_tables(applier, truth)
     finally:
         srv.stop(0.5)

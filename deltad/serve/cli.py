@@ -132,7 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             float,
             3600.0,
             "seconds one GetDelta stream may run (then DEADLINE_EXCEEDED; a stream whose client "
-            "stopped reading is cancelled 1 s later)",
+            "stopped reading is cancelled 1 s later); a relay's mirror pull from its upstream "
+            "too",
         ),
         (
             "stream-stall",
@@ -384,6 +385,7 @@ def build_relay_config(args: argparse.Namespace) -> Any:
         tls_cert=Path(args.upstream_tls_cert) if args.upstream_tls_cert else None,
         tls_key=Path(args.upstream_tls_key) if args.upstream_tls_key else None,
         long_poll_s=value(args.upstream_long_poll),
+        stream_deadline_s=value(args.stream_deadline),
     )
 
 
