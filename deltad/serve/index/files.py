@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from deltad.errors import SegmentCorruptError, SpoolError
 from deltad.segment.format import DenseState, Segment, ShardRows
@@ -45,6 +46,8 @@ FULL_SCAN_EVERY_S = 2.0
 #: A directory modified less than this long before it was listed is listed again at the next
 #: poll: a file added within the same tick of the directory's clock leaves its time unchanged.
 RACY_S = 0.05
+
+_E = TypeVar("_E", "LogEntry", "DenseEntry")
 
 
 def covered(entries: Iterable[LogEntry]) -> list[LogEntry]:
@@ -258,40 +261,19 @@ class RankFiles:
         d = self.layout.rank_dir(generation, self.rank)
         for n in strays:
             self._quarantine(generation, d / n, "not an exact segment file name", request=False)
-        names = {n for _, n in segments}
-        gone = [p for p in known if p.name not in names]
-        for p in gone:
-            del known[p]
-        have = {p.name for p in known}
-        added = False
-        for seq, n in segments:
-            if n in have:
-                continue
-            path = d / n
-            try:
-                entry = self.load_entry(generation, seq, path)
-            except FileNotFoundError:
-                continue
-            except SegmentCorruptError as e:
-                self._quarantine(generation, path, str(e))
-                continue
-            except SpoolError as e:
-                if not path.exists():
-                    continue
-                self._retry = True
-                if self._unreadable.get(path) != str(e):  # once, not at every poll
-                    log.warning("cannot index %s (holding the log back until it can): %s", path, e)
-                    self._unreadable[path] = str(e)
-                continue
-            self._unreadable.pop(path, None)
-            known[path] = entry
-            added = True
+        added, gone = self._sync(
+            generation,
+            known,
+            segments,
+            lambda seq, path: self.load_entry(generation, seq, path),
+            "cannot index %s (holding the log back until it can): %s",
+        )
         if added:  # a file whose range another file covers is the leftover of a merge
             for old in covered(known.values()):
                 log.info("deleting %s: covered by a merged segment", old.path)
                 old.path.unlink(missing_ok=True)
                 del known[old.path]
-        return added or bool(gone)
+        return added or gone
 
     def scan_dense(
         self,
@@ -304,42 +286,63 @@ class RankFiles:
         ``dense`` changed."""
         if files is None:
             files = self._listing(generation)[1]
+
+        def load(seq: int, path: Path) -> DenseEntry:
+            state = load_verified_dense(
+                path,
+                self.layout.model_dir,
+                self.manifest(generation),
+                generation=generation,
+                rank=self.rank,
+                seq=seq,
+            )
+            return DenseEntry.load(path, state)
+
+        added, gone = self._sync(generation, dense, files, load, "cannot index dense state %s: %s")
+        return added or gone
+
+    def _sync(
+        self,
+        generation: int,
+        held: dict[Path, _E],
+        files: list[tuple[int, str]],
+        load: Callable[[int, Path], _E],
+        unreadable: str,
+    ) -> tuple[bool, bool]:
+        """Bring ``held`` to ``files`` ((seq, name) in the rank's directory): drop the gone,
+        ``load`` the new. A corrupt file is quarantined; an unreadable one is tried again at
+        the next scan and logged (``unreadable``, with path and error) once, not at every
+        poll. Returns (any added, any gone)."""
         d = self.layout.rank_dir(generation, self.rank)
         names = {n for _, n in files}
-        gone = [p for p in dense if p.name not in names]
+        gone = [p for p in held if p.name not in names]
         for p in gone:
-            del dense[p]
-        have = {p.name for p in dense}
+            del held[p]
+        have = {p.name for p in held}
         added = False
         for seq, n in files:
             if n in have:
                 continue
             path = d / n
             try:
-                state = load_verified_dense(
-                    path,
-                    self.layout.model_dir,
-                    self.manifest(generation),
-                    generation=generation,
-                    rank=self.rank,
-                    seq=seq,
-                )
-                entry = DenseEntry.load(path, state)
+                entry = load(seq, path)
             except FileNotFoundError:
                 continue
             except SegmentCorruptError as e:
                 self._quarantine(generation, path, str(e))
                 continue
             except SpoolError as e:
+                if not path.exists():
+                    continue
                 self._retry = True
-                if self._unreadable.get(path) != str(e):  # once, not at every poll
-                    log.warning("cannot index dense state %s: %s", path, e)
+                if self._unreadable.get(path) != str(e):
+                    log.warning(unreadable, path, e)
                     self._unreadable[path] = str(e)
                 continue
             self._unreadable.pop(path, None)
-            dense[path] = entry
+            held[path] = entry
             added = True
-        return added or bool(gone)
+        return added, bool(gone)
 
     def _count_quarantined(self) -> int:
         try:
