@@ -12,10 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from serverkit import SpoolWriter
 from spoolkit import child_env, read_serving_line, stop_process
 from test_client import assert_tables, wait_head
 
@@ -38,27 +40,57 @@ class _SlowStage(_TensorStage):
 
     def _write(self, update: ShardUpdate) -> int:
         self._slow.writes += 1
+        hook = self._slow.hooks.get(self._slow.writes)
+        if hook is not None:
+            hook()
         time.sleep(self._slow.delays.get(self._slow.writes, self._slow.delay))
         return super()._write(update)
 
 
 class SlowApplier(TensorDictApplier):
-    def __init__(self, delay: float, delays: dict[int, float] | None = None) -> None:
+    def __init__(
+        self,
+        delay: float,
+        delays: dict[int, float] | None = None,
+        hooks: dict[int, Callable[[], object]] | None = None,
+    ) -> None:
         super().__init__()
         self.delay = delay
         self.delays = delays or {}  # write number -> its delay
+        self.hooks = hooks or {}  # write number -> called before it
         self.writes = 0
 
     def stage(self) -> _TensorStage:
         return _SlowStage(self)
 
 
-def _trainer_spool(root: Path, rows: int) -> dict[str, torch.Tensor]:
-    from serverkit import SpoolWriter
-
+def _writer(root: Path, rows: int) -> SpoolWriter:
     w = SpoolWriter(root, tables={"t0": (rows, 8)})
     w.delta(n=10)
-    return {"t0": w.truth["t0"].clone()}
+    return w
+
+
+def _trainer_spool(root: Path, rows: int) -> dict[str, torch.Tensor]:
+    return {"t0": _writer(root, rows).truth["t0"].clone()}
+
+
+def resumed(srv: SidecarServer) -> tuple[float, float]:
+    """(streams resumed, messages not sent again) by ``srv``."""
+    labels = {"model": srv.config.model, "rank": str(srv.config.rank)}
+    get = srv.metrics.registry.get_sample_value
+    return (
+        get("deltad_getdelta_resumed_total", labels) or 0.0,
+        get("deltad_getdelta_resumed_messages_total", labels) or 0.0,
+    )
+
+
+def full_stream_writes(srv: SidecarServer) -> int:
+    """How many chunks a whole bootstrap of ``srv``'s window stages (one stream, no stall)."""
+    with consumer("counter", srv, 30.0) as c:
+        applier = SlowApplier(delay=0.0)
+        r = c.sync(applier)
+        assert r.resync and not r.missing, r.missing
+        return applier.writes
 
 
 def _sidecar(spool: Path, redis_url: str) -> SidecarServer:
@@ -70,11 +102,15 @@ def _sidecar(spool: Path, redis_url: str) -> SidecarServer:
 
 
 def consumer(
-    name: str, srv: SidecarServer, rpc_deadline_s: float, stream_deadline_s: float = 3600.0
+    name: str,
+    srv: SidecarServer,
+    rpc_deadline_s: float,
+    stream_deadline_s: float = 3600.0,
+    max_retries: int = 2,
 ) -> DeltaConsumer:
     cfg = ConsumerConfig(
         consumer=name, model="m", sidecars=(srv.endpoint,), rpc_deadline_s=rpc_deadline_s,
-        stream_deadline_s=stream_deadline_s, max_retries=2, backoff_initial_s=0.05,
+        stream_deadline_s=stream_deadline_s, max_retries=max_retries, backoff_initial_s=0.05,
         heartbeat_interval_s=0.5,
     )  # fmt: skip
     return DeltaConsumer(cfg)
@@ -97,52 +133,82 @@ def test_a_bootstrap_longer_than_the_rpc_deadline_completes(tmp_path: Path, redi
         srv.stop(0.5)
 
 
-def test_the_consumer_bounds_a_whole_stream_by_its_stream_deadline(
+def test_a_stream_cut_at_the_stream_deadline_is_resumed_where_it_broke(
     tmp_path: Path, redis_url: str
 ) -> None:
     """Each message within ``rpc_deadline_s`` but the stream longer than
-    ``stream_deadline_s`` (``deltad consume --stream-deadline``): cut there, nothing
-    installed; with the bound raised the same bootstrap completes."""
+    ``stream_deadline_s`` (``deltad consume --stream-deadline``): without a retry the pull
+    is cut there, nothing installed; with retries each attempt goes on where the last broke
+    (GetDeltaRequest.resume) and the bootstrap completes bit-equal, no chunk staged twice."""
     truth = _trainer_spool(tmp_path, 20_000)
     srv = _sidecar(tmp_path, redis_url)
     try:
-        with consumer("bounded", srv, 0.6, stream_deadline_s=1.0) as c:
-            wait_head(c, [10])
+        whole = full_stream_writes(srv)
+        assert whole >= 10
+        with consumer("bounded", srv, 0.6, stream_deadline_s=1.0, max_retries=0) as c:
             applier = SlowApplier(delay=0.15)  # ~2 s of stream
-            t0 = time.monotonic()
             r = c.sync(applier)
             assert not r.deltas and 0 in r.missing, r.missing
-            assert "broke after staging rows" in r.missing[0], r.missing[0]
             assert "DEADLINE_EXCEEDED" in r.missing[0], r.missing[0]
             assert applier.tables() == {}
-            assert time.monotonic() - t0 < 3 * 2.0  # three attempts, each cut at ~1 s
-        with consumer("bounded", srv, 0.6, stream_deadline_s=30.0) as c:
+        assert resumed(srv) == (0, 0)
+        with consumer("bounded", srv, 0.6, stream_deadline_s=1.0, max_retries=4) as c:
             applier = SlowApplier(delay=0.15)
             r = c.sync(applier)
             assert r.resync and not r.missing, r.missing
             assert_tables(applier, truth)
+            assert applier.writes == whole  # every chunk staged once
+        streams, skipped = resumed(srv)
+        assert streams >= 1 and skipped >= 3, (streams, skipped)
     finally:
         srv.stop(0.5)
 
 
-def test_a_predictor_stuck_on_a_chunk_gets_a_stall_and_the_next_pull_heals(
+def test_a_predictor_stuck_on_a_chunk_gets_a_stall_and_the_stream_resumes(
     tmp_path: Path, redis_url: str
 ) -> None:
+    """A chunk that takes the predictor 2 s (rpc_deadline_s 0.5): the stream is cancelled
+    as stalled, and the retry continues after the chunks already staged, in the same pull."""
     truth = _trainer_spool(tmp_path, 20_000)
     srv = _sidecar(tmp_path, redis_url)
     try:
+        whole = full_stream_writes(srv)
         with consumer("stuck", srv, 0.5) as c:
-            wait_head(c, [10])
             applier = SlowApplier(delay=0.0, delays={3: 2.0})  # the third write takes 2 s
             r = c.sync(applier)
-            assert not r.deltas and 0 in r.missing
+            assert r.resync and not r.missing, r.missing
+            assert_tables(applier, truth)
+            assert applier.writes == whole
+        assert resumed(srv) == (1, 3)  # the three chunks staged were not sent again
+    finally:
+        srv.stop(0.5)
+
+
+def test_a_stream_that_cannot_be_resumed_spoils_the_pull_and_the_next_heals(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The trainer restarts (a new generation) while the predictor is stuck on a chunk: the
+    broken window is not served any more, so the retry cannot continue it; the pull says
+    why and installs nothing, and the next pull bootstraps the new generation bit-equal."""
+    w = _writer(tmp_path, 20_000)
+    srv = _sidecar(tmp_path, redis_url)
+    try:
+        with consumer("restarted", srv, 0.5) as c:
+            wait_head(c, [10])
+            applier = SlowApplier(
+                delay=0.0, delays={3: 2.0}, hooks={3: lambda: w.start_generation(2, 100)}
+            )
+            r = c.sync(applier)
+            assert not r.deltas and 0 in r.missing, r.missing
             why = r.missing[0]
             assert "broke after staging rows" in why and "stalled" in why, why
             assert "no message for 0.5 s" in why, why
+            assert "generation 2" in why and "from its start" in why, why
             assert applier.tables() == {}  # nothing of the broken stream was installed
             r = c.sync(applier)  # the next pull starts over and heals
-            assert r.resync and not r.missing
-            assert_tables(applier, truth)
+            assert r.resync and not r.missing and r.deltas[0].generation == 2
+            assert_tables(applier, {"t0": w.truth["t0"]})
+        assert resumed(srv) == (0, 0)
     finally:
         srv.stop(0.5)
 

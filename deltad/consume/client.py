@@ -346,21 +346,39 @@ class DeltaConsumer:
         req = self._request(r, max_step)
         started = time.monotonic()
         broke: list[str] = []  # how the last attempt ended
+        last: list[decode.WindowAssembler] = []  # the last attempt's assembler
 
         def call(ch: grpc.Channel, timeout: float, md: Sequence[tuple[str, str]]) -> RankDelta:
-            if stage is not None and stage.touched(r.rank):
-                # an earlier attempt staged rows and broke: they cannot be told apart from
-                # the rows a retry would stage, so this pull's stage is spoiled (pull()
-                # discards it; the next pull starts over)
-                why = f" ({broke[-1]})" if broke else ""
-                raise ConsumerError(f"rank {r.rank}: a resync stream broke after staging rows{why}")
+            ask, asm = req, decode.WindowAssembler(pool=r.buffers, stage=stage)
+            why = f" ({broke[-1]})" if broke else ""
+            if stage is not None and stage.touched(r.rank) and last and last[-1].messages:
+                # an earlier attempt staged rows and broke: a retry from the start would
+                # stage them again, and mixed with a newer window's they cannot be told
+                # apart. The same resync window is asked to go on where it broke instead
+                # (what arrived stays staged); a sidecar that cannot serve it any more
+                # spoils this pull's stage (pull() discards it; the next pull starts over)
+                if not last[-1].resumable:
+                    raise ConsumerError(
+                        f"rank {r.rank}: a resync stream broke after staging rows{why}"
+                    )
+                asm = last[-1]
+                ask = asm.resume_request(req)
+                log.info(
+                    "pull %s rank %d: resuming the resync stream of seq %d after %d messages%s",
+                    self.config.consumer, r.rank, ask.resume.to_seq, asm.messages, why,
+                )
+            last[:] = [asm]
             try:
                 # ``timeout`` (rpc_deadline_s) bounds each wait for a message, not the
                 # stream: a bootstrap of a big shard may take longer (stream_deadline_s)
                 return decode.pull(
-                    ch, req, timeout=max(timeout, self.config.stream_deadline_s),
-                    metadata=md, pool=r.buffers, stage=stage, stall_s=timeout,
+                    ch, ask, timeout=max(timeout, self.config.stream_deadline_s),
+                    metadata=md, stall_s=timeout, assembler=asm,
                 )  # fmt: skip
+            except decode.NotResumed as e:
+                raise ConsumerError(
+                    f"rank {r.rank}: a resync stream broke after staging rows{why}; {e}"
+                ) from None
             except grpc.RpcError as e:
                 broke.append(f"{e.code().name}: {e.details()}")
                 raise

@@ -48,6 +48,12 @@ if TYPE_CHECKING:
     from deltad.consume.window import ResyncStage
 
 
+class NotResumed(StreamDecodeError):
+    """A stream asked to continue a broken one (:meth:`WindowAssembler.resume_request`) is
+    not that window's continuation: the server served the window from its start, or
+    another window."""
+
+
 class _Slot:
     """A slice being filled: preallocated tensors (copy mode) or per-chunk parts (zero-copy)."""
 
@@ -207,6 +213,31 @@ class WindowAssembler:
         #: dense state being received: (name, dtype, shape, buffer, filled) per tensor
         self.dense: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor, list[int]]] = []
         self.dense_bytes = 0
+        #: row and dense chunks taken whole since the header (where a resumed stream goes on)
+        self.messages = 0
+        self._resuming = False  # the next header must continue this window (resume_request)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a broken stream of this window can be continued where it broke: a resync
+        window (the same whenever a server builds it) of which some chunks arrived and the
+        trailer did not."""
+        h = self.header
+        return h is not None and h.resync and self.trailer is None and self.messages > 0
+
+    def resume_request(self, request: pb.GetDeltaRequest) -> pb.GetDeltaRequest:
+        """``request`` asking to continue this window after :attr:`messages` (pinned to its
+        step); the next stream fed to :meth:`add` must then continue it (else
+        :class:`NotResumed`)."""
+        h = self.header
+        assert h is not None and self.resumable
+        out = pb.GetDeltaRequest()
+        out.CopyFrom(request)
+        out.max_step = h.to_step
+        out.resume.generation, out.resume.to_seq = h.generation, h.to_seq
+        out.resume.messages = self.messages
+        self._resuming = True
+        return out
 
     def add(self, msg: pb.GetDeltaResponse | bytes) -> None:
         if isinstance(msg, bytes | bytearray | memoryview):
@@ -257,6 +288,9 @@ class WindowAssembler:
             raise StreamDecodeError(f"bad GetDeltaResponse: {e}") from e
 
     def _on_header(self, h: pb.DeltaHeader) -> None:
+        if self.header is not None and self._resuming:
+            self._on_resumed(self.header, h)
+            return
         if self.header is not None:
             raise StreamDecodeError("second header in one stream")
         self.header = h
@@ -279,6 +313,25 @@ class WindowAssembler:
         if h.HasField("dense"):
             self._on_dense_info(h.dense)
 
+    def _on_resumed(self, was: pb.DeltaHeader, h: pb.DeltaHeader) -> None:
+        """The header of a stream that should continue this window (see resume_request)."""
+        self._resuming = False
+        if h.resumed_messages != self.messages:
+            raise NotResumed(
+                f"the sidecar served seq {h.to_seq} (generation {h.generation}) from its start, "
+                f"not seq {was.to_seq} after {self.messages} messages"
+                if not h.resumed_messages
+                else f"the sidecar resumed after {h.resumed_messages} messages, not {self.messages}"
+            )
+        a, b = pb.DeltaHeader(), pb.DeltaHeader()
+        a.CopyFrom(was)
+        b.CopyFrom(h)
+        for m in (a, b):  # (per-pull marks)
+            m.ClearField("resync_reason")
+            m.ClearField("resumed_messages")
+        if a != b:
+            raise NotResumed(f"the sidecar resumed another window (seq {h.to_seq})")
+
     def _on_dense_info(self, info: pb.DenseInfo) -> None:
         total = 0
         for t in info.tensors:
@@ -300,7 +353,7 @@ class WindowAssembler:
             self.dense.append((t.name, dtype, shape, buf, [0]))
 
     def _on_dense(self, index: int, offset: int, data: memoryview) -> None:
-        if self.header is None or self.trailer is not None:
+        if self.header is None or self.trailer is not None or self._resuming:
             raise StreamDecodeError("dense chunk outside header..trailer")
         if index >= len(self.dense):
             raise StreamDecodeError(f"dense chunk for tensor {index} of {len(self.dense)}")
@@ -316,6 +369,7 @@ class WindowAssembler:
         filled[0] = end
         self.bytes += len(data)
         self.dense_bytes += len(data)
+        self.messages += 1
 
     def _on_chunk(
         self,
@@ -329,7 +383,7 @@ class WindowAssembler:
         evicted: memoryview,
         admitted: memoryview,
     ) -> None:
-        if self.header is None or self.trailer is not None:
+        if self.header is None or self.trailer is not None or self._resuming:
             raise StreamDecodeError("row chunk outside header..trailer")
         if index >= len(self.slots):
             raise StreamDecodeError(f"chunk for slice {index} of {len(self.slots)}")
@@ -368,6 +422,7 @@ class WindowAssembler:
         slot.filled += count
         self.bytes += len(ids) + len(scale_bias) + len(values)
         self.bytes += len(raw_ids) + len(evicted) + len(admitted)
+        self.messages += 1
 
     @staticmethod
     def _identities(
@@ -484,10 +539,12 @@ def decode_stream(
     zero_copy: bool = False,
     pool: BufferPool | None = None,
     stage: ResyncStage | None = None,
+    assembler: WindowAssembler | None = None,
 ) -> RankDelta:
     """Decode a whole GetDelta stream (parsed messages or raw bytes) into a RankDelta
-    (``zero_copy``, ``pool``, ``stage``: see :class:`WindowAssembler`)."""
-    asm = WindowAssembler(zero_copy=zero_copy, pool=pool, stage=stage)
+    (``zero_copy``, ``pool``, ``stage``: see :class:`WindowAssembler`; or into
+    ``assembler``, e.g. one continuing a broken stream)."""
+    asm = assembler or WindowAssembler(zero_copy=zero_copy, pool=pool, stage=stage)
     for m in messages:
         asm.add(m)
     return asm.result()
@@ -512,20 +569,24 @@ def pull(
     pool: BufferPool | None = None,
     stage: ResyncStage | None = None,
     stall_s: float | None = None,
+    assembler: WindowAssembler | None = None,
 ) -> RankDelta:
     """Run one GetDelta on ``channel`` over the raw fast path and decode it.
 
     gRPC errors propagate as ``grpc.RpcError``; a malformed stream raises StreamDecodeError.
-    ``zero_copy``, ``pool``, ``stage``: see :class:`WindowAssembler`. ``timeout`` bounds the
-    whole stream; ``stall_s`` the wait for each message (:mod:`deltad.consume.stall`: a
-    stream that stalls raises :class:`~deltad.consume.stall.StalledStream`).
+    ``zero_copy``, ``pool``, ``stage``: see :class:`WindowAssembler`; ``assembler``: decode
+    into this one instead (it keeps what arrived if the stream breaks: see
+    :meth:`WindowAssembler.resume_request`). ``timeout`` bounds the whole stream;
+    ``stall_s`` the wait for each message (:mod:`deltad.consume.stall`: a stream that stalls
+    raises :class:`~deltad.consume.stall.StalledStream`).
     """
+    asm = assembler or WindowAssembler(zero_copy=zero_copy, pool=pool, stage=stage)
     stream = raw_get_delta(channel)(request, timeout=timeout, metadata=metadata)
     if stall_s is None:
-        return decode_stream(stream, zero_copy=zero_copy, pool=pool, stage=stage)
+        return decode_stream(stream, assembler=asm)
     watch = stall.Watched(stream, stall_s)
     try:
-        return decode_stream(watch.messages(), zero_copy=zero_copy, pool=pool, stage=stage)
+        return decode_stream(watch.messages(), assembler=asm)
     except grpc.RpcError as e:
         raise watch.stalled(e) from None
     finally:

@@ -64,6 +64,14 @@ class SidecarMetrics:
         )
         self.pulls = counter("deltad_pulls", "GetDelta streams completed")
         self.cache_hits = counter("deltad_window_cache_hits", "Windows served from the cache")
+        self.resumed_streams = counter(
+            "deltad_getdelta_resumed",
+            "Resync streams that continued a broken one where it broke (GetDeltaRequest.resume)",
+        )
+        self.resumed_messages = counter(
+            "deltad_getdelta_resumed_messages",
+            "Messages not sent again because their stream continued a broken one",
+        )
         self.generation_diffs = counter(
             "deltad_generation_diffs",
             "Consumers moved to a new generation by a generation diff (the rows that differ)",

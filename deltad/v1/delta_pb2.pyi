@@ -74,7 +74,7 @@ class Cursor(_message.Message):
     def __init__(self, consumer: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., step: _Optional[int] = ..., pull_id: _Optional[str] = ...) -> None: ...
 
 class GetDeltaRequest(_message.Message):
-    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment", "with_dense", "no_generation_diff", "mirror")
+    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment", "with_dense", "no_generation_diff", "resume", "mirror")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     FORM_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class GetDeltaRequest(_message.Message):
     ROW_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     WITH_DENSE_FIELD_NUMBER: _ClassVar[int]
     NO_GENERATION_DIFF_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     MIRROR_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     form: Form
@@ -104,11 +105,22 @@ class GetDeltaRequest(_message.Message):
     row_alignment: int
     with_dense: bool
     no_generation_diff: bool
+    resume: StreamResume
     mirror: bool
-    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ..., no_generation_diff: _Optional[bool] = ..., mirror: _Optional[bool] = ...) -> None: ...
+    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ..., no_generation_diff: _Optional[bool] = ..., resume: _Optional[_Union[StreamResume, _Mapping]] = ..., mirror: _Optional[bool] = ...) -> None: ...
+
+class StreamResume(_message.Message):
+    __slots__ = ("generation", "to_seq", "messages")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TO_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    to_seq: int
+    messages: int
+    def __init__(self, generation: _Optional[int] = ..., to_seq: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense", "resync_reason", "diff_from_generation", "rollback_to_step", "rollback_epoch", "dense_missing")
+    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense", "resync_reason", "diff_from_generation", "rollback_to_step", "rollback_epoch", "dense_missing", "resumed_messages")
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +137,7 @@ class DeltaHeader(_message.Message):
     ROLLBACK_TO_STEP_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_EPOCH_FIELD_NUMBER: _ClassVar[int]
     DENSE_MISSING_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     generation: int
     resync: bool
@@ -141,7 +154,8 @@ class DeltaHeader(_message.Message):
     rollback_to_step: int
     rollback_epoch: int
     dense_missing: str
-    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ..., resync_reason: _Optional[str] = ..., diff_from_generation: _Optional[int] = ..., rollback_to_step: _Optional[int] = ..., rollback_epoch: _Optional[int] = ..., dense_missing: _Optional[str] = ...) -> None: ...
+    resumed_messages: int
+    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ..., resync_reason: _Optional[str] = ..., diff_from_generation: _Optional[int] = ..., rollback_to_step: _Optional[int] = ..., rollback_epoch: _Optional[int] = ..., dense_missing: _Optional[str] = ..., resumed_messages: _Optional[int] = ...) -> None: ...
 
 class DenseInfo(_message.Message):
     __slots__ = ("seq", "step", "tensors")

@@ -324,4 +324,11 @@ def check_request(method: str, req: Any) -> str | None:
             wire.check_row_alignment(req.row_alignment)
         except ValueError as e:
             return str(e)
+    if req.HasField("resume"):
+        r = req.resume
+        if not 0 < r.messages <= MAX_COUNT or r.to_seq < 0:
+            return (
+                f"resume needs messages in [1, {MAX_COUNT}] and to_seq >= 0, got "
+                f"{r.messages} and {r.to_seq}"
+            )
     return None

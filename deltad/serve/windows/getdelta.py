@@ -35,12 +35,17 @@ from deltad.serve.windows import encode
 from deltad.serve.windows.caps import ReleaseCaps, past_cap, within_cap
 from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, decide_window
 from deltad.serve.windows.encoded import EncodedWindow
-from deltad.serve.windows.header import with_dense_missing, with_reason, with_rollback
+from deltad.serve.windows.header import (
+    with_dense_missing,
+    with_reason,
+    with_resumed,
+    with_rollback,
+)
 from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
 from deltad.serve.windows.request import MIN_CHUNK_BYTES as MIN_CHUNK_BYTES  # (re-exported)
 from deltad.serve.windows.request import log_snapshot, request_spec
 from deltad.serve.windows.source import SourcedWindow, WindowSource
-from deltad.serve.windows.streams import StreamSlots
+from deltad.serve.windows.streams import StreamSlot, StreamSlots
 from deltad.types import WireDtype
 from deltad.v1 import delta_pb2 as pb
 
@@ -112,9 +117,10 @@ class WindowServer:
             if not hit:  # counted once, when its last chunk is built (by whichever reader)
                 win.on_done(self._count_build)
             pull_id = self._record_pull(consumer, snap.generation, got, stored, context)
-            header, dense_missing = self._header(req, snap, got)
+            resume = self._resume_at(req, got)
+            header, dense_missing = self._header(req, snap, got, resume)
             yield header
-            chunks, ahead = self._chunks(win, shape.dtype, context)
+            chunks, ahead = self._chunks(win, shape.dtype, context, resume, slot)
             thread, cpu = threading.get_ident(), time.thread_time()
             try:  # the hot loop: one deadline check per chunk, nothing else
                 for c in chunks:
@@ -139,7 +145,7 @@ class WindowServer:
                 self.metrics.merge_seconds.observe(win.merge_seconds)
             committed = self._auto_commit(req, snap.generation, got, pull_id, context)
             yield self._trailer(consumer, snap.generation, got, pull_id, committed)
-            self._log_pull(consumer, got, committed, ahead, started, dense_missing)
+            self._log_pull(consumer, got, committed, ahead, started, dense_missing, resume)
         finally:
             slot.release()
             if got is not None and not got.hit:  # (built but never read: free its reservation)
@@ -237,13 +243,36 @@ class WindowServer:
             self.metrics.rollbacks.inc()
         return pull_id
 
+    def _resume_at(self, req: pb.GetDeltaRequest, got: SourcedWindow) -> int:
+        """How many messages after the header this stream leaves out: those a broken stream
+        of the same resync window delivered (``req.resume``); 0 when the window is another
+        (the head or the base moved past it, a new generation, rows owed) or none was asked.
+        A resync window's messages are the same whenever it is built: every row's value at
+        ``to_seq``, in ranges of the same chunk size (the consumer checks that the rows it
+        gets next are the ones it expects)."""
+        if not req.HasField("resume"):
+            return 0
+        r, d = req.resume, got.decision
+        if not d.resync or (d.generation, d.to_seq) != (r.generation, r.to_seq) or got.win.owed:
+            log.info(
+                "pull %s rank %d: resume of seq %d (generation %d) asked, serving seq %d "
+                "(generation %d%s) from its start",
+                req.consumer, self.config.rank, r.to_seq, r.generation, d.to_seq,
+                d.generation, ", resync" if d.resync else "",
+            )  # fmt: skip
+            return 0
+        return int(r.messages)
+
     def _header(
-        self, req: pb.GetDeltaRequest, snap: LogSnapshot, got: SourcedWindow
+        self, req: pb.GetDeltaRequest, snap: LogSnapshot, got: SourcedWindow, resume: int = 0
     ) -> tuple[bytes, str]:
         """The window's header as this pull sends it (a resync's reason, a rollback, missing
-        dense state), and why its dense state is missing ("" if it is not)."""
+        dense state, a resumed stream), and why its dense state is missing ("" if it is
+        not)."""
         win, decision = got.win, got.decision
         header = with_reason(win.header, decision.reason) if decision.resync else win.header
+        if resume:
+            header = with_resumed(header, resume)
         if decision.rollback_to is not None and decision.resync:
             header = with_rollback(header, decision.rollback_to, decision.rollback_epoch)
         dense_missing = ""
@@ -254,7 +283,12 @@ class WindowServer:
         return header, dense_missing
 
     def _chunks(
-        self, win: EncodedWindow, dtype: WireDtype, context: grpc.ServicerContext
+        self,
+        win: EncodedWindow,
+        dtype: WireDtype,
+        context: grpc.ServicerContext,
+        skip: int = 0,
+        slot: StreamSlot | None = None,
     ) -> tuple[Iterator[bytes], Prefetch | None]:
         """The window's chunks, built ahead while gRPC sends when prefetch is on and building
         them is work (then also the Prefetch, stopped on cancel or deadline; the caller closes
@@ -266,6 +300,18 @@ class WindowServer:
         cores, hence prefetch is off by default there
         (:func:`~deltad.perf.default_prefetch_messages`)."""
         chunks: Iterator[bytes] = win.iter_chunks()
+        for _ in range(skip):  # a resumed stream: built (or cached) but not sent again
+            if slot is not None:
+                slot.progress = time.monotonic()
+            if next(chunks, None) is None:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"resume after {skip} messages: the window has fewer",
+                )
+        if skip:
+            self.metrics.resumed_streams.inc()
+            self.metrics.resumed_messages.inc(skip)
         if self.config.prefetch_messages <= 0 or win.done or dtype.packed:
             return chunks, None
         ahead = Prefetch(
@@ -338,14 +384,16 @@ class WindowServer:
         ahead: Prefetch | None,
         started: float,
         dense_missing: str,
+        resume: int = 0,
     ) -> None:
         """The pull's one log line (at ``-v``): its seqs, rows, bytes, the CPU its build took
         (cache misses), prefetch waits, time."""
         win, d = got.win, got.decision
         log.info(
-            "pull %s rank %d seq %d..%d step %d (%s%s%s): %d rows, %d bytes%s%s, %.0f ms%s",
+            "pull %s rank %d seq %d..%d step %d (%s%s%s%s): %d rows, %d bytes%s%s, %.0f ms%s",
             consumer, self.config.rank, d.from_seq, d.to_seq, d.to_step,
             "resync: " if d.resync else "", d.reason,
+            f", resumed after {resume} messages" if resume else "",
             ", committed" if committed else "", win.rows, win.payload_bytes,
             "" if got.hit else f", built in {win.build_cpu_seconds * 1000:.0f} CPU-ms",
             "" if ahead is None else

@@ -133,3 +133,10 @@ def with_dense_missing(header: bytes, reason: str) -> bytes:
     msg = pb.GetDeltaResponse.FromString(header)
     msg.header.dense_missing = reason[:512]
     return msg.SerializeToString()
+
+
+def with_resumed(header: bytes, messages: int) -> bytes:
+    """A serialized header message marked as continuing a broken stream after ``messages``."""
+    msg = pb.GetDeltaResponse.FromString(header)
+    msg.header.resumed_messages = messages
+    return msg.SerializeToString()

@@ -1,0 +1,147 @@
+"""GetDeltaRequest.resume on the wire: a resync stream asked to go on after K messages is the
+whole stream's tail, byte for byte (built again or from the window cache, fp32 or packed);
+any other window is served from its start and says so (resumed_messages 0); a resume past the
+window's end or with bad fields is refused. Real sidecars, real Redis, raw gRPC streams."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from serverkit import MODEL, Client, SpoolWriter, server_config
+
+from deltad import wire
+from deltad.consume import decode
+from deltad.serve.edge.app import SidecarServer
+from deltad.serve.windows.request import MIN_CHUNK_BYTES
+from deltad.types import Form, WireDtype
+from deltad.v1 import delta_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _spool(root: Path) -> SpoolWriter:
+    w = SpoolWriter(root, tables={"t0": (20_000, 16), "t1": (3000, 8)})
+    for _ in range(3):
+        w.delta(n=500)
+    return w
+
+
+def _serve(root: Path, redis_url: str, **kw: object) -> SidecarServer:
+    cfg = server_config(root, redis_url, chunk_bytes=MIN_CHUNK_BYTES, **kw)
+    return SidecarServer(cfg).start()
+
+
+def _request(consumer: str, dtype: WireDtype = WireDtype.FP32, **kw: object) -> pb.GetDeltaRequest:
+    return pb.GetDeltaRequest(
+        consumer=consumer, form=wire.form_to_pb(Form.ROWS), dtype=wire.dtype_to_pb(dtype), **kw
+    )
+
+
+def _stream(srv: SidecarServer, req: pb.GetDeltaRequest) -> list[bytes]:
+    with grpc.insecure_channel(srv.endpoint) as ch:
+        return list(decode.raw_get_delta(ch)(req, timeout=30))
+
+
+def _header(msg: bytes) -> pb.DeltaHeader:
+    m = pb.GetDeltaResponse.FromString(msg)
+    assert m.WhichOneof("msg") == "header"
+    return m.header
+
+
+def _resume(h: pb.DeltaHeader, messages: int) -> pb.StreamResume:
+    return pb.StreamResume(generation=h.generation, to_seq=h.to_seq, messages=messages)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "built"])
+@pytest.mark.parametrize("dtype", [WireDtype.FP32, WireDtype.PACKED_INT8])
+def test_a_resumed_resync_stream_is_the_tail_of_the_whole_stream(
+    tmp_path: Path, redis_url: str, cache: bool, dtype: WireDtype
+) -> None:
+    _spool(tmp_path)
+    srv = _serve(tmp_path, redis_url, **({} if cache else {"window_cache_bytes": 0}))
+    try:
+        whole = _stream(srv, _request("a", dtype, max_step=30))
+        h = _header(whole[0])
+        assert h.resync and h.resumed_messages == 0 and h.to_step == 30
+        body = whole[1:-1]
+        assert len(body) >= 8
+        for k in (1, 5, len(body) - 1, len(body)):
+            got = _stream(srv, _request(f"b{k}", dtype, max_step=30, resume=_resume(h, k)))
+            gh = _header(got[0])
+            assert gh.resumed_messages == k
+            gh.resumed_messages = 0
+            assert gh == h  # the same window (and the same reason: no cursor)
+            assert got[1:-1] == body[k:]  # byte for byte
+            trailer = pb.GetDeltaResponse.FromString(got[-1]).trailer
+            assert trailer.cursor.seq == h.to_seq and trailer.rows == sum(s.count for s in h.slices)
+        if not cache:
+            v = srv.metrics.registry.get_sample_value(
+                "deltad_getdelta_resumed_total", {"model": MODEL, "rank": "0"}
+            )
+            assert v == 4
+    finally:
+        srv.stop(0.5)
+
+
+def test_any_other_window_is_served_from_its_start(tmp_path: Path, redis_url: str) -> None:
+    """The head moved past the window (no max_step), another generation, an incremental
+    window: resumed_messages 0 and the whole window."""
+    w = _spool(tmp_path)
+    srv = _serve(tmp_path, redis_url)
+    try:
+        first = _stream(srv, _request("a", max_step=20))
+        h = _header(first[0])
+        assert h.to_step == 20
+        for req in (
+            _request("b", resume=_resume(h, 2)),  # up to the head: seq 3, not 2
+            _request("c", max_step=20, resume=pb.StreamResume(generation=9, to_seq=2, messages=2)),
+        ):
+            got = _stream(srv, req)
+            gh = _header(got[0])
+            assert gh.resumed_messages == 0
+            assert len(got) >= len(first) - 1  # all of it
+            decode.decode_stream(got)  # complete
+        # an incremental window (a committed cursor) is never resumed
+        c = Client(srv.endpoint)
+        try:
+            c.commit(c.pull("d", max_step=20))
+        finally:
+            c.close()
+        w.delta(n=100)
+        got = _stream(srv, _request("d", resume=_resume(h, 1)))
+        gh = _header(got[0])
+        assert not gh.resync and gh.resumed_messages == 0
+        d = decode.decode_stream(got)
+        assert d.rows > 0 and d.from_seq == h.to_seq
+    finally:
+        srv.stop(0.5)
+
+
+def test_a_resume_past_the_end_or_with_bad_fields_is_refused(
+    tmp_path: Path, redis_url: str
+) -> None:
+    _spool(tmp_path)
+    srv = _serve(tmp_path, redis_url)
+    try:
+        whole = _stream(srv, _request("a", max_step=30))
+        h = _header(whole[0])
+        n = len(whole) - 2
+        with pytest.raises(grpc.RpcError) as e:
+            _stream(srv, _request("b", max_step=30, resume=_resume(h, n + 1)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the window has fewer" in (e.value.details() or "")
+        for bad in (
+            pb.StreamResume(generation=h.generation, to_seq=h.to_seq, messages=0),
+            pb.StreamResume(generation=h.generation, to_seq=-1, messages=1),
+            pb.StreamResume(generation=h.generation, to_seq=h.to_seq, messages=(1 << 40) + 1),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                _stream(srv, _request("c", max_step=30, resume=bad))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "resume needs" in (e.value.details() or "")
+        # nothing of those was recorded as the consumers' cursors
+        assert _header(_stream(srv, _request("c", max_step=30))[0]).resync
+    finally:
+        srv.stop(0.5)
