@@ -365,7 +365,11 @@ class DeltaConsumer:
                 ask = asm.resume_request(req)
                 log.info(
                     "pull %s rank %d: resuming the resync stream of seq %d after %d messages%s",
-                    self.config.consumer, r.rank, ask.resume.to_seq, asm.messages, why,
+                    self.config.consumer,
+                    r.rank,
+                    ask.resume.to_seq,
+                    asm.messages,
+                    why,
                 )
             last[:] = [asm]
             try:

@@ -70,6 +70,10 @@ class Upstream:
         self._touched = 0.0
         #: how long the upstream held the last Status (0 when it did not wait)
         self.waited_s = 0.0
+        #: a mirror pull's window whose stream broke: the next pull asks to go on with it
+        self._broken: decode.WindowAssembler | None = None
+        #: mirror pulls that went on where a broken one stopped
+        self.resumed = 0
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -169,10 +173,24 @@ class Upstream:
             consumer=self.config.consumer, form=pb.FORM_ROWS, dtype=pb.WIRE_DTYPE_FP32,
             from_base=from_base, no_generation_diff=True, mirror=True, with_dense=True,
         )  # fmt: skip
-        d = decode.pull(
-            self._channel, req, metadata=self._metadata,
-            timeout=max(self.config.rpc_deadline_s, self.config.stream_deadline_s),
-            stall_s=min(STALL_S, self.config.rpc_deadline_s),
-        )  # fmt: skip
+        # a base whose stream broke goes on where it broke (GetDeltaRequest.resume): over a
+        # link that drops more often than a base takes, starting over would never finish
+        asm, self._broken = self._broken, None
+        if asm is not None and asm.resumable:
+            req = asm.resume_request(req)
+            self.resumed += 1
+            log.info("upstream %s: resuming a base after %d messages", self.config.upstream,
+                     asm.messages)  # fmt: skip
+        else:
+            asm = decode.WindowAssembler()
+        try:
+            d = decode.pull(
+                self._channel, req, metadata=self._metadata,
+                timeout=max(self.config.rpc_deadline_s, self.config.stream_deadline_s),
+                stall_s=min(STALL_S, self.config.rpc_deadline_s), assembler=asm,
+            )  # fmt: skip
+        except grpc.RpcError:
+            self._broken = asm  # (kept only if resumable, at the next pull)
+            raise
         self._touched = time.monotonic()
         return d

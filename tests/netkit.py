@@ -1,0 +1,107 @@
+"""A TCP proxy whose connections drop: a link that breaks every so many bytes, for tests of
+streams that must survive it (real sockets, the real gRPC transport on both sides)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from types import TracebackType
+
+
+class DroppingProxy:
+    """Listens on 127.0.0.1 and forwards each connection to ``target`` (host:port). Each of
+    the first ``drops`` connections is cut (both directions, as a dropped link) once
+    ``drop_after`` bytes went from the target to the client; later ones are not cut."""
+
+    def __init__(self, target: str, drop_after: int, drops: int) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.drop_after = drop_after
+        self.drops_left = drops
+        self.cut = 0  # connections cut so far
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, name="proxy", daemon=True)
+
+    def __enter__(self) -> DroppingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        t: type[BaseException] | None,
+        e: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            _close(s)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                _close(client)
+                continue
+            upstream.settimeout(None)
+            client.settimeout(None)
+            with self._lock:
+                limit = self.drop_after if self.drops_left > 0 else None
+                if limit is not None:
+                    self.drops_left -= 1
+                self._socks += [client, upstream]
+            pair = (client, upstream)
+            threading.Thread(
+                target=self._pump, args=(client, upstream, None, pair), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._pump, args=(upstream, client, limit, pair), daemon=True
+            ).start()
+
+    def _pump(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        limit: int | None,
+        pair: tuple[socket.socket, socket.socket],
+    ) -> None:
+        sent = 0
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if limit is not None and sent + len(data) >= limit:
+                    dst.sendall(data[: max(0, limit - sent)])
+                    with self._lock:
+                        self.cut += 1
+                    break
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for s in pair:  # either side ending ends the link
+            _close(s)
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()
