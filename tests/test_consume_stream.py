@@ -389,3 +389,42 @@ def test_a_staged_resync_and_another_ranks_delta_equal_the_assembled_apply(held:
         assert b.tables()["t"] is kept
         assert torch.equal(b.tables()["t"][5:7, 4:], start[5:7, 4:])  # columns not sent
     assert stage.installed
+
+
+def test_a_serving_model_bootstraps_over_a_link_that_keeps_dropping(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """An int8 serving model (QuantApplier, packed-int8 wire) bootstrapped through a link cut
+    every 200 kB of a 1.2 MB window (64 kB messages): each retry goes on where the cut left
+    the stream, and the model serves exactly what one bootstrapped directly serves."""
+    from netkit import DroppingProxy
+
+    tables = {"t0": (12_000, DIM), "t1": (9000, DIM), "seq": (8000, DIM)}
+    trainer = FakeTrainer(tmp_path / "spool", world_size=1, tables=tables)
+    trainer.start(0)
+    trainer.step(10)
+    pull = PullOptions(wire_dtype=packed_wire_dtype(ServeDtype.INT8), dense=False)
+    states = []
+    with sidecars(tmp_path / "spool", redis_url, 1) as servers:
+        for how in ("direct", "link"):
+            torch.manual_seed(123)
+            model = ClickModel({"t0": 12_000, "t1": 9000}, 8000, dim=DIM).eval()
+            q = QuantApplier(quantize_model(model, ServeDtype.INT8), chunk_rows=16)
+            if how == "direct":
+                with consumer("near", servers, pull=pull) as c:
+                    streamed(c, q)
+            else:
+                with DroppingProxy(servers[0].endpoint, drop_after=200_000, drops=1000) as link:
+                    cfg = ConsumerConfig(
+                        consumer="far", model="m", sidecars=(link.endpoint,), pull=pull,
+                        rpc_deadline_s=10.0, max_retries=60, backoff_initial_s=0.01,
+                        backoff_max_s=0.05,
+                    )  # fmt: skip
+                    with DeltaConsumer(cfg).connect() as c:
+                        streamed(c, q)
+                    assert link.cut >= 4, link.cut
+            states.append(serving_state(q.model))
+    got, want = states
+    assert got.keys() == want.keys()
+    for k in got:
+        assert torch.equal(got[k], want[k]), k
