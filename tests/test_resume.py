@@ -11,16 +11,17 @@ import grpc
 import pytest
 import torch
 from netkit import DroppingProxy
-from serverkit import MODEL, Client, Replica, SpoolWriter, server_config, wait_for
-from test_relay import db, start_relay, status
+from serverkit import MODEL, Client, SpoolWriter, server_config, wait_for
+from test_relay import db, status
 
 from deltad import wire
-from deltad.config import ConsumerConfig
+from deltad.config import ConsumerConfig, RelayConfig
 from deltad.consume import decode
 from deltad.consume.appliers import TensorDictApplier, _TensorStage
 from deltad.consume.client import DeltaConsumer
 from deltad.consume.window import ShardUpdate
 from deltad.serve.edge.app import SidecarServer
+from deltad.serve.relay.server import RelayServer
 from deltad.serve.windows.request import MIN_CHUNK_BYTES
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
@@ -212,27 +213,44 @@ def test_a_relay_mirrors_a_base_over_a_link_that_keeps_dropping(
 ) -> None:
     """A relay whose link to its upstream is cut every 300 kB during a 1.5 MB base: each
     mirror pull goes on where the last broke (started over, none would get past the first
-    300 kB), the relay's log reaches the upstream's head, and it serves the same tables."""
+    300 kB), and the relay's log reaches the upstream's head; a predictor behind the relay,
+    over a link cut as often, bootstraps the same tables from it (the relay resumes its
+    streams as a sidecar does)."""
     w = _spool(tmp_path / "spool")
     srv = _serve(tmp_path / "spool", redis_url)
     try:
         with DroppingProxy(srv.endpoint, drop_after=300_000, drops=1000) as link:
-            relay = start_relay(link.endpoint, tmp_path / "relay", 0, db(redis_url, 1))
+            # (its messages smaller than what the link carries between cuts: a stream goes on
+            # after whole messages)
+            cfg = server_config(tmp_path / "relay", db(redis_url, 1), chunk_bytes=MIN_CHUNK_BYTES)
+            relay = RelayServer(
+                cfg,
+                RelayConfig(
+                    upstream=link.endpoint, consumer="relay", poll_interval_s=0.02,
+                    fsync=False, backoff_initial_s=0.05, backoff_max_s=0.5,
+                ),
+            ).start()  # fmt: skip
             try:
                 wait_for(lambda: status(relay.endpoint).head_seq == 3, 60, "the relay at seq 3")
                 assert link.cut >= 3 and relay.mirror.upstream.resumed >= 3, (
                     link.cut,
                     relay.mirror.upstream.resumed,
                 )
-                c = Client(relay.endpoint)
-                try:
-                    replica = Replica()
-                    replica.apply(c.pull("p"))
-                finally:
-                    c.close()
+                with DroppingProxy(relay.endpoint, drop_after=300_000, drops=1000) as far:
+                    cfg = ConsumerConfig(
+                        consumer="behind", model=MODEL, sidecars=(far.endpoint,),
+                        rpc_deadline_s=10.0, max_retries=20, backoff_initial_s=0.05,
+                        backoff_max_s=0.2,
+                    )  # fmt: skip
+                    applier = _Counting()
+                    with DeltaConsumer(cfg) as c:
+                        r = c.sync(applier)
+                    assert r.resync and not r.missing, r.missing
+                    assert far.cut >= 3, far.cut
             finally:
                 relay.stop(0.2)
         for t, truth in w.truth.items():
-            assert torch.equal(replica.tables[t], truth), t
+            assert torch.equal(applier.tables()[t], truth), t
+        assert applier.rows == {"t0": 20_000, "t1": 3000}
     finally:
         srv.stop(0.5)
