@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 
 class DroppingProxy:
     """Listens on 127.0.0.1 and forwards each connection to ``target`` (host:port). Each of
     the first ``drops`` connections is cut (both directions, as a dropped link) once
-    ``drop_after`` bytes went from the target to the client; later ones are not cut."""
+    ``drop_after`` bytes went from the target to the client; later ones are not cut.
+    ``on_cut``: called (in the proxy's thread) right before each cut."""
 
-    def __init__(self, target: str, drop_after: int, drops: int) -> None:
+    def __init__(
+        self,
+        target: str,
+        drop_after: int,
+        drops: int,
+        on_cut: Callable[[], object] | None = None,
+    ) -> None:
+        self.on_cut = on_cut
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
         self.drop_after = drop_after
@@ -88,6 +97,8 @@ class DroppingProxy:
                     break
                 if limit is not None and sent + len(data) >= limit:
                     dst.sendall(data[: max(0, limit - sent)])
+                    if self.on_cut is not None:
+                        self.on_cut()
                     with self._lock:
                         self.cut += 1
                     break

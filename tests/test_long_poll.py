@@ -77,6 +77,46 @@ def test_a_long_poll_answers_when_the_head_moves(tmp_path: Path, redis_url: str)
         server.stop(0.2)
 
 
+def test_a_stopping_sidecar_answers_its_long_polls_before_its_stores_close(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Long polls held when the sidecar stops are answered at once (with what it has), and
+    none is still running when stop() returns: none reads Redis or the log after the stores
+    close (before, a handler went on polling the release state for up to a second, into a
+    Redis that had gone)."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    server = SidecarServer(server_config(tmp_path / "spool", 0, redis_url)).start()
+    got: list[pb.StatusResponse | grpc.RpcError] = []
+
+    def poll(ask: pb.StatusRequest) -> None:
+        try:
+            got.append(_status(server.endpoint, ask))
+        except grpc.RpcError as e:
+            got.append(e)
+
+    try:
+        now = _status(server.endpoint, pb.StatusRequest())
+        asks = [
+            pb.StatusRequest(after_generation=now.generation, after_seq=now.head_seq,
+                             wait_ms=25_000),
+            pb.StatusRequest(after_generation=now.generation, after_seq=now.head_seq,
+                             wait_ms=25_000, after_rollout_version=now.rollout_version),
+        ]  # fmt: skip
+        threads = [threading.Thread(target=poll, args=(a,)) for a in asks]
+        for t in threads:
+            t.start()
+        wait_for(lambda: server.servicer.status.waiters == 2, 10, "two long polls held")
+    finally:
+        server.stop(0.5)
+    assert server.servicer.status.waiters == 0
+    for t in threads:
+        t.join(timeout=10)
+    assert len(got) == 2
+    for r in got:
+        assert isinstance(r, pb.StatusResponse) and r.waited, r
+
+
 def test_a_long_poll_runs_out_and_respects_the_callers_deadline(
     tmp_path: Path, redis_url: str
 ) -> None:

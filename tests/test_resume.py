@@ -5,13 +5,14 @@ window's end or with bad fields is refused. Real sidecars, real Redis, raw gRPC 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from netkit import DroppingProxy
-from serverkit import MODEL, Client, SpoolWriter, server_config, wait_for
+from serverkit import MODEL, Client, Replica, SpoolWriter, server_config, wait_for
 from test_relay import db, status
 
 from deltad import wire
@@ -206,6 +207,63 @@ class _Counting(TensorDictApplier):
 
     def stage(self) -> _TensorStage:
         return _CountingStage(self)
+
+
+def test_an_assembled_pull_over_a_dropping_link_resumes_or_starts_over(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """``DeltaConsumer.pull()`` without an applier (windows assembled in memory) goes on
+    where a cut left it too; when the window cannot be continued (the trainer restarted
+    while the link was down) the attempt starts over, nothing staged to spoil, and the same
+    pull brings the new generation."""
+    w = _spool(tmp_path)
+    srv = _serve(tmp_path, redis_url)
+
+    def cfg(endpoint: str, name: str) -> ConsumerConfig:
+        return ConsumerConfig(
+            consumer=name, model=MODEL, sidecars=(endpoint,), rpc_deadline_s=10.0,
+            max_retries=20, backoff_initial_s=0.05, backoff_max_s=0.2, align_steps=False,
+        )  # fmt: skip
+
+    try:
+        with DroppingProxy(srv.endpoint, drop_after=300_000, drops=1000) as link:
+            with DeltaConsumer(cfg(link.endpoint, "assembled")) as c:
+                r = c.pull()
+            assert not r.missing and r.deltas[0].resync and link.cut >= 3
+            replica = Replica()
+            replica.apply(r.deltas[0])
+            for t, truth in w.truth.items():
+                assert torch.equal(replica.tables[t], truth), t
+        streams, _ = resumed(srv)
+        assert streams >= 3
+
+        def restart() -> None:  # the trainer restarts while the link is down
+            w.start_generation(2, 100)
+            time.sleep(0.5)  # (the sidecar takes the new generation before the retry)
+
+        with DroppingProxy(srv.endpoint, drop_after=300_000, drops=1, on_cut=restart) as link:
+            with DeltaConsumer(cfg(link.endpoint, "restarted")) as c:
+                r = c.pull()
+            assert not r.missing and link.cut == 1
+            d = r.deltas[0]
+            assert d.resync and d.generation == 2
+            replica = Replica()
+            replica.apply(d)
+            for t, truth in w.truth.items():
+                assert torch.equal(replica.tables[t], truth), t
+        assert resumed(srv)[0] == streams  # that one was not resumed
+    finally:
+        srv.stop(0.5)
+
+
+def resumed(srv: SidecarServer) -> tuple[float, float]:
+    """(streams resumed, messages not sent again) by ``srv``."""
+    labels = {"model": MODEL, "rank": "0"}
+    get = srv.metrics.registry.get_sample_value
+    return (
+        get("deltad_getdelta_resumed_total", labels) or 0.0,
+        get("deltad_getdelta_resumed_messages_total", labels) or 0.0,
+    )
 
 
 def test_a_relay_mirrors_a_base_over_a_link_that_keeps_dropping(

@@ -348,30 +348,15 @@ class DeltaConsumer:
         broke: list[str] = []  # how the last attempt ended
         last: list[decode.WindowAssembler] = []  # the last attempt's assembler
 
-        def call(ch: grpc.Channel, timeout: float, md: Sequence[tuple[str, str]]) -> RankDelta:
-            ask, asm = req, decode.WindowAssembler(pool=r.buffers, stage=stage)
-            why = f" ({broke[-1]})" if broke else ""
-            if stage is not None and stage.touched(r.rank) and last and last[-1].messages:
-                # an earlier attempt staged rows and broke: a retry from the start would
-                # stage them again, and mixed with a newer window's they cannot be told
-                # apart. The same resync window is asked to go on where it broke instead
-                # (what arrived stays staged); a sidecar that cannot serve it any more
-                # spoils this pull's stage (pull() discards it; the next pull starts over)
-                if not last[-1].resumable:
-                    raise ConsumerError(
-                        f"rank {r.rank}: a resync stream broke after staging rows{why}"
-                    )
-                asm = last[-1]
-                ask = asm.resume_request(req)
-                log.info(
-                    "pull %s rank %d: resuming the resync stream of seq %d after %d messages%s",
-                    self.config.consumer,
-                    r.rank,
-                    ask.resume.to_seq,
-                    asm.messages,
-                    why,
-                )
+        def fresh() -> decode.WindowAssembler:
+            asm = decode.WindowAssembler(pool=r.buffers, stage=stage)
             last[:] = [asm]
+            return asm
+
+        def attempt(
+            ch: grpc.Channel, ask: pb.GetDeltaRequest, asm: decode.WindowAssembler,
+            timeout: float, md: Sequence[tuple[str, str]],
+        ) -> RankDelta:  # fmt: skip
             try:
                 # ``timeout`` (rpc_deadline_s) bounds each wait for a message, not the
                 # stream: a bootstrap of a big shard may take longer (stream_deadline_s)
@@ -379,13 +364,42 @@ class DeltaConsumer:
                     ch, ask, timeout=max(timeout, self.config.stream_deadline_s),
                     metadata=md, stall_s=timeout, assembler=asm,
                 )  # fmt: skip
-            except decode.NotResumed as e:
-                raise ConsumerError(
-                    f"rank {r.rank}: a resync stream broke after staging rows{why}; {e}"
-                ) from None
             except grpc.RpcError as e:
                 broke.append(f"{e.code().name}: {e.details()}")
                 raise
+
+        def call(ch: grpc.Channel, timeout: float, md: Sequence[tuple[str, str]]) -> RankDelta:
+            why = f" ({broke[-1]})" if broke else ""
+            prev = last[-1] if last else None
+            # rows of the broken window in the stage: a retry from the start would stage
+            # them again, possibly of a newer window, and the two cannot be told apart
+            staged = stage is not None and stage.touched(r.rank)
+            if prev is None or not prev.messages:
+                return attempt(ch, req, fresh(), timeout, md)
+            if not prev.resumable:
+                if staged:
+                    raise ConsumerError(
+                        f"rank {r.rank}: a resync stream broke after staging rows{why}"
+                    )
+                return attempt(ch, req, fresh(), timeout, md)
+            # A resync window broke after some chunks: ask the same window to go on where
+            # it broke (what arrived stays, staged or assembled). A sidecar that serves it no
+            # more spoils this pull's stage if rows were staged (pull() discards it; the
+            # next pull starts over); if not, this attempt starts over.
+            ask = prev.resume_request(req)
+            log.info(
+                "pull %s rank %d: resuming the resync stream of seq %d after %d messages%s",
+                self.config.consumer, r.rank, ask.resume.to_seq, prev.messages, why,
+            )  # fmt: skip
+            try:
+                return attempt(ch, ask, prev, timeout, md)
+            except decode.NotResumed as e:
+                if staged:
+                    raise ConsumerError(
+                        f"rank {r.rank}: a resync stream broke after staging rows{why}; {e}"
+                    ) from None
+                log.info("pull %s rank %d: %s; starting over", self.config.consumer, r.rank, e)
+                return attempt(ch, req, fresh(), timeout, md)
 
         delta = self._sidecars.retry(r, "GetDelta", call)
         r.seen = max(r.seen, (delta.generation, delta.to_seq))

@@ -361,6 +361,9 @@ class SidecarServer:
         grace = self.config.grace_period_s if grace is None else grace
         self._stop.set()
         self.health.shutdown()
+        servicer = getattr(self, "servicer", None)
+        if servicer is not None:  # long polls answer now, not after the stores close
+            servicer.status.close()
         if self._server is not None:
             self._server.stop(grace).wait(grace + 5)
         upkeep = getattr(self, "upkeep", None)

@@ -26,11 +26,23 @@ class StatusRpc:
         self.windows = windows
         self._waiters = 0
         self._waiters_lock = threading.Lock()
+        #: set when the server stops: long polls answer at once (before its stores close)
+        self.closing = threading.Event()
 
     @property
     def waiters(self) -> int:
         """Long-polling Status calls waiting now."""
         return self._waiters
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """End the long polls (they answer with what they have) and wait, at most
+        ``timeout_s``, until none runs: after it none reads the stores. True if none runs."""
+        self.closing.set()
+        self.log.wake()
+        deadline = time.monotonic() + timeout_s
+        while self._waiters and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._waiters
 
     def Status(
         self,
@@ -121,9 +133,12 @@ class StatusRpc:
             # sidecar's cached read of Redis), so a release or rollback order wakes it at once
             watch = req.HasField("after_rollout_version")
             step_s = VIEW_TTL_S if watch else 1.0
-            while context.is_active():  # bounded by `end`; a cancelled call stops waiting
+            # bounded by `end`; a cancelled call, or the server stopping, stops waiting
+            while context.is_active() and not self.closing.is_set():
                 left = end - time.monotonic()
-                snap = self.log.wait_past(req.after_generation, req.after_seq, min(left, step_s))
+                snap = self.log.wait_past(
+                    req.after_generation, req.after_seq, min(left, step_s), self.closing
+                )
                 if left <= step_s or (
                     snap is not None
                     and (snap.generation, snap.head.seq) > (req.after_generation, req.after_seq)

@@ -300,20 +300,30 @@ class SegmentLog:
             with self._changed:
                 self._changed.notify_all()
 
-    def wait_past(self, generation: int, seq: int, timeout: float) -> LogSnapshot | None:
-        """The snapshot once its head is past ``(generation, seq)`` or ``timeout`` seconds
-        have passed (whichever first; the snapshot either way). A long-polling reader's wait:
-        woken by each published snapshot, so it sees a new head without polling."""
+    def wait_past(
+        self, generation: int, seq: int, timeout: float, stop: threading.Event | None = None
+    ) -> LogSnapshot | None:
+        """The snapshot once its head is past ``(generation, seq)``, ``timeout`` seconds have
+        passed or ``stop`` is set (then :meth:`wake`: whichever first; the snapshot either
+        way). A long-polling reader's wait: woken by each published snapshot, so it sees a new
+        head without polling."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._changed:
             while True:  # bounded by the deadline
                 snap = self._snapshot
                 if snap is not None and (snap.generation, snap.head.seq) > (generation, seq):
                     return snap
+                if stop is not None and stop.is_set():
+                    return snap
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return snap
                 self._changed.wait(left)
+
+    def wake(self) -> None:
+        """Wake every :meth:`wait_past` (those given a set ``stop`` return)."""
+        with self._changed:
+            self._changed.notify_all()
 
     def replace(self, covered: Sequence[LogEntry], merged: LogEntry) -> bool:
         """Swap ``covered`` (already replaced on disk by ``merged``) for ``merged``; delete
