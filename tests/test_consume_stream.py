@@ -397,7 +397,7 @@ def test_a_serving_model_bootstraps_over_a_link_that_keeps_dropping(
     """An int8 serving model (QuantApplier, packed-int8 wire) bootstrapped through a link cut
     every 200 kB of a 1.2 MB window (64 kB messages): each retry goes on where the cut left
     the stream, and the model serves exactly what one bootstrapped directly serves."""
-    from netkit import DroppingProxy
+    from bench.netproxy import DroppingProxy
 
     tables = {"t0": (12_000, DIM), "t1": (9000, DIM), "seq": (8000, DIM)}
     trainer = FakeTrainer(tmp_path / "spool", world_size=1, tables=tables)

@@ -11,10 +11,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from netkit import DroppingProxy
 from serverkit import MODEL, Client, Replica, SpoolWriter, server_config, wait_for
+from spoolkit import ZchWriter
+from test_dense import _state, _write_dense
 from test_relay import db, status
 
+from bench.netproxy import DroppingProxy
 from deltad import wire
 from deltad.config import ConsumerConfig, RelayConfig
 from deltad.consume import decode
@@ -30,9 +32,9 @@ from deltad.v1 import delta_pb2 as pb
 pytestmark = pytest.mark.timeout(120)
 
 
-def _spool(root: Path) -> SpoolWriter:
+def _spool(root: Path, deltas: int = 3) -> SpoolWriter:
     w = SpoolWriter(root, tables={"t0": (20_000, 16), "t1": (3000, 8)})
-    for _ in range(3):
+    for _ in range(deltas):
         w.delta(n=500)
     return w
 
@@ -65,31 +67,70 @@ def _resume(h: pb.DeltaHeader, messages: int) -> pb.StreamResume:
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cached", "built"])
 @pytest.mark.parametrize("dtype", [WireDtype.FP32, WireDtype.PACKED_INT8])
+@pytest.mark.parametrize("deltas", [3, 0], ids=["merged", "base-only"])
 def test_a_resumed_resync_stream_is_the_tail_of_the_whole_stream(
-    tmp_path: Path, redis_url: str, cache: bool, dtype: WireDtype
+    tmp_path: Path, redis_url: str, cache: bool, dtype: WireDtype, deltas: int
 ) -> None:
-    _spool(tmp_path)
+    """Resumed after k messages (in a shard, at a shard's end, in the dense state, at the
+    end), from a window in the cache or one built for that stream alone (which leaves the
+    first k messages out unbuilt), merged from a base and deltas or a base alone: the whole
+    stream's tail, byte for byte."""
+    w = _spool(tmp_path, deltas)
+    _write_dense(w, _state(3))
+    step = w.step
     srv = _serve(tmp_path, redis_url, **({} if cache else {"window_cache_bytes": 0}))
     try:
-        whole = _stream(srv, _request("a", dtype, max_step=30))
+        whole = _stream(srv, _request("a", dtype, max_step=step, with_dense=True))
         h = _header(whole[0])
-        assert h.resync and h.resumed_messages == 0 and h.to_step == 30
+        assert h.resync and h.resumed_messages == 0 and h.to_step == step
+        assert h.HasField("dense") and len(h.slices) == 2
         body = whole[1:-1]
-        assert len(body) >= 8
-        for k in (1, 5, len(body) - 1, len(body)):
-            got = _stream(srv, _request(f"b{k}", dtype, max_step=30, resume=_resume(h, k)))
+        kinds = [pb.GetDeltaResponse.FromString(m).WhichOneof("msg") for m in body]
+        first_dense = kinds.index("dense")
+        t0_end = sum(
+            pb.GetDeltaResponse.FromString(m).chunk.slice == 0 for m in body if m[:1] == b"\x12"
+        )
+        assert len(body) >= 12 and 0 < t0_end < first_dense < len(body) - 2
+        for k in (1, 5, t0_end, first_dense + 2, len(body) - 1, len(body)):
+            got = _stream(
+                srv,
+                _request(f"b{k}", dtype, max_step=step, with_dense=True, resume=_resume(h, k)),
+            )
             gh = _header(got[0])
             assert gh.resumed_messages == k
             gh.resumed_messages = 0
             assert gh == h  # the same window (and the same reason: no cursor)
-            assert got[1:-1] == body[k:]  # byte for byte
+            assert got[1:-1] == body[k:], k  # byte for byte
             trailer = pb.GetDeltaResponse.FromString(got[-1]).trailer
             assert trailer.cursor.seq == h.to_seq and trailer.rows == sum(s.count for s in h.slices)
-        if not cache:
-            v = srv.metrics.registry.get_sample_value(
-                "deltad_getdelta_resumed_total", {"model": MODEL, "rank": "0"}
-            )
-            assert v == 4
+        v = srv.metrics.registry.get_sample_value(
+            "deltad_getdelta_resumed_total", {"model": MODEL, "rank": "0"}
+        )
+        assert v == 6
+    finally:
+        srv.stop(0.5)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "built"])
+def test_a_resumed_managed_collision_window_is_the_tail_too(
+    tmp_path: Path, redis_url: str, cache: bool
+) -> None:
+    """A managed-collision table (raw ids with every row, evictions in the deltas) beside an
+    ordinary one: resumed anywhere, the tail byte for byte."""
+    w = ZchWriter(tmp_path, mc={"zch": (6000, 8)}, tables={"t0": (4000, 8)})
+    for _ in range(3):
+        w.delta(n=300)
+    srv = _serve(tmp_path, redis_url, **({} if cache else {"window_cache_bytes": 0}))
+    try:
+        whole = _stream(srv, _request("a", max_step=w.step))
+        h = _header(whole[0])
+        assert h.resync and any(s.identities for s in h.slices)
+        body = whole[1:-1]
+        assert len(body) >= 6
+        for k in range(1, len(body) + 1):
+            got = _stream(srv, _request(f"b{k}", max_step=w.step, resume=_resume(h, k)))
+            assert _header(got[0]).resumed_messages == k
+            assert got[1:-1] == body[k:], k
     finally:
         srv.stop(0.5)
 
@@ -128,11 +169,12 @@ def test_any_other_window_is_served_from_its_start(tmp_path: Path, redis_url: st
         srv.stop(0.5)
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "built"])
 def test_a_resume_past_the_end_or_with_bad_fields_is_refused(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, redis_url: str, cache: bool
 ) -> None:
     _spool(tmp_path)
-    srv = _serve(tmp_path, redis_url)
+    srv = _serve(tmp_path, redis_url, **({} if cache else {"window_cache_bytes": 0}))
     try:
         whole = _stream(srv, _request("a", max_step=30))
         h = _header(whole[0])

@@ -32,6 +32,28 @@ from deltad.wire import (
 )
 
 
+class Skip:
+    """Messages a stream leaves out at its start, unbuilt (a resumed stream: see
+    ``GetDeltaRequest.resume``). Each encoder asks :meth:`take` before building a message and
+    goes to the next one without building it while it says True."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: int = 0) -> None:
+        self.left = left
+
+    def take(self) -> bool:
+        """Whether the next message is left out (then one fewer is)."""
+        if self.left > 0:
+            self.left -= 1
+            return True
+        return False
+
+
+def _skips(skip: Skip | None) -> bool:
+    return skip is not None and skip.take()
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
@@ -352,8 +374,10 @@ def encode_shard_chunks(
     chunk_bytes: int,
     alignment: int = DEFAULT_ROW_ALIGNMENT,
     idn: Identities | None = None,
+    skip: Skip | None = None,
 ) -> Iterator[bytes]:
-    """Serialized RowChunk messages of one shard (values None for FORM_IDS).
+    """Serialized RowChunk messages of one shard (values None for FORM_IDS; ``skip``: the
+    first ones left out unbuilt, see :class:`Skip`).
 
     Values are quantized (or packed) chunk by chunk (every wire dtype is row-wise), so the
     first chunk is ready at once and no shard-sized temporary is allocated. A managed-
@@ -368,11 +392,13 @@ def encode_shard_chunks(
     )
     n = ids.numel()
     for off in range(0, n, step):
+        if _skips(skip):
+            continue
         end = min(n, off + step)
         vals = values[off:end] if values is not None else None
         ev, ad = identity_runs(idn, off, end)
         yield encode_rows(slice_index, off, ids[off:end], vals, dtype, alignment, idn, ev, ad)
-    yield from extra_identity_chunks(slice_index, n, idn, chunk_bytes)
+    yield from extra_identity_chunks(slice_index, n, idn, chunk_bytes, skip)
 
 
 def identity_runs(
@@ -388,7 +414,7 @@ def identity_runs(
 
 
 def extra_identity_chunks(
-    slice_index: int, n: int, idn: Identities | None, chunk_bytes: int
+    slice_index: int, n: int, idn: Identities | None, chunk_bytes: int, skip: Skip | None = None
 ) -> Iterator[bytes]:
     """RowChunks of no rows after a shard's ``n`` rows: the evicted and admitted raw ids past
     entry ``n`` (the row chunks carried the first ``n`` of each), up to ``chunk_bytes`` each."""
@@ -403,6 +429,8 @@ def extra_identity_chunks(
         ev = (e, min(n_ev, e + per))
         ad = (a, min(n_ad, a + per - (ev[1] - ev[0])))
         e, a = ev[1], ad[1]
+        if _skips(skip):
+            continue
         yield encode_chunk(slice_index, n, empty, None, None, idn, ev, ad)
 
 
@@ -411,6 +439,7 @@ def encode_packed_chunks(
     ids: torch.Tensor,
     packed: torch.Tensor,
     chunk_bytes: int,
+    skip: Skip | None = None,
 ) -> Iterator[bytes]:
     """Serialized RowChunk messages of one shard whose rows are already packed (uint8
     [n, row_bytes], e.g. from :class:`~deltad.serve.windows.packed.PackedStore`): the same
@@ -418,16 +447,22 @@ def encode_packed_chunks(
     ids = ids.contiguous()
     step = max(1, chunk_bytes // (8 + packed.shape[1]))  # (as rows_per_chunk: same chunks)
     for off in range(0, ids.numel(), step):
+        if _skips(skip):
+            continue
         end = off + step
         yield encode_chunk(slice_index, off, ids[off:end], packed[off:end])
 
 
-def encode_dense_chunks(state: DenseState, chunk_bytes: int) -> Iterator[bytes]:
+def encode_dense_chunks(
+    state: DenseState, chunk_bytes: int, skip: Skip | None = None
+) -> Iterator[bytes]:
     """Serialized DenseChunk messages of a dense state: each tensor's bytes in runs of at
     most ``chunk_bytes``, tensors in the order of its header (``DeltaHeader.dense``)."""
     step = max(1, chunk_bytes)
     for i, m in enumerate(state.header.tensors):
         data = tensor_bytes(state.tensors[m.name])
         for off in range(0, len(data), step):
+            if _skips(skip):
+                continue
             chunk = pb.DenseChunk(tensor=i, offset=off, data=bytes(data[off : off + step]))
             yield pb.GetDeltaResponse(dense=chunk).SerializeToString()

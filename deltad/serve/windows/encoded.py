@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from deltad.segment.format import ShardRows
+from deltad.serve.windows.encode import Skip
 from deltad.types import ShardKey
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class EncodedWindow:
         self._done = False
         self._error: BaseException | None = None
         self._on_done: list[Callable[[EncodedWindow], None]] = []
+        #: messages its producer leaves out unbuilt (see :meth:`skip_unbuilt`)
+        self.skip = Skip()
 
     @property
     def owed_rows(self) -> int:
@@ -84,6 +87,15 @@ class EncodedWindow:
         """Every chunk (produces the rest; kept windows only)."""
         assert self.kept
         return list(self.iter_chunks())
+
+    def skip_unbuilt(self, n: int) -> int:
+        """Have the producer leave out the first ``n`` messages without building them (a
+        resumed stream); only a window that is not kept and not started (its one reader is
+        the caller, nobody else sees its chunks). The messages left out: ``n`` or 0."""
+        if self.kept or self._produce is None or self._producing or self._done:
+            return 0
+        self.skip.left = n
+        return n
 
     def start(self, produce: Iterator[tuple[bytes | None, float]]) -> EncodedWindow:
         """Produce from ``produce``: (chunk or None, seconds spent), as readers need them."""

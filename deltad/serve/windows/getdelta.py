@@ -141,6 +141,8 @@ class WindowServer:
                     ahead.close()
                 if threading.get_ident() == thread:  # (not if closed from another thread)
                     self.metrics.stream_cpu_seconds.inc(max(0.0, time.thread_time() - cpu))
+            if win.skip.left:  # (left out unbuilt: the window ran out first)
+                _past_end(context, resume)
             if not hit:
                 self.metrics.merge_seconds.observe(win.merge_seconds)
             committed = self._auto_commit(req, snap.generation, got, pull_id, context)
@@ -300,15 +302,13 @@ class WindowServer:
         cores, hence prefetch is off by default there
         (:func:`~deltad.perf.default_prefetch_messages`)."""
         chunks: Iterator[bytes] = win.iter_chunks()
-        for _ in range(skip):  # a resumed stream: built (or cached) but not sent again
+        # a resumed stream: a window built for this stream alone leaves the messages out
+        # unbuilt; one shared or cached is read past them (built for the others anyway)
+        for _ in range(skip - win.skip_unbuilt(skip)):
             if slot is not None:
                 slot.progress = time.monotonic()
             if next(chunks, None) is None:
-                _abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"resume after {skip} messages: the window has fewer",
-                )
+                _past_end(context, skip)
         if skip:
             self.metrics.resumed_streams.inc()
             self.metrics.resumed_messages.inc(skip)
@@ -401,3 +401,11 @@ class WindowServer:
             (time.monotonic() - started) * 1000,
             f"; dense state missing: {dense_missing}" if dense_missing else "",
         )  # fmt: skip
+
+
+def _past_end(context: grpc.ServicerContext, skip: int) -> None:
+    _abort(
+        context,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"resume after {skip} messages: the window has fewer",
+    )

@@ -13,7 +13,7 @@ from deltad import wire
 from deltad.segment.format import ShardRows
 from deltad.serve.index.merge import merge_rows
 from deltad.serve.windows import encode
-from deltad.serve.windows.encode import Identities
+from deltad.serve.windows.encode import Identities, Skip
 from deltad.serve.windows.packed import PackedStore
 from deltad.types import ShardKey, WireDtype
 
@@ -93,15 +93,17 @@ class MergedShard:
         idn: encode.Identities | None = None,
         *,
         packed: PackedStore | None = None,
+        skip: Skip | None = None,
     ) -> Iterator[bytes]:
         """The shard's RowChunk messages (``index`` in the header), in row order
         (``alignment``: of packed rows; ``idn``: a managed-collision shard's identities, see
         :func:`~deltad.serve.windows.encode.encode_shard_chunks`; ``packed``: where the parts'
-        packed rows are kept, used for shards without identities)."""
+        packed rows are kept, used for shards without identities; ``skip``: the first
+        messages left out unbuilt, see :class:`~deltad.serve.windows.encode.Skip`)."""
         ids, cs = self.ids, self.parts
         n = ids.numel()
         if n == 0:
-            yield from encode.extra_identity_chunks(index, 0, idn, chunk_bytes)
+            yield from encode.extra_identity_chunks(index, 0, idn, chunk_bytes, skip)
             return
         prows = None if idn is not None else self._packed_parts(packed, dtype, alignment)
         last = cs[-1]
@@ -110,18 +112,18 @@ class MergedShard:
         if self.merges_whole(step):
             if prows is not None:  # merged packed: the bytes of packing the merged rows
                 m = merge_rows(prows)
-                yield from encode.encode_packed_chunks(index, m.ids, m.values, chunk_bytes)
+                yield from encode.encode_packed_chunks(index, m.ids, m.values, chunk_bytes, skip)
                 return
             m = merge_rows(cs)
             yield from encode.encode_shard_chunks(
-                index, m.ids, m.values, dtype, chunk_bytes, alignment, idn
+                index, m.ids, m.values, dtype, chunk_bytes, alignment, idn, skip
             )
             return
         if prows is not None:  # rows packed once: merged as opaque rows, like fp32 ones
-            yield from self._ranged(index, ids, prows, step, None)
+            yield from self._ranged(index, ids, prows, step, None, skip=skip)
             return
-        yield from self._ranged(index, ids, cs, step, dtype, alignment, idn)
-        yield from encode.extra_identity_chunks(index, n, idn, chunk_bytes)
+        yield from self._ranged(index, ids, cs, step, dtype, alignment, idn, skip)
+        yield from encode.extra_identity_chunks(index, n, idn, chunk_bytes, skip)
 
     def _packed_parts(
         self, packed: PackedStore | None, dtype: WireDtype, alignment: int
@@ -148,10 +150,11 @@ class MergedShard:
         dtype: WireDtype | None,
         alignment: int = 0,
         idn: Identities | None = None,
+        skip: Skip | None = None,
     ) -> Iterator[bytes]:
         """RowChunks of ``step`` rows, each range merged from ``cs`` right before it is
         encoded; ``dtype`` None: the parts' values are the wire's bytes already (packed, no
-        identities); ``idn``: see :meth:`encode`."""
+        identities); ``idn``, ``skip``: see :meth:`encode`."""
         n = ids.numel()
         last = cs[-1]
         width = last.shard.col_end - last.shard.col_start
@@ -187,6 +190,8 @@ class MergedShard:
             wire_row_bytes = row_bytes if dtype is None else width * wire.WIRE_ITEMSIZE[dtype]
         cuts: list[int] = bounds.tolist()
         for r in range(len(cuts) - 1):
+            if skip is not None and skip.take():
+                continue
             a, b = cuts[r], cuts[r + 1]
             # the newest part holding every row of [a, b): older parts are overwritten by it
             first = 0

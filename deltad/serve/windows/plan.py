@@ -167,23 +167,26 @@ def build_window(
             packable = r is not None and i in whole and i not in idents and with_values
             if packable and r is not None and packed is not None:
                 rows = packed.rows(r, dtype, spec.row_alignment)
+            skip = win.skip
             if r is None:
                 chunks = sources[i].encode(
-                    i, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i), packed=packed
-                )
+                    i, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i), packed=packed,
+                    skip=skip,
+                )  # fmt: skip
             elif rows is not None:
-                chunks = encode.encode_packed_chunks(i, r.ids, rows, spec.chunk_bytes)
+                chunks = encode.encode_packed_chunks(i, r.ids, rows, spec.chunk_bytes, skip)
             else:
                 values = None if spec.form is Form.IDS else r.values
                 chunks = encode.encode_shard_chunks(
-                    i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i)
-                )
+                    i, r.ids, values, dtype, spec.chunk_bytes, spec.row_alignment, idents.get(i),
+                    skip,
+                )  # fmt: skip
             for msg in chunks:
                 win.build_cpu_seconds += time.thread_time() - cpu
                 yield msg, time.perf_counter() - t
                 t, cpu = time.perf_counter(), time.thread_time()
         if dense is not None:
-            for msg in encode.encode_dense_chunks(dense.state, spec.chunk_bytes):
+            for msg in encode.encode_dense_chunks(dense.state, spec.chunk_bytes, win.skip):
                 win.build_cpu_seconds += time.thread_time() - cpu
                 yield msg, time.perf_counter() - t
                 t, cpu = time.perf_counter(), time.thread_time()

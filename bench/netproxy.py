@@ -1,5 +1,6 @@
-"""A TCP proxy whose connections drop: a link that breaks every so many bytes, for tests of
-streams that must survive it (real sockets, the real gRPC transport on both sides)."""
+"""A TCP proxy whose connections drop: a link that breaks every so many bytes, for tests and
+benchmarks of streams that must survive it (real sockets, the real gRPC transport on both
+sides)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class DroppingProxy:
         self.drop_after = drop_after
         self.drops_left = drops
         self.cut = 0  # connections cut so far
+        self.forwarded = 0  # bytes that went from the target to clients
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
@@ -75,12 +77,11 @@ class DroppingProxy:
                     self.drops_left -= 1
                 self._socks += [client, upstream]
             pair = (client, upstream)
-            threading.Thread(
-                target=self._pump, args=(client, upstream, None, pair), daemon=True
-            ).start()
-            threading.Thread(
-                target=self._pump, args=(upstream, client, limit, pair), daemon=True
-            ).start()
+            for args in (
+                (client, upstream, None, pair, False),
+                (upstream, client, limit, pair, True),
+            ):
+                threading.Thread(target=self._pump, args=args, daemon=True).start()
 
     def _pump(
         self,
@@ -88,6 +89,7 @@ class DroppingProxy:
         dst: socket.socket,
         limit: int | None,
         pair: tuple[socket.socket, socket.socket],
+        down: bool,
     ) -> None:
         sent = 0
         try:
@@ -97,6 +99,9 @@ class DroppingProxy:
                     break
                 if limit is not None and sent + len(data) >= limit:
                     dst.sendall(data[: max(0, limit - sent)])
+                    if down:
+                        with self._lock:
+                            self.forwarded += max(0, limit - sent)
                     if self.on_cut is not None:
                         self.on_cut()
                     with self._lock:
@@ -104,6 +109,9 @@ class DroppingProxy:
                     break
                 dst.sendall(data)
                 sent += len(data)
+                if down:
+                    with self._lock:
+                        self.forwarded += len(data)
         except OSError:
             pass
         for s in pair:  # either side ending ends the link
