@@ -203,20 +203,21 @@ def test_a_bootstrap_over_a_link_that_keeps_dropping_finishes(
 ) -> None:
     """The predictor reaches its sidecar through a link cut every 300 kB during a 1.5 MB
     bootstrap: started over at each cut it would never finish; resumed, it does, bit-equal,
-    every row staged once."""
+    every row staged once, with more cuts than it has retries (an attempt that brought
+    messages does not use one up)."""
     w = _spool(tmp_path)
     srv = _serve(tmp_path, redis_url)
     try:
         with DroppingProxy(srv.endpoint, drop_after=300_000, drops=1000) as link:
             cfg = ConsumerConfig(
                 consumer="far", model=MODEL, sidecars=(link.endpoint,), rpc_deadline_s=10.0,
-                max_retries=20, backoff_initial_s=0.05, backoff_max_s=0.2,
+                max_retries=2, backoff_initial_s=0.05, backoff_max_s=0.2,
             )  # fmt: skip
             applier = _Counting()
             with DeltaConsumer(cfg) as c:
                 r = c.sync(applier)
             assert r.resync and not r.missing, r.missing
-            assert link.cut >= 3, link.cut
+            assert link.cut > 3, link.cut  # more than 1 + max_retries attempts
         for t, truth in w.truth.items():
             assert torch.equal(applier.tables()[t], truth), t
         assert applier.rows == {"t0": 20_000, "t1": 3000}  # every row staged once
@@ -352,5 +353,31 @@ def test_a_relay_mirrors_a_base_over_a_link_that_keeps_dropping(
         for t, truth in w.truth.items():
             assert torch.equal(applier.tables()[t], truth), t
         assert applier.rows == {"t0": 20_000, "t1": 3000}
+    finally:
+        srv.stop(0.5)
+
+
+def test_a_relay_does_not_back_off_from_an_upstream_stream_that_progressed(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Each cut of a link that drops every 150 kB breaks a mirror pull that brought messages:
+    the relay retries after its initial backoff (0.05 s), not after a doubling one (up to
+    30 s here: with a dozen cuts, minutes). The base is mirrored well within 20 s."""
+    _spool(tmp_path / "spool")
+    srv = _serve(tmp_path / "spool", redis_url)
+    try:
+        with DroppingProxy(srv.endpoint, drop_after=150_000, drops=1000) as link:
+            relay = RelayServer(
+                server_config(tmp_path / "relay", db(redis_url, 2)),
+                RelayConfig(
+                    upstream=link.endpoint, consumer="relay", poll_interval_s=0.02,
+                    fsync=False, backoff_initial_s=0.05, backoff_max_s=30.0,
+                ),
+            ).start()  # fmt: skip
+            try:
+                wait_for(lambda: status(relay.endpoint).head_seq == 3, 20, "the relay at seq 3")
+                assert link.cut >= 8, link.cut
+            finally:
+                relay.stop(0.2)
     finally:
         srv.stop(0.5)

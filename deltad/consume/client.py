@@ -347,6 +347,11 @@ class DeltaConsumer:
         started = time.monotonic()
         broke: list[str] = []  # how the last attempt ended
         last: list[decode.WindowAssembler] = []  # the last attempt's assembler
+        began = [0]  # its messages when it began
+
+        def progressed() -> bool:
+            """Whether the failed attempt received messages a retry goes on from."""
+            return bool(last) and last[-1].resumable and last[-1].messages > began[0]
 
         def fresh() -> decode.WindowAssembler:
             asm = decode.WindowAssembler(pool=r.buffers, stage=stage)
@@ -357,6 +362,7 @@ class DeltaConsumer:
             ch: grpc.Channel, ask: pb.GetDeltaRequest, asm: decode.WindowAssembler,
             timeout: float, md: Sequence[tuple[str, str]],
         ) -> RankDelta:  # fmt: skip
+            began[0] = asm.messages
             try:
                 # ``timeout`` (rpc_deadline_s) bounds each wait for a message, not the
                 # stream: a bootstrap of a big shard may take longer (stream_deadline_s)
@@ -401,7 +407,7 @@ class DeltaConsumer:
                 log.info("pull %s rank %d: %s; starting over", self.config.consumer, r.rank, e)
                 return attempt(ch, req, fresh(), timeout, md)
 
-        delta = self._sidecars.retry(r, "GetDelta", call)
+        delta = self._sidecars.retry(r, "GetDelta", call, progressed)
         r.seen = max(r.seen, (delta.generation, delta.to_seq))
         if delta.committed:
             r.committed = delta.cursor

@@ -226,6 +226,7 @@ class Sidecars:
         r: RankLink,
         what: str,
         call: Callable[[grpc.Channel, float, tuple[tuple[str, str], ...]], T],
+        progressed: Callable[[], bool] | None = None,
     ) -> T:
         """``call(channel, timeout, metadata)`` with a deadline, retried with exponential
         backoff and jitter; credentials re-read before each attempt.
@@ -233,6 +234,13 @@ class Sidecars:
         RESOURCE_EXHAUSTED (the sidecar's stream limit) does not count as an attempt: it is
         retried after the wait the sidecar suggests (``deltad.wire.RETRY_AFTER_KEY``, with
         jitter) for up to ``overload_wait_s``, then raises OverloadedError.
+
+        ``progressed()``, asked after a failed attempt: True if that attempt got somewhere
+        the next one goes on from (a resumable stream received messages). Such an attempt
+        does not count either, and the backoff starts again from ``backoff_initial_s``: a
+        link that drops every few minutes must not use up the retries of a bootstrap that
+        takes longer. (Bounded: each such attempt took at least one message of a finite
+        window.)
         """
         c = self.config
         delay = c.backoff_initial_s
@@ -274,6 +282,10 @@ class Sidecars:
                         f"rank {r.rank} {what} at {r.endpoint}: {code.name}: {e.details()}"
                     ) from None
                 last = e
+                if progressed is not None and progressed():
+                    delay = c.backoff_initial_s
+                    self.closed.wait(delay * (0.5 + random.random() / 2))
+                    continue
             except DeltadError as e:
                 raise ConsumerError(f"rank {r.rank} {what}: {e}") from e
             if attempt < c.max_retries:

@@ -152,6 +152,8 @@ class RelayMirror:
                     return  # cancelled by stop()
                 problem = f"{e.code().name}: {e.details()}"
                 refused = refuses(e)
+                if self.upstream.progressed:  # a base going on where it broke: no backing off
+                    delay = c.backoff_initial_s
                 if refused:  # readiness says so (one line per change, by set_problem)
                     self.server.set_problem(
                         "upstream", f"upstream {c.upstream} refuses this relay: {problem[:300]}"

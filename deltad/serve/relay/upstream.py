@@ -74,6 +74,8 @@ class Upstream:
         self._broken: decode.WindowAssembler | None = None
         #: mirror pulls that went on where a broken one stopped
         self.resumed = 0
+        #: the last pull broke after bringing messages the next one goes on from
+        self.progressed = False
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -183,6 +185,7 @@ class Upstream:
                      asm.messages)  # fmt: skip
         else:
             asm = decode.WindowAssembler()
+        began, self.progressed = asm.messages, False
         try:
             d = decode.pull(
                 self._channel, req, metadata=self._metadata,
@@ -191,6 +194,7 @@ class Upstream:
             )  # fmt: skip
         except grpc.RpcError:
             self._broken = asm  # (kept only if resumable, at the next pull)
+            self.progressed = asm.resumable and asm.messages > began
             raise
         self._touched = time.monotonic()
         return d
