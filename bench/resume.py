@@ -7,7 +7,8 @@ proxy with no cut; the measured arm has its link cut every ``--drop-mb`` MB, and
 goes on where the last stream broke (``GetDeltaRequest.resume``; started over, no attempt
 would ever get past the first cut). Per arm: wall time of the pull, bytes the link carried,
 the sidecar's CPU. The baseline is measured twice per repeat (the noise line). The consumer
-stages rows (a ``TensorDictApplier``), as the reference predictor does.
+stages rows (a ``TensorDictApplier``), as the reference predictor does, with the library's
+retries and backoff (``ConsumerConfig`` defaults).
 
 ``python -m bench.resume [--window-mb 256] [--drop-mb 32] [--repeats 3] [--record]``: prints
 one JSON line; ``--record`` writes bench/results/resume.json.
@@ -47,10 +48,9 @@ def _bootstrap(endpoint: str, name: str, drop_bytes: int, cpu: CpuMonitor) -> di
 
     drops = 10**6 if drop_bytes else 0
     with DroppingProxy(endpoint, drop_after=drop_bytes or 1, drops=drops) as link:
-        cfg = consumer_config(
-            name, MODEL, link.endpoint, max_retries=1000, backoff_initial_s=0.01,
-            backoff_max_s=0.05,
-        )  # fmt: skip
+        # the library's retries and backoff (an attempt that brought messages uses none up
+        # and waits only the initial backoff, 0.05-0.1 s)
+        cfg = consumer_config(name, MODEL, link.endpoint)
         applier = TensorDictApplier()
         with DeltaConsumer(cfg) as c:
             cpu.reset()
