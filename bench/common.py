@@ -8,6 +8,7 @@ Every benchmark is a function ``run(ctx) -> dict`` registered in :mod:`bench.run
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import multiprocessing as mp
 import os
@@ -169,6 +170,22 @@ def machine_info() -> dict[str, Any]:
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "git_commit": _git_commit(),
     }
+
+
+def record_standalone(
+    module: str, result: dict[str, Any], argv: list[str] | None, record: bool
+) -> str:
+    """A standalone benchmark's end (``python -m bench.<module>``): stamp ``result`` with the
+    machine and the date, write ``bench/results/<module with dashes>.json`` (``{source,
+    result}``) if ``record``; return its JSON line (to print)."""
+    result["machine"] = machine_info()
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if record:
+        args = " ".join(sys.argv[1:] if argv is None else argv)
+        out = {"source": f"python -m bench.{module} {args} ({result['date']})", "result": result}
+        name = module.replace("_", "-") + ".json"
+        (Path(__file__).parent / "results" / name).write_text(json.dumps(out, indent=1))
+    return json.dumps(result)
 
 
 def _git_commit() -> str | None:

@@ -19,14 +19,13 @@ after it settled; its CPU in % of a core. ``short`` is measured twice (the noise
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, CpuMonitor, machine_info, settle
+from bench.common import Children, Context, CpuMonitor, record_standalone, settle
 from bench.deltad_procs import MODEL, start_sidecar
 
 KEEP_EVERYTHING = ["--restore-window-seconds", "86400"]
@@ -78,13 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="deltad-idlecpu-") as tmp:
         result = run(a.segments, a.seconds, Path(tmp))
-    result["machine"] = machine_info()
-    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = json.dumps(result)
-    if a.record:
-        source = f"python -m bench.idle_cpu {' '.join(sys.argv[1:] if argv is None else argv)}"
-        out = {"source": f"{source} ({result['date']})", "result": result}
-        (Path(__file__).parent / "results" / "idle-cpu.json").write_text(json.dumps(out, indent=1))
+    text = record_standalone("idle_cpu", result, argv, a.record)
     print(text)
     return 0
 

@@ -17,7 +17,6 @@ one JSON line; ``--record`` writes bench/results/resume.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -32,8 +31,8 @@ from bench.common import (
     Context,
     CpuMonitor,
     consumer_config,
-    machine_info,
     metric_sums,
+    record_standalone,
     rows_per_table,
     summarize,
 )
@@ -121,15 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--record", action="store_true", help="write bench/results/resume.json")
     a = p.parse_args(argv)
+    if a.drop_mb < 4 or a.window_mb < a.drop_mb:
+        # (a stream goes on after whole messages: the sidecar's 2 MB chunks)
+        p.error("--drop-mb must be >= 4 (whole 2 MB messages between cuts) and <= --window-mb")
     with tempfile.TemporaryDirectory(prefix="deltad-resume-") as tmp:
         result = run(a.window_mb, a.drop_mb, a.repeats, Path(tmp))
-    result["machine"] = machine_info()
-    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = json.dumps(result)
-    if a.record:
-        source = f"python -m bench.resume {' '.join(sys.argv[1:] if argv is None else argv)}"
-        out = {"source": f"{source} ({result['date']})", "result": result}
-        (Path(__file__).parent / "results" / "resume.json").write_text(json.dumps(out, indent=1))
+    text = record_standalone("resume", result, argv, a.record)
     print(text)
     return 0
 
