@@ -190,6 +190,16 @@ class Client:
         self.channel.close()
 
 
+def resumed(srv: SidecarServer) -> tuple[float, float]:
+    """(streams resumed, messages not sent again) by ``srv``."""
+    labels = {"model": srv.config.model, "rank": str(srv.config.rank)}
+    get = srv.metrics.registry.get_sample_value
+    return (
+        get("deltad_getdelta_resumed_total", labels) or 0.0,
+        get("deltad_getdelta_resumed_messages_total", labels) or 0.0,
+    )
+
+
 def server_config(root: Path, redis_url: str | None, **kw: Any) -> ServerConfig:
     opts: dict[str, Any] = {
         "spool_dir": root,

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from serverkit import MODEL, Client, Replica, SpoolWriter, server_config, wait_for
+from serverkit import MODEL, Client, Replica, SpoolWriter, resumed, server_config, wait_for
 from spoolkit import ZchWriter
 from test_dense import _state, _write_dense
 from test_relay import db, status
@@ -39,7 +39,10 @@ def _spool(root: Path, deltas: int = 3) -> SpoolWriter:
     return w
 
 
-def _serve(root: Path, redis_url: str, **kw: object) -> SidecarServer:
+def _serve(root: Path, redis_url: str, cache: bool = True, **kw: object) -> SidecarServer:
+    """A sidecar sending 64 kB messages (``cache`` False: windows built for each stream)."""
+    if not cache:
+        kw["window_cache_bytes"] = 0
     cfg = server_config(root, redis_url, chunk_bytes=MIN_CHUNK_BYTES, **kw)
     return SidecarServer(cfg).start()
 
@@ -78,7 +81,7 @@ def test_a_resumed_resync_stream_is_the_tail_of_the_whole_stream(
     w = _spool(tmp_path, deltas)
     _write_dense(w, _state(3))
     step = w.step
-    srv = _serve(tmp_path, redis_url, **({} if cache else {"window_cache_bytes": 0}))
+    srv = _serve(tmp_path, redis_url, cache)
     try:
         whole = _stream(srv, _request("a", dtype, max_step=step, with_dense=True))
         h = _header(whole[0])
@@ -103,10 +106,7 @@ def test_a_resumed_resync_stream_is_the_tail_of_the_whole_stream(
             assert got[1:-1] == body[k:], k  # byte for byte
             trailer = pb.GetDeltaResponse.FromString(got[-1]).trailer
             assert trailer.cursor.seq == h.to_seq and trailer.rows == sum(s.count for s in h.slices)
-        v = srv.metrics.registry.get_sample_value(
-            "deltad_getdelta_resumed_total", {"model": MODEL, "rank": "0"}
-        )
-        assert v == 6
+        assert resumed(srv)[0] == 6
     finally:
         srv.stop(0.5)
 
@@ -120,7 +120,7 @@ def test_a_resumed_managed_collision_window_is_the_tail_too(
     w = ZchWriter(tmp_path, mc={"zch": (6000, 8)}, tables={"t0": (4000, 8)})
     for _ in range(3):
         w.delta(n=300)
-    srv = _serve(tmp_path, redis_url, **({} if cache else {"window_cache_bytes": 0}))
+    srv = _serve(tmp_path, redis_url, cache)
     try:
         whole = _stream(srv, _request("a", max_step=w.step))
         h = _header(whole[0])
@@ -174,7 +174,7 @@ def test_a_resume_past_the_end_or_with_bad_fields_is_refused(
     tmp_path: Path, redis_url: str, cache: bool
 ) -> None:
     _spool(tmp_path)
-    srv = _serve(tmp_path, redis_url, **({} if cache else {"window_cache_bytes": 0}))
+    srv = _serve(tmp_path, redis_url, cache)
     try:
         whole = _stream(srv, _request("a", max_step=30))
         h = _header(whole[0])
@@ -221,10 +221,7 @@ def test_a_bootstrap_over_a_link_that_keeps_dropping_finishes(
         for t, truth in w.truth.items():
             assert torch.equal(applier.tables()[t], truth), t
         assert applier.rows == {"t0": 20_000, "t1": 3000}  # every row staged once
-        v = srv.metrics.registry.get_sample_value(
-            "deltad_getdelta_resumed_total", {"model": MODEL, "rank": "0"}
-        )
-        assert v is not None and v >= 3
+        assert resumed(srv)[0] >= 3
     finally:
         srv.stop(0.5)
 
@@ -297,16 +294,6 @@ def test_an_assembled_pull_over_a_dropping_link_resumes_or_starts_over(
         assert resumed(srv)[0] == streams  # that one was not resumed
     finally:
         srv.stop(0.5)
-
-
-def resumed(srv: SidecarServer) -> tuple[float, float]:
-    """(streams resumed, messages not sent again) by ``srv``."""
-    labels = {"model": MODEL, "rank": "0"}
-    get = srv.metrics.registry.get_sample_value
-    return (
-        get("deltad_getdelta_resumed_total", labels) or 0.0,
-        get("deltad_getdelta_resumed_messages_total", labels) or 0.0,
-    )
 
 
 def test_a_relay_mirrors_a_base_over_a_link_that_keeps_dropping(

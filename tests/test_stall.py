@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serverkit import SpoolWriter
+from serverkit import SpoolWriter, resumed
 from spoolkit import child_env, read_serving_line, stop_process
 from test_client import assert_tables, wait_head
 
@@ -74,16 +74,6 @@ def _trainer_spool(root: Path, rows: int) -> dict[str, torch.Tensor]:
     return {"t0": _writer(root, rows).truth["t0"].clone()}
 
 
-def resumed(srv: SidecarServer) -> tuple[float, float]:
-    """(streams resumed, messages not sent again) by ``srv``."""
-    labels = {"model": srv.config.model, "rank": str(srv.config.rank)}
-    get = srv.metrics.registry.get_sample_value
-    return (
-        get("deltad_getdelta_resumed_total", labels) or 0.0,
-        get("deltad_getdelta_resumed_messages_total", labels) or 0.0,
-    )
-
-
 def full_stream_writes(srv: SidecarServer) -> int:
     """How many chunks a whole bootstrap of ``srv``'s window stages (one stream, no stall)."""
     with consumer("counter", srv, 30.0) as c:
@@ -137,23 +127,17 @@ def test_a_stream_cut_at_the_stream_deadline_is_resumed_where_it_broke(
     tmp_path: Path, redis_url: str
 ) -> None:
     """Each message within ``rpc_deadline_s`` but the stream longer than
-    ``stream_deadline_s`` (``deltad consume --stream-deadline``): without a retry the pull
-    is cut there, nothing installed; with retries each attempt goes on where the last broke
-    (GetDeltaRequest.resume) and the bootstrap completes bit-equal, no chunk staged twice."""
+    ``stream_deadline_s`` (``deltad consume --stream-deadline``): the stream is cut there,
+    and the retry goes on where it broke (GetDeltaRequest.resume); the bootstrap completes
+    bit-equal, no chunk staged twice, even with no retries to spare (an attempt that brought
+    messages does not use one up)."""
     truth = _trainer_spool(tmp_path, 20_000)
     srv = _sidecar(tmp_path, redis_url)
     try:
         whole = full_stream_writes(srv)
         assert whole >= 10
         with consumer("bounded", srv, 0.6, stream_deadline_s=1.0, max_retries=0) as c:
-            applier = SlowApplier(delay=0.15)  # ~2 s of stream
-            r = c.sync(applier)
-            assert not r.deltas and 0 in r.missing, r.missing
-            assert "DEADLINE_EXCEEDED" in r.missing[0], r.missing[0]
-            assert applier.tables() == {}
-        assert resumed(srv) == (0, 0)
-        with consumer("bounded", srv, 0.6, stream_deadline_s=1.0, max_retries=4) as c:
-            applier = SlowApplier(delay=0.15)
+            applier = SlowApplier(delay=0.15)  # ~2 s of stream: cut at least once
             r = c.sync(applier)
             assert r.resync and not r.missing, r.missing
             assert_tables(applier, truth)
