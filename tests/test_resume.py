@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 from serverkit import MODEL, Client, Replica, SpoolWriter, resumed, server_config, wait_for
-from spoolkit import ZchWriter
+from spoolkit import FakeTrainer, ZchWriter
 from test_dense import _state, _write_dense
 from test_relay import db, status
 
@@ -368,3 +368,44 @@ def test_a_relay_does_not_back_off_from_an_upstream_stream_that_progressed(
                 relay.stop(0.2)
     finally:
         srv.stop(0.5)
+
+
+def test_two_ranks_one_behind_a_dropping_link_bootstrap_one_step(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """World size 2, rank 1's sidecar behind a link cut every 300 kB, rank 0's not: the
+    aligned pull resumes rank 1 alone and both ranks' rows are of one step, bit-equal to the
+    trainer's tables there; a later step then comes as a delta."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=2, tables={"t0": (40_000, 16), "t1": (500, 8)})
+    ft.start(0)
+    ft.step(10)
+    servers = [
+        SidecarServer(
+            server_config(tmp_path / "spool", redis_url, rank=r, chunk_bytes=MIN_CHUNK_BYTES)
+        ).start()
+        for r in range(2)
+    ]
+    try:
+        with DroppingProxy(servers[1].endpoint, drop_after=300_000, drops=1000) as link:
+            cfg = ConsumerConfig(
+                consumer="two", model=MODEL, sidecars=(servers[0].endpoint, link.endpoint),
+                rpc_deadline_s=10.0, max_retries=2, backoff_initial_s=0.05, backoff_max_s=0.2,
+            )  # fmt: skip
+            applier = _Counting()
+            with DeltaConsumer(cfg) as c:
+                r = c.sync(applier)
+                assert not r.missing and r.step == 10 and {d.rank for d in r.deltas} == {0, 1}
+                assert link.cut >= 3, link.cut
+                for n, t in ft.history[10].items():
+                    assert torch.equal(applier.tables()[n], t), n
+                assert applier.rows == {"t0": 40_000, "t1": 500}  # each row staged once
+                ft.step(20)
+                wait_for(lambda: all(status(s.endpoint).head_step == 20 for s in servers), 10)
+                r = c.sync(applier)
+                assert not r.missing and r.step == 20 and not any(d.resync for d in r.deltas)
+                for n, t in ft.history[20].items():
+                    assert torch.equal(applier.tables()[n], t), n
+        assert resumed(servers[1])[0] >= 3 and resumed(servers[0]) == (0, 0)
+    finally:
+        for s in servers:
+            s.stop(0.5)
