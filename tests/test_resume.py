@@ -6,6 +6,7 @@ window's end or with bad fields is refused. Real sidecars, real Redis, raw gRPC 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,7 @@ from test_relay import db, status
 
 from bench.netproxy import DroppingProxy
 from deltad import wire
-from deltad.config import ConsumerConfig, RelayConfig
+from deltad.config import ConsumerConfig, PullOptions, RelayConfig
 from deltad.consume import decode
 from deltad.consume.appliers import TensorDictApplier, _TensorStage
 from deltad.consume.client import DeltaConsumer
@@ -65,7 +66,9 @@ def _header(msg: bytes) -> pb.DeltaHeader:
 
 
 def _resume(h: pb.DeltaHeader, messages: int) -> pb.StreamResume:
-    return pb.StreamResume(generation=h.generation, to_seq=h.to_seq, messages=messages)
+    return pb.StreamResume(
+        generation=h.generation, from_seq=h.from_seq, to_seq=h.to_seq, messages=messages
+    )
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cached", "built"])
@@ -135,6 +138,46 @@ def test_a_resumed_managed_collision_window_is_the_tail_too(
         srv.stop(0.5)
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "built"])
+def test_a_resumed_incremental_window_is_the_tail_and_top_k_is_not_resumed(
+    tmp_path: Path, redis_url: str, cache: bool
+) -> None:
+    """A complete window from a committed cursor (the rows changed since, a predictor far
+    behind) goes on where it broke like a resync; a top-k window, built from the values, is
+    served from its start."""
+    w = _spool(tmp_path, deltas=0)
+    srv = _serve(tmp_path, redis_url, cache)
+    try:
+        c = Client(srv.endpoint)
+        try:
+            for name in ("rows", "topk"):
+                c.commit(c.pull(name))
+        finally:
+            c.close()
+        for _ in range(6):
+            w.delta(n=3000)
+        wait_for(lambda: status(srv.endpoint).head_seq == 6, 10, "the sidecar at seq 6")
+        whole = _stream(srv, _request("rows", max_step=w.step))
+        h = _header(whole[0])
+        assert not h.resync and h.from_seq == 0 and h.to_seq == 6
+        body = whole[1:-1]
+        assert len(body) >= 5
+        for k in (1, len(body) // 2, len(body)):
+            got = _stream(srv, _request("rows", max_step=w.step, resume=_resume(h, k)))
+            assert _header(got[0]).resumed_messages == k
+            assert got[1:-1] == body[k:], k
+        topk = _request("topk", max_step=w.step, k=5000)
+        topk.form = wire.form_to_pb(Form.TOPK)
+        first = _stream(srv, topk)
+        th = _header(first[0])
+        assert not th.resync and th.from_seq == 0
+        topk.resume.CopyFrom(_resume(th, 1))
+        got = _stream(srv, topk)
+        assert _header(got[0]).resumed_messages == 0 and len(got) == len(first)
+    finally:
+        srv.stop(0.5)
+
+
 def test_any_other_window_is_served_from_its_start(tmp_path: Path, redis_url: str) -> None:
     """The head moved past the window (no max_step), another generation, an incremental
     window: resumed_messages 0 and the whole window."""
@@ -153,7 +196,7 @@ def test_any_other_window_is_served_from_its_start(tmp_path: Path, redis_url: st
             assert gh.resumed_messages == 0
             assert len(got) >= len(first) - 1  # all of it
             decode.decode_stream(got)  # complete
-        # an incremental window (a committed cursor) is never resumed
+        # the resync's resume asked of an incremental window (a committed cursor): not it
         c = Client(srv.endpoint)
         try:
             c.commit(c.pull("d", max_step=20))
@@ -186,6 +229,8 @@ def test_a_resume_past_the_end_or_with_bad_fields_is_refused(
         for bad in (
             pb.StreamResume(generation=h.generation, to_seq=h.to_seq, messages=0),
             pb.StreamResume(generation=h.generation, to_seq=-1, messages=1),
+            pb.StreamResume(generation=h.generation, from_seq=5, to_seq=h.to_seq, messages=1),
+            pb.StreamResume(generation=h.generation, from_seq=-2, to_seq=h.to_seq, messages=1),
             pb.StreamResume(generation=h.generation, to_seq=h.to_seq, messages=(1 << 40) + 1),
         ):
             with pytest.raises(grpc.RpcError) as e:
@@ -409,3 +454,67 @@ def test_two_ranks_one_behind_a_dropping_link_bootstrap_one_step(
     finally:
         for s in servers:
             s.stop(0.5)
+
+
+def test_a_predictor_far_behind_catches_up_over_a_dropping_link(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A predictor at step 0 while the trainer moved on (an incremental window of ~2.4 MB,
+    not a resync), its link cut every 300 kB: the window goes on where each cut left it and
+    the predictor ends at the head, bit-equal."""
+    w = _spool(tmp_path, deltas=0)
+    srv = _serve(tmp_path, redis_url)
+    try:
+        cfg = ConsumerConfig(
+            consumer="behind", model=MODEL, sidecars=(srv.endpoint,), rpc_deadline_s=10.0,
+            max_retries=2, backoff_initial_s=0.05, backoff_max_s=0.2, align_steps=False,
+        )  # fmt: skip
+        replica = Replica()
+        with DeltaConsumer(cfg) as c:
+            r = c.pull()
+            replica.apply(r.deltas[0])
+            c.commit(r)
+        for _ in range(6):
+            w.delta(n=6000)
+        wait_for(lambda: status(srv.endpoint).head_seq == 6, 10, "the sidecar at seq 6")
+        with DroppingProxy(srv.endpoint, drop_after=300_000, drops=1000) as link:
+            with DeltaConsumer(replace(cfg, sidecars=(link.endpoint,), resume=True)) as c:
+                r = c.pull()
+            assert not r.missing, r.missing
+            d = r.deltas[0]
+            assert not d.resync and d.from_seq == 0 and d.to_seq == 6 and link.cut > 3
+            replica.apply(d)
+        for t, truth in w.truth.items():
+            assert torch.equal(replica.tables[t], truth), t
+        assert resumed(srv)[0] > 3
+    finally:
+        srv.stop(0.5)
+
+
+def test_a_declined_resume_does_not_make_attempts_free(tmp_path: Path, redis_url: str) -> None:
+    """A window the sidecar will not build the same again (max_rows) behind a dropping link:
+    the consumer asks to resume, is served the window from its start, starts over; from
+    then on an attempt that brought messages is a failed attempt like any other, so the pull
+    ends after 1 + max_retries of them instead of starting over for ever."""
+    w = _spool(tmp_path, deltas=0)
+    srv = _serve(tmp_path, redis_url)
+    try:
+        pull = PullOptions(max_rows=1_000_000)
+        cfg = ConsumerConfig(
+            consumer="capped", model=MODEL, sidecars=(srv.endpoint,), rpc_deadline_s=10.0,
+            max_retries=2, backoff_initial_s=0.05, backoff_max_s=0.2, align_steps=False,
+            pull=pull,
+        )  # fmt: skip
+        with DeltaConsumer(cfg) as c:
+            c.commit(c.pull())
+        for _ in range(6):
+            w.delta(n=6000)
+        wait_for(lambda: status(srv.endpoint).head_seq == 6, 10, "the sidecar at seq 6")
+        with DroppingProxy(srv.endpoint, drop_after=300_000, drops=1000) as link:
+            with DeltaConsumer(replace(cfg, sidecars=(link.endpoint,), resume=True)) as c:
+                r = c.pull()
+            assert 0 in r.missing and "no answer after 3 attempts" in r.missing[0], r.missing
+            assert 3 <= link.cut <= 8, link.cut  # (a declined resume starts over once in one)
+        assert resumed(srv)[0] == 0
+    finally:
+        srv.stop(0.5)

@@ -348,10 +348,16 @@ class DeltaConsumer:
         broke: list[str] = []  # how the last attempt ended
         last: list[decode.WindowAssembler] = []  # the last attempt's assembler
         began = [0]  # its messages when it began
+        declined = [False]  # the sidecar served a resumed window from its start
 
         def progressed() -> bool:
-            """Whether the failed attempt received messages a retry goes on from."""
-            return bool(last) and last[-1].resumable and last[-1].messages > began[0]
+            """Whether the failed attempt received messages a retry goes on from (never once
+            the sidecar declined to resume: an older one, or a window not built the same
+            again, would otherwise have every attempt start over and "progress" forever)."""
+            return (
+                not declined[0] and bool(last) and last[-1].resumable
+                and last[-1].messages > began[0]
+            )  # fmt: skip
 
         def fresh() -> decode.WindowAssembler:
             asm = decode.WindowAssembler(pool=r.buffers, stage=stage)
@@ -382,24 +388,26 @@ class DeltaConsumer:
             staged = stage is not None and stage.touched(r.rank)
             if prev is None or not prev.messages:
                 return attempt(ch, req, fresh(), timeout, md)
-            if not prev.resumable:
+            if not prev.resumable or (declined[0] and not staged):  # (asked once: in vain)
                 if staged:
                     raise ConsumerError(
                         f"rank {r.rank}: a resync stream broke after staging rows{why}"
                     )
                 return attempt(ch, req, fresh(), timeout, md)
-            # A resync window broke after some chunks: ask the same window to go on where
-            # it broke (what arrived stays, staged or assembled). A sidecar that serves it no
-            # more spoils this pull's stage if rows were staged (pull() discards it; the
-            # next pull starts over); if not, this attempt starts over.
+            # The window broke after some chunks: ask the same window to go on where it
+            # broke (what arrived stays, staged or assembled). A sidecar that does not serve
+            # it so spoils this pull's stage if rows were staged (pull() discards it; the
+            # next pull starts over); if not, this attempt starts over, and so do the next.
             ask = prev.resume_request(req)
             log.info(
-                "pull %s rank %d: resuming the resync stream of seq %d after %d messages%s",
-                self.config.consumer, r.rank, ask.resume.to_seq, prev.messages, why,
+                "pull %s rank %d: resuming the stream of seq %d..%d after %d messages%s",
+                self.config.consumer, r.rank, ask.resume.from_seq, ask.resume.to_seq,
+                prev.messages, why,
             )  # fmt: skip
             try:
                 return attempt(ch, ask, prev, timeout, md)
             except decode.NotResumed as e:
+                declined[0] = True
                 if staged:
                     raise ConsumerError(
                         f"rank {r.rank}: a resync stream broke after staging rows{why}; {e}"

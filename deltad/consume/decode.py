@@ -219,11 +219,18 @@ class WindowAssembler:
 
     @property
     def resumable(self) -> bool:
-        """Whether a broken stream of this window can be continued where it broke: a resync
-        window (the same whenever a server builds it) of which some chunks arrived and the
-        trailer did not."""
+        """Whether a broken stream of this window may be continued where it broke: some
+        chunks arrived, the trailer did not, and the window is one a server builds the same
+        again (a resync; a rows / ids window that is no generation diff or rollback; the
+        server has the last word, see GetDeltaRequest.resume)."""
         h = self.header
-        return h is not None and h.resync and self.trailer is None and self.messages > 0
+        if h is None or self.trailer is not None or not self.messages:
+            return False
+        return h.resync or not (
+            self.form is Form.TOPK
+            or h.HasField("diff_from_generation")
+            or h.HasField("rollback_to_step")
+        )
 
     def resume_request(self, request: pb.GetDeltaRequest) -> pb.GetDeltaRequest:
         """``request`` asking to continue this window after :attr:`messages` (pinned to its
@@ -235,7 +242,7 @@ class WindowAssembler:
         out.CopyFrom(request)
         out.max_step = h.to_step
         out.resume.generation, out.resume.to_seq = h.generation, h.to_seq
-        out.resume.messages = self.messages
+        out.resume.from_seq, out.resume.messages = h.from_seq, self.messages
         self._resuming = True
         return out
 
@@ -582,12 +589,14 @@ def pull(
     """
     asm = assembler or WindowAssembler(zero_copy=zero_copy, pool=pool, stage=stage)
     stream = raw_get_delta(channel)(request, timeout=timeout, metadata=metadata)
-    if stall_s is None:
-        return decode_stream(stream, assembler=asm)
-    watch = stall.Watched(stream, stall_s)
+    watch = None if stall_s is None else stall.Watched(stream, stall_s)
     try:
-        return decode_stream(watch.messages(), assembler=asm)
+        return decode_stream(stream if watch is None else watch.messages(), assembler=asm)
     except grpc.RpcError as e:
-        raise watch.stalled(e) from None
+        raise e if watch is None else watch.stalled(e) from None
+    except BaseException:
+        stream.cancel()  # a stream decoded no further (malformed, not the one resumed, ...)
+        raise
     finally:
-        watch.close()
+        if watch is not None:
+            watch.close()

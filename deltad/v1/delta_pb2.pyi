@@ -110,14 +110,16 @@ class GetDeltaRequest(_message.Message):
     def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ..., no_generation_diff: _Optional[bool] = ..., resume: _Optional[_Union[StreamResume, _Mapping]] = ..., mirror: _Optional[bool] = ...) -> None: ...
 
 class StreamResume(_message.Message):
-    __slots__ = ("generation", "to_seq", "messages")
+    __slots__ = ("generation", "to_seq", "messages", "from_seq")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TO_SEQ_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
     generation: int
     to_seq: int
     messages: int
-    def __init__(self, generation: _Optional[int] = ..., to_seq: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
+    from_seq: int
+    def __init__(self, generation: _Optional[int] = ..., to_seq: _Optional[int] = ..., messages: _Optional[int] = ..., from_seq: _Optional[int] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
     __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense", "resync_reason", "diff_from_generation", "rollback_to_step", "rollback_epoch", "dense_missing", "resumed_messages")

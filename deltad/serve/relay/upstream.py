@@ -175,13 +175,13 @@ class Upstream:
             consumer=self.config.consumer, form=pb.FORM_ROWS, dtype=pb.WIRE_DTYPE_FP32,
             from_base=from_base, no_generation_diff=True, mirror=True, with_dense=True,
         )  # fmt: skip
-        # a base whose stream broke goes on where it broke (GetDeltaRequest.resume): over a
+        # a window whose stream broke goes on where it broke (GetDeltaRequest.resume): over a
         # link that drops more often than a base takes, starting over would never finish
         asm, self._broken = self._broken, None
         if asm is not None and asm.resumable:
             req = asm.resume_request(req)
             self.resumed += 1
-            log.info("upstream %s: resuming a base after %d messages", self.config.upstream,
+            log.info("upstream %s: resuming a window after %d messages", self.config.upstream,
                      asm.messages)  # fmt: skip
         else:
             asm = decode.WindowAssembler()

@@ -326,9 +326,9 @@ def check_request(method: str, req: Any) -> str | None:
             return str(e)
     if req.HasField("resume"):
         r = req.resume
-        if not 0 < r.messages <= MAX_COUNT or r.to_seq < 0:
+        if not 0 < r.messages <= MAX_COUNT or r.to_seq < 0 or not -1 <= r.from_seq <= r.to_seq:
             return (
-                f"resume needs messages in [1, {MAX_COUNT}] and to_seq >= 0, got "
-                f"{r.messages} and {r.to_seq}"
+                f"resume needs messages in [1, {MAX_COUNT}] and -1 <= from_seq <= to_seq, got "
+                f"{r.messages}, {r.from_seq} and {r.to_seq}"
             )
     return None

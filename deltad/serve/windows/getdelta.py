@@ -247,20 +247,30 @@ class WindowServer:
 
     def _resume_at(self, req: pb.GetDeltaRequest, got: SourcedWindow) -> int:
         """How many messages after the header this stream leaves out: those a broken stream
-        of the same resync window delivered (``req.resume``); 0 when the window is another
-        (the head or the base moved past it, a new generation, rows owed) or none was asked.
-        A resync window's messages are the same whenever it is built: every row's value at
+        of the same window delivered (``req.resume``); 0 when the window is another (the head
+        or the base moved past it, a new generation, a commit moved the cursor) or one not
+        built the same again (top-k, max_rows, owed rows, a generation diff, a rollback), or
+        none was asked. A complete window's messages are the same whenever it is built: the
+        rows changed in ``(from_seq, to_seq]`` (every row for a resync) with their values at
         ``to_seq``, in ranges of the same chunk size (the consumer checks that the rows it
         gets next are the ones it expects)."""
         if not req.HasField("resume"):
             return 0
         r, d = req.resume, got.decision
-        if not d.resync or (d.generation, d.to_seq) != (r.generation, r.to_seq) or got.win.owed:
+        same = (d.generation, d.from_seq, d.to_seq) == (r.generation, r.from_seq, r.to_seq)
+        complete = d.resync or not (
+            req.form == pb.FORM_TOPK
+            or req.max_rows
+            or d.owed_token
+            or d.diff_from is not None
+            or d.rollback_to is not None
+        )
+        if not same or not complete or got.win.owed:
             log.info(
-                "pull %s rank %d: resume of seq %d (generation %d) asked, serving seq %d "
-                "(generation %d%s) from its start",
-                req.consumer, self.config.rank, r.to_seq, r.generation, d.to_seq,
-                d.generation, ", resync" if d.resync else "",
+                "pull %s rank %d: resume of seq %d..%d (generation %d) asked, serving seq "
+                "%d..%d (generation %d%s) from its start",
+                req.consumer, self.config.rank, r.from_seq, r.to_seq, r.generation,
+                d.from_seq, d.to_seq, d.generation, "" if complete else ", not complete",
             )  # fmt: skip
             return 0
         return int(r.messages)
