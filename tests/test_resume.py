@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -52,6 +53,16 @@ def _request(consumer: str, dtype: WireDtype = WireDtype.FP32, **kw: object) -> 
     return pb.GetDeltaRequest(
         consumer=consumer, form=wire.form_to_pb(Form.ROWS), dtype=wire.dtype_to_pb(dtype), **kw
     )
+
+
+def _consumer(name: str, *endpoints: str, **kw: Any) -> ConsumerConfig:
+    """A consumer of ``endpoints`` (one per rank) with short backoffs; ``kw`` overrides."""
+    opts: dict[str, Any] = {
+        "rpc_deadline_s": 10.0, "max_retries": 2, "backoff_initial_s": 0.05,
+        "backoff_max_s": 0.2,
+    }  # fmt: skip
+    opts.update(kw)
+    return ConsumerConfig(consumer=name, model=MODEL, sidecars=endpoints, **opts)
 
 
 def _stream(srv: SidecarServer, req: pb.GetDeltaRequest) -> list[bytes]:
@@ -254,10 +265,7 @@ def test_a_bootstrap_over_a_link_that_keeps_dropping_finishes(
     srv = _serve(tmp_path, redis_url)
     try:
         with DroppingProxy(srv.endpoint, drop_after=300_000, drops=1000) as link:
-            cfg = ConsumerConfig(
-                consumer="far", model=MODEL, sidecars=(link.endpoint,), rpc_deadline_s=10.0,
-                max_retries=2, backoff_initial_s=0.05, backoff_max_s=0.2,
-            )  # fmt: skip
+            cfg = _consumer("far", link.endpoint)
             applier = _Counting()
             with DeltaConsumer(cfg) as c:
                 r = c.sync(applier)
@@ -305,10 +313,7 @@ def test_an_assembled_pull_over_a_dropping_link_resumes_or_starts_over(
     srv = _serve(tmp_path, redis_url)
 
     def cfg(endpoint: str, name: str) -> ConsumerConfig:
-        return ConsumerConfig(
-            consumer=name, model=MODEL, sidecars=(endpoint,), rpc_deadline_s=10.0,
-            max_retries=20, backoff_initial_s=0.05, backoff_max_s=0.2, align_steps=False,
-        )  # fmt: skip
+        return _consumer(name, endpoint, max_retries=20, align_steps=False)
 
     try:
         with DroppingProxy(srv.endpoint, drop_after=300_000, drops=1000) as link:
@@ -370,11 +375,7 @@ def test_a_relay_mirrors_a_base_over_a_link_that_keeps_dropping(
                     relay.mirror.upstream.resumed,
                 )
                 with DroppingProxy(relay.endpoint, drop_after=300_000, drops=1000) as far:
-                    cfg = ConsumerConfig(
-                        consumer="behind", model=MODEL, sidecars=(far.endpoint,),
-                        rpc_deadline_s=10.0, max_retries=20, backoff_initial_s=0.05,
-                        backoff_max_s=0.2,
-                    )  # fmt: skip
+                    cfg = _consumer("behind", far.endpoint, max_retries=20)
                     applier = _Counting()
                     with DeltaConsumer(cfg) as c:
                         r = c.sync(applier)
@@ -432,10 +433,7 @@ def test_two_ranks_one_behind_a_dropping_link_bootstrap_one_step(
     ]
     try:
         with DroppingProxy(servers[1].endpoint, drop_after=300_000, drops=1000) as link:
-            cfg = ConsumerConfig(
-                consumer="two", model=MODEL, sidecars=(servers[0].endpoint, link.endpoint),
-                rpc_deadline_s=10.0, max_retries=2, backoff_initial_s=0.05, backoff_max_s=0.2,
-            )  # fmt: skip
+            cfg = _consumer("two", servers[0].endpoint, link.endpoint)
             applier = _Counting()
             with DeltaConsumer(cfg) as c:
                 r = c.sync(applier)
@@ -465,10 +463,7 @@ def test_a_predictor_far_behind_catches_up_over_a_dropping_link(
     w = _spool(tmp_path, deltas=0)
     srv = _serve(tmp_path, redis_url)
     try:
-        cfg = ConsumerConfig(
-            consumer="behind", model=MODEL, sidecars=(srv.endpoint,), rpc_deadline_s=10.0,
-            max_retries=2, backoff_initial_s=0.05, backoff_max_s=0.2, align_steps=False,
-        )  # fmt: skip
+        cfg = _consumer("behind", srv.endpoint, align_steps=False)
         replica = Replica()
         with DeltaConsumer(cfg) as c:
             r = c.pull()
@@ -500,11 +495,7 @@ def test_a_declined_resume_does_not_make_attempts_free(tmp_path: Path, redis_url
     srv = _serve(tmp_path, redis_url)
     try:
         pull = PullOptions(max_rows=1_000_000)
-        cfg = ConsumerConfig(
-            consumer="capped", model=MODEL, sidecars=(srv.endpoint,), rpc_deadline_s=10.0,
-            max_retries=2, backoff_initial_s=0.05, backoff_max_s=0.2, align_steps=False,
-            pull=pull,
-        )  # fmt: skip
+        cfg = _consumer("capped", srv.endpoint, align_steps=False, pull=pull)
         with DeltaConsumer(cfg) as c:
             c.commit(c.pull())
         for _ in range(6):
