@@ -346,29 +346,16 @@ class DeltaConsumer:
         req = self._request(r, max_step)
         started = time.monotonic()
         broke: list[str] = []  # how the last attempt ended
-        last: list[decode.WindowAssembler] = []  # the last attempt's assembler
-        began = [0]  # its messages when it began
-        declined = [False]  # the sidecar served a resumed window from its start
+        stream = decode.ResumableStream(lambda: decode.WindowAssembler(pool=r.buffers, stage=stage))
 
-        def progressed() -> bool:
-            """Whether the failed attempt received messages a retry goes on from (never once
-            the sidecar declined to resume: an older one, or a window not built the same
-            again, would otherwise have every attempt start over and "progress" forever)."""
-            return (
-                not declined[0] and bool(last) and last[-1].resumable
-                and last[-1].messages > began[0]
-            )  # fmt: skip
-
-        def fresh() -> decode.WindowAssembler:
-            asm = decode.WindowAssembler(pool=r.buffers, stage=stage)
-            last[:] = [asm]
-            return asm
-
-        def attempt(
-            ch: grpc.Channel, ask: pb.GetDeltaRequest, asm: decode.WindowAssembler,
-            timeout: float, md: Sequence[tuple[str, str]],
-        ) -> RankDelta:  # fmt: skip
-            began[0] = asm.messages
+        def attempt(ch: grpc.Channel, timeout: float, md: Sequence[tuple[str, str]]) -> RankDelta:
+            ask, asm = stream.next(req)
+            if ask is not req:
+                log.info(
+                    "pull %s rank %d: resuming the stream of seq %d..%d after %d messages%s",
+                    self.config.consumer, r.rank, ask.resume.from_seq, ask.resume.to_seq,
+                    asm.messages, f" ({broke[-1]})" if broke else "",
+                )  # fmt: skip
             try:
                 # ``timeout`` (rpc_deadline_s) bounds each wait for a message, not the
                 # stream: a bootstrap of a big shard may take longer (stream_deadline_s)
@@ -382,40 +369,28 @@ class DeltaConsumer:
 
         def call(ch: grpc.Channel, timeout: float, md: Sequence[tuple[str, str]]) -> RankDelta:
             why = f" ({broke[-1]})" if broke else ""
-            prev = last[-1] if last else None
-            # rows of the broken window in the stage: a retry from the start would stage
-            # them again, possibly of a newer window, and the two cannot be told apart
+            # rows of a broken window in the stage: a retry from the start would stage them
+            # again, possibly of a newer window, and the two cannot be told apart. The same
+            # window is asked to go on where it broke instead (what arrived stays, staged or
+            # assembled); a sidecar that does not serve it so spoils this pull's stage if
+            # rows were staged (pull() discards it; the next pull starts over), else this
+            # attempt starts over, and so do the next ones.
             staged = stage is not None and stage.touched(r.rank)
-            if prev is None or not prev.messages:
-                return attempt(ch, req, fresh(), timeout, md)
-            if not prev.resumable or (declined[0] and not staged):  # (asked once: in vain)
-                if staged:
-                    raise ConsumerError(
-                        f"rank {r.rank}: a resync stream broke after staging rows{why}"
-                    )
-                return attempt(ch, req, fresh(), timeout, md)
-            # The window broke after some chunks: ask the same window to go on where it
-            # broke (what arrived stays, staged or assembled). A sidecar that does not serve
-            # it so spoils this pull's stage if rows were staged (pull() discards it; the
-            # next pull starts over); if not, this attempt starts over, and so do the next.
-            ask = prev.resume_request(req)
-            log.info(
-                "pull %s rank %d: resuming the stream of seq %d..%d after %d messages%s",
-                self.config.consumer, r.rank, ask.resume.from_seq, ask.resume.to_seq,
-                prev.messages, why,
-            )  # fmt: skip
+            prev = stream.last
+            if staged and prev is not None and prev.messages and not stream.resumes:
+                raise ConsumerError(f"rank {r.rank}: a resync stream broke after staging rows{why}")
             try:
-                return attempt(ch, ask, prev, timeout, md)
+                return attempt(ch, timeout, md)
             except decode.NotResumed as e:
-                declined[0] = True
+                stream.declined = True
                 if staged:
                     raise ConsumerError(
                         f"rank {r.rank}: a resync stream broke after staging rows{why}; {e}"
                     ) from None
                 log.info("pull %s rank %d: %s; starting over", self.config.consumer, r.rank, e)
-                return attempt(ch, req, fresh(), timeout, md)
+                return attempt(ch, timeout, md)
 
-        delta = self._sidecars.retry(r, "GetDelta", call, progressed)
+        delta = self._sidecars.retry(r, "GetDelta", call, stream.progressed)
         r.seen = max(r.seen, (delta.generation, delta.to_seq))
         if delta.committed:
             r.committed = delta.cursor

@@ -17,7 +17,7 @@ int64 tensors (dequantizing fp16 / bf16 / int8 on the way: :mod:`deltad.consume.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -538,6 +538,48 @@ class WindowAssembler:
             rollback_to=h.rollback_to_step if h.HasField("rollback_to_step") else None,
             stage=self.stage if self.streaming else None,
         )
+
+
+class ResumableStream:
+    """One window's GetDelta stream across the attempts that pull it: the last attempt's
+    assembler, and the request of the next attempt, which goes on where the last broke
+    (:meth:`WindowAssembler.resume_request`) unless a resume was declined."""
+
+    def __init__(self, make: Callable[[], WindowAssembler]) -> None:
+        self._make = make
+        #: the last attempt's assembler
+        self.last: WindowAssembler | None = None
+        #: the sidecar served a resumed window from its start (set by the caller on
+        #: :class:`NotResumed`): no more resumes, and no attempt :meth:`progressed`
+        self.declined = False
+        self._began = 0  # the last attempt's messages when it began
+
+    @property
+    def resumes(self) -> bool:
+        """Whether the next attempt goes on with the last one's window."""
+        return self.last is not None and self.last.resumable and not self.declined
+
+    def next(self, request: pb.GetDeltaRequest) -> tuple[pb.GetDeltaRequest, WindowAssembler]:
+        """The request and the assembler of the next attempt (``request`` as it is and a
+        new assembler, or a resume of the last one)."""
+        asm = self.last
+        if asm is not None and self.resumes:
+            request = asm.resume_request(request)
+        else:
+            asm = self.last = self._make()
+        self._began = asm.messages
+        return request, asm
+
+    def forget(self) -> None:
+        """The next attempt starts over."""
+        self.last = None
+
+    def progressed(self) -> bool:
+        """Whether the last attempt, which failed, brought messages the next one goes on
+        from (never once a resume was declined: a sidecar that ignores ``resume`` would
+        otherwise have every attempt start over and "progress" for ever)."""
+        asm = self.last
+        return self.resumes and asm is not None and asm.messages > self._began
 
 
 def decode_stream(

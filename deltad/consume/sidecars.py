@@ -282,18 +282,17 @@ class Sidecars:
                         f"rank {r.rank} {what} at {r.endpoint}: {code.name}: {e.details()}"
                     ) from None
                 last = e
-                if progressed is not None and progressed():
-                    delay = c.backoff_initial_s
-                    self.closed.wait(delay * (0.5 + random.random() / 2))
-                    continue
             except DeltadError as e:
                 raise ConsumerError(f"rank {r.rank} {what}: {e}") from e
-            if attempt < c.max_retries:
+            free = progressed is not None and progressed()  # (counts as no attempt)
+            if free:
+                delay = c.backoff_initial_s
+            if free or attempt < c.max_retries:
                 self.closed.wait(delay * (0.5 + random.random() / 2))
                 delay = min(delay * 2, c.backoff_max_s)
                 if self.config.redis_url and not self.config.sidecars:
                     self._rediscover(r)
-            attempt += 1
+            attempt += not free
         detail = f"{last.code().name}: {last.details()}" if last is not None else "closed"
         raise SidecarUnavailableError(
             f"rank {r.rank} {what} at {r.endpoint}: no answer after "

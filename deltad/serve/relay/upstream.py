@@ -70,8 +70,8 @@ class Upstream:
         self._touched = 0.0
         #: how long the upstream held the last Status (0 when it did not wait)
         self.waited_s = 0.0
-        #: a mirror pull's window whose stream broke: the next pull asks to go on with it
-        self._broken: decode.WindowAssembler | None = None
+        #: mirror pulls across their attempts: a window whose stream broke goes on there
+        self._stream = decode.ResumableStream(decode.WindowAssembler)
         #: mirror pulls that went on where a broken one stopped
         self.resumed = 0
         #: the last pull broke after bringing messages the next one goes on from
@@ -177,24 +177,23 @@ class Upstream:
         )  # fmt: skip
         # a window whose stream broke goes on where it broke (GetDeltaRequest.resume): over a
         # link that drops more often than a base takes, starting over would never finish
-        asm, self._broken = self._broken, None
-        if asm is not None and asm.resumable:
-            req = asm.resume_request(req)
+        ask, asm = self._stream.next(req)
+        if ask is not req:
             self.resumed += 1
             log.info("upstream %s: resuming a window after %d messages", self.config.upstream,
                      asm.messages)  # fmt: skip
-        else:
-            asm = decode.WindowAssembler()
-        began, self.progressed = asm.messages, False
+        self.progressed = False
         try:
             d = decode.pull(
-                self._channel, req, metadata=self._metadata,
+                self._channel, ask, metadata=self._metadata,
                 timeout=max(self.config.rpc_deadline_s, self.config.stream_deadline_s),
                 stall_s=min(STALL_S, self.config.rpc_deadline_s), assembler=asm,
             )  # fmt: skip
         except grpc.RpcError:
-            self._broken = asm  # (kept only if resumable, at the next pull)
-            self.progressed = asm.resumable and asm.messages > began
+            self.progressed = self._stream.progressed()
+            raise
+        except decode.NotResumed:
+            self._stream.forget()  # (the mirror loop retries; that pull starts over)
             raise
         self._touched = time.monotonic()
         return d

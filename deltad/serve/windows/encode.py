@@ -50,8 +50,10 @@ class Skip:
         return False
 
 
-def _skips(skip: Skip | None) -> bool:
-    return skip is not None and skip.take()
+def skips(skip: Skip | None) -> bool:
+    """Whether the next message is left out (see :class:`Skip`); an attribute read when
+    nothing is (the stream loop's case)."""
+    return skip is not None and skip.left > 0 and skip.take()
 
 
 def _varint(n: int) -> bytes:
@@ -392,7 +394,7 @@ def encode_shard_chunks(
     )
     n = ids.numel()
     for off in range(0, n, step):
-        if _skips(skip):
+        if skips(skip):
             continue
         end = min(n, off + step)
         vals = values[off:end] if values is not None else None
@@ -429,7 +431,7 @@ def extra_identity_chunks(
         ev = (e, min(n_ev, e + per))
         ad = (a, min(n_ad, a + per - (ev[1] - ev[0])))
         e, a = ev[1], ad[1]
-        if _skips(skip):
+        if skips(skip):
             continue
         yield encode_chunk(slice_index, n, empty, None, None, idn, ev, ad)
 
@@ -447,7 +449,7 @@ def encode_packed_chunks(
     ids = ids.contiguous()
     step = max(1, chunk_bytes // (8 + packed.shape[1]))  # (as rows_per_chunk: same chunks)
     for off in range(0, ids.numel(), step):
-        if _skips(skip):
+        if skips(skip):
             continue
         end = off + step
         yield encode_chunk(slice_index, off, ids[off:end], packed[off:end])
@@ -462,7 +464,7 @@ def encode_dense_chunks(
     for i, m in enumerate(state.header.tensors):
         data = tensor_bytes(state.tensors[m.name])
         for off in range(0, len(data), step):
-            if _skips(skip):
+            if skips(skip):
                 continue
             chunk = pb.DenseChunk(tensor=i, offset=off, data=bytes(data[off : off + step]))
             yield pb.GetDeltaResponse(dense=chunk).SerializeToString()

@@ -190,7 +190,7 @@ class MergedShard:
             wire_row_bytes = row_bytes if dtype is None else width * wire.WIRE_ITEMSIZE[dtype]
         cuts: list[int] = bounds.tolist()
         for r in range(len(cuts) - 1):
-            if skip is not None and skip.take():
+            if encode.skips(skip):
                 continue
             a, b = cuts[r], cuts[r + 1]
             # the newest part holding every row of [a, b): older parts are overwritten by it
