@@ -192,8 +192,9 @@ class Upstream:
         except grpc.RpcError:
             self.progressed = self._stream.progressed()
             raise
-        except decode.NotResumed:
-            self._stream.forget()  # (the mirror loop retries; that pull starts over)
+        except BaseException:
+            self._stream.forget()  # (NotResumed, ...: the mirror loop's next pull starts over)
             raise
+        self._stream.forget()  # (the window pulled is the caller's: not kept here)
         self._touched = time.monotonic()
         return d
