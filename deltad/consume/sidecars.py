@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-import grpc.experimental
 
 from deltad import wire
 from deltad.buffers import BufferPool
+from deltad.channels import stream_channel_options
 from deltad.clientauth import ClientAuth
 from deltad.config import ConsumerConfig
 from deltad.consume.discovery import Discovery
@@ -46,15 +46,6 @@ RETRYABLE = frozenset(
         grpc.StatusCode.ABORTED,
     }
 )
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", wire.CONSUMER_MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
-    # The thread reading a GetDelta stream drives it itself, instead of a channel thread
-    # receiving every message and handing it over. Measured (1 GB fp32 window, decoded in a
-    # pull thread, steady state): 1.4-1.5 -> 1.65-2.1 GB/s, client CPU 0.7 -> 0.5-0.6 s.
-    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
-]
 
 #: Commit answers that no retry can change: the cursor is refused for good.
 FINAL_COMMIT_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
@@ -135,7 +126,10 @@ class Sidecars:
             raise ConsumerError(str(e)) from e
         self.ranks: list[RankLink] = []
         self.closed = threading.Event()
-        self.discovery = Discovery(config, self.auth, CHANNEL_OPTIONS)
+        self.channel_options = stream_channel_options(
+            backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s
+        )
+        self.discovery = Discovery(config, self.auth, self.channel_options)
         self._pool: ThreadPoolExecutor | None = None
         self._heartbeat: threading.Thread | None = None
 
@@ -193,7 +187,7 @@ class Sidecars:
         """(Re)open the rank's channel with the current credentials."""
         # A channel replaced for new credentials is left to the garbage collector: another
         # thread (the heartbeat) may still be in a call on it.
-        r.channel = self.auth.channel(r.endpoint, CHANNEL_OPTIONS)
+        r.channel = self.auth.channel(r.endpoint, self.channel_options)
         r.auth_generation = self.auth.generation
         r.stub = pb_grpc.DeltaServiceStub(r.channel)
 

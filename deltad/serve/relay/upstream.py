@@ -6,9 +6,8 @@ import logging
 import time
 
 import grpc
-import grpc.experimental
 
-from deltad import wire
+from deltad.channels import stream_channel_options
 from deltad.clientauth import ClientAuth
 from deltad.config import RelayConfig
 from deltad.consume import decode
@@ -22,11 +21,6 @@ log = logging.getLogger(__name__)
 #: whole stream may run ``stream_deadline_s`` (a base over a slow link).
 STALL_S = 30.0
 
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", wire.CONSUMER_MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
-    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
-]
 #: Commit answers no retry changes: the upstream refuses this cursor for good.
 _FINAL_COMMIT = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 
@@ -60,7 +54,10 @@ class Upstream:
             tls_cert=config.tls_cert,
             tls_key=config.tls_key,
         )
-        self._channel = self._auth.channel(config.upstream, _CHANNEL_OPTIONS)
+        self._options = stream_channel_options(
+            backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s
+        )
+        self._channel = self._auth.channel(config.upstream, self._options)
         self._stub = pb_grpc.DeltaServiceStub(self._channel)
         self.registered = False
         #: the cursor of the last pull, until it is committed
@@ -90,7 +87,7 @@ class Upstream:
         if self._auth.tls_changed():
             log.info("upstream %s: new TLS credentials, reconnecting", self.config.upstream)
             self._channel.close()
-            self._channel = self._auth.channel(self.config.upstream, _CHANNEL_OPTIONS)
+            self._channel = self._auth.channel(self.config.upstream, self._options)
             self._stub = pb_grpc.DeltaServiceStub(self._channel)
 
     def register(self) -> pb.Cursor:
