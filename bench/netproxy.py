@@ -1,6 +1,7 @@
 """A TCP proxy whose connections drop: a link that breaks every so many bytes, for tests and
 benchmarks of streams that must survive it (real sockets, the real gRPC transport on both
-sides)."""
+sides), or whose connections go silent (:meth:`DroppingProxy.blackhole`: a peer gone without a
+word, as a node that died or a partition)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ class DroppingProxy:
     """Listens on 127.0.0.1 and forwards each connection to ``target`` (host:port). Each of
     the first ``drops`` connections is cut (both directions, as a dropped link) once
     ``drop_after`` bytes went from the target to the client; later ones are not cut.
-    ``on_cut``: called (in the proxy's thread) right before each cut."""
+    ``on_cut``: called (in the proxy's thread) right before each cut. :meth:`blackhole` makes
+    the connections open so far silent."""
 
     def __init__(
         self,
@@ -36,6 +38,10 @@ class DroppingProxy:
         self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._stop = threading.Event()
         self._socks: list[socket.socket] = []
+        #: connections whose bytes are dropped (kept open, nothing forwarded either way)
+        self._silent: set[int] = set()
+        self.silenced = 0  # bytes dropped on silent connections
+        self.accepted = 0  # connections accepted so far
         self._thread = threading.Thread(target=self._accept, name="proxy", daemon=True)
 
     def __enter__(self) -> DroppingProxy:
@@ -55,6 +61,15 @@ class DroppingProxy:
         for s in socks:
             _close(s)
         self._listener.close()
+
+    def blackhole(self) -> int:
+        """From now on, drop every byte of the connections open so far, both ways, and keep
+        them open: to each end its peer went silent (no FIN, no RST), as a host that died or
+        a partition. Connections opened later are forwarded. Returns how many went silent."""
+        with self._lock:
+            pairs = {id(s) for s in self._socks}
+            self._silent |= pairs
+            return len(pairs) // 2
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -76,6 +91,7 @@ class DroppingProxy:
                 if limit is not None:
                     self.drops_left -= 1
                 self._socks += [client, upstream]
+                self.accepted += 1
             pair = (client, upstream)
             for args in (
                 (client, upstream, None, pair, False),
@@ -97,6 +113,10 @@ class DroppingProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                if id(src) in self._silent:
+                    with self._lock:
+                        self.silenced += len(data)
+                    continue
                 if limit is not None and sent + len(data) >= limit:
                     dst.sendall(data[: max(0, limit - sent)])
                     if down:

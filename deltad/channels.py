@@ -1,13 +1,20 @@
-"""Options of the channels deltad's long-lived clients hold to a sidecar: the consumer
-library's (one per rank, and those discovery opens) and a relay's to its upstream.
+"""Options of deltad's long-lived gRPC connections: the channels its clients hold to a sidecar
+(the consumer library's, one per rank and those discovery opens; a relay's to its upstream)
+and what a sidecar accepts of them.
 
-gRPC waits between its own attempts to reconnect a channel whose server went away, doubling
-the wait (x1.6) up to two minutes by default; a call on a channel in that wait fails at once,
-whatever deltad's retries do. After a sidecar was down a minute, a predictor would go on
-failing for up to two more minutes after it came back (measured: 30 s after a 90 s outage).
-The channel's reconnect backoff therefore follows the client's own retry backoff
-(``backoff_initial_s`` up to ``backoff_max_s``): a predictor or relay is back within about
-``backoff_max_s`` of its sidecar.
+**Reconnecting.** gRPC waits between its own attempts to reconnect a channel whose server went
+away, growing the wait x1.6 up to two minutes by default; a call in that wait fails at once,
+whatever deltad's retries do. After a sidecar was down a minute, a predictor went on failing
+for up to two more minutes after it came back (measured: 30 s after a 90 s outage). The
+channel's reconnect backoff follows the client's own retry backoff (``backoff_initial_s`` up
+to ``backoff_max_s``): a predictor or relay is back within about ``backoff_max_s``.
+
+**A sidecar gone without a word** (its node died, a partition: no FIN, no RST) left its
+clients' calls timing out on the dead connection until gRPC's ping timeout, 60 s, closed it
+(measured: 60.2 s). A client drops such a connection after ``knobs.PING_TIMEOUT_S`` (or its
+RPC deadline, the shorter) and pings an idle one every ``knobs.KEEPALIVE_S``; a sidecar
+accepts those pings (gRPC's server default strikes a client that pings more often than every
+5 minutes without data, and sends it away).
 """
 
 from __future__ import annotations
@@ -16,19 +23,27 @@ from typing import Any
 
 import grpc.experimental
 
-from deltad import wire
+from deltad import knobs, wire
 
 #: Largest message a client sends (commits, requests: small).
 MAX_SEND_MESSAGE_BYTES = 16 * 1024 * 1024
+#: A sidecar accepts a client's pings this often (knobs.KEEPALIVE_S is at least twice this).
+MIN_PING_INTERVAL_MS = 500
+
+
+def _ms(seconds: float) -> int:
+    return max(1, min(2**31 - 1, round(seconds * 1000)))
 
 
 def stream_channel_options(
-    *, backoff_initial_s: float, backoff_max_s: float
+    *, backoff_initial_s: float, backoff_max_s: float, deadline_s: float
 ) -> list[tuple[str, Any]]:
-    """Options for a channel that carries GetDelta streams, reconnecting after
-    ``backoff_initial_s`` and at most every ``backoff_max_s`` while its server is away."""
-    initial_ms = max(1, round(backoff_initial_s * 1000))
-    return [
+    """Options for a channel that carries GetDelta streams: reconnecting after
+    ``backoff_initial_s`` and at most every ``backoff_max_s`` while its server is away, and
+    dropping a connection whose server answers no ping within ``knobs.PING_TIMEOUT_S`` or
+    ``deadline_s`` (the client's RPC deadline), the shorter."""
+    initial_ms = _ms(backoff_initial_s)
+    options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", wire.CONSUMER_MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
         # The thread reading a GetDelta stream drives it itself, instead of a channel thread
@@ -36,5 +51,25 @@ def stream_channel_options(
         # in a pull thread, steady state): 1.4-1.5 -> 1.65-2.1 GB/s, client CPU 0.7 -> 0.5-0.6 s.
         (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
         ("grpc.initial_reconnect_backoff_ms", initial_ms),
-        ("grpc.max_reconnect_backoff_ms", max(initial_ms, round(backoff_max_s * 1000))),
+        ("grpc.max_reconnect_backoff_ms", max(initial_ms, _ms(backoff_max_s))),
+        # every ping (keepalive, or one gRPC sends after a call was cancelled) times out here
+        ("grpc.http2.ping_timeout_ms", _ms(min(knobs.PING_TIMEOUT_S, deadline_s))),
+    ]
+    if knobs.KEEPALIVE_S > 0:
+        options += [
+            ("grpc.keepalive_time_ms", _ms(knobs.KEEPALIVE_S)),
+            ("grpc.keepalive_timeout_ms", _ms(min(knobs.PING_TIMEOUT_S, deadline_s))),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+    return options
+
+
+def server_ping_options() -> list[tuple[str, Any]]:
+    """A sidecar's server options that let its clients' keepalive pings in (every
+    :data:`MIN_PING_INTERVAL_MS` or slower, with or without calls in flight; the argument
+    is gRPC's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS)."""
+    return [
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ]

@@ -1,9 +1,10 @@
-"""A predictor and a relay are back within their retry backoff of a sidecar that was away.
+"""A predictor and a relay are back within seconds of a sidecar that was away or went silent.
 
 gRPC's own reconnect backoff (1 s growing x1.6 to two minutes by default) made a channel that
 had seen its sidecar down for a while fail every call for many seconds after the sidecar was
-back (30 s after a 90 s outage, measured): the channels follow the clients' backoff now
-(:mod:`deltad.channels`)."""
+back (30 s after a 90 s outage, measured): the channels follow the clients' backoff now.
+A connection whose sidecar went silent was kept until gRPC's 60 s ping timeout; it is left
+within the clients' RPC deadline now, and idle ones are pinged (:mod:`deltad.channels`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import pytest
 from spoolkit import FakeTrainer, wait_for
 from test_relay import at_step, db, server_config, start_relay
 
-from deltad.config import ConsumerConfig
+from deltad import knobs
+from deltad.config import ConsumerConfig, RelayConfig
 from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer
 from deltad.serve.edge.app import SidecarServer
+from deltad.serve.relay.server import RelayServer
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -75,4 +78,92 @@ def test_a_predictor_and_a_relay_reconnect_within_their_backoff_after_an_outage(
             wait_for(lambda: at_step([relay.endpoint], 20), BACK_WITHIN_S, "the relay at step 20")
     finally:
         relay.stop(0.2)
+        sidecar.stop(0.2)
+
+
+#: A silent connection is left within the clients' RPC deadline (2 s here) plus a retry;
+#: gRPC's default ping timeout kept it 60 s.
+SILENT_BACK_WITHIN_S = 12.0
+
+
+def test_a_sidecar_gone_silent_is_left_within_the_ping_timeout(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The link to the sidecar goes silent (no FIN, no RST: a dead node, a partition), for
+    a predictor and a relay; new connections get through. Both leave the dead connection and
+    are at the next step within seconds."""
+    from bench.netproxy import DroppingProxy
+
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    ft.step(10)
+    sidecar = SidecarServer(server_config(tmp_path / "spool", 0, redis_url)).start()
+    proxy = DroppingProxy(sidecar.endpoint, drop_after=1 << 40, drops=0).__enter__()
+    relay = RelayServer(
+        server_config(tmp_path / "relay", 0, db(redis_url, 1)),
+        RelayConfig(upstream=proxy.endpoint, consumer="relay", poll_interval_s=0.02,
+                    fsync=False, backoff_initial_s=0.05, backoff_max_s=0.5, rpc_deadline_s=2.5),
+    ).start()  # fmt: skip
+    consumer = DeltaConsumer(
+        ConsumerConfig(
+            consumer="p", model="m", sidecars=(proxy.endpoint,), rpc_deadline_s=2.0,
+            max_retries=1, backoff_initial_s=0.05, backoff_max_s=0.5, heartbeat_interval_s=0.5,
+        )
+    )  # fmt: skip
+    applier = TensorDictApplier()
+    try:
+        with consumer:
+            assert consumer.sync(applier.apply).step == 10
+            wait_for(lambda: at_step([relay.endpoint], 10), 30, "the relay at step 10")
+            # two connections: channels of one process with the same options share one
+            assert proxy.blackhole() == 2  # the predictor's and the relay's
+            ft.step(20)
+            silent = time.monotonic()
+            while True:  # bounded by SILENT_BACK_WITHIN_S
+                r = consumer.sync(applier.apply)
+                if r.step == 20:
+                    break
+                took = time.monotonic() - silent
+                assert took < SILENT_BACK_WITHIN_S, f"still on the silent link after {took:.1f} s"
+                time.sleep(0.1)
+            assert applier.tables()["t0"].equal(ft.history[20]["t0"])
+            left = SILENT_BACK_WITHIN_S - (time.monotonic() - silent)
+            wait_for(lambda: at_step([relay.endpoint], 20), max(left, 0.1), "the relay at 20")
+            assert proxy.silenced > 0  # the silent connections were used and went nowhere
+    finally:
+        relay.stop(0.2)
+        proxy.__exit__(None, None, None)
+        sidecar.stop(0.2)
+
+
+def test_keepalive_pings_of_an_idle_predictor_are_accepted(tmp_path: Path, redis_url: str) -> None:
+    """A predictor idle between pulls pings its sidecar (``knobs.KEEPALIVE_S``, 1 s here);
+    the sidecar lets the pings in rather than sending it away (gRPC's server default answers
+    a client pinging more often than every 5 minutes without a call with GOAWAY
+    "too_many_pings" after two strikes): its one connection lives on."""
+    from bench.netproxy import DroppingProxy
+
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    sidecar = SidecarServer(server_config(tmp_path / "spool", 0, redis_url)).start()
+    try:
+        with (
+            knobs.override(KEEPALIVE_S=1.0),
+            DroppingProxy(sidecar.endpoint, drop_after=1 << 40, drops=0) as proxy,
+            DeltaConsumer(
+                ConsumerConfig(
+                    consumer="p",
+                    model="m",
+                    sidecars=(proxy.endpoint,),
+                    heartbeat_interval_s=3600.0,
+                    lease_ttl_s=7200.0,
+                )
+            ) as consumer,  # fmt: skip
+        ):
+            assert consumer.pull().step == 0
+            assert proxy.accepted == 1
+            time.sleep(6.0)  # >= 5 pings without a call
+            assert consumer.pull().step == 0
+            assert proxy.accepted == 1, "the sidecar sent the pinging predictor away"
+    finally:
         sidecar.stop(0.2)

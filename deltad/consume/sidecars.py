@@ -127,7 +127,9 @@ class Sidecars:
         self.ranks: list[RankLink] = []
         self.closed = threading.Event()
         self.channel_options = stream_channel_options(
-            backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s
+            backoff_initial_s=config.backoff_initial_s,
+            backoff_max_s=config.backoff_max_s,
+            deadline_s=config.rpc_deadline_s,
         )
         self.discovery = Discovery(config, self.auth, self.channel_options)
         self._pool: ThreadPoolExecutor | None = None

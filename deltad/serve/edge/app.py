@@ -45,6 +45,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from deltad import knobs, wire
+from deltad.channels import server_ping_options
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, OffsetStoreError
 from deltad.redisutil import EmbeddedRedis
@@ -261,6 +262,7 @@ class SidecarServer:
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0),
+                *server_ping_options(),
             ],
         )
         server.add_generic_rpc_handlers((handlers(self.servicer),))

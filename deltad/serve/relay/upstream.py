@@ -55,7 +55,9 @@ class Upstream:
             tls_key=config.tls_key,
         )
         self._options = stream_channel_options(
-            backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s
+            backoff_initial_s=config.backoff_initial_s,
+            backoff_max_s=config.backoff_max_s,
+            deadline_s=min(STALL_S, config.rpc_deadline_s),
         )
         self._channel = self._auth.channel(config.upstream, self._options)
         self._stub = pb_grpc.DeltaServiceStub(self._channel)
