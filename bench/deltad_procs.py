@@ -96,10 +96,11 @@ def start_sidecar(
     timeout_s: float = 90.0,
     require_head: bool = True,
     metrics: bool = False,
+    port: int | None = None,
 ) -> Sidecar:
-    """Start ``deltad serve`` on a free port and wait until its Status answers (``metrics``:
-    with ``/metrics`` on another free port, :attr:`Sidecar.metrics_port`)."""
-    port = free_port()
+    """Start ``deltad serve`` on ``port`` (None: a free one) and wait until its Status answers
+    (``metrics``: with ``/metrics`` on another free port, :attr:`Sidecar.metrics_port`)."""
+    port = port or free_port()
     endpoint = f"127.0.0.1:{port}"
     spool.mkdir(parents=True, exist_ok=True)
     log_path = spool / f"sidecar-{port}.log"
