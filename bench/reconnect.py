@@ -13,7 +13,8 @@ baseline's own spread shows next to the ratio). Arms, each shared by the three a
   a node that died, a partition); new connections get through.
 
 Measured: seconds from the sidecar's return (or the link going silent) to each consumer's
-first pull that reads the rank again.
+first pull that reads the rank again; one not back within ``GIVE_UP_S`` (120 s) is recorded
+as None and counts as 120 s in the ratios (which then say how many were censored).
 
 ``python -m bench.reconnect [--outages 10,60] [--repeats 2] [--record]``: prints one JSON line;
 ``--record`` writes bench/results/reconnect.json.
@@ -44,8 +45,9 @@ DELTAD_ONLY = (
     "grpc.http2.max_pings_without_data",
 )
 ARMS = ("deltad", "grpc_default", "grpc_default_again")
-#: Longest a consumer may take to come back before the arm gives up on it.
-GIVE_UP_S = 300.0
+#: Longest an arm waits for its consumers; one not back by then is recorded as None ("not
+#: back within GIVE_UP_S": with gRPC's defaults a silent connection may be kept for good).
+GIVE_UP_S = 120.0
 
 
 class Puller:
@@ -68,7 +70,12 @@ class Puller:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            r = self.consumer.pull()
+            try:
+                r = self.consumer.pull()
+            except Exception:  # (closed under a pull in flight)
+                if self._stop.is_set():
+                    return
+                raise
             if not r.missing:
                 self.ok_at.append(time.monotonic())
             self._stop.wait(0.1)
@@ -80,18 +87,19 @@ class Puller:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(GIVE_UP_S)
-        self.consumer.close()
+        self.consumer.close()  # (first: a pull stuck on a silent connection is cancelled)
+        self._thread.join(60.0)
 
 
-def _wait_back(pullers: dict[str, Puller], since: float) -> dict[str, float]:
+def _wait_back(pullers: dict[str, Puller], since: float) -> dict[str, float | None]:
+    """Each consumer's seconds from ``since`` to reading the rank again (None: not within
+    :data:`GIVE_UP_S`)."""
     deadline = time.monotonic() + GIVE_UP_S
-    while time.monotonic() < deadline:
+    while True:
         got = {n: p.back_after(since) for n, p in pullers.items()}
-        if all(v is not None for v in got.values()):
-            return {n: float(v) for n, v in got.items() if v is not None}
+        if all(v is not None for v in got.values()) or time.monotonic() >= deadline:
+            return got
         time.sleep(0.1)
-    raise RuntimeError(f"consumers not back within {GIVE_UP_S} s: {got}")
 
 
 def _pullers(endpoint: str, tag: str) -> dict[str, Puller]:
@@ -99,8 +107,9 @@ def _pullers(endpoint: str, tag: str) -> dict[str, Puller]:
 
 
 def _settle(pullers: dict[str, Puller]) -> None:
-    since = time.monotonic()
-    _wait_back(pullers, since)  # each read the rank once: connected
+    got = _wait_back(pullers, time.monotonic())  # each read the rank once: connected
+    if any(v is None for v in got.values()):
+        raise RuntimeError(f"consumers never read the rank: {got}")
 
 
 def run(outages: list[float], repeats: int, work: Path) -> dict[str, Any]:
@@ -139,15 +148,29 @@ def run(outages: list[float], repeats: int, work: Path) -> dict[str, Any]:
     for arm in sorted({s["arm"] for s in samples}):
         rows = [s for s in samples if s["arm"] == arm]
         out[arm] = {
-            **{f"{a}_s": summarize([r[a] for r in rows]) for a in ARMS},
-            "deltad_x_grpc_default": summarize(
-                [r["deltad"] / max(r["grpc_default"], 1e-9) for r in rows]
-            ),
-            "noise": summarize(
-                [r["grpc_default_again"] / max(r["grpc_default"], 1e-9) for r in rows]
-            ),
+            **{f"{a}_s": _seconds([r[a] for r in rows]) for a in ARMS},
+            "deltad_x_grpc_default": _ratios(rows, "deltad", "grpc_default"),
+            "noise": _ratios(rows, "grpc_default_again", "grpc_default"),
         }
     return out
+
+
+def _seconds(values: list[float | None]) -> dict[str, Any]:
+    """Summary of the consumers that came back, and how many did not within GIVE_UP_S."""
+    back = [v for v in values if v is not None]
+    return {**(summarize(back) if back else {}), "not_back": len(values) - len(back)}
+
+
+def _ratios(rows: list[dict[str, Any]], num: str, den: str) -> dict[str, Any]:
+    """``num / den`` per sample; a consumer not back counts as GIVE_UP_S (a bound: "<=" for
+    the numerator's, ">=" for the denominator's)."""
+    vals = [
+        (r[num] if r[num] is not None else GIVE_UP_S)
+        / max(r[den] if r[den] is not None else GIVE_UP_S, 1e-9)
+        for r in rows
+    ]
+    censored = sum(r[num] is None or r[den] is None for r in rows)
+    return {**summarize(vals), "censored": censored}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Benchmark: GetDelta at wire speed (issue 22 items 2, 3, 6), every figure a ratio measured
 in one run, each next to a noise line (the same baseline measured twice).
 
-Own spool: a base (every row of 4 tables, dim 64) and 16 deltas of 1 % skewed rows; a
+Own spool: a base (every row of 4 tables, dim 64) and 16 deltas of 1 % skewed rows (``--deltas``); a
 ``deltad serve`` (no retention), a bare gRPC server (:mod:`bench.wire_baselines`: the same
 bytes in messages of the sidecar's chunk size, built once), one client process each.
 
@@ -134,18 +134,20 @@ def _timed(
     return r, seconds
 
 
-def run(ctx: Context, send_only: bool = False, swap: bool = False) -> dict[str, Any]:
+def run(
+    ctx: Context, send_only: bool = False, swap: bool = False, deltas: int = DELTAS
+) -> dict[str, Any]:
     from bench import deltad_procs
     from bench.datagen import write_spool
 
     window = ctx.pick(1024 * MB, 256 * MB, 8 * MB)
     rows = rows_per_table(window)
     repeats = ctx.repeats
-    out: dict[str, Any] = {"dim": DIM, "tables": TABLES, "deltas": DELTAS, "rows_per_table": rows}
+    out: dict[str, Any] = {"dim": DIM, "tables": TABLES, "deltas": deltas, "rows_per_table": rows}
     with ctx.tmpdir("wirespeed") as spool, Children() as kids:
         write_spool(
             spool, model=deltad_procs.MODEL, tables=TABLES, rows_per_table=rows, dim=DIM,
-            deltas=DELTAS, delta_fraction=0.01,
+            deltas=deltas, delta_fraction=0.01,
         )  # fmt: skip
         bare_conn, bare_port, bare_pid = start_server(kids, grpc_server_main, 2 * window)
         bare_cpu = CpuMonitor(bare_pid)
@@ -339,17 +341,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=None, help="also write the results here")
     p.add_argument(
+        "--deltas",
+        type=int,
+        default=DELTAS,
+        help=f"deltas of 1 %% after the base of the pulled windows (default {DELTAS}; 0: the "
+        "base alone, as right after retention folded them in)",
+    )
+    p.add_argument(
         "--send-only",
         action="store_true",
         help="only the uncached windows, prefetch on and off (no cache-on, no 16 cursors)",
     )
     a = p.parse_args(argv)
+    if not 0 <= a.deltas <= 64:
+        p.error("--deltas must be in [0, 64]")
     ctx = Context(quick=a.quick, repeats=a.repeats)
     if a.work_dir is not None:
         ctx.work_dir = a.work_dir
     ctx.status = lambda msg: print(msg, file=sys.stderr, flush=True)
     t0 = time.time()
-    result = run(ctx, send_only=a.send_only, swap=a.prefetch_off_first)
+    result = run(ctx, send_only=a.send_only, swap=a.prefetch_off_first, deltas=a.deltas)
     result["machine"] = machine_info()
     result["seconds"] = time.time() - t0
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

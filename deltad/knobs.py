@@ -35,13 +35,13 @@ The knobs (default in brackets):
 * ``IDLE_PAGE_OUT_LIBRARIES`` [1]: in the same idle spell, once, the sidecar also gives back the
   resident pages of its loaded libraries' code (:func:`deltad.perf.page_out_libraries`: clean
   file pages, mostly libtorch's start-up; the next pull reads back the few it uses). 0 = keep.
-* ``PING_TIMEOUT_S`` [10]: a client (consumer, relay) drops a connection whose sidecar does not
-  answer an HTTP/2 ping within this (or its RPC deadline, the shorter) and connects again: a
-  sidecar gone without a word (a dead node, a partition) is left within seconds, not after
-  gRPC's default 60 s (> 0),
-* ``KEEPALIVE_S`` [30]: and pings a connection this often when nothing else arrived, so an idle
-  one is found dead before a call needs it (0 = no keepalive pings; else >= 1: sidecars
-  accept a client's pings every second or slower).
+* ``KEEPALIVE_S`` [10]: a client (consumer, relay) pings its sidecar once nothing arrived on a
+  connection for this long, pulls in flight or not (0 = no keepalive pings; else >= 1:
+  sidecars accept a client's pings every half second or slower),
+* ``PING_TIMEOUT_S`` [10]: and drops a connection whose sidecar answers no ping within this (or
+  its RPC deadline, the shorter), then connects again: a sidecar gone without a word (a dead
+  node, a partition, a proxy that keeps the TCP connection up) is left within about the two
+  together, 20 s; gRPC's defaults send no keepalive pings and wait 60 s for any other (> 0).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ IDLE_HEAP_TRIM_S: float = _knob("IDLE_HEAP_TRIM_S", 30.0, float, lambda v: v >= 
 IDLE_HEAP_TRIM_MIN_BYTES: int = _knob("IDLE_HEAP_TRIM_MIN_BYTES", 16 << 20, int, lambda v: v >= 0)
 IDLE_PAGE_OUT_LIBRARIES: bool = _knob("IDLE_PAGE_OUT_LIBRARIES", True, _parse_bool, lambda v: True)
 PING_TIMEOUT_S: float = _knob("PING_TIMEOUT_S", 10.0, float, lambda v: v > 0)
-KEEPALIVE_S: float = _knob("KEEPALIVE_S", 30.0, float, lambda v: v == 0 or v >= 1)
+KEEPALIVE_S: float = _knob("KEEPALIVE_S", 10.0, float, lambda v: v == 0 or v >= 1)
 
 #: The knobs' names.
 NAMES = tuple(_CHECKS)

@@ -15,6 +15,7 @@ import pytest
 from spoolkit import FakeTrainer, wait_for
 from test_relay import at_step, db, server_config, start_relay
 
+from bench.netproxy import DroppingProxy
 from deltad import knobs
 from deltad.config import ConsumerConfig, RelayConfig
 from deltad.consume.appliers import TensorDictApplier
@@ -81,9 +82,9 @@ def test_a_predictor_and_a_relay_reconnect_within_their_backoff_after_an_outage(
         sidecar.stop(0.2)
 
 
-#: A silent connection is left within the clients' RPC deadline (2 s here) plus a retry;
-#: gRPC's default ping timeout kept it 60 s.
-SILENT_BACK_WITHIN_S = 12.0
+#: A silent connection is left within a keepalive (1 s here) and the ping timeout (the clients'
+#: RPC deadline, 2 s here), plus a retry; with gRPC's defaults it was kept 60 s, or for good.
+SILENT_BACK_WITHIN_S = 8.0
 
 
 def test_a_sidecar_gone_silent_is_left_within_the_ping_timeout(
@@ -92,8 +93,11 @@ def test_a_sidecar_gone_silent_is_left_within_the_ping_timeout(
     """The link to the sidecar goes silent (no FIN, no RST: a dead node, a partition), for
     a predictor and a relay; new connections get through. Both leave the dead connection and
     are at the next step within seconds."""
-    from bench.netproxy import DroppingProxy
+    with knobs.override(KEEPALIVE_S=1.0):  # (read when the channels are made)
+        _silent_link(tmp_path, redis_url)
 
+
+def _silent_link(tmp_path: Path, redis_url: str) -> None:
     ft = FakeTrainer(tmp_path / "spool", world_size=1)
     ft.start(0)
     ft.step(10)
@@ -141,8 +145,6 @@ def test_keepalive_pings_of_an_idle_predictor_are_accepted(tmp_path: Path, redis
     the sidecar lets the pings in rather than sending it away (gRPC's server default answers
     a client pinging more often than every 5 minutes without a call with GOAWAY
     "too_many_pings" after two strikes): its one connection lives on."""
-    from bench.netproxy import DroppingProxy
-
     ft = FakeTrainer(tmp_path / "spool", world_size=1)
     ft.start(0)
     sidecar = SidecarServer(server_config(tmp_path / "spool", 0, redis_url)).start()
