@@ -59,17 +59,22 @@ class Puller:
 
         # the library's defaults (deadlines, retries, backoff)
         self.consumer = DeltaConsumer(ConsumerConfig(name, MODEL, sidecars=(endpoint,)))
-        if grpc_defaults:
-            side = self.consumer._sidecars  # the baseline: the channels as before deltad set them
+        side = self.consumer._sidecars
+        if grpc_defaults:  # the baseline: the channels as before deltad set them
             side.channel_options = [o for o in side.channel_options if o[0] not in DELTAD_ONLY]
+        # a connection of its own, as a predictor process has (channels of one process with
+        # the same options would share one)
+        side.channel_options = [*side.channel_options, ("grpc.use_local_subchannel_pool", 1)]
         self.consumer.connect()
-        self.ok_at: list[float] = []  # monotonic end of each pull that read the rank
+        #: (start, end) of each pull that read the rank, monotonic
+        self.ok: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            start = time.monotonic()
             try:
                 r = self.consumer.pull()
             except Exception:  # (closed under a pull in flight)
@@ -77,12 +82,13 @@ class Puller:
                     return
                 raise
             if not r.missing:
-                self.ok_at.append(time.monotonic())
+                self.ok.append((start, time.monotonic()))
             self._stop.wait(0.1)
 
     def back_after(self, since: float) -> float | None:
-        """Seconds from ``since`` to the first pull after it that read the rank."""
-        later = [t for t in self.ok_at if t > since]
+        """Seconds from ``since`` to the end of the first pull started after it that read
+        the rank (one that started before may have had its answer on the way already)."""
+        later = [end for start, end in self.ok if start > since]
         return later[0] - since if later else None
 
     def close(self) -> None:

@@ -9,12 +9,15 @@ for up to two more minutes after it came back (measured: 30 s after a 90 s outag
 channel's reconnect backoff follows the client's own retry backoff (``backoff_initial_s`` up
 to ``backoff_max_s``): a predictor or relay is back within about ``backoff_max_s``.
 
-**A sidecar gone without a word** (its node died, a partition: no FIN, no RST) left its
-clients' calls timing out on the dead connection until gRPC's ping timeout, 60 s, closed it
-(measured: 60.2 s). A client drops such a connection after ``knobs.PING_TIMEOUT_S`` (or its
-RPC deadline, the shorter) and pings an idle one every ``knobs.KEEPALIVE_S``; a sidecar
-accepts those pings (gRPC's server default strikes a client that pings more often than every
-5 minutes without data, and sends it away).
+**A sidecar gone without a word** (its node died, a partition, a proxy that keeps the TCP
+connection up: no FIN, no RST) left its clients' calls timing out on the dead connection until
+a ping on it went unanswered: gRPC's clients send no keepalive pings by default and wait 60 s
+for the answer to any other (a flow-control ping that happened to be in flight). Measured:
+60.2 s when such a ping was in flight, not within 300 s when none was. A client pings once
+nothing arrived on a connection for ``knobs.KEEPALIVE_S`` (10 s) and drops it when no answer
+comes within ``knobs.PING_TIMEOUT_S`` (10 s) or its RPC deadline, the shorter: left within
+about 20 s. A sidecar accepts those pings (gRPC's server default strikes a client that pings
+more often than every 5 minutes without data, and sends it away).
 """
 
 from __future__ import annotations

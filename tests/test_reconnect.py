@@ -32,6 +32,20 @@ OUTAGE_S = 10.0
 BACK_WITHIN_S = 2.0
 
 
+def _sync_until(
+    consumer: DeltaConsumer, applier: TensorDictApplier, step: int, within_s: float
+) -> None:
+    """Sync until the predictor serves ``step``; AssertionError after ``within_s``."""
+    since = time.monotonic()
+    while True:  # bounded by within_s
+        r = consumer.sync(applier.apply)
+        if r.step == step:
+            return
+        took = time.monotonic() - since
+        assert took < within_s, f"the predictor is not at step {step} after {took:.1f} s: {r}"
+        time.sleep(0.05)
+
+
 def test_a_predictor_and_a_relay_reconnect_within_their_backoff_after_an_outage(
     tmp_path: Path, redis_url: str
 ) -> None:
@@ -67,14 +81,7 @@ def test_a_predictor_and_a_relay_reconnect_within_their_backoff_after_an_outage(
             ft.step(20)
             cfg.listen = endpoint  # the same port
             sidecar = SidecarServer(cfg).start()
-            back = time.monotonic()
-            while True:  # bounded by BACK_WITHIN_S
-                r = consumer.sync(applier.apply)
-                if r.step == 20:
-                    break
-                took = time.monotonic() - back
-                assert took < BACK_WITHIN_S, f"the predictor is not back {took:.1f} s after: {r}"
-                time.sleep(0.05)
+            _sync_until(consumer, applier, 20, BACK_WITHIN_S)
             assert applier.tables()["t0"].equal(ft.history[20]["t0"])
             wait_for(lambda: at_step([relay.endpoint], 20), BACK_WITHIN_S, "the relay at step 20")
     finally:
@@ -123,13 +130,7 @@ def _silent_link(tmp_path: Path, redis_url: str) -> None:
             assert proxy.blackhole() == 2  # the predictor's and the relay's
             ft.step(20)
             silent = time.monotonic()
-            while True:  # bounded by SILENT_BACK_WITHIN_S
-                r = consumer.sync(applier.apply)
-                if r.step == 20:
-                    break
-                took = time.monotonic() - silent
-                assert took < SILENT_BACK_WITHIN_S, f"still on the silent link after {took:.1f} s"
-                time.sleep(0.1)
+            _sync_until(consumer, applier, 20, SILENT_BACK_WITHIN_S)
             assert applier.tables()["t0"].equal(ft.history[20]["t0"])
             left = SILENT_BACK_WITHIN_S - (time.monotonic() - silent)
             wait_for(lambda: at_step([relay.endpoint], 20), max(left, 0.1), "the relay at 20")
