@@ -55,7 +55,7 @@ def stream_channel_options(
         (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
         ("grpc.initial_reconnect_backoff_ms", initial_ms),
         ("grpc.max_reconnect_backoff_ms", max(initial_ms, _ms(backoff_max_s))),
-        # every ping (keepalive, or one gRPC sends after a call was cancelled) times out here
+        # every ping on the connection (keepalive, flow-control) is answered within this
         ("grpc.http2.ping_timeout_ms", _ms(min(knobs.PING_TIMEOUT_S, deadline_s))),
     ]
     if knobs.KEEPALIVE_S > 0:
