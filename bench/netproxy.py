@@ -42,6 +42,7 @@ class DroppingProxy:
         self._silent: set[int] = set()
         self.silenced = 0  # bytes dropped on silent connections
         self.accepted = 0  # connections accepted so far
+        self.target_closed = 0  # connections the target ended (EOF or reset from its side)
         self._thread = threading.Thread(target=self._accept, name="proxy", daemon=True)
 
     def __enter__(self) -> DroppingProxy:
@@ -112,6 +113,9 @@ class DroppingProxy:
             while True:
                 data = src.recv(65536)
                 if not data:
+                    if down:
+                        with self._lock:
+                            self.target_closed += 1
                     break
                 if id(src) in self._silent:
                     with self._lock:
@@ -133,7 +137,9 @@ class DroppingProxy:
                     with self._lock:
                         self.forwarded += len(data)
         except OSError:
-            pass
+            if down and not self._stop.is_set():
+                with self._lock:
+                    self.target_closed += 1
         for s in pair:  # either side ending ends the link
             _close(s)
 

@@ -17,7 +17,9 @@ for the answer to any other (a flow-control ping that happened to be in flight).
 nothing arrived on a connection for ``knobs.KEEPALIVE_S`` (10 s) and drops it when no answer
 comes within ``knobs.PING_TIMEOUT_S`` (10 s) or its RPC deadline, the shorter: left within
 about 20 s. A sidecar accepts those pings (gRPC's server default strikes a client that pings
-more often than every 5 minutes without data, and sends it away).
+more often than every 5 minutes without data, and sends it away), and pings its clients in
+turn (``knobs.SERVER_KEEPALIVE_S``, 30 s): a predictor gone without a word no longer holds its
+connection for gRPC's server default of two hours.
 """
 
 from __future__ import annotations
@@ -69,10 +71,21 @@ def stream_channel_options(
 
 
 def server_ping_options() -> list[tuple[str, Any]]:
-    """A sidecar's server options that let its clients' keepalive pings in (every
-    :data:`MIN_PING_INTERVAL_MS` or slower, with or without calls in flight; the argument
-    is gRPC's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS)."""
-    return [
+    """A sidecar's server options: its clients' keepalive pings are let in (every
+    :data:`MIN_PING_INTERVAL_MS` or slower, with or without calls in flight; the argument is
+    gRPC's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS), and it pings a client
+    connection idle for ``knobs.SERVER_KEEPALIVE_S``, closing it after
+    ``knobs.PING_TIMEOUT_S`` without an answer."""
+    options: list[tuple[str, Any]] = [
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ]
+    if knobs.SERVER_KEEPALIVE_S > 0:
+        options += [
+            ("grpc.keepalive_time_ms", _ms(knobs.SERVER_KEEPALIVE_S)),
+            ("grpc.keepalive_timeout_ms", _ms(knobs.PING_TIMEOUT_S)),
+            # (the keepalive ping's answer is waited for this long: without it, 60 s)
+            ("grpc.http2.ping_timeout_ms", _ms(knobs.PING_TIMEOUT_S)),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+    return options

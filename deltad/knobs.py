@@ -42,6 +42,10 @@ The knobs (default in brackets):
   its RPC deadline, the shorter), then connects again: a sidecar gone without a word (a dead
   node, a partition, a proxy that keeps the TCP connection up) is left within about the two
   together, 20 s; gRPC's defaults send no keepalive pings and wait 60 s for any other (> 0).
+* ``SERVER_KEEPALIVE_S`` [30]: a sidecar pings a client connection on which nothing arrived for
+  this long and closes it after ``PING_TIMEOUT_S`` without an answer: a predictor that vanished
+  without a word (its node died) no longer holds its connection, and the bytes queued on it,
+  for gRPC's default two hours (0 = two hours; else >= 1).
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ IDLE_HEAP_TRIM_MIN_BYTES: int = _knob("IDLE_HEAP_TRIM_MIN_BYTES", 16 << 20, int,
 IDLE_PAGE_OUT_LIBRARIES: bool = _knob("IDLE_PAGE_OUT_LIBRARIES", True, _parse_bool, lambda v: True)
 PING_TIMEOUT_S: float = _knob("PING_TIMEOUT_S", 10.0, float, lambda v: v > 0)
 KEEPALIVE_S: float = _knob("KEEPALIVE_S", 10.0, float, lambda v: v == 0 or v >= 1)
+SERVER_KEEPALIVE_S: float = _knob("SERVER_KEEPALIVE_S", 30.0, float, lambda v: v == 0 or v >= 1)
 
 #: The knobs' names.
 NAMES = tuple(_CHECKS)

@@ -170,3 +170,37 @@ def test_keepalive_pings_of_an_idle_predictor_are_accepted(tmp_path: Path, redis
             assert proxy.accepted == 1, "the sidecar sent the pinging predictor away"
     finally:
         sidecar.stop(0.2)
+
+
+def test_the_sidecar_closes_the_connection_of_a_predictor_gone_silent(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A predictor's link goes silent (its node died) while it sits idle and sends no pings of
+    its own: the sidecar pings it (``knobs.SERVER_KEEPALIVE_S``, 1 s here) and closes the
+    connection once no answer comes (``PING_TIMEOUT_S``, 1 s here), instead of holding it for
+    gRPC's default two hours."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    with knobs.override(SERVER_KEEPALIVE_S=1.0, PING_TIMEOUT_S=1.0):
+        sidecar = SidecarServer(server_config(tmp_path / "spool", 0, redis_url)).start()
+    try:
+        with (
+            knobs.override(KEEPALIVE_S=0.0, PING_TIMEOUT_S=60.0),  # the client never pings
+            DroppingProxy(sidecar.endpoint, drop_after=1 << 40, drops=0) as proxy,
+            DeltaConsumer(
+                ConsumerConfig(
+                    consumer="p",
+                    model="m",
+                    sidecars=(proxy.endpoint,),
+                    heartbeat_interval_s=3600.0,
+                    lease_ttl_s=7200.0,
+                )
+            ) as consumer,  # fmt: skip
+        ):
+            assert consumer.pull().step == 0
+            time.sleep(2.5)  # (the sidecar's pings of the idle connection are answered)
+            assert proxy.target_closed == 0 and proxy.accepted == 1
+            assert proxy.blackhole() == 1
+            wait_for(lambda: proxy.target_closed == 1, 10.0, "the sidecar to close it")
+    finally:
+        sidecar.stop(0.2)

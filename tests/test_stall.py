@@ -279,3 +279,29 @@ def test_a_forked_child_starts_its_own_watchdog() -> None:
         assert done and os.waitstatus_to_exitcode(status) == 0, "the child's watchdog"
     finally:
         dog.remove(held)
+
+
+def test_a_predictor_busy_longer_than_the_pings_keeps_its_stream(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Keepalive pings both ways (``knobs.KEEPALIVE_S``, ``SERVER_KEEPALIVE_S``) with a 1 s
+    answer bound (``PING_TIMEOUT_S``), and a predictor that stops reading its bootstrap for 4 s
+    (a chunk that takes that long to stage): the pings are answered by gRPC on both sides
+    whether or not the application reads, so the stream is neither closed nor resumed."""
+    from deltad import knobs
+
+    # 48 MB: far more than gRPC's flow-control windows and the socket buffers hold, so the
+    # sidecar is blocked on the predictor for the whole pause
+    truth = _trainer_spool(tmp_path, 1_500_000)
+    with knobs.override(KEEPALIVE_S=1.0, SERVER_KEEPALIVE_S=1.0, PING_TIMEOUT_S=1.0):
+        srv = _sidecar(tmp_path, redis_url)
+        try:
+            with consumer("busy", srv, 10.0) as c:
+                wait_head(c, [10])
+                applier = SlowApplier(delay=0.0, delays={2: 4.0})
+                r = c.sync(applier)
+                assert r.resync and not r.missing, r.missing
+                assert_tables(applier, truth)
+                assert resumed(srv) == (0.0, 0.0)  # one stream, never broken
+        finally:
+            srv.stop(0.5)
