@@ -32,6 +32,26 @@ OUTAGE_S = 10.0
 BACK_WITHIN_S = 2.0
 
 
+def _predictor(endpoint: str, rpc_deadline_s: float) -> DeltaConsumer:
+    """A predictor that retries once, with a backoff of at most 0.5 s."""
+    return DeltaConsumer(
+        ConsumerConfig(
+            consumer="p", model="m", sidecars=(endpoint,), rpc_deadline_s=rpc_deadline_s,
+            max_retries=1, backoff_initial_s=0.05, backoff_max_s=0.5, heartbeat_interval_s=0.5,
+        )
+    )  # fmt: skip
+
+
+def _idle_predictor(endpoint: str) -> DeltaConsumer:
+    """A predictor that makes no call between its pulls (no heartbeats: a long lease)."""
+    return DeltaConsumer(
+        ConsumerConfig(
+            consumer="p", model="m", sidecars=(endpoint,), heartbeat_interval_s=3600.0,
+            lease_ttl_s=7200.0,
+        )
+    )  # fmt: skip
+
+
 def _sync_until(
     consumer: DeltaConsumer, applier: TensorDictApplier, step: int, within_s: float
 ) -> None:
@@ -56,12 +76,7 @@ def test_a_predictor_and_a_relay_reconnect_within_their_backoff_after_an_outage(
     sidecar = SidecarServer(cfg).start()
     endpoint = sidecar.endpoint
     relay = start_relay(endpoint, tmp_path / "relay", 0, db(redis_url, 1))  # backoff <= 0.5 s
-    consumer = DeltaConsumer(
-        ConsumerConfig(
-            consumer="p", model="m", sidecars=(endpoint,), rpc_deadline_s=5.0, max_retries=1,
-            backoff_initial_s=0.05, backoff_max_s=0.5, heartbeat_interval_s=0.5,
-        )
-    )  # fmt: skip
+    consumer = _predictor(endpoint, rpc_deadline_s=5.0)
     applier = TensorDictApplier()
     try:
         with consumer:
@@ -115,12 +130,7 @@ def _silent_link(tmp_path: Path, redis_url: str) -> None:
         RelayConfig(upstream=proxy.endpoint, consumer="relay", poll_interval_s=0.02,
                     fsync=False, backoff_initial_s=0.05, backoff_max_s=0.5, rpc_deadline_s=2.5),
     ).start()  # fmt: skip
-    consumer = DeltaConsumer(
-        ConsumerConfig(
-            consumer="p", model="m", sidecars=(proxy.endpoint,), rpc_deadline_s=2.0,
-            max_retries=1, backoff_initial_s=0.05, backoff_max_s=0.5, heartbeat_interval_s=0.5,
-        )
-    )  # fmt: skip
+    consumer = _predictor(proxy.endpoint, rpc_deadline_s=2.0)
     applier = TensorDictApplier()
     try:
         with consumer:
@@ -153,15 +163,7 @@ def test_keepalive_pings_of_an_idle_predictor_are_accepted(tmp_path: Path, redis
         with (
             knobs.override(KEEPALIVE_S=1.0),
             DroppingProxy(sidecar.endpoint, drop_after=1 << 40, drops=0) as proxy,
-            DeltaConsumer(
-                ConsumerConfig(
-                    consumer="p",
-                    model="m",
-                    sidecars=(proxy.endpoint,),
-                    heartbeat_interval_s=3600.0,
-                    lease_ttl_s=7200.0,
-                )
-            ) as consumer,  # fmt: skip
+            _idle_predictor(proxy.endpoint) as consumer,
         ):
             assert consumer.pull().step == 0
             assert proxy.accepted == 1
@@ -187,15 +189,7 @@ def test_the_sidecar_closes_the_connection_of_a_predictor_gone_silent(
         with (
             knobs.override(KEEPALIVE_S=0.0, PING_TIMEOUT_S=60.0),  # the client never pings
             DroppingProxy(sidecar.endpoint, drop_after=1 << 40, drops=0) as proxy,
-            DeltaConsumer(
-                ConsumerConfig(
-                    consumer="p",
-                    model="m",
-                    sidecars=(proxy.endpoint,),
-                    heartbeat_interval_s=3600.0,
-                    lease_ttl_s=7200.0,
-                )
-            ) as consumer,  # fmt: skip
+            _idle_predictor(proxy.endpoint) as consumer,
         ):
             assert consumer.pull().step == 0
             time.sleep(2.5)  # (the sidecar's pings of the idle connection are answered)
