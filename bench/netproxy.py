@@ -140,6 +140,9 @@ class DroppingProxy:
             if down and not self._stop.is_set():
                 with self._lock:
                     self.target_closed += 1
+        if id(src) in self._silent:  # nothing reaches the other end: it stays silent
+            _close(src)
+            return
         for s in pair:  # either side ending ends the link
             _close(s)
 

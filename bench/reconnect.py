@@ -34,16 +34,6 @@ from bench.common import Children, Context, free_port, record_standalone, summar
 from bench.deltad_procs import MODEL, start_sidecar
 from bench.netproxy import DroppingProxy
 
-#: The options deltad's channels set that gRPC otherwise defaults (the baseline drops them).
-DELTAD_ONLY = (
-    "grpc.initial_reconnect_backoff_ms",
-    "grpc.max_reconnect_backoff_ms",
-    "grpc.http2.ping_timeout_ms",
-    "grpc.keepalive_time_ms",
-    "grpc.keepalive_timeout_ms",
-    "grpc.keepalive_permit_without_calls",
-    "grpc.http2.max_pings_without_data",
-)
 ARMS = ("deltad", "grpc_default", "grpc_default_again")
 #: Longest an arm waits for its consumers; one not back by then is recorded as None ("not
 #: back within GIVE_UP_S": with gRPC's defaults a silent connection may be kept for good).
@@ -54,14 +44,15 @@ class Puller:
     """A consumer pulling every 0.1 s in its own thread, noting when pulls read the rank."""
 
     def __init__(self, name: str, endpoint: str, grpc_defaults: bool) -> None:
+        from deltad.channels import STREAM_OPTIONS
         from deltad.config import ConsumerConfig
         from deltad.consume.client import DeltaConsumer
 
         # the library's defaults (deadlines, retries, backoff)
         self.consumer = DeltaConsumer(ConsumerConfig(name, MODEL, sidecars=(endpoint,)))
         side = self.consumer._sidecars
-        if grpc_defaults:  # the baseline: the channels as before deltad set them
-            side.channel_options = [o for o in side.channel_options if o[0] not in DELTAD_ONLY]
+        if grpc_defaults:  # the baseline: gRPC's defaults for what deltad.channels sets
+            side.channel_options = list(STREAM_OPTIONS)
         # a connection of its own, as a predictor process has (channels of one process with
         # the same options would share one)
         side.channel_options = [*side.channel_options, ("grpc.use_local_subchannel_pool", 1)]

@@ -54,10 +54,12 @@ class Upstream:
             tls_cert=config.tls_cert,
             tls_key=config.tls_key,
         )
+        #: a mirror pull's wait for each message (and the channel's ping timeout)
+        self._stall_s = min(STALL_S, config.rpc_deadline_s)
         self._options = stream_channel_options(
             backoff_initial_s=config.backoff_initial_s,
             backoff_max_s=config.backoff_max_s,
-            deadline_s=min(STALL_S, config.rpc_deadline_s),
+            deadline_s=self._stall_s,
         )
         self._channel = self._auth.channel(config.upstream, self._options)
         self._stub = pb_grpc.DeltaServiceStub(self._channel)
@@ -186,7 +188,7 @@ class Upstream:
             d = decode.pull(
                 self._channel, ask, metadata=self._metadata,
                 timeout=max(self.config.rpc_deadline_s, self.config.stream_deadline_s),
-                stall_s=min(STALL_S, self.config.rpc_deadline_s), assembler=asm,
+                stall_s=self._stall_s, assembler=asm,
             )  # fmt: skip
         except grpc.RpcError:
             self.progressed = self._stream.progressed()
