@@ -170,15 +170,15 @@ def test_an_error_mid_stream_reaches_the_client_with_the_same_status(
     tmp_path: Path, redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, prefetch: int
 ) -> None:
     SpoolWriter(tmp_path / "spool", tables={"a": (50_000, 16)})
-    real, calls = encode.encode_rows, [0]
+    real, calls = encode.RowFraming.new, [0]
 
-    def failing(*a: object, **kw: object) -> bytes:
+    def failing(*a: object, **kw: object) -> tuple[bytes, int, int]:
         calls[0] += 1
-        if calls[0] == 4:
+        if calls[0] == 4:  # (fp32 rows from the base: each message is framed here)
             raise SpoolError("segment vanished mid-stream")
         return real(*a, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(encode, "encode_rows", failing)
+    monkeypatch.setattr(encode.RowFraming, "new", failing)
     srv = _serve(tmp_path, redis_server.url, prefetch_messages=prefetch, window_cache_entries=0)
     c = Client(f"127.0.0.1:{srv.port}")
     try:

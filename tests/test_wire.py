@@ -56,6 +56,49 @@ def test_hand_built_chunks_parse_as_protobuf() -> None:
     assert parsed[0].SerializeToString() == msgs[0]
 
 
+@pytest.mark.parametrize(
+    ("slice_index", "rows", "dim", "dtype", "chunk_bytes", "skip"),
+    [
+        (0, 300, 6, WireDtype.FP32, 4096, 0),
+        (5, 1000, 64, WireDtype.FP32, 20_000, 2),  # (offsets and counts past one varint byte)
+        (200, 7, 3, WireDtype.FP16, 1 << 20, 0),  # (one chunk; a two-byte slice index)
+        (1, 50, 0, WireDtype.FP32, 64, 1),  # (rows of no width: no values field)
+        (2, 40_000, 4, WireDtype.BF16, 200_000, 3),
+    ],
+)
+def test_rows_sent_as_they_are_are_built_from_addresses_byte_equal_to_protobuf(
+    slice_index: int, rows: int, dim: int, dtype: WireDtype, chunk_bytes: int, skip: int
+) -> None:
+    """Rows already in the wire dtype take the address path (no tensor slices, no
+    ChunkMessage); their messages are byte-equal to the general path's (taken for a strided
+    view of the same rows) and to protobuf's serialization of the same chunks."""
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.randperm(10**6, generator=gen)[:rows].sort().values
+    vals = torch.randn(rows, dim, generator=gen).to(wire.WIRE_TORCH_DTYPE[dtype])
+    strided = torch.empty(rows, dim + 1, dtype=vals.dtype)[:, :dim]
+    strided.copy_(vals)
+    assert encode._sent_as_they_are(ids, vals, dtype)
+    assert dim == 0 or not encode._sent_as_they_are(ids, strided, dtype)
+    assert not encode._sent_as_they_are(ids, vals.float(), WireDtype.INT8)
+    fast = list(encode.encode_shard_chunks(slice_index, ids, vals, dtype, chunk_bytes,
+                                           skip=encode.Skip(skip)))  # fmt: skip
+    step = encode.rows_per_chunk(dim, dtype, chunk_bytes)
+    offsets = list(range(0, rows, step))[skip:]
+    assert len(fast) == len(offsets) >= 1
+    if dim:  # the general path, for the strided view
+        general = list(encode.encode_shard_chunks(slice_index, ids, strided, dtype, chunk_bytes,
+                                                  skip=encode.Skip(skip)))  # fmt: skip
+        assert fast == general
+    raw = vals.view(torch.int16) if dtype is WireDtype.BF16 else vals
+    for off, msg in zip(offsets, fast, strict=True):
+        end = min(rows, off + step)
+        assert msg == encode.encode_rows(slice_index, off, ids[off:end], vals[off:end], dtype)
+        chunk = pb.RowChunk(slice=slice_index, offset=off, count=end - off,
+                            ids=ids[off:end].numpy().tobytes(),
+                            values=raw[off:end].numpy().tobytes())  # fmt: skip
+        assert msg == pb.GetDeltaResponse(chunk=chunk).SerializeToString()
+
+
 @pytest.mark.parametrize("sb_nbytes", [0, 16])
 def test_a_message_built_in_place_is_protobuf_and_outlives_its_builder(sb_nbytes: int) -> None:
     m = encode.ChunkMessage(3, 70000, 2, 2 * 5 * 4, sb_nbytes)

@@ -1,6 +1,6 @@
 """The DeltaService servicer of one sidecar (one rank).
 
-GetDelta streams pre-serialized messages (bytes) through an identity response serializer;
+GetDelta streams pre-serialized messages (bytes) with no response serializer (gRPC sends the bytes as they are);
 :func:`handlers` registers the service that way. Every RPC is bounded: GetDelta by a
 concurrency limit and a deadline (deltad.serve.windows.streams), Redis calls by bounded retries (then
 UNAVAILABLE). GetDelta itself is deltad.serve.windows.getdelta (its window decision a pure function,
@@ -304,7 +304,7 @@ def handlers(servicer: DeltaServicer) -> grpc.GenericRpcHandler:
             "GetDelta": grpc.unary_stream_rpc_method_handler(
                 servicer.GetDelta,
                 request_deserializer=pb.GetDeltaRequest.FromString,
-                response_serializer=lambda b: b,
+                response_serializer=None,  # (bytes already: gRPC sends them as they are)
             ),
             "Commit": unary(servicer.Commit, pb.CommitRequest, pb.CommitResponse),
             "Register": unary(servicer.Register, pb.RegisterRequest, pb.RegisterResponse),

@@ -1,8 +1,8 @@
 """GetDelta encoding on the serving side: serialized ``GetDeltaResponse`` messages.
 
 :func:`encode_header`, :func:`encode_trailer` and :func:`encode_shard_chunks` return
-*serialized* messages (``bytes``). The servicer passes them through an identity response
-serializer, so each RowChunk costs exactly one copy: :class:`ChunkMessage` writes the field
+*serialized* messages (``bytes``). The servicer hands them to gRPC as they are (no response
+serializer), so each RowChunk costs exactly one copy: :class:`ChunkMessage` writes the field
 tags and varint lengths into a new ``bytes`` object, and a merge or :func:`encode_chunk` fills
 its ids / scale-bias / values fields directly (:meth:`ChunkMessage.fill`: one ``memmove`` of a
 tensor's rows; writable arrays where rows are scattered), with no intermediate tensor.
@@ -26,6 +26,7 @@ from deltad.v1 import delta_pb2 as pb
 from deltad.wire import (
     DEFAULT_ROW_ALIGNMENT,
     WIRE_ITEMSIZE,
+    WIRE_TORCH_DTYPE,
     pack_rows,
     packed_row_bytes,
     quantize,
@@ -392,6 +393,10 @@ def encode_shard_chunks(
     step = rows_per_chunk(
         width, dtype if values is not None else None, chunk_bytes, alignment, idn is not None
     )
+    if idn is None and _sent_as_they_are(ids, values, dtype):
+        assert values is not None
+        yield from _plain_chunks(slice_index, ids, values, step, skip)
+        return
     n = ids.numel()
     for off in range(0, n, step):
         if skips(skip):
@@ -401,6 +406,91 @@ def encode_shard_chunks(
         ev, ad = identity_runs(idn, off, end)
         yield encode_rows(slice_index, off, ids[off:end], vals, dtype, alignment, idn, ev, ad)
     yield from extra_identity_chunks(slice_index, n, idn, chunk_bytes, skip)
+
+
+def _sent_as_they_are(ids: torch.Tensor, values: torch.Tensor | None, dtype: WireDtype) -> bool:
+    """Whether rows ``values`` go on the wire byte for byte (already in ``dtype``, not INT8 or
+    packed, 2-D and, as ``ids``, contiguous in host memory): :func:`_plain_chunks` may send them."""
+    return (
+        values is not None
+        and values.dim() == 2
+        and WIRE_TORCH_DTYPE.get(dtype) == values.dtype
+        and dtype is not WireDtype.INT8
+        and values.is_cpu
+        and ids.is_cpu
+        and ids.dtype == torch.int64
+        and values.is_contiguous()
+        and ids.is_contiguous()
+    )
+
+
+class RowFraming:
+    """The framing of one shard's RowChunks of ids and plain values (no scale/bias, no
+    identities): per message only the offset and, for the last, the count differ, so the
+    parts that depend on the count are made once per count. :meth:`new` makes a message with
+    its framing written and its ids and values fields left to fill, without the Python cost of
+    a :class:`ChunkMessage` (~40 us a message, a fifth of a 2 MB message's copy). Its messages
+    are byte-equal to :class:`ChunkMessage`'s (tested)."""
+
+    __slots__ = ("_lead", "_row", "_tails")
+
+    def __init__(self, slice_index: int, row_bytes: int) -> None:
+        self._lead = b"\x08" + _varint(slice_index) if slice_index else b""
+        self._row = row_bytes
+        #: count -> (ids framing, values framing, bytes after the ids framing)
+        self._tails: dict[int, tuple[bytes, bytes, int]] = {}
+
+    def new(self, offset: int, count: int) -> tuple[bytes, int, int]:
+        """A message of ``count`` rows from ``offset``: (the ``bytes``, the offset in it of
+        its ids field's first byte, of its values field's); fill both before it is seen."""
+        tail = self._tails.get(count)
+        if tail is None:
+            vals = count * self._row
+            ids_head = b"\x18" + _varint(count) + b"\x22" + _varint(count * 8)
+            vals_head = b"\x32" + _varint(vals) if vals else b""
+            tail = self._tails[count] = (ids_head, vals_head, count * 8 + len(vals_head) + vals)
+        ids_head, vals_head, rest = tail
+        inner = self._lead + (b"\x10" + _varint(offset) if offset else b"") + ids_head
+        head = b"\x12" + _varint(len(inner) + rest) + inner
+        data = _NEW_BYTES(len(head) + rest)
+        at = id(data) + _BYTES_DATA
+        _MEMMOVE(at, head, len(head))
+        ids_at = len(head)
+        if vals_head:
+            _MEMMOVE(at + ids_at + count * 8, vals_head, len(vals_head))
+        return data, ids_at, ids_at + count * 8 + len(vals_head)
+
+
+def put(data: bytes, at: int, src_address: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``src_address`` to byte ``at`` of a message being built (one that
+    nobody else has seen yet: see :meth:`RowFraming.new`)."""
+    _MEMMOVE(id(data) + _BYTES_DATA + at, src_address, nbytes)
+
+
+def writable(data: bytes, at: int, nbytes: int) -> Any:
+    """A writable uint8 array of bytes ``[at, at + nbytes)`` of a message being built (one
+    that nobody else has seen yet); it keeps the message alive."""
+    return np.asarray(_BytesData(data))[at : at + nbytes]
+
+
+def _plain_chunks(
+    slice_index: int, ids: torch.Tensor, values: torch.Tensor, step: int, skip: Skip | None
+) -> Iterator[bytes]:
+    """The RowChunks of :func:`encode_shard_chunks` for rows sent as they are
+    (:func:`_sent_as_they_are`), built from addresses: per message a :class:`RowFraming`
+    message and two memmoves (ids, values), no tensor slices."""
+    n = ids.numel()
+    row = values.shape[1] * values.element_size()
+    framing = RowFraming(slice_index, row)
+    ids_at, values_at = ids.data_ptr(), values.data_ptr()
+    for off in range(0, n, step):
+        if skips(skip):
+            continue
+        count = min(step, n - off)
+        data, i, v = framing.new(off, count)
+        put(data, i, ids_at + off * 8, count * 8)
+        put(data, v, values_at + off * row, count * row)
+        yield data
 
 
 def identity_runs(

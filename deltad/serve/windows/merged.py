@@ -40,6 +40,13 @@ def ranged(parts: list[dict[ShardKey, ShardRows]]) -> bool:
     return True
 
 
+def _on_host(ids: torch.Tensor, *parts: ShardRows) -> bool:
+    """Whether ``ids`` and every part's values are contiguous in host memory (then rows are
+    copied from their addresses)."""
+    tensors = (ids, *(c.values for c in parts))
+    return all(t.is_cpu and t.is_contiguous() for t in tensors)
+
+
 def _rows(t: torch.Tensor) -> Any:
     """A contiguous [n, w] tensor as a numpy array of n opaque rows (a view, as in merge)."""
     raw = t.contiguous().view(torch.uint8).numpy()
@@ -189,6 +196,13 @@ class MergedShard:
         if wire_torch is not None:
             wire_row_bytes = row_bytes if dtype is None else width * wire.WIRE_ITEMSIZE[dtype]
         cuts: list[int] = bounds.tolist()
+        # rows sent as they are, no identities: messages framed once per count and filled
+        # from addresses (encode.RowFraming), no ChunkMessage or tensor slice per message
+        framing = None
+        if direct and idn is None and ids.dtype == torch.int64 and _on_host(ids, *cs):
+            framing = encode.RowFraming(index, row_bytes)
+            ids_at = ids.data_ptr()
+            values_at = [c.values.data_ptr() for c in cs]
         for r in range(len(cuts) - 1):
             if encode.skips(skip):
                 continue
@@ -202,6 +216,22 @@ class MergedShard:
                     break
             later = [j for j in range(first + 1, len(cs)) if spans[j][r + 1] > spans[j][r]]
             lo, hi = spans[first][r], spans[first][r + 1]
+            if framing is not None:
+                data, i_at, v_at = framing.new(a, b - a)
+                encode.put(data, i_at, ids_at + a * 8, (b - a) * 8)
+                if hi - lo == b - a:
+                    encode.put(data, v_at, values_at[first] + lo * row_bytes, (hi - lo) * row_bytes)
+                    todo = later
+                else:  # no one part covers the range; together they cover every row of it
+                    todo = [j for j in range(len(cs)) if spans[j][r + 1] > spans[j][r]]
+                if todo and row_bytes:
+                    rows = encode.writable(data, v_at, (b - a) * row_bytes).view(src_rows[0].dtype)
+                    for j in todo:
+                        lo, hi = spans[j][r], spans[j][r + 1]
+                        rows[dests[j][lo:hi] - a] = src_rows[j][lo:hi]
+                    del rows
+                yield data
+                continue
             ev, ad = encode.identity_runs(idn, a, b)
             if hi - lo == b - a and not later and not direct:
                 # nothing newer, rows to cast / quantize / pack: encoded from a view (rows
