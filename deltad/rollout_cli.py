@@ -11,8 +11,9 @@
 
 A release past a step the validation gate failed is refused unless ``--force``; a rollback to a
 step the answering sidecar's log cannot restore is refused with the reason (see ``status``:
-``restorable: steps A..B``); bad steps and globs, a missing admin role, a relay as target: exit
-2 with one line on stderr.
+``restorable: steps A..B``), and so is a release or pin to a step older than that log's base;
+a flag the action does not take (:data:`FLAGS`), bad steps and globs, a missing admin role, a
+relay as target: exit 2 with one line on stderr.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from deltad.clientauth import ClientAuth
 from deltad.config import MAX_COUNT, Range, check_client_auth
 from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.serve.rollout import ReleaseState, describe
+from deltad.status import ENDPOINTS as STATUS_ENDPOINTS
 from deltad.status import RANGES as STATUS_RANGES
 from deltad.status import add_connection_arguments
 from deltad.v1 import delta_pb2 as pb
@@ -35,6 +37,8 @@ from deltad.v1 import delta_pb2_grpc
 
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
 RANGES = {**STATUS_RANGES, "step": Range(0, MAX_COUNT)}
+#: Its endpoint flags (--target), checked as HOST:PORT by `deltad` before run().
+ENDPOINTS = STATUS_ENDPOINTS
 
 ACTIONS = {
     "status": pb.ROLLOUT_STATUS,
@@ -47,6 +51,33 @@ ACTIONS = {
 }
 
 
+#: The action-specific flags (by argparse dest): how they are spelled and the actions that take
+#: them; any other action refuses them (:func:`check_flags`), never ignores them.
+FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "group": ("--group", ("pin", "unpin", "canary", "rollback")),
+    "step": ("--to-step/--step", ("release", "pin", "rollback")),
+    "force": ("--force", ("release",)),
+    "off": ("--off", ("canary",)),
+}
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """ConfigError (one line) naming every flag given that ``args.action`` does not take and
+    the actions that do."""
+    given = {
+        dest
+        for dest in FLAGS
+        if getattr(args, dest) is not None and getattr(args, dest) is not False
+    }
+    stray = [
+        f"{flag} goes with {', '.join(actions)} only, not {args.action}"
+        for dest, (flag, actions) in FLAGS.items()
+        if dest in given and args.action not in actions
+    ]
+    if stray:
+        raise ConfigError("; ".join(stray))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "action",
@@ -55,8 +86,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--to-step; pin/unpin: keep --group at --step; canary: --group follows the head "
         "(--off stops it); rollback: order --group (default all) back to --to-step",
     )
-    p.add_argument("--group", default="", help="consumer-name glob (fnmatch), e.g. 'pred-canary-*'")
-    p.add_argument("--step", "--to-step", dest="step", type=int, default=None, help="trainer step")
+    p.add_argument(
+        "--group",
+        default=None,
+        help="pin, unpin, canary, rollback: consumer-name glob (fnmatch), e.g. 'pred-canary-*'",
+    )
+    p.add_argument(
+        "--step",
+        "--to-step",
+        dest="step",
+        type=int,
+        default=None,
+        help="release, pin, rollback: trainer step (not older than the log's base)",
+    )
     p.add_argument(
         "--force",
         action="store_true",
@@ -67,7 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def request(args: argparse.Namespace) -> pb.RolloutRequest:
-    """The RolloutRequest the flags ask for; ConfigError when a needed flag is missing."""
+    """The RolloutRequest the flags ask for; ConfigError when a needed flag is missing or a
+    flag the action does not take is given."""
+    check_flags(args)
     action = ACTIONS[args.action]
     if args.action == "canary" and args.off:
         action = pb.ROLLOUT_UNCANARY
@@ -76,9 +120,7 @@ def request(args: argparse.Namespace) -> pb.RolloutRequest:
         raise ConfigError(f"rollout {args.action} needs --group GLOB")
     if args.action in ("pin", "rollback") and args.step is None:
         raise ConfigError(f"rollout {args.action} needs --to-step S (or --step S)")
-    if args.force and args.action != "release":
-        raise ConfigError("--force goes with release only")
-    req = pb.RolloutRequest(action=action, group=args.group, force=args.force)
+    req = pb.RolloutRequest(action=action, group=args.group or "", force=args.force)
     if args.step is not None:
         req.step = args.step
     return req
@@ -104,8 +146,8 @@ def call(
 def run(args: argparse.Namespace) -> int:
     # the token: --token-file or DELTAD_TOKEN (never on the command line)
     args.token = None if args.token_file else (os.environ.get("DELTAD_TOKEN") or None)
+    req = request(args)  # a usage error first, before any credential is looked at
     check_client_auth("--", args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
-    req = request(args)
     auth = ClientAuth(
         token=args.token,
         token_file=args.token_file,

@@ -1,12 +1,15 @@
 """The Rollout RPC (admin role only, enforced at the edge): read or change the model's release
 state (deltad.serve.rollout) in Redis (deltad.serve.state.release).
 
-Bad steps and globs get INVALID_ARGUMENT, and so does a rollback to a step this rank's log cannot
-restore (``restore_check``, deltad.serve.index.restore.restorable: the reason); a control refused
-as things stand (a release past a step the validation gate failed without ``force``, any change
-asked of a relay, which follows its upstream's state) FAILED_PRECONDITION; Redis down
-UNAVAILABLE. ``restore_window`` (the oldest and newest step a rollback can restore, None:
-unknown) is shown in every answer and bounds a rollback when no ``restore_check`` is given.
+Bad steps and globs get INVALID_ARGUMENT, and so do a field the action does not take (a group
+with hold, ``force`` with anything but a release: :data:`TAKES`) and a rollback to a step this
+rank's log cannot restore (``restore_check``, deltad.serve.index.restore.restorable: the
+reason); a control refused as things stand (a release past a step the validation gate failed
+without ``force``, a release or pin to a step older than this rank's log's base, which no new
+consumer could be served, any change asked of a relay, which follows its upstream's state)
+FAILED_PRECONDITION; Redis down UNAVAILABLE. ``restore_window`` (the oldest and newest step a
+rollback can restore, None: unknown) is shown in every answer and bounds a rollback when no
+``restore_check`` is given.
 """
 
 from __future__ import annotations
@@ -31,6 +34,48 @@ log = logging.getLogger(__name__)
 RestoreWindow = Callable[[], tuple[int, int] | None]
 
 
+A = pb.RolloutAction
+
+#: The request fields each changing action takes (besides ``action``); any other is refused.
+TAKES: dict[int, frozenset[str]] = {
+    A.ROLLOUT_HOLD: frozenset(),
+    A.ROLLOUT_RELEASE: frozenset({"step", "force"}),
+    A.ROLLOUT_PIN: frozenset({"group", "step"}),
+    A.ROLLOUT_UNPIN: frozenset({"group"}),
+    A.ROLLOUT_CANARY: frozenset({"group"}),
+    A.ROLLOUT_UNCANARY: frozenset({"group"}),
+    A.ROLLOUT_ROLLBACK: frozenset({"group", "step"}),
+}
+
+
+def check_fields(action: int, req: pb.RolloutRequest) -> None:
+    """RolloutError naming the fields of ``req`` that ``action`` does not take (none is
+    ignored: a hold with a group would hold everybody)."""
+    takes = TAKES.get(action)
+    if takes is None:
+        return
+    given = {
+        "step": req.HasField("step"),
+        "group": bool(req.group),
+        "force": req.force,
+    }
+    stray = sorted(f for f, on in given.items() if on and f not in takes)
+    if stray:
+        name = A.Name(action).removeprefix("ROLLOUT_").lower()
+        raise RolloutError(f"{name} takes no {', no '.join(stray)}")
+
+
+def below_base(verb: str, step: int, base: int | None, later: str) -> None:
+    """RolloutRefused if ``step`` is older than this rank's log's base (``base``, None: no
+    log): nothing older is served to a new consumer, whose pulls would fail."""
+    if base is not None and step < base:
+        raise RolloutRefused(
+            f"cannot {verb} step {step}: step {step} is older than the log's base "
+            f"(step {base}), the oldest state a new consumer can be served; {later} step "
+            f"{base} or later"
+        )
+
+
 class RolloutControl:
     """Serves Rollout for one sidecar (``store`` None: a relay, read-only)."""
 
@@ -51,39 +96,53 @@ class RolloutControl:
         self.restore_check = restore_check
 
     def _change(
-        self, action: int, req: pb.RolloutRequest, head: int, gen: int
-    ) -> tuple[Callable[[ReleaseState], ReleaseState], str]:
-        """The state change ``action`` asks for and its description; RolloutError if bad."""
+        self, action: int, req: pb.RolloutRequest, head: int, gen: int, base: int | None
+    ) -> tuple[Callable[[ReleaseState], ReleaseState], Callable[[], str]]:
+        """The state change ``action`` asks for and its description (once the change ran);
+        RolloutError if bad. ``base``: the step of this rank's log's base (None: no log)."""
+        check_fields(action, req)
         step = int(req.step) if req.HasField("step") else None
         group = req.group
-        A = pb.RolloutAction
         head_known = head if head >= 0 else None
         if action == A.ROLLOUT_HOLD:
-            if head < 0 and step is None:
+            if head < 0:
                 raise RolloutRefused("nothing to hold: this sidecar has no log yet")
-            return partial(ro.hold, head_step=head), "held"
+            return partial(ro.hold, head_step=head), lambda: "held"
         if action == A.ROLLOUT_RELEASE:
             if head < 0:
                 raise RolloutRefused("nothing to release: this sidecar has no log yet")
+            if step is not None:
+                ro.check_step(step, head)
+                below_base("release to", step, base, "release")
             what = "released to the head" if step is None else f"released to step {step}"
-            if req.force:
-                what += " (forced past the gate)"
-            return (
-                partial(ro.release, to_step=step, head_step=head, generation=gen, force=req.force),
-                what,
-            )
+            forced: list[bool] = [False]
+
+            def release(state: ReleaseState) -> ReleaseState:
+                # "forced" only if the gate held back a step this release serves (decided on
+                # the state the change applies to: the store may run it more than once)
+                bad = ro.gate_open(state, gen)
+                forced[0] = req.force and bad is not None and (step is None or step >= bad)
+                return ro.release(
+                    state, to_step=step, head_step=head, generation=gen, force=req.force
+                )
+
+            return release, lambda: what + (" (forced past the gate)" if forced[0] else "")
         if action == A.ROLLOUT_PIN:
             if step is None:
                 raise RolloutError("pin needs a step")
-            return partial(ro.pin, group=group, step=step, head_step=head_known), (
-                f"pinned {group} at step {step}"
-            )
+            ro.check_group(group)
+            ro.check_step(step, head_known)
+            below_base(f"pin {group} at", step, base, "pin")
+            pinned = f"pinned {group} at step {step}"
+            return partial(ro.pin, group=group, step=step, head_step=head_known), lambda: pinned
         if action == A.ROLLOUT_UNPIN:
-            return partial(ro.unpin, group=group), f"unpinned {group}"
+            return partial(ro.unpin, group=group), lambda: f"unpinned {group}"
         if action == A.ROLLOUT_CANARY:
-            return partial(ro.canary, group=group, on=True), f"canary {group} follows the head"
+            return partial(ro.canary, group=group, on=True), (
+                lambda: f"canary {group} follows the head"
+            )
         if action == A.ROLLOUT_UNCANARY:
-            return partial(ro.canary, group=group, on=False), f"canary {group} stopped"
+            return partial(ro.canary, group=group, on=False), lambda: f"canary {group} stopped"
         if action == A.ROLLOUT_ROLLBACK:
             if step is None:
                 raise RolloutError("rollback needs a step (--to-step)")
@@ -97,15 +156,16 @@ class RolloutControl:
                 )
             if reason:
                 raise RolloutError(f"cannot roll back to step {step}: {reason}")
-            return partial(ro.rollback, to_step=step, group=group, head_step=head_known), (
-                f"rollback of {group} to step {step} ordered"
-            )
+            ordered = f"rollback of {group} to step {step} ordered"
+            change = partial(ro.rollback, to_step=step, group=group, head_step=head_known)
+            return change, lambda: ordered
         raise RolloutError(f"unknown rollout action {action}")
 
     def Rollout(self, req: pb.RolloutRequest, context: grpc.ServicerContext) -> pb.RolloutResponse:
         snap = self.log.snapshot()
         head = snap.head.step if snap is not None else -1
         gen = snap.generation if snap is not None else 0
+        base = snap.base.step if snap is not None else None
         window = self.restore_window() if self.restore_window is not None else None
         resp = pb.RolloutResponse(
             generation=gen,
@@ -126,8 +186,9 @@ class RolloutControl:
             )
         assert self.store is not None
         try:
-            change, what = self._change(action, req, head, gen)
+            change, describe = self._change(action, req, head, gen, base)
             state = self.store.update(change)
+            what = describe()
         except RolloutRefused as e:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except RolloutError as e:
