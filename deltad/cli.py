@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from deltad import __version__, output
-from deltad.config import Range, check_number
+from deltad.config import Range, check_endpoint, check_number
 from deltad.errors import DeltadError
 from deltad.parent import die_with_parent
 
@@ -123,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
             )
             continue
         module.add_arguments(p)
-        p.set_defaults(_run=module.run, _ranges=getattr(module, "RANGES", {}))
+        p.set_defaults(
+            _run=module.run,
+            _ranges=getattr(module, "RANGES", {}),
+            _endpoints=getattr(module, "ENDPOINTS", ()),
+        )
     return parser
 
 
@@ -163,14 +167,21 @@ def setup_logging(verbose: int, *, json_lines: bool = False) -> None:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
-def check_flags(args: argparse.Namespace, ranges: dict[str, Range]) -> None:
-    """Every numeric flag within its range (ConfigError naming the flag): nan, inf,
-    negative or huge values end here as one line and exit 2. Values still to come from the
+def check_flags(
+    args: argparse.Namespace, ranges: dict[str, Range], endpoints: Sequence[str] = ()
+) -> None:
+    """Every numeric flag within its range and every endpoint flag (``endpoints``: their
+    dests) a HOST:PORT with a valid port (ConfigError naming the flag): nan, inf, negative or
+    huge values, port 99999, end here as one line and exit 2. Values still to come from the
     environment (``deltad serve``) are checked where they are converted."""
     for dest, rng in ranges.items():
         v = getattr(args, dest, None)
         if isinstance(v, int | float):
             check_number("--" + dest.replace("_", "-"), v, rng)
+    for dest in endpoints:
+        v = getattr(args, dest, None)
+        if v is not None:
+            check_endpoint("--" + dest.replace("_", "-"), v)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         output.line(f"deltad: {args._unavailable}", level="ERROR")
         return 2
     try:
-        check_flags(args, args._ranges)
+        check_flags(args, args._ranges, args._endpoints)
         return int(args._run(args) or 0)
     except DeltadError as e:
         output.line(f"deltad {args.command}: error: {e}", level="ERROR")
@@ -195,6 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         output.line(f"deltad {args.command}: interrupted", level="WARNING")
         return 130
+    except BrokenPipeError:  # stdout's reader went away (`deltad status | head -1`): as a
+        output.muted(sys.stdout)  # command killed by SIGPIPE would, without a traceback
+        return 128 + 13
 
 
 if __name__ == "__main__":

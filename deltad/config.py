@@ -153,6 +153,30 @@ def check_redis_url(url: str) -> str:
     return url
 
 
+#: HOST:PORT, with gRPC's target prefixes (``dns:///``, ``ipv4:``, ``ipv6:``) and IPv6
+#: literals in brackets
+_ENDPOINT = re.compile(
+    r"(?:(?:dns:(?://[^/]*/)?)|ipv4:|ipv6:)?(\[[0-9A-Fa-f:.%a-z]+\]|[^\s:/\[\]]+):(\d{1,5})"
+)
+
+
+def check_endpoint(what: str, value: str, *, listen: bool = False) -> str:
+    """``value`` if it is HOST:PORT with a port in 1..65535 (0..65535 for an address to
+    listen on: 0 takes any free port), else ConfigError naming ``what``: gRPC would take
+    port 99999 as 34463 (modulo 65536), a typo that reaches another server. gRPC's target
+    prefixes (``dns:///``, ``ipv4:``, ``ipv6:``) and ``[IPv6]:PORT`` are accepted; a Unix
+    socket (``unix:PATH``, not for ``listen``) as it is."""
+    if isinstance(value, str) and value.startswith("unix:") and len(value) > 5 and not listen:
+        return value
+    m = _ENDPOINT.fullmatch(value) if isinstance(value, str) else None
+    low = 0 if listen else 1
+    if m is None or not low <= int(m.group(2)) <= 65535:
+        raise ConfigError(
+            f"{what} must be HOST:PORT with a port in {low}..65535, not {clip(value)}"
+        )
+    return value
+
+
 def clip(value: object, limit: int = 64) -> str:
     """``repr(value)`` cut to about ``limit`` characters, for error messages that echo input
     (a status message must stay far below gRPC's metadata limit, whatever a client sent)."""
@@ -458,6 +482,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
         check_name("model", self.model)
+        check_endpoint("listen address (--listen, DELTAD_LISTEN)", self.listen, listen=True)
         check_numbers(self, SERVER_RANGES, SERVER_FLAG_NAMES)
         if self.chunk_bytes > self.max_message_bytes // 2:
             raise ConfigError("chunk_bytes must be at most half of max_message_bytes")
@@ -582,8 +607,7 @@ class RelayConfig:
     fsync: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.upstream, str) or not re.fullmatch(r"\S+:\d+", self.upstream):
-            raise ConfigError(f"upstream must be host:port, not {clip(self.upstream)}")
+        check_endpoint("upstream (--upstream)", self.upstream)
         check_name("upstream consumer", self.consumer)
         check_numbers(
             self,
@@ -720,7 +744,9 @@ class ConsumerConfig:
             raise ConfigError("overload_wait_s must be >= 0")
         if self.lease_ttl_s <= 0 or self.heartbeat_interval_s <= 0:
             raise ConfigError("lease_ttl_s and heartbeat_interval_s must be > 0")
-        self.sidecars = tuple(self.sidecars)
+        self.sidecars = tuple(
+            check_endpoint("sidecar endpoint (--sidecar)", e) for e in self.sidecars
+        )
         if self.redis_url is not None:
             check_redis_url(self.redis_url)
         self.tls_ca, self.tls_cert, self.tls_key, self.token_file = check_client_auth(

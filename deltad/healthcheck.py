@@ -1,7 +1,8 @@
 """Probe a sidecar's gRPC health service: ``python -m deltad.healthcheck [host:port]``.
 
-Exit 0 when the service answers SERVING, 1 otherwise (one line on stderr). Used by the
-Docker HEALTHCHECK and the Kubernetes probes; imports nothing heavy (no torch).
+Exit 0 when the service answers SERVING, 1 otherwise, 2 for a bad target or --timeout (one
+line on stderr either way). Used by the Docker HEALTHCHECK and the Kubernetes probes;
+imports nothing heavy (no torch).
 
 Without a target it probes the sidecar configured in this environment, the way the sidecar
 reads it: the port of ``DELTAD_LISTEN`` on 127.0.0.1, over TLS when ``DELTAD_TLS_CERT`` is
@@ -25,6 +26,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deltad.config import Range, check_endpoint, check_number
+from deltad.errors import ConfigError
 
 #: The health service name that answers liveness only (SERVING while the process serves).
 LIVENESS_SERVICE = "deltad.liveness"
@@ -91,6 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             cert = env("DELTAD_TLS_CLIENT_CERT") or server_cert
             key = env("DELTAD_TLS_CLIENT_KEY") or server_key
             args.tls_cert, args.tls_key = (Path(cert), Path(key)) if cert and key else (None, None)
+    try:  # a probe given a bad flag must not read as "sidecar unhealthy" (exit 1)
+        check_endpoint("target", args.target)
+        check_number("--timeout", args.timeout, Range(0, 3600, lo_open=True))
+    except ConfigError as e:
+        print(f"deltad healthcheck: error: {e}", file=sys.stderr)
+        return 2
     try:
         status = check(
             args.target,

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
 RANGES: dict[str, Range] = {"timeout": Range(0, 3600, lo_open=True)}
+#: endpoint flags (dests), checked as HOST:PORT (deltad.cli.check_flags)
+ENDPOINTS = ("target",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -203,9 +205,10 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
     )
     for c in consumers.consumers:
         cap = "head" if c.cap_step < 0 or not s.rollout_state else str(c.cap_step)
+        lag = "-" if c.lag_segments < 0 else str(c.lag_segments)  # (-: consumes other ranks)
         lines.append(
             f"  {c.consumer:<24} {'yes' if c.live else 'no':<5} {c.cursor.seq:>8} "
-            f"{c.lag_segments:>8} {c.lag_seconds:>8.1f} {c.owed_rows:>8} {cap:>8}"
+            f"{lag:>8} {c.lag_seconds:>8.1f} {c.owed_rows:>8} {cap:>8}"
         )
     return "\n".join(lines)
 
