@@ -5,6 +5,7 @@ JSON log stream holds nothing else."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import TextIO
@@ -31,4 +32,19 @@ def line(
     if _json_lines:
         record = {"ts": round(time.time(), 6), "level": level, "logger": logger, "msg": msg}
         msg = json.dumps(record, separators=(",", ":"))
-    print(msg, file=out, flush=True)
+    try:
+        print(msg, file=out, flush=True)
+    except (BrokenPipeError, ValueError):  # its reader is gone (or the stream closed)
+        muted(out)
+
+
+def muted(stream: TextIO) -> None:
+    """Send every later write to ``stream`` (stdout or stderr, whose reader went away: a
+    closed pipe) to /dev/null, so that the process goes on, or ends, without a traceback:
+    a sidecar whose log collector died keeps serving."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

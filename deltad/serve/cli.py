@@ -417,17 +417,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             server = SidecarServer(config)
         server.start()
-        output.line(
-            f"serving {config.model} rank {config.rank} on {server.endpoint}", file=sys.stdout
-        )
-        while not stop.wait(0.5):
-            if reload.is_set():
-                reload.clear()
-                server.reload_credentials()  # logs what it did, once
-            if server.wait(0):
-                break
-        output.line(f"deltad serve: stopping (grace {config.grace_period_s}s)")
-        server.stop(config.grace_period_s)
+        try:
+            output.line(
+                f"serving {config.model} rank {config.rank} on {server.endpoint}", file=sys.stdout
+            )
+            while not stop.wait(0.5):
+                if reload.is_set():
+                    reload.clear()
+                    server.reload_credentials()  # logs what it did, once
+                if server.wait(0):
+                    break
+            output.line(f"deltad serve: stopping (grace {config.grace_period_s}s)")
+        finally:  # (whatever ends the loop: the server and the Redis it embeds stop)
+            server.stop(config.grace_period_s)
     if getattr(server, "error", None) is not None:
         return 2  # the relay logged why it stopped
     return 0
