@@ -19,6 +19,7 @@ from serverkit import (
     wait_for,
 )
 
+from deltad import status
 from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
 from deltad.types import Form, WireDtype
@@ -167,3 +168,45 @@ def test_empty_spool_is_unavailable_until_the_base_arrives(
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_a_consumer_of_another_rank_only_is_not_lagging_on_this_one(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Per-rank relays share the model's consumer list: the relay of rank 1 (a cursor there,
+    none on rank 0) is listed on rank 0 with lag -1 ("-") and no lag series (an alert on it
+    would never clear); a consumer with no cursor anywhere is behind everywhere."""
+    writers = [SpoolWriter(tmp_path / "spool", rank=r, world_size=2, seed=r) for r in (0, 1)]
+    servers = [
+        SidecarServer(server_config(tmp_path / "spool", redis_server.url, rank=r)).start()
+        for r in (0, 1)
+    ]
+    try:
+        for w in writers:
+            w.delta()
+            w.delta()
+        for srv in servers:
+            wait_for(lambda s=srv: s.log.snapshot().head.seq == 2)  # type: ignore[misc]
+        ranks = servers[0].store.ranks()
+        clients = [Client(ranks[r]["endpoint"]) for r in (0, 1)]
+        clients[1].commit(clients[1].pull("relay-1"))  # rank 1 only
+        clients[0].stub.Register(pb.RegisterRequest(consumer="fresh"))  # no cursor anywhere
+        infos = {c.consumer: c for c in servers[0].servicer.consumer_infos()}
+        assert infos["relay-1"].lag_segments == -1 and infos["relay-1"].live
+        assert infos["fresh"].lag_segments == 3  # (head seq 2 + 1: a bootstrap owed)
+        lag = servers[0].metrics.registry.get_sample_value
+        labels = {"model": "m", "rank": "0"}
+        assert lag("deltad_consumer_lag_segments", {**labels, "consumer": "relay-1"}) is None
+        assert lag("deltad_consumer_lag_segments", {**labels, "consumer": "fresh"}) == 3
+        on_rank1 = {c.consumer: c for c in servers[1].servicer.consumer_infos()}
+        assert on_rank1["relay-1"].lag_segments == 0
+        line = next(
+            ln for ln in status.render(*status.fetch(ranks[0]["endpoint"])).splitlines()
+            if "relay-1" in ln
+        )  # fmt: skip
+        assert line.split()[3] == "-", line
+        for c in clients:
+            c.close()
+    finally:
+        for srv in servers:
+            srv.stop(0)

@@ -215,6 +215,7 @@ class DeltaServicer:
         names = self.store.consumers()
         leases = self.store.lease_remaining(names)
         cursors = self.store.cursors(names, self.config.rank)
+        elsewhere = self._consumers_of_other_ranks(snap, [n for n in names if cursors[n] is None])
         now = time.time()
         out = []
         state = self.windows.rollout.state()
@@ -233,14 +234,35 @@ class DeltaServicer:
                 owed_rows=stored.owed_rows if stored else 0,
                 cap_step=-1 if cap is None else cap,
             )
-            if snap is not None:
+            if name in elsewhere:  # (a per-rank relay of another rank: not behind here)
+                info.lag_segments = -1
+            elif snap is not None:
                 seq = -1 if stored is None or stored.generation != snap.generation else stored.seq
                 info.lag_segments = max(0, snap.head.seq - seq)
                 info.lag_seconds = lag_seconds(snap, seq, now)
                 self.metrics.set_lag(name, info.lag_segments, info.lag_seconds)
             out.append(info)
-        self.metrics.keep_lag_of(set(names))
+        self.metrics.keep_lag_of(set(names) - elsewhere)
         return out
+
+    def _consumers_of_other_ranks(self, snap: LogSnapshot | None, names: list[str]) -> set[str]:
+        """Of ``names`` (consumers with no cursor on this rank), those with one on another
+        rank: they consume other ranks only (a relay per rank, a consumer of some ranks), so
+        they are not behind on this one (``lag_segments`` -1, no lag series). A consumer with
+        no cursor anywhere (registered, never committed) is behind everywhere."""
+        world = snap.manifest.world_size if snap is not None else 1
+        left = set(names)
+        found: set[str] = set()
+        for rank in range(world):
+            if not left:
+                break
+            if rank == self.config.rank:
+                continue
+            got = self.store.cursors(sorted(left), rank)
+            hits = {n for n, c in got.items() if c is not None}
+            found |= hits
+            left -= hits
+        return found
 
     def ListConsumers(
         self, req: pb.ListConsumersRequest, context: grpc.ServicerContext
