@@ -222,6 +222,28 @@ def test_the_gate_norm_and_fraction_limits(tmp_path: Path) -> None:
     assert [f.step for f in seen] == [2, 3] and "of its rows changed" in seen[1].reason
 
 
+def test_a_gate_limit_naming_no_table_is_warned_about_once_per_generation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo in ``--gate-max-norm-jump TABLE=...`` would turn that limit off unseen: the log
+    says so once the generation's tables are known (a sidecar may start before its trainer)."""
+    cfg = GateConfig(
+        max_norm_jump=(("nosuchtable", 3.0), ("t0", 100.0), ("*", 1e9)),
+        max_changed_fraction=(("t1", 0.5), ("t9", 0.5)),
+    )
+    gate = SegmentGate(cfg)
+    ft, log = _log(tmp_path, gate)
+    with caplog.at_level("WARNING", logger="deltad.serve.index.gate"):
+        ft.step(1)
+        log.refresh()
+        ft.step(2)
+        log.refresh()
+    lines = [r.getMessage() for r in caplog.records if "checks nothing" in r.getMessage()]
+    assert len(lines) == 2, lines  # once each, not per refresh; "t0", "t1" and "*" are fine
+    assert "--gate-max-norm-jump nosuchtable=" in lines[0] and "t0, t1" in lines[0]
+    assert "--gate-max-changed-fraction t9=" in lines[1]
+
+
 def test_the_gate_fails_a_dense_state_with_nan_and_holds_before_its_step(tmp_path: Path) -> None:
     spool = SpoolWriter(tmp_path / "spool")
     seen = []

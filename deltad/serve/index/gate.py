@@ -83,10 +83,16 @@ class SegmentGate:
     # ---- checking ---------------------------------------------------------------------
 
     def check(
-        self, generation: int, entries: Sequence[LogEntry], dense: Sequence[DenseEntry]
+        self,
+        generation: int,
+        entries: Sequence[LogEntry],
+        dense: Sequence[DenseEntry],
+        tables: Sequence[str] = (),
     ) -> list[GateFailure]:
         """Check the entries and dense states not checked yet (the run the log is about to
-        publish, base first); the new failures (``on_fail`` called for each)."""
+        publish, base first); the new failures (``on_fail`` called for each). ``tables``: the
+        generation's table names, against which the limits' names are checked once (a
+        warning for each that names no table: a typo would turn its limit off unseen)."""
         new: list[GateFailure] = []
         with self._lock:
             started = time.perf_counter()
@@ -94,6 +100,8 @@ class SegmentGate:
                 self._generation = generation
                 self._upto, self._dense_upto, self._failures = -1, -1, []
                 self._norms, self._norm_seq = {}, -1
+                if tables:
+                    self._warn_unknown_tables(generation, tables)
             prev_step = -1
             steps = {e.seq: e.step for e in entries}
             for e in entries:
@@ -135,6 +143,19 @@ class SegmentGate:
                 except Exception:
                     log.exception("gate: reporting the failure failed")
         return new
+
+    def _warn_unknown_tables(self, generation: int, tables: Sequence[str]) -> None:
+        known = set(tables)
+        for flag, limits in (
+            ("--gate-max-norm-jump", self.config.max_norm_jump),
+            ("--gate-max-changed-fraction", self.config.max_changed_fraction),
+        ):
+            for name in sorted({t for t, _ in limits if t != "*" and t not in known}):
+                log.warning(
+                    "gate: %s %s=...: generation %d has no table %r (its tables: %s): that "
+                    "limit checks nothing",
+                    flag, name, generation, name, ", ".join(sorted(known)),
+                )  # fmt: skip
 
     def _check_entry(self, e: LogEntry) -> str:
         """Why ``e`` fails ("" if it passes); updates the held row norms."""

@@ -290,7 +290,7 @@ class SegmentLog:
             else self.manifest(generation)
         )
         if self.gate is not None:  # before anyone can read them
-            self.gate.check(generation, run, dense)
+            self.gate.check(generation, run, dense, [t.name for t in manifest.tables])
         self._set_snapshot(LogSnapshot(generation, manifest, tuple(run), dense))
 
     def _set_snapshot(self, snap: LogSnapshot | None) -> None:
