@@ -222,6 +222,30 @@ def test_token_file_is_reread_when_it_changes(tmp_path: Path, redis_server: Embe
 
 
 @pytest.mark.slow
+def test_a_reload_says_what_it_reloaded_and_leaves_unchanged_tls_files_alone(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    pki: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(app, "CREDENTIALS_WATCH_S", 3600.0)  # reloads only when asked here
+    live = tmp_path / "live"
+    _install(pki / "a", live)
+    with mtls_sidecar(tmp_path, redis_server.url, live) as srv:
+
+        def reloaded() -> list[str]:
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="deltad.serve.edge.credentials"):
+                assert srv.reload_credentials()
+            return [r.getMessage() for r in caplog.records if "reloaded" in r.getMessage()]
+
+        assert reloaded() == []  # (SIGHUP with nothing changed: nothing to say)
+        _install(pki / "b", live)
+        assert reloaded() == ["TLS certificate, key and client CA reloaded (new connections)"]
+        assert reloaded() == []
+
+
 def test_deltad_serve_reloads_certificates_on_sighup(
     tmp_path: Path, redis_server: EmbeddedRedis, pki: Path
 ) -> None:

@@ -54,6 +54,8 @@ class ServerCredentials:
         self._tls_lock = threading.Lock()
         self._tls_pending: grpc.ServerCertificateConfiguration | None = None
         self._stamp: tuple[object, ...] = ()
+        #: the TLS files' bytes in force (a reload with the same bytes changes nothing)
+        self._tls_loaded: tuple[bytes, ...] = ()
 
     def tokens(self) -> Credentials | None:
         """The scoped credentials (None: no authorization); ConfigError on a bad file."""
@@ -73,6 +75,7 @@ class ServerCredentials:
             return None
         # dynamic: reload() swaps certificate, key and client CA for the connections made
         # after it (gRPC asks _tls_fetch at every handshake)
+        self._tls_loaded = self._tls_files()
         return grpc.dynamic_ssl_server_credentials(
             self._tls_configuration(),
             self._tls_fetch,
@@ -125,15 +128,25 @@ class ServerCredentials:
         (SIGHUP); a bad file keeps the old credentials of its kind, logged. True if all new
         ones are in force (TLS: for connections made from now on)."""
         ok = True
-        try:
-            creds = self.tokens()
-        except ConfigError as e:
-            log.error("tokens file not reloaded, the previous credentials stay: %s", e)
-            ok = False
-        else:
-            gate.set_credentials(creds)
-            log.warning("credentials reloaded: %d", len(creds) if creds is not None else 0)
-        if self.config.tls_cert is not None:
+        cfg = self.config
+        if cfg.tokens_file is not None:
+            try:
+                creds = self.tokens()
+            except ConfigError as e:
+                log.error("tokens file not reloaded, the previous credentials stay: %s", e)
+                ok = False
+            else:
+                gate.set_credentials(creds)
+                n_tokens = len(creds.tokens) if creds is not None else 0
+                n_ids = len(creds.identities) if creds is not None else 0
+                log.warning(
+                    "tokens file %s reloaded: %d tokens, %d client certificate identities",
+                    cfg.tokens_file, n_tokens, n_ids,
+                )  # fmt: skip
+        if cfg.tls_cert is not None:
+            files = self._tls_files()
+            if files == self._tls_loaded:  # (the tokens file changed, or SIGHUP: nothing new)
+                return ok
             try:
                 tls = self._tls_configuration()
             except ConfigError as e:
@@ -141,5 +154,16 @@ class ServerCredentials:
                 return False
             with self._tls_lock:
                 self._tls_pending = tls
+            self._tls_loaded = files
             log.warning("TLS certificate, key and client CA reloaded (new connections)")
         return ok
+
+    def _tls_files(self) -> tuple[bytes, ...]:
+        """The TLS files' bytes now (empty for one that cannot be read: then they differ)."""
+        out = []
+        for f in (self.config.tls_cert, self.config.tls_key, self.config.tls_client_ca):
+            try:
+                out.append(_read(f) if f is not None else b"")
+            except ConfigError:
+                out.append(b"")
+        return tuple(out)

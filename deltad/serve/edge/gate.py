@@ -171,8 +171,9 @@ class Gate(grpc.ServerInterceptor):
                 _abort(
                     context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{self.max_consumers} consumers are known (max_consumers); consumer "
-                    f"{consumer!r} is not admitted: forget an idle one or raise the limit",
+                    f"the sidecar knows max_consumers={self.max_consumers} consumers or more; "
+                    f"consumer {consumer!r} is new and not admitted: forget an idle one or "
+                    "raise the limit",
                 )
 
     # --- wrapping -------------------------------------------------------------------------
