@@ -282,26 +282,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.final_state is not None:
         raise ConfigError("--final-state needs --serve-dtype")
     consumer = build_consumer_config(args)
-    for flag, dest in (("--final-tables", args.final_tables), ("--final-state", args.final_state)):
+    for flag, dest in (
+        ("--final-tables", args.final_tables),
+        ("--final-state", args.final_state),
+        ("--json-log", None if args.json_log == "-" else args.json_log),
+    ):
         if dest is not None:
             _check_writable(flag, Path(dest))
-    if consumer.sidecars:  # refused: a wrong model, fewer sidecars than ranks, none answering
-        from deltad.clientauth import ClientAuth
-        from deltad.status import check_sidecars
-
-        check_sidecars(
-            consumer.sidecars,
-            consumer.model,
-            auth=ClientAuth(
-                token=consumer.token,
-                token_file=consumer.token_file,
-                tls_ca=consumer.tls_ca,
-                tls_cert=consumer.tls_cert,
-                tls_key=consumer.tls_key,
-            ),
-            deadline_s=args.discovery_timeout,
-            rpc_timeout_s=min(args.rpc_deadline, 5.0),
-        )
+    # --init-tables is read here (one line, exit 2 for a file that is not tables) before the
+    # sidecars are waited for, and checked against the tables their Status describes
     predictor = SyncLoop(
         SyncLoopConfig(
             consumer=consumer,
@@ -315,6 +304,24 @@ def run(args: argparse.Namespace) -> int:
             serving=serving,
         )
     )
+    if consumer.sidecars:  # refused: a wrong model, fewer sidecars than ranks, none answering
+        from deltad.clientauth import ClientAuth
+        from deltad.status import check_sidecars
+
+        statuses = check_sidecars(
+            consumer.sidecars,
+            consumer.model,
+            auth=ClientAuth(
+                token=consumer.token,
+                token_file=consumer.token_file,
+                tls_ca=consumer.tls_ca,
+                tls_cert=consumer.tls_cert,
+                tls_key=consumer.tls_key,
+            ),
+            deadline_s=args.discovery_timeout,
+            rpc_timeout_s=min(args.rpc_deadline, 5.0),
+        )
+        predictor.check_tables(statuses)  # (with --redis-url, run() asks the sidecars found)
 
     # Both finish the pull in flight, commit, write --final-tables, exit 0: tables saved by a
     # Ctrl-C are then the state of the committed cursors (what --resume relies on).

@@ -24,6 +24,8 @@ import statistics
 import sys
 import threading
 import time
+import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -36,6 +38,7 @@ from deltad.consume.client import DeltaConsumer, PullResult
 from deltad.consume.quant import QuantApplier
 from deltad.errors import ConfigError, ConsumerError
 from deltad.types import Form
+from deltad.v1 import delta_pb2 as pb
 
 from .serving import ForwardLoop, ServingConfig, build_serving_model, save_state, zch_probe
 
@@ -157,6 +160,8 @@ class SyncLoop:
             if config.init_tables is not None:
                 tables = load_tables(config.init_tables)
             self.applier = TensorDictApplier(tables)
+        #: the init tables were checked against the sidecars' tables (check_tables)
+        self.tables_checked = config.init_tables is None
         self.stop_event = threading.Event()
         self.records: list[PullLogLine] = []
         self.freshness: list[float] = []
@@ -169,9 +174,71 @@ class SyncLoop:
         """Ask the loop to finish after the current pull."""
         self.stop_event.set()
 
+    def check_tables(self, statuses: Sequence[pb.StatusResponse | None]) -> None:
+        """ConfigError unless the init tables are tables of the model these Status answers
+        (one per rank; None: not answering) describe (:func:`check_init_tables`). ``run``
+        asks the sidecars itself when this was not called."""
+        c = self.config
+        if c.init_tables is not None:
+            check_init_tables(
+                self.applier.tables(),
+                statuses,
+                model=c.consumer.model,
+                resume=c.consumer.resume,
+                source=f"--init-tables {c.init_tables}",
+            )
+        self.tables_checked = True
+
+    def _statuses(self) -> list[pb.StatusResponse | None]:
+        """Every rank's Status, asked once each (None: no answer); the ranks of a Redis
+        discovery are waited for as DeltaConsumer waits for them."""
+        import grpc
+
+        from deltad.clientauth import ClientAuth
+        from deltad.consume.discovery import Discovery
+        from deltad.errors import DeltadError
+        from deltad.v1 import delta_pb2_grpc
+
+        cc = self.config.consumer
+        try:
+            auth = ClientAuth(
+                token=cc.token,
+                token_file=cc.token_file,
+                tls_ca=cc.tls_ca,
+                tls_cert=cc.tls_cert,
+                tls_key=cc.tls_key,
+            )
+        except DeltadError as e:
+            raise ConsumerError(str(e)) from e
+        endpoints = list(cc.sidecars)
+        if not endpoints:
+            discovery = Discovery(cc, auth, ())
+            try:
+                endpoints = discovery.all()
+            finally:
+                discovery.close()
+        out: list[pb.StatusResponse | None] = []
+        for target in endpoints:
+            channel = auth.channel(target)
+            try:
+                out.append(
+                    delta_pb2_grpc.DeltaServiceStub(channel).Status(
+                        pb.StatusRequest(),
+                        timeout=min(cc.rpc_deadline_s, 5.0),
+                        metadata=auth.metadata(),
+                    )
+                )
+            except grpc.RpcError:
+                out.append(None)
+            finally:
+                channel.close()
+        return out
+
     def run(self) -> SyncSummary:
         """Pull until duration / pulls / stop(); write the final tables; return totals."""
         c = self.config
+        if not self.tables_checked:  # before registering: nothing done with wrong tables
+            self.check_tables(self._statuses())
         deadline = time.monotonic() + c.duration_s if c.duration_s > 0 else None
         self._open_log()
         if self.forwards is not None:
@@ -350,16 +417,85 @@ class SyncLoop:
 
 
 def load_tables(path: Path) -> dict[str, torch.Tensor]:
-    """``{table: 2-D tensor}`` from a torch.save file (the trainer's --init-tables output)."""
+    """``{table: 2-D tensor}`` from a torch.save file (the trainer's --init-tables output).
+    ConsumerError (one line) for a file that is not one: missing, truncated, or arbitrary
+    bytes, on which torch.load raises nearly anything (UnpicklingError, EOFError, ...)."""
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError) as e:
-        raise ConsumerError(f"cannot load tables from {path}: {e}") from e
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": one line only
+            warnings.simplefilter("ignore")
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # what torch.load raises for arbitrary bytes is open-ended
+        raise ConsumerError(f"cannot load tables from {path}: {_load_error(e)}") from e
     if not isinstance(raw, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() == 2 for k, v in raw.items()
     ):
         raise ConsumerError(f"{path}: expected a dict of table name -> 2-D tensor")
     return {k: v.clone() for k, v in raw.items()}
+
+
+def _load_error(e: Exception) -> str:
+    """One line of what torch.load raised (its weights-only errors run to a paragraph that
+    advises weights_only=False, which a predictor never does)."""
+    if isinstance(e, OSError):
+        return str(e)
+    text = str(e)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    if isinstance(e, EOFError):
+        line = line or "empty or truncated file"
+    line = line[:200]
+    return f"not a torch.save file of tensors ({type(e).__name__}: {line})"
+
+
+def check_init_tables(
+    tables: dict[str, torch.Tensor],
+    statuses: Sequence[pb.StatusResponse | None],
+    *,
+    model: str,
+    resume: bool,
+    source: object = "--init-tables",
+) -> None:
+    """ConfigError (naming the table and what differs) unless ``tables`` are tables of the
+    model the sidecars describe in their Status (each rank's manifest: every table's name,
+    rows (slots, for a managed-collision table) and dim): no table the model lacks, each of
+    the model's shape and of a floating-point dtype (rows are written into it), and with
+    ``resume`` every table of the model (deltas alone never fill one the file lacks).
+    Nothing to check when no sidecar has a manifest yet (nothing published)."""
+    described: dict[str, pb.TableStatus] = {}
+    for st in statuses:
+        if st is not None:
+            for info in st.tables:
+                described.setdefault(info.table, info)
+    if not described:
+        log.warning("%s: no sidecar describes model %r's tables yet: not checked", source, model)
+        return
+    for name, t in tables.items():
+        ts = described.get(name)
+        if ts is None:
+            raise ConfigError(
+                f"{source}: table {name!r} is not a table of model {model!r} "
+                f"(its tables: {', '.join(sorted(described))})"
+            )
+        want = (int(ts.num_rows), int(ts.dim))
+        if tuple(t.shape) != want:
+            what = "slots" if ts.managed_collision else "rows"
+            raise ConfigError(
+                f"{source}: table {name!r} is {t.shape[0]}x{t.shape[1]}, model {model!r} has "
+                f"{want[0]}x{want[1]} ({what} x dim)"
+            )
+        if not t.dtype.is_floating_point:
+            raise ConfigError(
+                f"{source}: table {name!r} has dtype {t.dtype}, not a floating-point dtype "
+                f"(model {model!r}: {ts.dtype})"
+            )
+    missing = sorted(set(described) - set(tables))
+    if resume and missing:
+        raise ConfigError(
+            f"{source}: table {missing[0]!r} of model {model!r} is missing "
+            f"({len(missing)} missing): --resume needs every table the committed cursors describe"
+        )
 
 
 def save_tables(tables: dict[str, torch.Tensor], path: Path) -> None:
