@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,10 +17,11 @@ from serverkit import SpoolWriter, redis_server, server_config
 from spoolkit import child_env
 
 from deltad import cli, healthcheck
-from deltad.config import ConsumerConfig, check_endpoint
+from deltad.config import ConsumerConfig, RelayConfig, check_endpoint
 from deltad.errors import ConfigError
 from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
+from deltad.serve.relay.server import RelayServer
 
 __all__ = ["redis_server"]
 
@@ -169,3 +171,42 @@ def test_a_command_whose_stdout_reader_went_away_exits_like_one_killed_by_sigpip
             assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
     finally:
         srv.stop(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("upstream_host", ["127.0.0.1", "localhost"])
+def test_a_relay_whose_upstream_is_itself_is_refused_at_start(
+    tmp_path: Path, redis_server: EmbeddedRedis, upstream_host: str
+) -> None:
+    port = _free_port()
+    cfg = server_config(tmp_path / "relay", redis_server.url, listen=f"127.0.0.1:{port}")
+    relay = RelayServer(cfg, RelayConfig(upstream=f"{upstream_host}:{port}", consumer="r"))
+    with pytest.raises(ConfigError, match=f"--upstream {upstream_host}:{port} is this relay"):
+        relay.start()
+    with socket.socket() as s:  # (it stopped: its port is free again)
+        s.bind(("127.0.0.1", port))
+
+
+def test_listening_beyond_this_machine_without_tokens_is_warned_about(
+    tmp_path: Path, redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    SpoolWriter(tmp_path / "spool")
+    for listen, tokens, warned in (
+        ("0.0.0.0:0", (), True),
+        ("0.0.0.0:0", ("s3cret",), False),
+        ("127.0.0.1:0", (), False),
+    ):
+        caplog.clear()
+        cfg = server_config(tmp_path / "spool", redis_server.url, listen=listen, tokens=tokens)
+        with caplog.at_level("WARNING", logger="deltad.serve.edge.app"):
+            srv = SidecarServer(cfg).start()
+            srv.stop(0)
+        said = [r.getMessage() for r in caplog.records if "with no tokens" in r.getMessage()]
+        assert len(said) == int(warned), (listen, tokens, said)
+        if warned:
+            assert "admin ones (Rollout, Forget)" in said[0]

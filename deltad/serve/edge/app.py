@@ -81,6 +81,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: listen hosts only this machine reaches (any other without tokens is warned about)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
 #: Probe the offset store this often (health, gauge, embedded restart).
 REDIS_PROBE_S = 0.5
 #: Check this often whether an idle sidecar should give back its free heap and its libraries' code
@@ -286,6 +289,12 @@ class SidecarServer:
         if not self.port:
             raise ConfigError(f"cannot listen on {cfg.listen}")
         host = cfg.listen.rsplit(":", 1)[0]
+        if host not in LOOPBACK_HOSTS and self.credentials.tokens() is None:
+            log.warning(
+                "listening on %s with no tokens (--tokens-file): whoever reaches the port may "
+                "call every RPC, the admin ones (Rollout, Forget) included",
+                cfg.listen,
+            )
         if host in ("", "0.0.0.0", "[::]"):
             host = socket.getfqdn()
         self.endpoint = cfg.advertise or f"{host}:{self.port}"

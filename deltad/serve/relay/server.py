@@ -17,13 +17,14 @@ dense states) -> :mod:`~deltad.serve.relay.spool` (the segments written) -> this
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
 from deltad.config import RelayConfig, ServerConfig
-from deltad.errors import DeltadError
+from deltad.errors import ConfigError, DeltadError
 from deltad.segment.spool import SpoolLayout
-from deltad.serve.edge.app import SidecarServer
+from deltad.serve.edge.app import LOOPBACK_HOSTS, SidecarServer
 from deltad.serve.relay.mirror import RelayMirror
 from deltad.serve.relay.spool import clean_temp_files
 from deltad.serve.relay.upstream import refuses
@@ -68,6 +69,7 @@ class RelayServer:
             log.info("deleted %d temp file(s) of an interrupted write", n)
         self.server.start()
         try:
+            self._refuse_itself()
             self.server.servicer.upstream = self.relay.upstream
             self.mirror = RelayMirror(self.relay, self.server, lambda e: self._failed.set())
             self.server.servicer.windows.dense_check = self.mirror.dense_missing
@@ -76,6 +78,20 @@ class RelayServer:
             self.server.stop(0)
             raise
         return self
+
+    def _refuse_itself(self) -> None:
+        """ConfigError if ``--upstream`` is this relay's own port on this machine (it would
+        mirror itself forever and say SERVING)."""
+        host, _, port = self.relay.upstream.rpartition(":")
+        host = host.rsplit("/", 1)[-1].removeprefix("ipv4:").removeprefix("ipv6:")
+        listen_host = self.config.listen.rpartition(":")[0]
+        local = {*LOOPBACK_HOSTS, "0.0.0.0", "[::]", listen_host, socket.gethostname(),
+                 socket.getfqdn()}  # fmt: skip
+        if port == str(self.server.port) and host in local:
+            raise ConfigError(
+                f"--upstream {self.relay.upstream} is this relay itself (it listens on port "
+                f"{self.server.port}): give the sidecar or relay it mirrors"
+            )
 
     def stop(self, grace: float | None = None) -> None:
         if self.mirror is not None:
