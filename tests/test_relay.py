@@ -275,7 +275,7 @@ def test_an_upstream_of_another_rank_stops_the_relay(tmp_path: Path, redis_url: 
             assert r.error is not None and "rank 1" in str(r.error)
         finally:
             r.stop(0.2)
-    with pytest.raises(ConfigError, match="host:port"):
+    with pytest.raises(ConfigError, match="HOST:PORT"):
         RelayConfig(upstream="nowhere")
 
 
@@ -286,7 +286,7 @@ def test_serve_with_a_bad_upstream_exits_2(
 
     assert main(["serve", "--spool", str(tmp_path), "--upstream", "no-port"]) == 2
     err = capsys.readouterr().err
-    assert "upstream must be host:port" in err and err.count("\n") == 1
+    assert "upstream (--upstream) must be HOST:PORT" in err and err.count("\n") == 1
     assert main(["serve", "--spool", str(tmp_path), "--upstream", "h:1",
                  "--upstream-consumer", "bad name"]) == 2  # fmt: skip
     assert "invalid upstream consumer name" in capsys.readouterr().err
