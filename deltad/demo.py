@@ -69,17 +69,39 @@ RANGES: dict[str, Range] = {
 }
 
 
+#: The defaults of the flags that ``--scenario bad-update`` (a fixed shape) refuses when given:
+#: their argparse default is None (not given), filled in from here by :func:`check_args`.
+DEFAULTS: dict[str, int | float] = {
+    "duration": 60.0,
+    "world_size": 2,
+    "publish_every": 0.5,
+    "topk_fraction": 0.5,
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the flags of `deltad demo`."""
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of training")
+
+    def default(dest: str) -> str:
+        return f" (default: {DEFAULTS[dest]:g}; not with --scenario bad-update)"
+
+    p.add_argument("--duration", type=float, help="seconds of training" + default("duration"))
     p.add_argument("--rows", type=int, default=20_000, help="rows per table")
     p.add_argument("--dim", type=int, default=16, help="embedding dim")
-    p.add_argument("--world-size", type=int, default=2, help="trainer ranks")
-    p.add_argument("--publish-every", type=float, default=0.5, help="seconds between segments")
+    p.add_argument("--world-size", type=int, help="trainer ranks" + default("world_size"))
+    p.add_argument(
+        "--publish-every", type=float, help="seconds between segments" + default("publish_every")
+    )
     p.add_argument("--pull-interval", type=float, default=0.1, help="predictor pull interval")
-    p.add_argument("--topk-fraction", type=float, default=0.5, help="top-k predictor fraction")
+    p.add_argument(
+        "--topk-fraction", type=float, help="top-k predictor fraction" + default("topk_fraction")
+    )
     p.add_argument("--settle-timeout", type=float, default=60.0, help="catch-up limit (s)")
-    p.add_argument("--workdir", type=Path, help="spool, logs, tables (default: a temp dir)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        help="spool, logs, tables: a new or an empty directory (default: a temp dir)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
@@ -87,8 +109,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("default", "bad-update"),
         default="default",
         help="bad-update: a NaN step, the validation gate, a canary and a rollback "
-        "(deltad.demo_rollout); default: the report above",
+        "(deltad.demo_rollout), at a fixed shape (2 ranks, 40 steps, a segment every 2 steps, "
+        "no top-k predictor): it takes --rows, --dim, --pull-interval, --settle-timeout, "
+        "--workdir and --keep, and refuses --duration, --world-size, --publish-every and "
+        "--topk-fraction; default: the whole loop, with its report and checks",
     )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ConfigError (one line, exit 2, before anything starts) for a flag the scenario cannot
+    honour; then the defaults of the flags left out (:data:`DEFAULTS`)."""
+    if getattr(args, "scenario", "default") == "bad-update":
+        from deltad.demo_rollout import check_flags
+
+        check_flags(args)
+    for dest, value in DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
 
 
 class Demo:
@@ -337,6 +374,7 @@ def _set(bar: Any, n: int, postfix: str | None = None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 only if its checks hold."""
+    check_args(args)
     if getattr(args, "scenario", "default") == "bad-update":
         from deltad import demo_rollout
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from deltad.errors import ConfigError
 from deltad.parent import PARENT_PID_ENV
 
 
@@ -33,15 +34,24 @@ class Child:
 
 class WorkDir:
     """The demo's work directory (spool, logs, tables, the embedded Redis): ``--workdir``, or
-    a temporary one that :meth:`discard` removes after an early end unless ``--keep``."""
+    a temporary one that :meth:`discard` removes after an early end unless ``--keep``.
+
+    A ``--workdir`` must be a new or an empty directory (one the demo can create): a previous
+    run's spool and the Redis holding its predictors' cursors would mix both runs in the report
+    and the checks. ConfigError (one line, exit 2) otherwise, before anything starts."""
 
     def __init__(self, workdir: Path | None, keep: bool) -> None:
         self.tmp = workdir is None
         self.keep = keep
+        if workdir is not None:
+            check_workdir(workdir)
         self.path = Path(workdir or tempfile.mkdtemp(prefix="deltad-demo-")).resolve()
         self.spool = self.path / "spool"
         self.logs = self.path / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
+        try:
+            self.logs.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--workdir {workdir}: cannot create it: {e.strerror or e}") from None
 
     def discard(self, *, keep_logs: bool = False) -> str:
         """Remove the temporary work directory (spool, tables, the embedded Redis and its
@@ -66,6 +76,23 @@ class WorkDir:
         """After a run whose checks held: remove a temporary directory unless ``--keep``."""
         if self.tmp and not self.keep:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def check_workdir(workdir: Path) -> None:
+    """ConfigError unless ``workdir`` is a new or an empty directory (see :class:`WorkDir`)."""
+    what = f"--workdir {workdir}"
+    try:
+        if not workdir.exists():
+            return  # created by WorkDir (an error there is one line too)
+        if not workdir.is_dir():
+            raise ConfigError(f"{what}: not a directory")
+        if next(workdir.iterdir(), None) is not None:
+            raise ConfigError(
+                f"{what}: not empty (a previous demo's spool and offsets would mix into this "
+                "run); pick an empty or a new directory"
+            )
+    except OSError as e:
+        raise ConfigError(f"{what}: {e.strerror or e}") from None
 
 
 class Children:

@@ -21,7 +21,11 @@ model pulling packed rows and the dense state) follow it. The demo is the operat
    there: fp32 tables bit-equal to its dump, the serving model's weights, dense state and
    forward output bit-equal to the dump quantized by torchrec (``check rollback``).
 
-Exit 0 only if all three checks hold.
+Exit 0 only if all three checks hold. Its shape is fixed (2 ranks, ``STEPS`` steps, a segment
+every 2 steps, no top-k predictor): `deltad demo` refuses ``--duration``, ``--world-size``
+(but 2), ``--publish-every`` and ``--topk-fraction`` with it (:func:`check_flags`), and
+honours ``--rows``, ``--dim``, ``--pull-interval``, ``--settle-timeout``, ``--workdir`` and
+``--keep`` (a temporary work directory is removed after a run whose checks held).
 """
 
 from __future__ import annotations
@@ -34,30 +38,66 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deltad import output
 from deltad.demo import MODEL, SERVING, TABLES, Demo, DemoFailed, PredictorLog
 from deltad.demo_checks import check_serving
 from deltad.demo_procs import wait_serving
+from deltad.demo_report import tables_line
+from deltad.errors import ConfigError
 
 STEPS, START, CANARY, BAD, ROLLBACK = 40, 10, 24, 31, 18
+#: the trainer's ranks and its segment interval (steps): the scenario's fixed shape
+RANKS, PUBLISH_EVERY_STEPS = 2, 2
 CANARY_PRED, MAIN_PRED = "pred-canary-0", "pred-main-0"
+#: `deltad demo` flags (argparse dest) the scenario's fixed shape cannot honour: when given
+#: (not None), each must equal its value here (None: no value is honoured)
+FIXED: dict[str, int | None] = {
+    "duration": None,  # it trains STEPS steps, whatever the time
+    "world_size": RANKS,
+    "publish_every": None,  # a segment every PUBLISH_EVERY_STEPS steps, not seconds
+    "topk_fraction": None,  # it runs no top-k predictor
+}
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """ConfigError naming every flag given that the fixed shape cannot honour (a flag left
+    out is None: `deltad demo` fills in its default after this check)."""
+    bad = [
+        "--" + dest.replace("_", "-")
+        for dest, fixed in FIXED.items()
+        if getattr(args, dest, None) is not None and getattr(args, dest) != fixed
+    ]
+    if bad:
+        raise ConfigError(
+            f"--scenario bad-update has a fixed shape ({RANKS} ranks, {STEPS} steps, a segment "
+            f"every {PUBLISH_EVERY_STEPS} steps, no top-k predictor) and does not take "
+            f"{', '.join(bad)}; it takes --rows, --dim, --pull-interval, --settle-timeout, "
+            "--workdir and --keep"
+        )
 
 
 class BadUpdateDemo(Demo):
     """The bad-update scenario (see the module docstring)."""
+
+    #: the report header's tables (:func:`deltad.demo_report.tables_line` of the trainer's
+    #: dump: its pooled, sequence and managed-collision tables), set by the rollback check
+    tables = ""
 
     def run(self) -> int:
         from deltad.redisutil import EmbeddedRedis
 
         a = self.args
         t0 = time.monotonic()
-        print(f"deltad demo --scenario bad-update: logs in {self.logs}", file=sys.stderr)
+        output.line(f"deltad demo --scenario bad-update: logs in {self.logs}")
         redis = EmbeddedRedis(self.work / "redis")
         self.env["DELTAD_REDIS_URL"] = redis.start()
         lines: list[str] = []
         failures: list[str] = []
         try:
             trainer = self.children.spawn("trainer", self.trainer_argv())
-            sidecars = [self.children.spawn(f"sidecar-{r}", self.serve_argv(r)) for r in range(2)]
+            sidecars = [
+                self.children.spawn(f"sidecar-{r}", self.serve_argv(r)) for r in range(RANKS)
+            ]
             endpoints = [wait_serving(s) for s in sidecars]
             self.target = endpoints[0]
             # 1. hold the fleet at START before any predictor starts
@@ -124,14 +164,18 @@ class BadUpdateDemo(Demo):
             self.children.stop_all()
             redis.stop()
         head = (
-            f"deltad demo --scenario bad-update: 2 ranks, {TABLES} tables x {a.rows} rows x dim "
-            f"{a.dim}, {STEPS} steps (NaN injected at {BAD}); run time "
-            f"{time.monotonic() - t0:.0f}s"
+            f"deltad demo --scenario bad-update: {RANKS} ranks, {self.tables}, {STEPS} steps "
+            f"(NaN injected at {BAD}); run time {time.monotonic() - t0:.0f}s"
         )
         print("\n".join([head, *lines]))
         if failures:
-            print(f"deltad demo: check failed: {'; '.join(failures)}", file=sys.stderr)
+            output.line(
+                f"deltad demo: check failed: {'; '.join(failures)} (work directory kept for "
+                f"inspection: {self.work})",
+                level="ERROR",
+            )
             return 1
+        self.dir.remove_if_temporary()
         return 0
 
     def rollout(self, *argv: str, ok: bool = True) -> str:
@@ -170,6 +214,11 @@ class BadUpdateDemo(Demo):
 
         dump = self.work / "dumps"
         tables = torch.load(dump / f"tables-step-{ROLLBACK}.pt", weights_only=True)
+        #: the report's header: the tables the trainer trained (its pooled ones, the sequence
+        #: and the managed-collision table), as `deltad demo` counts them
+        self.tables = tables_line(
+            tables, sum(int(t.shape[0]) for t in tables.values()), self.args.dim
+        )
         exact = []
         for name in (CANARY_PRED, MAIN_PRED):
             got = torch.load(self.work / f"{name}-final.pt", weights_only=True)
@@ -205,9 +254,10 @@ class BadUpdateDemo(Demo):
     def trainer_argv(self) -> list[str]:
         a = self.args
         return [
-            "train", "--world-size", "2", "--model", MODEL, "--spool", str(self.spool),
+            "train", "--world-size", str(RANKS), "--model", MODEL, "--spool", str(self.spool),
             "--tables", TABLES, "--rows", str(a.rows), "--dim", str(a.dim),
-            "--sharding", "mixed", "--steps", str(STEPS), "--publish-every-steps", "2",
+            "--sharding", "mixed", "--steps", str(STEPS),
+            "--publish-every-steps", str(PUBLISH_EVERY_STEPS),
             "--inject-nan-step", str(BAD), "--dump-steps", f"{CANARY},{ROLLBACK}",
             "--dump-dir", str(self.work / "dumps"), "--no-progress",
         ]  # fmt: skip
@@ -253,5 +303,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         return demo.run()
     except DemoFailed as e:
-        print(f"deltad demo: {e} (work directory {demo.work})", file=sys.stderr)
+        output.line(f"deltad demo: {e}; {demo.discard(keep_logs=True)}", level="ERROR")
         return 1
+    except KeyboardInterrupt:
+        output.line(f"deltad demo: interrupted; {demo.discard()}", level="WARNING")
+        return 130
