@@ -219,9 +219,9 @@ def rollout_lines(s: pb.StatusResponse) -> list[str]:
         return []
     from deltad.serve.rollout import ReleaseState, describe
 
-    lines = ["rollout:"] + [
-        f"  {line}" for line in describe(ReleaseState.from_json(s.rollout_state))
-    ]
+    redacted = bool(json.loads(s.rollout_state).get("redacted", False))
+    state = ReleaseState.from_json(s.rollout_state)
+    lines = ["rollout:"] + [f"  {line}" for line in describe(state, redacted=redacted)]
     if s.gate_reason:
         lines.append(
             f"  gate here: step {s.gate_bad_step} failed: {s.gate_reason} (serving at most step "

@@ -4,6 +4,7 @@ consumer limit. Real sidecars, real Redis, real TLS (openssl)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -351,4 +352,43 @@ def test_mtls_identity_binds_like_a_token(
     finally:
         pred.close()
         stranger.close()
+        srv.stop(0)
+
+
+def test_status_shows_a_consume_credential_its_own_caps_and_no_other_groups(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """The release state's pins and canary groups name other consumers: Status shows them to
+    admin and relay credentials only; a consume credential asking for another consumer's cap
+    is refused, its own is answered."""
+    spool = SpoolWriter(tmp_path / "spool")
+    spool.delta()
+    srv = _serve(tmp_path, redis_server.url, TOKENS + "relay-tok  relay-*  relay\n")
+    try:
+        ops = Client(f"127.0.0.1:{srv.port}", "ops-tok")
+        md = ops.md
+        ops.stub.Rollout(pb.RolloutRequest(action=pb.ROLLOUT_PIN, group="bob-*", step=5),
+                         metadata=md, timeout=10)  # fmt: skip
+        ops.stub.Rollout(pb.RolloutRequest(action=pb.ROLLOUT_CANARY, group="carol-*"),
+                         metadata=md, timeout=10)  # fmt: skip
+        for token, full in (("ops-tok", True), ("relay-tok", True), ("alice-tok", False)):
+            c = Client(f"127.0.0.1:{srv.port}", token)
+            state = json.loads(c.stub.Status(pb.StatusRequest(), metadata=c.md).rollout_state)
+            assert (state["pins"] == [["bob-*", 5]]) == full, (token, state)
+            assert (state["canary"] == ["carol-*"]) == full, (token, state)
+            assert state.get("redacted", False) != full
+            assert state["version"] == 2  # (what it does see is the state as it is)
+            c.channel.close()
+        alice = Client(f"127.0.0.1:{srv.port}", "alice-tok")
+        own = alice.stub.Status(pb.StatusRequest(consumer="alice-1"), metadata=alice.md)
+        assert own.cap_step == -1  # (no pin or canary of alice: the head is released)
+        assert (
+            _code(lambda: alice.stub.Status(pb.StatusRequest(consumer="bob-1"), metadata=alice.md))
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
+        bob = ops.stub.Status(pb.StatusRequest(consumer="bob-1"), metadata=md)
+        assert bob.cap_step == 5  # (admin: anyone's)
+        alice.channel.close()
+        ops.channel.close()
+    finally:
         srv.stop(0)

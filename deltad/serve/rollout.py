@@ -312,7 +312,23 @@ def gate_failed(
     )
 
 
-def describe(state: ReleaseState) -> list[str]:
+def redacted_json(raw: str) -> str:
+    """The stored state ``raw`` for a credential that may see only its own consumers: the
+    release step, hold and gate as they are; the pins, canary groups and a group's rollback
+    order (other consumers' names and globs) left out, and ``"redacted": true``. ("" stays "":
+    no release state.)"""
+    if not raw:
+        return raw
+    d = json.loads(raw)
+    d["pins"], d["canary"] = [], []
+    rb = d.get("rollback")
+    if rb is not None and rb[1] not in ("", "*"):
+        d["rollback"] = None
+    d["redacted"] = True
+    return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+
+def describe(state: ReleaseState, *, redacted: bool = False) -> list[str]:
     """The state as short human lines (``deltad rollout status``, ``deltad status``)."""
     rel = "head" if state.release_step is None else f"step {state.release_step}"
     lines = [f"release: {rel}{' (held)' if state.held else ''} (version {state.version})"]
@@ -330,4 +346,6 @@ def describe(state: ReleaseState) -> list[str]:
     if state.rollback is not None:
         rb = state.rollback
         lines.append(f"rollback: {rb.group} to step {rb.to_step} (order {rb.epoch})")
+    if redacted:
+        lines.append("pins, canary groups and group rollbacks: shown to admin credentials only")
     return lines

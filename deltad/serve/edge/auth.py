@@ -184,6 +184,20 @@ def may_mirror(grant: Grant) -> str | None:
     )
 
 
+def may_ask_cap_of(grant: Grant, consumer: str) -> str | None:
+    """None if ``grant`` may ask Status for ``consumer``'s cap (StatusRequest.consumer: a
+    consumer it may see), else why not."""
+    if visible(grant, consumer):
+        return None
+    return f"credential ({grant.origin}) may not ask for the cap of consumer {consumer!r}"
+
+
+def sees_release(grant: Grant) -> bool:
+    """Whether Status shows ``grant`` the whole release state (pins and canary groups name
+    other consumers): admin and relay (a relay applies it to its own consumers) only."""
+    return grant.admin or Role.RELAY in grant.roles
+
+
 def visible(grant: Grant, consumer: str) -> bool:
     """Whether ListConsumers shows ``consumer`` to ``grant`` (admin: every consumer)."""
     return grant.admin or grant.covers(consumer)

@@ -33,6 +33,7 @@ from deltad.serve.edge import auth
 from deltad.serve.edge.admission import Admission
 from deltad.serve.edge.auth import Credentials, Grant
 from deltad.serve.edge.grpcutil import abort as _abort
+from deltad.serve.rollout import redacted_json
 from deltad.serve.windows.decide import check_request
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,8 @@ class Gate(grpc.ServerInterceptor):
     def _check(self, grant: Grant, method: str, req: Any, context: Any) -> None:
         consumer = getattr(req, "consumer", None) if method in auth.CONSUMER_METHODS else None
         why = auth.may_call(grant, method, consumer)
+        if why is None and method == "Status" and req.consumer:
+            why = auth.may_ask_cap_of(grant, req.consumer)
         if why is None and method == "GetDelta" and getattr(req, "mirror", False):
             no_mirror = auth.may_mirror(grant)
             if no_mirror is not None:  # served as the consumer it names: capped
@@ -192,6 +195,8 @@ class Gate(grpc.ServerInterceptor):
                     keep = [c for c in resp.consumers if auth.visible(grant, c.consumer)]
                     del resp.consumers[:]
                     resp.consumers.extend(keep)
+                if method == "Status" and resp is not None and not auth.sees_release(grant):
+                    resp.rollout_state = redacted_json(resp.rollout_state)
                 return resp
 
             return grpc.unary_unary_rpc_method_handler(
