@@ -12,9 +12,16 @@ a predictor-only process never imports the trainer side.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# gRPC's C core writes its INFO lines to stderr unthrottled when nothing configured its logging
+# (one per failed TLS handshake: a client without a certificate retrying every second filled a
+# sidecar's log). deltad logs what it sees itself; gRPC's own errors still show. Read once,
+# when gRPC is first imported: GRPC_VERBOSITY=INFO (or DEBUG) in the environment wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 #: public name -> module that defines it
 _EXPORTS: dict[str, str] = {

@@ -210,3 +210,32 @@ def test_listening_beyond_this_machine_without_tokens_is_warned_about(
         assert len(said) == int(warned), (listen, tokens, said)
         if warned:
             assert "admin ones (Rollout, Forget)" in said[0]
+
+
+def test_a_spool_whose_parent_does_not_exist_is_refused_and_nothing_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped --spool made the whole path and an embedded Redis in it; the sidecar makes
+    at most the spool directory itself (a volume's mount point exists)."""
+    typo = tmp_path / "nonexistent" / "spool"
+    assert cli.main(["serve", "--spool", str(typo), "--listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "neither it nor its parent directory exists" in err[-1], err
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_a_rank_beyond_the_spools_world_size_is_an_error_line(
+    tmp_path: Path, redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    for rank in (0, 1):
+        SpoolWriter(tmp_path / "spool", rank=rank, world_size=2)
+    for rank, said in ((5, "has world size 2 (ranks 0..1)"), (1, None)):
+        caplog.clear()
+        cfg = server_config(tmp_path / "spool", redis_server.url, rank=rank)
+        with caplog.at_level("WARNING", logger="deltad.serve.edge.app"):
+            SidecarServer(cfg).start().stop(0)
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        if said is None:
+            assert not errors, errors
+        else:
+            assert len(errors) == 1 and said in errors[0] and "mistyped --rank" in errors[0]

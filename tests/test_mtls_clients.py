@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 from serverkit import SpoolWriter, server_config
-from spoolkit import wait_for
+from spoolkit import child_env, wait_for
 
 from deltad.cli import main as deltad_main
 from deltad.config import ConfigError, ConsumerConfig, RelayConfig
@@ -290,3 +290,39 @@ def test_deltad_serve_reloads_certificates_on_sighup(
     # logged (by SIGHUP, maybe by the file watcher first), never printed besides
     assert 1 <= err.count("TLS certificate, key and client CA reloaded") <= 2, err
     assert "deltad serve: credentials reloaded" not in err
+
+
+@pytest.mark.slow  # two `deltad serve` subprocesses
+def test_handshakes_of_clients_without_a_certificate_do_not_flood_the_sidecars_log(
+    tmp_path: Path, redis_server: EmbeddedRedis, pki: Path
+) -> None:
+    """gRPC's core logs each failed handshake (INFO, unthrottled) unless told otherwise:
+    deltad sets GRPC_VERBOSITY=ERROR by default; INFO in the environment brings them back."""
+    live = tmp_path / "live"
+    _install(pki / "a", live)
+    SpoolWriter(tmp_path / "spool")
+    for verbosity, flooded in ((None, False), ("INFO", True)):
+        env = {k: v for k, v in child_env().items() if k != "GRPC_VERBOSITY"}
+        if verbosity is not None:
+            env["GRPC_VERBOSITY"] = verbosity
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path / "spool"),
+             "--model", "m", "--listen", "localhost:0", "--redis-url", redis_server.url,
+             "--tls-cert", str(live / "server.pem"), "--tls-key", str(live / "server.key"),
+             "--tls-client-ca", str(live / "ca.pem")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            port = proc.stdout.readline().strip().rsplit(":", 1)[-1]
+            no_cert = grpc.ssl_channel_credentials(root_certificates=(live / "ca.pem").read_bytes())
+            for _ in range(3):
+                with (
+                    grpc.secure_channel(f"localhost:{port}", no_cert) as ch,
+                    pytest.raises(grpc.RpcError),
+                ):
+                    pb_grpc.DeltaServiceStub(ch).Status(pb.StatusRequest(), timeout=2)
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=30)
+        assert ("Handshake failed" in err) == flooded, (verbosity, err[-2000:])

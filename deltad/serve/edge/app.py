@@ -39,6 +39,7 @@ import logging
 import socket
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -47,7 +48,7 @@ from grpc_reflection.v1alpha import reflection
 from deltad import knobs, wire
 from deltad.channels import server_ping_options
 from deltad.config import ServerConfig
-from deltad.errors import ConfigError, OffsetStoreError
+from deltad.errors import ConfigError, DeltadError, OffsetStoreError
 from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.credentials import (
@@ -121,6 +122,12 @@ class SidecarServer:
     def start(self) -> SidecarServer:
         """Index the spool, connect Redis, bind and start serving; raises DeltadError."""
         cfg = self.config
+        root = Path(cfg.spool_dir)
+        if not root.is_dir() and not root.parent.is_dir():  # (a typo: make nothing there)
+            raise ConfigError(
+                f"--spool {root}: neither it nor its parent directory exists (the sidecar "
+                "creates the spool directory itself at most)"
+            )
         self.layout.ensure_writable()
         if cfg.redis_url is None:
             self._embedded = EmbeddedRedis(self.layout.redis_dir, outlive_owner=True)
@@ -197,12 +204,21 @@ class SidecarServer:
         )
         self.log.refresh()
         snap = self.log.snapshot()
-        if snap is None:  # a trainer not started yet, or a mistyped --spool / --model
-            log.warning(
-                "no segment of model %r rank %d in %s yet: serving nothing until the trainer "
-                "publishes there",
-                cfg.model, cfg.rank, cfg.spool_dir,
-            )  # fmt: skip
+        if snap is None:  # a trainer not started yet, or a mistyped --spool / --model / --rank
+            world_now = self._spool_world_size()
+            if world_now is not None and cfg.rank >= world_now:
+                log.error(
+                    "rank %d: the newest generation of model %r in %s has world size %d (ranks "
+                    "0..%d): this sidecar serves nothing unless a trainer of more ranks "
+                    "publishes there (a mistyped --rank?)",
+                    cfg.rank, cfg.model, cfg.spool_dir, world_now, world_now - 1,
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "no segment of model %r rank %d in %s yet: serving nothing until the "
+                    "trainer publishes there",
+                    cfg.model, cfg.rank, cfg.spool_dir,
+                )  # fmt: skip
         world = snap.manifest.world_size if snap is not None else 1
         owed = OwedStore(
             self.layout.sidecar_dir, cfg.model, cfg.rank, world,
@@ -242,6 +258,16 @@ class SidecarServer:
             (lambda name: store.admits(name, cfg.max_consumers)) if cfg.max_consumers else None,
             max_consumers=cfg.max_consumers,
         )
+
+    def _spool_world_size(self) -> int | None:
+        """The world size of the newest generation in the spool (None: none readable)."""
+        gens = self.layout.generations()
+        if not gens:
+            return None
+        try:
+            return int(self.layout.read_manifest(gens[-1]).world_size)
+        except (DeltadError, OSError, ValueError):
+            return None
 
     def _bind(self, cfg: ServerConfig) -> grpc.Server:
         """The gRPC server (the DeltaService behind the metrics and the edge gate, health,
