@@ -88,6 +88,20 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class SubcommandParser(OneLineParser):
+    """A subcommand's parser: an argument it does not know is its usage error, reported with
+    its prog (``deltad serve: error: unrecognized arguments: --bogus``), not left for the top
+    parser to report as ``deltad``'s."""
+
+    def parse_known_args(  # type: ignore[override]  # (one signature for its overloads)
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="deltad",
@@ -109,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DELTAD_LOG_JSON", "") not in ("", "0"),
         help="log one JSON object per line (ts, level, logger, msg) [DELTAD_LOG_JSON]",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubcommandParser)
     for name, (module, help_text) in _subcommands().items():
         p = sub.add_parser(
             name,

@@ -1,7 +1,8 @@
 """`deltad status --target host:port [--json]`: a sidecar's head, tables and consumers.
 
-``--json`` prints StatusResponse in the protobuf JSON mapping with the proto's field names
-(64-bit integers as strings), plus ``consumers``: the ListConsumersResponse entries.
+``--json`` prints StatusResponse with the proto's field names (:func:`message_json`: every
+integer a JSON number, ``rollout_state`` a nested object or null), plus ``consumers``: the
+ListConsumersResponse entries.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from deltad.clientauth import ClientAuth
 from deltad.config import Range, check_client_auth
@@ -167,6 +170,58 @@ def check_sidecars(
         time.sleep(min(1.0, max(0.0, end - time.monotonic())))
 
 
+#: The integer types the protobuf JSON mapping prints as strings (64-bit ones).
+_INT64_TYPES = frozenset(
+    {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
+
+
+def _numbers(d: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` (MessageToDict of a message of descriptor ``d``, proto field names) with its
+    64-bit integers, in nested messages, repeated fields and map values too, as JSON numbers
+    (in place)."""
+    for f in d.fields:
+        if f.name not in out:
+            continue
+        v = out[f.name]
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            vf = f.message_type.fields_by_name["value"]
+            if vf.message_type is not None:
+                out[f.name] = {k: _numbers(vf.message_type, x) for k, x in v.items()}
+            elif vf.type in _INT64_TYPES:
+                out[f.name] = {k: int(x) for k, x in v.items()}
+        elif f.message_type is not None:
+            if f.message_type.full_name.startswith("google.protobuf."):
+                continue  # well-known types keep their own JSON form
+            if isinstance(v, list):
+                out[f.name] = [_numbers(f.message_type, x) for x in v]
+            else:
+                out[f.name] = _numbers(f.message_type, v)
+        elif f.type in _INT64_TYPES:
+            out[f.name] = [int(x) for x in v] if isinstance(v, list) else int(v)
+    return out
+
+
+def message_json(msg: Message) -> dict[str, Any]:
+    """``msg`` as a JSON-ready dict for scripts: the protobuf JSON mapping with the proto's
+    field names and every field present, but every integer a JSON number (the mapping prints
+    64-bit ones as strings), and a ``rollout_state`` (the release state as a JSON string) a
+    nested object, or None when empty."""
+    out: dict[str, Any] = MessageToDict(
+        msg, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+    )
+    _numbers(msg.DESCRIPTOR, out)
+    if isinstance(out.get("rollout_state"), str):
+        out["rollout_state"] = json.loads(out["rollout_state"]) if out["rollout_state"] else None
+    return out
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
@@ -269,12 +324,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     status, consumers = fetch(args.target, auth=auth, timeout=args.timeout)
     if args.json:
-        out: dict[str, Any] = MessageToDict(
-            status, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
-        )
-        out["consumers"] = MessageToDict(
-            consumers, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
-        ).get("consumers", [])
+        out = message_json(status)
+        out["consumers"] = message_json(consumers).get("consumers", [])
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
         print(render(status, consumers))

@@ -104,7 +104,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
             capture_output=True, text=True, timeout=60, check=True,
         )  # fmt: skip
         st = json.loads(out.stdout)
-        assert st["head_seq"] == "3"
+        assert st["head_seq"] == 3
         assert [c["consumer"] for c in st["consumers"]] == ["k", "late", "tk"]
         assert {"lag_segments", "lag_seconds", "owed_rows"} <= set(st["consumers"][0])
         c.close()
