@@ -8,8 +8,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from deltad import output
 from deltad.config import MAX_COUNT, MAX_SECONDS, ConsumerConfig, PullOptions, Range
@@ -18,6 +23,57 @@ from deltad.types import Form
 
 if TYPE_CHECKING:
     from deltad.types import WireDtype
+
+
+#: The namespace attribute holding the form-specific flags the command line gave (by dest).
+GIVEN = "_consume_given"
+
+
+class _Given(argparse.Action):
+    """Stores the value, as the default action does, and notes the flag as given: a flag of
+    another form, or of the serving model without --serve-dtype, is refused only when typed
+    (its default stays in --help)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        given = dict(getattr(namespace, GIVEN, None) or {})
+        given[self.dest] = option_string or self.option_strings[0]
+        setattr(namespace, GIVEN, given)
+
+
+#: flags (dests) that apply only to --form topk
+TOPK_ONLY = ("k", "fraction")
+#: flags (dests) of the serving model: only with --serve-dtype
+SERVING_ONLY = (
+    "tables", "rows", "seq_rows", "dim", "consistency", "chunk_rows", "serve_batch_size",
+    "serve_interval", "seed", "zch_slots", "zch_raw_ids", "zch_policy", "final_state",
+)  # fmt: skip
+
+
+def check_form_flags(args: argparse.Namespace) -> None:
+    """ConfigError naming the first flag given that the chosen form ignores: --k / --fraction
+    without --form topk, a serving-model flag without --serve-dtype (silently ignored, they
+    would look honoured)."""
+    from deltad.errors import ConfigError
+
+    given: dict[str, str] = getattr(args, GIVEN, None) or {}
+    for dest in TOPK_ONLY:
+        if dest in given and args.form != "topk":
+            raise ConfigError(
+                f"{given[dest]} goes with --form topk (--form {args.form} ignores it)"
+            )
+    for dest in SERVING_ONLY:
+        if dest in given and args.serve_dtype is None:
+            raise ConfigError(
+                f"{given[dest]} needs --serve-dtype: a setting of the serving model, "
+                "ignored without one"
+            )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,9 +100,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="rows",
         help="what a pull returns: changed ids, their rows, or the top-k rows that moved most",
     )
-    p.add_argument("--k", type=int, default=0, help="topk: rows per table per pull")
     p.add_argument(
-        "--fraction", type=float, default=0.0, help="topk: fraction of candidate rows (0, 1]"
+        "--k", type=int, default=0, action=_Given, help="topk only: rows per table per pull"
+    )
+    p.add_argument(
+        "--fraction",
+        type=float,
+        default=0.0,
+        action=_Given,
+        help="topk only: fraction of candidate rows (0, 1]",
     )
     p.add_argument(
         "--dtype",
@@ -111,47 +173,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve = p.add_argument_group(
         "serving model",
         "hold a torchrec quantized reference model (the trainer's ClickModel architecture), "
-        "bootstrapped from deltad alone, and answer forwards while syncing",
+        "bootstrapped from deltad alone, and answer forwards while syncing; the flags after "
+        "--serve-dtype need it",
     )
     serve.add_argument(
         "--serve-dtype",
         choices=("int8", "int4", "fp16", "fp32"),
         help="quantize the serving model's tables to this dtype (torchrec 1.8 cannot do bf16)",
     )
-    serve.add_argument(
+
+    def serving(*names: str, **kw: Any) -> None:  # a flag that needs --serve-dtype
+        serve.add_argument(*names, action=_Given, **kw)
+
+    serving(
         "--tables",
         default="4",
         help="pooled tables: a count (t0..tN-1) or NAME[:ROWS],..., as given to the trainer",
     )
-    serve.add_argument("--rows", type=int, default=10_000, help="rows per pooled table")
-    serve.add_argument("--seq-rows", type=int, help="rows of the sequence table (None: --rows)")
-    serve.add_argument("--dim", type=int, default=16, help="embedding dim")
-    serve.add_argument(
+    serving("--rows", type=int, default=10_000, help="rows per pooled table")
+    serving("--seq-rows", type=int, help="rows of the sequence table (None: --rows)")
+    serving("--dim", type=int, default=16, help="embedding dim")
+    serving(
         "--consistency",
         choices=("chunk", "window"),
         default="chunk",
         help="chunk: forwards wait at most one chunk's copy, rows of a window may mix; "
         "window: forwards see whole windows and wait for the whole copy",
     )
-    serve.add_argument("--chunk-rows", type=int, default=4096, help="rows per locked copy")
-    serve.add_argument("--serve-batch-size", type=int, default=64, help="fixed forward batch")
-    serve.add_argument(
-        "--serve-interval", type=float, default=0.002, help="seconds between forwards"
-    )
-    serve.add_argument("--seed", type=int, default=0, help="model code / batch seed")
-    serve.add_argument(
+    serving("--chunk-rows", type=int, default=4096, help="rows per locked copy")
+    serving("--serve-batch-size", type=int, default=64, help="fixed forward batch")
+    serving("--serve-interval", type=float, default=0.002, help="seconds between forwards")
+    serving("--seed", type=int, default=0, help="model code / batch seed")
+    serving(
         "--zch-slots",
         type=int,
         help="slots of the managed-collision table 'zch', as given to the trainer (unset: "
         "the trainer's default; 0: none)",
     )
-    serve.add_argument(
-        "--zch-raw-ids", type=int, default=0, help="its raw-id space, as given to the trainer"
-    )
-    serve.add_argument(
-        "--zch-policy", choices=("lru", "lfu"), default="lru", help="its MCH eviction policy"
-    )
-    serve.add_argument(
+    serving("--zch-raw-ids", type=int, default=0, help="its raw-id space, as given to the trainer")
+    serving("--zch-policy", choices=("lru", "lfu"), default="lru", help="its MCH eviction policy")
+    serving(
         "--final-state",
         type=Path,
         help="torch.save the serving model's state_dict at exit (and its logits on the fixed "
@@ -234,6 +295,7 @@ def build_consumer_config(args: argparse.Namespace) -> ConsumerConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the predictor until --duration / --pulls / SIGTERM; 0 on a clean stop."""
+    check_form_flags(args)  # before torch loads, before anything connects
     from deltad.perf import tune_malloc, tune_threads
 
     tune_malloc()  # before torch loads (see deltad.perf)
@@ -304,24 +366,41 @@ def run(args: argparse.Namespace) -> int:
             serving=serving,
         )
     )
-    if consumer.sidecars:  # refused: a wrong model, fewer sidecars than ranks, none answering
-        from deltad.clientauth import ClientAuth
-        from deltad.status import check_sidecars
+    # Wait for the sidecars (every --sidecar answering, or every rank registered in Redis)
+    # before the pull loop's signal handling: a signal here ends the wait at once and says so
+    # (the loop's handlers only ask it to stop after the pull, which a wait never reached).
+    with _waiting_for_sidecars() as waited:
+        if consumer.sidecars:  # refused: a wrong model, fewer sidecars than ranks, none answering
+            from deltad.clientauth import ClientAuth
+            from deltad.status import check_sidecars
 
-        statuses = check_sidecars(
-            consumer.sidecars,
-            consumer.model,
-            auth=ClientAuth(
-                token=consumer.token,
-                token_file=consumer.token_file,
-                tls_ca=consumer.tls_ca,
-                tls_cert=consumer.tls_cert,
-                tls_key=consumer.tls_key,
-            ),
-            deadline_s=args.discovery_timeout,
-            rpc_timeout_s=min(args.rpc_deadline, 5.0),
+            statuses = check_sidecars(
+                consumer.sidecars,
+                consumer.model,
+                auth=ClientAuth(
+                    token=consumer.token,
+                    token_file=consumer.token_file,
+                    tls_ca=consumer.tls_ca,
+                    tls_cert=consumer.tls_cert,
+                    tls_key=consumer.tls_key,
+                ),
+                deadline_s=args.discovery_timeout,
+                rpc_timeout_s=min(args.rpc_deadline, 5.0),
+            )
+        else:  # every rank registered in Redis (bounded by --discovery-timeout)
+            statuses = predictor.sidecar_statuses()
+        predictor.check_tables(statuses)
+    if waited.signal is not None:
+        what = f"while waiting for the sidecars ({waited.seconds:.0f}s)"
+        if waited.signal == signal.SIGINT:
+            output.line(f"deltad consume: interrupted {what}", level="WARNING")
+            return 130
+        # SIGTERM asks for a clean stop, and stopping before the first pull is one
+        output.line(
+            f"deltad consume: stopped by SIGTERM {what}: nothing pulled, committed or written",
+            level="WARNING",
         )
-        predictor.check_tables(statuses)  # (with --redis-url, run() asks the sidecars found)
+        return 0
 
     # Both finish the pull in flight, commit, write --final-tables, exit 0: tables saved by a
     # Ctrl-C are then the state of the committed cursors (what --resume relies on).
@@ -341,6 +420,49 @@ def run(args: argparse.Namespace) -> int:
             f"({s.forward_apply_samples}), longest lock hold {_ms(s.max_hold_ms)}"
         )
     return 0
+
+
+class _Waited:
+    """How a wait for the sidecars ended: ``signal`` (SIGINT / SIGTERM) if one ended it, and
+    the seconds it had waited."""
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self.seconds = 0.0
+
+
+class _Signalled(BaseException):
+    """Raised in the main thread by a signal during the wait (a BaseException, like
+    KeyboardInterrupt: no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signal.Signals(signum)
+
+
+@contextmanager
+def _waiting_for_sidecars() -> Iterator[_Waited]:
+    """While the block waits for the sidecars, SIGINT and SIGTERM end it at once (an
+    exception from their handler, as SIGINT's KeyboardInterrupt); the result says which
+    one did and after how long. The previous handlers come back at the end. From the main
+    thread only (CPython installs handlers there); elsewhere the signals are left alone."""
+    waited = _Waited()
+    t0 = time.monotonic()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Signalled(signum)  # takes no lock (see deltad.signals)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield waited
+    except (_Signalled, KeyboardInterrupt) as e:
+        waited.signal = e.signum if isinstance(e, _Signalled) else signal.SIGINT
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        waited.seconds = time.monotonic() - t0
 
 
 def _wire_dtype(dtype: str | None, serve_dtype: str | None) -> WireDtype:

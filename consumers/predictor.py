@@ -189,9 +189,10 @@ class SyncLoop:
             )
         self.tables_checked = True
 
-    def _statuses(self) -> list[pb.StatusResponse | None]:
+    def sidecar_statuses(self) -> list[pb.StatusResponse | None]:
         """Every rank's Status, asked once each (None: no answer); the ranks of a Redis
-        discovery are waited for as DeltaConsumer waits for them."""
+        discovery are waited for as DeltaConsumer waits for them (up to the consumer's
+        discovery timeout)."""
         import grpc
 
         from deltad.clientauth import ClientAuth
@@ -238,7 +239,7 @@ class SyncLoop:
         """Pull until duration / pulls / stop(); write the final tables; return totals."""
         c = self.config
         if not self.tables_checked:  # before registering: nothing done with wrong tables
-            self.check_tables(self._statuses())
+            self.check_tables(self.sidecar_statuses())
         deadline = time.monotonic() + c.duration_s if c.duration_s > 0 else None
         self._open_log()
         if self.forwards is not None:
