@@ -377,13 +377,7 @@ def run(args: argparse.Namespace) -> int:
             statuses = check_sidecars(
                 consumer.sidecars,
                 consumer.model,
-                auth=ClientAuth(
-                    token=consumer.token,
-                    token_file=consumer.token_file,
-                    tls_ca=consumer.tls_ca,
-                    tls_cert=consumer.tls_cert,
-                    tls_key=consumer.tls_key,
-                ),
+                auth=ClientAuth.of(consumer),
                 deadline_s=args.discovery_timeout,
                 rpc_timeout_s=min(args.rpc_deadline, 5.0),
             )

@@ -202,13 +202,7 @@ class SyncLoop:
 
         cc = self.config.consumer
         try:
-            auth = ClientAuth(
-                token=cc.token,
-                token_file=cc.token_file,
-                tls_ca=cc.tls_ca,
-                tls_cert=cc.tls_cert,
-                tls_key=cc.tls_key,
-            )
+            auth = ClientAuth.of(cc)
         except DeltadError as e:
             raise ConsumerError(str(e)) from e
         endpoints = list(cc.sidecars)

@@ -91,6 +91,18 @@ class ClientAuth:
         self._load_token(strict=True)
         self._load_tls(strict=True)
 
+    @classmethod
+    def of(cls, settings: Any) -> ClientAuth:
+        """The credentials a config names (``token``, ``token_file``, ``tls_ca``,
+        ``tls_cert``, ``tls_key``: a ConsumerConfig, a RelayConfig)."""
+        return cls(
+            token=settings.token,
+            token_file=settings.token_file,
+            tls_ca=settings.tls_ca,
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
+        )
+
     @property
     def secure(self) -> bool:
         """Whether channels use TLS (a CA or a client certificate is set)."""

@@ -115,13 +115,7 @@ class Sidecars:
     def __init__(self, config: ConsumerConfig) -> None:
         self.config = config
         try:
-            self.auth = ClientAuth(
-                token=config.token,
-                token_file=config.token_file,
-                tls_ca=config.tls_ca,
-                tls_cert=config.tls_cert,
-                tls_key=config.tls_key,
-            )
+            self.auth = ClientAuth.of(config)
         except DeltadError as e:
             raise ConsumerError(str(e)) from e
         self.ranks: list[RankLink] = []

@@ -47,13 +47,7 @@ class Upstream:
 
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
-        self._auth = ClientAuth(
-            token=config.token,
-            token_file=config.token_file,
-            tls_ca=config.tls_ca,
-            tls_cert=config.tls_cert,
-            tls_key=config.tls_key,
-        )
+        self._auth = ClientAuth.of(config)
         #: a mirror pull's wait for each message (and the channel's ping timeout)
         self._stall_s = min(STALL_S, config.rpc_deadline_s)
         self._options = stream_channel_options(
