@@ -295,3 +295,24 @@ def test_a_window_past_the_cap_is_told_apart_from_a_cursor_already_past_it() -> 
     held = decide_window(WindowAsk("p", max_step=10), cursor, log)
     assert not past_cap(held, cursor, log, 10)  # an empty window at its cursor
     assert not past_cap(fresh, None, log, None) and not past_cap(fresh, None, log, 30)
+
+
+def test_a_relay_told_a_redacted_state_says_so_once_and_follows_the_release_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A relay whose upstream credential has no relay role gets the state without its pins
+    and canary groups (deltad.serve.edge.gate): it follows what it gets and says why its
+    consumers see no pins."""
+    full = ReleaseState(release_step=7, held=True, pins=(Pin("eu-*", 5),), canary=("c-*",))
+    follow = FollowedRollout()
+    with caplog.at_level("WARNING", logger="deltad.serve.state.release"):
+        for _ in range(3):
+            follow.follow(ro.redacted_json(full.to_json()))
+    said = [r.getMessage() for r in caplog.records if "hides" in r.getMessage()]
+    assert len(said) == 1 and "no relay role" in said[0]
+    got = follow.state()
+    assert (got.release_step, got.held, got.pins, got.canary) == (7, True, (), ())
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="deltad.serve.state.release"):
+        FollowedRollout().follow(full.to_json())
+    assert not [r for r in caplog.records if "hides" in r.getMessage()]

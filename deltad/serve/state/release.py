@@ -8,6 +8,7 @@ Status answered), so every level of a relay tree serves its consumers with the m
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -144,6 +145,7 @@ class FollowedRollout:
 
     def __init__(self) -> None:
         self._state = ReleaseState()
+        self._told_redacted = False
 
     def state(self) -> ReleaseState:
         return self._state
@@ -153,9 +155,16 @@ class FollowedRollout:
         everything released); a malformed one is logged and ignored."""
         try:
             new = ReleaseState.from_json(raw) if raw else ReleaseState()
-        except (ValueError, TypeError, KeyError, IndexError) as e:
+            redacted = bool(raw) and bool(json.loads(raw).get("redacted", False))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             log.warning("upstream sent a malformed release state (ignored): %s", e)
             return
+        if redacted and not self._told_redacted:
+            self._told_redacted = True
+            log.warning(
+                "the upstream hides the release state's pins and canary groups from this relay "
+                "(its credential has no relay role): its consumers get the release step only"
+            )
         if new != self._state:
             log.info("release state from upstream: version %d", new.version)
         self._state = new
