@@ -72,7 +72,11 @@ def _env_flag(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    _env_flag(p, "spool", "spool directory shared with the trainer")
+    _env_flag(
+        p,
+        "spool",
+        "spool directory shared with the trainer (it, or at least its parent, must exist)",
+    )
     _env_flag(p, "model", "model name", "model")
     a(
         "--rank",
@@ -81,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="trainer rank served [DELTAD_RANK]",
     )
     for flag, fallback, text in (
-        ("listen", "127.0.0.1:50051", "host:port (port 0: any)"),
+        ("listen", "127.0.0.1:50051", "host:port, port 0..65535 (0: any free one)"),
         ("advertise", None, "endpoint registered in Redis"),
         (
             "redis-url",
