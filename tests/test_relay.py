@@ -16,6 +16,7 @@ import pytest
 import torch
 from spoolkit import FakeTrainer, wait_for
 
+from deltad import status as status_cli
 from deltad.config import ConfigError, ConsumerConfig, PullOptions, RelayConfig, ServerConfig
 from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer
@@ -273,6 +274,9 @@ def test_an_upstream_of_another_rank_stops_the_relay(tmp_path: Path, redis_url: 
         try:
             assert r.wait(30)
             assert r.error is not None and "rank 1" in str(r.error)
+            # checked before it registered: it left no consumer at the upstream
+            _, listed = status_cli.fetch(levels[0][1])
+            assert [c.consumer for c in listed.consumers] == []
         finally:
             r.stop(0.2)
     with pytest.raises(ConfigError, match="HOST:PORT"):

@@ -182,17 +182,15 @@ class RelayMirror:
         up = self.upstream
         up.reconnect_if_changed()
         if not up.registered:
+            # (checked first: a relay of another model or rank leaves no consumer upstream)
+            self._check_upstream(up.status())
             self._register()
         if up.pending is not None:
             up.commit()
         asked = time.time()
         st = self._status()
         self._follow(st)
-        if st.model != self.model or st.rank != self.rank:
-            raise UpstreamError(
-                f"upstream {self.config.upstream} serves model {st.model!r} rank {st.rank}; "
-                f"this relay serves model {self.model!r} rank {self.rank}"
-            )
+        self._check_upstream(st)
         self._up_dense = (st.generation, tuple(int(t) for t in st.dense_steps))
         loc = self.spool.head
         head = (st.generation, st.head_seq)
@@ -221,6 +219,14 @@ class RelayMirror:
         if isinstance(follow, FollowedRollout):
             follow.follow(st.rollout_state)
             self._rollout_version = st.rollout_version
+
+    def _check_upstream(self, st: pb.StatusResponse) -> None:
+        """UpstreamError (the relay stops) if the upstream serves another model or rank."""
+        if st.model != self.model or st.rank != self.rank:
+            raise UpstreamError(
+                f"upstream {self.config.upstream} serves model {st.model!r} rank {st.rank}; "
+                f"this relay serves model {self.model!r} rank {self.rank}"
+            )
 
     def _status(self) -> pb.StatusResponse:
         """The upstream's Status; a long poll (answered when its head passes the relay's)
