@@ -20,7 +20,7 @@ from deltad import cli, healthcheck
 from deltad.config import ConsumerConfig, RelayConfig, check_endpoint
 from deltad.errors import ConfigError
 from deltad.redisutil import EmbeddedRedis
-from deltad.serve.edge.app import SidecarServer
+from deltad.serve.edge.app import SidecarServer, machine_name
 from deltad.serve.relay.server import RelayServer
 
 __all__ = ["redis_server"]
@@ -206,6 +206,8 @@ def test_listening_beyond_this_machine_without_tokens_is_warned_about(
         with caplog.at_level("WARNING", logger="deltad.serve.edge.app"):
             srv = SidecarServer(cfg).start()
             srv.stop(0)
+        if listen.startswith("0.0.0.0"):  # (registered for discovery: a name others reach)
+            assert srv.endpoint == f"{machine_name()}:{srv.port}"
         said = [r.getMessage() for r in caplog.records if "with no tokens" in r.getMessage()]
         assert len(said) == int(warned), (listen, tokens, said)
         if warned:
@@ -239,3 +241,18 @@ def test_a_rank_beyond_the_spools_world_size_is_an_error_line(
             assert not errors, errors
         else:
             assert len(errors) == 1 and said in errors[0] and "mistyped --rank" in errors[0]
+
+
+def test_the_name_a_sidecar_on_every_address_registers_is_not_a_loopback_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """/etc/hosts often maps the host name to 127.0.0.1, and getfqdn() then says "localhost":
+    predictors on other machines would dial themselves."""
+    monkeypatch.setattr(socket, "getfqdn", lambda: "localhost")
+    monkeypatch.setattr(socket, "gethostname", lambda: "trainer-0")
+    assert machine_name() == "trainer-0"
+    monkeypatch.setattr(socket, "getfqdn", lambda: "trainer-0.ns.svc.cluster.local")
+    assert machine_name() == "trainer-0.ns.svc.cluster.local"
+    monkeypatch.setattr(socket, "getfqdn", lambda: "localhost.localdomain")
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
+    assert machine_name() == "localhost"  # (then the sidecar says to set --advertise)

@@ -85,6 +85,17 @@ log = logging.getLogger(__name__)
 #: listen hosts only this machine reaches (any other without tokens is warned about)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
+
+def machine_name() -> str:
+    """The name other machines may reach this one by, for the endpoint a sidecar listening on
+    every address registers: its FQDN, else its host name when the FQDN is a loopback name
+    (``getfqdn()`` is "localhost" where /etc/hosts maps the host name to 127.0.0.1)."""
+    for name in (socket.getfqdn(), socket.gethostname()):
+        if name and name not in LOOPBACK_HOSTS and not name.startswith("localhost"):
+            return name
+    return "localhost"
+
+
 #: Probe the offset store this often (health, gauge, embedded restart).
 REDIS_PROBE_S = 0.5
 #: Check this often whether an idle sidecar should give back its free heap and its libraries' code
@@ -322,7 +333,13 @@ class SidecarServer:
                 cfg.listen,
             )
         if host in ("", "0.0.0.0", "[::]"):
-            host = socket.getfqdn()
+            host = machine_name()
+            if cfg.advertise is None and host in LOOPBACK_HOSTS:
+                log.warning(
+                    "listening on %s but this machine's name is %r: predictors discovering "
+                    "this sidecar in Redis get %s:%d; set --advertise HOST:PORT",
+                    cfg.listen, host, host, self.port,
+                )  # fmt: skip
         self.endpoint = cfg.advertise or f"{host}:{self.port}"
         return server
 
