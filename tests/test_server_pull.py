@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from prometheus_client import generate_latest
 from serverkit import (
     Client,
     Replica,
@@ -210,3 +212,40 @@ def test_a_consumer_of_another_rank_only_is_not_lagging_on_this_one(
     finally:
         for srv in servers:
             srv.stop(0)
+
+
+def test_lag_series_are_as_many_as_the_live_consumers_with_counts_and_the_worst_lag(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """A series per name ever registered grew until forget_after_s (7 days): 3,500 expired
+    names made 3,500 series per gauge. Only live consumers have one; the counts and the
+    largest lag of a live consumer say the rest."""
+    spool = SpoolWriter(tmp_path / "spool")
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
+    try:
+        c = Client(f"127.0.0.1:{srv.port}")
+        for i in range(40):  # gone in a second
+            c.stub.Register(pb.RegisterRequest(consumer=f"card-{i}", lease_ttl_seconds=0.5))
+        c.stub.Register(pb.RegisterRequest(consumer="live", lease_ttl_seconds=60))
+        c.commit(c.pull("live"))
+        c.stub.Register(pb.RegisterRequest(consumer="behind", lease_ttl_seconds=60))
+        spool.delta()
+        spool.delta()
+        wait_for(lambda: srv.log.snapshot().head.seq == 2)  # type: ignore[union-attr]
+        time.sleep(0.8)
+        infos = {i.consumer: i for i in srv.servicer.consumer_infos()}
+        assert len(infos) == 42 and not infos["card-0"].live
+        assert infos["card-0"].lag_segments == 3  # (ListConsumers still says it)
+        get = srv.metrics.registry.get_sample_value
+        labels = {"model": "m", "rank": "0"}
+        text = generate_latest(srv.metrics.registry).decode()
+        assert text.count("deltad_consumer_lag_segments{") == 2, text  # live and behind
+        assert get("deltad_consumer_lag_segments", {**labels, "consumer": "live"}) == 2
+        assert get("deltad_consumer_lag_segments", {**labels, "consumer": "card-0"}) is None
+        assert get("deltad_consumers", {**labels, "state": "live"}) == 2
+        assert get("deltad_consumers", {**labels, "state": "expired"}) == 40
+        assert get("deltad_consumer_lag_segments_max", labels) == 3  # (behind: nothing yet)
+        assert (get("deltad_consumer_lag_seconds_max", labels) or 0) > 0
+        c.close()
+    finally:
+        srv.stop(0)

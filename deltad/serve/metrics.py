@@ -142,6 +142,24 @@ class SidecarMetrics:
             [*labels, "consumer"],
             registry=r,
         )
+        self.consumers = Gauge(
+            "deltad_consumers",
+            "Known consumers: live (lease held) or expired (not forgotten yet)",
+            [*labels, "state"],
+            registry=r,
+        )
+        self.lag_segments_max = Gauge(
+            "deltad_consumer_lag_segments_max",
+            "The largest deltad_consumer_lag_segments of a live consumer",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.lag_seconds_max = Gauge(
+            "deltad_consumer_lag_seconds_max",
+            "The largest deltad_consumer_lag_seconds of a live consumer",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
         # rollout-control (issue 21): the validation gate and the release state
         self.gate_failures = counter(
             "deltad_gate_failures",
@@ -262,9 +280,18 @@ class SidecarMetrics:
         self.lag_seconds.labels(**self._labels, consumer=consumer).set(seconds)
         self._lagging.add(consumer)
 
+    def set_consumers(self, live: int, expired: int, lag_segments: int, lag_seconds: float) -> None:
+        """The consumer counts and the largest lag of a live one (what an alert on a fleet
+        reads without a series per consumer)."""
+        self.consumers.labels(**self._labels, state="live").set(live)
+        self.consumers.labels(**self._labels, state="expired").set(expired)
+        self.lag_segments_max.set(lag_segments)
+        self.lag_seconds_max.set(lag_seconds)
+
     def keep_lag_of(self, consumers: set[str]) -> None:
-        """Drop the lag series of consumers not in ``consumers`` (forgotten ones), so that no
-        alert fires on a consumer that no longer exists."""
+        """Drop the lag series of consumers not in ``consumers`` (forgotten ones, expired
+        leases, consumers of other ranks only), so that no alert fires on a consumer that is
+        gone and the series stay as many as the live consumers."""
         for gone in self._lagging - consumers:
             for gauge in (self.lag_segments, self.lag_seconds):
                 try:

@@ -218,6 +218,8 @@ class DeltaServicer:
         elsewhere = self._consumers_of_other_ranks(snap, [n for n in names if cursors[n] is None])
         now = time.time()
         out = []
+        exported: set[str] = set()
+        worst = (0, 0.0)  # the largest lag of a live consumer: segments, seconds
         state = self.windows.rollout.state()
         for name in names:
             stored = cursors[name]
@@ -240,9 +242,14 @@ class DeltaServicer:
                 seq = -1 if stored is None or stored.generation != snap.generation else stored.seq
                 info.lag_segments = max(0, snap.head.seq - seq)
                 info.lag_seconds = lag_seconds(snap, seq, now)
-                self.metrics.set_lag(name, info.lag_segments, info.lag_seconds)
+                if info.live:  # (a series per name ever seen would grow for forget_after_s)
+                    self.metrics.set_lag(name, info.lag_segments, info.lag_seconds)
+                    exported.add(name)
+                    worst = (max(worst[0], info.lag_segments), max(worst[1], info.lag_seconds))
             out.append(info)
-        self.metrics.keep_lag_of(set(names) - elsewhere)
+        self.metrics.keep_lag_of(exported)
+        live = sum(1 for n in names if leases[n] > 0)
+        self.metrics.set_consumers(live, len(names) - live, *worst)
         return out
 
     def _consumers_of_other_ranks(self, snap: LogSnapshot | None, names: list[str]) -> set[str]:
