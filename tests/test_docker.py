@@ -172,6 +172,10 @@ def test_k8s_pod_runs_existing_commands() -> None:
         assert not any("DELTAD_REDIS_URL" in a or "redis://" in a for a in c["args"])
     secret = {e["name"]: e for e in side["env"]}["DELTAD_REDIS_URL"]["valueFrom"]
     assert "secretKeyRef" in secret
+    # the rank is the sidecar's DELTAD_RANK, as its comment tells a multi-host trainer to set
+    # per pod: a --rank in args would win over it
+    assert {e["name"]: e.get("value") for e in side["env"]}["DELTAD_RANK"] == "0"
+    assert "--rank" not in side["args"]
     # the sidecar's memory limit holds 1.2 x a log as big as the spool and every cache budget
     # its flags allow (the defaults, where a flag is not given)
     sargs = build_parser().parse_args(_subst(side["args"], env))
