@@ -27,6 +27,12 @@ listed slot now holds) go into the applier's slot map of the table -- for
 :class:`TensorDictApplier` a plain :class:`~deltad.consume.mc.SlotMap` (:meth:`Applier.slot_maps`)
 -- planned with the window's checks and installed under the same lock as its rows: a reader
 inside ``reading()`` sees a slot's row and its raw id from the same window.
+
+Dense state (``RankDelta.dense``: the trainer's parameters and buffers outside its tables, at
+the window's step): :class:`TorchRecApplier` copies it into the model's other state_dict
+entries, checked with the window's rows and written after them under the same lock (as
+:class:`~deltad.consume.quant.QuantApplier` does), so a reader inside ``reading()`` sees rows
+and dense weights of one step. :class:`TensorDictApplier` holds tables only and ignores it.
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ import abc
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from deltad.consume.mc import IdentityUpdates, Remapper, SlotMap, identities_of, remappers
 from deltad.consume.window import RankDelta, ResyncStage, ShardUpdate
-from deltad.errors import ConsumerError
+from deltad.errors import ConfigError, ConsumerError
 from deltad.types import Shard
 
 
@@ -131,6 +138,7 @@ class Applier(abc.ABC):
                             idents.add(s.shard.table, s.ids, raw_ids, evicted)
                         plan.append((t, s))
                 id_plans = idents.plan(maps, strict=self.strict_identities)
+                dense_plan = self._plan_dense(deltas)
             except BaseException:
                 self._discard()
                 for st in stages:
@@ -147,6 +155,8 @@ class Applier(abc.ABC):
                 for name, p in id_plans.items():
                     maps[name].install(p)
                 self._installed_maps(maps)
+                for target, value in dense_plan:  # after the rows, as QuantApplier does
+                    target.copy_(value)
             return rows
 
     def _identity_target(self, table: str, num_rows: int, sent: bool) -> SlotMap | None:
@@ -170,6 +180,12 @@ class Applier(abc.ABC):
     def _installed_maps(self, maps: dict[str, SlotMap]) -> None:
         """The window's slot maps were installed (new ones are held from now on)."""
         return None
+
+    def _plan_dense(self, deltas: Sequence[RankDelta]) -> list[tuple[torch.Tensor, Any]]:
+        """``(target, value)`` copies of the windows' dense states (checked; ConsumerError
+        for one the tables' holder cannot take). Default: none, the dense state is not
+        applied (an applier of tables only)."""
+        return []
 
 
 def stages_of(deltas: Sequence[RankDelta], applier: Applier) -> list[ResyncStage]:
@@ -245,12 +261,28 @@ class TensorDictApplier(Applier):
     Tables missing from the dict are allocated (zeros, ``dtype``) on first sight; a resync
     whose shape differs from the held table replaces it with a new one. Either takes effect
     only with the window: one that fails its checks leaves the held tables as they were.
+    Tables (and ``dtype``) must be floating-point: rows are written into them as they are
+    (ConfigError otherwise, at construction).
+
+    Tables only: the dense state a window carries (``RankDelta.dense``, on rank 0's window:
+    ``PullResult.dense``) is not applied; load it into your model yourself, or use
+    :class:`TorchRecApplier` / :class:`~deltad.consume.quant.QuantApplier`, which apply it.
     """
 
     def __init__(
         self, tables: dict[str, torch.Tensor] | None = None, *, dtype: torch.dtype = torch.float32
     ) -> None:
         super().__init__()
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ConfigError(f"TensorDictApplier: dtype {dtype} is not a floating-point dtype")
+        for name, t in (tables or {}).items():
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(f"TensorDictApplier: table {name!r} is not a tensor")
+            if not t.dtype.is_floating_point:
+                raise ConfigError(
+                    f"TensorDictApplier: table {name!r} has dtype {t.dtype}, not a "
+                    f"floating-point dtype: rows would be truncated into it"
+                )
         self._tables: dict[str, torch.Tensor] = tables if tables is not None else {}
         self._staged: dict[str, torch.Tensor] = {}
         self.dtype = dtype
@@ -408,6 +440,12 @@ class TorchRecApplier(Applier):
     ConsumerError: the inference model's layout is fixed. A managed-collision table (inside a
     float MC-EC / MC-EBC) also has its MCH remapper rebuilt from the windows' raw ids (the
     float serving path of MC models; forwards inside ``reading()``).
+
+    Dense weights are the module's other state_dict entries and buffers (by state_dict name,
+    a DMP's ``module.`` prefix accepted): a window's dense state (``RankDelta.dense``) is
+    copied into them, cast to their dtype, after the rows and under the same lock, as
+    :class:`~deltad.consume.quant.QuantApplier` does; a dense tensor the module lacks, or of
+    another shape, fails the window's checks (ConsumerError, nothing written).
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -417,6 +455,28 @@ class TorchRecApplier(Applier):
             raise ConsumerError("no EmbeddingCollection / EmbeddingBagCollection in the module")
         #: managed-collision tables: the float MCH modules' remappers (put in eval mode)
         self._remappers = remappers(module)
+        self._dense = float_dense_state(module)
+
+    @property
+    def dense_names(self) -> list[str]:
+        """state_dict names of the dense weights a window's dense state is copied into."""
+        return sorted(self._dense)
+
+    def _plan_dense(self, deltas: Sequence[RankDelta]) -> list[tuple[torch.Tensor, Any]]:
+        state: dict[str, torch.Tensor] = {}
+        for d in deltas:
+            state.update(getattr(d, "dense", None) or {})
+        return plan_dense(self._dense, state)
+
+    def apply_dense(self, state: Mapping[str, torch.Tensor]) -> int:
+        """Copy ``state`` (state_dict names) into the dense weights under the lock; return
+        the number of tensors written."""
+        with self.lock:
+            plan = plan_dense(self._dense, state)
+            with torch.no_grad():
+                for target, value in plan:
+                    target.copy_(value)
+            return len(plan)
 
     def slot_maps(self) -> dict[str, SlotMap]:
         return dict(self._remappers)
@@ -458,3 +518,53 @@ def torchrec_tables(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             assert isinstance(weight, torch.Tensor)
             out[name] = weight
     return out
+
+
+def float_dense_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state_dict entries (and non-persistent buffers) of an unsharded float model outside
+    its EC / EBC and managed-collision modules, by state_dict name (the tensors, shared): what
+    the trainer publishes as its dense state (see :mod:`deltad.publish.dense`)."""
+    from torchrec.modules.embedding_modules import (
+        EmbeddingBagCollection,
+        EmbeddingCollection,
+    )
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+    from torchrec.modules.mc_modules import ManagedCollisionCollection
+
+    kinds = (
+        EmbeddingBagCollection,
+        EmbeddingCollection,
+        BaseManagedCollisionEmbeddingCollection,
+        ManagedCollisionCollection,
+    )
+    skip = tuple(f"{fqn}." for fqn, m in module.named_modules() if isinstance(m, kinds))
+    if "." in skip:  # the module is itself one: nothing dense
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not name.startswith(skip):
+            out[name] = value.data if isinstance(value, torch.nn.Parameter) else value
+    for name, buf in module.named_buffers():
+        if name not in out and not name.startswith(skip):
+            out[name] = buf
+    return out
+
+
+def plan_dense(
+    targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, Any]]:
+    """``(target, value)`` copies of ``state`` (state_dict names; a DMP's ``module.`` prefix
+    is accepted) into ``targets``, values cast to the targets' dtype and device;
+    ConsumerError for a name ``targets`` lacks or a shape that differs."""
+    plan: list[tuple[torch.Tensor, Any]] = []
+    for name, value in state.items():
+        target = targets.get(name)
+        if target is None and name.startswith("module."):
+            target = targets.get(name[len("module.") :])
+        if target is None:
+            raise ConsumerError(f"dense weight {name!r} is not in the serving model")
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+            raise ConsumerError(f"dense weight {name}: sent {shape}, served {tuple(target.shape)}")
+        plan.append((target, value.detach().to(device=target.device, dtype=target.dtype)))
+    return plan

@@ -24,6 +24,10 @@ pull sends the shards it cannot pack (column-wise shards) as fp32 values, handle
 Bit-exactness needs the trainer's float values: pull with wire dtype ``fp32`` (or ``fp16``
 for fp16 tables, or packed rows). Rows that travelled as ``int8`` / ``bf16`` arrive
 already rounded, and re-quantizing them is close to, not equal to, torchrec's bytes.
+A packed wire dtype must be the table's own layout (:func:`packed_wire_dtype`: packed-int8
+for int8 tables, packed-int4 for int4, packed-fp16 for fp16): other packed rows would be
+copied in as bytes of another layout, so a window of them raises ConfigError before
+anything is written (:meth:`QuantApplier.check_wire_dtype` checks pull options up front).
 
 Column shards (column-wise sharded tables, one shard per rank): an int8 / int4 row is
 quantized over the full row and cannot be decoded back exactly, so the applier keeps a float
@@ -90,7 +94,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from deltad.consume.appliers import Applier, ResyncStage, row_run, stages_of
+from deltad.consume.appliers import Applier, ResyncStage, plan_dense, row_run, stages_of
 from deltad.consume.inplace import ApplyStats, ServingLock, copy_rows, write_window
 from deltad.consume.mc import IdentityUpdates, Remapper, identities_of, remappers
 from deltad.consume.tbe import (
@@ -107,7 +111,7 @@ from deltad.consume.tbe import (
 )
 from deltad.consume.window import RankDelta, ShardUpdate
 from deltad.errors import ConfigError, ConsumerError, UnsupportedModelError
-from deltad.types import ApplyConsistency, Shard
+from deltad.types import ApplyConsistency, Shard, WireDtype
 
 __all__ = [  # the tables (deltad.consume.tbe) and the writing (deltad.consume.inplace) too
     "SCALE_BIAS_BYTES",
@@ -188,6 +192,32 @@ class QuantApplier(Applier):
     def dense_names(self) -> list[str]:
         return sorted(self._dense)
 
+    def check_wire_dtype(
+        self, wire_dtype: WireDtype | str, tables: Sequence[str] | None = None
+    ) -> None:
+        """ConfigError unless rows of ``wire_dtype`` can go into ``tables`` (None: every
+        table): a packed wire dtype must be each table's own row layout
+        (:func:`packed_wire_dtype`); float wire dtypes are quantized on apply. ``apply``
+        checks every window so; call it with ``PullOptions.wire_dtype`` to fail before a pull."""
+        try:
+            wire = WireDtype(wire_dtype)
+        except ValueError:
+            raise ConfigError(f"wire dtype {wire_dtype!r} is not a wire dtype") from None
+        if not wire.packed:
+            return
+        for name in sorted(self._tables) if tables is None else tables:
+            t = self._tables.get(name)
+            if t is None:
+                continue  # the window's checks refuse an unknown table
+            want = packed_wire_dtype(t.dtype)
+            if want is not wire:
+                use = want.value if want.packed else "fp32 (or fp16)"
+                raise ConfigError(
+                    f"table {name}: {wire.value} rows are not the layout of its "
+                    f"{t.dtype.value} rows (they would be copied in as they are): pull with "
+                    f"wire dtype {use}"
+                )
+
     @property
     def remappers(self) -> dict[str, Remapper]:
         """``{table: Remapper}`` of the managed-collision tables (see :mod:`deltad.consume.mc`)."""
@@ -231,6 +261,7 @@ class QuantApplier(Applier):
             t0 = time.perf_counter()
             stages = stages_of(deltas, self)
             try:
+                self._check_wire(deltas)
                 staged: list[tuple[QuantTable, torch.Tensor | None, torch.Tensor]] = []
                 idents = IdentityUpdates.new()
                 for st in stages:
@@ -244,7 +275,7 @@ class QuantApplier(Applier):
                 dense: dict[str, torch.Tensor] = {}
                 for d in deltas:
                     dense.update(getattr(d, "dense", None) or {})
-                dense_plan = self._plan_dense(dense)
+                dense_plan = plan_dense(self._dense, dense)
             except BaseException:
                 for st in stages:
                     st.discard("apply failed its checks")
@@ -265,12 +296,25 @@ class QuantApplier(Applier):
     def apply_dense(self, state: Mapping[str, torch.Tensor]) -> int:
         """Copy ``state`` (state_dict names) into the model's dense params/buffers, at once."""
         with self._apply_mutex:
-            plan = self._plan_dense(state)
+            plan = plan_dense(self._dense, state)
             stats = write_window(
                 [], plan, remappers=self._remappers, lock=self.serving_lock,
                 consistency=self.consistency, chunk_rows=self.chunk_rows,
             )  # fmt: skip
             return stats.dense
+
+    def _check_wire(self, deltas: Sequence[RankDelta]) -> None:
+        """ConfigError if a window's packed rows (assembled or staged) are not in their
+        table's layout (see :meth:`check_wire_dtype`)."""
+        for d in deltas:
+            wire = getattr(d, "wire_dtype", None)
+            if wire is None or not WireDtype(wire).packed:
+                continue
+            names = {s.shard.table for s in d.shards if getattr(s, "packed", None) is not None}
+            st = getattr(d, "stage", None)
+            if isinstance(st, _QuantStage):
+                names |= st.packed_tables
+            self.check_wire_dtype(wire, sorted(names))
 
     def _table(self, name: str, num_rows: int, dim: int) -> QuantTable:
         t = self._tables.get(name)
@@ -412,22 +456,6 @@ class QuantApplier(Applier):
         ids = ids[sh.known[ids].all(dim=1)]
         return ids, sh.values[ids]
 
-    def _plan_dense(self, state: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
-        plan: list[tuple[torch.Tensor, Any]] = []
-        for name, value in state.items():
-            target = self._dense.get(name)
-            if target is None and name.startswith("module."):
-                target = self._dense.get(name[len("module.") :])
-            if target is None:
-                raise ConsumerError(f"dense weight {name!r} is not in the serving model")
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-                raise ConsumerError(
-                    f"dense weight {name}: sent {shape}, served {tuple(target.shape)}"
-                )
-            plan.append((target, value.detach().to(device=target.device, dtype=target.dtype)))
-        return plan
-
 
 class _QuantStage(ResyncStage):
     """A :class:`QuantApplier`'s stage: per table a staging copy of its rows and a mask of
@@ -438,6 +466,8 @@ class _QuantStage(ResyncStage):
         self._applier = applier
         #: name -> (table, staging rows uint8 [num_rows, row_bytes], written bool [num_rows])
         self._bufs: dict[str, tuple[QuantTable, torch.Tensor, torch.Tensor]] = {}
+        #: tables whose rows were announced packed (their wire dtype is checked at apply)
+        self.packed_tables: set[str] = set()
 
     def _open(self, shard: Shard, packed_row_bytes: int) -> bool:
         t = self._applier._table(shard.table, shard.num_rows, shard.dim)
@@ -450,6 +480,8 @@ class _QuantStage(ResyncStage):
                 f"table {t.name}: packed rows of {packed_row_bytes} bytes, the table's "
                 f"{t.dtype.value} rows have {t.data_bytes}"
             )
+        if packed_row_bytes:
+            self.packed_tables.add(t.name)
         if t.name not in self._bufs:
             self._bufs[t.name] = (
                 t,
