@@ -40,6 +40,7 @@ so a pull it drops (ranks disagree) is never committed.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -82,13 +83,23 @@ class DeltaConsumer:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def connect(self) -> DeltaConsumer:
-        """Resolve the sidecars, register the consumer on every rank, start heartbeats.
+        """Resolve the sidecars, check them, register the consumer on every rank, start
+        heartbeats.
 
-        A sidecar that does not answer only delays its rank (the heartbeat thread registers
-        it later; pulls report it in ``missing``); any other failure raises ConsumerError.
+        Every sidecar's Status must name ``config.model``, the rank it is listed as, and as
+        many ranks as are listed (else ConfigError: fewer sidecars would serve partial
+        tables). A sidecar that does not answer only delays its rank (the heartbeat thread
+        checks and registers it later; pulls report it in ``missing``, and the first of its
+        answers that fails the check raises ConfigError from the pull); any other failure
+        raises ConsumerError.
+
+        After :meth:`close`, ``connect()`` starts afresh, as a new DeltaConsumer of the same
+        config would (each rank's first pull then sends its full tables, unless ``resume``).
         """
         if self._connected:
             return self
+        if self._sidecars.closed.is_set():  # closed before: new connections, fresh state
+            self._sidecars = Sidecars(self.config)
         try:
             self._connect()
         except BaseException:
@@ -99,7 +110,19 @@ class DeltaConsumer:
     def _connect(self) -> None:
         self._sidecars.open_all()
         self._connected = True
-        for r, resp in zip(self._ranks, self._parallel(self._sidecars.register), strict=True):
+        # Every sidecar's model, rank and world size before the consumer registers anywhere
+        # (Sidecars.check raises ConfigError): one of another model would serve, and record
+        # this consumer, as if it were of this one.
+        answered = []
+        for r, st in zip(self._ranks, self._parallel(self._sidecars.status), strict=True):
+            if isinstance(st, SidecarUnavailableError):
+                log.warning("rank %d: not answering yet: %s", r.rank, st)
+            elif isinstance(st, Exception):
+                raise st
+            else:
+                answered.append(r)
+        registered = self._parallel(self._sidecars.register, answered)
+        for r, resp in zip(answered, registered, strict=True):
             if isinstance(resp, SidecarUnavailableError):
                 log.warning("rank %d: not registered yet: %s", r.rank, resp)
             elif isinstance(resp, Exception):
@@ -114,7 +137,8 @@ class DeltaConsumer:
         self._sidecars.start_heartbeats()
 
     def close(self) -> None:
-        """Stop heartbeats and close the channels (pending commits are not flushed)."""
+        """Stop heartbeats and close the channels (pending commits are not flushed). A
+        second close() does nothing; :meth:`connect` after it starts afresh."""
         self._sidecars.close()
         self._connected = False
 
@@ -199,7 +223,7 @@ class DeltaConsumer:
         if self.config.align_steps:
             return self._handed(self._pull_aligned(result, stage))
         # A rank whose commit is still pending is not pulled: a new pull would supersede it.
-        ready = [r for r in self._ranks if r.rank not in result.missing]
+        ready = self._checked([r for r in self._ranks if r.rank not in result.missing], result)
         deltas = _raise_overloaded(
             self._parallel(lambda r: self._get_delta(r, self.config.pull.max_step, stage), ready)
         )
@@ -208,10 +232,30 @@ class DeltaConsumer:
                 result.deltas.append(got)
             else:
                 result.missing[r.rank] = str(got)
+        # a window of a generation its sidecar was not checked at (the trainer restarted,
+        # perhaps with another world size): checked before the caller gets it
+        moved = [
+            self._ranks[d.rank]
+            for d in result.deltas
+            if d.generation != self._ranks[d.rank].checked_generation
+        ]
+        for r, st in zip(moved, self._parallel(self._sidecars.status, moved), strict=True):
+            if isinstance(st, Exception):  # (ConfigError is raised, not returned)
+                log.debug("rank %d: not checked at its new generation yet: %s", r.rank, st)
         if result.deltas:
             result.step = min(d.to_step for d in result.deltas)
             result.head_step = max(d.to_step for d in result.deltas)
         return self._handed(result)
+
+    def _checked(self, ranks: list[RankLink], result: PullResult) -> list[RankLink]:
+        """``ranks`` but those not checked yet (Sidecars.check: not answering since connect,
+        or nothing published then) whose Status fails now (in ``result.missing``); a check
+        that fails raises ConfigError. (Aligned pulls check every rank's Status anyway.)"""
+        todo = [r for r in ranks if r.checked_generation is None]
+        for r, st in zip(todo, self._parallel(self._sidecars.status, todo), strict=True):
+            if isinstance(st, Exception):
+                result.missing[r.rank] = str(st)
+        return [r for r in ranks if r.rank not in result.missing]
 
     def _handed(self, result: PullResult) -> PullResult:
         """``result`` goes to the caller. A rank whose full tables it carries no longer needs
@@ -228,6 +272,8 @@ class DeltaConsumer:
         A rank whose sidecar does not answer keeps its cursor pending; it is committed
         before that rank's next pull.
         """
+        if not isinstance(result, PullResult):
+            raise TypeError(f"commit() takes the PullResult of pull(), not {type(result).__name__}")
         self._require_connected()
         todo = {d.rank: d.cursor for d in result.deltas if not d.committed and _worth(d)}
         for d in result.deltas:
@@ -255,6 +301,11 @@ class DeltaConsumer:
         into the applier's stage (see :meth:`pull`); any other callable, or the ``apply`` of a
         subclass that overrides it, gets assembled windows.
         """
+        if not isinstance(apply, Applier) and not callable(apply):
+            raise TypeError(
+                "sync() takes an applier or a callable of the deltas (applier.apply), not "
+                f"{type(apply).__name__}"
+            )
         applier = _applier_of(apply)
         fn = apply.apply if isinstance(apply, Applier) else apply
         result = self.pull(applier=applier)
@@ -277,7 +328,17 @@ class DeltaConsumer:
         False also comes at once from a sidecar that does not hold the call (busy, or older):
         then wait your poll interval before pulling. Never raises for an unreachable sidecar
         (the next pull reports it). ``stop``, once set, ends the wait early (False).
+        ``timeout_s`` <= 0 returns True at once; a sidecar holds the call at most 30 s
+        (``STATUS_MAX_WAIT_S``), so a longer one (or ``inf``) returns after that.
         """
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or math.isnan(timeout_s)
+        ):
+            raise ConfigError(
+                f"wait_for_new: timeout_s must be a number of seconds, not {timeout_s!r}"
+            )
         self._require_connected()
         return longpoll.wait_for_new(self._sidecars, timeout_s, stop)
 

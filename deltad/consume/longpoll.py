@@ -9,11 +9,17 @@ import grpc
 
 from deltad.consume.sidecars import Sidecars
 
+#: The longest wait asked of a sidecar (seconds).
+MAX_WAIT_S = 86400.0
+
 
 def wait_for_new(sidecars: Sidecars, timeout_s: float, stop: threading.Event | None) -> bool:
     """Block until a rank publishes past what the consumer has seen of it, or ``timeout_s``;
     True if something is new (see :meth:`deltad.consume.client.DeltaConsumer.wait_for_new`)."""
     ranks = sidecars.ranks
+    # a sidecar holds a long poll at most STATUS_MAX_WAIT_S (30 s) anyway; longer waits,
+    # inf too, are cut to a day (StatusRequest.wait_ms is a uint32 of milliseconds)
+    timeout_s = min(timeout_s, MAX_WAIT_S)
     if timeout_s <= 0 or any(r.needs_base and r.seen[1] >= 0 for r in ranks):
         return True  # a rank has segments this consumer has not pulled yet
     # (a rank with nothing published yet, seen (0, -1), is waited for like any other:

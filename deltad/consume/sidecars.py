@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -29,7 +29,13 @@ from deltad.clientauth import ClientAuth
 from deltad.config import ConsumerConfig
 from deltad.consume.discovery import Discovery
 from deltad.consume.window import Cursor
-from deltad.errors import ConsumerError, DeltadError, OverloadedError, SidecarUnavailableError
+from deltad.errors import (
+    ConfigError,
+    ConsumerError,
+    DeltadError,
+    OverloadedError,
+    SidecarUnavailableError,
+)
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 
@@ -106,6 +112,10 @@ class RankLink:
         #: The newest (generation, head seq) this consumer has seen of the rank (Status,
         #: windows): what a long poll waits to see passed (DeltaConsumer.wait_for_new).
         self.seen: tuple[int, int] = (0, -1)
+        #: The generation whose Status showed this sidecar serves the consumer's model, this
+        #: rank, and as many ranks as the consumer lists (None: not seen yet; see
+        #: Sidecars.check).
+        self.checked_generation: int | None = None
         self.lock = threading.Lock()
 
 
@@ -119,7 +129,9 @@ class Sidecars:
         except DeltadError as e:
             raise ConsumerError(str(e)) from e
         self.ranks: list[RankLink] = []
+        #: Set by close() (for good: DeltaConsumer.connect opens a new Sidecars after it).
         self.closed = threading.Event()
+        self._close_lock = threading.Lock()
         self.channel_options = stream_channel_options(
             backoff_initial_s=config.backoff_initial_s,
             backoff_max_s=config.backoff_max_s,
@@ -151,7 +163,12 @@ class Sidecars:
         self._heartbeat.start()
 
     def close(self) -> None:
-        self.closed.set()
+        """Stop the heartbeats, end an uncommitted lease, close the channels; a second
+        close() does nothing (the channels are closed already)."""
+        with self._close_lock:
+            if self.closed.is_set():
+                return
+            self.closed.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.config.rpc_deadline_s)
         if not any(r.committed is not None and r.committed.seq >= 0 for r in self.ranks):
@@ -292,29 +309,60 @@ class Sidecars:
     # ---- small RPCs ------------------------------------------------------------------------
 
     def status(self, r: RankLink) -> RankStatus:
-        def call(ch: grpc.Channel, timeout: float, md: Any) -> RankStatus:
-            s = pb_grpc.DeltaServiceStub(ch).Status(
-                pb.StatusRequest(consumer=self.config.consumer), timeout=timeout, metadata=md
-            )
-            r.seen = max(r.seen, (int(s.generation), int(s.head_seq)))
-            # a server without release state (older) sends no rollout_state: no cap
-            cap = int(s.cap_step) if s.rollout_state and s.cap_step >= 0 else None
-            r.rollout_version = int(s.rollout_version) if s.rollout_state else None
-            return RankStatus(
-                rank=int(s.rank),
-                world_size=int(s.world_size),
-                generation=int(s.generation),
-                head_seq=int(s.head_seq),
-                head_step=int(s.head_step),
-                head_age_s=float(s.head_age_seconds),
-                asked_unix=time.time(),
-                dense_steps=tuple(int(x) for x in s.dense_steps),
-                steps=tuple(int(x) for x in s.steps),
-                cap_step=cap,
-                rollout_version=int(s.rollout_version),
-            )
+        """The rank's Status, after :meth:`check` (ConfigError: a sidecar of another model,
+        rank or world size)."""
+        req = pb.StatusRequest(consumer=self.config.consumer)
+        s = self.retry(
+            r,
+            "Status",
+            lambda ch, timeout, md: pb_grpc.DeltaServiceStub(ch).Status(
+                req, timeout=timeout, metadata=md
+            ),
+        )
+        asked = time.time()
+        self.check(r, s)
+        r.seen = max(r.seen, (int(s.generation), int(s.head_seq)))
+        # a server without release state (older) sends no rollout_state: no cap
+        cap = int(s.cap_step) if s.rollout_state and s.cap_step >= 0 else None
+        r.rollout_version = int(s.rollout_version) if s.rollout_state else None
+        return RankStatus(
+            rank=int(s.rank),
+            world_size=int(s.world_size),
+            generation=int(s.generation),
+            head_seq=int(s.head_seq),
+            head_step=int(s.head_step),
+            head_age_s=float(s.head_age_seconds),
+            asked_unix=asked,
+            dense_steps=tuple(int(x) for x in s.dense_steps),
+            steps=tuple(int(x) for x in s.steps),
+            cap_step=cap,
+            rollout_version=int(s.rollout_version),
+        )
 
-        return self.retry(r, "Status", call)
+    def check(self, r: RankLink, s: pb.StatusResponse) -> None:
+        """Raise ConfigError unless the sidecar's Status says it serves this consumer's model,
+        the rank it is listed as, and a model of as many ranks as the consumer reads (fewer
+        sidecars would serve partial tables: the unlisted ranks' rows never arrive); the world
+        size of a sidecar with nothing published yet (0) is checked at a later Status."""
+        c = self.config
+        if s.model != c.model:
+            raise ConfigError(f"{r.endpoint} serves model {s.model!r}, not {c.model!r}")
+        if s.rank != r.rank:
+            raise ConfigError(
+                f"sidecar {r.endpoint} serves rank {s.rank}, but it is listed as rank "
+                f"{r.rank}: list the sidecars in rank order (one per rank)"
+            )
+        if s.world_size and s.world_size != len(self.ranks):
+            fix = (
+                f"give one sidecar per rank (got {len(self.ranks)}): fewer would serve "
+                "partial tables"
+                if c.sidecars
+                else f"{len(self.ranks)} were registered in redis at connect(): "
+                "close() and connect() again"
+            )
+            raise ConfigError(f"model {c.model!r} has {s.world_size} ranks; {fix}")
+        if s.world_size:
+            r.checked_generation = int(s.generation)
 
     def wait_past(self, r: RankLink, wait_s: float) -> grpc.Future:
         """A long-polling Status of the rank (one attempt, not retried), answered when its
@@ -396,6 +444,8 @@ class Sidecars:
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.NOT_FOUND:  # lease expired: register again
                         try:
+                            if r.checked_generation is None:  # (not answering at connect)
+                                self.status(r)  # its model, rank and world size first
                             self.register(r)
                         except DeltadError as err:
                             log.warning("rank %d: re-register failed: %s", r.rank, err)
