@@ -6,13 +6,19 @@ Validation happens in ``__post_init__`` and raises :class:`deltad.errors.ConfigE
 
 from __future__ import annotations
 
+import enum
+import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from deltad import perf
 from deltad.errors import ConfigError
 from deltad.types import Form, TrainLoop, WireDtype
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 #: Model and consumer names: what may appear in Redis keys, file names and metric labels.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
@@ -195,10 +201,14 @@ class Range:
     lo_open: bool = False
     #: what the low end means, for the message (e.g. "0 = off")
     note: str = ""
+    #: only an ``int`` (not a bool, not a float such as 2.5) is accepted
+    integer: bool = False
 
     def text(self) -> str:
         left = "(" if self.lo_open else "["
         note = f"; {self.note}" if self.note else ""
+        if self.integer:
+            return f"an integer in {left}{int(self.lo)}, {int(self.hi)}]{note}"
         return f"a finite number in {left}{self.lo:g}, {self.hi:g}]{note}"
 
 
@@ -216,9 +226,12 @@ def check_number(name: str, value: object, rng: Range) -> None:
 
     if value is None:
         return
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        v = float(value)  # type: ignore[arg-type]
+    kinds = int if rng.integer else int | float
+    ok = isinstance(value, kinds) and not isinstance(value, bool)
+    if ok and isinstance(value, float):
+        ok = math.isfinite(value)
+    if ok:  # an int is compared as it is (float() of a huge one would overflow)
+        v: float = value  # type: ignore[assignment]
         ok = (v > rng.lo if rng.lo_open else v >= rng.lo) and v <= rng.hi
     if not ok:
         raise ConfigError(f"{name} must be {rng.text()}, not {clip(value, 32)}")
@@ -233,6 +246,40 @@ def check_numbers(
         check_number((names or {}).get(attr, attr), getattr(obj, attr), rng)
 
 
+def check_bool(name: str, value: object) -> None:
+    """ConfigError naming ``name`` unless ``value`` is a bool (a string such as "no" is
+    truthy: taken as True it would silently switch something on)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, not {clip(value, 32)}")
+
+
+def check_names(name: str, value: object) -> tuple[str, ...]:
+    """``value`` (a tuple or list of strings) as a tuple; ConfigError naming ``name`` for a
+    single string (which would become a tuple of its characters) or a non-string item."""
+    if isinstance(value, str | bytes):
+        raise ConfigError(
+            f"{name} must be a tuple or list of strings, not the single string {clip(value, 32)}"
+            f": write ({clip(value, 32)},)"
+        )
+    if not isinstance(value, Iterable):
+        raise ConfigError(f"{name} must be a tuple or list of strings, not {clip(value, 32)}")
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(f"{name} must hold strings only, not {clip(item, 32)}")
+    return items
+
+
+def check_choice(name: str, value: object, kind: type[_E]) -> _E:
+    """``value`` as a member of the enum ``kind`` (a member, or its value such as "topk");
+    ConfigError naming ``name`` and the choices otherwise."""
+    try:
+        return kind(value)
+    except (ValueError, TypeError):
+        choices = [m.value for m in kind]  # type: ignore[attr-defined]
+        raise ConfigError(f"{name} {clip(value, 32)} is not one of {choices}") from None
+
+
 @dataclass
 class TrackerConfig:
     """How the trainer-side tracker records touched rows."""
@@ -242,6 +289,10 @@ class TrackerConfig:
     #: The train loop; decides how many lookups run ahead of the optimizer (see TrainLoop).
     train_loop: TrainLoop = TrainLoop.PLAIN
     # Tunables (fold thread, its queue): deltad.knobs.
+
+    def __post_init__(self) -> None:
+        self.fqns_to_skip = check_names("fqns_to_skip", self.fqns_to_skip)
+        self.train_loop = check_choice("train_loop", self.train_loop, TrainLoop)
 
 
 @dataclass
@@ -289,25 +340,38 @@ class PublisherConfig:
     rebase_retry_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.spool_dir, str | os.PathLike) or not str(self.spool_dir):
+            raise ConfigError(f"spool_dir must be a path, not {clip(self.spool_dir, 32)}")
         self.spool_dir = Path(self.spool_dir)
-        try:
-            self.train_loop = TrainLoop(self.train_loop)
-        except ValueError:
+        if not self.spool_dir.exists() and not self.spool_dir.parent.exists():
+            # a typo makes nothing (as `deltad serve --spool`): only the last level is created
             raise ConfigError(
-                f"train_loop {clip(self.train_loop)} is not one of {[t.value for t in TrainLoop]}"
-            ) from None
-        self.fqns_to_skip = tuple(self.fqns_to_skip)
-        if self.dense_every_steps < 0 or self.dense_every_seconds < 0:
-            raise ConfigError("dense intervals must be >= 0")
+                f"spool_dir {self.spool_dir}: neither it nor its parent directory exists (the "
+                "publisher creates the spool directory itself at most)"
+            )
+        self.train_loop = check_choice("train_loop", self.train_loop, TrainLoop)
+        self.fqns_to_skip = check_names("fqns_to_skip", self.fqns_to_skip)
         check_name("model", self.model)
-        if self.rebase_retry_s < 0:
-            raise ConfigError("rebase_retry_s must be >= 0")
-        if self.every_steps < 0 or self.every_seconds < 0:
-            raise ConfigError("publish intervals must be >= 0")
+        check_numbers(self, PUBLISHER_RANGES)
         if self.every_steps == 0 and self.every_seconds == 0:
             raise ConfigError("set every_steps or every_seconds (or both)")
-        if self.max_pending_writes < 1:
-            raise ConfigError("max_pending_writes must be >= 1")
+        if self.generation is not None and (
+            not isinstance(self.generation, int) or isinstance(self.generation, bool)
+        ):
+            raise ConfigError(f"generation must be an int or None, not {clip(self.generation, 32)}")
+        for flag in ("fsync", "copy_in_background", "publish_dense"):
+            check_bool(flag, getattr(self, flag))
+
+
+#: PublisherConfig's numeric fields and their ranges.
+PUBLISHER_RANGES: dict[str, Range] = {
+    "every_steps": Range(0, MAX_COUNT, note="0 = off", integer=True),
+    "every_seconds": Range(0, MAX_SECONDS, note="0 = off"),
+    "max_pending_writes": Range(1, 1024, integer=True),
+    "dense_every_steps": Range(0, MAX_COUNT, note="0 = with every segment", integer=True),
+    "dense_every_seconds": Range(0, MAX_SECONDS, note="0 = with every segment"),
+    "rebase_retry_s": Range(0, 86400),
+}
 
 
 def check_client_auth(
@@ -660,14 +724,23 @@ class PullOptions:
     dense: bool = True
 
     def __post_init__(self) -> None:
-        self.form = Form(self.form)
-        self.wire_dtype = WireDtype(self.wire_dtype)
-        self.tables = tuple(self.tables)
+        self.form = check_choice("form", self.form, Form)
+        self.wire_dtype = check_choice("wire_dtype", self.wire_dtype, WireDtype)
+        self.tables = check_names("tables", self.tables)
         check_numbers(self, PULL_RANGES)
+        for flag in ("auto_commit", "dense"):
+            check_bool(flag, getattr(self, flag))
         if self.k < 0 or self.max_rows < 0:
             raise ConfigError("k and max_rows must be >= 0")
         if not 0.0 <= self.fraction <= 1.0:  # (NaN fails too)
             raise ConfigError(f"fraction must be in (0, 1], not {self.fraction}")
+        if self.form is not Form.TOPK and (self.k or self.fraction):
+            # (the CLI refuses --k / --fraction without --form topk the same way)
+            given = "k" if self.k else "fraction"
+            raise ConfigError(
+                f"{given} is for form=Form.TOPK only (form is {self.form.value}): set "
+                f"form=Form.TOPK or leave {given} at 0"
+            )
         if self.form is Form.TOPK and self.k == 0 and self.fraction == 0.0:
             raise ConfigError("top-k needs k > 0 or a fraction in (0, 1]")
         a = self.row_alignment
@@ -676,10 +749,11 @@ class PullOptions:
 
 
 PULL_RANGES: dict[str, Range] = {
-    "k": Range(0, MAX_COUNT),
+    "k": Range(0, MAX_COUNT, integer=True),
     "fraction": Range(0, 1),
-    "max_rows": Range(0, MAX_COUNT, note="0 = no cap"),
-    "max_step": Range(0, float(1 << 62)),
+    "max_rows": Range(0, MAX_COUNT, note="0 = no cap", integer=True),
+    "max_step": Range(0, float(1 << 62), integer=True),
+    "row_alignment": Range(0, 4096, integer=True),
 }
 
 
@@ -734,6 +808,10 @@ class ConsumerConfig:
         check_name("consumer", self.consumer)
         check_name("model", self.model)
         check_numbers(self, CONSUMER_RANGES)
+        for flag in ("align_steps", "resume"):
+            check_bool(flag, getattr(self, flag))
+        if not isinstance(self.pull, PullOptions):
+            raise ConfigError(f"pull must be a PullOptions, not {type(self.pull).__name__}")
         if self.reuse_buffers_bytes < 0:
             raise ConfigError("reuse_buffers_bytes must be >= 0")
         if self.max_retries < 0 or self.rpc_deadline_s <= 0:

@@ -48,6 +48,7 @@ training: the rank publishes a fresh base once it can (see :meth:`SegmentPublish
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deltad.config import PublisherConfig, TrackerConfig
+from deltad.config import PublisherConfig, TrackerConfig, clip
 from deltad.errors import ConfigError, SpoolError
 from deltad.publish.copier import CopierThread, CopyRequest, RowCopier, pack
 from deltad.publish.dense import DenseCapture
@@ -71,6 +72,9 @@ from deltad.segment.spool import SpoolLayout
 from deltad.types import SegmentKind
 
 __all__ = ["PublisherStats", "SegmentPublisher", "SegmentStats"]
+
+#: the largest step a segment holds (a signed 64-bit integer)
+_MAX_STEP = (1 << 63) - 1
 
 
 class SegmentPublisher:
@@ -97,6 +101,9 @@ class SegmentPublisher:
             )
         self.config = config
         self.model = model
+        #: the publisher attached the tracker itself, so close() detaches it (one passed in
+        #: is the caller's to detach)
+        self._owns_tracker = tracker is None
         if tracker is None:
             tracker = DeltaTracker(
                 model, TrackerConfig(train_loop=config.train_loop, fqns_to_skip=config.fqns_to_skip)
@@ -115,6 +122,8 @@ class SegmentPublisher:
         self.world_size = self._ranks.world_size
         self.generation: int | None = None
         self._seq = 0
+        #: the highest step given so far (start, maybe_publish, publish): steps never decrease
+        self._last_step = 0
         self._schedule = PublishSchedule(config.every_steps, config.every_seconds, self.rank)
         self._rebase = RebaseSchedule(self.layout, self.rank, config.rebase_retry_s)
         self._agree_s = 0.0  # the last publish's all-reduce (SegmentStats.agree_s)
@@ -141,6 +150,10 @@ class SegmentPublisher:
         """
         if self.generation is not None:
             raise SpoolError("publisher already started")
+        if self._closed:
+            raise SpoolError("publisher is closed")
+        self._last_step = 0
+        self._check_step(step)
         gen = open_generation(
             self._ranks, self.layout, self.config, step=step, tables=self.tracker.tables
         )
@@ -196,8 +209,15 @@ class SegmentPublisher:
         return self._dense.tensors()
 
     def maybe_publish(self, step: int) -> SegmentStats | None:
-        """Publish a delta segment if one is due at this step; call after every optimizer step."""
+        """Publish a delta segment if one is due at this step; call after every optimizer step.
+
+        ``step`` is an int, not below the step of the previous call (the same step again
+        publishes nothing new); ConfigError otherwise, before anything is written."""
         self._check_open()
+        # the common case in two comparisons (this runs every training step)
+        if type(step) is not int or not self._last_step <= step <= _MAX_STEP:
+            step = self._check_step(step)
+        self._last_step = step
         t0 = time.perf_counter()
         self.stats.calls += 1
         self._settle()  # the previous publish's agreement: the next step is known from here
@@ -216,8 +236,12 @@ class SegmentPublisher:
         ``rebase.request``. Any other failure (the writer's or the copier's) raises
         SpoolError on every rank at once, at the publisher's next call (the next
         ``maybe_publish``, ``publish`` or ``close``): see :meth:`_settle`.
+
+        ``step`` is an int, not below the step of any earlier call; ConfigError otherwise,
+        before anything is written.
         """
         self._check_open()
+        step = self._check_step(step)
         t0 = time.perf_counter()
         self._settle()
         # The previous copy is long done unless the writer is behind (backpressure); a wait
@@ -320,10 +344,22 @@ class SegmentPublisher:
         return stats
 
     def close(self, step: int) -> None:
-        """Publish a final segment at ``step``, wait for every write, stop the writer."""
+        """Publish a final segment at ``step``, wait for every write, stop the writer, and
+        detach the tracker the publisher attached (not one passed in), so the model can get
+        a new publisher. ``step`` is an int, not below the step of any earlier call
+        (ConfigError otherwise, before anything is written; the publisher stays open).
+        Closing again, or a publisher never started, only detaches (no segment)."""
         if self._closed or self.generation is None:
             self._closed = True
+            self._detach()
             return
+        step = self._check_step(step)
+        try:
+            self._close(step)
+        finally:
+            self._detach()  # the last drain is done: nothing needs the hooks any more
+
+    def _close(self, step: int) -> None:
         try:
             self._final = True  # the last segment always carries the dense state
             self.publish(step)
@@ -346,6 +382,12 @@ class SegmentPublisher:
                     f"rank {self.rank}: the spool stayed unwritable, the rows since the last "
                     f"written segment are not published: {self.stats.last_write_error}"
                 )
+
+    def _detach(self) -> None:
+        """Remove the hooks of the tracker the publisher attached (idempotent)."""
+        if self._owns_tracker:
+            self._owns_tracker = False
+            self.tracker.detach()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -371,6 +413,26 @@ class SegmentPublisher:
             assert self.generation is not None
             stats.dense_path = self.layout.dense_path(self.generation, self.rank, stats.seq)
         return dense
+
+    def _check_step(self, step: object) -> int:
+        """``step`` as an int if it is one (not a bool), in 0..2**63-1 and not below the last
+        step given, which it becomes; else ConfigError (a float step would be written into a
+        segment the sidecar refuses, a step going back would stall the consumers)."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise ConfigError(
+                f"step must be an int (the trainer's step count), not {clip(step, 32)} "
+                f"({type(step).__name__})"
+            )
+        value = int(step)
+        if not 0 <= value <= _MAX_STEP:
+            raise ConfigError(f"step must be in 0..{_MAX_STEP}, not {value}")
+        if value < self._last_step:
+            raise ConfigError(
+                f"step {value} is below the last step given ({self._last_step}): steps must "
+                "not decrease"
+            )
+        self._last_step = value
+        return value
 
     def _check_open(self) -> None:
         if self.generation is None:
