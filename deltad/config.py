@@ -10,7 +10,7 @@ import enum
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -582,6 +582,7 @@ class ServerConfig:
             raise ConfigError("max_consumers must be >= 0 (0 = no limit)")
         if self.redis_url is not None:
             check_redis_url(self.redis_url)
+        self.tokens = check_names("tokens", self.tokens)
         if self.tokens_file is not None:
             self.tokens_file = Path(self.tokens_file)
 
@@ -620,6 +621,16 @@ SERVER_RANGES: dict[str, Range] = {
     "owed_max_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
     "owed_max_consumer_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
 }
+
+
+def _integers(ranges: dict[str, Range], cls: type) -> dict[str, Range]:
+    """``ranges`` with ``integer`` set for the fields ``cls`` annotates ``int``: a library
+    caller's 2.5 or True for a count is refused as the CLI's ``type=int`` refuses it."""
+    ints = {f.name for f in fields(cls) if f.type in ("int", "int | None")}
+    return {k: replace(r, integer=True) if k in ints else r for k, r in ranges.items()}
+
+
+SERVER_RANGES = _integers(SERVER_RANGES, ServerConfig)
 #: The `deltad serve` flag (argparse dest) of each ServerConfig field: the field without
 #: its ``_s``, but for these.
 SERVER_FLAG_DESTS: dict[str, str] = {
@@ -684,6 +695,7 @@ class RelayConfig:
             raise ConfigError(f"relay long_poll_s must be in [0, 3600], not {self.long_poll_s}")
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError("relay backoff_initial_s must be > 0 and <= backoff_max_s")
+        check_bool("fsync", self.fsync)
         self.tls_ca, self.tls_cert, self.tls_key, self.token_file = check_client_auth(
             "upstream ", self.token, self.token_file, self.tls_ca, self.tls_cert, self.tls_key
         )

@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 from shardkit import batch, spawn, toy_dmp
 
-from deltad.config import ConsumerConfig, PublisherConfig, PullOptions, TrackerConfig
+from deltad.config import (
+    ConsumerConfig,
+    PublisherConfig,
+    PullOptions,
+    RelayConfig,
+    ServerConfig,
+    TrackerConfig,
+)
 from deltad.errors import ConfigError
 from deltad.types import Form, TrainLoop, WireDtype
 
@@ -148,6 +155,47 @@ def test_consumer_config_bools_must_be_bools(field: str, value: Any) -> None:
 
 
 # -- the public names -------------------------------------------------------------------------
+
+
+# -- ServerConfig / RelayConfig (library use; the CLI's argparse types check its flags) -------
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"chunk_bytes": 2.5 * 1024 * 1024}, r"^--chunk-bytes .*must be an integer"),
+        ({"rank": True}, r"^--rank .*must be an integer"),
+        ({"max_consumers": 10.0}, r"^--max-consumers .*must be an integer"),
+        ({"metrics_port": 9090.0}, r"^--metrics-port .*must be an integer"),
+        ({"window_cache_entries": "8"}, r"^--window-cache-entries .*must be an integer"),
+        ({"restore_window_steps": 1.5}, r"^--restore-window-steps .*must be an integer"),
+        ({"lease_ttl_s": NAN}, r"^--lease-ttl .*must be a finite number"),
+        ({"tokens": "secret"}, r"^tokens must be a tuple or list of strings"),
+    ],
+)
+def test_server_config_refuses_bad_inputs_naming_the_field(
+    tmp_path: Path, kw: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ServerConfig(spool_dir=tmp_path, **kw)
+
+
+def test_server_config_keeps_integers_and_floats_it_documents(tmp_path: Path) -> None:
+    cfg = ServerConfig(spool_dir=tmp_path, rank=1, chunk_bytes=1 << 20, lease_ttl_s=5, tokens=["t"])
+    assert (cfg.rank, cfg.chunk_bytes, cfg.lease_ttl_s, cfg.tokens) == (1, 1 << 20, 5, ("t",))
+    assert ServerConfig(spool_dir=tmp_path, metrics_port=None).metrics_port is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"fsync": "no"}, r"^fsync must be True or False"),
+        ({"lease_ttl_s": INF}, r"^lease_ttl_s must be a finite number"),
+    ],
+)
+def test_relay_config_refuses_bad_inputs_naming_the_field(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RelayConfig(upstream="127.0.0.1:50051", **kw)
 
 
 def test_every_error_class_is_exported_from_deltad_without_torch() -> None:

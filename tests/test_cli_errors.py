@@ -48,7 +48,7 @@ CASES = [
     ("serve", ["--lease-ttl", "nan"], {}, "--lease-ttl must be a finite number"),
     ("serve", [], {"DELTAD_POLL_INTERVAL": "nan"}, "--poll-interval (DELTAD_POLL_INTERVAL) must"),
     ("serve", ["--max-message-bytes", "1099511627776"], {}, "--max-message-bytes must be"),
-    ("serve", ["--chunk-bytes", "-1"], {}, "--chunk-bytes must be a finite number"),
+    ("serve", ["--chunk-bytes", "-1"], {}, "--chunk-bytes must be an integer in"),
     ("serve", ["--stream-deadline", "inf"], {}, "--stream-deadline must be a finite number"),
     ("consume", ["--consumer", "c", "--sidecar", "x:1", "--interval", "nan"], {}, "--interval"),
     ("train", ["--lr", "inf"], {}, "--lr must be a finite number"),
