@@ -397,3 +397,80 @@ def test_retention_keeps_an_orders_step_until_every_consumer_followed_it(
         assert restorable(snap, 20) == "" and "inside merged" in restorable(snap, 30)
         assert [e.step for e in snap.entries] == [20, 40]
         assert c.sync(applier.apply).rollback_to == 20 and equal(applier, ft.history[20])
+
+
+@pytest.mark.parametrize("how", ["hold", "gate", "pin"])
+def test_retention_keeps_the_steps_the_release_state_serves_with_nobody_connected(
+    tmp_path: Path, redis_url: str, how: str
+) -> None:
+    """Review 4 (stop 34) #4: with no restore window and no predictor connected, a hold at
+    step 20 (an operator's, or the validation gate's at its last good step) or a pin at 20
+    used to be merged into the base at the head within seconds: new predictors got nothing,
+    a release or rollback to 20 was refused. Retention now keeps the state at 20 (merges
+    still run on either side of it); a new predictor is served exactly step 20; once the
+    release state lets go, everything merges."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    for step in (10, 15, 20, 25, 30, 35, 40):
+        ft.step(step, touch=10)
+    release = Release(redis_url)
+    with sidecars(
+        tmp_path / "spool", redis_url, 1, release, restore_window_steps=0, merge_min_segments=2
+    ) as servers:
+        srv = servers[0]
+        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+        if how == "hold":
+            release.change(lambda st: replace(st, release_step=20, held=True))
+        elif how == "gate":
+            release.change(
+                lambda st: ro.gate_failed(
+                    st, generation=1, bad_step=25, good_step=20, reason="nan (test)"
+                )
+            )
+        else:
+            release.change(lambda st: ro.pin(st, "new-*", 20, head_step=40))
+
+        def retain() -> Any:
+            for _ in range(50):
+                if not srv.retention.run_once():
+                    break
+            return srv.log.snapshot()
+
+        snap = retain()
+        assert restorable(snap, 20) == "", [(e.first_seq, e.seq, e.step) for e in snap.entries]
+        assert [e.step for e in snap.entries] == [20, 40]  # merged on both sides of 20
+        with predictor("new-1", [srv.endpoint]) as c:
+            applier = TensorDictApplier()
+            assert c.sync(applier.apply).step == 20 and equal(applier, ft.history[20])
+        assert srv.store.forget("new-1", 1)  # (its cursor at 20 would keep 20 too)
+        release.change(lambda st: ReleaseState(version=st.version))
+        assert [e.step for e in retain().entries] == [40]
+
+
+def test_a_predictor_away_follows_its_groups_order_after_an_order_for_another_group(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Review 4 (stop 34) #1: ``main-*`` to step 20 while main-1 is away, then ``canary-*``
+    to 30 (or a typo's order). The second order used to replace the first: main-1, back,
+    stayed at step 40 and reported caught up. Now it goes back to exactly step 20, and the
+    canary to 30; neither is rolled back again."""
+    ft = trained(tmp_path)
+    release = Release(redis_url)
+    with sidecars(tmp_path / "spool", redis_url, 2, release) as servers:
+        eps = [s.endpoint for s in servers]
+        wait_for(lambda: at_step(eps, 40), 30, "sidecars at step 40")
+        main, canary = TensorDictApplier(), TensorDictApplier()
+        with predictor("main-1", eps) as c:
+            assert c.sync(main.apply).step == 40
+        with predictor("canary-1", eps) as k:
+            assert k.sync(canary.apply).step == 40
+            release.rollback(20, "main-*")  # main-1 is away
+            release.rollback(30, "canary-*")
+            r = k.sync(canary.apply)
+            assert r.rollback_to == 30 and equal(canary, ft.history[30])
+            assert k.sync(canary.apply).rows == 0
+        with predictor("main-1", eps) as c:  # back, with the tables it had
+            r = c.sync(main.apply)  # (a new consumer object asks for a base: a resync)
+            assert r.rollback_to == 20 and r.step == 20 and r.cap_step == 20
+            assert equal(main, ft.history[20])
+            assert c.sync(main.apply).rows == 0

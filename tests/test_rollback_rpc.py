@@ -12,7 +12,7 @@ from serverkit import server_config
 from spoolkit import FakeTrainer, wait_for
 from test_gendiff import assert_exact_diff
 from test_relay import at_step, equal, predictor
-from test_rollback import SHAPES, Release, relay_of, sidecars
+from test_rollback import SHAPES, Release, relay_of, sidecars, trained
 
 from deltad.consume.appliers import TensorDictApplier
 from deltad.serve.edge.app import SidecarServer
@@ -130,3 +130,48 @@ def test_a_rollback_to_a_step_the_log_cannot_restore_is_refused_with_the_reason(
         assert order is not None and order.to_step == 10
     finally:
         srv.stop(0)
+
+
+def test_a_rollback_to_an_unpublished_step_records_the_published_one_and_says_how_many_match(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review 4 (stop 34) #5 and #7: steps are published every 10; a rollback to step 25 is
+    recorded as step 20 (the state at 25 is the state at 20) and the answer says so, rather
+    than "to step 25" while predictors land on 20; a pin at 25 says what it serves. Every
+    answer naming a group says how many known consumers it matches, and a glob that matches
+    none says so (a typo); a glob that can match no consumer name at all is refused."""
+    from deltad.cli import main
+
+    ft = trained(tmp_path)
+    watch = Release(redis_url)
+    with sidecars(tmp_path / "spool", redis_url, 2, watch) as servers:
+        eps = [s.endpoint for s in servers]
+        wait_for(lambda: at_step(eps, 40), 30, "the head")
+        with predictor("pred-main-1", eps) as c, predictor("pred-main-2", eps) as d:
+            applier, other = TensorDictApplier(), TensorDictApplier()
+            assert c.sync(applier.apply).step == 40 and d.sync(other.apply).step == 40
+            target = ["--target", eps[0]]
+            capsys.readouterr()
+            assert main(["rollout", "rollback", "--to-step", "25", "--group", "pred-main-*",
+                         *target]) == 0  # fmt: skip
+            out = capsys.readouterr().out
+            assert "rollback of pred-main-* to step 20 ordered" in out, out
+            assert "step 25 was not published: its state is that of step 20" in out
+            assert "pred-main-* matches 2 of the 2 consumers known" in out
+            state = RolloutStore(servers[0].store.client, "m").get()
+            assert state.rollback is not None and state.rollback.to_step == 20
+            wait_for(
+                lambda: all(s.rollout.state().version >= state.version for s in servers),
+                30,
+                "both sidecars at the order",
+            )
+            r = c.sync(applier.apply)
+            assert (r.step, r.rollback_to) == (20, 20) and equal(applier, ft.history[20])
+            assert main(["rollout", "pin", "--group", "prod-mian-*", "--step", "35",
+                         *target]) == 0  # fmt: skip
+            out = capsys.readouterr().out
+            assert "not a published step: served up to step 30" in out
+            assert "prod-mian-* matches none of the 2 consumers known (a typo?)" in out
+            code = main(["rollout", "canary", "--group", "pred-\u00e9*", *target])
+            err = capsys.readouterr().err
+            assert code == 2 and "can match no consumer" in err, err

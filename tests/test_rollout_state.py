@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from deltad.segment.format import encode_dense, write_dense
 from deltad.serve import rollout as ro
 from deltad.serve.index.gate import SegmentGate, nonfinite
 from deltad.serve.index.log import SegmentLog
-from deltad.serve.rollout import Pin, ReleaseState, Rollback, cap_for
+from deltad.serve.rollout import Pin, ReleaseState, Rollback, cap_for, order_for
 from deltad.serve.state.release import FollowedRollout, RolloutStore, RolloutView
 
 pytestmark = pytest.mark.timeout(60)
@@ -115,11 +116,85 @@ def test_a_gate_failure_of_an_older_generation_does_not_refuse_a_release() -> No
 def test_the_state_round_trips_through_json() -> None:
     s = ReleaseState(
         release_step=3, held=True, gate_reason="r", gate_good_step=2, pins=(Pin("a*", 1),),
-        canary=("c*",), rollback=Rollback(1, "a*", 4), version=7, gate_bad_step=3,
-        gate_generation=2, gate_accepted_step=None,
+        canary=("c*",), rollbacks=(Rollback(2, "b*", 3), Rollback(1, "a*", 4)), version=7,
+        gate_bad_step=3, gate_generation=2, gate_accepted_step=None,
     )  # fmt: skip
     assert ReleaseState.from_json(s.to_json()) == s
     assert any("pin: a* at step 1" in line for line in ro.describe(s))
+    assert [line for line in ro.describe(s) if line.startswith("rollback:")] == [
+        "rollback: b* to step 2 (order 3)",
+        "rollback: a* to step 1 (order 4)",
+    ]
+
+
+def test_a_state_written_with_one_rollback_order_reads_as_that_order() -> None:
+    old = '{"release_step":5,"held":true,"rollback":[5,"*",2],"version":3}'
+    s = ReleaseState.from_json(old)
+    assert s.rollbacks == (Rollback(5, "*", 2),) and s.rollback == Rollback(5, "*", 2)
+    # and a reader of the one order finds the newest in what is written now
+    two = ro.rollback(ro.rollback(ReleaseState(), 9, "a-*", head_step=20), 8, "b-*", head_step=20)
+    assert json.loads(two.to_json())["rollback"] == [8, "b-*", 2]
+
+
+def test_an_order_for_another_group_does_not_cancel_an_order_not_yet_followed() -> None:
+    # review 4 (stop 34) #1: a predictor away during "main to 150" and "canary to 120"
+    # came back to a state with only the canary order and was never rolled back
+    s = ro.rollback(ReleaseState(), 150, "pred-main-*", head_step=200)
+    s = ro.rollback(s, 120, "pred-canary-*", head_step=200)
+    assert cap_for(s, "pred-main-1") == ro.Cap(150, Rollback(150, "pred-main-*", 1))
+    assert cap_for(s, "pred-canary-1") == ro.Cap(120, Rollback(120, "pred-canary-*", 2))
+    assert cap_for(s, "other").rollback is None
+    # a newer order naming a consumer replaces the older one for it (the newest wins) ...
+    s = ro.rollback(s, 100, "pred-*", head_step=200)
+    assert order_for(s, "pred-main-1") == Rollback(100, "pred-*", 3)
+    assert len(s.rollbacks) == 3  # the older ones still name consumers "pred-*" does not
+    # ... a new order of the same group replaces its older one, one of "*" every order
+    s = ro.rollback(s, 90, "pred-main-*", head_step=200)
+    assert [r.group for r in s.rollbacks] == ["pred-canary-*", "pred-*", "pred-main-*"]
+    s = ro.rollback(s, 80, head_step=200)
+    assert s.rollbacks == (Rollback(80, "*", 5),)
+
+
+def test_orders_end_with_a_release_to_the_head_or_the_unpin_of_their_group() -> None:
+    s = ro.rollback(ReleaseState(), 150, "g-*", head_step=200)
+    s = ro.rollback(s, 140, head_step=200)
+    assert s.pins == ()  # a pin past a rollback of everyone would take g-* forward again
+    s = ro.rollback(s, 130, "h-*", head_step=200)
+    s = ro.release(s, 145, head_step=200, generation=1)  # to a step: orders stay
+    assert [r.group for r in s.rollbacks] == ["*", "h-*"]
+    s = ro.release(s, None, head_step=200, generation=1)  # to the head: "*" orders end
+    assert [r.group for r in s.rollbacks] == ["h-*"]
+    s = ro.unpin(s, "h-*")
+    assert s.rollbacks == () and s.pins == ()
+
+
+def test_rollback_orders_of_distinct_groups_are_bounded() -> None:
+    s = ReleaseState()
+    for i in range(ro.MAX_ROLLBACKS):
+        s = ro.rollback(s, 10, f"g{i}-*", head_step=20)
+    with pytest.raises(RolloutRefused, match="rollback orders of other groups are in force"):
+        ro.rollback(s, 10, "one-more-*", head_step=20)
+    assert ro.rollback(s, 10, "g0-*", head_step=20).rollbacks[-1].group == "g0-*"  # a renewal
+    assert len(ro.rollback(s, 10, head_step=20).rollbacks) == 1
+
+
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        ("pred-\u00e9*", "can match no consumer"),
+        ("pred/*", "can match no consumer"),
+        ("pred-[", "opens a '\\[' it never closes"),
+        ("pred-[ab", "opens a '\\[' it never closes"),
+    ],
+)
+def test_a_glob_that_can_match_no_consumer_name_is_refused(group: str, message: str) -> None:
+    with pytest.raises(RolloutError, match=message):
+        ro.rollback(ReleaseState(), 1, group, head_step=5)
+
+
+@pytest.mark.parametrize("group", ["*", "pred-*", "p?ed-[0-9]*", "pred-[!c]*", "a.b_c-d"])
+def test_globs_that_can_match_names_are_taken(group: str) -> None:
+    assert ro.pin(ReleaseState(), group, 1, head_step=5).pins[0].group == group
 
 
 def test_the_store_is_atomic_under_concurrent_writers(redis_url: str) -> None:

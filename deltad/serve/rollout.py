@@ -49,7 +49,9 @@ class ReleaseState:
     * ``pins``: groups kept at a step (the first matching pin wins).
     * ``canary``: groups that follow the head (bounded by the gate's last good step) while
       the rest stays at ``release_step``.
-    * ``rollback``: the last rollback order, if any.
+    * ``rollbacks``: the rollback orders in force (:attr:`rollback`: the newest), one per
+      group: a consumer that was away when an order was given follows it when it comes
+      back, whatever orders for other groups came since.
     * ``version``: bumped on every change (watchers compare it).
     * ``gate_bad_step``, ``gate_generation``, ``gate_accepted_step``: the gate's first failed
       step and what an operator accepted past it (see :func:`gate_failed`, :func:`release`).
@@ -62,7 +64,9 @@ class ReleaseState:
     gate_good_step: int | None = None
     pins: tuple[Pin, ...] = ()
     canary: tuple[str, ...] = ()
-    rollback: Rollback | None = None
+    #: the rollback orders in force, oldest first (a consumer follows the newest one whose
+    #: group matches it: :func:`order_for`); at most :data:`MAX_ROLLBACKS`
+    rollbacks: tuple[Rollback, ...] = ()
     version: int = 0
     #: the first step the validation gate failed (None: none), and the generation the gate
     #: fields (failure and acceptance) are of
@@ -81,9 +85,11 @@ class ReleaseState:
             "gate_good_step": self.gate_good_step,
             "pins": [[p.group, p.step] for p in self.pins],
             "canary": list(self.canary),
+            # (the newest order alone, as readers before "rollbacks" know it)
             "rollback": None
             if self.rollback is None
             else [self.rollback.to_step, self.rollback.group, self.rollback.epoch],
+            "rollbacks": [[r.to_step, r.group, r.epoch] for r in self.rollbacks],
             "version": self.version,
             "gate_bad_step": self.gate_bad_step,
             "gate_generation": self.gate_generation,
@@ -94,7 +100,9 @@ class ReleaseState:
     @classmethod
     def from_json(cls, raw: str | bytes) -> ReleaseState:
         d = json.loads(raw)
-        rb = d.get("rollback")
+        rbs = d.get("rollbacks")
+        if rbs is None:  # written before "rollbacks": the one order
+            rbs = [] if d.get("rollback") is None else [d["rollback"]]
         return cls(
             release_step=d.get("release_step"),
             held=bool(d.get("held", False)),
@@ -102,12 +110,17 @@ class ReleaseState:
             gate_good_step=d.get("gate_good_step"),
             pins=tuple(Pin(str(g), int(s)) for g, s in d.get("pins", [])),
             canary=tuple(str(g) for g in d.get("canary", [])),
-            rollback=None if rb is None else Rollback(int(rb[0]), str(rb[1]), int(rb[2])),
+            rollbacks=tuple(Rollback(int(r[0]), str(r[1]), int(r[2])) for r in rbs),
             version=int(d.get("version", 0)),
             gate_bad_step=d.get("gate_bad_step"),
             gate_generation=d.get("gate_generation"),
             gate_accepted_step=d.get("gate_accepted_step"),
         )
+
+    @property
+    def rollback(self) -> Rollback | None:
+        """The newest rollback order (None: none)."""
+        return self.rollbacks[-1] if self.rollbacks else None
 
     def bumped(self, **changes: Any) -> ReleaseState:
         """A copy with ``changes`` and the next version."""
@@ -151,11 +164,18 @@ class Cap:
     reasons: tuple[str, ...] = field(default=())
 
 
+def order_for(state: ReleaseState, consumer: str) -> Rollback | None:
+    """The rollback order ``consumer`` follows: the newest whose group matches it (a newer
+    order naming it replaces an older one; orders for other groups do not)."""
+    for rb in reversed(state.rollbacks):
+        if matches(rb.group, consumer):
+            return rb
+    return None
+
+
 def cap_for(state: ReleaseState, consumer: str) -> Cap:
     """The cap :func:`target_step` and the rollback order put on ``consumer``'s window."""
-    rb = state.rollback
-    rollback = rb if rb is not None and matches(rb.group, consumer) else None
-    return Cap(target_step(state, consumer), rollback)
+    return Cap(target_step(state, consumer), order_for(state, consumer))
 
 
 # ---- the controls, as pure changes of a state -----------------------------------------------
@@ -165,10 +185,18 @@ def cap_for(state: ReleaseState, consumer: str) -> Cap:
 
 #: A group glob: printable, no whitespace, at most this long.
 MAX_GROUP = 256
+#: Rollback orders of distinct groups in force at once (a release to the head ends the
+#: model-wide ones, an unpin a group's).
+MAX_ROLLBACKS = 32
+#: What a consumer name is made of (deltad.config.check_name), and fnmatch's own characters.
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+_GLOB_CHARS = frozenset("*?[]!")
 
 
 def check_group(group: str) -> str:
-    """``group`` if it is a usable consumer-name glob, else RolloutError."""
+    """``group`` if it is a glob that can match a consumer name, else RolloutError: names are
+    ``[A-Za-z0-9][A-Za-z0-9_.-]*``, so a glob with any other character (or a ``[`` that is
+    never closed, which fnmatch takes literally) would match nobody, silently."""
     if (
         not group
         or len(group) > MAX_GROUP
@@ -179,6 +207,20 @@ def check_group(group: str) -> str:
             f"group must be a consumer-name glob of 1..{MAX_GROUP} printable characters "
             f"without spaces, got {group[:64]!r}"
         )
+    odd = sorted({c for c in group if c not in _NAME_CHARS and c not in _GLOB_CHARS})
+    if odd:
+        raise RolloutError(
+            f"group {group[:64]!r} can match no consumer: names are made of letters, digits, "
+            f"'_', '.' and '-' (and a glob of '*', '?', '[...]'), not {''.join(odd)!r}"
+        )
+    depth = 0
+    for c in group:
+        if c == "[":
+            depth += 1
+        elif c == "]" and depth:
+            depth = 0
+    if depth:
+        raise RolloutError(f"group {group[:64]!r} opens a '[' it never closes")
     return group
 
 
@@ -236,7 +278,12 @@ def release(
         gate = dict(gate_accepted_step=accepted, gate_reason="", gate_good_step=None)
     elif bad is None and state.gate_bad_step is not None:
         gate = dict(gate_reason="", gate_good_step=None)  # an old or accepted failure
-    return replace(state, release_step=to_step, held=False, **gate)
+    # the model-wide rollback orders end with a release to the head: a consumer away since
+    # would go back to the order's step only to come forward again
+    orders = state.rollbacks
+    if to_step is None:
+        orders = tuple(r for r in orders if r.group != "*")
+    return replace(state, release_step=to_step, held=False, rollbacks=orders, **gate)
 
 
 def pin(state: ReleaseState, group: str, step: int, *, head_step: int | None) -> ReleaseState:
@@ -253,7 +300,9 @@ def unpin(state: ReleaseState, group: str) -> ReleaseState:
     if all(p.group != group for p in state.pins):
         have = ", ".join(p.group for p in state.pins) or "none"
         raise RolloutError(f"no pin of group {group!r} (pins: {have})")
-    return replace(state, pins=tuple(p for p in state.pins if p.group != group))
+    # a rollback order of the group ends with its pin (the group follows the release again)
+    orders = tuple(r for r in state.rollbacks if r.group != group)
+    return replace(state, pins=tuple(p for p in state.pins if p.group != group), rollbacks=orders)
 
 
 def canary(state: ReleaseState, group: str, *, on: bool = True) -> ReleaseState:
@@ -275,15 +324,30 @@ def rollback(
 ) -> ReleaseState:
     """Order consumers matching ``group`` back to ``to_step`` and cap them there, so none
     rolls forward again until a release: for every consumer ("*"), the release step held
-    at ``to_step`` and the canaries stopped; for a group, a pin of it at ``to_step``."""
+    at ``to_step``, the canaries stopped and the pins past it dropped; for a group, a pin of
+    it at ``to_step``. The order replaces older orders of the same group (all of them for
+    "*") and stays beside those of other groups, so a consumer away now follows it when it
+    comes back (:func:`order_for`)."""
     check_group(group)
     check_step(to_step, head_step)
-    epoch = (state.rollback.epoch if state.rollback is not None else 0) + 1
+    epoch = max((r.epoch for r in state.rollbacks), default=0) + 1
     order = Rollback(to_step, group, epoch)
-    if group == "*":
-        return replace(state, rollback=order, release_step=to_step, held=True, canary=())
+    # the orders it replaces: the same group's, or every order for "*" (a consumer follows
+    # the newest order naming it, so they could never apply again)
+    kept = () if group == "*" else tuple(r for r in state.rollbacks if r.group != group)
+    if len(kept) >= MAX_ROLLBACKS:
+        raise RolloutRefused(
+            f"{len(kept)} rollback orders of other groups are in force (at most "
+            f"{MAX_ROLLBACKS}): unpin groups that are done, or roll back every consumer ('*')"
+        )
+    orders = (*kept, order)
+    if group == "*":  # (a pin past the step would take its group forward again)
+        pins = tuple(p for p in state.pins if p.step <= to_step)
+        return replace(
+            state, rollbacks=orders, release_step=to_step, held=True, canary=(), pins=pins
+        )
     pins = (*(p for p in state.pins if p.group != group), Pin(group, to_step))
-    return replace(state, rollback=order, pins=pins)
+    return replace(state, rollbacks=orders, pins=pins)
 
 
 def gate_failed(
@@ -324,6 +388,7 @@ def redacted_json(raw: str) -> str:
     rb = d.get("rollback")
     if rb is not None and rb[1] not in ("", "*"):
         d["rollback"] = None
+    d["rollbacks"] = [r for r in d.get("rollbacks", []) if r[1] in ("", "*")]
     d["redacted"] = True
     return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
@@ -343,8 +408,7 @@ def describe(state: ReleaseState, *, redacted: bool = False) -> list[str]:
         lines.append(f"pin: {p.group} at step {p.step}")
     for g in state.canary:
         lines.append(f"canary: {g} follows the head")
-    if state.rollback is not None:
-        rb = state.rollback
+    for rb in state.rollbacks:
         lines.append(f"rollback: {rb.group} to step {rb.to_step} (order {rb.epoch})")
     if redacted:
         lines.append("pins, canary groups and group rollbacks: shown to admin credentials only")

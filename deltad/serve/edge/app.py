@@ -244,6 +244,7 @@ class SidecarServer:
             self.rollout_store,
             restore_window=self._restore_steps,
             restore_check=self._restore_check,
+            consumers=self.store.consumers,
         )
         self.servicer.health_reason = lambda: self.health_reason
         self.metrics.track_sidecar(self.servicer, self.log)

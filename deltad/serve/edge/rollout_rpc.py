@@ -26,6 +26,7 @@ from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.rollout import ReleaseState
 from deltad.serve.state.release import RolloutSource, RolloutStore, RolloutView
+from deltad.serve.windows.decide import LogView
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ RestoreWindow = Callable[[], tuple[int, int] | None]
 
 
 A = pb.RolloutAction
+
+#: The actions that name a consumer group ("*" for a rollback without one).
+_GROUP_ACTIONS = frozenset({A.ROLLOUT_PIN, A.ROLLOUT_CANARY, A.ROLLOUT_ROLLBACK})
 
 #: The request fields each changing action takes (besides ``action``); any other is refused.
 TAKES: dict[int, frozenset[str]] = {
@@ -86,8 +90,12 @@ class RolloutControl:
         store: RolloutStore | None,
         restore_window: RestoreWindow | None = None,
         restore_check: Callable[[int], str] | None = None,
+        consumers: Callable[[], list[str]] | None = None,
     ) -> None:
         self.log = seglog
+        #: the consumer names the offset store knows (how many a group's glob matches is
+        #: said in the answer: a glob that matches nobody is likely a typo)
+        self.consumers = consumers
         self.source = source
         self.store = store
         #: the steps the log can restore (deltad.serve.index.restore); None: unknown
@@ -115,6 +123,8 @@ class RolloutControl:
                 ro.check_step(step, head)
                 below_base("release to", step, base, "release")
             what = "released to the head" if step is None else f"released to step {step}"
+            if step is not None and self._published(step) != step:
+                what += f" (not a published step: served up to step {self._published(step)})"
             forced: list[bool] = [False]
 
             def release(state: ReleaseState) -> ReleaseState:
@@ -134,6 +144,8 @@ class RolloutControl:
             ro.check_step(step, head_known)
             below_base(f"pin {group} at", step, base, "pin")
             pinned = f"pinned {group} at step {step}"
+            if self._published(step) != step:
+                pinned += f" (not a published step: served up to step {self._published(step)})"
             return partial(ro.pin, group=group, step=step, head_step=head_known), lambda: pinned
         if action == A.ROLLOUT_UNPIN:
             return partial(ro.unpin, group=group), lambda: f"unpinned {group}"
@@ -156,10 +168,42 @@ class RolloutControl:
                 )
             if reason:
                 raise RolloutError(f"cannot roll back to step {step}: {reason}")
-            ordered = f"rollback of {group} to step {step} ordered"
-            change = partial(ro.rollback, to_step=step, group=group, head_step=head_known)
+            # the state at a step that was not published is that of the newest published
+            # before it: the order records that step, and the answer says so
+            resolved = self._published(step)
+            ordered = f"rollback of {group} to step {resolved} ordered"
+            if resolved != step:
+                ordered += f" (step {step} was not published: its state is that of step {resolved})"
+            change = partial(ro.rollback, to_step=resolved, group=group, head_step=head_known)
             return change, lambda: ordered
         raise RolloutError(f"unknown rollout action {action}")
+
+    def _published(self, step: int) -> int:
+        """The newest step at or before ``step`` whose state this rank's log holds (``step``
+        itself if none is known)."""
+        snap = self.log.snapshot()
+        if snap is None:
+            return step
+        got = LogView.of(snap).restore_point(step)
+        return step if isinstance(got, str) else got[1]
+
+    def _matching(self, action: int, group: str) -> str:
+        """How many known consumers ``group`` matches, for the answer of a control that
+        names a group ("" for others, or if the names cannot be read)."""
+        if self.consumers is None or action not in _GROUP_ACTIONS:
+            return ""
+        group = group or "*"
+        try:
+            names = self.consumers()
+        except OffsetStoreError:
+            return ""
+        n = sum(ro.matches(group, c) for c in names)
+        if n == 0:
+            log.warning(
+                "rollout: group %s matches none of the %d consumers known", group, len(names)
+            )
+            return f"; {group} matches none of the {len(names)} consumers known (a typo?)"
+        return f"; {group} matches {n} of the {len(names)} consumers known"
 
     def Rollout(self, req: pb.RolloutRequest, context: grpc.ServicerContext) -> pb.RolloutResponse:
         snap = self.log.snapshot()
@@ -188,7 +232,7 @@ class RolloutControl:
         try:
             change, describe = self._change(action, req, head, gen, base)
             state = self.store.update(change)
-            what = describe()
+            what = describe() + self._matching(action, req.group)
         except RolloutRefused as e:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except RolloutError as e:

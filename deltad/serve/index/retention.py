@@ -14,7 +14,11 @@ under the last input's name with ``first_seq..seq``, then the inputs are deleted
 between leaves files that :class:`~deltad.serve.index.log.SegmentLog` deletes as covered.
 
 While a live consumer has still to follow a rollback order, the order's restore point is
-pinned like a cursor (no merge crosses it), even once it left the restore window.
+pinned like a cursor (no merge crosses it), even once it left the restore window. So are the
+steps the release state serves (:func:`release_steps`): the release step (a hold, a release
+to a step, the validation gate's last good step) and every pin's step, so that a consumer
+that is new or comes back without tables is still served that state, and a release or a
+rollback to it stays possible, whoever is connected.
 
 Neither kind of merge covers an entry of the restore window (``restore_steps`` /
 ``restore_seconds``, :func:`deltad.serve.index.restore.merge_limit`): every step in it stays
@@ -36,7 +40,7 @@ from deltad.segment.format import write_segment
 from deltad.serve.index.log import LogEntry, LogSnapshot, SegmentLog
 from deltad.serve.index.merge import merge_plan
 from deltad.serve.index.restore import merge_limit
-from deltad.serve.rollout import ReleaseState
+from deltad.serve.rollout import ReleaseState, gate_open, order_for
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.windows.decide import LogView
 from deltad.serve.windows.gendiff import drop_unpinned
@@ -92,9 +96,7 @@ class Retention:
         except OffsetStoreError as e:
             log.warning("retention skipped: %s", e)
             return None
-        held = self._rollback_pin(snap)
-        if held is not None:
-            pins = sorted({*pins, held})
+        pins = sorted({*pins, *self._rollback_pins(snap), *self._release_pins(snap)})
         base, deltas = snap.base, snap.entries[1:]
         floor = pins[0] if pins else snap.head.seq
         limit = merge_limit(snap, steps=self.restore_steps, seconds=self.restore_seconds)
@@ -117,23 +119,51 @@ class Retention:
             lo = hi
         return None
 
-    def _rollback_pin(self, snap: LogSnapshot) -> int | None:
-        """The seq of the rollback order's restore point while a live consumer has still to
-        follow the order on this rank (None otherwise, or if the log cannot restore it)."""
-        rb = self.release().rollback if self.release is not None else None
-        if rb is None:
-            return None
-        target = LogView.of(snap).restore_point(rb.to_step)
-        if isinstance(target, str):
-            return None
+    def _release_pins(self, snap: LogSnapshot) -> set[int]:
+        """The seqs of the states the release state serves (see :func:`release_steps`) that
+        this log holds."""
+        if self.release is None:
+            return set()
+        view = LogView.of(snap)
+        out: set[int] = set()
+        for step in release_steps(self.release(), snap.generation):
+            target = view.restore_point(step)
+            if not isinstance(target, str):
+                out.add(target[0])
+        return out
+
+    def _rollback_pins(self, snap: LogSnapshot) -> set[int]:
+        """The seqs of the rollback orders' restore points that a live consumer has still to
+        follow on this rank (the newest order naming it, past its step, not recorded as
+        followed); empty if the log cannot restore them."""
+        state = self.release() if self.release is not None else None
+        if state is None or not state.rollbacks:
+            return set()
+        view = LogView.of(snap)
+        targets: dict[int, int] = {}
+        for rb in state.rollbacks:
+            t = view.restore_point(rb.to_step)
+            if not isinstance(t, str):
+                targets[rb.epoch] = t[0]
+        if not targets:
+            return set()
         try:
-            behind = self.store.behind_rollback(
-                self.seglog.rank, snap.generation, rb.to_step, rb.epoch, rb.group
-            )
-        except OffsetStoreError as e:  # keep it then: a merge can wait, a lost step cannot
+            cursors = self.store.live_cursors(self.seglog.rank)
+        except OffsetStoreError as e:  # keep them then: a merge can wait, a lost step cannot
             log.warning("retention: cannot read the cursors behind a rollback: %s", e)
-            behind = True
-        return target[0] if behind else None
+            return set(targets.values())
+        out: set[int] = set()
+        for consumer, cur in cursors.items():
+            order = order_for(state, consumer)
+            if (
+                order is not None
+                and order.epoch in targets
+                and cur.generation == snap.generation
+                and cur.step > order.to_step
+                and cur.rollback_epoch < order.epoch
+            ):
+                out.add(targets[order.epoch])
+        return out
 
     def run_once(self) -> bool:
         """Do at most one merge; True if the log changed. Dense states older than the newest
@@ -187,3 +217,15 @@ class Retention:
         log.info("merged seq %d..%d into %s", first.first_seq, last.seq, last.path.name)
         self.seglog.prune_dense()  # the base moved: older dense states can go
         return True
+
+
+def release_steps(state: ReleaseState, generation: int) -> set[int]:
+    """The steps whose state ``state`` serves to some consumer of ``generation``, below the
+    head: the release step (a hold or a release to a step; the gate's last good step is one
+    then) and every pin's step. Retention keeps each of them in the log."""
+    steps = {p.step for p in state.pins}
+    if state.release_step is not None:
+        steps.add(state.release_step)
+    if gate_open(state, generation) is not None and state.gate_good_step is not None:
+        steps.add(state.gate_good_step)
+    return steps

@@ -317,23 +317,11 @@ class OffsetStore:
         ]
         return sorted({r.seq for r in recs if r is not None and r.generation == generation})
 
-    def behind_rollback(
-        self, rank: int, generation: int, to_step: int, epoch: int, group: str
-    ) -> bool:
-        """Whether a live consumer matching ``group`` still has to follow the rollback order
-        (``to_step``, ``epoch``) on ``rank``: its committed cursor is of ``generation``, past
-        ``to_step``, and has not recorded ``epoch``."""
-        import fnmatch
-
-        names = [c for c in self.consumers() if fnmatch.fnmatchcase(c, group)]
+    def live_cursors(self, rank: int) -> dict[str, StoredCursor]:
+        """The committed cursors on ``rank`` of the consumers whose lease is alive."""
+        names = self.consumers()
         live = [c for c, left in self.lease_remaining(names).items() if left > 0]
-        return any(
-            cur is not None
-            and cur.generation == generation
-            and cur.step > to_step
-            and cur.rollback_epoch < epoch
-            for cur in self.cursors(live, rank).values()
-        )
+        return {c: cur for c, cur in self.cursors(live, rank).items() if cur is not None}
 
     # --- rank registry -------------------------------------------------------------------
 
