@@ -333,6 +333,13 @@ def test_the_gate_holds_on_a_nan_segment_and_status_metrics_health_say_why(
             assert _metric(bad_srv.metrics_port, "deltad_gate_held") == 1
             assert _metric(bad_srv.metrics_port, "deltad_rollout_held") == 1
             assert _metric(bad_srv.metrics_port, "deltad_gate_check_seconds") > 0
+            # the hold is the model's: the other rank's probe and gauge say so too (review 4,
+            # stop 34, #6: they said SERVING and 0), its failure count stays its own
+            good_srv = servers[1 - bad[0].rank]
+            assert good_srv.metrics_port is not None
+            wait_for(lambda: _gate_health(good_srv.endpoint) == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "the other rank's gate health")  # fmt: skip
+            assert _metric(good_srv.metrics_port, "deltad_gate_held") == 1
+            assert _metric(good_srv.metrics_port, "deltad_gate_failures_total") == 0
             # releasing past it is an explicit decision
             with pytest.raises(grpc.RpcError) as e:
                 rollout(eps[0], A.ROLLOUT_RELEASE)
@@ -343,7 +350,8 @@ def test_the_gate_holds_on_a_nan_segment_and_status_metrics_health_say_why(
             settle(eps, s.version)
             sync_to(c, a, 4)
             assert equal(a, ft.history[4])  # the operator let the NaN row through
-            wait_for(lambda: _gate_health(bad_srv.endpoint) == health_pb2.HealthCheckResponse.SERVING, 10, "gate health")  # fmt: skip
+            for srv in servers:
+                wait_for(lambda s=srv: _gate_health(s.endpoint) == health_pb2.HealthCheckResponse.SERVING, 10, "gate health")  # type: ignore[misc]  # fmt: skip
     finally:
         for srv in servers:
             srv.stop(0.2)

@@ -167,7 +167,7 @@ class SidecarMetrics:
         )
         self.gate_held = Gauge(
             "deltad_gate_held",
-            "1 while a step the validation gate failed holds this server's windows, else 0",
+            "1 while a step the validation gate failed (on any rank) holds the model, else 0",
             list(labels),
             registry=r,
         ).labels(**labels)

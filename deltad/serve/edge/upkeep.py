@@ -16,6 +16,7 @@ from deltad.serve.edge.health import SidecarHealth
 from deltad.serve.edge.service import DeltaServicer
 from deltad.serve.memory import rss_bytes
 from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.rollout import gate_open
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.state.owed import OwedStore
 
@@ -148,7 +149,12 @@ class Upkeep:
         held = False
         if snap is not None:
             state = self.servicer.windows.rollout.state()
-            held = self.servicer.windows.gate_cap(state, snap.generation) is not None
+            # this rank's gate, or another rank's failure in the model's release state: the
+            # hold is model-wide, and so are the probe and the gauge on every rank
+            held = (
+                self.servicer.windows.gate_cap(state, snap.generation) is not None
+                or gate_open(state, snap.generation) is not None
+            )
             self.metrics.gate_held.set(1 if held else 0)
             self.metrics.rollout_held.set(1 if state.held else 0)
             self.metrics.release_step.set(-1 if state.release_step is None else state.release_step)
