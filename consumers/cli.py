@@ -413,6 +413,16 @@ def run(args: argparse.Namespace) -> int:
             f"apply p50 {_ms(s.forward_apply_p50_ms)} p99 {_ms(s.forward_apply_p99_ms)} "
             f"({s.forward_apply_samples}), longest lock hold {_ms(s.max_hold_ms)}"
         )
+    last = next((r for r in reversed(predictor.records) if r.missing), None)
+    if s.step is None and last is not None:
+        # every pull came back without a step to serve (refused by a sidecar, a rank
+        # missing): the predictor has no model, which must not look like success
+        reasons = "; ".join(f"rank {k}: {v}" for k, v in sorted(last.missing.items()))
+        output.line(
+            f"deltad consume: no pull was served ({s.pulls} pulls); the last: {reasons}",
+            level="ERROR",
+        )
+        return 1
     return 0
 
 

@@ -253,6 +253,29 @@ def test_consume_with_one_dead_rank_address_fails_with_one_line(
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # a subprocess that imports torch
+def test_consume_whose_every_pull_is_refused_exits_1_with_the_reason(
+    tmp_path: Path, redis_server: EmbeddedRedis, sidecar_of: list[SidecarServer]
+) -> None:
+    """Review 4 (stop 34) #7: `deltad consume --pulls N` whose pulls all came back without a
+    step to serve (here nothing is published yet) exited 0 with "step None"; it exits 1 and
+    says why. Once a pull is served, the same command exits 0."""
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
+    sidecar_of.append(srv.start())
+    cmd = [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "c", "--model", "m",
+           "--pulls", "2", "--interval", "0.1", "--discovery-timeout", "5",
+           "--sidecar", srv.endpoint]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "no pull was served (2 pulls); the last: rank 0: nothing published yet" in out.stderr
+    assert "Traceback" not in out.stderr
+    FakeTrainer(tmp_path / "spool", world_size=1).start(0)
+    wait_for(lambda: srv.log.snapshot() is not None, 30, "the first segment")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "no pull was served" not in out.stderr
+
+
 def test_a_client_that_aborts_its_stream_is_counted_as_cancelled(
     tmp_path: Path, redis_server: EmbeddedRedis, sidecar_of: list[SidecarServer]
 ) -> None:
