@@ -175,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
             f"restorable: steps {resp.restore_oldest_step}..{resp.restore_newest_step} "
             "(this rank's log; rollback --to-step S within them)"
         )
+    if json.loads(resp.state or "{}").get("unknown"):  # a relay not yet told by its upstream
+        print("release state: not heard from the upstream yet (nothing is served)")
+        return 0
     for line in describe(state):
         print(line)
     return 0

@@ -274,7 +274,10 @@ def rollout_lines(s: pb.StatusResponse) -> list[str]:
         return []
     from deltad.serve.rollout import ReleaseState, describe
 
-    redacted = bool(json.loads(s.rollout_state).get("redacted", False))
+    d = json.loads(s.rollout_state)
+    if d.get("unknown"):
+        return ["rollout:", "  release state: not heard from the upstream yet (nothing is served)"]
+    redacted = bool(d.get("redacted", False))
     state = ReleaseState.from_json(s.rollout_state)
     lines = ["rollout:"] + [f"  {line}" for line in describe(state, redacted=redacted)]
     if s.gate_reason:

@@ -154,6 +154,19 @@ def target_step(state: ReleaseState, consumer: str) -> int | None:
     return state.release_step
 
 
+def served_steps(state: ReleaseState, generation: int) -> set[int]:
+    """The steps below the head whose state ``state`` serves to some consumer of
+    ``generation``: the release step (a hold or a release to a step; the gate's last good
+    step is one then) and every pin's step. Retention keeps each in the log, and a relay's
+    mirror ends a segment at each (deltad.serve.relay.mirror)."""
+    steps = {p.step for p in state.pins}
+    if state.release_step is not None:
+        steps.add(state.release_step)
+    if gate_open(state, generation) is not None and state.gate_good_step is not None:
+        steps.add(state.gate_good_step)
+    return steps
+
+
 @dataclass(frozen=True)
 class Cap:
     """How a window is bounded for one consumer: ``max_step`` (None: the head) and a

@@ -200,8 +200,10 @@ class SidecarServer:
         # the release state: the model's in Redis (a sidecar) or the upstream's (a relay)
         self.rollout_store: RolloutStore | None = None
         self.rollout: RolloutSource
-        if self.relay:
-            self.rollout = FollowedRollout()
+        if self.relay:  # (kept in its spool: a restart applies the last state it knew)
+            self.rollout = FollowedRollout(
+                self.layout.sidecar_dir / f"release-state-rank{cfg.rank}.json"
+            )
         else:
             self.rollout_store = RolloutStore(self.store.client, cfg.model)
             self.rollout = RolloutView(self.rollout_store)

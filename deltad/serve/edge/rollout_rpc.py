@@ -25,7 +25,7 @@ from deltad.serve import rollout as ro
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.rollout import ReleaseState
-from deltad.serve.state.release import RolloutSource, RolloutStore, RolloutView
+from deltad.serve.state.release import FollowedRollout, RolloutSource, RolloutStore, RolloutView
 from deltad.serve.windows.decide import LogView
 from deltad.v1 import delta_pb2 as pb
 
@@ -219,7 +219,12 @@ class RolloutControl:
         )
         action = req.action
         if action == pb.RolloutAction.ROLLOUT_STATUS:
-            resp.state = self.source.state().to_json()
+            source = self.source
+            resp.state = (
+                source.state_json()
+                if isinstance(source, FollowedRollout)
+                else source.state().to_json()
+            )
             return resp
         if self.store is None:
             _abort(

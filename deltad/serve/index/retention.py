@@ -15,7 +15,7 @@ between leaves files that :class:`~deltad.serve.index.log.SegmentLog` deletes as
 
 While a live consumer has still to follow a rollback order, the order's restore point is
 pinned like a cursor (no merge crosses it), even once it left the restore window. So are the
-steps the release state serves (:func:`release_steps`): the release step (a hold, a release
+steps the release state serves (deltad.serve.rollout.served_steps): the release step (a hold, a release
 to a step, the validation gate's last good step) and every pin's step, so that a consumer
 that is new or comes back without tables is still served that state, and a release or a
 rollback to it stays possible, whoever is connected.
@@ -40,7 +40,7 @@ from deltad.segment.format import write_segment
 from deltad.serve.index.log import LogEntry, LogSnapshot, SegmentLog
 from deltad.serve.index.merge import merge_plan
 from deltad.serve.index.restore import merge_limit
-from deltad.serve.rollout import ReleaseState, gate_open, order_for
+from deltad.serve.rollout import ReleaseState, order_for, served_steps
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.windows.decide import LogView
 from deltad.serve.windows.gendiff import drop_unpinned
@@ -120,13 +120,13 @@ class Retention:
         return None
 
     def _release_pins(self, snap: LogSnapshot) -> set[int]:
-        """The seqs of the states the release state serves (see :func:`release_steps`) that
-        this log holds."""
+        """The seqs of the states the release state serves (deltad.serve.rollout.served_steps)
+        that this log holds."""
         if self.release is None:
             return set()
         view = LogView.of(snap)
         out: set[int] = set()
-        for step in release_steps(self.release(), snap.generation):
+        for step in served_steps(self.release(), snap.generation):
             target = view.restore_point(step)
             if not isinstance(target, str):
                 out.add(target[0])
@@ -217,15 +217,3 @@ class Retention:
         log.info("merged seq %d..%d into %s", first.first_seq, last.seq, last.path.name)
         self.seglog.prune_dense()  # the base moved: older dense states can go
         return True
-
-
-def release_steps(state: ReleaseState, generation: int) -> set[int]:
-    """The steps whose state ``state`` serves to some consumer of ``generation``, below the
-    head: the release step (a hold or a release to a step; the gate's last good step is one
-    then) and every pin's step. Retention keeps each of them in the log."""
-    steps = {p.step for p in state.pins}
-    if state.release_step is not None:
-        steps.add(state.release_step)
-    if gate_open(state, generation) is not None and state.gate_good_step is not None:
-        steps.add(state.gate_good_step)
-    return steps

@@ -57,6 +57,7 @@ from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import LogSnapshot
 from deltad.serve.relay.spool import MirrorSpool, status_manifest
 from deltad.serve.relay.upstream import Upstream, refuses
+from deltad.serve.rollout import served_steps
 from deltad.serve.state.release import FollowedRollout
 from deltad.v1 import delta_pb2 as pb
 
@@ -244,8 +245,26 @@ class RelayMirror:
         after = (loc.generation, loc.seq) if idle and loc is not None else None
         return up.status(after, self._rollout_version)
 
+    def _stop_at(self, st: pb.StatusResponse) -> int | None:
+        """The step this pull ends at: the oldest step the release state serves (a hold, a
+        release to a step, a pin, a rollback order; deltad.serve.rollout.served_steps)
+        between the relay's head and the upstream's, so that the relay's log holds its state
+        as the upstream's does (a relay started during a hold serves the held step to new
+        predictors, and a rollback to it stays possible); None: up to the head."""
+        follow = getattr(self.server, "rollout", None)
+        if not isinstance(follow, FollowedRollout) or not follow.known:
+            return None
+        state = follow.state()
+        steps = served_steps(state, st.generation) | {r.to_step for r in state.rollbacks}
+        loc = self.spool.head
+        after = -1
+        if loc is not None and loc.generation == st.generation and not self._needs_base:
+            after = loc.step
+        stops = [s for s in steps if after < s < st.head_step]
+        return min(stops) if stops else None
+
     def _pull(self, st: pb.StatusResponse, asked: float) -> None:
-        d = self.upstream.pull(self._needs_base)
+        d = self.upstream.pull(self._needs_base, self._stop_at(st))
         self.pulls += 1
         if d.rank != self.rank:
             raise UpstreamError(f"upstream answered rank {d.rank} for rank {self.rank}")

@@ -163,13 +163,15 @@ class Upstream:
         self.waited_s = time.monotonic() - start if st.waited else 0.0
         return st
 
-    def pull(self, from_base: bool) -> RankDelta:
+    def pull(self, from_base: bool, max_step: int | None = None) -> RankDelta:
         """One mirror pull: rows form, fp32, with the dense state, no generation diff
-        (``from_base``: the full tables)."""
+        (``from_base``: the full tables), up to the head or to ``max_step``."""
         req = pb.GetDeltaRequest(
             consumer=self.config.consumer, form=pb.FORM_ROWS, dtype=pb.WIRE_DTYPE_FP32,
             from_base=from_base, no_generation_diff=True, mirror=True, with_dense=True,
         )  # fmt: skip
+        if max_step is not None:
+            req.max_step = max_step
         # a window whose stream broke goes on where it broke (GetDeltaRequest.resume): over a
         # link that drops more often than a base takes, starting over would never finish
         ask, asm = self._stream.next(req)

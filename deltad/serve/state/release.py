@@ -14,12 +14,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Protocol
 
 import redis
 
 from deltad.errors import OffsetStoreError
 from deltad.keys import RedisKeys
+from deltad.segment.spool import write_atomic
 from deltad.serve.rollout import ReleaseState
 
 log = logging.getLogger(__name__)
@@ -141,21 +143,43 @@ class RolloutView:
 
 
 class FollowedRollout:
-    """A relay's state: the last one its upstream's Status answered."""
+    """A relay's state: the last one its upstream's Status answered, kept in ``path`` (the
+    relay's spool), so a relay restarted while its upstream is unreachable applies the last
+    state it knew, not "everything released" (a hold would be lost exactly when things go
+    wrong). ``known`` is False until a state was heard or read back: the relay then serves
+    its consumers nothing (:data:`UNKNOWN_JSON` in its Status, so relays below it wait too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path | None = None, *, fsync: bool = True) -> None:
         self._state = ReleaseState()
         self._told_redacted = False
+        self.path = path
+        self.fsync = fsync
+        self.known = False
+        if path is not None and path.exists():
+            try:
+                self._state = ReleaseState.from_json(path.read_bytes())
+                self.known = True
+                log.info("release state as last followed: version %d", self._state.version)
+            except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+                log.warning("cannot read the release state last followed (%s): %s", path, e)
 
     def state(self) -> ReleaseState:
         return self._state
 
+    def state_json(self) -> str:
+        """The state for this relay's own Status: :data:`UNKNOWN_JSON` while not known."""
+        return self._state.to_json() if self.known else UNKNOWN_JSON
+
     def follow(self, raw: str) -> None:
         """Take the upstream's state (its JSON; "" from an upstream without rollout state:
-        everything released); a malformed one is logged and ignored."""
+        everything released); a malformed one is logged and ignored, and so is an upstream
+        relay's "not known yet" (this relay keeps what it knows)."""
         try:
+            d = json.loads(raw) if raw else {}
+            if d.get("unknown"):
+                return
             new = ReleaseState.from_json(raw) if raw else ReleaseState()
-            redacted = bool(raw) and bool(json.loads(raw).get("redacted", False))
+            redacted = bool(d.get("redacted", False))
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             log.warning("upstream sent a malformed release state (ignored): %s", e)
             return
@@ -165,6 +189,16 @@ class FollowedRollout:
                 "the upstream hides the release state's pins and canary groups from this relay "
                 "(its credential has no relay role): its consumers get the release step only"
             )
-        if new != self._state:
-            log.info("release state from upstream: version %d", new.version)
-        self._state = new
+        if new == self._state and self.known:
+            return
+        log.info("release state from upstream: version %d", new.version)
+        self._state, self.known = new, True
+        if self.path is not None:
+            try:
+                write_atomic(self.path, new.to_json().encode(), fsync=self.fsync)
+            except OSError as e:  # kept in memory; a restart then waits for the upstream
+                log.warning("cannot keep the release state in %s: %s", self.path, e)
+
+
+#: A relay's Status while it has not heard its upstream's release state (FollowedRollout).
+UNKNOWN_JSON = '{"unknown":true}'
