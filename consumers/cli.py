@@ -326,6 +326,10 @@ def run(args: argparse.Namespace) -> int:
 
         if args.init_tables is not None or args.resume:
             raise ConfigError("--serve-dtype bootstraps from deltad: no --init-tables / --resume")
+        if args.form == "ids":  # (ids carry no values: the model would keep its init)
+            raise ConfigError(
+                "--form ids carries no values to serve: use --form rows or topk with --serve-dtype"
+            )
         serving = ServingConfig(
             dtype=args.serve_dtype,
             tables=parse_tables(args.tables, args.rows),
@@ -343,6 +347,10 @@ def run(args: argparse.Namespace) -> int:
         )
     elif args.final_state is not None:
         raise ConfigError("--final-state needs --serve-dtype")
+    if args.form == "ids" and (args.final_tables is not None or args.init_tables is not None):
+        raise ConfigError(
+            "--form ids applies no values: --final-tables / --init-tables need --form rows or topk"
+        )
     consumer = build_consumer_config(args)
     for flag, dest in (
         ("--final-tables", args.final_tables),

@@ -77,6 +77,34 @@ def test_a_topk_flag_without_form_topk_is_one_line_and_exit_2_before_connecting(
         sock.accept()
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--serve-dtype", "int8"], "--form ids carries no values to serve"),
+        (["--serve-dtype", "int4", "--zch-slots", "8"], "--form ids carries no values to serve"),
+        (["--final-tables", "t.pt"], "--form ids applies no values: --final-tables"),
+    ],
+)
+def test_form_ids_with_a_serving_model_or_tables_is_one_line_and_exit_2_before_connecting(
+    capsys: pytest.CaptureFixture[str],
+    listener: tuple[socket.socket, str],
+    tmp_path: Path,
+    extra: list[str],
+    message: str,
+) -> None:
+    """Review 3 (stop 34) #1: `--serve-dtype int8 --form ids` served and saved a model that
+    never got a row (exit 0); the ids form carries no values, so it is refused, as is
+    writing tables it never filled."""
+    sock, endpoint = listener
+    extra = [str(tmp_path / x) if x.endswith(".pt") else x for x in extra]
+    argv = ["consume", "--consumer", "c", "--sidecar", endpoint, "--discovery-timeout", "1"]
+    assert cli.main([*argv, "--form", "ids", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    with pytest.raises(BlockingIOError):
+        sock.accept()
+
+
 @pytest.mark.parametrize(("flag", "value"), SERVING_FLAGS)
 def test_a_serving_flag_without_serve_dtype_is_one_line_and_exit_2_before_connecting(
     capsys: pytest.CaptureFixture[str],

@@ -250,6 +250,14 @@ def test_bad_configs_raise_config_error(tmp_path: Path) -> None:
         TrainConfig(**ok, sharding={"seq": "twrw"})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown table"):
         TrainConfig(**ok, sharding={"nope": "tw"})  # type: ignore[arg-type]
+    # the managed-collision table is named as `deltad status` lists it (review 3, stop 34):
+    # row-wise, its only sharding, is taken; another is refused saying why
+    zch = {**ok, "zch_slots": 8}
+    assert TrainConfig(**zch, sharding={"zch": "rw"}).sharding_of("zch") == "rw"  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="managed-collision table: always row-wise"):
+        TrainConfig(**zch, sharding={"zch": "tw"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown table 'zch'"):  # no such table without it
+        TrainConfig(**ok, zch_slots=0, sharding={"zch": "rw"})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="multiple of 4"):
         TrainConfig(**ok, dim=6)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="every_steps or every_seconds"):

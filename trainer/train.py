@@ -167,6 +167,14 @@ class TrainConfig:
         if self.dim < 4 or self.dim % 4:
             raise ConfigError("dim must be a positive multiple of 4 (TBE kernels)")
         for name, st in self.sharding.items():
+            if name == ZCH_TABLE and self.zch_slots:
+                # (listed by `deltad status` like any table: naming it is no typo)
+                if st != "rw":
+                    raise ConfigError(
+                        f"table {ZCH_TABLE} is the managed-collision table: always row-wise "
+                        f"(the only sharding TorchRec has for it), not {st!r}"
+                    )
+                continue
             if name != SEQ_FEATURE and name not in self.tables:
                 raise ConfigError(f"sharding names unknown table {name!r}")
             allowed = EC_SHARDINGS if name == SEQ_FEATURE else tuple(SHARDING_TYPES)
