@@ -102,6 +102,8 @@ class PullLogLine:
     #: ranks whose sidecar says the pull lacks the dense state it should bring, and why
     #: (the rows are of ``step``, the dense weights older: not caught up)
     dense_missing: dict[int, str] = field(default_factory=dict)
+    #: ranks served by a relay that lost its upstream, and why (not caught up)
+    upstream_lost: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -360,6 +362,7 @@ class SyncLoop:
             dense_step=r.dense_step,
             rollback_to=r.rollback_to,
             dense_missing=r.dense_missing,
+            upstream_lost=r.upstream_lost,
         )
         self.records.append(rec)
         return rec

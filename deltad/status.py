@@ -246,7 +246,8 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
         "tables:",
     ]
     if s.upstream:
-        lines.insert(1, f"relay of {s.upstream}")
+        lost = f" (LOST: {s.upstream_lost})" if s.upstream_lost else ""
+        lines.insert(1, f"relay of {s.upstream}{lost}")
     for t in s.tables:
         local = ", ".join(f"cols {c.col_start}:{c.col_end} rows {c.count}" for c in t.local_slices)
         lines.append(

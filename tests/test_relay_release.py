@@ -137,3 +137,115 @@ def test_a_relay_restarted_while_its_upstream_is_down_keeps_the_hold_it_followed
         if relay is not None:
             relay.stop(0)
         srv.stop(0)
+
+
+def test_a_relay_that_lost_its_upstream_says_so_to_predictors_status_and_metrics(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 5 (stop 34) #1, #2: with its upstream gone, a relay kept saying nothing: its
+    predictors reported caught up on an old model and no probe or metric showed it. Now,
+    once mirroring has failed for LOST_AFTER_S, every window's header and its Status say so
+    (PullResult.upstream_lost: not caught up; `deltad status`: LOST), and /metrics has the
+    relay's own series (upstream up, contact age, lost, mirror lag, pulls, errors, bytes).
+    Readiness stays SERVING (it still serves its log). The upstream back, all clears."""
+    import urllib.request
+
+    from deltad import status
+    from deltad.healthcheck import check
+    from deltad.serve.relay import mirror
+
+    monkeypatch.setattr(mirror, "LOST_AFTER_S", 0.5)
+
+    def metric(port: int, name: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        for line in text.decode().splitlines():
+            if line.startswith((name + "{", name + " ")):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} not in /metrics")
+
+    ft = _trained(tmp_path)
+    release = Release(redis_url)
+    srv = _sidecar(tmp_path, redis_url, release)
+    port = srv.port
+    relay: RelayServer | None = None
+    try:
+        cfg = server_config(tmp_path / "relay", db(redis_url, 1), grace_period_s=0.2)
+        cfg.metrics_port = 0
+        relay = RelayServer(
+            cfg,
+            RelayConfig(upstream=srv.endpoint, consumer="relay", poll_interval_s=0.02,
+                        fsync=False, backoff_initial_s=0.05, backoff_max_s=0.2),
+        ).start()  # fmt: skip
+        mp = relay.server.metrics_port
+        assert mp is not None
+        wait_for(lambda: at_step([relay.endpoint], 40), 30, "the relay at the head")  # type: ignore[union-attr]
+        with predictor("p", [relay.endpoint]) as c:
+            a = TensorDictApplier()
+            r = c.sync(a.apply)
+            assert r.caught_up and not r.upstream_lost and equal(a, ft.history[40])
+            assert metric(mp, "deltad_upstream_up") == 1 and metric(mp, "deltad_upstream_lost") == 0
+            assert metric(mp, "deltad_mirror_lag_segments") == 0
+            assert metric(mp, "deltad_mirror_pulls_total") >= 1
+            assert metric(mp, "deltad_mirror_bytes_total") > 0
+            srv.stop(0)  # the upstream is gone
+            wait_for(lambda: metric(mp, "deltad_upstream_lost") == 1, 30, "the relay lost it")
+            r = c.sync(a.apply)
+            assert not r.caught_up and set(r.upstream_lost) == {0}, r
+            assert "relay lost its upstream" in r.upstream_lost[0]
+            assert metric(mp, "deltad_upstream_up") == 0
+            assert metric(mp, "deltad_mirror_errors_total") >= 1
+            assert metric(mp, "deltad_upstream_contact_age_seconds") > 0.5
+            st, consumers = status.fetch(relay.endpoint)
+            assert "relay lost its upstream" in st.upstream_lost
+            assert "LOST:" in status.render(st, consumers)
+            assert check(relay.endpoint) == "SERVING"  # it still serves what it has
+            # the upstream comes back on its port
+            back = SidecarServer(
+                server_config(tmp_path / "spool", redis_url, listen=f"127.0.0.1:{port}")
+            ).start()
+            try:
+                wait_for(lambda: metric(mp, "deltad_upstream_lost") == 0, 30, "the relay back")
+                ft.step(50, touch=25)
+                wait_for(lambda: at_step([relay.endpoint], 50), 30, "the relay at 50")  # type: ignore[union-attr]
+                r = c.sync(a.apply)
+                assert r.caught_up and not r.upstream_lost and equal(a, ft.history[50])
+            finally:
+                back.stop(0)
+    finally:
+        if relay is not None:
+            relay.stop(0)
+        srv.stop(0)
+
+
+def test_a_relay_below_one_that_lost_its_upstream_says_so_too(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar goes; the level-1 relay stays up and loses it. The level-2 relay still
+    reaches level 1, yet its predictors must not look caught up: it passes level 1's word on
+    (woken by level 1's long poll: within a second, not after the whole wait)."""
+    from test_relay import start_relay
+
+    from deltad.serve.relay import mirror
+
+    monkeypatch.setattr(mirror, "LOST_AFTER_S", 0.5)
+    _trained(tmp_path)
+    release = Release(redis_url)
+    srv = _sidecar(tmp_path, redis_url, release)
+    relays: list[RelayServer] = []
+    try:
+        relays.append(start_relay(srv.endpoint, tmp_path / "r1", 0, db(redis_url, 1)))
+        relays.append(start_relay(relays[0].endpoint, tmp_path / "r2", 0, db(redis_url, 2)))
+        wait_for(lambda: at_step([relays[1].endpoint], 40), 30, "level 2 at the head")
+        with predictor("p", [relays[1].endpoint]) as c:
+            a = TensorDictApplier()
+            assert c.sync(a.apply).caught_up
+            srv.stop(0)
+            wait_for(lambda: c.sync(a.apply).upstream_lost != {}, 5, "level 2 passes it on")
+            r = c.sync(a.apply)
+            assert not r.caught_up
+            why = r.upstream_lost[0]
+            assert f"upstream {relays[0].endpoint}: relay lost its upstream {srv.endpoint}" in why
+    finally:
+        for x in reversed(relays):
+            x.stop(0)
+        srv.stop(0)

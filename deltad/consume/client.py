@@ -211,6 +211,8 @@ class DeltaConsumer:
         )  # fmt: skip
         for rank, why in result.dense_missing.items():
             log.warning("pull %s rank %d: dense state missing: %s", self.config.consumer, rank, why)
+        for rank, why in result.upstream_lost.items():
+            log.warning("pull %s rank %d: %s", self.config.consumer, rank, why)
         return result
 
     def _pull(self, stage: ResyncStage | None = None) -> PullResult:

@@ -531,6 +531,7 @@ class WindowAssembler:
             dense_bytes=self.dense_bytes,
             dense_seq=h.dense.seq if h.HasField("dense") else None,
             dense_missing=h.dense_missing,
+            upstream_lost=h.upstream_lost,
             generation_diff=(
                 h.diff_from_generation if h.HasField("diff_from_generation") else None
             ),

@@ -37,8 +37,11 @@ class PullResult:
         """Every rank read, the tables serve the newest step this consumer may have (the
         head, or the release step while a hold, pin or gate caps it: a capped consumer is
         caught up to the release, not behind), no row is owed and no dense state is
-        missing: nothing more to pull until the trainer publishes or an operator releases."""
-        if self.missing or self.dense_missing or self.step is None or self.owed:
+        missing, and no relay that served it lost its upstream: nothing more to pull until
+        the trainer publishes or an operator releases."""
+        if self.missing or self.dense_missing or self.upstream_lost:
+            return False
+        if self.step is None or self.owed:
             return False
         reach = self.release_step if self.release_step is not None else self.head_step
         return reach is not None and self.step >= reach
@@ -100,6 +103,13 @@ class PullResult:
     @property
     def dense_bytes(self) -> int:
         return sum(d.dense_bytes for d in self.deltas)
+
+    @property
+    def upstream_lost(self) -> dict[int, str]:
+        """Ranks served by a relay that has lost its upstream (unreachable for a while), with
+        the reason: the relay's head may be behind the model's, so this pull cannot be
+        caught up (the rows applied are right for what the relay holds)."""
+        return {d.rank: d.upstream_lost for d in self.deltas if d.upstream_lost}
 
     @property
     def dense_missing(self) -> dict[int, str]:

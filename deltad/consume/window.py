@@ -86,6 +86,9 @@ class RankDelta:
     #: The server knows this window lacks the dense state it should carry (asked with
     #: ``PullOptions.dense``): why (DeltaHeader.dense_missing; "" when nothing is missing).
     dense_missing: str = ""
+    #: A relay served this window and has lost its upstream: why (DeltaHeader.upstream_lost;
+    #: "" otherwise). The rows are right for the relay's log, which may be behind the model.
+    upstream_lost: str = ""
     #: A generation diff (DeltaHeader.diff_from_generation): the older generation the cursor
     #: was of; the rows are applied in place like a delta's. None: not a diff.
     generation_diff: int | None = None

@@ -122,7 +122,7 @@ class StreamResume(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., to_seq: _Optional[int] = ..., messages: _Optional[int] = ..., from_seq: _Optional[int] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense", "resync_reason", "diff_from_generation", "rollback_to_step", "rollback_epoch", "dense_missing", "resumed_messages")
+    __slots__ = ("rank", "generation", "resync", "from_seq", "to_seq", "to_step", "form", "dtype", "slices", "row_alignment", "dense", "resync_reason", "diff_from_generation", "rollback_to_step", "rollback_epoch", "dense_missing", "resumed_messages", "upstream_lost")
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class DeltaHeader(_message.Message):
     ROLLBACK_EPOCH_FIELD_NUMBER: _ClassVar[int]
     DENSE_MISSING_FIELD_NUMBER: _ClassVar[int]
     RESUMED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_LOST_FIELD_NUMBER: _ClassVar[int]
     rank: int
     generation: int
     resync: bool
@@ -157,7 +158,8 @@ class DeltaHeader(_message.Message):
     rollback_epoch: int
     dense_missing: str
     resumed_messages: int
-    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ..., resync_reason: _Optional[str] = ..., diff_from_generation: _Optional[int] = ..., rollback_to_step: _Optional[int] = ..., rollback_epoch: _Optional[int] = ..., dense_missing: _Optional[str] = ..., resumed_messages: _Optional[int] = ...) -> None: ...
+    upstream_lost: str
+    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., resync: _Optional[bool] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., to_step: _Optional[int] = ..., form: _Optional[_Union[Form, str]] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., row_alignment: _Optional[int] = ..., dense: _Optional[_Union[DenseInfo, _Mapping]] = ..., resync_reason: _Optional[str] = ..., diff_from_generation: _Optional[int] = ..., rollback_to_step: _Optional[int] = ..., rollback_epoch: _Optional[int] = ..., dense_missing: _Optional[str] = ..., resumed_messages: _Optional[int] = ..., upstream_lost: _Optional[str] = ...) -> None: ...
 
 class DenseInfo(_message.Message):
     __slots__ = ("seq", "step", "tensors")
@@ -388,7 +390,7 @@ class TableStatus(_message.Message):
     def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., sharding_type: _Optional[str] = ..., local_slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., managed_collision: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited", "health_reason", "rollout_state", "cap_step", "gate_reason", "gate_bad_step", "rollout_version")
+    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited", "health_reason", "upstream_lost", "rollout_state", "cap_step", "gate_reason", "gate_bad_step", "rollout_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +408,7 @@ class StatusResponse(_message.Message):
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
     WAITED_FIELD_NUMBER: _ClassVar[int]
     HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_LOST_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_STATE_FIELD_NUMBER: _ClassVar[int]
     CAP_STEP_FIELD_NUMBER: _ClassVar[int]
     GATE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -428,12 +431,13 @@ class StatusResponse(_message.Message):
     upstream: str
     waited: bool
     health_reason: str
+    upstream_lost: str
     rollout_state: str
     cap_step: int
     gate_reason: str
     gate_bad_step: int
     rollout_version: int
-    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ..., health_reason: _Optional[str] = ..., rollout_state: _Optional[str] = ..., cap_step: _Optional[int] = ..., gate_reason: _Optional[str] = ..., gate_bad_step: _Optional[int] = ..., rollout_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ..., health_reason: _Optional[str] = ..., upstream_lost: _Optional[str] = ..., rollout_state: _Optional[str] = ..., cap_step: _Optional[int] = ..., gate_reason: _Optional[str] = ..., gate_bad_step: _Optional[int] = ..., rollout_version: _Optional[int] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
     __slots__ = ("action", "step", "group", "force")

@@ -61,6 +61,8 @@ class StatusRpc:
             head_step=-1, base_seq=-1, upstream=upstream, waited=waited,
             health_reason=health_reason(),
         )  # fmt: skip
+        check = self.windows.upstream_check
+        resp.upstream_lost = check() if check is not None else ""
         self._rollout(req, resp, snap)
         if snap is None:
             return resp
@@ -137,6 +139,10 @@ class StatusRpc:
             # sidecar's cached read of Redis), so a release or rollback order wakes it at once
             watch = req.HasField("after_rollout_version")
             step_s = VIEW_TTL_S if watch else 1.0
+            # a relay's waiter also wakes when it loses (or regains) its upstream: the relays
+            # below say so to their predictors within a step, not after the whole wait
+            lost = self.windows.upstream_check
+            lost_at_start = lost() if lost is not None else ""
             # bounded by `end`; a cancelled call, or the server stopping, stops waiting
             while context.is_active() and not self.closing.is_set():
                 left = end - time.monotonic()
@@ -150,6 +156,8 @@ class StatusRpc:
                     break
                 if watch and self.windows.rollout.state().version != req.after_rollout_version:
                     break  # the release state changed: a relay following it wants to know
+                if lost is not None and bool(lost()) != bool(lost_at_start):
+                    break
             return snap, True
         finally:
             with self._waiters_lock:

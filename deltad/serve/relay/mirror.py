@@ -55,6 +55,7 @@ from deltad.consume.window import RankDelta
 from deltad.errors import DeltadError, UpstreamError
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import LogSnapshot
+from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.relay.spool import MirrorSpool, status_manifest
 from deltad.serve.relay.upstream import Upstream, refuses
 from deltad.serve.rollout import served_steps
@@ -62,6 +63,10 @@ from deltad.serve.state.release import FollowedRollout
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+#: Seconds of failed mirror rounds after which a relay says it lost its upstream
+#: (:meth:`RelayMirror.lost`): past a restart of the upstream, not past a real outage.
+LOST_AFTER_S = 10.0
 
 
 def _worth_commit(d: RankDelta) -> bool:
@@ -101,6 +106,17 @@ class RelayMirror:
         #: window lacked a dense state ("" if it did not): what dense_missing compares with
         self._up_dense: tuple[int, tuple[int, ...]] = (-1, ())
         self._up_dense_missing = ""
+        #: the upstream's health as the relay sees it (metrics, :meth:`lost`): when it last
+        #: answered a round (monotonic; None: never), since when rounds fail (None: the last
+        #: one did not), the last problem, failed rounds, bytes mirrored, and the upstream's
+        #: head (generation, seq, step) at its last Status
+        self.last_answer: float | None = None
+        self.failing_since: float | None = None
+        self.problem = ""
+        self.errors = 0
+        self.bytes = 0
+        self.upstream_head: tuple[int, int, int] | None = None
+        self._up_lost = ""
 
     @property
     def written(self) -> int:
@@ -134,6 +150,7 @@ class RelayMirror:
             refused = False
             try:
                 pulled = self.step()
+                self.last_answer, self.failing_since, self.problem = time.monotonic(), None, ""
                 delay = c.backoff_initial_s
                 self.server.set_problem("upstream", None)
                 if self._last_problem:
@@ -168,6 +185,10 @@ class RelayMirror:
                     return
                 log.exception("relay step failed")
                 problem = repr(e)
+            self.errors += 1
+            self.problem = problem
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
             if problem != self._last_problem and not refused:  # once per kind, not per retry
                 log.warning("upstream %s: %s (retrying)", c.upstream, problem)
                 self._last_problem = problem
@@ -193,6 +214,8 @@ class RelayMirror:
         self._follow(st)
         self._check_upstream(st)
         self._up_dense = (st.generation, tuple(int(t) for t in st.dense_steps))
+        self.upstream_head = (st.generation, st.head_seq, st.head_step)
+        self._up_lost = st.upstream_lost  # (a relay above that lost its own upstream)
         loc = self.spool.head
         head = (st.generation, st.head_seq)
         if st.head_seq < 0 or (
@@ -266,6 +289,7 @@ class RelayMirror:
     def _pull(self, st: pb.StatusResponse, asked: float) -> None:
         d = self.upstream.pull(self._needs_base, self._stop_at(st))
         self.pulls += 1
+        self.bytes += d.bytes
         if d.rank != self.rank:
             raise UpstreamError(f"upstream answered rank {d.rank} for rank {self.rank}")
         self._up_dense_missing = d.dense_missing
@@ -325,6 +349,75 @@ class RelayMirror:
                 loc.seq,
             )
             self._needs_base = True
+
+    def lost(self) -> str:
+        """Why the relay cannot vouch that its head is the model's: mirroring has failed for
+        over :data:`LOST_AFTER_S` (the upstream unreachable, or refusing, or the relay's
+        writes failing), or its upstream is a relay that says so of itself; "" otherwise. Said in every window's header and in Status
+        (``upstream_lost``): a predictor behind the relay is then not caught up."""
+        since = self.failing_since
+        if since is None:  # reachable; but a relay above may have lost its own upstream
+            up = self._up_lost
+            return f"upstream {self.config.upstream}: {up}"[:512] if up else ""
+        age = time.monotonic() - since
+        if age < LOST_AFTER_S:
+            return ""
+        return f"relay lost its upstream {self.config.upstream} {age:.0f}s ago: {self.problem}"[
+            :512
+        ]
+
+    def lag(self) -> tuple[int, int]:
+        """(segments, steps) the relay's head is behind its upstream's at the upstream's last
+        Status; (-1, -1): not known (no Status yet, or another generation)."""
+        up, loc = self.upstream_head, self.spool.head
+        if up is None or up[1] < 0:
+            return -1, -1
+        if loc is None or loc.generation != up[0]:
+            return -1, -1
+        return max(0, up[1] - loc.seq), max(0, up[2] - loc.step)
+
+    def track(self, metrics: SidecarMetrics) -> None:
+        """The relay's own series on its /metrics: the upstream's reachability, how far the
+        relay is behind it, and what mirroring did."""
+        c = self.config
+        metrics.track(
+            "deltad_upstream_up",
+            "1 while the relay's last round with its upstream succeeded, else 0",
+            lambda: 1.0 if self.last_answer is not None and self.failing_since is None else 0.0,
+        )
+        metrics.track(
+            "deltad_upstream_contact_age_seconds",
+            "Seconds since the upstream last answered a mirror round (-1: never)",
+            lambda: -1.0 if self.last_answer is None else time.monotonic() - self.last_answer,
+        )
+        metrics.track(
+            "deltad_upstream_lost",
+            f"1 while mirroring has failed for over {LOST_AFTER_S:.0f}s (windows and Status "
+            "say the relay lost its upstream; predictors are not caught up), else 0",
+            lambda: 1.0 if self.lost() else 0.0,
+        )
+        metrics.track(
+            "deltad_mirror_lag_segments",
+            "Segments the relay's head is behind its upstream's (-1: not known)",
+            lambda: float(self.lag()[0]),
+        )
+        metrics.track(
+            "deltad_mirror_lag_steps",
+            "Trainer steps the relay's head is behind its upstream's (-1: not known)",
+            lambda: float(self.lag()[1]),
+        )
+        metrics.track_counter(
+            "deltad_mirror_pulls", f"Windows pulled from the upstream {c.upstream}",
+            lambda: self.pulls,
+        )  # fmt: skip
+        metrics.track_counter(
+            "deltad_mirror_errors", "Mirror rounds that failed (retried with backoff)",
+            lambda: self.errors,
+        )  # fmt: skip
+        metrics.track_counter(
+            "deltad_mirror_bytes", "Bytes of windows pulled from the upstream",
+            lambda: self.bytes,
+        )  # fmt: skip
 
     def dense_missing(self, snap: LogSnapshot, to_seq: int, to_step: int) -> str:
         """Why a window of the relay's log ending at ``to_seq`` (step ``to_step``) lacks the

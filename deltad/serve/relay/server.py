@@ -73,6 +73,8 @@ class RelayServer:
             self.server.servicer.upstream = self.relay.upstream
             self.mirror = RelayMirror(self.relay, self.server, lambda e: self._failed.set())
             self.server.servicer.windows.dense_check = self.mirror.dense_missing
+            self.server.servicer.windows.upstream_check = self.mirror.lost
+            self.mirror.track(self.server.metrics)
             self.mirror.start()
         except BaseException:
             self.server.stop(0)

@@ -40,6 +40,7 @@ from deltad.serve.windows.header import (
     with_reason,
     with_resumed,
     with_rollback,
+    with_upstream_lost,
 )
 from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
 from deltad.serve.windows.request import MIN_CHUNK_BYTES as MIN_CHUNK_BYTES  # (re-exported)
@@ -80,6 +81,9 @@ class WindowServer:
         #: Set by a relay (deltad.serve.relay.mirror): (snapshot, to_seq, to_step) -> why a
         #: ``with_dense`` window ending there lacks its dense state ("" if it does not).
         self.dense_check: Callable[[LogSnapshot, int, int], str] | None = None
+        #: a relay: why it lost its upstream ("" if it did not; RelayMirror.lost), said in
+        #: every window's header and in Status
+        self.upstream_check: Callable[[], str] | None = None
 
     @property
     def rollout(self) -> RolloutSource:
@@ -302,6 +306,9 @@ class WindowServer:
             dense_missing = self.dense_check(snap, decision.to_seq, decision.to_step)
             if dense_missing:
                 header = with_dense_missing(header, dense_missing)
+        lost = self.upstream_check() if self.upstream_check is not None else ""
+        if lost:
+            header = with_upstream_lost(header, lost)
         return header, dense_missing
 
     def _chunks(

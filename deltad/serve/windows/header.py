@@ -135,6 +135,13 @@ def with_dense_missing(header: bytes, reason: str) -> bytes:
     return msg.SerializeToString()
 
 
+def with_upstream_lost(header: bytes, reason: str) -> bytes:
+    """A serialized header message with ``upstream_lost`` set to ``reason`` (a relay)."""
+    msg = pb.GetDeltaResponse.FromString(header)
+    msg.header.upstream_lost = reason[:512]
+    return msg.SerializeToString()
+
+
 def with_resumed(header: bytes, messages: int) -> bytes:
     """A serialized header message marked as continuing a broken stream after ``messages``."""
     msg = pb.GetDeltaResponse.FromString(header)
