@@ -21,6 +21,7 @@ import yaml
 
 from deltad.cli import build_parser
 from deltad.healthcheck import LIVENESS_SERVICE
+from deltad.serve.memory import RUNTIME_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -176,10 +177,13 @@ def test_k8s_pod_runs_existing_commands() -> None:
     # per pod: a --rank in args would win over it
     assert {e["name"]: e.get("value") for e in side["env"]}["DELTAD_RANK"] == "0"
     assert "--rank" not in side["args"]
-    # the sidecar's memory limit holds 1.2 x a log as big as the spool and every cache budget
-    # its flags allow (the defaults, where a flag is not given)
+    # the sidecar's memory limit holds 1.2 x a log as big as the spool, every cache budget
+    # its flags allow (the defaults, where a flag is not given) and the runtime
     sargs = build_parser().parse_args(_subst(side["args"], env))
-    budgets = sargs.window_cache_bytes + sargs.run_cache_bytes + sargs.generation_keep_bytes
+    budgets = (
+        sargs.window_cache_bytes + sargs.run_cache_bytes + sargs.generation_keep_bytes
+        + sargs.packed_cache_bytes + RUNTIME_BYTES
+    )  # fmt: skip
     spool = next(v for v in spec["volumes"] if v["name"] == "spool")["emptyDir"]["sizeLimit"]
     assert _k8s_bytes(side["resources"]["limits"]["memory"]) >= 1.2 * _k8s_bytes(spool) + budgets
     assert [p["name"] for p in side["ports"]] == ["grpc", "metrics"]

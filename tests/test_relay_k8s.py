@@ -11,6 +11,7 @@ from test_docker import DOCKER, _check_deltad_argv, _k8s_bytes, _subst
 from deltad.cli import build_parser
 from deltad.healthcheck import LIVENESS_SERVICE
 from deltad.serve.cli import build_relay_config
+from deltad.serve.memory import RUNTIME_BYTES
 
 
 def test_relay_tier_deployment_mirrors_the_sidecar_and_serves_predictors() -> None:
@@ -53,7 +54,8 @@ def test_relay_tier_deployment_mirrors_the_sidecar_and_serves_predictors() -> No
     _check_restricted(c, tpl["spec"])
     # memory: the limit holds the tmpfs spool, the caches the flags allow and the log
     budgets = [
-        int(args.window_cache_bytes), int(args.run_cache_bytes), int(args.generation_keep_bytes)
+        int(args.window_cache_bytes), int(args.run_cache_bytes), int(args.generation_keep_bytes),
+        int(args.packed_cache_bytes), RUNTIME_BYTES,
     ]  # fmt: skip
     spool = next(v for v in tpl["spec"]["volumes"] if v["name"] == "spool")
     assert spool["emptyDir"]["medium"] == "Memory"

@@ -10,6 +10,11 @@ from __future__ import annotations
 import ctypes
 import os
 
+#: What a sidecar or relay process needs beyond its log and its cache budgets: the runtime
+#: (interpreter, torch, gRPC, the heap at start; ``deltad_runtime_bytes``, measured 270-290
+#: MB on these machines), with room. README "Sizing" adds it to a memory limit.
+RUNTIME_BYTES = 384 << 20
+
 
 class _Mallinfo2(ctypes.Structure):
     _fields_ = [
