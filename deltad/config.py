@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import os
 import re
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -626,7 +627,8 @@ SERVER_RANGES: dict[str, Range] = {
 def _integers(ranges: dict[str, Range], cls: type) -> dict[str, Range]:
     """``ranges`` with ``integer`` set for the fields ``cls`` annotates ``int``: a library
     caller's 2.5 or True for a count is refused as the CLI's ``type=int`` refuses it."""
-    ints = {f.name for f in fields(cls) if f.type in ("int", "int | None")}
+    hints = typing.get_type_hints(cls)
+    ints = {f.name for f in fields(cls) if hints[f.name] in (int, int | None)}
     return {k: replace(r, integer=True) if k in ints else r for k, r in ranges.items()}
 
 

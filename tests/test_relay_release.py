@@ -7,6 +7,7 @@ real Redis, real DeltaConsumers; the truth is FakeTrainer's history."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -248,4 +249,74 @@ def test_a_relay_below_one_that_lost_its_upstream_says_so_too(
     finally:
         for x in reversed(relays):
             x.stop(0)
+        srv.stop(0)
+
+
+def test_a_relay_started_during_a_hold_at_an_unpublished_step_reaches_the_head(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Review 6 (stop 34) #1: held at step 25 (steps 10..40 published every 10: the state of
+    25 is step 20's), a fresh relay asked its upstream for max_step 25 again and again, got
+    an empty window at 20 each time, and never passed it (381 pulls in 3 s). Its stops are
+    the upstream's own entries now: it mirrors 20, then the head, and a new predictor is
+    served exactly step 20."""
+    ft = _trained(tmp_path)
+    release = Release(redis_url)
+    srv = _sidecar(tmp_path, redis_url, release)
+    relay: RelayServer | None = None
+    try:
+        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+        release.change(lambda st: replace(st, release_step=25, held=True))
+        relay = relay_of(srv.endpoint, tmp_path / "relay", 0, redis_url, release)
+        wait_for(lambda: at_step([relay.endpoint], 40), 30, "the relay at the head")  # type: ignore[union-attr]
+        snap = relay.server.log.snapshot()
+        assert snap is not None and [e.step for e in snap.entries] == [20, 40]
+        assert relay.mirror is not None and relay.mirror.pulls <= 4, relay.mirror.pulls
+        with predictor("new-1", [relay.endpoint]) as c:
+            a = TensorDictApplier()
+            assert c.sync(a.apply).step == 20 and equal(a, ft.history[20])
+    finally:
+        if relay is not None:
+            relay.stop(0)
+        srv.stop(0)
+
+
+def test_a_relay_whose_upstream_goes_silent_says_it_lost_it(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 6 (stop 34) #5: through a link that goes silent (a partition: no FIN, no RST),
+    the relay's long poll hangs; its channel's keepalive ping goes unanswered within about
+    10-20 s (deltad.channels), the round fails, and after LOST_AFTER_S the relay says it
+    lost its upstream, well before a call's own deadline (300 s for a pull's message). A new
+    connection gets through: it clears."""
+    from bench.netproxy import DroppingProxy
+    from deltad.serve.relay import mirror
+
+    monkeypatch.setattr(mirror, "LOST_AFTER_S", 0.5)
+    _trained(tmp_path)
+    release = Release(redis_url)
+    srv = _sidecar(tmp_path, redis_url, release)
+    relay: RelayServer | None = None
+    try:
+        with DroppingProxy(srv.endpoint, drop_after=1 << 40, drops=0) as link:
+            cfg = server_config(tmp_path / "relay", db(redis_url, 1), grace_period_s=0.2)
+            relay = RelayServer(
+                cfg,
+                RelayConfig(upstream=link.endpoint, consumer="relay", poll_interval_s=0.02,
+                            long_poll_s=5.0, fsync=False, backoff_initial_s=0.05,
+                            backoff_max_s=0.2),
+            ).start()  # fmt: skip
+            m = relay.mirror
+            assert m is not None
+            wait_for(lambda: at_step([relay.endpoint], 40), 30, "the relay at the head")  # type: ignore[union-attr]
+            assert m.lost() == ""
+            assert link.blackhole() >= 1
+            started = time.monotonic()
+            wait_for(lambda: m.lost() != "", 40, "the relay says it lost it")
+            assert time.monotonic() - started < 25.0
+            assert "relay lost its upstream" in m.lost()
+            wait_for(lambda: m.lost() == "", 60, "the relay reconnected")
+    finally:
+        if relay is not None:
+            relay.stop(0)
         srv.stop(0)

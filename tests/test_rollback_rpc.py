@@ -137,7 +137,7 @@ def test_a_rollback_to_an_unpublished_step_records_the_published_one_and_says_ho
 ) -> None:
     """Review 4 (stop 34) #5 and #7: steps are published every 10; a rollback to step 25 is
     recorded as step 20 (the state at 25 is the state at 20) and the answer says so, rather
-    than "to step 25" while predictors land on 20; a pin at 25 says what it serves. Every
+    than "to step 25" while predictors land on 20; a pin at 35 is recorded at 30 likewise. Every
     answer naming a group says how many known consumers it matches, and a glob that matches
     none says so (a typo); a glob that can match no consumer name at all is refused."""
     from deltad.cli import main
@@ -170,7 +170,11 @@ def test_a_rollback_to_an_unpublished_step_records_the_published_one_and_says_ho
             assert main(["rollout", "pin", "--group", "prod-mian-*", "--step", "35",
                          *target]) == 0  # fmt: skip
             out = capsys.readouterr().out
-            assert "not a published step: served up to step 30" in out
+            assert "pinned prod-mian-* at step 30 (step 35 was not published" in out
+            pins = RolloutStore(servers[0].store.client, "m").get().pins
+            assert [(p.group, p.step) for p in pins if p.group == "prod-mian-*"] == [
+                ("prod-mian-*", 30)
+            ]
             assert "prod-mian-* matches none of the 2 consumers known (a typo?)" in out
             code = main(["rollout", "canary", "--group", "pred-\u00e9*", *target])
             err = capsys.readouterr().err

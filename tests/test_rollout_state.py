@@ -116,8 +116,9 @@ def test_a_gate_failure_of_an_older_generation_does_not_refuse_a_release() -> No
 def test_the_state_round_trips_through_json() -> None:
     s = ReleaseState(
         release_step=3, held=True, gate_reason="r", gate_good_step=2, pins=(Pin("a*", 1),),
-        canary=("c*",), rollbacks=(Rollback(2, "b*", 3), Rollback(1, "a*", 4)), version=7,
-        gate_bad_step=3, gate_generation=2, gate_accepted_step=None,
+        canary=("c*",), rollbacks=(Rollback(2, "b*", 3), Rollback(1, "a*", 4)),
+        last_rollback_epoch=6, version=7, gate_bad_step=3, gate_generation=2,
+        gate_accepted_step=None,
     )  # fmt: skip
     assert ReleaseState.from_json(s.to_json()) == s
     assert any("pin: a* at step 1" in line for line in ro.describe(s))
@@ -168,6 +169,50 @@ def test_orders_end_with_a_release_to_the_head_or_the_unpin_of_their_group() -> 
     assert s.rollbacks == () and s.pins == ()
 
 
+def test_an_order_after_its_predecessors_ended_gets_a_new_epoch() -> None:
+    """Review 6 (stop 34) #2: cursors record the highest epoch they followed; an epoch given
+    again after a release to the head (or an unpin) ended the orders looked followed already,
+    and predictors stayed past the new order's step."""
+    s = ro.rollback(ReleaseState(), 20, head_step=50)
+    assert s.rollback == Rollback(20, "*", 1)
+    s = ro.release(s, None, head_step=50, generation=1)
+    assert s.rollbacks == () and s.last_rollback_epoch == 1
+    s = ro.rollback(s, 30, head_step=50)
+    assert s.rollback == Rollback(30, "*", 2)
+    s = ro.rollback(s, 10, "g-*", head_step=50)
+    s = ro.unpin(s, "g-*")
+    assert ro.rollback(s, 10, "g-*", head_step=50).rollback == Rollback(10, "g-*", 4)
+    # and through the stored form, from a state written before the counter
+    old = ReleaseState.from_json('{"rollback":[5,"*",7],"version":9}')
+    assert ro.rollback(
+        ro.release(old, None, head_step=9, generation=1), 5, head_step=9
+    ).rollback == (Rollback(5, "*", 8))
+
+
+def test_a_group_recorded_before_the_glob_check_can_still_be_removed() -> None:
+    """Review 6 (stop 34) #3: a pin or canary of a glob no name can match (recorded before
+    the check) must not be stuck in the state, keeping its step in every log."""
+    s = ReleaseState(pins=(Pin("team/a*", 5),), canary=("x:y",))
+    assert ro.unpin(s, "team/a*").pins == ()
+    assert ro.canary(s, "x:y", on=False).canary == ()
+    with pytest.raises(RolloutError, match="can match no consumer"):
+        ro.pin(s, "team/b*", 5, head_step=None)
+
+
+def test_the_redacted_state_keeps_the_order_for_every_consumer_for_old_readers() -> None:
+    """Review 6 (stop 34) #4: with orders [* to 20, can-* to 30], a reader that knows only
+    "rollback" (a relay before "rollbacks") saw none in the redacted state."""
+    s = ro.rollback(ReleaseState(), 20, head_step=50)
+    s = ro.rollback(s, 30, "can-*", head_step=50)
+    d = json.loads(ro.redacted_json(s.to_json()))
+    assert d["rollback"] == [20, "*", 1] and d["rollbacks"] == [[20, "*", 1]]
+    assert ReleaseState.from_json(ro.redacted_json(s.to_json())).rollbacks == (
+        Rollback(20, "*", 1),
+    )
+    old = '{"rollback":[4,"g-*",2],"version":3}'  # written before "rollbacks": as it was
+    assert json.loads(ro.redacted_json(old))["rollback"] is None
+
+
 def test_rollback_orders_of_distinct_groups_are_bounded() -> None:
     s = ReleaseState()
     for i in range(ro.MAX_ROLLBACKS):
@@ -185,6 +230,12 @@ def test_rollback_orders_of_distinct_groups_are_bounded() -> None:
         ("pred/*", "can match no consumer"),
         ("pred-[", "opens a '\\[' it never closes"),
         ("pred-[ab", "opens a '\\[' it never closes"),
+        ("pred-!x", "'!' outside"),
+        ("pred-]", "']' outside"),
+        ("a[]b", "opens a '\\[' it never closes"),  # (fnmatch: "]" first is a member)
+        ("pred-[!]", "opens a '\\[' it never closes"),
+        ("pred-[]]", "is not a set of name characters"),
+        ("pred-[*]", "is not a set of name characters"),
     ],
 )
 def test_a_glob_that_can_match_no_consumer_name_is_refused(group: str, message: str) -> None:
@@ -192,7 +243,9 @@ def test_a_glob_that_can_match_no_consumer_name_is_refused(group: str, message: 
         ro.rollback(ReleaseState(), 1, group, head_step=5)
 
 
-@pytest.mark.parametrize("group", ["*", "pred-*", "p?ed-[0-9]*", "pred-[!c]*", "a.b_c-d"])
+@pytest.mark.parametrize(
+    "group", ["*", "pred-*", "p?ed-[0-9]*", "pred-[!c]*", "a.b_c-d", "x[]a]*", "x[!]a]*"]
+)
 def test_globs_that_can_match_names_are_taken(group: str) -> None:
     assert ro.pin(ReleaseState(), group, 1, head_step=5).pins[0].group == group
 

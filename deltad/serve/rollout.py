@@ -67,6 +67,9 @@ class ReleaseState:
     #: the rollback orders in force, oldest first (a consumer follows the newest one whose
     #: group matches it: :func:`order_for`); at most :data:`MAX_ROLLBACKS`
     rollbacks: tuple[Rollback, ...] = ()
+    #: the newest order's epoch ever given (orders end, their epochs are never given again:
+    #: a cursor records the highest epoch it followed)
+    last_rollback_epoch: int = 0
     version: int = 0
     #: the first step the validation gate failed (None: none), and the generation the gate
     #: fields (failure and acceptance) are of
@@ -90,6 +93,7 @@ class ReleaseState:
             if self.rollback is None
             else [self.rollback.to_step, self.rollback.group, self.rollback.epoch],
             "rollbacks": [[r.to_step, r.group, r.epoch] for r in self.rollbacks],
+            "last_rollback_epoch": self.last_rollback_epoch,
             "version": self.version,
             "gate_bad_step": self.gate_bad_step,
             "gate_generation": self.gate_generation,
@@ -103,6 +107,8 @@ class ReleaseState:
         rbs = d.get("rollbacks")
         if rbs is None:  # written before "rollbacks": the one order
             rbs = [] if d.get("rollback") is None else [d["rollback"]]
+        orders = tuple(Rollback(int(r[0]), str(r[1]), int(r[2])) for r in rbs)
+        last = int(d.get("last_rollback_epoch", 0) or 0)
         return cls(
             release_step=d.get("release_step"),
             held=bool(d.get("held", False)),
@@ -110,7 +116,8 @@ class ReleaseState:
             gate_good_step=d.get("gate_good_step"),
             pins=tuple(Pin(str(g), int(s)) for g, s in d.get("pins", [])),
             canary=tuple(str(g) for g in d.get("canary", [])),
-            rollbacks=tuple(Rollback(int(r[0]), str(r[1]), int(r[2])) for r in rbs),
+            rollbacks=orders,
+            last_rollback_epoch=max([last, *(r.epoch for r in orders)]),
             version=int(d.get("version", 0)),
             gate_bad_step=d.get("gate_bad_step"),
             gate_generation=d.get("gate_generation"),
@@ -162,7 +169,10 @@ def served_steps(state: ReleaseState, generation: int) -> set[int]:
     steps = {p.step for p in state.pins}
     if state.release_step is not None:
         steps.add(state.release_step)
-    if gate_open(state, generation) is not None and state.gate_good_step is not None:
+    # (as target_step serves it to canaries while held, whatever generation the hold is of)
+    if (
+        state.held or gate_open(state, generation) is not None
+    ) and state.gate_good_step is not None:
         steps.add(state.gate_good_step)
     return steps
 
@@ -206,10 +216,13 @@ _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 _GLOB_CHARS = frozenset("*?[]!")
 
 
-def check_group(group: str) -> str:
-    """``group`` if it is a glob that can match a consumer name, else RolloutError: names are
-    ``[A-Za-z0-9][A-Za-z0-9_.-]*``, so a glob with any other character (or a ``[`` that is
-    never closed, which fnmatch takes literally) would match nobody, silently."""
+def check_group(group: str, *, new: bool = True) -> str:
+    """``group`` if it is a usable consumer-name glob, else RolloutError. A ``new`` group (a
+    pin, a canary, a rollback order being created) must also be able to match a consumer
+    name: names are ``[A-Za-z0-9][A-Za-z0-9_.-]*``, so a glob with any other character, a
+    ``!`` outside ``[...]``, or a ``[`` that is never closed or holds nothing (fnmatch takes
+    those literally) would match nobody, silently. Removing a group takes any group the
+    state holds (one recorded before this check still goes)."""
     if (
         not group
         or len(group) > MAX_GROUP
@@ -220,21 +233,40 @@ def check_group(group: str) -> str:
             f"group must be a consumer-name glob of 1..{MAX_GROUP} printable characters "
             f"without spaces, got {group[:64]!r}"
         )
+    if new:
+        _check_matchable(group)
+    return group
+
+
+def _check_matchable(group: str) -> None:
     odd = sorted({c for c in group if c not in _NAME_CHARS and c not in _GLOB_CHARS})
     if odd:
         raise RolloutError(
             f"group {group[:64]!r} can match no consumer: names are made of letters, digits, "
             f"'_', '.' and '-' (and a glob of '*', '?', '[...]'), not {''.join(odd)!r}"
         )
-    depth = 0
-    for c in group:
+    i, n = 0, len(group)
+    while i < n:
+        c = group[i]
+        if c == "!" or c == "]":
+            raise RolloutError(f"group {group[:64]!r} can match no consumer: {c!r} outside '[...]'")
         if c == "[":
-            depth += 1
-        elif c == "]" and depth:
-            depth = 0
-    if depth:
-        raise RolloutError(f"group {group[:64]!r} opens a '[' it never closes")
-    return group
+            j = i + 1
+            negated = j < n and group[j] == "!"
+            j += negated
+            # (fnmatch: a "]" right after "[" or "[!" is a member, not the end)
+            k = group.find("]", j + 1 if j < n and group[j] == "]" else j)
+            if k < 0:
+                raise RolloutError(f"group {group[:64]!r} opens a '[' it never closes")
+            inner = group[j:k]
+            if not negated and not any(x in _NAME_CHARS for x in inner):
+                raise RolloutError(
+                    f"group {group[:64]!r} can match no consumer: '[{group[i + 1 : k]}]' "
+                    "is not a set of name characters"
+                )
+            i = k + 1
+            continue
+        i += 1
 
 
 def check_step(step: int, head_step: int | None) -> int:
@@ -309,7 +341,7 @@ def pin(state: ReleaseState, group: str, step: int, *, head_step: int | None) ->
 
 def unpin(state: ReleaseState, group: str) -> ReleaseState:
     """Drop the pin of ``group``; RolloutError if there is none."""
-    check_group(group)
+    check_group(group, new=False)
     if all(p.group != group for p in state.pins):
         have = ", ".join(p.group for p in state.pins) or "none"
         raise RolloutError(f"no pin of group {group!r} (pins: {have})")
@@ -321,7 +353,7 @@ def unpin(state: ReleaseState, group: str) -> ReleaseState:
 def canary(state: ReleaseState, group: str, *, on: bool = True) -> ReleaseState:
     """Let ``group`` follow the head (``on``) or stop it (it goes back to the release step's
     cap: it is not rolled back, it stops moving until the release passes it)."""
-    check_group(group)
+    check_group(group, new=on)
     if on:
         if group in state.canary:
             return state
@@ -343,7 +375,7 @@ def rollback(
     comes back (:func:`order_for`)."""
     check_group(group)
     check_step(to_step, head_step)
-    epoch = max((r.epoch for r in state.rollbacks), default=0) + 1
+    epoch = max([state.last_rollback_epoch, *(r.epoch for r in state.rollbacks)]) + 1
     order = Rollback(to_step, group, epoch)
     # the orders it replaces: the same group's, or every order for "*" (a consumer follows
     # the newest order naming it, so they could never apply again)
@@ -357,10 +389,11 @@ def rollback(
     if group == "*":  # (a pin past the step would take its group forward again)
         pins = tuple(p for p in state.pins if p.step <= to_step)
         return replace(
-            state, rollbacks=orders, release_step=to_step, held=True, canary=(), pins=pins
-        )
+            state, rollbacks=orders, release_step=to_step, held=True, canary=(), pins=pins,
+            last_rollback_epoch=epoch,
+        )  # fmt: skip
     pins = (*(p for p in state.pins if p.group != group), Pin(group, to_step))
-    return replace(state, rollbacks=orders, pins=pins)
+    return replace(state, rollbacks=orders, pins=pins, last_rollback_epoch=epoch)
 
 
 def gate_failed(
@@ -401,7 +434,10 @@ def redacted_json(raw: str) -> str:
     rb = d.get("rollback")
     if rb is not None and rb[1] not in ("", "*"):
         d["rollback"] = None
-    d["rollbacks"] = [r for r in d.get("rollbacks", []) if r[1] in ("", "*")]
+    if "rollbacks" in d:
+        d["rollbacks"] = [r for r in d["rollbacks"] if r[1] in ("", "*")]
+        # (a reader that knows only "rollback" must still see an order for every consumer)
+        d["rollback"] = d["rollbacks"][-1] if d["rollbacks"] else None
     d["redacted"] = True
     return json.dumps(d, separators=(",", ":"), sort_keys=True)
 

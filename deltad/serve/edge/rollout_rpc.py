@@ -25,7 +25,7 @@ from deltad.serve import rollout as ro
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.rollout import ReleaseState
-from deltad.serve.state.release import FollowedRollout, RolloutSource, RolloutStore, RolloutView
+from deltad.serve.state.release import RolloutSource, RolloutStore, RolloutView
 from deltad.serve.windows.decide import LogView
 from deltad.v1 import delta_pb2 as pb
 
@@ -119,12 +119,12 @@ class RolloutControl:
         if action == A.ROLLOUT_RELEASE:
             if head < 0:
                 raise RolloutRefused("nothing to release: this sidecar has no log yet")
+            note = ""
             if step is not None:
                 ro.check_step(step, head)
                 below_base("release to", step, base, "release")
-            what = "released to the head" if step is None else f"released to step {step}"
-            if step is not None and self._published(step) != step:
-                what += f" (not a published step: served up to step {self._published(step)})"
+                step, note = self._resolved(step)
+            what = "released to the head" if step is None else f"released to step {step}{note}"
             forced: list[bool] = [False]
 
             def release(state: ReleaseState) -> ReleaseState:
@@ -143,9 +143,8 @@ class RolloutControl:
             ro.check_group(group)
             ro.check_step(step, head_known)
             below_base(f"pin {group} at", step, base, "pin")
-            pinned = f"pinned {group} at step {step}"
-            if self._published(step) != step:
-                pinned += f" (not a published step: served up to step {self._published(step)})"
+            step, note = self._resolved(step)
+            pinned = f"pinned {group} at step {step}{note}"
             return partial(ro.pin, group=group, step=step, head_step=head_known), lambda: pinned
         if action == A.ROLLOUT_UNPIN:
             return partial(ro.unpin, group=group), lambda: f"unpinned {group}"
@@ -168,24 +167,22 @@ class RolloutControl:
                 )
             if reason:
                 raise RolloutError(f"cannot roll back to step {step}: {reason}")
-            # the state at a step that was not published is that of the newest published
-            # before it: the order records that step, and the answer says so
-            resolved = self._published(step)
-            ordered = f"rollback of {group} to step {resolved} ordered"
-            if resolved != step:
-                ordered += f" (step {step} was not published: its state is that of step {resolved})"
-            change = partial(ro.rollback, to_step=resolved, group=group, head_step=head_known)
+            step, note = self._resolved(step)
+            ordered = f"rollback of {group} to step {step} ordered{note}"
+            change = partial(ro.rollback, to_step=step, group=group, head_step=head_known)
             return change, lambda: ordered
         raise RolloutError(f"unknown rollout action {action}")
 
-    def _published(self, step: int) -> int:
-        """The newest step at or before ``step`` whose state this rank's log holds (``step``
-        itself if none is known)."""
+    def _resolved(self, step: int) -> tuple[int, str]:
+        """The step a control names, as recorded: the state at a step that was not published
+        is that of the newest published before it, so that step is recorded (a relay mirrors
+        to it, retention keeps it) and the answer says so; ``step`` itself if this rank's
+        log cannot tell."""
         snap = self.log.snapshot()
-        if snap is None:
-            return step
-        got = LogView.of(snap).restore_point(step)
-        return step if isinstance(got, str) else got[1]
+        got = LogView.of(snap).restore_point(step) if snap is not None else ""
+        if isinstance(got, str) or got[1] == step:
+            return step, ""
+        return got[1], f" (step {step} was not published: its state is that of step {got[1]})"
 
     def _matching(self, action: int, group: str) -> str:
         """How many known consumers ``group`` matches, for the answer of a control that
@@ -219,12 +216,7 @@ class RolloutControl:
         )
         action = req.action
         if action == pb.RolloutAction.ROLLOUT_STATUS:
-            source = self.source
-            resp.state = (
-                source.state_json()
-                if isinstance(source, FollowedRollout)
-                else source.state().to_json()
-            )
+            resp.state = self.source.state_json()
             return resp
         if self.store is None:
             _abort(

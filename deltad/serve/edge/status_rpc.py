@@ -11,7 +11,7 @@ import grpc
 from deltad import knobs
 from deltad.config import ServerConfig
 from deltad.serve.index.log import LogSnapshot, SegmentLog
-from deltad.serve.state.release import VIEW_TTL_S, FollowedRollout
+from deltad.serve.state.release import VIEW_TTL_S
 from deltad.serve.windows.getdelta import WindowServer
 from deltad.v1 import delta_pb2 as pb
 
@@ -97,9 +97,7 @@ class StatusRpc:
         source = self.windows.rollout
         state = source.state()
         # (a relay that has not heard its upstream's state yet says so: relays below wait)
-        resp.rollout_state = (
-            source.state_json() if isinstance(source, FollowedRollout) else state.to_json()
-        )
+        resp.rollout_state = source.state_json()
         resp.rollout_version = state.version
         resp.cap_step = -1
         resp.gate_bad_step = -1

@@ -41,6 +41,7 @@ or the upstream said its own window lacked one) says so in ``DeltaHeader.dense_m
 
 from __future__ import annotations
 
+import bisect
 import logging
 import random
 import threading
@@ -279,11 +280,19 @@ class RelayMirror:
             return None
         state = follow.state()
         steps = served_steps(state, st.generation) | {r.to_step for r in state.rollbacks}
+        # each onto the upstream's own entries (the state at a step never published is its
+        # newest entry before it): a stop between two entries would end every pull at the
+        # entry before it, and the mirror would never pass it
+        entries = sorted(int(t) for t in st.steps)
         loc = self.spool.head
         after = -1
         if loc is not None and loc.generation == st.generation and not self._needs_base:
             after = loc.step
-        stops = [s for s in steps if after < s < st.head_step]
+        stops = set()
+        for s in steps:
+            at = bisect.bisect_right(entries, s)
+            if at and after < entries[at - 1] < st.head_step:
+                stops.add(entries[at - 1])
         return min(stops) if stops else None
 
     def _pull(self, st: pb.StatusResponse, asked: float) -> None:
@@ -351,20 +360,20 @@ class RelayMirror:
             self._needs_base = True
 
     def lost(self) -> str:
-        """Why the relay cannot vouch that its head is the model's: mirroring has failed for
-        over :data:`LOST_AFTER_S` (the upstream unreachable, or refusing, or the relay's
-        writes failing), or its upstream is a relay that says so of itself; "" otherwise. Said in every window's header and in Status
-        (``upstream_lost``): a predictor behind the relay is then not caught up."""
+        """Why the relay cannot vouch that its head is the model's ("" if it can): mirror
+        rounds have failed for :data:`LOST_AFTER_S` (the upstream unreachable or refusing,
+        or the relay's own writes failing; a partition, where calls hang, fails them once
+        the channel's keepalive ping goes unanswered: deltad.channels, about 10-20 s), or
+        the upstream is a relay that says so of itself. Said in every window's header and in
+        Status (``upstream_lost``): a predictor behind the relay is then not caught up."""
+        up = self.config.upstream
         since = self.failing_since
-        if since is None:  # reachable; but a relay above may have lost its own upstream
-            up = self._up_lost
-            return f"upstream {self.config.upstream}: {up}"[:512] if up else ""
-        age = time.monotonic() - since
-        if age < LOST_AFTER_S:
-            return ""
-        return f"relay lost its upstream {self.config.upstream} {age:.0f}s ago: {self.problem}"[
-            :512
-        ]
+        if since is not None:
+            age = time.monotonic() - since
+            if age < LOST_AFTER_S:
+                return ""
+            return f"relay lost its upstream {up} {age:.0f}s ago: {self.problem}"[:512]
+        return f"upstream {up}: {self._up_lost}"[:512] if self._up_lost else ""
 
     def lag(self) -> tuple[int, int]:
         """(segments, steps) the relay's head is behind its upstream's at the upstream's last

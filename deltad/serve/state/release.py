@@ -33,9 +33,15 @@ VIEW_TTL_S = 0.25
 
 
 class RolloutSource(Protocol):
-    """Where a server reads the release state it applies."""
+    """Where a server reads the release state it applies. ``known``: False while a relay has
+    not heard its upstream's state (it serves nothing then); ``state_json``: the state for
+    Status and ``rollout status`` (:data:`UNKNOWN_JSON` while not known)."""
+
+    known: bool
 
     def state(self) -> ReleaseState: ...
+
+    def state_json(self) -> str: ...
 
 
 class RolloutStore:
@@ -108,6 +114,9 @@ class RolloutView:
     """A sidecar's cached view of the stored state: re-read at most every ``ttl_s``; while
     Redis does not answer, the last state read stays in force (logged once)."""
 
+    #: (a sidecar's state is Redis's: the default until read, everything released)
+    known = True
+
     def __init__(self, store: RolloutStore, ttl_s: float = VIEW_TTL_S) -> None:
         self.store = store
         self.ttl_s = ttl_s
@@ -134,6 +143,9 @@ class RolloutView:
                 self._failing = True
             self._read_at = time.monotonic()
             return self._state
+
+    def state_json(self) -> str:
+        return self.state().to_json()
 
     def set(self, state: ReleaseState) -> None:
         """Take a state this process just wrote (no wait for the next read)."""

@@ -80,5 +80,10 @@ def past_cap(d: WindowDecision, stored: StoredCursor | None, log: LogView, cap: 
 class _Released:
     """Everything released (no rollout state known)."""
 
+    known = True
+
     def state(self) -> ReleaseState:
         return ReleaseState()
+
+    def state_json(self) -> str:
+        return ReleaseState().to_json()

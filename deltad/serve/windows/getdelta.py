@@ -30,7 +30,7 @@ from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.rollout import Cap, ReleaseState, lower
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull, StoredCursor
 from deltad.serve.state.owed import OwedStore
-from deltad.serve.state.release import FollowedRollout, RolloutSource
+from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows import encode
 from deltad.serve.windows.caps import ReleaseCaps, past_cap, within_cap
 from deltad.serve.windows.decide import LogView, WindowAsk, WindowDecision, decide_window
@@ -179,8 +179,7 @@ class WindowServer:
         """The window to serve after ``stored``, within the consumer's release cap; aborts
         when the cap is older than the log's base or the decision is a refusal."""
         consumer, gen = req.consumer, snap.generation
-        rollout = self.caps.rollout
-        if not req.mirror and isinstance(rollout, FollowedRollout) and not rollout.known:
+        if not req.mirror and not self.caps.rollout.known:
             # a relay that never heard its upstream's release state (a fresh spool, the
             # upstream unreachable) cannot tell a held step from a released one
             _abort(
