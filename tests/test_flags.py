@@ -148,7 +148,7 @@ def test_stream_deadline_flags_reach_the_consumer_and_the_relay() -> None:
 def test_config_objects_refuse_non_finite_and_out_of_range_numbers(
     cls: Any, kw: dict[str, Any]
 ) -> None:
-    with pytest.raises(ConfigError, match="must be (a finite number|an integer)"):
+    with pytest.raises(ConfigError, match=r"must be (a finite number|an integer)"):
         cls(**kw)
 
 

@@ -46,6 +46,21 @@ def _sidecar(tmp_path: Path, redis_url: str, release: Release) -> SidecarServer:
     return srv
 
 
+def _watched_relay(
+    upstream: str, spool: Path, redis_url: str, release: Release, window: int = 0
+) -> RelayServer:
+    """A relay (its own Redis keyspace) with a restore window of ``window`` steps (0: none),
+    under ``release``."""
+    cfg = server_config(spool, db(redis_url, 1), grace_period_s=0.2, restore_window_steps=window)
+    relay = RelayServer(
+        cfg,
+        RelayConfig(upstream=upstream, consumer="relay", poll_interval_s=0.02, fsync=False,
+                    backoff_initial_s=0.05, backoff_max_s=0.5),
+    ).start()  # fmt: skip
+    release.watch(relay.server)
+    return relay
+
+
 def _relay(upstream: str, spool: Path, redis_url: str) -> RelayServer:
     """A relay as relay_of makes it, not waited for (its upstream may be down)."""
     cfg = server_config(spool, db(redis_url, 1), grace_period_s=0.2)
@@ -56,25 +71,39 @@ def _relay(upstream: str, spool: Path, redis_url: str) -> RelayServer:
     ).start()  # fmt: skip
 
 
+@pytest.mark.parametrize(("window", "entries"), [(0, [20, 40]), (1000, [0, 10, 20, 30, 40])])
 def test_a_relay_started_during_a_hold_serves_the_held_step_and_canaries_the_head(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, redis_url: str, window: int, entries: list[int]
 ) -> None:
-    """Held at 20 with the head at 40, a fresh relay used to copy the head (its base at
-    step 40): every new predictor behind it was refused ("pin or release a later step").
-    Its mirror now stops at 20 first: a new predictor gets exactly step 20, a canary the
-    head, and step 20 stays restorable in the relay's log."""
+    """Held at 20 with the head at 40, a relay restarted on a fresh spool (a tmpfs pod) under
+    its old consumer name, whose upstream cursor is at the head, used to copy the head (its
+    base at step 40): every new predictor behind it was refused ("pin or release a later
+    step"), and so was it when it only asked for step 20 (a resync never ended before the
+    cursor; review 7, stop 34, #1). Its mirror now asks for the tables at 20 first (its
+    commit may move its upstream cursor back), then the head; with a restore window, every
+    upstream entry in it, so its log restores what its upstream's does. A new predictor gets
+    exactly step 20, a canary the head."""
     ft = _trained(tmp_path)
     release = Release(redis_url)
     srv = _sidecar(tmp_path, redis_url, release)
     relay: RelayServer | None = None
+
+    def start(spool: Path) -> RelayServer:
+        return _watched_relay(srv.endpoint, spool, redis_url, release, window)
+
     try:
         wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+        relay = start(tmp_path / "relay-before")  # its upstream cursor: the head
+        wait_for(lambda: at_step([relay.endpoint], 40), 30, "the first relay at the head")  # type: ignore[union-attr]
+        relay.stop(0)
+        release.servers.remove(relay.server)
+        relay = None
         release.change(lambda st: replace(st, release_step=20, held=True))
         release.change(lambda st: ro.canary(st, "can-*"))
-        relay = relay_of(srv.endpoint, tmp_path / "relay", 0, redis_url, release)
+        relay = start(tmp_path / "relay")  # a fresh spool, the same consumer name upstream
         wait_for(lambda: at_step([relay.endpoint], 40), 30, "the relay at the head")  # type: ignore[union-attr]
         snap = relay.server.log.snapshot()
-        assert snap is not None and [e.step for e in snap.entries] == [20, 40]
+        assert snap is not None and [e.step for e in snap.entries] == entries
         assert restorable(snap, 20) == ""
         with predictor("new-1", [relay.endpoint]) as c, predictor("can-1", [relay.endpoint]) as k:
             a, b = TensorDictApplier(), TensorDictApplier()
@@ -267,7 +296,7 @@ def test_a_relay_started_during_a_hold_at_an_unpublished_step_reaches_the_head(
     try:
         wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
         release.change(lambda st: replace(st, release_step=25, held=True))
-        relay = relay_of(srv.endpoint, tmp_path / "relay", 0, redis_url, release)
+        relay = _watched_relay(srv.endpoint, tmp_path / "relay", redis_url, release)
         wait_for(lambda: at_step([relay.endpoint], 40), 30, "the relay at the head")  # type: ignore[union-attr]
         snap = relay.server.log.snapshot()
         assert snap is not None and [e.step for e in snap.entries] == [20, 40]

@@ -444,3 +444,51 @@ def test_a_relay_told_a_redacted_state_says_so_once_and_follows_the_release_step
     with caplog.at_level("WARNING", logger="deltad.serve.state.release"):
         FollowedRollout().follow(full.to_json())
     assert not [r for r in caplog.records if "hides" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ('{"release_step":"200","held":true}', "release_step"),
+        ('{"release_step":-3}', "release_step"),
+        ('{"held":"yes"}', "held"),
+        ('{"pins":[["pred-*",-5]]}', "pins\\[0\\] step"),
+        ('{"pins":[[5,"pred-*"]]}', "pins\\[0\\] group"),
+        ('{"rollbacks":[[20,"*"]]}', "rollbacks must be a list of"),
+        ('{"rollbacks":[[1.5,"*",1]]}', "rollbacks\\[0\\] step"),
+        ('{"canary":"c-*"}', "canary must be a list"),
+        ('{"version":true}', "version"),
+        ("[1,2]", "not a JSON object"),
+    ],
+)
+def test_a_state_no_control_could_have_written_is_refused_naming_the_field(
+    raw: str, field: str, tmp_path: Path
+) -> None:
+    """Review 7 (stop 34) #3: a hand-edited relay state file with a string step was taken,
+    then broke every Status and retention round; a negative pin was taken as it was. Such a
+    state is refused (ValueError naming the field); a relay reading it from its spool treats
+    it as never heard (it serves nothing until its upstream answers)."""
+    with pytest.raises(ValueError, match=field):
+        ReleaseState.from_json(raw)
+    kept = tmp_path / "release-state-rank0.json"
+    kept.write_text(raw)
+    assert not FollowedRollout(kept).known
+    f = FollowedRollout(None)
+    f.follow(raw)  # (from an upstream: ignored, logged)
+    assert not f.known
+
+
+def test_a_malformed_state_in_redis_is_an_offset_store_error_naming_the_key(
+    redis_url: str,
+) -> None:
+    import redis as redis_py
+
+    from deltad.errors import OffsetStoreError
+
+    client = redis_py.Redis.from_url(redis_url)
+    store = RolloutStore(client, "m")
+    client.set(store.key, '{"release_step":"x"}')
+    with pytest.raises(OffsetStoreError, match=r"release state in Redis .* is malformed"):
+        store.get()
+    view = RolloutView(store, ttl_s=0.0)
+    assert view.state() == ReleaseState()  # the last state read stays (none yet: released)

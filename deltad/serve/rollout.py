@@ -103,25 +103,44 @@ class ReleaseState:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> ReleaseState:
+        """The state of its stored form; ValueError naming the field if it is not one (a
+        hand-edited or corrupt value: a step that is not a non-negative integer, a group
+        that is not a string, ...), so no reader takes a state the controls could not have
+        written."""
         d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError("release state: not a JSON object")
         rbs = d.get("rollbacks")
         if rbs is None:  # written before "rollbacks": the one order
             rbs = [] if d.get("rollback") is None else [d["rollback"]]
-        orders = tuple(Rollback(int(r[0]), str(r[1]), int(r[2])) for r in rbs)
-        last = int(d.get("last_rollback_epoch", 0) or 0)
+        orders = tuple(
+            Rollback(_step(f"rollbacks[{i}] step", r[0]), _text(f"rollbacks[{i}] group", r[1]),
+                     _step(f"rollbacks[{i}] epoch", r[2]))
+            for i, r in enumerate(_items("rollbacks", rbs, 3))
+        )  # fmt: skip
+        last = _step("last_rollback_epoch", d.get("last_rollback_epoch", 0))
+        held = d.get("held", False)
+        if not isinstance(held, bool):
+            raise ValueError(f"release state: held must be true or false, not {held!r:.32}")
         return cls(
-            release_step=d.get("release_step"),
-            held=bool(d.get("held", False)),
-            gate_reason=str(d.get("gate_reason", "")),
-            gate_good_step=d.get("gate_good_step"),
-            pins=tuple(Pin(str(g), int(s)) for g, s in d.get("pins", [])),
-            canary=tuple(str(g) for g in d.get("canary", [])),
+            release_step=_step("release_step", d.get("release_step"), none=True),
+            held=held,
+            gate_reason=_text("gate_reason", d.get("gate_reason", "")),
+            gate_good_step=_step("gate_good_step", d.get("gate_good_step"), none=True),
+            pins=tuple(
+                Pin(_text(f"pins[{i}] group", g), _step(f"pins[{i}] step", st))
+                for i, (g, st) in enumerate(_items("pins", d.get("pins", []), 2))
+            ),
+            canary=tuple(
+                _text(f"canary[{i}]", g)
+                for i, g in enumerate(_items("canary", d.get("canary", [])))
+            ),
             rollbacks=orders,
             last_rollback_epoch=max([last, *(r.epoch for r in orders)]),
-            version=int(d.get("version", 0)),
-            gate_bad_step=d.get("gate_bad_step"),
-            gate_generation=d.get("gate_generation"),
-            gate_accepted_step=d.get("gate_accepted_step"),
+            version=_step("version", d.get("version", 0)),
+            gate_bad_step=_step("gate_bad_step", d.get("gate_bad_step"), none=True),
+            gate_generation=_step("gate_generation", d.get("gate_generation"), none=True),
+            gate_accepted_step=_step("gate_accepted_step", d.get("gate_accepted_step"), none=True),
         )
 
     @property
@@ -132,6 +151,32 @@ class ReleaseState:
     def bumped(self, **changes: Any) -> ReleaseState:
         """A copy with ``changes`` and the next version."""
         return replace(self, version=self.version + 1, **changes)
+
+
+def _step(name: str, value: Any, *, none: bool = False) -> Any:
+    """``value`` if it is a non-negative integer (or None where ``none``), else ValueError."""
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"release state: {name} must be an integer >= 0, not {value!r:.32}")
+    return value
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"release state: {name} must be a string, not {value!r:.32}")
+    return value
+
+
+def _items(name: str, value: Any, width: int = 0) -> list[Any]:
+    """``value`` if it is a list (of lists of ``width`` items, if given), else ValueError."""
+    ok = isinstance(value, list) and (
+        not width or all(isinstance(x, list) and len(x) == width for x in value)
+    )
+    if not ok:
+        shape = f" of [{', '.join(['...'] * width)}]" if width else ""
+        raise ValueError(f"release state: {name} must be a list{shape}, not {value!r:.48}")
+    return value
 
 
 def lower(a: int | None, b: int | None) -> int | None:

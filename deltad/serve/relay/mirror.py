@@ -270,16 +270,17 @@ class RelayMirror:
         return up.status(after, self._rollout_version)
 
     def _stop_at(self, st: pb.StatusResponse) -> int | None:
-        """The step this pull ends at: the oldest step the release state serves (a hold, a
-        release to a step, a pin, a rollback order; deltad.serve.rollout.served_steps)
-        between the relay's head and the upstream's, so that the relay's log holds its state
-        as the upstream's does (a relay started during a hold serves the held step to new
+        """The step this pull ends at: the oldest step between the relay's head and the
+        upstream's that the release state serves (a hold, a release to a step, a pin, a
+        rollback order; deltad.serve.rollout.served_steps) or that the relay's restore window
+        holds (:meth:`_restore_stops`), so that the relay's log holds its state as the
+        upstream's does (a relay started during a hold serves the held step to new
         predictors, and a rollback to it stays possible); None: up to the head."""
         follow = getattr(self.server, "rollout", None)
-        if not isinstance(follow, FollowedRollout) or not follow.known:
-            return None
-        state = follow.state()
-        steps = served_steps(state, st.generation) | {r.to_step for r in state.rollbacks}
+        steps: set[int] = set()
+        if isinstance(follow, FollowedRollout) and follow.known:
+            state = follow.state()
+            steps = served_steps(state, st.generation) | {r.to_step for r in state.rollbacks}
         # each onto the upstream's own entries (the state at a step never published is its
         # newest entry before it): a stop between two entries would end every pull at the
         # entry before it, and the mirror would never pass it
@@ -288,12 +289,28 @@ class RelayMirror:
         after = -1
         if loc is not None and loc.generation == st.generation and not self._needs_base:
             after = loc.step
-        stops = set()
+        stops: set[int] = set()
         for s in steps:
             at = bisect.bisect_right(entries, s)
             if at and after < entries[at - 1] < st.head_step:
                 stops.add(entries[at - 1])
+        stops |= {e for e in self._restore_stops(st, entries) if after < e < st.head_step}
         return min(stops) if stops else None
+
+    def _restore_stops(self, st: pb.StatusResponse, entries: list[int]) -> set[int]:
+        """With a restore window (``--restore-window-steps`` / ``--restore-window-seconds``),
+        the upstream's entries inside it, and the one its oldest step needs: the relay
+        mirrors them one pull each, so its log restores the steps its upstream's does (a
+        rollback the sidecar takes is served behind the relay too), even after falling
+        behind or on a fresh spool. (The upstream's Status gives no publish times: a window
+        of seconds takes every entry.)"""
+        cfg = self.server.config
+        if cfg.restore_window_s > 0:
+            return set(entries)
+        if cfg.restore_window_steps <= 0 or not entries:
+            return set()
+        at = bisect.bisect_right(entries, st.head_step - cfg.restore_window_steps)
+        return set(entries[max(0, at - 1) :])
 
     def _pull(self, st: pb.StatusResponse, asked: float) -> None:
         d = self.upstream.pull(self._needs_base, self._stop_at(st))

@@ -138,7 +138,9 @@ class Upstream:
             # refused for good (superseded, older generation, forgotten): the next pull
             # re-sends whatever is not committed, and the relay already holds it
             log.warning("upstream refused the commit of seq %d: %s", cursor.seq, e.details())
-        self.committed = max(self.committed or (-1, -1), (cursor.generation, cursor.seq))
+            self.committed = max(self.committed or (-1, -1), (cursor.generation, cursor.seq))
+        else:  # (the upstream's cursor now: back too, after a resync at a held step)
+            self.committed = (cursor.generation, cursor.seq)
         self.pending = None
 
     def status(

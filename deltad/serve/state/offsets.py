@@ -99,7 +99,8 @@ class PendingPull:
     owed_rows: int = 0
     #: the rollback order in force for this consumer when it pulled (its commit records it)
     rollback_epoch: int = 0
-    #: a rollback window: its commit may move the cursor back (and only its commit)
+    #: a rollback window (or a relay's resync before its cursor): its commit may move the
+    #: cursor back (and only its commit)
     rollback: bool = False
 
 

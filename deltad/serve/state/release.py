@@ -76,7 +76,7 @@ class RolloutStore:
 
         def run() -> ReleaseState:
             raw = self.client.get(self.key)
-            return ReleaseState() if raw is None else ReleaseState.from_json(raw)  # type: ignore[arg-type]
+            return ReleaseState() if raw is None else _parsed(self.key, raw)  # type: ignore[arg-type]
 
         return self._retry("get", run, attempts)
 
@@ -91,7 +91,7 @@ class RolloutStore:
                     try:
                         pipe.watch(self.key)
                         raw = pipe.get(self.key)
-                        old = ReleaseState() if raw is None else ReleaseState.from_json(raw)  # type: ignore[arg-type]
+                        old = ReleaseState() if raw is None else _parsed(self.key, raw)  # type: ignore[arg-type]
                         new = change(old)
                         if new == old:
                             pipe.unwatch()
@@ -108,6 +108,15 @@ class RolloutStore:
             )
 
         return self._retry("update", run)
+
+
+def _parsed(key: str, raw: str | bytes) -> ReleaseState:
+    """The stored state; OffsetStoreError naming the key if it is malformed (a reader keeps
+    its last state; an operator can delete the key: everything released)."""
+    try:
+        return ReleaseState.from_json(raw)
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise OffsetStoreError(f"the release state in Redis ({key}) is malformed: {e}") from e
 
 
 class RolloutView:

@@ -99,6 +99,8 @@ class WindowAsk:
     max_step: int | None = None
     #: no generation diff: a cursor of an older generation resyncs (GetDeltaRequest field 14)
     no_diff: bool = False
+    #: a relay's mirror pull (GetDeltaRequest.mirror): its resync may end before its cursor
+    mirror: bool = False
 
     @classmethod
     def of(cls, req: Any) -> WindowAsk:
@@ -107,6 +109,7 @@ class WindowAsk:
             bool(req.from_base),
             int(req.max_step) if req.HasField("max_step") else None,
             bool(req.no_generation_diff),
+            bool(req.mirror),
         )
 
 
@@ -136,6 +139,10 @@ class WindowDecision:
     #: The epoch of the rollback order in force for this consumer (0: none): the pull records
     #: it, so that once committed the consumer is never rolled back by that order again.
     rollback_epoch: int = 0
+    #: A relay's mirror asked for the full tables at a step before its cursor (a relay on a
+    #: fresh spool under a hold: it needs the held step's state): its commit may move the
+    #: cursor back, as a rollback's does.
+    moves_back: bool = False
 
     def resynced(self, reason: str) -> WindowDecision:
         """The same window served from the base instead (the owed rows could not be read)."""
@@ -278,13 +285,17 @@ def _decide(
         reason = "cursor"
     resync = reason != "cursor"
     to_seq, to_step = log.last_at_or_before_step(ask.max_step)
+    back = False
     if stored is not None and stored.generation == gen:
         if resync and to_seq < stored.seq:
-            to_seq, to_step = log.head
+            if ask.mirror and ask.from_base:
+                back = True  # (a relay that lost its spool: the tables it asks for)
+            else:
+                to_seq, to_step = log.head
         elif not resync and to_seq <= stored.seq:
             to_seq, to_step = stored.seq, stored.step
     if resync or stored is None:
-        return WindowDecision(gen, True, -1, to_seq, to_step, reason=reason)
+        return WindowDecision(gen, True, -1, to_seq, to_step, reason=reason, moves_back=back)
     return WindowDecision(gen, False, stored.seq, to_seq, to_step, stored.owed_token, reason)
 
 

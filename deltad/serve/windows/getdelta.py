@@ -242,7 +242,8 @@ class WindowServer:
                 self.config.rank,
                 PendingPull(
                     pull_id, gen, decision.to_seq, decision.to_step, token, win.owed_rows,
-                    decision.rollback_epoch, decision.rollback_to is not None,
+                    decision.rollback_epoch,
+                    decision.rollback_to is not None or decision.moves_back,
                 ),
             )  # fmt: skip
             self.owed.gc(consumer, {token, stored.owed_token if stored else ""})
