@@ -259,8 +259,11 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
     lines.append(
         f"  {'name':<24} {'live':<5} {'seq':>8} {'lag seg':>8} {'lag s':>8} {'owed':>8} {'cap':>8}"
     )
+    unknown = bool(s.rollout_state) and bool(json.loads(s.rollout_state).get("unknown"))
     for c in consumers.consumers:
         cap = "head" if c.cap_step < 0 or not s.rollout_state else str(c.cap_step)
+        if unknown:  # (a relay that has not heard its upstream's state serves nobody)
+            cap = "-"
         lag = "-" if c.lag_segments < 0 else str(c.lag_segments)  # (-: consumes other ranks)
         lines.append(
             f"  {c.consumer:<24} {'yes' if c.live else 'no':<5} {c.cursor.seq:>8} "

@@ -160,9 +160,11 @@ def test_a_relay_restarted_while_its_upstream_is_down_keeps_the_hold_it_followed
             assert '"unknown":true' in st.rollout_state
         from deltad import status
 
-        assert "not heard from the upstream yet" in "\n".join(
-            status.rollout_lines(status.fetch(relay.endpoint)[0])
-        )
+        st, consumers = status.fetch(relay.endpoint)
+        assert "not heard from the upstream yet" in "\n".join(status.rollout_lines(st))
+        rows = [ln.split() for ln in status.render(st, consumers).splitlines()]
+        caps = [r[-1] for r in rows if r and r[0] in ("new-1", "new-2")]
+        assert caps and set(caps) == {"-"}, caps  # (not "head": it serves nobody)
     finally:
         if relay is not None:
             relay.stop(0)

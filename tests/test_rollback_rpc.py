@@ -157,7 +157,7 @@ def test_a_rollback_to_an_unpublished_step_records_the_published_one_and_says_ho
             out = capsys.readouterr().out
             assert "rollback of pred-main-* to step 20 ordered" in out, out
             assert "step 25 was not published: its state is that of step 20" in out
-            assert "pred-main-* matches 2 of the 2 consumers known" in out
+            assert "pred-main-* matches 2 of the 2 consumers of this sidecar" in out
             state = RolloutStore(servers[0].store.client, "m").get()
             assert state.rollback is not None and state.rollback.to_step == 20
             wait_for(
@@ -175,7 +175,36 @@ def test_a_rollback_to_an_unpublished_step_records_the_published_one_and_says_ho
             assert [(p.group, p.step) for p in pins if p.group == "prod-mian-*"] == [
                 ("prod-mian-*", 30)
             ]
-            assert "prod-mian-* matches none of the 2 consumers known (a typo?)" in out
+            assert "prod-mian-* matches none of the 2 consumers of this sidecar" in out
+            assert "(a typo?)" in out
             code = main(["rollout", "canary", "--group", "pred-\u00e9*", *target])
             err = capsys.readouterr().err
             assert code == 2 and "can match no consumer" in err, err
+
+
+def test_answers_say_what_a_release_leaves_pinned_and_when_an_order_moves_a_group_forward(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review 7 (stop 34) #4 and #7: `release` to the head answered "released to the head"
+    while every pinned group stayed where it was; a group's "rollback" to a step past its
+    pin moved it forward without a word. Both answers now say so."""
+    from deltad.cli import main
+
+    trained(tmp_path)
+    watch = Release(redis_url)
+    with sidecars(tmp_path / "spool", redis_url, 2, watch) as servers:
+        target = ["--target", servers[0].endpoint]
+        wait_for(lambda: at_step([s.endpoint for s in servers], 40), 30, "the head")
+        assert main(["rollout", "pin", "--group", "g-*", "--step", "20", *target]) == 0
+        capsys.readouterr()
+        assert main(["rollout", "release", *target]) == 0
+        out = capsys.readouterr().out
+        assert (
+            "released to the head; still pinned (unpin --group G to release them): g-* at step 20"
+            in out
+        )
+        assert main(["rollout", "rollback", "--group", "g-*", "--to-step", "30", *target]) == 0
+        out = capsys.readouterr().out
+        assert "the group was pinned at step 20: this order moves it forward" in out
+        assert main(["rollout", "rollback", "--group", "h-*", "--to-step", "30", *target]) == 0
+        assert "moves it forward" not in capsys.readouterr().out

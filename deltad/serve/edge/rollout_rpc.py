@@ -159,9 +159,16 @@ class RolloutControl:
                 raise RolloutError("rollback needs a step (--to-step)")
             group = group or "*"
             ro.check_step(step, head_known)
+            # the log's own answer when it can give one (a step retention keeps for the
+            # release state, e.g. the gate's last good step, is restorable outside the
+            # window); the window's bounds otherwise
             reason = self.restore_check(step) if self.restore_check is not None else ""
             window = self.restore_window() if self.restore_window is not None else None
-            if not reason and window is not None and not window[0] <= step <= window[1]:
+            if (
+                self.restore_check is None
+                and window is not None
+                and not window[0] <= step <= window[1]
+            ):
                 reason = (
                     f"step {step} is outside the restore window (steps {window[0]}..{window[1]})"
                 )
@@ -195,12 +202,26 @@ class RolloutControl:
         except OffsetStoreError:
             return ""
         n = sum(ro.matches(group, c) for c in names)
+        # (a relay's predictors register at the relay, not here: they are not counted)
+        known = f"the {len(names)} consumers of this sidecar, relays' predictors not counted"
         if n == 0:
-            log.warning(
-                "rollout: group %s matches none of the %d consumers known", group, len(names)
-            )
-            return f"; {group} matches none of the {len(names)} consumers known (a typo?)"
-        return f"; {group} matches {n} of the {len(names)} consumers known"
+            log.warning("rollout: group %s matches none of %s", group, known)
+            return f"; {group} matches none of {known} (a typo?)"
+        return f"; {group} matches {n} of {known}"
+
+    @staticmethod
+    def _after(action: int, req: pb.RolloutRequest, old: ReleaseState, new: ReleaseState) -> str:
+        """What the answer must add about the new state: a release to the head leaves the
+        pinned groups where they are (unpin frees them); a group's rollback order to a step
+        past its pin moves the group forward."""
+        if action == A.ROLLOUT_RELEASE and not req.HasField("step") and new.pins:
+            pins = ", ".join(f"{p.group} at step {p.step}" for p in new.pins)
+            return f"; still pinned (unpin --group G to release them): {pins}"
+        if action == A.ROLLOUT_ROLLBACK and req.group and req.group != "*":
+            was = next((p.step for p in old.pins if p.group == req.group), None)
+            if was is not None and was < req.step:
+                return f"; the group was pinned at step {was}: this order moves it forward"
+        return ""
 
     def Rollout(self, req: pb.RolloutRequest, context: grpc.ServicerContext) -> pb.RolloutResponse:
         snap = self.log.snapshot()
@@ -228,8 +249,15 @@ class RolloutControl:
         assert self.store is not None
         try:
             change, describe = self._change(action, req, head, gen, base)
-            state = self.store.update(change)
-            what = describe() + self._matching(action, req.group)
+            before: list[ReleaseState] = []
+
+            def recorded(st: ReleaseState) -> ReleaseState:
+                before[:] = [st]
+                return change(st)
+
+            state = self.store.update(recorded)
+            what = describe() + self._after(action, req, before[0], state)
+            what += self._matching(action, req.group)
         except RolloutRefused as e:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except RolloutError as e:
