@@ -367,14 +367,14 @@ def test_status_shows_a_consume_credential_its_own_caps_and_no_other_groups(
     try:
         ops = Client(f"127.0.0.1:{srv.port}", "ops-tok")
         md = ops.md
-        ops.stub.Rollout(pb.RolloutRequest(action=pb.ROLLOUT_PIN, group="bob-*", step=5),
+        ops.stub.Rollout(pb.RolloutRequest(action=pb.ROLLOUT_PIN, group="bob-*", step=10),
                          metadata=md, timeout=10)  # fmt: skip
         ops.stub.Rollout(pb.RolloutRequest(action=pb.ROLLOUT_CANARY, group="carol-*"),
                          metadata=md, timeout=10)  # fmt: skip
         for token, full in (("ops-tok", True), ("relay-tok", True), ("alice-tok", False)):
             c = Client(f"127.0.0.1:{srv.port}", token)
             state = json.loads(c.stub.Status(pb.StatusRequest(), metadata=c.md).rollout_state)
-            assert (state["pins"] == [["bob-*", 5]]) == full, (token, state)
+            assert (state["pins"] == [["bob-*", 10]]) == full, (token, state)
             assert (state["canary"] == ["carol-*"]) == full, (token, state)
             assert state.get("redacted", False) != full
             assert state["version"] == 2  # (what it does see is the state as it is)
@@ -387,7 +387,7 @@ def test_status_shows_a_consume_credential_its_own_caps_and_no_other_groups(
             == grpc.StatusCode.PERMISSION_DENIED
         )
         bob = ops.stub.Status(pb.StatusRequest(consumer="bob-1"), metadata=md)
-        assert bob.cap_step == 5  # (admin: anyone's)
+        assert bob.cap_step == 10  # (admin: anyone's)
         alice.channel.close()
         ops.channel.close()
     finally:
