@@ -351,3 +351,39 @@ def test_a_relay_whose_upstream_goes_silent_says_it_lost_it(
         if relay is not None:
             relay.stop(0)
         srv.stop(0)
+
+
+def test_a_relay_below_a_gate_hold_waits_instead_of_pulling_in_a_loop(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Review 8 (stop 34) #2: the sidecar's gate holds at step 20 (NaN at 30); the relay's
+    mirror pulls came back empty, short of the upstream's head, and it pulled again at once:
+    hundreds of pulls a second, reported nowhere. It now waits for the head or the release
+    state to move: a release past the gate (--force) takes it on at once."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    ft.step(10, touch=25)
+    ft.step(20, touch=25)
+    ft.step(30, touch=25, poison=float("nan"))
+    ft.step(40, touch=25)
+    release = Release(redis_url)
+    srv = _sidecar(tmp_path, redis_url, release)
+    relay: RelayServer | None = None
+    try:
+        wait_for(lambda: srv.rollout.state().gate_bad_step == 30, 30, "the gate holds")
+        relay = _watched_relay(srv.endpoint, tmp_path / "relay", redis_url, release)
+        wait_for(lambda: at_step([relay.endpoint], 20), 30, "the relay at the last good step")  # type: ignore[union-attr]
+        m = relay.mirror
+        assert m is not None
+        time.sleep(0.5)
+        before = m.pulls
+        time.sleep(2.0)
+        assert m.pulls - before <= 2, m.pulls - before
+        release.change(
+            lambda st: ro.release(st, None, head_step=40, generation=ft.generation, force=True)
+        )
+        wait_for(lambda: at_step([relay.endpoint], 40), 30, "the relay past the gate")  # type: ignore[union-attr]
+    finally:
+        if relay is not None:
+            relay.stop(0)
+        srv.stop(0)

@@ -208,3 +208,37 @@ def test_answers_say_what_a_release_leaves_pinned_and_when_an_order_moves_a_grou
         assert "the group was pinned at step 20: this order moves it forward" in out
         assert main(["rollout", "rollback", "--group", "h-*", "--to-step", "30", *target]) == 0
         assert "moves it forward" not in capsys.readouterr().out
+
+
+def test_a_pin_or_release_inside_a_merged_segment_is_refused(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review 8 (stop 34) #8: a pin at a step inside a merged segment was recorded as asked,
+    and new consumers were served the entry before it, silently. It is refused, naming the
+    segment."""
+    from deltad.cli import main
+
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    for step in range(5, 45, 5):
+        ft.step(step, touch=10)
+    watch = Release(redis_url)
+    with sidecars(tmp_path / "spool", redis_url, 1, watch, restore_window_steps=0,
+                  merge_min_segments=2) as servers:  # fmt: skip
+        srv = servers[0]
+        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+        assert (
+            main(["rollout", "pin", "--group", "old-*", "--step", "10", "--target", srv.endpoint])
+            == 0
+        )
+        wait_for(lambda: bool(srv.rollout.state().pins), 10, "the pin applied")
+        for _ in range(50):
+            if not srv.retention.run_once():
+                break
+        snap = srv.log.snapshot()
+        assert snap is not None and [e.step for e in snap.entries] == [10, 40]
+        capsys.readouterr()
+        for argv in (["pin", "--group", "new-*", "--step", "25"], ["release", "--to-step", "25"]):
+            assert main(["rollout", *argv, "--target", srv.endpoint]) == 2
+            err = capsys.readouterr().err
+            assert "step 25 is not a state this log holds" in err and "inside merged" in err, err

@@ -491,4 +491,66 @@ def test_a_malformed_state_in_redis_is_an_offset_store_error_naming_the_key(
     with pytest.raises(OffsetStoreError, match=r"release state in Redis .* is malformed"):
         store.get()
     view = RolloutView(store, ttl_s=0.0)
-    assert view.state() == ReleaseState()  # the last state read stays (none yet: released)
+    # nothing read yet: not known (review 8, stop 34, #10: it counted as everything released)
+    assert not view.known and "is malformed" in view.unknown_reason
+    client.set(store.key, ReleaseState(release_step=3, held=True, version=1).to_json())
+    assert view.known and view.state().release_step == 3
+    client.set(store.key, '{"release_step":"x"}')
+    assert view.known and view.state().release_step == 3  # the last state read stays
+
+
+def test_a_sidecar_that_cannot_read_the_release_state_serves_nothing(
+    tmp_path: Path, redis_url: str
+) -> None:
+    import grpc
+    import redis as redis_py
+    from serverkit import server_config
+    from spoolkit import wait_for
+
+    from deltad.serve.edge.app import SidecarServer
+    from deltad.v1 import delta_pb2 as pb
+    from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+    SpoolWriter(tmp_path / "spool").delta()
+    client = redis_py.Redis.from_url(redis_url)
+    client.set(RolloutStore(client, "m").key, '{"pins":[["p-*",-5]]}')
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_url)).start()
+    try:
+        with grpc.insecure_channel(srv.endpoint) as ch:
+            stub = pb_grpc.DeltaServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.GetDelta(pb.GetDeltaRequest(consumer="c", form=pb.FORM_ROWS), timeout=10))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            why = e.value.details() or ""
+            assert "nothing is served until the release state is read" in why
+            assert "pins[0] step must be an integer >= 0" in why
+            client.delete(RolloutStore(client, "m").key)  # an operator removes it
+            req = pb.GetDeltaRequest(consumer="c", form=pb.FORM_ROWS)
+
+            def served() -> bool:
+                try:
+                    return bool(list(stub.GetDelta(req, timeout=10)))
+                except grpc.RpcError:
+                    return False
+
+            wait_for(served, 10, "served once the state is gone")
+    finally:
+        srv.stop(0)
+
+
+def test_a_gate_failure_of_the_base_is_a_state_the_parser_takes() -> None:
+    """Review 8 (stop 34) #1: a base that fails the gate holds at step -1 (nothing good);
+    the strict parser refused that state, and every control and reader failed after it."""
+    s = ro.gate_failed(ReleaseState(), generation=1, bad_step=0, good_step=-1, reason="nan")
+    assert (s.release_step, s.gate_good_step) == (-1, -1)
+    assert ReleaseState.from_json(s.to_json()) == s
+
+
+def test_a_group_rollback_wins_over_an_older_pin_of_a_narrower_group() -> None:
+    """Review 8 (stop 34) #5: pred-main-* pinned at 50, then pred-* rolled back to 30: the
+    older, narrower pin matched first and took pred-main consumers forward to 50 again."""
+    s = ro.pin(ReleaseState(), "pred-main-*", 50, head_step=60)
+    s = ro.rollback(s, 30, "pred-*", head_step=60)
+    assert cap_for(s, "pred-main-1") == ro.Cap(30, Rollback(30, "pred-*", 1))
+    assert cap_for(s, "pred-other-1").max_step == 30
+    assert cap_for(ro.unpin(s, "pred-*"), "pred-main-1").max_step == 50  # its own pin again

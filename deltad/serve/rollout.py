@@ -123,10 +123,11 @@ class ReleaseState:
         if not isinstance(held, bool):
             raise ValueError(f"release state: held must be true or false, not {held!r:.32}")
         return cls(
-            release_step=_step("release_step", d.get("release_step"), none=True),
+            # (-1: a base failed the gate, no step is good: gate_failed)
+            release_step=_step("release_step", d.get("release_step"), none=True, lo=-1),
             held=held,
             gate_reason=_text("gate_reason", d.get("gate_reason", "")),
-            gate_good_step=_step("gate_good_step", d.get("gate_good_step"), none=True),
+            gate_good_step=_step("gate_good_step", d.get("gate_good_step"), none=True, lo=-1),
             pins=tuple(
                 Pin(_text(f"pins[{i}] group", g), _step(f"pins[{i}] step", st))
                 for i, (g, st) in enumerate(_items("pins", d.get("pins", []), 2))
@@ -153,12 +154,12 @@ class ReleaseState:
         return replace(self, version=self.version + 1, **changes)
 
 
-def _step(name: str, value: Any, *, none: bool = False) -> Any:
-    """``value`` if it is a non-negative integer (or None where ``none``), else ValueError."""
+def _step(name: str, value: Any, *, none: bool = False, lo: int = 0) -> Any:
+    """``value`` if it is an integer >= ``lo`` (or None where ``none``), else ValueError."""
     if value is None and none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"release state: {name} must be an integer >= 0, not {value!r:.32}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"release state: {name} must be an integer >= {lo}, not {value!r:.32}")
     return value
 
 
@@ -410,7 +411,12 @@ def canary(state: ReleaseState, group: str, *, on: bool = True) -> ReleaseState:
 
 
 def rollback(
-    state: ReleaseState, to_step: int, group: str = "*", *, head_step: int | None
+    state: ReleaseState,
+    to_step: int,
+    group: str = "*",
+    *,
+    head_step: int | None,
+    first_epoch: int = 1,
 ) -> ReleaseState:
     """Order consumers matching ``group`` back to ``to_step`` and cap them there, so none
     rolls forward again until a release: for every consumer ("*"), the release step held
@@ -420,7 +426,12 @@ def rollback(
     comes back (:func:`order_for`)."""
     check_group(group)
     check_step(to_step, head_step)
+    # (``first_epoch``: where numbering starts in a state with no order in its history; the
+    # Rollout RPC passes the time in seconds, so a state lost or deleted from Redis never gives
+    # an epoch again that cursors recorded as followed)
     epoch = max([state.last_rollback_epoch, *(r.epoch for r in state.rollbacks)]) + 1
+    if not state.last_rollback_epoch and not state.rollbacks:
+        epoch = max(epoch, first_epoch)
     order = Rollback(to_step, group, epoch)
     # the orders it replaces: the same group's, or every order for "*" (a consumer follows
     # the newest order naming it, so they could never apply again)
@@ -437,7 +448,9 @@ def rollback(
             state, rollbacks=orders, release_step=to_step, held=True, canary=(), pins=pins,
             last_rollback_epoch=epoch,
         )  # fmt: skip
-    pins = (*(p for p in state.pins if p.group != group), Pin(group, to_step))
+    # (first: a pin of a narrower group, e.g. pred-main-* under pred-*, would take its
+    # consumers forward again past the order's step)
+    pins = (Pin(group, to_step), *(p for p in state.pins if p.group != group))
     return replace(state, rollbacks=orders, pins=pins, last_rollback_epoch=epoch)
 
 

@@ -15,6 +15,7 @@ rollback can restore, None: unknown) is shown in every answer and bounds a rollb
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -164,10 +165,15 @@ class RolloutControl:
             # window); the window's bounds otherwise
             reason = self.restore_check(step) if self.restore_check is not None else ""
             window = self.restore_window() if self.restore_window is not None else None
+            # outside the window only a step the release state holds (retention keeps it on
+            # every sidecar, relays mirror it): another one the log happens to hold (a lagging
+            # consumer's) may be gone from a relay's log
+            held = ro.served_steps(self.source.state(), gen)
             if (
-                self.restore_check is None
+                not reason
                 and window is not None
                 and not window[0] <= step <= window[1]
+                and self._state_step(step) not in {self._state_step(h) for h in held} - {None}
             ):
                 reason = (
                     f"step {step} is outside the restore window (steps {window[0]}..{window[1]})"
@@ -176,9 +182,18 @@ class RolloutControl:
                 raise RolloutError(f"cannot roll back to step {step}: {reason}")
             step, note = self._resolved(step)
             ordered = f"rollback of {group} to step {step} ordered{note}"
-            change = partial(ro.rollback, to_step=step, group=group, head_step=head_known)
+            change = partial(
+                ro.rollback, to_step=step, group=group, head_step=head_known,
+                first_epoch=int(time.time()),
+            )  # fmt: skip
             return change, lambda: ordered
         raise RolloutError(f"unknown rollout action {action}")
+
+    def _state_step(self, step: int) -> int | None:
+        """The published step whose state is the state at ``step`` (None: not held)."""
+        snap = self.log.snapshot()
+        got = LogView.of(snap).restore_point(step) if snap is not None else ""
+        return None if isinstance(got, str) else got[1]
 
     def _resolved(self, step: int) -> tuple[int, str]:
         """The step a control names, as recorded: the state at a step that was not published
@@ -187,6 +202,9 @@ class RolloutControl:
         log cannot tell."""
         snap = self.log.snapshot()
         got = LogView.of(snap).restore_point(step) if snap is not None else ""
+        if isinstance(got, str) and "inside merged segment" in got:
+            # (a cap there would serve the entry before the merged one: not step's state)
+            raise RolloutError(f"step {step} is not a state this log holds: {got}")
         if isinstance(got, str) or got[1] == step:
             return step, ""
         return got[1], f" (step {step} was not published: its state is that of step {got[1]})"
@@ -219,7 +237,8 @@ class RolloutControl:
             return f"; still pinned (unpin --group G to release them): {pins}"
         if action == A.ROLLOUT_ROLLBACK and req.group and req.group != "*":
             was = next((p.step for p in old.pins if p.group == req.group), None)
-            if was is not None and was < req.step:
+            now = next((p.step for p in new.pins if p.group == req.group), None)
+            if was is not None and now is not None and was < now:
                 return f"; the group was pinned at step {was}: this order moves it forward"
         return ""
 

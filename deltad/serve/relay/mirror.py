@@ -118,6 +118,10 @@ class RelayMirror:
         self.bytes = 0
         self.upstream_head: tuple[int, int, int] | None = None
         self._up_lost = ""
+        #: (generation, head seq, release-state version) of the upstream when a pull came
+        #: back short of its head with nothing new (its gate caps the mirror): nothing to
+        #: pull until the head or the release state moves (no hot loop under a gate hold)
+        self._capped: tuple[int, int, int] | None = None
 
     @property
     def written(self) -> int:
@@ -219,12 +223,13 @@ class RelayMirror:
         self._up_lost = st.upstream_lost  # (a relay above that lost its own upstream)
         loc = self.spool.head
         head = (st.generation, st.head_seq)
+        capped = self._capped == (st.generation, st.head_seq, st.rollout_version)
         if st.head_seq < 0 or (
             loc is not None
             and st.generation == loc.generation
-            and st.head_seq <= loc.seq
+            and (st.head_seq <= loc.seq or capped)
             and up.committed is not None
-            and up.committed >= head
+            and (up.committed >= head or capped)
         ):
             if not up.keep_lease():
                 self._register()  # the lease expired: take it again
@@ -267,6 +272,8 @@ class RelayMirror:
             and up.committed >= (loc.generation, loc.seq)
         )
         after = (loc.generation, loc.seq) if idle and loc is not None else None
+        if after is not None and self._capped is not None:
+            after = max(after, self._capped[:2])  # (wait past the head the gate holds back)
         return up.status(after, self._rollout_version)
 
     def _stop_at(self, st: pb.StatusResponse) -> int | None:
@@ -351,6 +358,8 @@ class RelayMirror:
             return
         elif d.to_seq > loc.seq:
             self.spool.write_delta(d, created)
+        elif not d.resync and d.to_seq < st.head_seq:  # nothing new, short of the head
+            self._capped = (st.generation, st.head_seq, st.rollout_version)
         self._needs_base = False
         if _worth_commit(d):
             self.upstream.pending = wire.cursor_to_pb(d.cursor)

@@ -37,7 +37,11 @@ class RolloutSource(Protocol):
     not heard its upstream's state (it serves nothing then); ``state_json``: the state for
     Status and ``rollout status`` (:data:`UNKNOWN_JSON` while not known)."""
 
-    known: bool
+    @property
+    def known(self) -> bool: ...
+
+    @property
+    def unknown_reason(self) -> str: ...
 
     def state(self) -> ReleaseState: ...
 
@@ -121,10 +125,9 @@ def _parsed(key: str, raw: str | bytes) -> ReleaseState:
 
 class RolloutView:
     """A sidecar's cached view of the stored state: re-read at most every ``ttl_s``; while
-    Redis does not answer, the last state read stays in force (logged once)."""
-
-    #: (a sidecar's state is Redis's: the default until read, everything released)
-    known = True
+    Redis does not answer, the last state read stays in force (logged once). Until one read
+    succeeded the state is not ``known`` (a malformed stored state at start: nothing is
+    served, rather than everything)."""
 
     def __init__(self, store: RolloutStore, ttl_s: float = VIEW_TTL_S) -> None:
         self.store = store
@@ -133,6 +136,17 @@ class RolloutView:
         self._state = ReleaseState()
         self._read_at = -float("inf")
         self._failing = False
+        self._read_once = False
+        self._problem = "not read yet"
+
+    @property
+    def known(self) -> bool:
+        self.state()
+        return self._read_once
+
+    @property
+    def unknown_reason(self) -> str:
+        return f"nothing is served until the release state is read: {self._problem}"[:512]
 
     def state(self) -> ReleaseState:
         now = time.monotonic()
@@ -143,6 +157,7 @@ class RolloutView:
                 return self._state
             try:
                 self._state = self.store.get(attempts=1)  # fail fast: the last one stays
+                self._read_once = True
                 if self._failing:
                     log.info("release state readable again (version %d)", self._state.version)
                 self._failing = False
@@ -150,6 +165,7 @@ class RolloutView:
                 if not self._failing:
                     log.warning("release state unreadable, the last one read stays: %s", e)
                 self._failing = True
+                self._problem = str(e)
             self._read_at = time.monotonic()
             return self._state
 
@@ -161,6 +177,7 @@ class RolloutView:
         with self._lock:
             if state.version >= self._state.version:
                 self._state, self._read_at = state, time.monotonic()
+                self._read_once = True
 
 
 class FollowedRollout:
@@ -186,6 +203,12 @@ class FollowedRollout:
 
     def state(self) -> ReleaseState:
         return self._state
+
+    #: (why nothing is served while not ``known``)
+    unknown_reason = (
+        "this relay has not heard its upstream's release state yet (is the upstream "
+        "reachable?): nothing is served until it has"
+    )
 
     def state_json(self) -> str:
         """The state for this relay's own Status: :data:`UNKNOWN_JSON` while not known."""

@@ -81,6 +81,7 @@ class _Released:
     """Everything released (no rollout state known)."""
 
     known = True
+    unknown_reason = ""
 
     def state(self) -> ReleaseState:
         return ReleaseState()

@@ -179,15 +179,12 @@ class WindowServer:
         """The window to serve after ``stored``, within the consumer's release cap; aborts
         when the cap is older than the log's base or the decision is a refusal."""
         consumer, gen = req.consumer, snap.generation
-        if not req.mirror and not self.caps.rollout.known:
+        rollout = self.caps.rollout
+        if not req.mirror and not rollout.known:
             # a relay that never heard its upstream's release state (a fresh spool, the
-            # upstream unreachable) cannot tell a held step from a released one
-            _abort(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                "this relay has not heard its upstream's release state yet (is the upstream "
-                "reachable?): nothing is served until it has",
-            )
+            # upstream unreachable), or a sidecar that could not read Redis's since it
+            # started, cannot tell a held step from a released one
+            _abort(context, grpc.StatusCode.UNAVAILABLE, rollout.unknown_reason)
         # the release state and the validation gate bound the window (a window past
         # the cap is never served; a cursor past it gets an empty window at the cursor)
         # (cap.rollback: the rollback order this consumer must follow first, whatever
