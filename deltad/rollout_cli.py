@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     if resp.restore_oldest_step >= 0:
         print(
             f"restorable: steps {resp.restore_oldest_step}..{resp.restore_newest_step} "
-            "(this rank's log; rollback --to-step S within them)"
+            "(this rank's log; rollback --to-step S within them, or to a step the release "
+            "state holds)"
         )
     if json.loads(resp.state or "{}").get("unknown"):  # a relay not yet told by its upstream
         print("release state: not heard from the upstream yet (nothing is served)")
