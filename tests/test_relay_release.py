@@ -46,21 +46,6 @@ def _sidecar(tmp_path: Path, redis_url: str, release: Release) -> SidecarServer:
     return srv
 
 
-def _watched_relay(
-    upstream: str, spool: Path, redis_url: str, release: Release, window: int = 0
-) -> RelayServer:
-    """A relay (its own Redis keyspace) with a restore window of ``window`` steps (0: none),
-    under ``release``."""
-    cfg = server_config(spool, db(redis_url, 1), grace_period_s=0.2, restore_window_steps=window)
-    relay = RelayServer(
-        cfg,
-        RelayConfig(upstream=upstream, consumer="relay", poll_interval_s=0.02, fsync=False,
-                    backoff_initial_s=0.05, backoff_max_s=0.5),
-    ).start()  # fmt: skip
-    release.watch(relay.server)
-    return relay
-
-
 def _relay(upstream: str, spool: Path, redis_url: str) -> RelayServer:
     """A relay as relay_of makes it, not waited for (its upstream may be down)."""
     cfg = server_config(spool, db(redis_url, 1), grace_period_s=0.2)
@@ -89,7 +74,7 @@ def test_a_relay_started_during_a_hold_serves_the_held_step_and_canaries_the_hea
     relay: RelayServer | None = None
 
     def start(spool: Path) -> RelayServer:
-        return _watched_relay(srv.endpoint, spool, redis_url, release, window)
+        return relay_of(srv.endpoint, spool, 0, redis_url, release, window)
 
     try:
         wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
@@ -298,7 +283,7 @@ def test_a_relay_started_during_a_hold_at_an_unpublished_step_reaches_the_head(
     try:
         wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
         release.change(lambda st: replace(st, release_step=25, held=True))
-        relay = _watched_relay(srv.endpoint, tmp_path / "relay", redis_url, release)
+        relay = relay_of(srv.endpoint, tmp_path / "relay", 0, redis_url, release, window=0)
         wait_for(lambda: at_step([relay.endpoint], 40), 30, "the relay at the head")  # type: ignore[union-attr]
         snap = relay.server.log.snapshot()
         assert snap is not None and [e.step for e in snap.entries] == [20, 40]
@@ -371,7 +356,7 @@ def test_a_relay_below_a_gate_hold_waits_instead_of_pulling_in_a_loop(
     relay: RelayServer | None = None
     try:
         wait_for(lambda: srv.rollout.state().gate_bad_step == 30, 30, "the gate holds")
-        relay = _watched_relay(srv.endpoint, tmp_path / "relay", redis_url, release)
+        relay = relay_of(srv.endpoint, tmp_path / "relay", 0, redis_url, release, window=0)
         wait_for(lambda: at_step([relay.endpoint], 20), 30, "the relay at the last good step")  # type: ignore[union-attr]
         m = relay.mirror
         assert m is not None

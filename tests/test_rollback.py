@@ -257,11 +257,12 @@ def test_a_group_rollback_moves_only_the_group_and_a_relay_passes_it_through(
 
 
 def relay_of(
-    upstream: str, spool: Path, rank: int, redis_url: str, release: Release
+    upstream: str, spool: Path, rank: int, redis_url: str, release: Release, window: int = 1000
 ) -> RelayServer:
-    """A relay (its own Redis keyspace) with a restore window, under ``release``."""
+    """A relay (its own Redis keyspace) with a restore window of ``window`` steps (0: none),
+    under ``release``."""
     cfg = server_config(
-        spool, db(redis_url, rank + 1), rank=rank, grace_period_s=0.2, restore_window_steps=1000
+        spool, db(redis_url, rank + 1), rank=rank, grace_period_s=0.2, restore_window_steps=window
     )
     relay = RelayServer(
         cfg,
