@@ -273,6 +273,12 @@ class SyncLoop:
                     raise ConsumerError(f"serving forward failed: {self.forwards.error!r}")
             summary = self.summary()
             self._emit(summary)
+            if self.served_step is None and (
+                c.final_tables or (c.serving and c.serving.final_state)
+            ):
+                # (no pull was served: files of tables nobody sent would pass for served ones)
+                log.warning("no pull was served: --final-tables / --final-state not written")
+                return summary
             if c.final_tables is not None:
                 save_tables(self.applier.tables(), c.final_tables)
             if c.serving is not None and c.serving.final_state is not None:

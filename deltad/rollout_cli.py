@@ -176,8 +176,9 @@ def run(args: argparse.Namespace) -> int:
             "(this rank's log; rollback --to-step S within them, or to a step the release "
             "state holds)"
         )
-    if json.loads(resp.state or "{}").get("unknown"):  # a relay not yet told by its upstream
-        print("release state: not heard from the upstream yet (nothing is served)")
+    unknown = json.loads(resp.state or "{}")
+    if unknown.get("unknown"):  # a relay not yet told by its upstream, Redis's unreadable
+        print(f"release state: {unknown.get('why', 'not known')} (nothing is served)")
         return 0
     for line in describe(state):
         print(line)

@@ -280,7 +280,8 @@ def rollout_lines(s: pb.StatusResponse) -> list[str]:
 
     d = json.loads(s.rollout_state)
     if d.get("unknown"):
-        return ["rollout:", "  release state: not heard from the upstream yet (nothing is served)"]
+        why = d.get("why", "not known")
+        return ["rollout:", f"  release state: {why} (nothing is served)"]
     redacted = bool(d.get("redacted", False))
     state = ReleaseState.from_json(s.rollout_state)
     lines = ["rollout:"] + [f"  {line}" for line in describe(state, redacted=redacted)]

@@ -262,18 +262,20 @@ def test_consume_whose_every_pull_is_refused_exits_1_with_the_reason(
     says why. Once a pull is served, the same command exits 0."""
     srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
     sidecar_of.append(srv.start())
+    final = tmp_path / "final.pt"
     cmd = [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "c", "--model", "m",
            "--pulls", "2", "--interval", "0.1", "--discovery-timeout", "5",
-           "--sidecar", srv.endpoint]  # fmt: skip
+           "--sidecar", srv.endpoint, "--final-tables", str(final)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=120)
     assert out.returncode == 1, out.stderr
     assert "no pull was served (2 pulls); the last: rank 0: nothing published yet" in out.stderr
     assert "Traceback" not in out.stderr
+    assert not final.exists()  # (tables nobody sent would pass for served ones)
     FakeTrainer(tmp_path / "spool", world_size=1).start(0)
     wait_for(lambda: srv.log.snapshot() is not None, 30, "the first segment")
     out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "no pull was served" not in out.stderr
+    assert "no pull was served" not in out.stderr and final.exists()
 
 
 def test_a_client_that_aborts_its_stream_is_counted_as_cancelled(

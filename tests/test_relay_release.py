@@ -372,3 +372,42 @@ def test_a_relay_below_a_gate_hold_waits_instead_of_pulling_in_a_loop(
         if relay is not None:
             relay.stop(0)
         srv.stop(0)
+
+
+def test_a_relay_whose_upstream_lost_its_cursor_keeps_its_log(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Review 9 (stop 34) #2: a relay whose upstream lost its cursor (a relay above it
+    restarted on a fresh spool, with a fresh Redis) got the full tables and replaced its log
+    with a base at the head: held steps and restore points gone, held predictors resynced
+    past the hold. It now puts the full tables in as one segment after its head: its log
+    keeps what it held, and a predictor held at 20 is still served 20."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    release = Release(redis_url)
+    srv = _sidecar(tmp_path, redis_url, release)
+    relay: RelayServer | None = None
+    try:
+        relay = relay_of(srv.endpoint, tmp_path / "relay", 0, redis_url, release, window=0)
+        for step in (10, 20, 30):
+            ft.step(step, touch=25)
+            wait_for(lambda s=step: at_step([relay.endpoint], s), 30, f"the relay at {step}")  # type: ignore[misc,union-attr]
+        release.change(lambda st: replace(st, release_step=20, held=True))
+        snap = relay.server.log.snapshot()
+        assert snap is not None
+        before = [e.step for e in snap.entries]
+        assert 20 in before
+        assert srv.store.forget("relay", 1)  # the upstream loses the relay's cursor
+        ft.step(40, touch=25)
+        wait_for(lambda: at_step([relay.endpoint], 40), 30, "the relay at 40")  # type: ignore[union-attr]
+        snap = relay.server.log.snapshot()
+        assert snap is not None and [e.step for e in snap.entries] == [*before, 40]
+        with predictor("new-1", [relay.endpoint]) as c:
+            a = TensorDictApplier()
+            assert c.sync(a.apply).step == 20 and equal(a, ft.history[20])
+            release.change(lambda st: replace(st, release_step=None, held=False))
+            assert c.sync(a.apply).step == 40 and equal(a, ft.history[40])
+    finally:
+        if relay is not None:
+            relay.stop(0)
+        srv.stop(0)

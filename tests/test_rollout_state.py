@@ -423,6 +423,11 @@ def test_a_window_past_the_cap_is_told_apart_from_a_cursor_already_past_it() -> 
     held = decide_window(WindowAsk("p", max_step=10), cursor, log)
     assert not past_cap(held, cursor, log, 10)  # an empty window at its cursor
     assert not past_cap(fresh, None, log, None) and not past_cap(fresh, None, log, 30)
+    # a consumer at the cap whose state the log lost (its relay re-based past it: review 9,
+    # stop 34, #2) was served the base past the cap; it is refused now
+    below = StoredCursor(generation=1, seq=2, step=20, pull_id="x")
+    lost = decide_window(WindowAsk("p", max_step=25), below, log)
+    assert lost.resync and lost.to_step == 30 and past_cap(lost, below, log, 25)
 
 
 def test_a_relay_told_a_redacted_state_says_so_once_and_follows_the_release_step(
@@ -493,6 +498,13 @@ def test_a_malformed_state_in_redis_is_an_offset_store_error_naming_the_key(
     view = RolloutView(store, ttl_s=0.0)
     # nothing read yet: not known (review 8, stop 34, #10: it counted as everything released)
     assert not view.known and "is malformed" in view.unknown_reason
+    # ... and its Status says so: relays keep their state (review 9: they took "released")
+    shown = json.loads(view.state_json())
+    assert shown["unknown"] and "unreadable in Redis" in shown["why"]
+    follow = FollowedRollout(None)
+    follow.follow(ReleaseState(release_step=9, held=True, version=4).to_json())
+    follow.follow(view.state_json())
+    assert follow.known and follow.state().release_step == 9
     client.set(store.key, ReleaseState(release_step=3, held=True, version=1).to_json())
     assert view.known and view.state().release_step == 3
     client.set(store.key, '{"release_step":"x"}')

@@ -224,7 +224,7 @@ class RolloutControl:
         known = f"the {len(names)} consumers of this sidecar, relays' predictors not counted"
         if n == 0:
             log.warning("rollout: group %s matches none of %s", group, known)
-            return f"; {group} matches none of {known} (a typo?)"
+            return f"; {group} matches none of {known}" + ("" if group == "*" else " (a typo?)")
         return f"; {group} matches {n} of {known}"
 
     @staticmethod

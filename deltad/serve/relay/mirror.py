@@ -345,8 +345,14 @@ class RelayMirror:
                 f"the relay's {loc.generation}"
             )
         elif d.resync:
-            if d.to_seq > loc.seq:
+            if d.to_seq > loc.seq and self._needs_base:  # (asked: the relay's spool is new)
                 self.spool.write_base(d, created, None)
+            elif d.to_seq > loc.seq:
+                # not asked: the upstream lost the relay's cursor (a relay above restarted on
+                # a fresh spool) or it fell behind the upstream's base. The full tables at
+                # to_seq go in as one segment after the relay's head, so its log keeps the
+                # steps before (held steps, restore points) instead of being replaced
+                self.spool.write_delta(d, created)
         elif d.from_seq > loc.seq:
             log.warning(
                 "upstream cursor seq %d is past the relay's head %d (its spool was lost?): "

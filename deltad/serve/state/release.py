@@ -170,6 +170,11 @@ class RolloutView:
             return self._state
 
     def state_json(self) -> str:
+        """The state for Status; while not known (never read: a malformed value in Redis),
+        "unknown" with why, so relays keep the state they have rather than take the default
+        "everything released" as the model's."""
+        if not self.known:
+            return unknown_json(f"unreadable in Redis: {self._problem}")
         return self.state().to_json()
 
     def set(self, state: ReleaseState) -> None:
@@ -245,4 +250,9 @@ class FollowedRollout:
 
 
 #: A relay's Status while it has not heard its upstream's release state (FollowedRollout).
-UNKNOWN_JSON = '{"unknown":true}'
+UNKNOWN_JSON = '{"unknown":true,"why":"not heard from the upstream yet"}'
+
+
+def unknown_json(why: str) -> str:
+    """The Status form of a state not known, saying why (relays below keep what they have)."""
+    return json.dumps({"unknown": True, "why": why[:300]}, separators=(",", ":"))

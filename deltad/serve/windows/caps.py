@@ -66,11 +66,14 @@ def within_cap(
 
 
 def past_cap(d: WindowDecision, stored: StoredCursor | None, log: LogView, cap: int | None) -> bool:
-    """Whether ``d`` would take the consumer past ``cap`` (further than its own cursor is
-    already: the log holds nothing at or below the cap for it)."""
+    """Whether ``d`` would take the consumer past ``cap``: a consumer at or below the cap,
+    or one past it that ``d`` takes further than its cursor's entry (the log holds nothing
+    at or below the cap for it)."""
     if cap is None or d.to_step <= cap:
         return False
-    if stored is not None and stored.generation == d.generation:
+    # (only a consumer already past the cap may be served the entry its cursor is in: one
+    # at or below the cap whose state the log no longer holds would be moved past it)
+    if stored is not None and stored.generation == d.generation and stored.step > cap:
         first = next((e for e in log.entries if e[0] >= stored.seq), None)
         if first is not None and d.to_seq <= first[0]:
             return False
