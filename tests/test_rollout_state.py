@@ -235,6 +235,8 @@ def test_rollback_orders_of_distinct_groups_are_bounded() -> None:
         ("a[]b", "opens a '\\[' it never closes"),  # (fnmatch: "]" first is a member)
         ("pred-[!]", "opens a '\\[' it never closes"),
         ("pred-[]]", "is not a set of name characters"),
+        ("pred-[9-0]*", "is not a set of name characters"),  # (a reversed range: empty)
+        ("pred-[!A-Za-z0-9_.-]*", "is not a set of name characters"),  # (every name char)
         ("pred-[*]", "is not a set of name characters"),
     ],
 )
@@ -244,7 +246,8 @@ def test_a_glob_that_can_match_no_consumer_name_is_refused(group: str, message: 
 
 
 @pytest.mark.parametrize(
-    "group", ["*", "pred-*", "p?ed-[0-9]*", "pred-[!c]*", "a.b_c-d", "x[]a]*", "x[!]a]*"]
+    "group",
+    ["*", "pred-*", "p?ed-[0-9]*", "pred-[!c]*", "a.b_c-d", "x[]a]*", "x[!]a]*", "p[a-]*", "p[-9]"],
 )
 def test_globs_that_can_match_names_are_taken(group: str) -> None:
     assert ro.pin(ReleaseState(), group, 1, head_step=5).pins[0].group == group

@@ -305,7 +305,8 @@ def _check_matchable(group: str) -> None:
             if k < 0:
                 raise RolloutError(f"group {group[:64]!r} opens a '[' it never closes")
             inner = group[j:k]
-            if not negated and not any(x in _NAME_CHARS for x in inner):
+            members = _members(inner)
+            if not (_NAME_CHARS - members if negated else _NAME_CHARS & members):
                 raise RolloutError(
                     f"group {group[:64]!r} can match no consumer: '[{group[i + 1 : k]}]' "
                     "is not a set of name characters"
@@ -313,6 +314,22 @@ def _check_matchable(group: str) -> None:
             i = k + 1
             continue
         i += 1
+
+
+def _members(inner: str) -> frozenset[str]:
+    """The name characters a bracket set's inside ``inner`` holds, as fnmatch reads it
+    (``a-z`` a range; a reversed one, ``9-0``, holds nothing)."""
+    out: set[str] = set()
+    i = 0
+    while i < len(inner):
+        if i + 2 < len(inner) and inner[i + 1] == "-":
+            lo, hi = inner[i], inner[i + 2]
+            out |= {c for c in _NAME_CHARS if lo <= c <= hi}
+            i += 3
+        else:
+            out.add(inner[i])
+            i += 1
+    return frozenset(out)
 
 
 def check_step(step: int, head_step: int | None) -> int:
