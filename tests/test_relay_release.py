@@ -143,12 +143,16 @@ def test_a_relay_restarted_while_its_upstream_is_down_keeps_the_hold_it_followed
             assert "has not heard its upstream's release state" in (e.value.details() or "")
             st = stub.Status(pb.StatusRequest(), timeout=10)
             assert '"unknown":true' in st.rollout_state
+        # a predictor there is told why (review 9: "nothing published yet" on an empty one)
+        with predictor("new-3", [relay.endpoint]) as c:
+            r = c.pull()
+            assert "not heard from the upstream yet" in r.missing.get(0, ""), r.missing
         from deltad import status
 
         st, consumers = status.fetch(relay.endpoint)
         assert "not heard from the upstream yet" in "\n".join(status.rollout_lines(st))
         rows = [ln.split() for ln in status.render(st, consumers).splitlines()]
-        caps = [r[-1] for r in rows if r and r[0] in ("new-1", "new-2")]
+        caps = [r[-1] for r in rows if r and r[0] in ("new-1", "new-2", "new-3")]
         assert caps and set(caps) == {"-"}, caps  # (not "head": it serves nobody)
     finally:
         if relay is not None:

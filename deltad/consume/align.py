@@ -22,9 +22,13 @@ class Alignment:
 
 
 def unaligned(statuses: list[RankStatus]) -> dict[int, str]:
-    """Why each rank cannot be pulled aligned yet (empty: it can): nothing published yet,
-    or ranks at different generations."""
+    """Why each rank cannot be pulled aligned yet (empty: it can): its server does not know
+    the release state (it serves nothing), nothing published yet, or ranks at different
+    generations."""
     generations = {s.generation for s in statuses}
+    unknown = {s.rank: f"release state {s.state_unknown}" for s in statuses if s.state_unknown}
+    if unknown:  # (served nothing until it is known: say why, not "nothing published")
+        return unknown
     if len(generations) <= 1 and all(s.head_seq >= 0 for s in statuses):
         return {}
     return {

@@ -11,6 +11,7 @@ whose channel was opened with older files gets a new channel).
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -76,6 +77,9 @@ class RankStatus:
     #: this consumer be served (None: the head; deltad.serve.rollout), and that state's version.
     cap_step: int | None = None
     rollout_version: int = 0
+    #: Why the server does not know the release state ("" if it does): a relay that has not
+    #: heard its upstream's, a sidecar that cannot read Redis's; it serves nothing meanwhile.
+    state_unknown: str = ""
 
     @property
     def head_created_unix(self) -> float:
@@ -337,6 +341,7 @@ class Sidecars:
             steps=tuple(int(x) for x in s.steps),
             cap_step=cap,
             rollout_version=int(s.rollout_version),
+            state_unknown=_unknown(s.rollout_state),
         )
 
     def check(self, r: RankLink, s: pb.StatusResponse) -> None:
@@ -478,3 +483,13 @@ def retry_after(e: grpc.RpcError) -> float | None:
     except (ValueError, TypeError, AttributeError):
         pass
     return None
+
+
+def _unknown(rollout_state: str) -> str:
+    """Why a Status's release state is not known ("" if it is, or is not sent)."""
+    if '"unknown":true' not in rollout_state:
+        return ""
+    try:
+        return str(json.loads(rollout_state).get("why", "not known"))[:300]
+    except ValueError:
+        return "not known"
