@@ -160,6 +160,7 @@ def test_a_relay_restarted_while_its_upstream_is_down_keeps_the_hold_it_followed
         srv.stop(0)
 
 
+@pytest.mark.slow  # (waits out a keepalive / a reconnect: 10-25 s)
 def test_a_relay_that_lost_its_upstream_says_so_to_predictors_status_and_metrics(
     tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -301,6 +302,7 @@ def test_a_relay_started_during_a_hold_at_an_unpublished_step_reaches_the_head(
         srv.stop(0)
 
 
+@pytest.mark.slow  # (waits out a keepalive / a reconnect: 10-25 s)
 def test_a_relay_whose_upstream_goes_silent_says_it_lost_it(
     tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
