@@ -189,10 +189,14 @@ class RolloutControl:
             return change, lambda: ordered
         raise RolloutError(f"unknown rollout action {action}")
 
+    def _restore_point(self, step: int) -> tuple[int, int] | str:
+        """This rank's log's restore point of ``step`` (LogView.restore_point; "" no log)."""
+        snap = self.log.snapshot()
+        return LogView.of(snap).restore_point(step) if snap is not None else ""
+
     def _state_step(self, step: int) -> int | None:
         """The published step whose state is the state at ``step`` (None: not held)."""
-        snap = self.log.snapshot()
-        got = LogView.of(snap).restore_point(step) if snap is not None else ""
+        got = self._restore_point(step)
         return None if isinstance(got, str) else got[1]
 
     def _resolved(self, step: int) -> tuple[int, str]:
@@ -200,8 +204,7 @@ class RolloutControl:
         is that of the newest published before it, so that step is recorded (a relay mirrors
         to it, retention keeps it) and the answer says so; ``step`` itself if this rank's
         log cannot tell."""
-        snap = self.log.snapshot()
-        got = LogView.of(snap).restore_point(step) if snap is not None else ""
+        got = self._restore_point(step)
         if isinstance(got, str) and "inside merged segment" in got:
             # (a cap there would serve the entry before the merged one: not step's state)
             raise RolloutError(f"step {step} is not a state this log holds: {got}")

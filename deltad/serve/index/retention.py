@@ -96,7 +96,10 @@ class Retention:
         except OffsetStoreError as e:
             log.warning("retention skipped: %s", e)
             return None
-        pins = sorted({*pins, *self._rollback_pins(snap), *self._release_pins(snap)})
+        if self.release is not None:  # (one read of the state, one view of the log)
+            state, view = self.release(), LogView.of(snap)
+            held = self._rollback_pins(snap, view, state) | self._release_pins(view, state)
+            pins = sorted({*pins, *held})
         base, deltas = snap.base, snap.entries[1:]
         floor = pins[0] if pins else snap.head.seq
         limit = merge_limit(snap, steps=self.restore_steps, seconds=self.restore_seconds)
@@ -119,27 +122,22 @@ class Retention:
             lo = hi
         return None
 
-    def _release_pins(self, snap: LogSnapshot) -> set[int]:
+    def _release_pins(self, view: LogView, state: ReleaseState) -> set[int]:
         """The seqs of the states the release state serves (deltad.serve.rollout.served_steps)
         that this log holds."""
-        if self.release is None:
-            return set()
-        view = LogView.of(snap)
         out: set[int] = set()
-        for step in served_steps(self.release(), snap.generation):
+        for step in served_steps(state, view.generation):
             target = view.restore_point(step)
             if not isinstance(target, str):
                 out.add(target[0])
         return out
 
-    def _rollback_pins(self, snap: LogSnapshot) -> set[int]:
+    def _rollback_pins(self, snap: LogSnapshot, view: LogView, state: ReleaseState) -> set[int]:
         """The seqs of the rollback orders' restore points that a live consumer has still to
         follow on this rank (the newest order naming it, past its step, not recorded as
         followed); empty if the log cannot restore them."""
-        state = self.release() if self.release is not None else None
-        if state is None or not state.rollbacks:
+        if not state.rollbacks:
             return set()
-        view = LogView.of(snap)
         targets: dict[int, int] = {}
         for rb in state.rollbacks:
             t = view.restore_point(rb.to_step)
