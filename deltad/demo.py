@@ -375,12 +375,12 @@ def _set(bar: Any, n: int, postfix: str | None = None) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 only if its checks hold."""
     check_args(args)
+    kind: type[Demo] = Demo
     if getattr(args, "scenario", "default") == "bad-update":
-        from deltad import demo_rollout
+        from deltad.demo_rollout import BadUpdateDemo
 
-        with terminate_as_interrupt():
-            return demo_rollout.run(args)
-    demo = Demo(args)
+        kind = BadUpdateDemo
+    demo = kind(args)
     try:
         with terminate_as_interrupt():
             return demo.run()

@@ -295,16 +295,3 @@ def _all_at(logs: dict[Any, _StepLog], step: int) -> bool:
     for lg in logs.values():
         lg.refresh()
     return all(lg.step == step for lg in logs.values())
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the scenario; 0 only if its checks hold."""
-    demo = BadUpdateDemo(args)
-    try:
-        return demo.run()
-    except DemoFailed as e:
-        output.line(f"deltad demo: {e}; {demo.discard(keep_logs=True)}", level="ERROR")
-        return 1
-    except KeyboardInterrupt:
-        output.line(f"deltad demo: interrupted; {demo.discard()}", level="WARNING")
-        return 130

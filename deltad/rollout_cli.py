@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 
 import grpc
 
 from deltad.clientauth import ClientAuth
-from deltad.config import MAX_COUNT, Range, check_client_auth
+from deltad.config import MAX_COUNT, Range
 from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.serve.rollout import ReleaseState, describe
 from deltad.status import ENDPOINTS as STATUS_ENDPOINTS
 from deltad.status import RANGES as STATUS_RANGES
-from deltad.status import add_connection_arguments
+from deltad.status import add_connection_arguments, connection_auth
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
@@ -144,17 +142,8 @@ def call(
 
 
 def run(args: argparse.Namespace) -> int:
-    # the token: --token-file or DELTAD_TOKEN (never on the command line)
-    args.token = None if args.token_file else (os.environ.get("DELTAD_TOKEN") or None)
     req = request(args)  # a usage error first, before any credential is looked at
-    check_client_auth("--", args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
-    auth = ClientAuth(
-        token=args.token,
-        token_file=args.token_file,
-        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-    )
+    auth = connection_auth(args)
     resp = call(args.target, req, auth=auth, timeout=args.timeout)
     state = ReleaseState.from_json(resp.state)
     if args.json:

@@ -76,6 +76,21 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per RPC")
 
 
+def connection_auth(args: argparse.Namespace) -> ClientAuth:
+    """The credentials of :func:`add_connection_arguments`' flags: the token from
+    ``--token-file`` or else ``DELTAD_TOKEN`` (never on the command line), checked
+    (ConfigError names the flag at fault)."""
+    token = None if args.token_file else (os.environ.get("DELTAD_TOKEN") or None)
+    check_client_auth("--", token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
+    return ClientAuth(
+        token=token,
+        token_file=args.token_file,
+        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
+
+
 def fetch(
     target: str,
     *,
@@ -317,15 +332,7 @@ def forget(
 
 
 def run(args: argparse.Namespace) -> int:
-    args.token = None if args.token_file else (os.environ.get("DELTAD_TOKEN") or None)
-    check_client_auth("--", args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key)
-    auth = ClientAuth(
-        token=args.token,
-        token_file=args.token_file,
-        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-    )
+    auth = connection_auth(args)
     if args.forget is not None:
         gone = forget(args.target, args.forget, auth=auth, timeout=args.timeout)
         print(f"consumer {args.forget}: {'forgotten' if gone else 'not known'}")
