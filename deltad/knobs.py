@@ -28,6 +28,10 @@ The knobs (default in brackets):
 * ``STATUS_WAITERS`` [64]: long-polling Status calls a sidecar holds at once (each holds an RPC
   worker thread; past it a Status answers at once and says it did not wait; >= 0).
 * ``STATUS_MAX_WAIT_S`` [30]: longest a long-polling Status call is held (> 0).
+* ``SIDE_STREAMS`` [8]: streams outside deltad's own service (health ``Watch``, reflection) a
+  sidecar holds at once: each holds an RPC worker thread for as long as its client keeps it
+  open, so past this many a new one is refused with RESOURCE_EXHAUSTED, and the threads that
+  serve GetDelta, Status and the health checks stay free (>= 0; 0 = none served).
 * ``IDLE_HEAP_TRIM_S`` [30]: the sidecar hands the free heap malloc keeps (freed windows and
   merges: :mod:`deltad.perf` tunes malloc to keep it for the next pull) back to the kernel once
   no GetDelta stream has run for this many seconds (0 = never; >= 0),
@@ -108,6 +112,7 @@ MAX_PENDING_FOLDS: int = _knob("MAX_PENDING_FOLDS", 16, int, lambda v: v >= 1)
 MERGE_MAX_BYTES_PER_ROUND: int = _knob("MERGE_MAX_BYTES_PER_ROUND", 1 << 30, int, lambda v: v >= 1)
 STATUS_WAITERS: int = _knob("STATUS_WAITERS", 64, int, lambda v: v >= 0)
 STATUS_MAX_WAIT_S: float = _knob("STATUS_MAX_WAIT_S", 30.0, float, lambda v: v > 0)
+SIDE_STREAMS: int = _knob("SIDE_STREAMS", 8, int, lambda v: v >= 0)
 IDLE_HEAP_TRIM_S: float = _knob("IDLE_HEAP_TRIM_S", 30.0, float, lambda v: v >= 0)
 IDLE_HEAP_TRIM_MIN_BYTES: int = _knob("IDLE_HEAP_TRIM_MIN_BYTES", 16 << 20, int, lambda v: v >= 0)
 IDLE_PAGE_OUT_LIBRARIES: bool = _knob("IDLE_PAGE_OUT_LIBRARIES", True, _parse_bool, lambda v: True)

@@ -321,3 +321,65 @@ def test_large_server_chunks_still_fit_the_consumers_receive_limit(
         assert torch.equal(got.values, spool.truth["big"][got.ids])  # type: ignore[index]
     finally:
         srv.stop(0)
+
+
+def test_health_watch_and_reflection_streams_cannot_take_every_worker(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Review 11: 200 open health Watch streams (no credential needed) held every RPC worker,
+    and Status, GetDelta and the health checks all timed out. Such streams now have
+    knobs.SIDE_STREAMS slots of their own, past which they are refused at once."""
+    from deltad import knobs
+
+    SpoolWriter(tmp_path / "spool")
+    with knobs.override(SIDE_STREAMS=3):
+        srv = _serve(
+            tmp_path, redis_server.url, tokens=("s3cret",), metrics_port=0,
+            max_concurrent_streams=2, max_queued_streams=0,
+        )  # fmt: skip
+    target = f"127.0.0.1:{srv.port}"
+    anon = grpc.insecure_channel(target)
+    c = Client(target, "s3cret")
+    watches: list[grpc.Future] = []
+    try:
+        health = health_pb2_grpc.HealthStub(anon)
+        for _ in range(3):  # no token: health is open
+            w = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            assert next(w).status == health_pb2.HealthCheckResponse.SERVING
+            watches.append(w)
+        # the fourth, with or without a credential, and a reflection stream: refused at once
+        with pytest.raises(grpc.RpcError) as e:
+            next(health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "SIDE_STREAMS" in (e.value.details() or "")
+        refl = reflection_pb2_grpc.ServerReflectionStub(c.channel)
+        with pytest.raises(grpc.RpcError) as e:
+            list(refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                metadata=c.md, timeout=10,
+            ))  # fmt: skip
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # everything else is served meanwhile, within its deadline
+        t0 = time.monotonic()
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+        c.stub.Status(pb.StatusRequest(), metadata=c.md, timeout=5)
+        assert c.pull("t").rows == 1500
+        assert time.monotonic() - t0 < 5
+        # a watch that ends gives its slot back
+        watches.pop().cancel()
+        wait_for(lambda: srv.gate.side_streams.active == 2, timeout_s=10)
+        w = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+        assert next(w).status == health_pb2.HealthCheckResponse.SERVING
+        watches.append(w)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics").read()
+        assert b"deltad_side_streams_refused_total 2.0" in text.replace(
+            b'{model="m",rank="0"}', b""
+        )
+    finally:
+        for w in watches:
+            w.cancel()
+        anon.close()
+        c.close()
+        srv.stop(0)

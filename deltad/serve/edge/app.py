@@ -272,6 +272,15 @@ class SidecarServer:
             (lambda name: store.admits(name, cfg.max_consumers)) if cfg.max_consumers else None,
             max_consumers=cfg.max_consumers,
         )
+        side = self.gate.side_streams
+        self.metrics.track(
+            "deltad_side_streams", "Open health-watch and reflection streams", lambda: side.active
+        )
+        self.metrics.track_counter(
+            "deltad_side_streams_refused",
+            "Health-watch and reflection streams refused: knob SIDE_STREAMS were open",
+            lambda: side.refused,
+        )
 
     def _spool_world_size(self) -> int | None:
         """The world size of the newest generation in the spool (None: none readable)."""
@@ -293,11 +302,13 @@ class SidecarServer:
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 # GetDelta calls waiting in line hold a worker too, and so do long-polling
-                # Status calls (at most knobs.STATUS_WAITERS of them)
+                # Status calls (at most knobs.STATUS_WAITERS of them) and health-watch and
+                # reflection streams (at most knobs.SIDE_STREAMS: the gate refuses more)
                 max_workers=cfg.max_concurrent_streams
                 + cfg.max_queued_streams
                 + 8
-                + knobs.STATUS_WAITERS,
+                + knobs.STATUS_WAITERS
+                + knobs.SIDE_STREAMS,
                 thread_name_prefix="deltad-rpc",
             ),
             interceptors=interceptors,

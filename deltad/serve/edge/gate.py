@@ -15,7 +15,11 @@ once, before the servicer sees it.
 * a GetDelta as a relay's mirror (``mirror``: past the release caps) needs the relay or admin
   role; without it the pull is served capped, as the consumer it names.
 
-Health checks are open; reflection needs a valid credential.
+Health checks are open; reflection needs a valid credential. Streams outside DeltaService
+(health ``Watch``, reflection) hold a worker thread each for as long as their client keeps
+them open: at most ``knobs.SIDE_STREAMS`` run at once (:class:`StreamCap`; past it
+RESOURCE_EXHAUSTED), so nobody, with or without a credential, ties up the threads that serve
+everything else.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from deltad import knobs
 from deltad.errors import OffsetStoreError
 from deltad.serve.edge import auth
 from deltad.serve.edge.admission import Admission
@@ -66,6 +71,45 @@ class RateLimitedLog:
         return True
 
 
+class StreamCap:
+    """At most ``limit`` streams at once (see the module docstring); :meth:`enter` refuses the
+    one past it with RESOURCE_EXHAUSTED, and the slot is given back when the call ends."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+        #: streams refused for want of a slot
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def enter(self, context: grpc.ServicerContext, method: str) -> None:
+        """Take a slot for the call of ``context`` until it ends, or abort."""
+        with self._lock:
+            if self.active >= self.limit:
+                self.refused += 1
+                full = True
+            else:
+                self.active += 1
+                full = False
+        if full:
+            _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{method}: {self.limit} health-watch and reflection streams are open on this "
+                "sidecar already (knob SIDE_STREAMS); close one, or use Health/Check",
+            )
+        done = threading.Event()
+
+        def leave() -> None:
+            if not done.is_set():
+                done.set()
+                with self._lock:
+                    self.active -= 1
+
+        if not context.add_callback(leave):  # (the call ended already)
+            leave()
+
+
 class Gate(grpc.ServerInterceptor):
     """The edge interceptor (see the module docstring).
 
@@ -80,6 +124,7 @@ class Gate(grpc.ServerInterceptor):
         admit: Callable[[str], bool] | None = None,
         *,
         max_consumers: int = 0,
+        side_streams: int | None = None,
     ) -> None:
         self._credentials = credentials
         #: the consumer limit (None: no limit)
@@ -90,6 +135,8 @@ class Gate(grpc.ServerInterceptor):
         self._bad_log = RateLimitedLog()
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._deny_log = RateLimitedLog()
+        #: the streams outside DeltaService (health Watch, reflection)
+        self.side_streams = StreamCap(knobs.SIDE_STREAMS if side_streams is None else side_streams)
 
     def set_credentials(self, credentials: Credentials | None) -> None:
         self._credentials = credentials
@@ -214,7 +261,7 @@ class Gate(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 stream, response_serializer=h.response_serializer
             )
-        return self._wrap_identified(h)
+        return self._wrap_identified(h, method)
 
     def _wrap_open(self, h: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """A health method (no credential needed): parsed here, so bytes that do not parse
@@ -233,15 +280,18 @@ class Gate(grpc.ServerInterceptor):
             gen = h.unary_stream
 
             def stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-                yield from gen(self._parse(deserialize, raw, method, context), context)
+                req = self._parse(deserialize, raw, method, context)
+                self.side_streams.enter(context, method)
+                yield from gen(req, context)
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, response_serializer=h.response_serializer
             )
         return h
 
-    def _wrap_identified(self, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """Any other shape (reflection's bidi stream): a valid credential, nothing more."""
+    def _wrap_identified(self, h: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """Any other method (reflection's bidi stream): a valid credential, and a slot of
+        :attr:`side_streams` for a stream."""
         kw = {
             "request_deserializer": h.request_deserializer,
             "response_serializer": h.response_serializer,
@@ -251,6 +301,7 @@ class Gate(grpc.ServerInterceptor):
 
             def stream_stream(it: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 self.grant(context)
+                self.side_streams.enter(context, method)
                 yield from bidi(it, context)
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
@@ -259,6 +310,7 @@ class Gate(grpc.ServerInterceptor):
 
             def stream_unary(it: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 self.grant(context)
+                self.side_streams.enter(context, method)
                 return su(it, context)
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
@@ -267,6 +319,7 @@ class Gate(grpc.ServerInterceptor):
 
             def unary_stream(req: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 self.grant(context)
+                self.side_streams.enter(context, method)
                 yield from us(req, context)
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
@@ -295,7 +348,7 @@ class Gate(grpc.ServerInterceptor):
         elif method.startswith(SERVICE_PREFIX):
             wrapped = self._wrap(handler, method[len(SERVICE_PREFIX) :])
         else:
-            wrapped = self._wrap_identified(handler)
+            wrapped = self._wrap_identified(handler, method)
         if len(self._wrapped) < 64:
             self._wrapped[method] = (handler, wrapped)
         return wrapped
