@@ -293,3 +293,62 @@ def test_a_hostile_dense_state_is_quarantined_and_never_served(case: str, tmp_pa
     assert not os.path.lexists(target), case
     if case == "symlink outside the spool":
         assert (tmp_path / "evil.dseg").exists()  # the link was moved, not its target
+
+
+_HUGE_CHILD = r"""
+import resource, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from deltad.segment.spool import SpoolLayout
+from deltad.serve.index.log import SegmentLog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+# no file this process writes may pass 64 MiB: copying the huge file would fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+layout = SpoolLayout(Path(sys.argv[1]), "m")
+seglog = SegmentLog(layout, 0, on_quarantine=lambda p, why: print("QUARANTINED", p.name, why))
+seglog.refresh()
+snap = seglog.snapshot()
+print("HEAD", snap.head.seq, [d.seq for d in snap.dense])
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["zeros", "valid segment, padded", "dense state, padded"])
+def test_a_huge_sparse_file_is_refused_before_any_of_it_is_copied(
+    case: str, tmp_path: Path
+) -> None:
+    """Review 11: a 3 GB sparse file named like a segment was copied whole into memory (2.9 GB
+    of the sidecar's cgroup) before its first bytes were checked; one past the pod's limit gets
+    it killed, again at every restart. The header is read and the file's size checked against
+    it first: here in a process that may write no file past 64 MiB, so a copy would fail."""
+    import subprocess
+    import sys
+
+    spool = SpoolWriter(tmp_path / "spool")
+    spool.delta()  # seq 1
+    assert MODEL == "m"
+    d = spool.layout.rank_dir(1, 0)
+    huge = 8 << 30  # sparse: no disk used
+    if case == "zeros":
+        target = spool.layout.segment_path(1, 0, 2)
+        with open(target, "wb") as f:
+            f.truncate(huge)
+        why = "not a deltad segment"
+    elif case == "valid segment, padded":
+        target = _write(spool, 2, [_chunk([1, 5, 9])])
+        os.truncate(target, huge)
+        why = "more than the"
+    else:
+        target = d / "dense-000000000001.dseg"
+        target.write_bytes(_dense_bytes())
+        os.truncate(target, huge)
+        why = "more than the"
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_CHILD, str(tmp_path / "spool"), str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "QUARANTINED" in out.stdout and target.name in out.stdout, out.stdout
+    assert why in out.stdout, out.stdout
+    assert "HEAD 1 []" in out.stdout, out.stdout
+    assert not os.path.lexists(target)

@@ -32,6 +32,8 @@ from deltad.segment.framing import PREFIX, TRAILER, align, checksum
 from deltad.segment.spool import write_atomic
 
 DENSE_MAGIC, DENSE_END_MAGIC = b"DLTDNS01", b"DNSEND01"
+#: most bytes a dense state's header may take
+MAX_DENSE_HEADER_BYTES = 64 * 1024 * 1024
 DENSE_FORMAT_VERSION = 1
 
 
@@ -145,6 +147,30 @@ def write_dense(path: Path, data: bytes, *, fsync: bool = True) -> None:
         write_atomic(Path(path), data, fsync=fsync)
     except OSError as e:
         raise SpoolError(f"cannot write dense state {path}: {e}") from e
+
+
+def read_dense_header_at(fd: int, path: Path) -> tuple[int, DenseHeader]:
+    """(header length, header) of the dense state file open at ``fd``, read with ``pread``
+    (nothing past the header); ``path`` names it in errors. OSError propagates."""
+    head = os.pread(fd, PREFIX.size, 0)
+    if len(head) < PREFIX.size:
+        raise SegmentCorruptError(f"{path}: truncated")
+    magic, hlen, _ = PREFIX.unpack(head)
+    if magic != DENSE_MAGIC:
+        raise SegmentCorruptError(f"{path}: not a deltad dense state (magic {magic!r})")
+    if hlen > MAX_DENSE_HEADER_BYTES:
+        raise SegmentCorruptError(f"{path}: absurd header length {hlen}")
+    raw = os.pread(fd, hlen, PREFIX.size)
+    if len(raw) != hlen:
+        raise SegmentCorruptError(f"{path}: truncated header")
+    return hlen, DenseHeader.from_json(raw)
+
+
+def dense_file_size(header: DenseHeader, header_bytes: int) -> int:
+    """The bytes of a dense state file with ``header`` (``header_bytes`` long), laid out as
+    :func:`encode_dense` lays it out."""
+    end = max((m.offset + m.nbytes for m in header.tensors), default=0)
+    return align(PREFIX.size + header_bytes) + align(end) + TRAILER.size
 
 
 def decode_dense(buf: Any, path: Path | str = "<dense>", *, verify: bool = True) -> DenseState:

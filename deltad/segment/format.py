@@ -46,8 +46,10 @@ from deltad.segment.dense import (
     DenseTensorMeta,
     decode_dense,
     dense_dtype,
+    dense_file_size,
     encode_dense,
     read_dense,
+    read_dense_header_at,
     tensor_bytes,
     write_dense,
 )
@@ -66,7 +68,9 @@ from deltad.segment.header import (
     dtype_name,
 )
 from deltad.segment.reader import (
+    file_size,
     read_header,
+    read_header_at,
     read_segment,
 )
 from deltad.segment.rows import (
@@ -99,10 +103,14 @@ __all__ = [
     "checksum",
     "decode_dense",
     "dense_dtype",
+    "dense_file_size",
     "dtype_name",
     "encode_dense",
+    "file_size",
     "read_dense",
+    "read_dense_header_at",
     "read_header",
+    "read_header_at",
     "read_segment",
     "tensor_bytes",
     "write_dense",

@@ -64,24 +64,52 @@ def _parse_prefix(buf: Any, path: Path) -> tuple[int, int, SegmentHeader]:
     return version, align(PREFIX.size + hlen), header
 
 
+#: most bytes a segment's header may take
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+
 def read_header(path: Path) -> SegmentHeader:
     """Read only a segment's header (no checksum verification)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            head = f.read(PREFIX.size)
-            if len(head) < PREFIX.size:
-                raise SegmentCorruptError(f"{path}: truncated")
-            magic, hlen, _ = PREFIX.unpack(head)
-            version = _version_of(magic, path)
-            if hlen > 64 * 1024 * 1024:
-                raise SegmentCorruptError(f"{path}: absurd header length {hlen}")
-            raw = f.read(hlen)
-            if len(raw) != hlen:
-                raise SegmentCorruptError(f"{path}: truncated header")
+            return read_header_at(f.fileno(), path)[1]
     except OSError as e:
         raise SpoolError(f"cannot read segment {path}: {e}") from e
-    return _checked_header(raw, version, path)
+
+
+def read_header_at(fd: int, path: Path) -> tuple[int, SegmentHeader]:
+    """(header length, header) of the segment file open at ``fd``, read with ``pread`` (the
+    file's offset is left alone, nothing past the header is read); ``path`` names it in errors.
+    OSError propagates."""
+    head = os.pread(fd, PREFIX.size, 0)
+    if len(head) < PREFIX.size:
+        raise SegmentCorruptError(f"{path}: truncated")
+    magic, hlen, _ = PREFIX.unpack(head)
+    version = _version_of(magic, path)
+    if hlen > MAX_HEADER_BYTES:
+        raise SegmentCorruptError(f"{path}: absurd header length {hlen}")
+    raw = os.pread(fd, hlen, PREFIX.size)
+    if len(raw) != hlen:
+        raise SegmentCorruptError(f"{path}: truncated header")
+    return hlen, _checked_header(raw, version, path)
+
+
+def file_size(header: SegmentHeader, header_bytes: int) -> int:
+    """The bytes of a segment file with ``header`` (``header_bytes`` long), laid out as the
+    writer lays it out: prefix and header, each shard's arrays at their offsets (aligned), the
+    trailer. KeyError for an unknown value dtype."""
+    end = 0
+    for m in header.shards:
+        esize = torch.empty((), dtype=VALUE_DTYPES[m.dtype]).element_size()
+        end = max(
+            end, m.ids_offset + m.count * 8, m.values_offset + m.count * m.shard.width * esize
+        )
+        if m.raw_ids_offset is not None:
+            end = max(end, m.raw_ids_offset + m.count * 8)
+        if m.evicted_offset is not None:
+            end = max(end, m.evicted_offset + m.evicted_count * 8)
+    return align(PREFIX.size + header_bytes) + align(end) + TRAILER.size
 
 
 def read_segment(path: Path, *, verify: bool = True) -> Segment:

@@ -6,10 +6,13 @@ structure before anything serves or merges it.
 1. the file is opened without following a symbolic link (``O_NOFOLLOW``), without blocking
    (a FIFO named like a segment), and must be a regular file (``fstat``) in a directory that
    really is inside the spool;
-2. its bytes are copied into an anonymous memory file (``memfd``) private to this process,
+2. its header is read from the file and checked (:func:`check_header`), and the file may
+   not be bigger than that header accounts for, before anything else is read: a huge file
+   (a sparse one costs no disk) named like a segment is refused without being copied;
+3. its bytes are copied into an anonymous memory file (``memfd``) private to this process,
    and the checksum and structure are verified on that copy; what is served and merged later
    is that copy, so bytes changed on disk after indexing never reach a consumer or a merge;
-3. :func:`check_structure` checks, vectorized: header field types; model, rank and world
+4. :func:`check_rows` checks, vectorized: header field types; model, rank and world
    size; ``first_seq`` (0 exactly for a base, else ``1..seq``); every shard of a known table
    with the manifest's ``num_rows`` and ``dim``, its row range inside the table, its columns
    inside ``dim``, non-negative aligned offsets, a count within its row range (a base: every
@@ -25,6 +28,7 @@ import math
 import mmap
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +43,11 @@ from deltad.segment.format import (
     SegmentHeader,
     decode_dense,
     dense_dtype,
+    dense_file_size,
+    file_size,
+    read_dense_header_at,
     read_header,
+    read_header_at,
     read_segment,
 )
 from deltad.segment.spool import GenerationManifest
@@ -169,9 +177,11 @@ def _inside(path: Path, root: Path) -> bool:
     return real_dir == os.path.normpath(want)
 
 
-def _private_copy(path: Path) -> int:
+def _private_copy(path: Path, sized: Callable[[int], int]) -> int:
     """A memfd holding the bytes of the regular file ``path`` (opened without following links
-    or blocking); SegmentCorruptError if it is anything else, SpoolError if unreadable."""
+    or blocking); SegmentCorruptError if it is anything else, or bigger than ``sized(fd)``
+    (the size its header accounts for, read from the file before anything is copied),
+    SpoolError if unreadable."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -184,6 +194,11 @@ def _private_copy(path: Path) -> int:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise SegmentCorruptError(f"{path}: not a regular file (mode {st.st_mode:o})")
+        limit = sized(fd)
+        if st.st_size > limit:
+            raise SegmentCorruptError(
+                f"{path}: {st.st_size} bytes, more than the {limit} its header accounts for"
+            )
         mfd = os.memfd_create("deltad-segment", os.MFD_CLOEXEC)
         try:
             left, off = st.st_size, 0
@@ -217,19 +232,28 @@ def load_verified(
     path = Path(path)
     if not _inside(path, root):  # not quarantined: nothing outside the spool is touched
         raise SpoolError(f"{path}: its directory leads outside the spool {root}; not indexed")
-    mfd = _private_copy(path)
-    copy = Path(f"/proc/self/fd/{mfd}")
+
+    def sized(fd: int) -> int:
+        hlen, header = read_header_at(fd, path)
+        check_header(header, manifest, generation=generation, rank=rank, seq=seq)
+        return file_size(header, hlen)
+
+    mfd = -1
     try:
+        mfd = _private_copy(path, sized)
+        copy = Path(f"/proc/self/fd/{mfd}")
+        # (the copy's header again: the file may have changed since it was read)
         check_header(read_header(copy), manifest, generation=generation, rank=rank, seq=seq)
         seg = read_segment(copy, verify=True)  # maps the copy; the mapping outlives the fd
         check_rows(seg)
     except (SegmentCorruptError, SpoolError) as e:
-        msg = str(e).replace(str(copy), str(path))
+        msg = str(e).replace(f"/proc/self/fd/{mfd}", str(path))
         raise SegmentCorruptError(msg if str(path) in msg else f"{path}: {msg}") from None
     except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, OverflowError) as e:
         raise SegmentCorruptError(f"{path}: malformed segment: {e}") from None
     finally:
-        os.close(mfd)
+        if mfd >= 0:
+            os.close(mfd)
     return seg
 
 
@@ -287,8 +311,15 @@ def load_verified_dense(
     path = Path(path)
     if not _inside(path, root):
         raise SpoolError(f"{path}: its directory leads outside the spool {root}; not indexed")
-    mfd = _private_copy(path)
+
+    def sized(fd: int) -> int:
+        hlen, header = read_dense_header_at(fd, path)
+        check_dense_header(header, manifest, generation=generation, rank=rank, seq=seq)
+        return dense_file_size(header, hlen)
+
+    mfd = -1
     try:
+        mfd = _private_copy(path, sized)
         size = os.fstat(mfd).st_size
         buf = mmap.mmap(mfd, size, access=mmap.ACCESS_COPY) if size else b""
         state = decode_dense(buf, path, verify=True)
@@ -298,5 +329,6 @@ def load_verified_dense(
     except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, OverflowError) as e:
         raise SegmentCorruptError(f"{path}: malformed dense state: {e}") from None
     finally:
-        os.close(mfd)
+        if mfd >= 0:
+            os.close(mfd)
     return state
