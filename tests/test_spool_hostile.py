@@ -352,3 +352,39 @@ def test_a_huge_sparse_file_is_refused_before_any_of_it_is_copied(
     assert why in out.stdout, out.stdout
     assert "HEAD 1 []" in out.stdout, out.stdout
     assert not os.path.lexists(target)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["fifo", "link to /dev/zero", "huge"])
+def test_a_hostile_manifest_never_blocks_the_poll_and_a_good_one_is_taken_later(
+    case: str, tmp_path: Path
+) -> None:
+    """Review 11: a generation manifest that was a FIFO hung the sidecar's spool poll for good
+    (no new segment indexed, health still SERVING, no log line), and one linked to /dev/zero
+    was read without bound. Manifests are opened as segments are: no link followed, no wait on
+    a FIFO, a regular file of bounded size."""
+    spool = SpoolWriter(tmp_path / "spool")
+    spool.delta()  # generation 1, seq 1
+    seglog = SegmentLog(spool.layout, 0)
+    seglog.refresh()
+    spool.start_generation(2)  # manifest + base of generation 2
+    manifest = spool.layout.manifest_path(2)
+    good = manifest.read_bytes()
+    manifest.unlink()
+    if case == "fifo":
+        os.mkfifo(manifest)
+    elif case == "link to /dev/zero":
+        os.symlink("/dev/zero", manifest)
+    else:
+        with open(manifest, "wb") as f:
+            f.write(b"{")
+            f.truncate(1 << 30)  # sparse
+    for _ in range(2):  # the poll returns, and stays on generation 1
+        seglog.refresh()
+        snap = seglog.snapshot()
+        assert snap is not None and snap.generation == 1 and snap.head.seq == 1, case
+    os.unlink(manifest)
+    manifest.write_bytes(good)
+    seglog.refresh()
+    snap = seglog.snapshot()
+    assert snap is not None and snap.generation == 2 and snap.head.seq == 0, case

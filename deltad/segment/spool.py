@@ -22,11 +22,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from deltad.config import check_name
 from deltad.errors import SpoolError
@@ -219,16 +220,44 @@ class SpoolLayout:
     def read_manifest(self, generation: int) -> GenerationManifest:
         p = self.manifest_path(generation)
         try:
-            return GenerationManifest.from_json(p.read_text())
+            return GenerationManifest.from_json(read_small_file(p).decode())
         except FileNotFoundError:
             raise SpoolError(f"no manifest for generation {generation} at {p}") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SpoolError(f"bad manifest {p}: {e}") from e
 
 
-def read_json(path: Path) -> Any:
-    """Read a JSON file; SpoolError if it is unreadable or malformed."""
+#: most bytes of a small spool file (a manifest, a relay's release state)
+SMALL_FILE_MAX_BYTES = 16 * 1024 * 1024
+
+
+def read_small_file(path: Path, max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes:
+    """The bytes of the small regular file ``path`` of a spool, read as the spool's segments
+    are opened: no symbolic link followed, no wait on a FIFO, nothing but a regular file, and
+    at most ``max_bytes`` (ValueError past it: a file linked to ``/dev/zero`` or grown without
+    bound is not read whole). FileNotFoundError if it is missing; other OSErrors propagate."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SpoolError(f"cannot read {path}: {e}") from e
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (40, 6):  # ELOOP (a symlink), ENXIO (a FIFO without a writer)
+            raise ValueError(f"not a regular file ({e.strerror})") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"not a regular file (mode {st.st_mode:o})")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{st.st_size} bytes, more than {max_bytes}")
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+        data = b"".join(chunks)
+        if len(data) > max_bytes:
+            raise ValueError(f"more than {max_bytes} bytes")
+        return data
+    finally:
+        os.close(fd)

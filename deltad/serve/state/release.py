@@ -21,7 +21,7 @@ import redis
 
 from deltad.errors import OffsetStoreError
 from deltad.keys import RedisKeys
-from deltad.segment.spool import write_atomic
+from deltad.segment.spool import read_small_file, write_atomic
 from deltad.serve.rollout import ReleaseState
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class FollowedRollout:
         self.known = False
         if path is not None and path.exists():
             try:
-                self._state = ReleaseState.from_json(path.read_bytes())
+                self._state = ReleaseState.from_json(read_small_file(path))
                 self.known = True
                 log.info("release state as last followed: version %d", self._state.version)
             except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
