@@ -158,3 +158,63 @@ def test_forget_idle_starts_the_clock_of_a_consumer_never_seen(
     assert s.client.hexists(s.keys.seen(), "old")
     time.sleep(0.05)
     assert s.forget_idle(1, idle_s=0.01) == ["old"]
+
+
+def test_records_deltad_did_not_write_touch_only_their_consumer(
+    tmp_path: Path, redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 11: one cursor hash with ``seq abc`` broke ListConsumers and ``deltad status``
+    for every credential, and retention logged a traceback every second. A record deltad did
+    not write is taken as none: its consumer is served from the base (and its commit writes a
+    good record), everyone else as before, one warning per record."""
+    import redis
+    from serverkit import Client, SpoolWriter, server_config
+
+    from deltad.keys import RedisKeys
+    from deltad.serve.edge.app import SidecarServer
+    from deltad.v1 import delta_pb2 as pb
+
+    spool = SpoolWriter(tmp_path / "spool")
+    for _ in range(3):
+        spool.delta()
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    r = redis.Redis.from_url(redis_server.url)
+    keys = RedisKeys("m")
+    try:
+        for name in ("good", "victim", "pulled", "ttl"):
+            c.commit(c.pull(name, max_step=10))  # at seq 1
+        hostile = {
+            keys.cursor("victim", 0): {"seq": "abc"},
+            keys.pull("pulled", 0): {"pull_id": "../../x", "seq": "2", "step": "x"},
+        }
+        for key, fields in hostile.items():
+            r.hset(key, mapping=fields)
+        r.hset(keys.lease_ttl(), "ttl", "-5")
+        r.hset(keys.seen(), "ttl", "yesterday")
+        r.hset(keys.ranks(), "not-a-rank", "{")
+        r.hset(keys.ranks(), "9999999", '{"endpoint": "x"}')
+        caplog.set_level("WARNING")
+        for _ in range(3):  # listing, retention's pins and forgetting all go on
+            answer = c.stub.ListConsumers(pb.ListConsumersRequest(), timeout=10)
+            listed = {i.consumer: i for i in answer.consumers}
+            assert listed["good"].cursor.seq == 1 and listed["victim"].cursor.seq == -1
+            assert srv.store.pins(0, 1) == [1]  # good, pulled and ttl at 1; victim: none
+            assert srv.store.forget_idle(1, 3600) == []
+            srv.retention.run_once()
+        assert 9999999 not in srv.store.ranks() and 0 in srv.store.ranks()
+        warned = [m for m in caplog.messages if "in Redis is malformed" in m]
+        assert len(warned) == 2, warned  # victim's cursor, pulled's pull: once each
+        # the victim is served from the base and its commit writes a good cursor again
+        d = c.pull("victim")
+        assert d.resync and d.cursor.seq == 3
+        c.commit(d)
+        assert srv.store.get_cursor("victim", 0).seq == 3  # type: ignore[union-attr]
+        # the one with a bad pull record pulls and commits on; a bad lease TTL renews by default
+        c.commit(c.pull("pulled"))
+        assert srv.store.get_cursor("pulled", 0).seq == 3  # type: ignore[union-attr]
+        assert srv.store.heartbeat("ttl", 7.0) == pytest.approx(7.0)
+        assert c.pull("good").cursor.seq == 3
+    finally:
+        c.close()
+        srv.stop(0)

@@ -9,6 +9,7 @@ cursors and pulls on every rank (keys: deltad.keys). Every call goes through
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Any
 
@@ -17,7 +18,12 @@ from deltad.serve.state.redis_calls import RedisCalls
 
 _HEARTBEAT = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[2]) == 0 then return -1 end
-local ttl = redis.call('HGET', KEYS[3], ARGV[2]) or ARGV[1]
+local ttl = tonumber(redis.call('HGET', KEYS[3], ARGV[2]) or '')
+-- (a TTL deltad did not write, not a whole number of ms in 1..86400000: the default)
+if not ttl or ttl < 1 or ttl > 86400000 or ttl ~= math.floor(ttl) then
+  ttl = tonumber(ARGV[1])
+end
+ttl = string.format('%d', ttl)
 redis.call('SET', KEYS[1], ttl, 'PX', ttl)
 redis.call('HSET', KEYS[4], ARGV[2], ARGV[3])
 return tonumber(ttl)
@@ -28,8 +34,8 @@ return tonumber(ttl)
 # heard of before the cutoff (checked here, atomically, not just by the caller).
 _FORGET = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local seen = redis.call('HGET', KEYS[4], ARGV[1])
-if seen and tonumber(seen) >= tonumber(ARGV[2]) then return 0 end
+local seen = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '')
+if seen and seen >= tonumber(ARGV[2]) then return 0 end
 for i = 5, #KEYS do redis.call('DEL', KEYS[i]) end
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
@@ -47,6 +53,17 @@ return 0
 
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _seconds(v: Any) -> float | None:
+    """A time deltad wrote (``repr(time.time())``), or None (none, or not a finite number)."""
+    if v is None:
+        return None
+    try:
+        t = float(_s(v))
+    except ValueError:
+        return None
+    return t if math.isfinite(t) else None
 
 
 class ConsumerMembers:
@@ -136,11 +153,12 @@ class ConsumerMembers:
         raw = self.calls.retry("seen", lambda: self.client.hmget(seen_key, idle))
         due: list[str] = []
         for c, v in zip(idle, raw, strict=True):
-            if v is None:
+            seen = _seconds(v)
+            if seen is None:  # none, or not a time deltad wrote: its clock starts now
                 self.calls.retry(
-                    "seen", functools.partial(self.client.hsetnx, seen_key, c, repr(now))
+                    "seen", functools.partial(self.client.hset, seen_key, c, repr(now))
                 )
-            elif float(_s(v)) <= now - idle_s:
+            elif seen <= now - idle_s:
                 due.append(c)
         forgotten: list[str] = []
         ranks = range(max(1, world_size))

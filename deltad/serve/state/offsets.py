@@ -12,9 +12,12 @@ server issued to that consumer.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from deltad.config import SENTINEL_SCHEMES, clip, options_min_replicas
 from deltad.errors import StaleCursorError
@@ -22,6 +25,12 @@ from deltad.keys import RedisKeys
 from deltad.redisutil import connect
 from deltad.serve.state.members import ConsumerMembers
 from deltad.serve.state.redis_calls import RedisCalls
+
+log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+#: ranks past this are no sidecar's (the ``rank`` setting's bound)
+MAX_RANKS = 1 << 16
 
 #: Pull records of consumers that never commit disappear after this.
 PULL_TTL_MS = 7 * 24 * 3600 * 1000
@@ -47,7 +56,9 @@ if p[1] ~= ARGV[1] then return 'unknown_pull' end
 if p[2] ~= ARGV[2] or p[3] ~= ARGV[3] or p[4] ~= ARGV[4] then return 'mismatch' end
 local c = redis.call('HMGET', KEYS[1], 'generation', 'seq', 'rollback_epoch')
 local epoch = tonumber(p[7] or '0') or 0
-if c[1] then
+-- a cursor deltad did not write (a generation or seq that is not an integer) is taken as
+-- none, as the server that issued this pull took it: this commit writes a good one
+if c[1] and string.match(c[1], '^%d+$') and c[2] and string.match(c[2], '^-?%d+$') then
   if gt(c[1], p[2]) then return 'old_generation' end
   -- a cursor moves back only for the rollback window this server issued (p[8] = '1')
   if c[1] == p[2] and tonumber(c[2]) > tonumber(p[3]) and p[8] ~= '1' then return 'behind' end
@@ -108,34 +119,71 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+class MalformedRecord(ValueError):
+    """A consumer's cursor or pull record in Redis that deltad did not write: a field missing,
+    not an integer, or an owed-rows token that is not one deltad makes."""
+
+
+#: a pull id or owed-rows token as deltad writes them (a uuid4's hex): at least nothing that
+#: could leave the owed-rows directory as a file name
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def _fields(raw: dict[Any, Any]) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in raw.items()}
+
+
+def _int(d: dict[str, str], name: str, default: str | None = None) -> int:
+    v = d.get(name, default)
+    if v is None:
+        raise MalformedRecord(f"no {name}")
+    try:
+        return int(v or "0") if default is not None else int(v)
+    except ValueError:
+        raise MalformedRecord(f"{name} {clip(v)} is not an integer") from None
+
+
+def _token(d: dict[str, str], name: str, required: bool = False) -> str:
+    v = d.get(name, "")
+    if (v or required) and not _TOKEN.fullmatch(v):
+        raise MalformedRecord(f"{name} {clip(v)} is not one deltad makes")
+    return v
+
+
 def _cursor(raw: dict[Any, Any]) -> StoredCursor | None:
+    """The stored cursor (None: none); MalformedRecord if deltad did not write it."""
     if not raw:
         return None
-    d = {_s(k): _s(v) for k, v in raw.items()}
+    d = _fields(raw)
+    try:
+        updated = float(d.get("updated_unix", "0") or 0)
+    except ValueError:
+        raise MalformedRecord("updated_unix is not a number") from None
     return StoredCursor(
-        generation=int(d["generation"]),
-        seq=int(d["seq"]),
-        step=int(d["step"]),
-        pull_id=d.get("pull_id", ""),
-        owed_token=d.get("owed_token", ""),
-        owed_rows=int(d.get("owed_rows", "0") or 0),
-        updated_unix=float(d.get("updated_unix", "0") or 0),
-        rollback_epoch=int(d.get("rollback_epoch", "0") or 0),
+        generation=_int(d, "generation"),
+        seq=_int(d, "seq"),
+        step=_int(d, "step"),
+        pull_id=_token(d, "pull_id"),
+        owed_token=_token(d, "owed_token"),
+        owed_rows=_int(d, "owed_rows", "0"),
+        updated_unix=updated,
+        rollback_epoch=_int(d, "rollback_epoch", "0"),
     )
 
 
 def _pull(raw: dict[Any, Any]) -> PendingPull | None:
+    """The pending pull (None: none); MalformedRecord if deltad did not write it."""
     if not raw:
         return None
-    d = {_s(k): _s(v) for k, v in raw.items()}
+    d = _fields(raw)
     return PendingPull(
-        d["pull_id"],
-        int(d["generation"]),
-        int(d["seq"]),
-        int(d["step"]),
-        d.get("owed_token", ""),
-        int(d.get("owed_rows", "0") or 0),
-        int(d.get("rollback_epoch", "0") or 0),
+        _token(d, "pull_id", required=True),
+        _int(d, "generation"),
+        _int(d, "seq"),
+        _int(d, "step"),
+        _token(d, "owed_token"),
+        _int(d, "owed_rows", "0"),
+        _int(d, "rollback_epoch", "0"),
         d.get("rollback", "") == "1",
     )
 
@@ -155,6 +203,8 @@ class OffsetStore:
         min_replicas: int = 0,
     ) -> None:
         self.client = client
+        #: (consumer, rank, kind) of malformed records warned about (see _parsed)
+        self._warned: set[tuple[str, int, str]] = set()
         #: How every call reaches Redis: retries, errors, replica acknowledgement.
         self.calls = RedisCalls(
             client, attempts=attempts, backoff_s=backoff_s, url=url, min_replicas=min_replicas
@@ -194,7 +244,29 @@ class OffsetStore:
             return list(pipe.execute())
 
         raws = self.calls.retry("get_cursor", run) if consumers else []
-        return {c: _cursor(raw) for c, raw in zip(consumers, raws, strict=True)}
+        return {
+            c: self._parsed(_cursor, raw, c, rank, "cursor")
+            for c, raw in zip(consumers, raws, strict=True)
+        }
+
+    def _parsed(self, parse: Callable[[Any], _R | None], raw: Any, consumer: str, rank: int,
+                what: str) -> _R | None:  # fmt: skip
+        """``parse(raw)``; a record deltad did not write is taken as none (the consumer
+        resyncs from the base, and its next pull and commit write good ones), with one
+        warning per consumer, rank and kind of record while it stays bad."""
+        try:
+            return parse(raw)
+        except MalformedRecord as e:
+            key = (consumer, rank, what)
+            if key not in self._warned:
+                if len(self._warned) < 1024:
+                    self._warned.add(key)
+                log.warning(
+                    "the %s of consumer %r on rank %d in Redis is malformed (%s): taken as "
+                    "none; the consumer is served from the base and its next %s replaces it",
+                    what, consumer, rank, e, "commit" if what == "cursor" else "pull",
+                )  # fmt: skip
+            return None
 
     def record_pull(self, consumer: str, rank: int, pull: PendingPull) -> None:
         """Remember the pull just issued (replacing any earlier uncommitted one)."""
@@ -231,7 +303,10 @@ class OffsetStore:
             return list(pipe.execute())
 
         raws = self.calls.retry("pending_pulls", run) if consumers else []
-        return {c: _pull(raw) for c, raw in zip(consumers, raws, strict=True)}
+        return {
+            c: self._parsed(_pull, raw, c, rank, "pending pull")
+            for c, raw in zip(consumers, raws, strict=True)
+        }
 
     def commit(
         self, consumer: str, rank: int, *, pull_id: str, generation: int, seq: int, step: int
@@ -335,9 +410,18 @@ class OffsetStore:
         )
 
     def ranks(self) -> dict[int, dict[str, Any]]:
-        """rank -> {endpoint, generation, updated_unix} of every registered sidecar."""
+        """rank -> {endpoint, generation, updated_unix} of every registered sidecar (entries
+        deltad did not write, or of a rank past any world size, are left out)."""
         raw = self.calls.retry("ranks", lambda: self.client.hgetall(self.keys.ranks()))
-        return {int(_s(k)): json.loads(_s(v)) for k, v in raw.items()}
+        out: dict[int, dict[str, Any]] = {}
+        for k, v in raw.items():
+            try:
+                rank, entry = int(_s(k)), json.loads(_s(v))
+            except ValueError:
+                continue
+            if 0 <= rank < MAX_RANKS and isinstance(entry, dict):
+                out[rank] = entry
+        return out
 
 
 _REJECT_MESSAGES = {
