@@ -408,3 +408,36 @@ def test_a_predictor_moves_between_relays_of_one_tier_without_a_resync(
         finally:
             a.stop(0.2)
             b.stop(0.2)
+
+
+def test_a_relayed_segment_keeps_its_publish_time_across_a_long_poll(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Review 10: a relay dated each segment from when it *asked* its upstream's Status, which
+    a long poll holds until the head moves: every relayed segment (and so predictors'
+    freshness, lag seconds and head ages behind relays) was one publish interval too old."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    side = SidecarServer(server_config(tmp_path / "spool", 0, redis_url)).start()
+    relay = start_relay(f"127.0.0.1:{side.port}", tmp_path / "relay", 0, db(redis_url, 1))
+    up, down = f"127.0.0.1:{side.port}", f"127.0.0.1:{relay.port}"
+    try:
+        wait_for(lambda: at_step([down], 0), 30, "relay at the base")
+        for step in (10, 20, 30):
+            time.sleep(1.5)  # the relay waits in a long poll meanwhile
+            ft.step(step)
+            wait_for(lambda s=step: at_step([down], s), 30, f"relay at step {step}")  # type: ignore[misc]
+        mine = {
+            read_segment(p).header.seq: read_segment(p).header.created_unix
+            for _, p in SpoolLayout(tmp_path / "relay", "m").segments(1, 0)
+        }
+        theirs = {
+            read_segment(p).header.seq: read_segment(p).header.created_unix
+            for _, p in SpoolLayout(tmp_path / "spool", "m").segments(1, 0)
+        }
+        for seq in (1, 2, 3):
+            assert abs(mine[seq] - theirs[seq]) < 0.5, (seq, mine[seq] - theirs[seq])
+        assert abs(status(down).head_age_seconds - status(up).head_age_seconds) < 0.5
+    finally:
+        relay.stop(0)
+        side.stop(0)

@@ -214,8 +214,11 @@ class RelayMirror:
             self._register()
         if up.pending is not None:
             up.commit()
-        asked = time.time()
         st = self._status()
+        # (when the answer came: its head age is as of then, not as of the question, which a
+        # long poll held until the head moved; from the question, every relayed segment was
+        # dated one publish interval early)
+        answered = time.time()
         self._follow(st)
         self._check_upstream(st)
         self._up_dense = (st.generation, tuple(int(t) for t in st.dense_steps))
@@ -239,7 +242,7 @@ class RelayMirror:
                 f"upstream {self.config.upstream} is at generation {st.generation}, older than "
                 f"the relay's {loc.generation} (another trainer's log?)"
             )
-        self._pull(st, asked)
+        self._pull(st, answered)
         return True
 
     def _follow(self, st: pb.StatusResponse) -> None:
@@ -319,7 +322,7 @@ class RelayMirror:
         at = bisect.bisect_right(entries, st.head_step - cfg.restore_window_steps)
         return set(entries[max(0, at - 1) :])
 
-    def _pull(self, st: pb.StatusResponse, asked: float) -> None:
+    def _pull(self, st: pb.StatusResponse, answered: float) -> None:
         d = self.upstream.pull(self._needs_base, self._stop_at(st))
         self.pulls += 1
         self.bytes += d.bytes
@@ -327,7 +330,7 @@ class RelayMirror:
             raise UpstreamError(f"upstream answered rank {d.rank} for rank {self.rank}")
         self._up_dense_missing = d.dense_missing
         same = d.generation == st.generation and d.to_seq == st.head_seq
-        created = asked - st.head_age_seconds if same else time.time()
+        created = answered - st.head_age_seconds if same else time.time()
         loc = self.spool.head
         if loc is None or d.generation > loc.generation:
             if not d.resync:
