@@ -90,6 +90,7 @@ def test_tokens_health_reflection_metrics(tmp_path: Path, redis_server: Embedded
         # counters that only rise are counters; the process is measured too
         assert b"# TYPE deltad_windows_unkept_total counter" in text
         assert b"# TYPE deltad_owed_refused_total counter" in text
+        assert b"# TYPE deltad_retention_failures_total counter" in text
         for process in (b"process_resident_memory_bytes", b"process_cpu_seconds_total",
                         b"process_open_fds"):  # fmt: skip
             assert process + b" " in text
@@ -382,4 +383,32 @@ def test_health_watch_and_reflection_streams_cannot_take_every_worker(
             w.cancel()
         anon.close()
         c.close()
+        srv.stop(0)
+
+
+def test_the_head_age_gauge_grows_while_nothing_is_published(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """Review 10: with the trainer killed, every lag gauge stayed 0 and health SERVING; no
+    metric said the source had stopped. ``deltad_head_age_seconds`` is the head's age."""
+    spool = SpoolWriter(tmp_path / "spool")
+    srv = _serve(tmp_path, redis_server.url, metrics_port=0)
+
+    def age() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics").read()
+        line = next(
+            x for x in text.decode().splitlines() if x.startswith("deltad_head_age_seconds{")
+        )
+        return float(line.rsplit(" ", 1)[1])
+
+    try:
+        first = age()
+        assert first >= 0
+        time.sleep(1.0)
+        later = age()
+        assert later >= first + 0.9  # nothing published: it grows with the clock
+        spool.delta()
+        wait_for(lambda: srv.log.snapshot().head.seq == 1)  # type: ignore[union-attr]
+        assert age() < later  # a new head is young
+    finally:
         srv.stop(0)

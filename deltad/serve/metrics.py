@@ -213,6 +213,12 @@ class SidecarMetrics:
         prev = lambda: seglog.previous()  # noqa: E731
         windows = servicer.windows
         self.track(
+            "deltad_head_age_seconds",
+            "Seconds since the trainer read the rows of the newest segment (its head; -1: none):"
+            " it grows while the trainer, or this rank's publisher, publishes nothing",
+            lambda: -1.0 if (x := snap()) is None else max(0.0, time.time() - x.head.created_unix),
+        )
+        self.track(
             "deltad_log_bytes", "Bytes of the served log (private copies of its segments)",
             lambda: 0 if (x := snap()) is None else x.nbytes,
         )  # fmt: skip

@@ -266,6 +266,12 @@ class SidecarServer:
             restore_seconds=cfg.restore_window_s,
             release=self.rollout.state,
         )
+        retention = self.retention
+        self.metrics.track_counter(
+            "deltad_retention_failures",
+            "Retention merges that failed (a full disk, an unwritable spool): see the log",
+            lambda: retention.failures,
+        )
         store = self.store
         self.gate = Gate(
             self.credentials.tokens(),

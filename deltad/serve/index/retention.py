@@ -75,6 +75,8 @@ class Retention:
         #: The (first_seq, seq) of a merge that failed unexpectedly: not retried, so one bad
         #: entry cannot make every round fail (other merges still run).
         self._failed: set[tuple[int, int]] = set()
+        #: merges that failed (a full disk, an unwritable spool, a merge bug)
+        self.failures = 0
 
     def _bounded(self, run: Sequence[LogEntry], first: LogEntry | None = None) -> list[LogEntry]:
         out = [first] if first is not None else []
@@ -180,6 +182,7 @@ class Retention:
         except Exception as e:  # verified inputs make this a bug, not a bad file: keep going
             self._failed.add((first.first_seq, last.seq))
             log.exception("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
+            self.failures += 1
             return False
         try:
             write_segment(
@@ -202,13 +205,16 @@ class Retention:
         except SegmentCorruptError as e:  # the merged file failed its check: not again
             self._failed.add((first.first_seq, last.seq))
             log.error("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
+            self.failures += 1
             return False
         except SpoolError as e:  # e.g. the disk is full: retried next round
             log.error("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
+            self.failures += 1
             return False
         except (ValueError, RuntimeError) as e:  # a merge bug (inputs are verified): not again
             self._failed.add((first.first_seq, last.seq))
             log.exception("retention merge of seq %d..%d failed: %s", first.first_seq, last.seq, e)
+            self.failures += 1
             return False
         if not self.seglog.replace(covered, entry):
             return False
