@@ -242,3 +242,44 @@ def test_a_pin_or_release_inside_a_merged_segment_is_refused(
             assert main(["rollout", *argv, "--target", srv.endpoint]) == 2
             err = capsys.readouterr().err
             assert "step 25 is not a state this log holds" in err and "inside merged" in err, err
+
+
+def test_a_control_to_a_step_another_rank_merged_away_is_refused(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review 10: with no restore window each rank merges on its own; a rollback sent to rank 0
+    to a step rank 1 had merged away was ordered (exit 0), and every predictor then failed
+    every pull on rank 1 (UNAVAILABLE) until a release. Each rank keeps its restore points in
+    its registry entry (again after every merge), and a rollback, pin or release to a step
+    another rank no longer holds is refused with that rank's reason, recording nothing."""
+    from deltad.cli import main
+
+    ft = trained(tmp_path)  # 2 ranks, steps 10..40
+    watch = Release(redis_url)
+    with sidecars(tmp_path / "spool", redis_url, 2, watch, restore_window_steps=0,
+                  merge_min_segments=2) as servers:  # fmt: skip
+        wait_for(lambda: at_step([s.endpoint for s in servers], 40), 30, "the head")
+        for _ in range(50):  # rank 1 alone merges: no consumer, no window
+            if not servers[1].retain():
+                break
+        snap = servers[1].log.snapshot()
+        assert snap is not None and [e.step for e in snap.entries] == [40]
+        assert servers[0].log.snapshot().base.step == 0  # type: ignore[union-attr]
+        target = ["--target", servers[0].endpoint]
+        capsys.readouterr()
+        for argv in (
+            ["rollback", "--to-step", "20"],
+            ["pin", "--group", "p-*", "--step", "20"],
+            ["release", "--to-step", "20"],
+        ):
+            before = RolloutStore(servers[0].store.client, "m").get()
+            assert main(["rollout", *argv, *target]) == 2, argv
+            err = capsys.readouterr().err
+            assert "FAILED_PRECONDITION" in err and "rank 1 cannot restore it" in err, err
+            assert "older than its log's base (step 40)" in err, err
+            assert RolloutStore(servers[0].store.client, "m").get() == before
+        # a step every rank holds is taken
+        assert main(["rollout", "rollback", "--to-step", "40", *target]) == 0
+        order = RolloutStore(servers[0].store.client, "m").get().rollback
+        assert order is not None and order.to_step == 40
+    del ft

@@ -63,7 +63,7 @@ from deltad.serve.edge.service import SERVICE_NAME, DeltaServicer, handlers
 from deltad.serve.edge.upkeep import REGISTRY_REFRESH_S, Upkeep
 from deltad.serve.index.gate import GateFailure, SegmentGate
 from deltad.serve.index.log import SegmentLog
-from deltad.serve.index.restore import restorable, restorable_steps
+from deltad.serve.index.restore import restorable, restorable_steps, unrestorable
 from deltad.serve.index.retention import Retention
 from deltad.serve.metrics import RpcMetricsInterceptor, SidecarMetrics
 from deltad.serve.rollout import gate_failed
@@ -179,7 +179,7 @@ class SidecarServer:
         up.spawn("deltad-gate", self.gate_check, 0.5)
         # Streams stuck in a send (a client that stopped reading) past their deadline.
         up.spawn("deltad-deadlines", self.servicer.cancel_overdue, 0.5)
-        up.spawn("deltad-retention", self.retention.run_once, cfg.retention_interval_s)
+        up.spawn("deltad-retention", self.retain, cfg.retention_interval_s)
         self.redis_probe = OffsetStoreProbe(
             self.redis_url, self._embedded, self.health, self.metrics
         )
@@ -247,6 +247,7 @@ class SidecarServer:
             restore_window=self._restore_steps,
             restore_check=self._restore_check,
             consumers=self.store.consumers,
+            peers_check=self._peers_check,
         )
         self.servicer.health_reason = lambda: self.health_reason
         self.metrics.track_sidecar(self.servicer, self.log)
@@ -375,6 +376,37 @@ class SidecarServer:
         if snap is None:
             return "this sidecar has no log yet"
         return restorable(snap, step)
+
+    def _peers_check(self, step: int) -> str:
+        """Why another rank of this generation cannot restore ``step`` ("" if none says so),
+        from the restore points each rank keeps in the registry (refreshed on every merge);
+        a registry that cannot be read refuses too."""
+        snap = self.log.snapshot()
+        if snap is None:
+            return ""
+        try:
+            ranks = self.store.ranks()
+        except OffsetStoreError as e:
+            return f"the other ranks' restore points cannot be read: {e}"
+        for r, entry in sorted(ranks.items()):
+            if r == self.config.rank or r >= snap.manifest.world_size:
+                continue
+            why = unrestorable(entry.get("restore"), snap.generation, step)
+            if why:
+                return f"rank {r} cannot restore it: {why}"
+        return ""
+
+    def retain(self) -> bool:
+        """One retention round; after a merge, this rank's registry entry tells the other
+        ranks' rollout controls the steps its log still holds (at once, not at the next
+        registry refresh)."""
+        changed = self.retention.run_once()
+        if changed:
+            try:
+                self.upkeep.register_endpoint()
+            except OffsetStoreError as e:
+                log.warning("cannot record the restore points after a merge: %s", e)
+        return changed
 
     def _gate_failed(self, f: GateFailure) -> None:
         """The validation gate failed a step: count it, say it in the health detail (the

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +37,7 @@ from deltad.serve.edge import auth
 from deltad.serve.edge.admission import Admission
 from deltad.serve.edge.auth import Credentials, Grant
 from deltad.serve.edge.grpcutil import abort as _abort
+from deltad.serve.ratelog import RateLimitedLog
 from deltad.serve.rollout import redacted_json
 from deltad.serve.windows.decide import check_request
 
@@ -47,28 +47,6 @@ SERVICE_PREFIX = "/deltad.v1.DeltaService/"
 OPEN_PREFIX = "/grpc.health.v1.Health/"
 #: Methods that may create a consumer (and so count against ``max_consumers``).
 ADMITTING = frozenset({"GetDelta", "Register"})
-LOG_EVERY_S = 10.0
-
-
-class RateLimitedLog:
-    """At most one warning per ``every_s`` seconds, counting the ones left out."""
-
-    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
-        self.every_s = every_s
-        self._lock = threading.Lock()
-        self._last = -float("inf")
-        self._skipped = 0
-
-    def warning(self, msg: str, *args: object) -> bool:
-        """Log it unless one was logged less than ``every_s`` ago; True if logged."""
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last < self.every_s:
-                self._skipped += 1
-                return False
-            skipped, self._skipped, self._last = self._skipped, 0, now
-        log.warning(msg + " (%d more like it not logged)", *args, skipped)
-        return True
 
 
 class StreamCap:
@@ -132,9 +110,9 @@ class Gate(grpc.ServerInterceptor):
         self.max_consumers = max_consumers
         self.bad_requests = 0
         self.denied = 0
-        self._bad_log = RateLimitedLog()
+        self._bad_log = RateLimitedLog(logger=log)
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-        self._deny_log = RateLimitedLog()
+        self._deny_log = RateLimitedLog(logger=log)
         #: the streams outside DeltaService (health Watch, reflection)
         self.side_streams = StreamCap(knobs.SIDE_STREAMS if side_streams is None else side_streams)
 

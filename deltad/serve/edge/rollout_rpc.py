@@ -6,7 +6,9 @@ with hold, ``force`` with anything but a release: :data:`TAKES`) and a rollback 
 rank's log cannot restore (``restore_check``, deltad.serve.index.restore.restorable: the
 reason); a control refused as things stand (a release past a step the validation gate failed
 without ``force``, a release or pin to a step older than this rank's log's base, which no new
-consumer could be served, any change asked of a relay, which follows its upstream's state)
+consumer could be served, a rollback, release or pin to a step another rank's log no longer
+holds, as its registry entry tells (``peers_check``), any change asked of a relay, which
+follows its upstream's state)
 FAILED_PRECONDITION; Redis down UNAVAILABLE. ``restore_window`` (the oldest and newest step a
 rollback can restore, None: unknown) is shown in every answer and bounds a rollback when no
 ``restore_check`` is given.
@@ -92,6 +94,7 @@ class RolloutControl:
         restore_window: RestoreWindow | None = None,
         restore_check: Callable[[int], str] | None = None,
         consumers: Callable[[], list[str]] | None = None,
+        peers_check: Callable[[int], str] | None = None,
     ) -> None:
         self.log = seglog
         #: the consumer names the offset store knows (how many a group's glob matches is
@@ -103,6 +106,20 @@ class RolloutControl:
         self.restore_window = restore_window
         #: why a step cannot be restored ("" if it can; deltad.serve.index.restore.restorable)
         self.restore_check = restore_check
+        #: why another rank's log cannot hold a step ("" if every one can, as far as their
+        #: registry entries tell: deltad.serve.index.restore.unrestorable)
+        self.peers_check = peers_check
+
+    def _peers(self, verb: str, step: int) -> None:
+        """RolloutRefused if another rank cannot serve ``step`` (a step one rank's retention
+        merged away is a state the model cannot be at: its consumers' pulls there would fail,
+        and the others' would wait on them)."""
+        why = self.peers_check(step) if self.peers_check is not None else ""
+        if why:
+            raise RolloutRefused(
+                f"cannot {verb} step {step}: {why}; every rank must hold it (keep the same "
+                "restore window on every rank: --restore-window-steps)"
+            )
 
     def _change(
         self, action: int, req: pb.RolloutRequest, head: int, gen: int, base: int | None
@@ -125,6 +142,7 @@ class RolloutControl:
                 ro.check_step(step, head)
                 below_base("release to", step, base, "release")
                 step, note = self._resolved(step)
+                self._peers("release to", step)
             what = "released to the head" if step is None else f"released to step {step}{note}"
             forced: list[bool] = [False]
 
@@ -145,6 +163,7 @@ class RolloutControl:
             ro.check_step(step, head_known)
             below_base(f"pin {group} at", step, base, "pin")
             step, note = self._resolved(step)
+            self._peers(f"pin {group} at", step)
             pinned = f"pinned {group} at step {step}{note}"
             return partial(ro.pin, group=group, step=step, head_step=head_known), lambda: pinned
         if action == A.ROLLOUT_UNPIN:
@@ -181,6 +200,7 @@ class RolloutControl:
             if reason:
                 raise RolloutError(f"cannot roll back to step {step}: {reason}")
             step, note = self._resolved(step)
+            self._peers("roll back to", step)
             ordered = f"rollback of {group} to step {step} ordered{note}"
             change = partial(
                 ro.rollback, to_step=step, group=group, head_step=head_known,

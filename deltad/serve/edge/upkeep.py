@@ -14,6 +14,7 @@ from deltad.perf import page_out_libraries, trim_heap
 from deltad.serve.edge.gate import Gate
 from deltad.serve.edge.health import SidecarHealth
 from deltad.serve.edge.service import DeltaServicer
+from deltad.serve.index.restore import restore_points
 from deltad.serve.memory import rss_bytes
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.rollout import gate_open
@@ -120,7 +121,10 @@ class Upkeep:
         """Record this rank's endpoint (and generation) in the offset store's registry."""
         snap = self.log.snapshot()
         self.store.register_rank(
-            self.config.rank, self.endpoint, snap.generation if snap is not None else None
+            self.config.rank,
+            self.endpoint,
+            snap.generation if snap is not None else None,
+            restore_points(snap) if snap is not None else None,
         )
         self._registered = time.monotonic()
 

@@ -14,6 +14,7 @@ a bound off). Cost: the log keeps those segments as published instead of merging
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from deltad.serve.index.log import LogSnapshot
 from deltad.serve.windows.decide import LogView
@@ -57,3 +58,42 @@ def restorable_steps(snap: LogSnapshot) -> tuple[int, int]:
         if e.first_seq != e.seq:
             oldest = e.step  # steps before a merged entry's end are lost
     return oldest, snap.head.step
+
+
+#: most merged entries a rank tells the others of (with more, the newest of them are told and
+#: the steps before them are taken as lost)
+MAX_MERGED_TOLD = 256
+
+
+def restore_points(snap: LogSnapshot) -> dict[str, Any]:
+    """What the other ranks' rollout controls need to know of this rank's restore points (in
+    its registry entry): its generation, its base's step, and the (step before, step) of every
+    merged entry after the base, whose steps in between are lost."""
+    merged: list[list[int]] = []
+    prev = snap.base.step
+    for e in snap.entries[1:]:
+        if e.first_seq != e.seq:
+            merged.append([prev, e.step])
+        prev = e.step
+    base = snap.base.step
+    if len(merged) > MAX_MERGED_TOLD:
+        base, merged = merged[-MAX_MERGED_TOLD - 1][1], merged[-MAX_MERGED_TOLD:]
+    return {"generation": snap.generation, "base_step": base, "merged": merged}
+
+
+def unrestorable(points: Any, generation: int, step: int) -> str:
+    """Why a rank whose :func:`restore_points` are ``points`` cannot restore ``step`` of
+    ``generation`` ("" if it can, or if ``points`` are of another generation or not what
+    deltad writes: nothing is known then)."""
+    if not isinstance(points, dict) or points.get("generation") != generation:
+        return ""
+    base, merged = points.get("base_step"), points.get("merged")
+    if not isinstance(base, int) or not isinstance(merged, list):
+        return ""
+    if step < base:
+        return f"step {step} is older than its log's base (step {base})"
+    for m in merged:
+        ok = isinstance(m, list) and len(m) == 2 and all(isinstance(x, int) for x in m)
+        if ok and m[0] < step < m[1]:
+            return f"step {step} falls inside a merged segment of its log (steps {m[0]}..{m[1]})"
+    return ""

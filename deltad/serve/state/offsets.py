@@ -401,10 +401,22 @@ class OffsetStore:
 
     # --- rank registry -------------------------------------------------------------------
 
-    def register_rank(self, rank: int, endpoint: str, generation: int | None) -> None:
-        value = json.dumps(
-            {"endpoint": endpoint, "generation": generation, "updated_unix": time.time()}
-        )
+    def register_rank(
+        self,
+        rank: int,
+        endpoint: str,
+        generation: int | None,
+        restore: dict[str, Any] | None = None,
+    ) -> None:
+        """Record where ``rank``'s sidecar listens, its generation and (``restore``) the steps
+        its log can restore (deltad.serve.index.restore.restore_points), for the other ranks'
+        rollout controls."""
+        entry: dict[str, Any] = {
+            "endpoint": endpoint, "generation": generation, "updated_unix": time.time()
+        }  # fmt: skip
+        if restore is not None:
+            entry["restore"] = restore
+        value = json.dumps(entry)
         self.calls.retry(
             "register_rank", lambda: self.client.hset(self.keys.ranks(), str(rank), value)
         )

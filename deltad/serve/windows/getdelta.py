@@ -27,6 +27,7 @@ from deltad.errors import OffsetStoreError, OwedBudgetError, SpoolError
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.ratelog import RateLimitedLog
 from deltad.serve.rollout import Cap, ReleaseState, lower
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull, StoredCursor
 from deltad.serve.state.owed import OwedStore
@@ -71,6 +72,7 @@ class WindowServer:
         self.store = store
         self.owed = owed
         self.metrics = metrics
+        self._refusals = RateLimitedLog(logger=log)
         self.streams = streams
         self.source = WindowSource(config, seglog, owed, metrics)
         self.caps = ReleaseCaps(seglog)
@@ -214,7 +216,8 @@ class WindowServer:
                 f"than the oldest state this log holds (step {snap.base.step}): pin or "
                 f"release a later step",
             )
-        if decision.refusal:
+        if decision.refusal:  # (the consumer retries: said in this log too, now and then)
+            self._refusals.warning("GetDelta of %s refused: %s", consumer, decision.refusal)
             _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
         return decision
 
