@@ -169,6 +169,6 @@ def run(args: argparse.Namespace) -> int:
     if unknown.get("unknown"):  # a relay not yet told by its upstream, Redis's unreadable
         print(f"release state: {unknown.get('why', 'not known')} (nothing is served)")
         return 0
-    for line in describe(state):
+    for line in describe(state, generation=resp.generation if resp.head_step >= 0 else None):
         print(line)
     return 0

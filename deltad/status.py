@@ -299,7 +299,10 @@ def rollout_lines(s: pb.StatusResponse) -> list[str]:
         return ["rollout:", f"  release state: {why} (nothing is served)"]
     redacted = bool(d.get("redacted", False))
     state = ReleaseState.from_json(s.rollout_state)
-    lines = ["rollout:"] + [f"  {line}" for line in describe(state, redacted=redacted)]
+    served = s.generation if s.head_seq >= 0 else None
+    lines = ["rollout:"] + [
+        f"  {line}" for line in describe(state, redacted=redacted, generation=served)
+    ]
     if s.gate_reason:
         lines.append(
             f"  gate here: step {s.gate_bad_step} failed: {s.gate_reason} (serving at most step "

@@ -111,6 +111,30 @@ def test_a_gate_failure_of_an_older_generation_does_not_refuse_a_release() -> No
     s = ro.gate_failed(ReleaseState(), generation=1, bad_step=30, good_step=28, reason="nan")
     s = ro.release(s, None, head_step=10, generation=2)
     assert (s.release_step, s.held, s.gate_reason) == (None, False, "")
+    # nothing of the old generation's gate stays, an operator's acceptance included
+    assert (s.gate_bad_step, s.gate_generation, s.gate_accepted_step) == (None, None, None)
+    assert not [line for line in ro.describe(s, generation=2) if line.startswith("gate:")]
+
+
+def test_a_hold_the_gate_set_in_an_earlier_generation_says_so() -> None:
+    """Review 10: after a NaN incident and a trainer restart, predictors stopped at the old
+    hold's step in the healthy new generation, and status still said "step 480 failed ...;
+    holding at step 470" as if of this one. Holds stay across generations (caps are trainer
+    steps), and status says which generation failed and how to let the new one through."""
+    s = ro.gate_failed(ReleaseState(), generation=1, bad_step=480, good_step=470, reason="nan")
+    s = ro.release(s, None, head_step=490, generation=1, force=True)
+    s = ro.gate_failed(s, generation=1, bad_step=500, good_step=495, reason="nan again")
+    lines = ro.describe(s, generation=2)
+    assert any("failed in an earlier generation (1; 2 is served now)" in x for x in lines), lines
+    assert any("stays on this generation" in x and "step 495" in x for x in lines), lines
+    assert any("up to step 490 of generation 1" in x for x in lines), lines
+    assert cap_for(s, "p").max_step == 495  # still held: an operator lets it through
+    assert ro.gate_open(s, 2) is None
+    released = ro.release(s, None, head_step=600, generation=2)  # no force needed
+    assert released.release_step is None and not released.held
+    assert not [x for x in ro.describe(released, generation=2) if x.startswith("gate:")]
+    # of the generation served, as before
+    assert any("holding at step 495" in x for x in ro.describe(s, generation=1))
 
 
 def test_the_state_round_trips_through_json() -> None:

@@ -386,6 +386,8 @@ def release(
         gate = dict(gate_accepted_step=accepted, gate_reason="", gate_good_step=None)
     elif bad is None and state.gate_bad_step is not None:
         gate = dict(gate_reason="", gate_good_step=None)  # an old or accepted failure
+        if state.gate_generation != generation:  # an earlier generation's: nothing of it stays
+            gate.update(gate_bad_step=None, gate_generation=None, gate_accepted_step=None)
     # the model-wide rollback orders end with a release to the head: a consumer away since
     # would go back to the order's step only to come forward again
     orders = state.rollbacks
@@ -517,17 +519,40 @@ def redacted_json(raw: str) -> str:
     return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
 
-def describe(state: ReleaseState, *, redacted: bool = False) -> list[str]:
-    """The state as short human lines (``deltad rollout status``, ``deltad status``)."""
+def describe(
+    state: ReleaseState, *, redacted: bool = False, generation: int | None = None
+) -> list[str]:
+    """The state as short human lines (``deltad rollout status``, ``deltad status``);
+    ``generation``: the one served, to tell a gate failure of an earlier one."""
     rel = "head" if state.release_step is None else f"step {state.release_step}"
     lines = [f"release: {rel}{' (held)' if state.held else ''} (version {state.version})"]
+    earlier = (
+        generation is not None
+        and state.gate_generation is not None
+        and state.gate_generation != generation
+    )
     if state.gate_bad_step is not None and state.gate_reason:
-        lines.append(
-            f"gate: step {state.gate_bad_step} failed (generation {state.gate_generation}): "
-            f"{state.gate_reason}; holding at step {state.gate_good_step}"
-        )
+        if earlier:
+            lines.append(
+                f"gate: step {state.gate_bad_step} failed in an earlier generation "
+                f"({state.gate_generation}; {generation} is served now): {state.gate_reason}"
+            )
+            if state.held:
+                lines.append(
+                    f"gate: the hold it set stays on this generation: its consumers stop at "
+                    f"step {state.release_step} until an operator releases them (deltad "
+                    "rollout release)"
+                )
+        else:
+            lines.append(
+                f"gate: step {state.gate_bad_step} failed (generation {state.gate_generation}): "
+                f"{state.gate_reason}; holding at step {state.gate_good_step}"
+            )
     if state.gate_accepted_step is not None:
-        lines.append(f"gate: released past by an operator up to step {state.gate_accepted_step}")
+        of = f" of generation {state.gate_generation}" if earlier else ""
+        lines.append(
+            f"gate: released past by an operator up to step {state.gate_accepted_step}{of}"
+        )
     for p in state.pins:
         lines.append(f"pin: {p.group} at step {p.step}")
     for g in state.canary:
