@@ -218,3 +218,36 @@ def test_records_deltad_did_not_write_touch_only_their_consumer(
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_two_deployments_under_one_model_name_in_one_redis_are_told(
+    tmp_path: Path, redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 11: two sidecars of different trainers under the same --model (the default is
+    "model") on one Redis silently shared every consumer's state, and the registry flipped
+    between them. Each now says so once the other wrote the rank's entry since it did; a
+    sidecar that restarts on a new address (the old entry just stale) is no conflict."""
+    from serverkit import SpoolWriter, server_config
+
+    from deltad.serve.edge.app import SidecarServer
+
+    SpoolWriter(tmp_path / "a")
+    SpoolWriter(tmp_path / "b")
+    a = SidecarServer(server_config(tmp_path / "a", redis_server.url)).start()
+    caplog.set_level("WARNING")
+    try:
+        a.upkeep.register_endpoint()  # alone: nothing to say
+        assert a.metrics.registry_conflicts._value.get() == 0  # type: ignore[attr-defined]
+        b = SidecarServer(server_config(tmp_path / "b", redis_server.url)).start()
+        try:
+            assert b.metrics.registry_conflicts._value.get() == 0  # type: ignore[attr-defined]
+            a.upkeep.register_endpoint()  # b wrote since a did
+            b.upkeep.register_endpoint()  # and a since b did
+            for s in (a, b):
+                assert s.metrics.registry_conflicts._value.get() == 1  # type: ignore[attr-defined]
+            said = [m for m in caplog.messages if "registers model 'm' rank 0 in this" in m]
+            assert len(said) == 2 and b.endpoint in said[0] and a.endpoint in said[1], said
+        finally:
+            b.stop(0)
+    finally:
+        a.stop(0)

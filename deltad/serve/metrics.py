@@ -160,6 +160,11 @@ class SidecarMetrics:
             list(labels),
             registry=r,
         ).labels(**labels)
+        self.registry_conflicts = counter(
+            "deltad_registry_conflicts",
+            "Times another sidecar registered this model and rank in this Redis since this one"
+            " did (two deployments under one --model, or two sidecars on one rank)",
+        )
         # rollout-control (issue 21): the validation gate and the release state
         self.gate_failures = counter(
             "deltad_gate_failures",

@@ -17,6 +17,7 @@ from deltad.serve.edge.service import DeltaServicer
 from deltad.serve.index.restore import restore_points
 from deltad.serve.memory import rss_bytes
 from deltad.serve.metrics import SidecarMetrics
+from deltad.serve.ratelog import RateLimitedLog
 from deltad.serve.rollout import gate_open
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.state.owed import OwedStore
@@ -56,6 +57,9 @@ class Upkeep:
         self._stop = stop
         self._threads: list[threading.Thread] = []
         self._registered = 0.0
+        #: when this sidecar last wrote its registry entry (None: not yet)
+        self._written_unix: float | None = None
+        self._conflicts = RateLimitedLog(every_s=300.0, logger=log)
         self._trimmed_at = -1.0  # the last stream end whose freed heap was handed back
         self._paged_out_at = -1.0  # the last stream end after which the libraries were paged out
 
@@ -118,8 +122,29 @@ class Upkeep:
         self._threads.clear()
 
     def register_endpoint(self) -> None:
-        """Record this rank's endpoint (and generation) in the offset store's registry."""
+        """Record this rank's endpoint, generation and restore points in the offset store's
+        registry; say so (error log, ``deltad_registry_conflicts_total``) when another
+        sidecar wrote this rank's entry since this one last did."""
         snap = self.log.snapshot()
+        if self._written_unix is not None:
+            other = self.store.ranks().get(self.config.rank)
+            if (
+                other is not None
+                and other.get("endpoint") != self.endpoint
+                and isinstance(other.get("updated_unix"), int | float)
+                and other["updated_unix"] > self._written_unix
+            ):
+                self.metrics.registry_conflicts.inc()
+                self._conflicts.warning(
+                    "another sidecar (%s, generation %s) registers model %r rank %d in this "
+                    "Redis too: two deployments under one --model share its consumers' "
+                    "cursors, leases and release state, and predictors that look sidecars up "
+                    "in Redis find either one. Give each deployment its own --model or its own "
+                    "Redis (database)",
+                    str(other.get("endpoint"))[:200], other.get("generation"),
+                    self.config.model, self.config.rank,
+                )  # fmt: skip
+        self._written_unix = time.time()
         self.store.register_rank(
             self.config.rank,
             self.endpoint,
