@@ -57,11 +57,23 @@ def _read(what: str, path: Path) -> bytes:
         raise ConfigError(f"cannot read {what} {path}: {e}") from e
 
 
+def check_token(token: str, where: str) -> str:
+    """``token`` if an ``authorization`` header can carry it (printable ASCII, no spaces);
+    ConfigError naming ``where`` otherwise (gRPC would refuse the call with a dump of its
+    own, as if the server were at fault)."""
+    if not token or not all("!" <= ch <= "~" for ch in token):
+        raise ConfigError(
+            f"{where}: the token must be printable ASCII without spaces (a header carries it)"
+        )
+    return token
+
+
 def read_token(path: Path) -> str:
-    """The bearer token in ``path`` (its first non-empty line); ConfigError if none."""
+    """The bearer token in ``path`` (its first non-empty line); ConfigError if none, or if
+    it is not one a header can carry (:func:`check_token`)."""
     for line in _read("token file", path).decode("utf-8", "replace").splitlines():
         if line.strip():
-            return line.strip()
+            return check_token(line.strip(), f"token file {path}")
     raise ConfigError(f"token file {path} is empty")
 
 
@@ -79,7 +91,7 @@ class ClientAuth:
     ) -> None:
         if (tls_cert is None) != (tls_key is None):
             raise ConfigError("a client certificate and its key go together")
-        self._token = token
+        self._token = None if token is None else check_token(token, "DELTAD_TOKEN / the token set")
         self._token_file = token_file
         self._tls = (tls_ca, tls_cert, tls_key)
         self._lock = threading.Lock()

@@ -22,6 +22,7 @@ from serverkit import SpoolWriter, server_config
 from spoolkit import child_env, wait_for
 
 from deltad.cli import main as deltad_main
+from deltad.clientauth import ClientAuth
 from deltad.config import ConfigError, ConsumerConfig, RelayConfig
 from deltad.consume.client import DeltaConsumer
 from deltad.errors import ConsumerError
@@ -137,6 +138,30 @@ def test_config_refuses_half_a_client_pair(tmp_path: Path) -> None:
                 "c", sidecars=("h:1",), tls_cert=tmp_path / "no.pem", tls_key=tmp_path / "no"
             )
         )
+
+
+def test_a_token_no_header_can_carry_is_refused_on_the_client_naming_its_file(
+    tmp_path: Path,
+) -> None:
+    """Review 11: a token file with binary or non-ASCII bytes made `deltad status` print
+    gRPC core's multi-line dump and "INTERNAL: Invalid metadata", blaming the server."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "tok"
+    bad.write_bytes(b"\xff\xfe s3cret\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "deltad", "status", "--target", "127.0.0.1:1", "--token-file",
+         str(bad)], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"deltad status: error: token file {bad}: the token must be printable ASCII without "
+        "spaces (a header carries it)"
+    ]
+    for token in ("héllo", "two words"):
+        with pytest.raises(ConfigError, match="printable ASCII"):
+            ClientAuth(token=token)
 
 
 def test_certificates_rotate_without_a_restart(
