@@ -243,10 +243,16 @@ def _mb(n: int) -> str:
 
 def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> str:
     s = status
-    if s.head_seq < 0:  # a head that does not exist has no age (a mistyped --spool?)
+    if s.head_seq < 0 and s.quarantined:  # its files failed their checks: said in its log
+        head = (
+            f"head: no segment served: {s.quarantined} file(s) of this rank quarantined "
+            "(the sidecar's log says why; they are in <spool>/<model>/quarantine/), and a "
+            "fresh base is asked of the trainer's publisher"
+        )
+    elif s.head_seq < 0:  # a head that does not exist has no age (a mistyped --spool?)
         head = (
             "head: no segment yet (nothing published to this spool for this model and rank; "
-            f"check --spool and --model)  quarantined {s.quarantined}"
+            "check --spool and --model)  quarantined 0"
         )
     else:
         head = (
@@ -334,11 +340,30 @@ def forget(
     return bool(resp.forgotten)
 
 
+def _lease_left(target: str, consumer: str, auth: ClientAuth, timeout: float) -> float:
+    """Seconds left on ``consumer``'s lease at ``target`` (0: not live, or not known)."""
+    try:
+        _, listed = fetch(target, auth=auth, timeout=timeout)
+    except (ConfigError, SidecarUnavailableError):
+        return 0.0  # (the Forget itself then says what is wrong)
+    return next(
+        (c.lease_expires_in_seconds for c in listed.consumers if c.consumer == consumer and c.live),
+        0.0,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     auth = connection_auth(args)
     if args.forget is not None:
+        live = _lease_left(args.target, args.forget, auth, args.timeout)
         gone = forget(args.target, args.forget, auth=auth, timeout=args.timeout)
-        print(f"consumer {args.forget}: {'forgotten' if gone else 'not known'}")
+        note = ""
+        if gone and live:  # (forgotten all the same: an admin's request)
+            note = (
+                f" (it was live, {live:.0f} s left on its lease: its next pull registers it "
+                "again and is served the full tables)"
+            )
+        print(f"consumer {args.forget}: {'forgotten' if gone else 'not known'}{note}")
         return 0
     status, consumers = fetch(args.target, auth=auth, timeout=args.timeout)
     if args.json:

@@ -210,6 +210,47 @@ def test_an_empty_spool_says_it_has_no_segment_yet_and_shows_no_age(
     assert "head seq -1" not in text
 
 
+def test_a_rank_whose_only_base_was_quarantined_says_so_not_check_your_flags(
+    tmp_path: Path, redis_server: EmbeddedRedis, sidecar_of: list[SidecarServer]
+) -> None:
+    """Review 10: with its only segment quarantined, status said "nothing published ...; check
+    --spool and --model", pointing the operator at the wrong thing."""
+    spool = SpoolWriter(tmp_path / "spool")
+    base = spool.layout.segment_path(1, 0, 0)
+    raw = bytearray(base.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # its checksum fails
+    base.write_bytes(bytes(raw))
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
+    sidecar_of.append(srv.start())
+    st, consumers = status.fetch(srv.endpoint)
+    text = status.render(st, consumers)
+    assert "1 file(s) of this rank quarantined" in text and "fresh base" in text, text
+    assert "check --spool" not in text
+
+
+def test_forgetting_a_live_consumer_says_it_was_live(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    sidecar_of: list[SidecarServer],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review 10: `deltad status --forget NAME` forgot a predictor that was pulling, with no
+    word of it."""
+    from deltad.cli import main
+
+    SpoolWriter(tmp_path / "spool")
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
+    sidecar_of.append(srv.start())
+    srv.store.register("busy", 300.0)
+    srv.store.register("gone", 0.05)
+    assert main(["status", "--target", srv.endpoint, "--forget", "busy"]) == 0
+    out = capsys.readouterr().out
+    assert "consumer busy: forgotten (it was live" in out and "full tables" in out, out
+    wait_for(lambda: srv.store.lease_remaining(["gone"])["gone"] == 0, 10, "the lease gone")
+    assert main(["status", "--target", srv.endpoint, "--forget", "gone"]) == 0
+    assert capsys.readouterr().out.strip() == "consumer gone: forgotten"
+
+
 def test_wait_for_new_waits_for_the_first_publish_and_says_nothing_is_published(
     tmp_path: Path, redis_server: EmbeddedRedis, sidecar_of: list[SidecarServer]
 ) -> None:
