@@ -347,7 +347,7 @@ class PublisherConfig:
         if not self.spool_dir.exists() and not self.spool_dir.parent.exists():
             # a typo makes nothing (as `deltad serve --spool`): only the last level is created
             raise ConfigError(
-                f"spool_dir {self.spool_dir}: neither it nor its parent directory exists (the "
+                f"spool_dir (--spool) {self.spool_dir}: neither it nor its parent directory exists (the "
                 "publisher creates the spool directory itself at most)"
             )
         self.train_loop = check_choice("train_loop", self.train_loop, TrainLoop)

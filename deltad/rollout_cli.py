@@ -34,7 +34,7 @@ from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
-RANGES = {**STATUS_RANGES, "step": Range(0, MAX_COUNT)}
+RANGES = {**STATUS_RANGES, "step": Range(0, MAX_COUNT, integer=True)}
 #: Its endpoint flags (--target), checked as HOST:PORT by `deltad` before run().
 ENDPOINTS = STATUS_ENDPOINTS
 

@@ -93,7 +93,7 @@ def test_publisher_config_accepts_what_it_documents(tmp_path: Path) -> None:
 
 def test_publisher_config_refuses_a_spool_whose_parent_does_not_exist(tmp_path: Path) -> None:
     typo = tmp_path / "nonexistent" / "a" / "spool"
-    with pytest.raises(ConfigError, match=r"^spool_dir .*neither it nor its parent"):
+    with pytest.raises(ConfigError, match=r"^spool_dir \(--spool\) .*neither it nor its parent"):
         PublisherConfig(typo, every_steps=1)
     assert not (tmp_path / "nonexistent").exists()
     with pytest.raises(ConfigError, match=r"^spool_dir must be a path"):

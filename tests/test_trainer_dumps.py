@@ -18,7 +18,7 @@ def test_dump_and_bad_step_flags_are_checked_before_training(tmp_path: Path) -> 
     ok = {"spool_dir": tmp_path, "publish_every_steps": 1}
     cfg = TrainConfig(**ok, dump_steps=(60, 30, 30), dump_dir=tmp_path)  # type: ignore[arg-type]
     assert cfg.dump_steps == (30, 60)
-    with pytest.raises(ConfigError, match="dump_dir"):
+    with pytest.raises(ConfigError, match="--dump-steps needs --dump-dir"):
         TrainConfig(**ok, dump_steps=(30,))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="plain loop"):
         TrainConfig(**ok, inject_nan_step=5, loop=TrainLoop.PIPELINE_BASE)  # type: ignore[arg-type]

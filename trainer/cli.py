@@ -173,7 +173,10 @@ def parse_sharding(spec: str, tables: list[str]) -> dict[str, str]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, eq, st = item.partition("=")
         if not eq:
-            raise ConfigError(f"--sharding: expected TABLE=TYPE, got {item!r}")
+            raise ConfigError(
+                f"--sharding: expected one of {', '.join((*_SHARDINGS, 'mixed'))} or "
+                f"TABLE=TYPE,..., got {item!r}"
+            )
         out[name] = st
     return out
 

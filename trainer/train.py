@@ -134,7 +134,7 @@ class TrainConfig:
             self.dump_dir = Path(self.dump_dir)
         self.dump_steps = tuple(sorted(set(self.dump_steps)))
         if self.dump_steps and (self.dump_dir is None or self.dump_steps[0] < 1):
-            raise ConfigError("dump_steps need a dump_dir and steps >= 1")
+            raise ConfigError("--dump-steps needs --dump-dir, and steps >= 1 (dump_steps)")
         if self.inject_nan_step < 0:
             raise ConfigError("inject_nan_step must be >= 0 (0 = none)")
         if self.inject_nan_step and self.loop is not TrainLoop.PLAIN:

@@ -228,9 +228,10 @@ class SidecarServer:
                 )  # fmt: skip
             else:
                 log.warning(
-                    "no segment of model %r rank %d in %s yet: serving nothing until the "
-                    "trainer publishes there",
+                    "no segment of model %r rank %d in %s yet: serving nothing until %s",
                     cfg.model, cfg.rank, cfg.spool_dir,
+                    "the relay's first pull from its upstream" if self.relay
+                    else "the trainer publishes there",
                 )  # fmt: skip
         world = snap.manifest.world_size if snap is not None else 1
         owed = OwedStore(
