@@ -313,7 +313,16 @@ print("HEAD", snap.head.seq, [d.seq for d in snap.dense])
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["zeros", "valid segment, padded", "dense state, padded"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "zeros",
+        "valid segment, padded",
+        "dense state, padded",
+        "segment offset past its rows, padded",
+        "dense offset past its tensors, padded",
+    ],
+)
 def test_a_huge_sparse_file_is_refused_before_any_of_it_is_copied(
     case: str, tmp_path: Path
 ) -> None:
@@ -336,6 +345,16 @@ def test_a_huge_sparse_file_is_refused_before_any_of_it_is_copied(
         why = "not a deltad segment"
     elif case == "valid segment, padded":
         target = _write(spool, 2, [_chunk([1, 5, 9])])
+        os.truncate(target, huge)
+        why = "more than the"
+    elif case == "segment offset past its rows, padded":  # (review 12: offsets claimed room)
+        target = _write(spool, 2, [_chunk([1, 5, 9])])
+        _rewrite_header(target, _chunk0(values_offset=huge - (1 << 20)))
+        os.truncate(target, huge)
+        why = "more than the"
+    elif case == "dense offset past its tensors, padded":
+        target = d / "dense-000000000001.dseg"
+        target.write_bytes(_dense_bytes(_tensor0(offset=huge - (1 << 20))))
         os.truncate(target, huge)
         why = "more than the"
     else:

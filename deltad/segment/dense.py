@@ -168,9 +168,18 @@ def read_dense_header_at(fd: int, path: Path) -> tuple[int, DenseHeader]:
 
 def dense_file_size(header: DenseHeader, header_bytes: int) -> int:
     """The bytes of a dense state file with ``header`` (``header_bytes`` long), laid out as
-    :func:`encode_dense` lays it out."""
-    end = max((m.offset + m.nbytes for m in header.tensors), default=0)
-    return align(PREFIX.size + header_bytes) + align(end) + TRAILER.size
+    :func:`encode_dense` lays it out: its tensors one after the other (aligned), each of the
+    bytes its shape and dtype make (SegmentCorruptError if its ``nbytes`` says otherwise), not
+    from the offsets."""
+    payload = 0
+    for m in header.tensors:
+        count = 1
+        for d in m.shape:
+            count *= d
+        if m.nbytes != count * torch.empty((), dtype=dense_dtype(m.dtype)).element_size():
+            raise SegmentCorruptError(f"dense tensor {m.name!r}: nbytes disagrees with its shape")
+        payload += align(m.nbytes)
+    return align(PREFIX.size + header_bytes) + payload + TRAILER.size
 
 
 def decode_dense(buf: Any, path: Path | str = "<dense>", *, verify: bool = True) -> DenseState:
