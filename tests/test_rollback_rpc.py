@@ -283,3 +283,30 @@ def test_a_control_to_a_step_another_rank_merged_away_is_refused(
         order = RolloutStore(servers[0].store.client, "m").get().rollback
         assert order is not None and order.to_step == 40
     del ft
+
+
+def test_a_control_while_redis_is_down_is_unavailable_not_a_refusal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review 12: with Redis down, the check of the other ranks' restore points answered
+    FAILED_PRECONDITION, "keep the same restore window on every rank": an outage is
+    UNAVAILABLE, which clients retry."""
+    from deltad.cli import main
+    from deltad.redisutil import EmbeddedRedis
+
+    ft = trained(tmp_path)
+    redis = EmbeddedRedis(tmp_path / "redis")
+    url = redis.start()
+    watch = Release(url)
+    try:
+        with sidecars(tmp_path / "spool", url, 2, watch) as servers:
+            wait_for(lambda: at_step([s.endpoint for s in servers], 40), 30, "the head")
+            redis.stop()
+            capsys.readouterr()
+            code = main(["rollout", "rollback", "--to-step", "20", "--target",
+                         servers[0].endpoint, "--timeout", "30"])  # fmt: skip
+            err = capsys.readouterr().err
+            assert code != 0 and "UNAVAILABLE" in err and "restore window" not in err, err
+    finally:
+        redis.stop()
+    del ft

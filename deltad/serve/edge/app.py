@@ -159,6 +159,7 @@ class SidecarServer:
             cfg, self.servicer, self.store, self.owed, self.gate, self.health, self.metrics,
             self.endpoint, self._stop,
         )  # fmt: skip
+        self.upkeep.relay = self.relay
         self._server = server
         server.start()
         self.health.serve()
@@ -380,16 +381,13 @@ class SidecarServer:
 
     def _peers_check(self, step: int) -> str:
         """Why another rank of this generation cannot restore ``step`` ("" if none says so),
-        from the restore points each rank keeps in the registry (refreshed on every merge);
-        a registry that cannot be read refuses too."""
+        from the restore points each rank keeps in the registry (refreshed on every merge
+        and new base); OffsetStoreError if the registry cannot be read."""
         snap = self.log.snapshot()
-        if snap is None:
+        if snap is None or snap.manifest.world_size <= 1:
             return ""
-        try:
-            ranks = self.store.ranks()
-        except OffsetStoreError as e:
-            return f"the other ranks' restore points cannot be read: {e}"
-        for r, entry in sorted(ranks.items()):
+        # (OffsetStoreError propagates: the RPC answers UNAVAILABLE, as for any Redis outage)
+        for r, entry in sorted(self.store.ranks().items()):
             if r == self.config.rank or r >= snap.manifest.world_size:
                 continue
             why = unrestorable(entry.get("restore"), snap.generation, step)

@@ -59,6 +59,8 @@ class Upkeep:
         self._registered = 0.0
         #: when this sidecar last wrote its registry entry (None: not yet)
         self._written_unix: float | None = None
+        #: a relay's upkeep (set by its server): no registry conflicts (see register_endpoint)
+        self.relay = False
         self._conflicts = RateLimitedLog(every_s=300.0, logger=log)
         self._trimmed_at = -1.0  # the last stream end whose freed heap was handed back
         self._paged_out_at = -1.0  # the last stream end after which the libraries were paged out
@@ -126,7 +128,8 @@ class Upkeep:
         registry; say so (error log, ``deltad_registry_conflicts_total``) when another
         sidecar wrote this rank's entry since this one last did."""
         snap = self.log.snapshot()
-        if self._written_unix is not None:
+        # (a relay tier's replicas register one rank in one Redis on purpose: the last wins)
+        if self._written_unix is not None and not self.relay:
             other = self.store.ranks().get(self.config.rank)
             if (
                 other is not None
@@ -161,10 +164,15 @@ class Upkeep:
         snap = self.log.snapshot()
         if snap is not None:
             self.metrics.head_seq.set(snap.head.seq)
-        generation_changed = (before is None) != (snap is None) or (
-            before is not None and snap is not None and before.generation != snap.generation
+        # (a new generation, or a new base in this one: a fresh base after a quarantine or a
+        # gap drops steps, and the other ranks' rollout controls read this rank's restore
+        # points from its registry entry)
+        moved = (before is None) != (snap is None) or (
+            before is not None
+            and snap is not None
+            and (before.generation, before.base.seq) != (snap.generation, snap.base.seq)
         )
-        if generation_changed or time.monotonic() - self._registered > REGISTRY_REFRESH_S:
+        if moved or time.monotonic() - self._registered > REGISTRY_REFRESH_S:
             try:
                 self.register_endpoint()
                 self.servicer.consumer_infos()  # refreshes the lag gauges
