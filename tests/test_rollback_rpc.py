@@ -310,3 +310,30 @@ def test_a_control_while_redis_is_down_is_unavailable_not_a_refusal(
     finally:
         redis.stop()
     del ft
+
+
+def test_a_merge_tells_the_other_ranks_what_it_swallows_before_it_runs(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Review 12: rank 1's registry entry was rewritten only after a merge, so an order given
+    to rank 0 while rank 1 merged was checked against steps rank 1 was about to lose. The
+    entry now says the merge's outcome before the merge runs."""
+    ft = trained(tmp_path)  # 2 ranks, steps 10..40
+    watch = Release(redis_url)
+    with sidecars(tmp_path / "spool", redis_url, 2, watch, restore_window_steps=0,
+                  merge_min_segments=2) as servers:  # fmt: skip
+        wait_for(lambda: at_step([s.endpoint for s in servers], 40), 30, "the head")
+        assert servers[0]._peers_check(20) == ""
+        seen: list[str] = []
+        told = servers[1]._before_merge
+
+        def during(merging: tuple[int, int]) -> None:
+            told(merging)
+            snap = servers[1].log.snapshot()
+            assert snap is not None and snap.base.step == 0  # not merged yet
+            seen.append(servers[0]._peers_check(20))  # an order given now, on rank 0
+
+        servers[1].retention.before_merge = during
+        assert servers[1].retain()
+        assert seen and "rank 1 cannot restore it" in seen[0], seen
+    del ft

@@ -269,6 +269,7 @@ class SidecarServer:
             restore_seconds=cfg.restore_window_s,
             release=self.rollout.state,
         )
+        self.retention.before_merge = self._before_merge
         retention = self.retention
         self.metrics.track_counter(
             "deltad_retention_failures",
@@ -395,10 +396,17 @@ class SidecarServer:
                 return f"rank {r} cannot restore it: {why}"
         return ""
 
+    def _before_merge(self, merging: tuple[int, int]) -> None:
+        """Tell the registry the restore points a merge about to run leaves (see retain)."""
+        try:
+            self.upkeep.register_endpoint(merging)
+        except OffsetStoreError as e:
+            log.warning("cannot record the restore points before a merge: %s", e)
+
     def retain(self) -> bool:
-        """One retention round; after a merge, this rank's registry entry tells the other
-        ranks' rollout controls the steps its log still holds (at once, not at the next
-        registry refresh)."""
+        """One retention round. This rank's registry entry tells the other ranks' rollout
+        controls the steps its log holds: before a merge as if it were done (an order
+        accepted meanwhile could name a step the merge swallows), and after it as it is."""
         changed = self.retention.run_once()
         if changed:
             try:

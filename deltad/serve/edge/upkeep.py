@@ -123,10 +123,11 @@ class Upkeep:
             t.join(timeout=10)
         self._threads.clear()
 
-    def register_endpoint(self) -> None:
+    def register_endpoint(self, merging: tuple[int, int] | None = None) -> None:
         """Record this rank's endpoint, generation and restore points in the offset store's
-        registry; say so (error log, ``deltad_registry_conflicts_total``) when another
-        sidecar wrote this rank's entry since this one last did."""
+        registry (``merging``: with the (first_seq, seq) of a merge about to run taken as
+        done); say so (a warning, ``deltad_registry_conflicts_total``) when another sidecar
+        wrote this rank's entry since this one last did."""
         snap = self.log.snapshot()
         # (a relay tier's replicas register one rank in one Redis on purpose: the last wins)
         if self._written_unix is not None and not self.relay:
@@ -152,7 +153,7 @@ class Upkeep:
             self.config.rank,
             self.endpoint,
             snap.generation if snap is not None else None,
-            restore_points(snap) if snap is not None else None,
+            restore_points(snap, merging) if snap is not None else None,
         )
         self._registered = time.monotonic()
 

@@ -65,17 +65,25 @@ def restorable_steps(snap: LogSnapshot) -> tuple[int, int]:
 MAX_MERGED_TOLD = 256
 
 
-def restore_points(snap: LogSnapshot) -> dict[str, Any]:
+def restore_points(snap: LogSnapshot, merging: tuple[int, int] | None = None) -> dict[str, Any]:
     """What the other ranks' rollout controls need to know of this rank's restore points (in
     its registry entry): its generation, its base's step, and the (step before, step) of every
-    merged entry after the base, whose steps in between are lost."""
+    merged entry after the base, whose steps in between are lost. ``merging``: the
+    (first_seq, seq) of a merge about to run, told as if done (told before it runs, so no
+    order accepted meanwhile names a step it swallows)."""
+    entries = [(e.first_seq, e.seq, e.step) for e in snap.entries]
+    if merging is not None:
+        inside = [x for x in entries if merging[0] <= x[0] and x[1] <= merging[1]]
+        if inside:
+            at = entries.index(inside[0])
+            merged_entry = (merging[0], inside[-1][1], inside[-1][2])
+            entries[at : at + len(inside)] = [merged_entry]
     merged: list[list[int]] = []
-    prev = snap.base.step
-    for e in snap.entries[1:]:
-        if e.first_seq != e.seq:
-            merged.append([prev, e.step])
-        prev = e.step
-    base = snap.base.step
+    base = prev = entries[0][2]
+    for first_seq, seq, step in entries[1:]:
+        if first_seq != seq:
+            merged.append([prev, step])
+        prev = step
     if len(merged) > MAX_MERGED_TOLD:
         base, merged = merged[-MAX_MERGED_TOLD - 1][1], merged[-MAX_MERGED_TOLD:]
     return {"generation": snap.generation, "base_step": base, "merged": merged}

@@ -77,6 +77,9 @@ class Retention:
         self._failed: set[tuple[int, int]] = set()
         #: merges that failed (a full disk, an unwritable spool, a merge bug)
         self.failures = 0
+        #: told (first_seq, seq) of each merge before it runs (the sidecar's registry entry:
+        #: the other ranks' rollout controls read this rank's restore points there)
+        self.before_merge: Callable[[tuple[int, int]], None] | None = None
 
     def _bounded(self, run: Sequence[LogEntry], first: LogEntry | None = None) -> list[LogEntry]:
         out = [first] if first is not None else []
@@ -177,6 +180,8 @@ class Retention:
         if (first.first_seq, last.seq) in self._failed:
             return False
         head = first.segment.header
+        if self.before_merge is not None:
+            self.before_merge((first.first_seq, last.seq))
         try:
             shards, values_of = merge_plan(covered)
         except Exception as e:  # verified inputs make this a bug, not a bad file: keep going
