@@ -385,9 +385,9 @@ def release(
         accepted = head_step if to_step is None else to_step
         gate = dict(gate_accepted_step=accepted, gate_reason="", gate_good_step=None)
     elif bad is None and state.gate_bad_step is not None:
-        gate = dict(gate_reason="", gate_good_step=None)  # an old or accepted failure
-        if state.gate_generation != generation:  # an earlier generation's: nothing of it stays
-            gate.update(gate_bad_step=None, gate_generation=None, gate_accepted_step=None)
+        # an old or accepted failure: its step stays recorded (a rank still serving that
+        # generation, its new base late, keeps it out), only its hold ends
+        gate = dict(gate_reason="", gate_good_step=None)
     # the model-wide rollback orders end with a release to the head: a consumer away since
     # would go back to the order's step only to come forward again
     orders = state.rollbacks
@@ -548,7 +548,7 @@ def describe(
                 f"gate: step {state.gate_bad_step} failed (generation {state.gate_generation}): "
                 f"{state.gate_reason}; holding at step {state.gate_good_step}"
             )
-    if state.gate_accepted_step is not None:
+    if state.gate_accepted_step is not None and not (earlier and not state.held):
         of = f" of generation {state.gate_generation}" if earlier else ""
         lines.append(
             f"gate: released past by an operator up to step {state.gate_accepted_step}{of}"
