@@ -337,3 +337,45 @@ def test_a_merge_tells_the_other_ranks_what_it_swallows_before_it_runs(
         assert servers[1].retain()
         assert seen and "rank 1 cannot restore it" in seen[0], seen
     del ft
+
+
+def test_a_pull_nothing_can_be_served_to_is_said_in_the_sidecars_log(
+    tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 10/12: predictors failed every pull on a cap older than a rank's base, and that
+    rank's log said nothing. Every such refusal is logged (rate-limited) with its code."""
+    import grpc
+    from serverkit import Client
+
+    from deltad.serve import rollout as ro
+
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    for step in range(5, 45, 5):
+        ft.step(step, touch=10)
+    watch = Release(redis_url)
+    with sidecars(tmp_path / "spool", redis_url, 1, watch, restore_window_steps=0,
+                  merge_min_segments=2) as servers:  # fmt: skip
+        srv = servers[0]
+        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+        for _ in range(50):
+            if not srv.retain():
+                break
+        assert srv.log.snapshot().base.step == 40  # type: ignore[union-attr]
+        # a pin older than the base, as a state written by hand or a race would hold it
+        store = RolloutStore(srv.store.client, "m")
+        state = store.update(lambda s: ro.pin(s, group="old-*", step=10, head_step=None))
+        wait_for(lambda: srv.rollout.state().version >= state.version, 10, "the pin applied")
+        caplog.set_level("WARNING")
+        c = Client(srv.endpoint)
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                c.pull("old-1")
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        finally:
+            c.close()
+        said = [
+            m for m in caplog.messages if "GetDelta of old-1 refused (FAILED_PRECONDITION)" in m
+        ]
+        assert said and "older than the oldest state this log holds" in said[0], caplog.messages
+    del ft

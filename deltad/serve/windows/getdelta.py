@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import NoReturn
 
 import grpc
 
@@ -203,23 +204,28 @@ class WindowServer:
             # the oldest state the log holds (its base) is past the cap already
             gate = self.caps.gate_cap(self.caps.rollout.state(), gen)
             if gate is not None and gate < snap.base.step:
-                _abort(
-                    context,
-                    grpc.StatusCode.UNAVAILABLE,
+                self._refuse(
+                    context, consumer, grpc.StatusCode.UNAVAILABLE,
                     f"the base of generation {gen} (step {snap.base.step}) failed the "
                     f"validation gate; nothing can be served until a new base or generation",
-                )
-            _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
+                )  # fmt: skip
+            self._refuse(
+                context, consumer, grpc.StatusCode.FAILED_PRECONDITION,
                 f"the release state caps consumer {consumer!r} at step {max_step}, older "
                 f"than the oldest state this log holds (step {snap.base.step}): pin or "
                 f"release a later step",
-            )
-        if decision.refusal:  # (the consumer retries: said in this log too, now and then)
-            self._refusals.warning("GetDelta of %s refused: %s", consumer, decision.refusal)
-            _abort(context, grpc.StatusCode.UNAVAILABLE, decision.refusal)
+            )  # fmt: skip
+        if decision.refusal:
+            self._refuse(context, consumer, grpc.StatusCode.UNAVAILABLE, decision.refusal)
         return decision
+
+    def _refuse(
+        self, context: grpc.ServicerContext, consumer: str, code: grpc.StatusCode, why: str
+    ) -> NoReturn:
+        """End a GetDelta that nothing can be served to, and say it in this log too (now and
+        then: its consumer retries), so an operator sees why predictors are stuck."""
+        self._refusals.warning("GetDelta of %s refused (%s): %s", consumer, code.name, why)
+        _abort(context, code, why)
 
     def _record_pull(
         self,
