@@ -169,6 +169,7 @@ def test_records_deltad_did_not_write_touch_only_their_consumer(
     good record), everyone else as before, one warning per record."""
     import redis
     from serverkit import Client, SpoolWriter, server_config
+    from spoolkit import wait_for
 
     from deltad.keys import RedisKeys
     from deltad.serve.edge.app import SidecarServer
@@ -210,6 +211,22 @@ def test_records_deltad_did_not_write_touch_only_their_consumer(
         assert d.resync and d.cursor.seq == 3
         c.commit(d)
         assert srv.store.get_cursor("victim", 0).seq == 3  # type: ignore[union-attr]
+        # a cursor bad in a field the old commit script did not read (step), of a consumer
+        # pinned below it: served from the base up to its pin, and its commit is taken
+        # (review 12: the script compared against it and answered "behind", forever)
+        from deltad.serve import rollout as ro
+        from deltad.serve.state.release import RolloutStore
+
+        c.commit(c.pull("capped"))  # at seq 3
+        r.hset(keys.cursor("capped", 0), mapping={"step": "abc", "updated_unix": "nan"})
+        state = RolloutStore(r, "m").update(
+            lambda s: ro.pin(s, group="capped", step=10, head_step=None)
+        )
+        wait_for(lambda: srv.rollout.state().version >= state.version, 10)
+        d = c.pull("capped")
+        assert d.resync and d.cursor.seq == 1
+        c.commit(d)
+        assert srv.store.get_cursor("capped", 0).seq == 1  # type: ignore[union-attr]
         # the one with a bad pull record pulls and commits on; a bad lease TTL renews by default
         c.commit(c.pull("pulled"))
         assert srv.store.get_cursor("pulled", 0).seq == 3  # type: ignore[union-attr]

@@ -23,6 +23,7 @@ from deltad.config import SENTINEL_SCHEMES, clip, options_min_replicas
 from deltad.errors import StaleCursorError
 from deltad.keys import RedisKeys
 from deltad.redisutil import connect
+from deltad.serve.ratelog import RateLimitedLog
 from deltad.serve.state.members import ConsumerMembers
 from deltad.serve.state.redis_calls import RedisCalls
 
@@ -54,11 +55,21 @@ if not p[1] then
 end
 if p[1] ~= ARGV[1] then return 'unknown_pull' end
 if p[2] ~= ARGV[2] or p[3] ~= ARGV[3] or p[4] ~= ARGV[4] then return 'mismatch' end
-local c = redis.call('HMGET', KEYS[1], 'generation', 'seq', 'rollback_epoch')
+local c = redis.call('HMGET', KEYS[1], 'generation', 'seq', 'rollback_epoch', 'step',
+                     'owed_rows', 'pull_id', 'owed_token', 'updated_unix')
 local epoch = tonumber(p[7] or '0') or 0
--- a cursor deltad did not write (a generation or seq that is not an integer) is taken as
--- none, as the server that issued this pull took it: this commit writes a good one
-if c[1] and string.match(c[1], '^%d+$') and c[2] and string.match(c[2], '^-?%d+$') then
+-- a cursor deltad did not write is taken as none, as the server that issued this pull took
+-- it (offsets._cursor: the same rules), and this commit writes a good one
+local function uint(v) return v == '0' or (v and string.match(v, '^[1-9]%d*$') ~= nil) end
+local function sint(v) return v == '0' or (v and string.match(v, '^%-?[1-9]%d*$') ~= nil) end
+local function opt(v) return not v or v == '' or uint(v) end
+local function tok(v) return not v or v == '' or (#v <= 128 and string.match(v, '^[%w_%-]+$') ~= nil) end
+local function num(v)
+  return not v or v == '' or string.match(v, '^%-?%d+%.?%d*$') ~= nil
+    or string.match(v, '^%-?%d+%.?%d*[eE][%-+]?%d+$') ~= nil
+end
+if c[1] and uint(c[1]) and sint(c[2]) and opt(c[3]) and sint(c[4]) and opt(c[5])
+   and tok(c[6]) and tok(c[7]) and num(c[8]) then
   if gt(c[1], p[2]) then return 'old_generation' end
   -- a cursor moves back only for the rollback window this server issued (p[8] = '1')
   if c[1] == p[2] and tonumber(c[2]) > tonumber(p[3]) and p[8] ~= '1' then return 'behind' end
@@ -127,20 +138,26 @@ class MalformedRecord(ValueError):
 #: a pull id or owed-rows token as deltad writes them (a uuid4's hex): at least nothing that
 #: could leave the owed-rows directory as a file name
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+#: integers and times as deltad writes them (``str(int)``, ``repr(time.time())``); the
+#: commit's Lua script takes a cursor by the same rules (``_COMMIT``)
+_UINT = re.compile(r"0|[1-9][0-9]*")
+_SINT = re.compile(r"0|-?[1-9][0-9]*")
+_TIME = re.compile(r"-?[0-9]+\.?[0-9]*([eE][-+]?[0-9]+)?")
 
 
 def _fields(raw: dict[Any, Any]) -> dict[str, str]:
     return {_s(k): _s(v) for k, v in raw.items()}
 
 
-def _int(d: dict[str, str], name: str, default: str | None = None) -> int:
+def _int(d: dict[str, str], name: str, default: str | None = None, *, signed: bool = False) -> int:
     v = d.get(name, default)
     if v is None:
         raise MalformedRecord(f"no {name}")
-    try:
-        return int(v or "0") if default is not None else int(v)
-    except ValueError:
-        raise MalformedRecord(f"{name} {clip(v)} is not an integer") from None
+    if default is not None and v == "":
+        v = default
+    if not (_SINT if signed else _UINT).fullmatch(v):
+        raise MalformedRecord(f"{name} {clip(v)} is not an integer deltad writes")
+    return int(v)
 
 
 def _token(d: dict[str, str], name: str, required: bool = False) -> str:
@@ -155,14 +172,14 @@ def _cursor(raw: dict[Any, Any]) -> StoredCursor | None:
     if not raw:
         return None
     d = _fields(raw)
-    try:
-        updated = float(d.get("updated_unix", "0") or 0)
-    except ValueError:
-        raise MalformedRecord("updated_unix is not a number") from None
+    when = d.get("updated_unix", "") or "0"
+    if not _TIME.fullmatch(when):
+        raise MalformedRecord(f"updated_unix {clip(when)} is not a time deltad writes")
+    updated = float(when)
     return StoredCursor(
         generation=_int(d, "generation"),
-        seq=_int(d, "seq"),
-        step=_int(d, "step"),
+        seq=_int(d, "seq", signed=True),
+        step=_int(d, "step", signed=True),
         pull_id=_token(d, "pull_id"),
         owed_token=_token(d, "owed_token"),
         owed_rows=_int(d, "owed_rows", "0"),
@@ -179,8 +196,8 @@ def _pull(raw: dict[Any, Any]) -> PendingPull | None:
     return PendingPull(
         _token(d, "pull_id", required=True),
         _int(d, "generation"),
-        _int(d, "seq"),
-        _int(d, "step"),
+        _int(d, "seq", signed=True),
+        _int(d, "step", signed=True),
         _token(d, "owed_token"),
         _int(d, "owed_rows", "0"),
         _int(d, "rollback_epoch", "0"),
@@ -205,6 +222,7 @@ class OffsetStore:
         self.client = client
         #: (consumer, rank, kind) of malformed records warned about (see _parsed)
         self._warned: set[tuple[str, int, str]] = set()
+        self._bad_records = RateLimitedLog(logger=log)
         #: How every call reaches Redis: retries, errors, replica acknowledgement.
         self.calls = RedisCalls(
             client, attempts=attempts, backoff_s=backoff_s, url=url, min_replicas=min_replicas
@@ -254,19 +272,27 @@ class OffsetStore:
         """``parse(raw)``; a record deltad did not write is taken as none (the consumer
         resyncs from the base, and its next pull and commit write good ones), with one
         warning per consumer, rank and kind of record while it stays bad."""
+        key = (consumer, rank, what)
         try:
-            return parse(raw)
+            got = parse(raw)
         except MalformedRecord as e:
-            key = (consumer, rank, what)
             if key not in self._warned:
-                if len(self._warned) < 1024:
-                    self._warned.add(key)
+                if len(self._warned) >= 1024:  # (past that many: one line now and then)
+                    self._bad_records.warning(
+                        "the %s of consumer %r on rank %d in Redis is malformed (%s): taken "
+                        "as none", what, consumer, rank, e,
+                    )  # fmt: skip
+                    return None
+                self._warned.add(key)
                 log.warning(
                     "the %s of consumer %r on rank %d in Redis is malformed (%s): taken as "
                     "none; the consumer is served from the base and its next %s replaces it",
                     what, consumer, rank, e, "commit" if what == "cursor" else "pull",
                 )  # fmt: skip
             return None
+        if self._warned:
+            self._warned.discard(key)  # (good again: a new breakage is said again)
+        return got
 
     def record_pull(self, consumer: str, rank: int, pull: PendingPull) -> None:
         """Remember the pull just issued (replacing any earlier uncommitted one)."""
