@@ -205,9 +205,13 @@ class Upkeep:
         state), then this rank's owed files that no cursor or pull refers to any more."""
         cfg = self.config
         snap = self.log.snapshot()
+        # (ranks registered for this generation or the one before: a world that shrank
+        # leaves cursors on the ranks it lost; an entry of anything else counts for nothing)
+        gens = {x.generation for x in (snap, self.log.previous()) if x is not None}
+        registered = [r for r, e in self.store.ranks().items() if e.get("generation") in gens]
         world = max(
             snap.manifest.world_size if snap is not None else 1,
-            max(self.store.ranks(), default=0) + 1,
+            max(registered, default=0) + 1,
         )
         gone = self.store.forget_idle(world, cfg.forget_after_s)
         # any rank may have forgotten a name this one admitted before: count them afresh

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from deltad.config import SENTINEL_SCHEMES, clip, options_min_replicas
+from deltad.config import SENTINEL_SCHEMES, SERVER_RANGES, clip, options_min_replicas
 from deltad.errors import StaleCursorError
 from deltad.keys import RedisKeys
 from deltad.redisutil import connect
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
 #: ranks past this are no sidecar's (the ``rank`` setting's bound)
-MAX_RANKS = 1 << 16
+MAX_RANKS = int(SERVER_RANGES["rank"].hi) + 1
 
 #: Pull records of consumers that never commit disappear after this.
 PULL_TTL_MS = 7 * 24 * 3600 * 1000
