@@ -244,10 +244,14 @@ def _mb(n: int) -> str:
 def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> str:
     s = status
     if s.head_seq < 0 and s.quarantined:  # its files failed their checks: said in its log
+        fresh = (
+            "the relay mirrors its upstream's tables again"
+            if s.upstream
+            else "a fresh base is asked of the trainer's publisher"
+        )
         head = (
             f"head: no segment served: {s.quarantined} file(s) of this rank quarantined "
-            "(the sidecar's log says why; they are in <spool>/<model>/quarantine/), and a "
-            "fresh base is asked of the trainer's publisher"
+            f"(the sidecar's log says why; they are in <spool>/<model>/quarantine/), and {fresh}"
         )
     elif s.head_seq < 0:  # a head that does not exist has no age (a mistyped --spool?)
         head = (
@@ -343,8 +347,11 @@ def forget(
 def _lease_left(target: str, consumer: str, auth: ClientAuth, timeout: float) -> float:
     """Seconds left on ``consumer``'s lease at ``target`` (0: not live, or not known)."""
     try:
-        _, listed = fetch(target, auth=auth, timeout=timeout)
-    except (ConfigError, SidecarUnavailableError):
+        with auth.channel(target) as channel:
+            listed = delta_pb2_grpc.DeltaServiceStub(channel).ListConsumers(
+                pb.ListConsumersRequest(), timeout=timeout, metadata=auth.metadata()
+            )
+    except grpc.RpcError:
         return 0.0  # (the Forget itself then says what is wrong)
     return next(
         (c.lease_expires_in_seconds for c in listed.consumers if c.consumer == consumer and c.live),

@@ -19,6 +19,7 @@ only the sidecar rewrites (merges) or deletes them.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -231,21 +232,38 @@ class SpoolLayout:
 SMALL_FILE_MAX_BYTES = 16 * 1024 * 1024
 
 
-def read_small_file(path: Path, max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes:
-    """The bytes of the small regular file ``path`` of a spool, read as the spool's segments
-    are opened: no symbolic link followed, no wait on a FIFO, nothing but a regular file, and
-    at most ``max_bytes`` (ValueError past it: a file linked to ``/dev/zero`` or grown without
-    bound is not read whole). FileNotFoundError if it is missing; other OSErrors propagate."""
+class NotRegularFile(ValueError):
+    """A spool file that is a symbolic link, a FIFO, a device or a directory."""
+
+
+def open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """(descriptor, stat) of the regular file ``path``, opened as every spool file is: no
+    symbolic link followed, no wait on a FIFO (``O_NONBLOCK``); NotRegularFile if it is
+    anything else (nothing left open). Other OSErrors propagate (FileNotFoundError: gone)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        if e.errno in (40, 6):  # ELOOP (a symlink), ENXIO (a FIFO without a writer)
-            raise ValueError(f"not a regular file ({e.strerror})") from e
+        if e.errno == errno.ELOOP:  # a symbolic link
+            raise NotRegularFile(f"not a regular file ({e.strerror})") from e
         raise
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"not a regular file (mode {st.st_mode:o})")
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):  # (a FIFO opens at once without O_NONBLOCK's wait)
+        os.close(fd)
+        raise NotRegularFile(f"not a regular file (mode {st.st_mode:o})")
+    return fd, st
+
+
+def read_small_file(path: Path, max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes:
+    """The bytes of the small regular file ``path`` of a spool, read as the spool's segments
+    are opened (:func:`open_regular`; NotRegularFile, a ValueError, if it is none), and at
+    most ``max_bytes`` (ValueError past it: a file linked to ``/dev/zero`` or grown without
+    bound is not read whole). FileNotFoundError if it is missing; other OSErrors propagate."""
+    fd, st = open_regular(path)
+    try:
         if st.st_size > max_bytes:
             raise ValueError(f"{st.st_size} bytes, more than {max_bytes}")
         chunks, left = [], max_bytes + 1

@@ -6,17 +6,19 @@ structure before anything serves or merges it.
 1. the file is opened without following a symbolic link (``O_NOFOLLOW``), without blocking
    (a FIFO named like a segment), and must be a regular file (``fstat``) in a directory that
    really is inside the spool;
-2. its header is read from the file and checked (:func:`check_header`), and the file may
-   not be bigger than that header accounts for, before anything else is read: a huge file
+2. its header is read from the file and checked (:func:`check_header`: header field types;
+   model, rank and world size; ``first_seq`` (0 exactly for a base, else ``1..seq``); every
+   shard of a known table with the manifest's ``num_rows`` and ``dim``, its row range inside
+   the table, its columns inside ``dim``, non-negative aligned offsets, a count within its
+   row range (a base: every row of it)), and the file may not be bigger than its rows make
+   it (:func:`~deltad.segment.reader.file_size`), before anything else is read: a huge file
    (a sparse one costs no disk) named like a segment is refused without being copied;
 3. its bytes are copied into an anonymous memory file (``memfd``) private to this process,
-   and the checksum and structure are verified on that copy; what is served and merged later
-   is that copy, so bytes changed on disk after indexing never reach a consumer or a merge;
-4. :func:`check_rows` checks, vectorized: header field types; model, rank and world
-   size; ``first_seq`` (0 exactly for a base, else ``1..seq``); every shard of a known table
-   with the manifest's ``num_rows`` and ``dim``, its row range inside the table, its columns
-   inside ``dim``, non-negative aligned offsets, a count within its row range (a base: every
-   row of it); ids inside the row range, strictly ascending (so unique).
+   and the header, checksum and structure are verified on that copy; what is served and
+   merged later is that copy, so bytes changed on disk after indexing never reach a
+   consumer or a merge;
+4. :func:`check_rows` checks, vectorized: ids inside the row range, strictly ascending (so
+   unique), and a managed-collision shard's evicted raw ids strictly ascending.
 
 Every failure is a :class:`SegmentCorruptError` (the caller quarantines the file), except a
 directory leading outside the spool: SpoolError (held back and logged, nothing there is moved).
@@ -27,7 +29,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from deltad.segment.format import (
     read_header_at,
     read_segment,
 )
-from deltad.segment.spool import GenerationManifest
+from deltad.segment.spool import GenerationManifest, NotRegularFile, open_regular
 from deltad.types import SegmentKind
 
 #: Kinds whose shards are embedding rows checked against the manifest's tables.
@@ -183,17 +184,14 @@ def _private_copy(path: Path, sized: Callable[[int], int]) -> int:
     (the size its header accounts for, read from the file before anything is copied),
     SpoolError if unreadable."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, st = open_regular(path)
+    except NotRegularFile as e:
+        raise SegmentCorruptError(f"{path}: {e}") from e
     except OSError as e:
-        if e.errno in (40, 6):  # ELOOP (a symlink), ENXIO (a FIFO without a writer)
-            raise SegmentCorruptError(f"{path}: not a regular file ({e.strerror})") from e
         if isinstance(e, FileNotFoundError):
             raise
         raise SpoolError(f"cannot read segment {path}: {e}") from e
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SegmentCorruptError(f"{path}: not a regular file (mode {st.st_mode:o})")
         limit = sized(fd)
         if st.st_size > limit:
             raise SegmentCorruptError(

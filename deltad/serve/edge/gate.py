@@ -2,7 +2,7 @@
 once, before the servicer sees it.
 
 * request bytes that do not parse (health checks' too) get INVALID_ARGUMENT (and at most one log line per
-  ``LOG_EVERY_S``), never a traceback per request;
+  ``deltad.serve.ratelog.LOG_EVERY_S``), never a traceback per request;
 * the caller's :class:`~deltad.serve.edge.auth.Grant` comes from its one ``authorization: Bearer``
   header (two or more: UNAUTHENTICATED) or its mTLS client certificate's CN;
 * out of scope: PERMISSION_DENIED before the servicer runs, so nothing changes;
