@@ -29,7 +29,7 @@ from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.serve.rollout import ReleaseState, describe
 from deltad.status import ENDPOINTS as STATUS_ENDPOINTS
 from deltad.status import RANGES as STATUS_RANGES
-from deltad.status import add_connection_arguments, connection_auth
+from deltad.status import add_connection_arguments, connection_auth, printable
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     if resp.message:
-        print(resp.message)
+        print(printable(resp.message))
     print(f"head step {resp.head_step} (generation {resp.generation})")
     if resp.restore_oldest_step >= 0:
         print(
@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
         )
     unknown = json.loads(resp.state or "{}")
     if unknown.get("unknown"):  # a relay not yet told by its upstream, Redis's unreadable
-        print(f"release state: {unknown.get('why', 'not known')} (nothing is served)")
+        print(printable(f"release state: {unknown.get('why', 'not known')} (nothing is served)"))
         return 0
     for line in describe(state, generation=resp.generation if resp.head_step >= 0 else None):
-        print(line)
+        print(printable(line))
     return 0

@@ -294,7 +294,17 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
             f"  {c.consumer:<24} {'yes' if c.live else 'no':<5} {c.cursor.seq:>8} "
             f"{lag:>8} {c.lag_seconds:>8.1f} {c.owed_rows:>8} {cap:>8}"
         )
-    return "\n".join(lines)
+    # (what a server says comes partly from Redis, which others may write: no control
+    # character reaches the terminal, so no line can be forged or overwritten)
+    return "\n".join(printable(line) for line in lines)
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (control characters, escape
+    sequences' introducers) written as its escape, e.g. ``\\x1b``."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def rollout_lines(s: pb.StatusResponse) -> list[str]:

@@ -193,6 +193,12 @@ def test_records_deltad_did_not_write_touch_only_their_consumer(
             r.hset(key, mapping=fields)
         r.hset(keys.lease_ttl(), "ttl", "-5")
         r.hset(keys.seen(), "ttl", "yesterday")
+        # names no consumer can have, with live leases (review 13: they were listed, exported,
+        # counted in the fleet's lag and could forge lines of `deltad status`)
+        forged = ("bad name\nx", "evil\x1b[31mRED\x1b[0m\rgood")
+        for name in forged:
+            r.sadd(keys.consumers(), name)
+            r.set(keys.lease(name), 30000, px=60000)
         r.hset(keys.ranks(), "not-a-rank", "{")
         r.hset(keys.ranks(), "9999999", '{"endpoint": "x"}')
         caplog.set_level("WARNING")
@@ -200,10 +206,13 @@ def test_records_deltad_did_not_write_touch_only_their_consumer(
             answer = c.stub.ListConsumers(pb.ListConsumersRequest(), timeout=10)
             listed = {i.consumer: i for i in answer.consumers}
             assert listed["good"].cursor.seq == 1 and listed["victim"].cursor.seq == -1
+            assert not set(forged) & set(listed)
             assert srv.store.pins(0, 1) == [1]  # good, pulled and ttl at 1; victim: none
             assert srv.store.forget_idle(1, 3600) == []
             srv.retention.run_once()
         assert 9999999 not in srv.store.ranks() and 0 in srv.store.ranks()
+        assert forged[0] not in srv.store.consumers()
+        assert any("no consumer names deltad takes" in m for m in caplog.messages)
         warned = [m for m in caplog.messages if "in Redis is malformed" in m]
         assert len(warned) == 2, warned  # victim's cursor, pulled's pull: once each
         # the victim is served from the base and its commit writes a good cursor again
@@ -268,3 +277,18 @@ def test_two_deployments_under_one_model_name_in_one_redis_are_told(
             b.stop(0)
     finally:
         a.stop(0)
+
+
+def test_status_writes_no_control_character_to_the_terminal() -> None:
+    """Review 13: names and reasons that come from Redis could carry CR and ANSI sequences
+    that overwrite lines of `deltad status` on a terminal; they are shown escaped."""
+    from deltad import status
+    from deltad.v1 import delta_pb2 as pb
+
+    st = pb.StatusResponse(model="m", head_seq=-1, health_reason="down\x1b[2J\rfine")
+    listed = pb.ListConsumersResponse(
+        consumers=[pb.ConsumerInfo(consumer="a\x1b[31m\rb", cursor=pb.Cursor(seq=1))]
+    )
+    text = status.render(st, listed)
+    assert "\x1b" not in text and "\r" not in text
+    assert "a\\x1b[31m\\rb" in text and "down\\x1b[2J\\rfine" in text

@@ -9,12 +9,17 @@ cursors and pulls on every rank (keys: deltad.keys). Every call goes through
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from typing import Any
 
+from deltad.config import NAME_PATTERN
 from deltad.keys import RedisKeys
+from deltad.serve.ratelog import RateLimitedLog
 from deltad.serve.state.redis_calls import RedisCalls
+
+log = logging.getLogger(__name__)
 
 _HEARTBEAT = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[2]) == 0 then return -1 end
@@ -76,6 +81,7 @@ class ConsumerMembers:
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._forget = client.register_script(_FORGET)
         self._admit = client.register_script(_ADMIT)
+        self._bad_names = RateLimitedLog(logger=log)
 
     def register(self, consumer: str, ttl_s: float) -> None:
         """Create or renew the lease of ``consumer`` with ``ttl_s``."""
@@ -120,9 +126,19 @@ class ConsumerMembers:
         return bool(int(self.calls.retry("admit", lambda: self._admit(keys=keys, args=args))))
 
     def consumers(self) -> list[str]:
-        """Every known consumer, sorted (live or not)."""
+        """Every known consumer, sorted (live or not). A name in the set that is none deltad
+        takes (:data:`deltad.config.NAME_PATTERN`: written by someone else into its Redis) is
+        left out with a warning now and then: it is listed, counted and exported nowhere."""
         raw = self.calls.retry("consumers", lambda: self.client.smembers(self.keys.consumers()))
-        return sorted(_s(c) for c in raw)
+        names = [_s(c) for c in raw]
+        bad = [n for n in names if not NAME_PATTERN.fullmatch(n)]
+        if bad:
+            self._bad_names.warning(
+                "%d name(s) in the consumer set in Redis are no consumer names deltad takes "
+                "(%s): left out",
+                len(bad), ", ".join(repr(n[:40]) for n in bad[:3]),
+            )  # fmt: skip
+        return sorted(n for n in names if NAME_PATTERN.fullmatch(n))
 
     def lease_remaining(self, consumers: list[str]) -> dict[str, float]:
         """Seconds left on each consumer's lease (0 when expired)."""
