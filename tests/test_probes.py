@@ -385,3 +385,35 @@ def test_caught_up_is_false_while_top_k_rows_are_owed(
         wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == seq)
         res = c.pull()
         assert res.step == res.head_step and res.owed > 0 and not res.caught_up
+
+
+def test_a_second_sidecar_on_a_ranks_spool_is_refused_at_start(
+    tmp_path: Path, redis_server: EmbeddedRedis, sidecar_of: list[SidecarServer]
+) -> None:
+    """Review 13: a second `deltad serve` on a rank's spool saw no segment at all (the first
+    one's retention merged and deleted the files under it), said "check --spool and --model"
+    and stayed SERVING, so predictors could be sent to it. One sidecar per rank and spool:
+    the second is refused at start, naming the first; once that one stops, it starts."""
+    from deltad.errors import SpoolError
+
+    spool = SpoolWriter(tmp_path / "spool")
+    spool.delta()
+    first = SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start()
+    try:
+        second = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
+        with pytest.raises(SpoolError, match=f"another sidecar serves rank 0 .*pid {os.getpid()}"):
+            second.start()
+        # another rank of the same spool is no conflict
+        other = SidecarServer(server_config(tmp_path / "spool", redis_server.url, rank=1))
+        sidecar_of.append(other.start())
+        # from the command line: one line, exit 2
+        out = subprocess.run(
+            [sys.executable, "-m", "deltad", "serve", "--spool", str(tmp_path / "spool"),
+             "--model", "m", "--listen", "127.0.0.1:0", "--redis-url", redis_server.url],
+            capture_output=True, text=True, timeout=120, env=child_env(),
+        )  # fmt: skip
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "another sidecar serves rank 0" in out.stderr, out.stderr[-2000:]
+    finally:
+        first.stop(0)
+    sidecar_of.append(SidecarServer(server_config(tmp_path / "spool", redis_server.url)).start())

@@ -10,7 +10,8 @@
                 dense-<seq:012d>.dseg    rank 0: dense parameters and buffers at segment seq
                 rebase.request           the sidecar asks for a fresh base (a segment is lost)
         quarantine/                      segments whose checksum failed (moved by the sidecar)
-        sidecar/                         sidecar-private state (owed rows of top-k consumers)
+        sidecar/                         sidecar-private state (owed rows of top-k consumers,
+                                         rank-<rank>.lock: held by the sidecar serving that rank)
         redis/                           data dir of the embedded Redis server
 
 Generations are integers; a larger one is newer. Only the trainer creates segment files and
@@ -20,6 +21,7 @@ only the sidecar rewrites (merges) or deletes them.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -188,6 +190,39 @@ class SpoolLayout:
             os.unlink(probe)
         except OSError as e:
             raise SpoolError(f"spool directory {self.model_dir} is not writable: {e}") from e
+
+    def rank_lock_path(self, rank: int) -> Path:
+        """The lock a sidecar holds on ``rank`` of this spool while it serves it."""
+        return self.sidecar_dir / f"rank-{rank:05d}.lock"
+
+    def lock_rank(self, rank: int) -> int:
+        """Hold the lock of ``rank`` of this spool (an exclusive ``flock``, gone with the
+        process, kill -9 included): the descriptor to close to let it go. SpoolError if
+        another process holds it: two sidecars indexing one rank's files would merge and
+        delete them under each other (one of them then saw no segment at all)."""
+        path = self.rank_lock_path(rank)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise SpoolError(f"cannot open the rank lock {path}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise SpoolError(
+                    f"another sidecar serves rank {rank} of {self.model_dir} (it holds {path}"
+                    f"{', ' + holder if holder else ''}): one sidecar per rank and spool"
+                ) from None
+            raise SpoolError(f"cannot lock {path}: {e}") from e
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        return fd
 
     def generations(self) -> list[int]:
         """Generations present, oldest first."""

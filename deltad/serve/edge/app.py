@@ -36,6 +36,7 @@ would throw its caches away).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from concurrent import futures
@@ -117,6 +118,8 @@ class SidecarServer:
         self.metrics_port: int | None = None
         self.redis_url = ""
         self._embedded: EmbeddedRedis | None = None
+        #: the rank lock of the spool (deltad.segment.spool.SpoolLayout.lock_rank; -1: none)
+        self._rank_lock = -1
         self._server: grpc.Server | None = None
         self._stop = threading.Event()
         #: liveness, readiness (with the reasons it fails) and the gate's health service
@@ -140,12 +143,13 @@ class SidecarServer:
                 "creates the spool directory itself at most)"
             )
         self.layout.ensure_writable()
-        if cfg.redis_url is None:
-            self._embedded = EmbeddedRedis(self.layout.redis_dir, outlive_owner=True)
-            self.redis_url = self._embedded.start()
-        else:
-            self.redis_url = cfg.redis_url
+        self._rank_lock = self.layout.lock_rank(cfg.rank)  # (let go by stop)
         try:
+            if cfg.redis_url is None:
+                self._embedded = EmbeddedRedis(self.layout.redis_dir, outlive_owner=True)
+                self.redis_url = self._embedded.start()
+            else:
+                self.redis_url = cfg.redis_url
             self._start(cfg)
         except BaseException:
             self.stop(0)
@@ -489,6 +493,9 @@ class SidecarServer:
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None
+        lock, self._rank_lock = self._rank_lock, -1
+        if lock >= 0:
+            os.close(lock)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (True) or ``timeout`` passes (False)."""
