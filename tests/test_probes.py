@@ -226,6 +226,8 @@ def test_a_rank_whose_only_base_was_quarantined_says_so_not_check_your_flags(
     text = status.render(st, consumers)
     assert "1 file(s) of this rank quarantined" in text and "fresh base" in text, text
     assert "check --spool" not in text
+    # what the model is stays known from its manifest (review 13: "rank 0/0 generation 0")
+    assert (st.generation, st.world_size, st.head_seq) == (1, 1, -1)
 
 
 def test_forgetting_a_live_consumer_says_it_was_live(

@@ -10,6 +10,7 @@ import grpc
 
 from deltad import knobs
 from deltad.config import ServerConfig
+from deltad.errors import SpoolError
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.state.release import VIEW_TTL_S
 from deltad.serve.windows.getdelta import WindowServer
@@ -64,7 +65,8 @@ class StatusRpc:
         check = self.windows.upstream_check
         resp.upstream_lost = check() if check is not None else ""
         self._rollout(req, resp, snap)
-        if snap is None:
+        if snap is None:  # (nothing served: the newest manifest still says what the model is)
+            self._manifest_only(resp)
             return resp
         m = snap.manifest
         resp.generation = snap.generation
@@ -89,6 +91,18 @@ class StatusRpc:
                         col_end=sh.col_end, count=sh.rows,
                     )  # fmt: skip
         return resp
+
+    def _manifest_only(self, resp: pb.StatusResponse) -> None:
+        """Generation and world size from the newest manifest of a spool with no segment
+        served (a quarantined base, a relay not yet mirrored); left 0 if there is none."""
+        layout = self.log.layout
+        try:
+            gens = layout.generations()
+            if gens:
+                resp.generation = gens[-1]
+                resp.world_size = layout.read_manifest(gens[-1]).world_size
+        except SpoolError:
+            pass
 
     def _rollout(
         self, req: pb.StatusRequest, resp: pb.StatusResponse, snap: LogSnapshot | None

@@ -134,7 +134,8 @@ class SegmentGate:
             self.seconds += time.perf_counter() - started
         for f in new:
             log.error(
-                "gate: generation %d seq %d step %d failed: %s (holding at step %d)",
+                "gate: generation %d seq %d step %d failed: %s (the newest step before it: %d;"
+                " the release state holds the model at the step before its first failure)",
                 f.generation, f.seq, f.step, f.reason, f.good_step,
             )  # fmt: skip
             if self.on_fail is not None:
