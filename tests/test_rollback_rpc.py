@@ -379,3 +379,33 @@ def test_a_pull_nothing_can_be_served_to_is_said_in_the_sidecars_log(
         ]
         assert said and "older than the oldest state this log holds" in said[0], caplog.messages
     del ft
+
+
+def test_a_merge_planned_on_a_stale_release_state_does_not_swallow_a_newer_order(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Review 13 N3: a rank reads the release state up to 0.25 s late, so it could merge away
+    a step an order recorded just before named. The state is read afresh once the merge is
+    told to the registry, and a merge that would swallow a state it serves waits."""
+    from deltad.serve import rollout as ro
+    from deltad.serve.rollout import ReleaseState
+
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    for step in range(10, 50, 10):
+        ft.step(step, touch=10)
+    watch = Release(redis_url)
+    with sidecars(tmp_path / "spool", redis_url, 1, watch, restore_window_steps=0,
+                  merge_min_segments=2) as servers:  # fmt: skip
+        srv = servers[0]
+        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+        srv.retention.release = lambda: ReleaseState()  # the view, not yet updated
+        RolloutStore(srv.store.client, "m").update(
+            lambda s: ro.pin(s, group="p-*", step=20, head_step=None)
+        )
+        for _ in range(50):
+            if not srv.retain():
+                break
+        snap = srv.log.snapshot()
+        assert snap is not None and 20 in [e.step for e in snap.entries], snap.entries
+    del ft

@@ -274,6 +274,8 @@ class SidecarServer:
             release=self.rollout.state,
         )
         self.retention.before_merge = self._before_merge
+        if self.rollout_store is not None:  # (a relay follows its upstream's state)
+            self.retention.fresh_release = self.rollout_store.get
         retention = self.retention
         self.metrics.track_counter(
             "deltad_retention_failures",

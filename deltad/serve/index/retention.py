@@ -80,6 +80,10 @@ class Retention:
         #: told (first_seq, seq) of each merge before it runs (the sidecar's registry entry:
         #: the other ranks' rollout controls read this rank's restore points there)
         self.before_merge: Callable[[tuple[int, int]], None] | None = None
+        #: the release state read afresh (not the cached view) once the merge was told: an
+        #: order recorded since the plan that needs a state the merge would swallow stops it
+        #: (one recorded after this read saw the merge told, and was refused)
+        self.fresh_release: Callable[[], ReleaseState] | None = None
 
     def _bounded(self, run: Sequence[LogEntry], first: LogEntry | None = None) -> list[LogEntry]:
         out = [first] if first is not None else []
@@ -126,6 +130,31 @@ class Retention:
                 return self._bounded(run)
             lo = hi
         return None
+
+    def _swallows_a_served_state(self, covered: Sequence[LogEntry]) -> bool:
+        """Whether the release state, read afresh, serves a state the merge of ``covered``
+        would lose (an entry's but the last one's: a step, pin or rollback order recorded
+        since the plan read the cached state); then the merge waits for the next round."""
+        if self.fresh_release is None:
+            return False
+        try:
+            state = self.fresh_release()
+        except OffsetStoreError as e:
+            log.warning("retention skipped: %s", e)
+            return True
+        snap = self.seglog.snapshot()
+        if snap is None:
+            return True
+        view = LogView.of(snap)  # (the pins the plan takes from it, from the fresh state)
+        held = self._release_pins(view, state) | self._rollback_pins(snap, view, state)
+        lost = {e.seq for e in covered[:-1]}
+        if held & lost:
+            log.info(
+                "retention: merge of seq %d..%d left for later: the release state serves seq %s",
+                covered[0].first_seq, covered[-1].seq, sorted(held & lost),
+            )  # fmt: skip
+            return True
+        return False
 
     def _release_pins(self, view: LogView, state: ReleaseState) -> set[int]:
         """The seqs of the states the release state serves (deltad.serve.rollout.served_steps)
@@ -182,6 +211,8 @@ class Retention:
         head = first.segment.header
         if self.before_merge is not None:
             self.before_merge((first.first_seq, last.seq))
+        if self._swallows_a_served_state(covered):
+            return False
         try:
             shards, values_of = merge_plan(covered)
         except Exception as e:  # verified inputs make this a bug, not a bad file: keep going
