@@ -99,6 +99,9 @@ def run(ctx: Context) -> dict[str, Any]:
                 for n in counts:
                     ctx.status(f"fanout floor x{n} round {r + 1}")
                     floor.append(floor_round(bare_pid, bare_port, workers[:n], nbytes, r))
+            if shared is not None:  # (one sidecar per rank and spool: the tree starts its own)
+                shared.stop()
+                shared = None
             ctx.status("fanout: relay tree")
             tree = relay_tree(ctx, kids, spool, workers, counts, rows)
             tree["overload"] = overload(ctx, kids, workers)
