@@ -5,6 +5,8 @@ with the reason before anything is recorded. Real sidecars and relays on port 0,
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,31 @@ from deltad.serve.relay.server import RelayServer
 from deltad.serve.state.release import RolloutStore
 
 pytestmark = pytest.mark.timeout(180)
+
+
+@contextlib.contextmanager
+def merging_rank(
+    tmp_path: Path, redis_url: str, steps: range = range(5, 45, 5)
+) -> Iterator[SidecarServer]:
+    """One rank's trainer that published ``steps`` (10 rows each, seq 1 on) and its sidecar,
+    which merges whatever no one holds (no restore window, two segments make a merge),
+    started and at the head."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
+    ft.start(0)
+    for step in steps:
+        ft.step(step, touch=10)
+    with sidecars(tmp_path / "spool", redis_url, 1, Release(redis_url), restore_window_steps=0,
+                  merge_min_segments=2) as servers:  # fmt: skip
+        srv = servers[0]
+        wait_for(lambda: at_step([srv.endpoint], steps[-1]), 30, "the head")
+        yield srv
+
+
+def merge_all(srv: SidecarServer) -> None:
+    """Run retention rounds until one merges nothing (bounded)."""
+    for _ in range(50):
+        if not srv.retain():
+            break
 
 
 def test_a_rollback_ordered_with_deltad_rollout_moves_two_ranks_back_bit_exact_through_relays(
@@ -218,15 +245,7 @@ def test_a_pin_or_release_inside_a_merged_segment_is_refused(
     segment."""
     from deltad.cli import main
 
-    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
-    ft.start(0)
-    for step in range(5, 45, 5):
-        ft.step(step, touch=10)
-    watch = Release(redis_url)
-    with sidecars(tmp_path / "spool", redis_url, 1, watch, restore_window_steps=0,
-                  merge_min_segments=2) as servers:  # fmt: skip
-        srv = servers[0]
-        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+    with merging_rank(tmp_path, redis_url) as srv:
         assert (
             main(["rollout", "pin", "--group", "old-*", "--step", "10", "--target", srv.endpoint])
             == 0
@@ -349,18 +368,8 @@ def test_a_pull_nothing_can_be_served_to_is_said_in_the_sidecars_log(
 
     from deltad.serve import rollout as ro
 
-    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
-    ft.start(0)
-    for step in range(5, 45, 5):
-        ft.step(step, touch=10)
-    watch = Release(redis_url)
-    with sidecars(tmp_path / "spool", redis_url, 1, watch, restore_window_steps=0,
-                  merge_min_segments=2) as servers:  # fmt: skip
-        srv = servers[0]
-        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
-        for _ in range(50):
-            if not srv.retain():
-                break
+    with merging_rank(tmp_path, redis_url) as srv:
+        merge_all(srv)
         assert srv.log.snapshot().base.step == 40  # type: ignore[union-attr]
         # a pin older than the base, as a state written by hand or a race would hold it
         store = RolloutStore(srv.store.client, "m")
@@ -378,7 +387,6 @@ def test_a_pull_nothing_can_be_served_to_is_said_in_the_sidecars_log(
             m for m in caplog.messages if "GetDelta of old-1 refused (FAILED_PRECONDITION)" in m
         ]
         assert said and "older than the oldest state this log holds" in said[0], caplog.messages
-    del ft
 
 
 def test_a_merge_planned_on_a_stale_release_state_does_not_swallow_a_newer_order(
@@ -390,22 +398,11 @@ def test_a_merge_planned_on_a_stale_release_state_does_not_swallow_a_newer_order
     from deltad.serve import rollout as ro
     from deltad.serve.rollout import ReleaseState
 
-    ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
-    ft.start(0)
-    for step in range(10, 50, 10):
-        ft.step(step, touch=10)
-    watch = Release(redis_url)
-    with sidecars(tmp_path / "spool", redis_url, 1, watch, restore_window_steps=0,
-                  merge_min_segments=2) as servers:  # fmt: skip
-        srv = servers[0]
-        wait_for(lambda: at_step([srv.endpoint], 40), 30, "the head")
+    with merging_rank(tmp_path, redis_url, range(10, 50, 10)) as srv:
         srv.retention.release = lambda: ReleaseState()  # the view, not yet updated
         RolloutStore(srv.store.client, "m").update(
             lambda s: ro.pin(s, group="p-*", step=20, head_step=None)
         )
-        for _ in range(50):
-            if not srv.retain():
-                break
+        merge_all(srv)
         snap = srv.log.snapshot()
         assert snap is not None and 20 in [e.step for e in snap.entries], snap.entries
-    del ft
