@@ -477,6 +477,22 @@ def _hostile_v3(case: str, w: ZchWriter) -> None:
         _rewrite_v3(_zch_segment(w, 2, ok), _mc_chunk(evicted_offset="0"))
     elif case == "identities in a version 2 file":
         _rewrite_v3(_zch_segment(w, 2, ok), lambda h: h.update(format_version=2), version=2)
+    elif case == "a raw id given to two slots":
+        _zch_segment(w, 2, [_mc([1, 5], [11, 11], []), _plain([2])])
+    elif case == "a raw id given to a slot while an unlisted slot holds it":
+        held = _held_slot(w, avoid={40})
+        _zch_segment(w, 2, [_mc([40], [int(w.raw["zch"][held])], []), _plain([2])])
+    elif case == "an evicted raw id still held by an unlisted slot":
+        held = _held_slot(w, avoid={1})
+        _zch_segment(w, 2, [_mc([1], [11], [int(w.raw["zch"][held])]), _plain([2])])
+    elif case == "an evicted raw id given to a listed slot":
+        _zch_segment(w, 2, [_mc([1, 5], [11, 55], [11]), _plain([2])])
+    elif case == "a negative raw id":
+        _zch_segment(w, 2, [_mc([1, 5], [11, -5], []), _plain([2])])
+    elif case == "a negative evicted raw id":
+        _zch_segment(w, 2, [_mc([1], [11], [-3]), _plain([2])])
+    elif case == "the empty id evicted":
+        _zch_segment(w, 2, [_mc([1], [11], [E]), _plain([2])])
     else:
         raise AssertionError(case)
 
@@ -492,7 +508,23 @@ HOSTILE_V3 = [
     "unaligned raw ids offset",
     "string evicted offset",
     "identities in a version 2 file",
+    # inconsistent identities: a predictor can install none of them (a raw id held twice, an
+    # evicted one still held), so one such file served would stop every serving predictor
+    "a raw id given to two slots",
+    "a raw id given to a slot while an unlisted slot holds it",
+    "an evicted raw id still held by an unlisted slot",
+    "an evicted raw id given to a listed slot",
+    "a negative raw id",
+    "a negative evicted raw id",
+    "the empty id evicted",
 ]
+
+
+def _held_slot(w: ZchWriter, avoid: set[int]) -> int:
+    """A slot of rank 0's ``zch`` that holds a raw id (not in ``avoid``)."""
+    return next(
+        s for s in range(64) if int(w.raw["zch"][s]) != E and s not in avoid
+    )
 
 
 @pytest.mark.parametrize("case", HOSTILE_V3)
@@ -508,6 +540,12 @@ def test_a_hostile_version_3_file_is_quarantined_and_never_indexed(
     assert snap is not None and snap.head.seq == 1, case
     assert seglog.quarantined == 1, case
     assert not w.layout.segment_path(1, 0, 2).exists(), case
+    assert w.layout.rebase_request_path(1, 0).exists(), case  # the trainer is told
+    w.seq = 1
+    w.delta(n=2)  # a good seq 2 after it is served
+    seglog.refresh()
+    snap = seglog.snapshot()
+    assert snap is not None and snap.head.seq == 2, case
 
 
 def test_windows_from_runs_and_the_spill_carry_the_same_identities_as_merged_ones(

@@ -18,7 +18,9 @@ structure before anything serves or merges it.
    merged later is that copy, so bytes changed on disk after indexing never reach a
    consumer or a merge;
 4. :func:`check_rows` checks, vectorized: ids inside the row range, strictly ascending (so
-   unique), and a managed-collision shard's evicted raw ids strictly ascending.
+   unique), and a managed-collision shard's evicted raw ids strictly ascending; and
+   :func:`check_identities` its identities (no negative raw id, none given to two slots, none
+   both evicted and given).
 
 Every failure is a :class:`SegmentCorruptError` (the caller quarantines the file), except a
 directory leading outside the spool: SpoolError (held back and logged, nothing there is moved).
@@ -52,7 +54,7 @@ from deltad.segment.format import (
     read_segment,
 )
 from deltad.segment.spool import GenerationManifest, NotRegularFile, open_regular
-from deltad.types import SegmentKind
+from deltad.types import EMPTY_RAW_ID, SegmentKind
 
 #: Kinds whose shards are embedding rows checked against the manifest's tables.
 ROW_KINDS = (SegmentKind.BASE, SegmentKind.DELTA)
@@ -170,6 +172,46 @@ def check_rows(seg: Segment) -> None:
             raise SegmentCorruptError(
                 f"shard {c.shard.table}: evicted raw ids not strictly ascending"
             )
+    check_identities(seg)
+
+
+def check_identities(seg: Segment) -> None:
+    """The managed-collision identities of one segment are consistent on their own (per
+    table, over all its shards in the file): every raw id a slot is given is a real one
+    (``>= 0``) or :data:`~deltad.types.EMPTY_RAW_ID`; no raw id is given to two slots; every
+    evicted raw id is a real one and is given to none of the listed slots. What a segment
+    cannot show alone (a raw id given here that an unlisted slot still holds) is checked
+    against the rank's log by :mod:`deltad.serve.index.identities`."""
+    given: dict[str, list[torch.Tensor]] = {}
+    evicted: dict[str, list[torch.Tensor]] = {}
+    for c in seg.shards:
+        if c.raw_ids is None:
+            continue
+        given.setdefault(c.shard.table, []).append(c.raw_ids)
+        if c.evicted is not None and c.evicted.numel():
+            evicted.setdefault(c.shard.table, []).append(c.evicted)
+    for table, parts in given.items():
+        raw = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if raw.numel() and int(raw.min()) < 0:
+            raise SegmentCorruptError(f"shard {table}: negative raw id {int(raw.min())}")
+        held = raw[raw != EMPTY_RAW_ID].sort().values
+        if held.numel() > 1 and bool((held[1:] == held[:-1]).any()):
+            dup = int(held[1:][held[1:] == held[:-1]][0])
+            raise SegmentCorruptError(f"shard {table}: raw id {dup} given to two slots")
+        ev = torch.cat(evicted[table]) if table in evicted else None
+        if ev is None:
+            continue
+        if int(ev.min()) < 0 or bool((ev == EMPTY_RAW_ID).any()):
+            raise SegmentCorruptError(
+                f"shard {table}: evicted raw id {int(ev.min())} is not a raw id"
+            )
+        if held.numel():
+            pos = torch.searchsorted(held, ev).clamp(max=held.numel() - 1)
+            still = ev[held[pos] == ev]
+            if still.numel():
+                raise SegmentCorruptError(
+                    f"shard {table}: raw id {int(still[0])} evicted but given to a slot"
+                )
 
 
 def _inside(path: Path, root: Path) -> bool:

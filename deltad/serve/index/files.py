@@ -344,6 +344,11 @@ class RankFiles:
             added = True
         return added, bool(gone)
 
+    def quarantine_entry(self, generation: int, path: Path, reason: str) -> None:
+        """Quarantine an indexed segment found inconsistent with the log before it (see
+        :mod:`deltad.serve.index.identities`): moved, counted, a fresh base asked for."""
+        self._quarantine(generation, path, reason)
+
     def _count_quarantined(self) -> int:
         try:
             return sum(

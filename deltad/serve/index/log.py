@@ -33,6 +33,7 @@ from pathlib import Path
 from deltad.segment.spool import GenerationManifest, SpoolLayout
 from deltad.serve.index.files import REQUEST_EVERY_S, DenseEntry, LogEntry, RankFiles
 from deltad.serve.index.gate import SegmentGate
+from deltad.serve.index.identities import IdentityLedger
 
 __all__ = [
     "GAP_GRACE_S",
@@ -121,6 +122,9 @@ class SegmentLog:
         self.rank = rank
         #: The rank's files on disk, read into verified entries (quarantine, rebase requests).
         self.files = RankFiles(layout, rank, on_quarantine=on_quarantine)
+        #: Managed-collision identities along the served run (a segment inconsistent with
+        #: the log before it is quarantined before it is served).
+        self.identities = IdentityLedger()
         self._lock = threading.Lock()
         self._snapshot: LogSnapshot | None = None
         #: Notified whenever a new snapshot is published (long-polling Status waits on it).
@@ -268,6 +272,13 @@ class SegmentLog:
                 gap = True
                 break
             run.append(e)
+        bad = self.identities.check(generation, run)
+        if bad is not None:  # quarantined (a fresh base asked for); what follows waits
+            i, why = bad
+            self.files.quarantine_entry(generation, run[i].path, why)
+            self._known.pop(run[i].path, None)
+            gap = gap or len(run) > i + 1 or any(e.seq > run[-1].seq for e in entries)
+            del run[i:]
         dense = tuple(sorted(self._dense.values(), key=lambda d: d.seq))
         now = time.monotonic()
         if not gap:
