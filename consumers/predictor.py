@@ -36,7 +36,7 @@ from deltad.config import ConsumerConfig
 from deltad.consume.appliers import Applier, TensorDictApplier
 from deltad.consume.client import DeltaConsumer, PullResult
 from deltad.consume.quant import QuantApplier
-from deltad.errors import ConfigError, ConsumerError
+from deltad.errors import ConfigError, ConsumerError, WindowRefused
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 
@@ -104,6 +104,11 @@ class PullLogLine:
     dense_missing: dict[int, str] = field(default_factory=dict)
     #: ranks served by a relay that lost its upstream, and why (not caught up)
     upstream_lost: dict[int, str] = field(default_factory=dict)
+    #: why the applier refused this pull's windows (None: applied). Nothing of them was
+    #: applied or committed: the model serves ``step`` as before; the ranks send their full
+    #: tables at the next pull, ``retry_in_s`` later
+    refused: str | None = None
+    retry_in_s: float = 0.0
 
 
 @dataclass
@@ -130,6 +135,8 @@ class SyncSummary:
     max_hold_ms: float | None = None
     #: bytes of dense state received (counted in ``bytes`` too)
     dense_bytes: int = 0
+    #: pulls whose windows the applier refused (nothing of them applied)
+    refused: int = 0
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -252,6 +259,9 @@ class SyncLoop:
                     n += 1
                     rec = self.pull_once(consumer, n)
                     self._emit(rec)
+                    if rec.refused is not None:  # back off, then the full tables again
+                        self.stop_event.wait(rec.retry_in_s)
+                        continue
                     if (
                         c.long_poll_s > 0
                         and not rec.owed
@@ -304,12 +314,17 @@ class SyncLoop:
                 self.forwards.applying.set()
             try:
                 self.applier.apply(result.deltas)
+            except WindowRefused as e:  # nothing applied: the model serves what it held
+                consumer.refuse(result, e)
             finally:
                 if self.forwards is not None:
                     self.forwards.applying.clear()
-            if isinstance(self.applier, QuantApplier):
-                self.max_hold_s = max(self.max_hold_s, self.applier.stats.max_hold_s)
-            self._note_evicted(result)
+            if result.refused is None:
+                if isinstance(self.applier, QuantApplier):
+                    self.max_hold_s = max(self.max_hold_s, self.applier.stats.max_hold_s)
+                self._note_evicted(result)
+        if result.refused is not None:
+            return self._record(result, n, time.time(), t1 - t0, time.monotonic() - t1)
         applied_unix = time.time()
         t2 = time.monotonic()
         if result.deltas:
@@ -331,7 +346,7 @@ class SyncLoop:
         self, r: PullResult, n: int, applied_unix: float, pull_s: float, apply_s: float
     ) -> PullLogLine:
         fresh = None
-        if r.deltas and r.step is not None:
+        if r.deltas and r.step is not None and r.refused is None:
             # a new generation (resync or diff) may start below the step served before
             new_step = (
                 r.resync
@@ -369,7 +384,13 @@ class SyncLoop:
             rollback_to=r.rollback_to,
             dense_missing=r.dense_missing,
             upstream_lost=r.upstream_lost,
+            refused=r.refused,
+            retry_in_s=r.retry_in_s,
         )
+        if r.refused is not None:  # what it says of rows and bytes is what was refused
+            rec.rows = rec.bytes = rec.owed = rec.dense_bytes = 0
+            rec.resync = rec.generation_diff = False
+            rec.dense_step = rec.rollback_to = None
         self.records.append(rec)
         return rec
 
@@ -395,6 +416,7 @@ class SyncLoop:
             forward_apply_samples=len(busy),
             max_hold_ms=self.max_hold_s * 1e3 if f is not None else None,
             dense_bytes=sum(r.dense_bytes for r in self.records),
+            refused=sum(r.refused is not None for r in self.records),
         )
 
     def _open_log(self) -> None:

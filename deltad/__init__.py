@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "SidecarUnavailableError": "deltad.errors",
     "OverloadedError": "deltad.errors",
     "StreamDecodeError": "deltad.errors",
+    "WindowRefused": "deltad.errors",
     "RolloutError": "deltad.errors",
     "RolloutRefused": "deltad.errors",
     "OwedBudgetError": "deltad.errors",
@@ -109,6 +110,7 @@ __all__ = [
     "TrainLoop",
     "UnsupportedModelError",
     "UpstreamError",
+    "WindowRefused",
     "WireDtype",
     "__version__",
     "quantize_model",
@@ -158,6 +160,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         StreamDecodeError,
         UnsupportedModelError,
         UpstreamError,
+        WindowRefused,
     )
     from deltad.publish.publisher import SegmentPublisher
     from deltad.publish.tracker import DeltaTracker

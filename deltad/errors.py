@@ -52,6 +52,14 @@ class OverloadedError(SidecarUnavailableError):
     ``overload_wait_s``: raised by the pull, never only reported as a missing rank."""
 
 
+class WindowRefused(ConsumerError):
+    """An applier refused a window it cannot apply (identities inconsistent with what it
+    holds, a shape or table it does not serve, values missing): nothing of the window was
+    applied, the tables serve what they did before. The consumer asks the ranks of the window
+    for their full tables again (:meth:`deltad.consume.client.DeltaConsumer.refuse`) and
+    retries with backoff; it never commits such a window."""
+
+
 class StreamDecodeError(ConsumerError):
     """A GetDelta stream is malformed or incomplete."""
 

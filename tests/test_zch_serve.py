@@ -522,9 +522,7 @@ HOSTILE_V3 = [
 
 def _held_slot(w: ZchWriter, avoid: set[int]) -> int:
     """A slot of rank 0's ``zch`` that holds a raw id (not in ``avoid``)."""
-    return next(
-        s for s in range(64) if int(w.raw["zch"][s]) != E and s not in avoid
-    )
+    return next(s for s in range(64) if int(w.raw["zch"][s]) != E and s not in avoid)
 
 
 @pytest.mark.parametrize("case", HOSTILE_V3)

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from deltad.consume.mc import IdentityUpdates, Remapper, SlotMap, identities_of, remappers
-from deltad.consume.window import RankDelta, ResyncStage, ShardUpdate
+from deltad.consume.window import INPUT_ERRORS, RankDelta, ResyncStage, ShardUpdate, refused
 from deltad.errors import ConfigError, ConsumerError
 from deltad.types import Shard
 
@@ -102,7 +102,10 @@ class Applier(abc.ABC):
         return self.slot_maps().get(table)
 
     def apply(self, deltas: Sequence[RankDelta]) -> int:
-        """Write every shard update of ``deltas`` atomically; return the number of rows written."""
+        """Write every shard update of ``deltas`` atomically; return the number of rows written.
+
+        A window that fails a check (:class:`~deltad.errors.WindowRefused`) is not applied at
+        all: the tables, slot maps and dense state keep what they held."""
         with self.lock:
             plan: list[tuple[torch.Tensor, ShardUpdate]] = []
             stages = stages_of(deltas, self)
@@ -139,6 +142,11 @@ class Applier(abc.ABC):
                         plan.append((t, s))
                 id_plans = idents.plan(maps, strict=self.strict_identities)
                 dense_plan = self._plan_dense(deltas)
+            except INPUT_ERRORS as e:  # nothing written: the window is refused whole
+                self._discard()
+                for st in stages:
+                    st.discard("apply failed its checks")
+                raise refused(e) from e
             except BaseException:
                 self._discard()
                 for st in stages:

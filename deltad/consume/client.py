@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,7 +57,13 @@ from deltad.consume.pullstage import keep_stage
 from deltad.consume.result import PullResult
 from deltad.consume.sidecars import RankLink, RankStatus, Sidecars
 from deltad.consume.window import Cursor, RankDelta
-from deltad.errors import ConfigError, ConsumerError, OverloadedError, SidecarUnavailableError
+from deltad.errors import (
+    ConfigError,
+    ConsumerError,
+    OverloadedError,
+    SidecarUnavailableError,
+    WindowRefused,
+)
 from deltad.v1 import delta_pb2 as pb
 
 __all__ = ["DeltaConsumer", "PullResult", "RankStatus"]
@@ -64,6 +71,12 @@ __all__ = ["DeltaConsumer", "PullResult", "RankStatus"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: The backoff after a refused window: from max(backoff_initial_s, this) ...
+REFUSED_BACKOFF_MIN_S = 0.5
+#: ... doubling up to this (a window refused again and again: e.g. a trainer whose identities
+#: disagree across ranks, until it writes fresh bases).
+REFUSED_BACKOFF_MAX_S = 30.0
 
 
 class DeltaConsumer:
@@ -79,6 +92,10 @@ class DeltaConsumer:
             raise ConsumerError("set sidecars (one per rank) or redis_url for discovery")
         self._sidecars = Sidecars(config)
         self._connected = False
+        #: windows refused in a row (reset by a commit) and when the next pull may start
+        self.refusals = 0
+        self.refusals_total = 0
+        self._retry_at = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -186,7 +203,13 @@ class DeltaConsumer:
 
         With ``applier``, resync windows are streamed into its stage (:meth:`Applier.stage`)
         as they arrive: apply the result with that applier (``applier.apply(result.deltas)``).
+        A streamed window the applier refuses comes back as a result with no deltas and
+        ``refused`` set (see :meth:`refuse`). After a refusal this first waits out its
+        backoff (``retry_in_s``), unless that time has passed.
         """
+        wait = self._retry_at - time.monotonic()
+        if wait > 0:  # the backoff after a refused window (see refuse())
+            self._sidecars.closed.wait(wait)
         started = time.monotonic()
         stage = applier.stage() if applier is not None else None
         try:
@@ -196,7 +219,12 @@ class DeltaConsumer:
                 stage.discard("the pull failed")
             raise
         if stage is not None:
-            dropped = keep_stage(result, stage, self._ranks)
+            try:
+                dropped = keep_stage(result, stage, self._ranks)
+            except WindowRefused as e:  # the applier refused a streamed resync's rows
+                self.refuse(result, e)
+                result.deltas, result.step = [], None
+                return result
             if dropped is not None:
                 log.warning("pull %s: %s", self.config.consumer, dropped)
         log.info(
@@ -268,6 +296,33 @@ class DeltaConsumer:
                 self._ranks[d.rank].needs_base = False
         return result
 
+    def refuse(self, result: PullResult, error: BaseException) -> float:
+        """The applier refused ``result``'s windows (``error``; nothing was applied): never
+        commit them, ask each of their ranks for its full tables at the next pull (a rebase:
+        what the predictor holds is replaced whole, not patched on top of what it could not
+        take), and back off: the next pull waits the returned seconds (exponential from
+        ``backoff_initial_s`` to :data:`REFUSED_BACKOFF_MAX_S`, with jitter) unless the
+        caller waited them already. The serving tables keep serving what they held."""
+        self.refusals += 1
+        self.refusals_total += 1
+        for d in result.deltas:
+            self._ranks[d.rank].needs_base = True
+            if d.stage is not None:
+                d.stage.discard("the applier refused the window")
+        base = max(self.config.backoff_initial_s, REFUSED_BACKOFF_MIN_S)
+        delay = min(base * 2 ** (self.refusals - 1), REFUSED_BACKOFF_MAX_S)
+        delay *= 0.5 + random.random() / 2
+        self._retry_at = time.monotonic() + delay
+        result.refused = str(error) or type(error).__name__
+        result.retry_in_s = delay
+        log.warning(
+            "pull %s step %s refused by the applier, nothing applied (%d in a row): %s; "
+            "asking rank(s) %s for their full tables in %.1f s",
+            self.config.consumer, result.step, self.refusals, result.refused,
+            sorted(d.rank for d in result.deltas), delay,
+        )  # fmt: skip
+        return delay
+
     def commit(self, result: PullResult) -> list[int]:
         """Commit every rank's cursor of an applied pull; return the ranks acknowledged.
 
@@ -277,6 +332,10 @@ class DeltaConsumer:
         if not isinstance(result, PullResult):
             raise TypeError(f"commit() takes the PullResult of pull(), not {type(result).__name__}")
         self._require_connected()
+        if result.refused is not None:
+            raise ConsumerError(f"a refused pull is never committed ({result.refused})")
+        if result.deltas:
+            self.refusals = 0
         todo = {d.rank: d.cursor for d in result.deltas if not d.committed and _worth(d)}
         for d in result.deltas:
             if d.resync:  # applied: the caller's tables now hold this rank's full tables
@@ -299,6 +358,10 @@ class DeltaConsumer:
     def sync(self, apply: Callable[[Sequence[RankDelta]], object] | Applier) -> PullResult:
         """pull, ``apply(deltas)`` (e.g. ``applier.apply``), commit; return the pull.
 
+        A window the applier refuses (:class:`~deltad.errors.WindowRefused`: nothing of it
+        applied) is not committed and does not raise: the result says so (``refused``), its
+        ranks send their full tables next time, after a backoff (:meth:`refuse`).
+
         ``applier.apply`` of deltad's appliers (or an applier itself) streams resync windows
         into the applier's stage (see :meth:`pull`); any other callable, or the ``apply`` of a
         subclass that overrides it, gets assembled windows.
@@ -313,7 +376,11 @@ class DeltaConsumer:
         result = self.pull(applier=applier)
         try:
             if result.deltas:
-                fn(result.deltas)
+                try:
+                    fn(result.deltas)
+                except WindowRefused as e:  # nothing applied: rebase, back off, go on
+                    self.refuse(result, e)
+                    return result
                 self.commit(result)
         finally:  # an apply that failed leaves its stage: drop the staged tables now
             for d in result.deltas:

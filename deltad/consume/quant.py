@@ -109,7 +109,7 @@ from deltad.consume.tbe import (
     serve_torch_dtype,
     table_rows,
 )
-from deltad.consume.window import RankDelta, ShardUpdate
+from deltad.consume.window import INPUT_ERRORS, RankDelta, ShardUpdate, refused
 from deltad.errors import ConfigError, ConsumerError, UnsupportedModelError
 from deltad.types import ApplyConsistency, Shard, WireDtype
 
@@ -276,6 +276,10 @@ class QuantApplier(Applier):
                 for d in deltas:
                     dense.update(getattr(d, "dense", None) or {})
                 dense_plan = plan_dense(self._dense, dense)
+            except INPUT_ERRORS as e:  # nothing written: the window is refused whole
+                for st in stages:
+                    st.discard("apply failed its checks")
+                raise refused(e) from e
             except BaseException:
                 for st in stages:
                     st.discard("apply failed its checks")

@@ -31,6 +31,12 @@ class PullResult:
     #: Ranks not read this time, with the reason (the rows come next time).
     missing: dict[int, str] = field(default_factory=dict)
     pulled_unix: float = 0.0
+    #: Why the applier refused these windows (None: not refused). A refused pull applied
+    #: nothing and is never committed; its ranks are asked for their full tables at the next
+    #: pull, which waits ``retry_in_s`` first (:meth:`DeltaConsumer.refuse`).
+    refused: str | None = None
+    #: Seconds the next pull waits after a refusal (0: none).
+    retry_in_s: float = 0.0
 
     @property
     def caught_up(self) -> bool:
@@ -39,7 +45,7 @@ class PullResult:
         caught up to the release, not behind), no row is owed and no dense state is
         missing, and no relay that served it lost its upstream: nothing more to pull until
         the trainer publishes or an operator releases."""
-        if self.missing or self.dense_missing or self.upstream_lost:
+        if self.missing or self.dense_missing or self.upstream_lost or self.refused:
             return False
         if self.step is None or self.owed:
             return False

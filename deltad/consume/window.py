@@ -12,8 +12,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltad.errors import ConsumerError
+from deltad.errors import ConsumerError, WindowRefused
 from deltad.types import Cursor, Form, Shard, WireDtype
+
+#: What an applier's checks may raise on a window it cannot apply (as well as ConsumerError):
+#: torch's own refusals of a shape or index the wire carried.
+INPUT_ERRORS = (ConsumerError, ValueError, RuntimeError, IndexError, TypeError)
+
+
+def refused(e: BaseException) -> WindowRefused:
+    """``e`` (an applier's refusal of a window) as a :class:`WindowRefused`."""
+    if isinstance(e, WindowRefused):
+        return e
+    err = WindowRefused(str(e) or type(e).__name__)
+    err.__cause__ = e
+    return err
 
 
 @dataclass
@@ -134,8 +147,8 @@ class ResyncStage(abc.ABC):
         self.rows = 0  # rows written so far
         self.installed = False
         self.discarded: str | None = None  # why, once discarded
-        #: the applier refused a shard (ConsumerError): the pull raises it, as apply would
-        self.error: ConsumerError | None = None
+        #: the applier refused a shard: the pull raises it, as apply would
+        self.error: WindowRefused | None = None
 
     def open(self, rank: int, shard: Shard, packed_row_bytes: int) -> bool:
         """A resync window's header announces ``shard`` (``packed_row_bytes``: > 0 if its rows
@@ -146,7 +159,7 @@ class ResyncStage(abc.ABC):
             try:
                 taken = self._open(shard, packed_row_bytes)
             except ConsumerError as e:
-                self.error = self.error or e
+                self.error = self.error or refused(e)
                 raise
             if taken:
                 self.ranks.add(rank)
@@ -158,7 +171,7 @@ class ResyncStage(abc.ABC):
         try:
             n = self._write(update)
         except ConsumerError as e:
-            self.error = self.error or e
+            self.error = self.error or refused(e)
             raise
         with self._lock:
             self.rows += n
