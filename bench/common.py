@@ -46,6 +46,8 @@ MB = 1 << 20
 
 #: The synthetic spool the sidecar benchmarks pull from (:func:`bench.datagen.write_spool`):
 #: ``TABLES`` tables of dim ``DIM``, a base and ``DELTAS`` deltas.
+#: The model name of every bench spool and sidecar.
+MODEL = "bench"
 TABLES = 4
 DIM = 64
 DELTAS = 16
@@ -509,7 +511,6 @@ def spool_and_workers(
     children of the run and ``workers`` warm client workers; the workers are closed, the
     children stopped and the spool removed afterwards."""
     from bench.datagen import write_spool
-    from bench.deltad_procs import MODEL
 
     with ctx.tmpdir(name) as spool, Children() as kids:
         ctx.status(f"{name}: spool")

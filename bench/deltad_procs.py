@@ -12,9 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, deltad_command, free_port, wait_until
-
-MODEL = "bench"
+from bench.common import MODEL, Children, Context, deltad_command, free_port, wait_until
 
 
 def module_unavailable(*modules: str) -> str | None:

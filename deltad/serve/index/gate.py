@@ -29,7 +29,7 @@ from deltad.config import GateConfig
 from deltad.types import ShardKey
 
 if TYPE_CHECKING:
-    from deltad.serve.index.log import DenseEntry, LogEntry
+    from deltad.serve.index.files import DenseEntry, LogEntry
 
 log = logging.getLogger(__name__)
 
