@@ -243,7 +243,6 @@ def test_the_predictor_loop_logs_a_refusal_counts_it_and_goes_on(
     served from it), counted in the summary; the loop backs off, goes on, and serves the
     next window it can apply."""
     from consumers.predictor import SyncLoop, SyncLoopConfig
-
     from deltad.config import ConsumerConfig
 
     ft = FakeTrainer(tmp_path / "spool", world_size=2)
