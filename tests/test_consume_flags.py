@@ -23,7 +23,7 @@ from spoolkit import child_env, wait_for
 
 from deltad import cli
 from deltad.demo import SERVING, TABLES
-from deltad.demo_rollout import CANARY_PRED, MAIN_PRED
+from deltad.demo.rollout import CANARY_PRED, MAIN_PRED
 from deltad.errors import ConfigError
 from deltad.redisutil import EmbeddedRedis
 
@@ -136,7 +136,7 @@ def test_every_serving_flag_is_checked() -> None:
     }
 
 
-#: the consume argv tails of deltad/demo.py, deltad/demo_rollout.py, bench/live.py,
+#: the consume argv tails of deltad/demo/loop.py, deltad/demo/rollout.py, bench/live.py,
 #: bench/fidelity.py and docker/compose.yaml
 USED = [
     ["--form", "rows", "--dtype", "fp32"],

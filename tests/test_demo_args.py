@@ -15,7 +15,7 @@ from spoolkit import child_env
 
 from deltad.cli import build_parser
 from deltad.demo import DEFAULTS, check_args
-from deltad.demo_procs import WorkDir
+from deltad.demo.procs import WorkDir
 from deltad.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from deltad import output
-from deltad.demo import MODEL, SERVING, TABLES, Demo, DemoFailed, PredictorLog
-from deltad.demo_checks import check_serving
-from deltad.demo_procs import wait_serving
-from deltad.demo_report import tables_line
+from deltad.demo.checks import SERVING, TABLES, check_serving
+from deltad.demo.loop import MODEL, Demo
+from deltad.demo.procs import DemoFailed, wait_serving
+from deltad.demo.report import PredictorLog, tables_line
 from deltad.errors import ConfigError
 
 STEPS, START, CANARY, BAD, ROLLBACK = 40, 10, 24, 31, 18
@@ -79,7 +79,7 @@ def check_flags(args: argparse.Namespace) -> None:
 class BadUpdateDemo(Demo):
     """The bad-update scenario (see the module docstring)."""
 
-    #: the report header's tables (:func:`deltad.demo_report.tables_line` of the trainer's
+    #: the report header's tables (:func:`deltad.demo.report.tables_line` of the trainer's
     #: dump: its pooled, sequence and managed-collision tables), set by the rollback check
     tables = ""
 

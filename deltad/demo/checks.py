@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deltad.demo_report import PredictorLog, ms
+from deltad.demo.report import PredictorLog, ms
 
 #: pooled tables of the trainer and of the serving predictor's model code
 TABLES = "4"
