@@ -142,6 +142,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--final-tables", type=Path, help="torch.save the tables here at the end")
     p.add_argument("--json-log", metavar="PATH", help='JSON line per pull ("-": stdout)')
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the predictor's Prometheus /metrics on this port (0: any free port): "
+        "served step, freshness, pulls, refused windows",
+    )
+    p.add_argument(
+        "--metrics-listen",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="host the predictor's /metrics binds to",
+    )
+    p.add_argument(
         "--rpc-deadline",
         type=float,
         default=30.0,
@@ -253,6 +266,7 @@ RANGES: dict[str, Range] = {
     "max_retries": Range(0, 1000),
     "discovery_timeout": Range(0, 86400),
     "reuse_buffers_mb": Range(0, 1 << 30, note="0 = off"),
+    "metrics_port": Range(0, 65535, note="0 = any free port"),
     "rows": Range(1, MAX_COUNT),
     "seq_rows": Range(1, MAX_COUNT),
     "dim": Range(1, 1 << 16),
@@ -372,6 +386,8 @@ def run(args: argparse.Namespace) -> int:
             final_tables=args.final_tables,
             json_log=args.json_log,
             serving=serving,
+            metrics_port=args.metrics_port,
+            metrics_addr=args.metrics_listen,
         )
     )
     # Wait for the sidecars (every --sidecar answering, or every rank registered in Redis)

@@ -40,6 +40,7 @@ from deltad.errors import ConfigError, ConsumerError, WindowRefused
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 
+from .metrics import PredictorMetrics
 from .serving import ForwardLoop, ServingConfig, build_serving_model, save_state, zch_probe
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ class SyncLoopConfig:
     json_log: str | None = None
     #: Serve a quantized reference model (and write its state at exit) instead of a dict.
     serving: ServingConfig | None = None
+    #: Prometheus /metrics of the predictor on this port (0: any free port; None: none), bound
+    #: to ``metrics_addr`` (:mod:`consumers.metrics`).
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
 
 
 @dataclass
@@ -178,6 +183,8 @@ class SyncLoop:
         #: managed-collision tables: raw ids the windows reported evicted (bounded)
         self.evicted: dict[str, set[int]] = {}
         self._out: IO[str] | None = None
+        #: the predictor's /metrics (started by run() when ``metrics_port`` is set)
+        self.metrics: PredictorMetrics | None = None
 
     def stop(self) -> None:
         """Ask the loop to finish after the current pull."""
@@ -245,6 +252,10 @@ class SyncLoop:
             self.check_tables(self.sidecar_statuses())
         deadline = time.monotonic() + c.duration_s if c.duration_s > 0 else None
         self._open_log()
+        if c.metrics_port is not None and self.metrics is None:
+            self.metrics = PredictorMetrics(c.consumer.model, c.consumer.consumer)
+            port = self.metrics.serve_http(c.metrics_port, c.metrics_addr)
+            log.info("metrics on http://%s:%d/metrics", c.metrics_addr, port)
         if self.forwards is not None:
             self.forwards.start()
         try:
@@ -302,6 +313,8 @@ class SyncLoop:
                 self.forwards.stop()
             if self._out is not None and self._out is not sys.stdout:
                 self._out.close()
+            if self.metrics is not None:
+                self.metrics.close()
 
     def pull_once(self, consumer: DeltaConsumer, n: int) -> PullLogLine:
         """One pull, apply (not for the ids form), commit; the record of what happened."""
@@ -428,6 +441,8 @@ class SyncLoop:
             self._out = open(dest, "a", buffering=1)  # noqa: SIM115 - closed in run()
 
     def _emit(self, rec: PullLogLine | SyncSummary) -> None:
+        if self.metrics is not None and isinstance(rec, PullLogLine):
+            self.metrics.observe(rec)
         d: dict[str, Any] = asdict(rec)
         if self._out is not None:
             self._out.write(json.dumps(d, separators=(",", ":")) + "\n")

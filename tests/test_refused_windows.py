@@ -254,9 +254,18 @@ def test_the_predictor_loop_logs_a_refusal_counts_it_and_goes_on(
         cc = ConsumerConfig(
             consumer="p", model="m", sidecars=tuple(levels[0]), backoff_initial_s=0.05
         )
-        loop = SyncLoop(SyncLoopConfig(consumer=cc, interval_s=0.05, pulls=4, json_log=str(log)))
+        loop = SyncLoop(
+            SyncLoopConfig(consumer=cc, interval_s=0.05, pulls=4, json_log=str(log), metrics_port=0)
+        )
         loop.applier = RefusingApplier(times=2)
         summary = loop.run()
+        assert loop.metrics is not None
+        from prometheus_client import generate_latest
+
+        scraped = generate_latest(loop.metrics.registry).decode()
+        assert 'deltad_predictor_refused_windows_total{consumer="p",model="m"} 2.0' in scraped
+        assert 'deltad_predictor_served_step{consumer="p",model="m"} 10.0' in scraped
+        assert 'deltad_predictor_refusals_in_a_row{consumer="p",model="m"} 0.0' in scraped
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     pulls = [x for x in lines if x["event"] == "pull"]
     assert [bool(x["refused"]) for x in pulls][:3] == [True, True, False], pulls
