@@ -411,7 +411,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def deltad_command() -> list[str]:
     """How to run the ``deltad`` CLI as a child process (the console script's module)."""
-    return [sys.executable, "-m", "deltad.cli"]
+    return [sys.executable, "-m", "deltad.commands.main"]
 
 
 class Children:

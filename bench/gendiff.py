@@ -89,8 +89,8 @@ class _Predictor:
 def run(ctx: Context) -> dict[str, Any]:
     """Sweep the fraction of rows a restart changes."""
     from deltad.config import ServerConfig
-    from deltad.redisutil import EmbeddedRedis
     from deltad.serve.edge.app import SidecarServer
+    from deltad.store import EmbeddedRedis
 
     n_tables = ctx.pick(4, 2, 2)
     rows = ctx.pick(250_000, 100_000, 5_000)

@@ -103,10 +103,10 @@ def run_fleet(
     Rollout RPC of the sidecar at ``control`` (what `deltad rollout rollback` sends), time
     each one from the order's answer to serving ``step``."""
     from deltad.clientauth import ClientAuth
+    from deltad.commands.rollout import call
     from deltad.config import ConsumerConfig, PullOptions
     from deltad.consume.appliers import TensorDictApplier
     from deltad.consume.client import DeltaConsumer
-    from deltad.rollout_cli import call
     from deltad.v1 import delta_pb2 as pb
 
     consumers, appliers, boot_bytes = [], [], []
@@ -218,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from deltad.config import RelayConfig, ServerConfig
-    from deltad.redisutil import EmbeddedRedis
     from deltad.serve.edge.app import SidecarServer
     from deltad.serve.relay.server import RelayServer
+    from deltad.store import EmbeddedRedis
 
     out: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "record")}

@@ -396,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     with _waiting_for_sidecars() as waited:
         if consumer.sidecars:  # refused: a wrong model, fewer sidecars than ranks, none answering
             from deltad.clientauth import ClientAuth
-            from deltad.status import check_sidecars
+            from deltad.commands.status import check_sidecars
 
             statuses = check_sidecars(
                 consumer.sidecars,

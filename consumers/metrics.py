@@ -5,12 +5,24 @@ fresh, and what it could not apply. Own registry; every series carries ``model``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-if TYPE_CHECKING:
-    from consumers.predictor import PullLogLine
+
+class PullLine(Protocol):
+    """What a pull's log line (``consumers.predictor.PullLogLine``) says that is counted."""
+
+    refused: str | None
+    missing: dict[int, str]
+    rows: int
+    bytes: int
+    resync: bool
+    step: int | None
+    head_step: int | None
+    step_lag: int | None
+    caught_up: bool
+    freshness_s: float | None
 
 #: freshness buckets (seconds): segment created -> rows applied
 FRESHNESS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -69,7 +81,7 @@ class PredictorMetrics:
         self._in_a_row = 0
         self._http: Any = None
 
-    def observe(self, rec: PullLogLine) -> None:
+    def observe(self, rec: PullLine) -> None:
         """Count one pull (its log line)."""
         self.pulls.inc()
         if rec.refused is not None:

@@ -2,6 +2,6 @@
 
 import sys
 
-from deltad.cli import main
+from deltad.commands.main import main
 
 sys.exit(main())

@@ -9,7 +9,7 @@ import pytest
 from serverkit import REUSED_REDIS, redis_server  # noqa: F401  (the one Redis fixture, for every test)
 from tlskit import make_pkis
 
-from deltad.redisutil import EmbeddedRedis
+from deltad.store import EmbeddedRedis
 
 
 @pytest.fixture

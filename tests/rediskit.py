@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 from spoolkit import wait_for
 
-from deltad.redisutil import redis_server_binary
+from deltad.store import redis_server_binary
 
 
 def _bindable(port: int) -> bool:

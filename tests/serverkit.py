@@ -18,10 +18,10 @@ from deltad import wire
 from deltad.config import ServerConfig
 from deltad.consume import decode
 from deltad.consume.window import RankDelta
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import EmbeddedRedis
 from deltad.types import Form, SegmentKind, Shard, WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc

@@ -342,7 +342,7 @@ def running_serve(
         [
             sys.executable,
             "-m",
-            "deltad.cli",
+            "deltad.commands.main",
             "serve",
             "--spool",
             str(spool),
@@ -373,7 +373,7 @@ def cli_sidecar(*argv: str) -> Any:
     environment), started in this process: a restart that does not pay a new interpreter's
     torch import. Only a test of the process itself (signals, kill -9, env) needs the real
     subprocess. Returns the started :class:`~deltad.serve.edge.app.SidecarServer`."""
-    from deltad.cli import build_parser
+    from deltad.commands.main import build_parser
     from deltad.serve import cli as serve_cli
     from deltad.serve.edge.app import SidecarServer
 

@@ -21,10 +21,10 @@ from spoolkit import child_env, read_serving_line, stop_process
 from deltad.consume import decode
 from deltad.errors import ConfigError
 from deltad.keys import RedisKeys
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.edge.auth import parse_tokens
 from deltad.serve.state.offsets import OffsetStore
+from deltad.store import EmbeddedRedis
 from deltad.types import Role
 from deltad.v1 import delta_pb2 as pb
 
@@ -245,7 +245,7 @@ def test_a_forgotten_consumer_frees_its_place_under_max_consumers(
 
 def _serve_cli(spool: Path, url: str, tokens: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(spool), "--model", MODEL,
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(spool), "--model", MODEL,
          "--listen", "127.0.0.1:0", "--redis-url", url, "--tokens-file", str(tokens),
          "--grace-period", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
@@ -266,7 +266,7 @@ def test_serve_refuses_to_start_on_a_file_without_usable_lines(
         assert len(lines) == 1 and "tokens" in lines[0], out
     env = {**child_env(), "DELTAD_TOKENS": "a,b"}
     proc = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path / "spool")],
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(tmp_path / "spool")],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "DELTAD_TOKENS" in proc.stderr

@@ -12,7 +12,7 @@ import pytest
 import tomllib
 
 import deltad
-from deltad.cli import build_parser
+from deltad.commands.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,7 +87,7 @@ def test_only_the_deltad_package_is_installed() -> None:
 
 def test_verbose_logging_is_deltads_own_and_json_lines_parse() -> None:
     code = (
-        "import logging; from deltad.cli import setup_logging; "
+        "import logging; from deltad.commands.main import setup_logging; "
         "setup_logging(1, json_lines=True); "
         "logging.getLogger('fbgemm_gpu.x').info('noise'); "
         "logging.getLogger('torch.distributed').info('noise'); "

@@ -13,15 +13,15 @@ import pytest
 from serverkit import SpoolWriter, redis_server, server_config
 from spoolkit import child_env
 
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import EmbeddedRedis
 
 __all__ = ["redis_server"]
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:
     out = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", *args],
+        [sys.executable, "-m", "deltad.commands.main", *args],
         capture_output=True, text=True, env={**child_env(), **(env or {})}, timeout=timeout,
     )  # fmt: skip
     return out.returncode, out.stderr

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from serverkit import Client, SpoolWriter, redis_server, server_config, wait_for
 
-from deltad import cli
-from deltad.redisutil import EmbeddedRedis
+from deltad.commands import main as cli
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import EmbeddedRedis
 from deltad.v1 import delta_pb2 as pb
 
 __all__ = ["redis_server"]
@@ -114,7 +114,7 @@ def test_status_json_has_integers_as_numbers_and_the_release_state_as_an_object(
 
 
 def test_message_json_numbers_repeated_64_bit_fields_and_an_empty_release_state_is_null() -> None:
-    from deltad.status import message_json
+    from deltad.commands.status import message_json
 
     m = pb.StatusResponse(head_seq=5, log_bytes=2**40, head_step=-1)
     m.steps.extend([2**40, 3])

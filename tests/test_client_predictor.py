@@ -78,7 +78,7 @@ def test_consume_resume_needs_init_tables(tmp_path: Path) -> None:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "p", "--resume",
+        [sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", "p", "--resume",
          "--sidecar", "127.0.0.1:1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -91,7 +91,7 @@ def test_consume_resume_needs_init_tables(tmp_path: Path) -> None:
         (["--pulls", "-1"], "--pulls must be a finite number in [0,"),
     ):
         out = subprocess.run(
-            [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "p",
+            [sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", "p",
              "--sidecar", "127.0.0.1:1", *bad],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
@@ -127,7 +127,7 @@ def test_consume_stops_cleanly_and_saves_its_tables_on_a_signal(
     log = tmp_path / "log.jsonl"
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "sig", "--model", "m",
+            [sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", "sig", "--model", "m",
              "--sidecar", srv.endpoint, "--interval", "0.05", "--json-log", str(log),
              "--final-tables", str(tmp_path / "final.pt")],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(),

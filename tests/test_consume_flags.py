@@ -21,11 +21,11 @@ from deltad.reference.consumers import cli as consume_cli
 from serverkit import redis_server
 from spoolkit import child_env, wait_for
 
-from deltad import cli
+from deltad.commands import main as cli
 from deltad.demo import SERVING, TABLES
 from deltad.demo.rollout import CANARY_PRED, MAIN_PRED
 from deltad.errors import ConfigError
-from deltad.redisutil import EmbeddedRedis
+from deltad.store import EmbeddedRedis
 
 __all__ = ["redis_server"]
 
@@ -176,7 +176,7 @@ def test_check_form_flags_names_the_flag_as_typed() -> None:
 
 def _start(*extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "c", "--model", "m",
+        [sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", "c", "--model", "m",
          "--pulls", "1", "--discovery-timeout", "60", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
     )  # fmt: skip

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def demo_argv(work: Path, duration: float) -> list[str]:
     return [
-        sys.executable, "-m", "deltad.cli", "demo",
+        sys.executable, "-m", "deltad.commands.main", "demo",
         "--duration", str(duration), "--rows", "2000", "--dim", "8",
         "--workdir", str(work), "--keep", "--no-progress",
     ]  # fmt: skip
@@ -72,7 +72,7 @@ def test_the_bad_update_scenario_gates_canaries_and_rolls_back_with_deltad_rollo
     commands against the real sidecars; all three checks hold, exit 0."""
     work = tmp_path / "demo"
     argv = [
-        sys.executable, "-m", "deltad.cli", "demo", "--scenario", "bad-update",
+        sys.executable, "-m", "deltad.commands.main", "demo", "--scenario", "bad-update",
         "--rows", "2000", "--dim", "16", "--workdir", str(work), "--keep",
     ]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=880, env=child_env())
@@ -132,7 +132,7 @@ def test_a_child_follows_its_parent_pid_from_the_environment() -> None:
     parent); one whose parent is already gone refuses to start."""
     import os
 
-    cmd = [sys.executable, "-m", "deltad.cli", "--version"]
+    cmd = [sys.executable, "-m", "deltad.commands.main", "--version"]
     ok = subprocess.run(
         cmd,
         env={**os.environ, "DELTAD_PARENT_PID": str(os.getpid())},
@@ -160,7 +160,7 @@ def test_a_demo_that_fails_early_removes_its_temp_dir_and_says_so(tmp_path: Path
     and says so, in JSON lines with --log-json."""
     env = {**child_env(), "TMPDIR": str(tmp_path), "DELTAD_KNOB_WRITER_NICE": "99"}
     out = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "--log-json", "demo", "--duration", "5",
+        [sys.executable, "-m", "deltad.commands.main", "--log-json", "demo", "--duration", "5",
          "--rows", "2000", "--dim", "8", "--no-progress"],
         capture_output=True, text=True, env=env, timeout=240,
     )  # fmt: skip

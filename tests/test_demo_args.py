@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from spoolkit import child_env
 
-from deltad.cli import build_parser
+from deltad.commands.main import build_parser
 from deltad.demo import DEFAULTS, check_args
 from deltad.demo.procs import WorkDir
 from deltad.errors import ConfigError
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 def demo(*argv: str) -> subprocess.CompletedProcess[str]:
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "demo", *argv, "--no-progress"],
+        [sys.executable, "-m", "deltad.commands.main", "demo", *argv, "--no-progress"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -133,7 +133,7 @@ def test_flags_left_out_or_matching_the_fixed_shape_pass_and_get_their_defaults(
 
 def test_help_says_bad_update_has_a_fixed_shape_and_what_it_refuses() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "demo", "--help"],
+        [sys.executable, "-m", "deltad.commands.main", "demo", "--help"],
         capture_output=True,
         text=True,
         timeout=60,

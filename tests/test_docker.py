@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from deltad.cli import build_parser
-from deltad.healthcheck import LIVENESS_SERVICE
+from deltad.commands.healthcheck import LIVENESS_SERVICE
+from deltad.commands.main import build_parser
 from deltad.serve.memory import RUNTIME_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ import pytest
 from serverkit import Client, SpoolWriter, server_config, wait_for
 
 from deltad import wire
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.edge.grpcutil import MAX_DETAILS, public_details
+from deltad.store import EmbeddedRedis
 from deltad.v1 import delta_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,12 +16,13 @@ import pytest
 from serverkit import SpoolWriter, redis_server, server_config
 from spoolkit import child_env
 
-from deltad import cli, healthcheck
+from deltad.commands import healthcheck
+from deltad.commands import main as cli
 from deltad.config import ConsumerConfig, RelayConfig, check_endpoint
 from deltad.errors import ConfigError
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer, machine_name
 from deltad.serve.relay.server import RelayServer
+from deltad.store import EmbeddedRedis
 
 __all__ = ["redis_server"]
 
@@ -119,7 +120,7 @@ def test_a_sidecar_whose_stdout_reader_went_away_serves_on_and_stops_its_redis(
     r, w = os.pipe()
     os.close(r)  # nobody will read its stdout: its first line meets a closed pipe
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(spool), "--model", "m",
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(spool), "--model", "m",
          "--listen", "127.0.0.1:0", "--metrics-port", "0", "--grace-period", "1"],
         stdout=w, stderr=subprocess.PIPE, text=True, env=child_env(),
     )  # fmt: skip
@@ -158,7 +159,7 @@ def test_a_command_whose_stdout_reader_went_away_exits_like_one_killed_by_sigpip
             if closed:
                 os.close(r)
             out = subprocess.run(
-                [sys.executable, "-m", "deltad.cli", "status", "--target", f"127.0.0.1:{srv.port}"],
+                [sys.executable, "-m", "deltad.commands.main", "status", "--target", f"127.0.0.1:{srv.port}"],
                 stdout=w, stderr=subprocess.PIPE, text=True, env=child_env(), timeout=60,
             )  # fmt: skip
             os.close(w)

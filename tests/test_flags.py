@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from deltad import knobs
-from deltad.cli import build_parser, check_flags
+from deltad.commands.main import build_parser, check_flags
 from deltad.config import (
     ConsumerConfig,
     PullOptions,

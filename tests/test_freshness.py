@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from serverkit import Client, SpoolWriter, server_config, wait_for
 
+from deltad.commands.status import render
 from deltad.errors import SegmentCorruptError
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import read_header, write_segment
 from deltad.segment.validate import check_header
 from deltad.serve.edge.app import SidecarServer
-from deltad.status import render
+from deltad.store import EmbeddedRedis
 from deltad.types import SegmentKind
 from deltad.v1 import delta_pb2 as pb
 

@@ -31,8 +31,8 @@ from test_relay import at_step, equal, predictor, status, tree
 
 from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.window import RankDelta
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import EmbeddedRedis
 from deltad.types import Form, WireDtype
 
 pytestmark = pytest.mark.timeout(180)
@@ -296,7 +296,7 @@ def _serve_args(spool: Path, redis_url: str) -> list[str]:
 
 def _serve(spool: Path, redis_url: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", *_serve_args(spool, redis_url)],
+        [sys.executable, "-m", "deltad.commands.main", "serve", *_serve_args(spool, redis_url)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
         start_new_session=True,
     )  # fmt: skip
@@ -374,7 +374,7 @@ def test_reference_trainer_restart_is_a_bit_equal_diff(tmp_path: Path, redis_url
 
     def train(generation: int, steps: int, final: Path) -> None:
         p = subprocess.run(
-            [sys.executable, "-m", "deltad.cli", "train", "--spool", str(tmp_path / "spool"),
+            [sys.executable, "-m", "deltad.commands.main", "train", "--spool", str(tmp_path / "spool"),
              "--model", "m", "--world-size", "2", "--tables", "3", "--rows", "400", "--dim",
              "8", "--steps", str(steps), "--publish-every-steps", "2", "--generation",
              str(generation), "--no-progress", "--final-tables", str(final), "--no-fsync"],

@@ -15,7 +15,7 @@ import pytest
 from serverkit import Client, SpoolWriter, redis_server
 from spoolkit import child_env, read_serving_line, stop_process
 
-from deltad.redisutil import EmbeddedRedis
+from deltad.store import EmbeddedRedis
 from deltad.v1 import delta_pb2 as pb
 
 __all__ = ["redis_server"]
@@ -64,7 +64,7 @@ def test_garbage_and_hostile_fields_are_refused_with_bounded_memory(
     SpoolWriter(tmp_path / "spool")
     err_file = open(tmp_path / "serve.err", "w")  # noqa: SIM115 (closed in finally)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path / "spool"),
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(tmp_path / "spool"),
          "--model", "m", "--listen", "127.0.0.1:0", "--redis-url", redis_server.url,
          "--max-consumers", "50", "--grace-period", "0"],
         stdout=subprocess.PIPE, stderr=err_file, text=True,

@@ -22,10 +22,10 @@ from serverkit import Client, Replica, redis_server, server_config, wait_for
 from deltad.config import PublisherConfig
 from deltad.publish.publisher import SegmentPublisher
 from deltad.publish.tracker import TrackedShard
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import TableInfo
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import GAP_GRACE_S
+from deltad.store import EmbeddedRedis
 from deltad.types import Shard
 
 __all__ = ["redis_server"]

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from deltad.cli import HelpFormatter, build_parser
+from deltad.commands.main import HelpFormatter, build_parser
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -57,7 +57,7 @@ def test_log_json_error_lines_are_json_too(
     import logging
 
     from deltad import output
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -86,7 +86,7 @@ def test_a_missing_torchrec_is_an_install_hint_not_a_traceback(
     import logging
     import sys
 
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     monkeypatch.setitem(sys.modules, "torchrec", None)  # import torchrec fails, as uninstalled
     root = logging.getLogger()

@@ -21,16 +21,16 @@ import pytest
 from serverkit import SpoolWriter, server_config
 from spoolkit import child_env, wait_for
 
-from deltad.cli import main as deltad_main
 from deltad.clientauth import ClientAuth
+from deltad.commands.main import main as deltad_main
 from deltad.config import ConfigError, ConsumerConfig, RelayConfig
 from deltad.consume.client import DeltaConsumer
 from deltad.errors import ConsumerError
 from deltad.healthcheck import main as healthcheck_main
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge import app
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.relay.server import RelayServer
+from deltad.store import EmbeddedRedis
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 
@@ -280,7 +280,7 @@ def test_deltad_serve_reloads_certificates_on_sighup(
     _install(pki / "a", live)
     SpoolWriter(tmp_path / "spool")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path / "spool"),
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(tmp_path / "spool"),
          "--model", "m", "--listen", "localhost:0", "--redis-url", redis_server.url,
          "--tls-cert", str(live / "server.pem"), "--tls-key", str(live / "server.key"),
          "--tls-client-ca", str(live / "ca.pem")],
@@ -332,7 +332,7 @@ def test_handshakes_of_clients_without_a_certificate_do_not_flood_the_sidecars_l
         if verbosity is not None:
             env["GRPC_VERBOSITY"] = verbosity
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path / "spool"),
+            [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(tmp_path / "spool"),
              "--model", "m", "--listen", "localhost:0", "--redis-url", redis_server.url,
              "--tls-cert", str(live / "server.pem"), "--tls-key", str(live / "server.key"),
              "--tls-client-ca", str(live / "ca.pem")],

@@ -9,8 +9,8 @@ import pytest
 from serverkit import redis_server
 
 from deltad.errors import OffsetStoreError
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull
+from deltad.store import EmbeddedRedis
 
 __all__ = ["redis_server"]
 
@@ -282,7 +282,7 @@ def test_two_deployments_under_one_model_name_in_one_redis_are_told(
 def test_status_writes_no_control_character_to_the_terminal() -> None:
     """Review 13: names and reasons that come from Redis could carry CR and ANSI sequences
     that overwrite lines of `deltad status` on a terminal; they are shown escaped."""
-    from deltad import status
+    from deltad.commands import status
     from deltad.v1 import delta_pb2 as pb
 
     st = pb.StatusResponse(model="m", head_seq=-1, health_reason="down\x1b[2J\rfine")

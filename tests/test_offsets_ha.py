@@ -16,9 +16,9 @@ from spoolkit import wait_for
 
 from deltad.config import ConfigError, check_redis_url, parse_nodes_url
 from deltad.consume.window import RankDelta
-from deltad.redisutil import _redact
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.state.offsets import OffsetStore, StoredCursor
+from deltad.store import _redact
 
 T = TypeVar("T")
 

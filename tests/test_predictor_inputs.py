@@ -22,11 +22,11 @@ from deltad.reference.consumers.predictor import (
 from serverkit import server_config
 from spoolkit import ZchWriter, child_env
 
+from deltad.commands.status import check_sidecars
 from deltad.config import ConsumerConfig
 from deltad.errors import ConfigError, ConsumerError
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
-from deltad.status import check_sidecars
+from deltad.store import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,7 +37,7 @@ PLAIN = {"t0": (40, 4)}
 
 def _cli(*args: str) -> tuple[int, str]:
     out = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "consume", *args],
+        [sys.executable, "-m", "deltad.commands.main", "consume", *args],
         capture_output=True, text=True, env=child_env(), timeout=120,
     )  # fmt: skip
     return out.returncode, out.stderr

@@ -17,10 +17,10 @@ from serverkit import Client, SpoolWriter, redis_server, server_config, wait_for
 
 from deltad import perf
 from deltad.errors import SpoolError
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.windows import encode
 from deltad.serve.windows.prefetch import Prefetch, PrefetchStopped
+from deltad.store import EmbeddedRedis
 from deltad.v1 import delta_pb2 as pb
 
 __all__ = ["redis_server"]

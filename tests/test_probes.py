@@ -20,13 +20,14 @@ import pytest
 from serverkit import SpoolWriter, server_config
 from spoolkit import FakeTrainer, child_env, wait_for
 
-from deltad import redisdir, status
+from deltad.commands import status
 from deltad.config import ConsumerConfig, RelayConfig
 from deltad.consume.client import DeltaConsumer
 from deltad.healthcheck import LIVENESS_SERVICE, check
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.relay.server import RelayServer
+from deltad.store import EmbeddedRedis
+from deltad.store import datadir as redisdir
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
 
@@ -238,7 +239,7 @@ def test_forgetting_a_live_consumer_says_it_was_live(
 ) -> None:
     """Review 10: `deltad status --forget NAME` forgot a predictor that was pulling, with no
     word of it."""
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     SpoolWriter(tmp_path / "spool")
     srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
@@ -285,7 +286,7 @@ def test_consume_with_one_dead_rank_address_fails_with_one_line(
     srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
     sidecar_of.append(srv.start())
     out = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "c", "--model", "m",
+        [sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", "c", "--model", "m",
          "--pulls", "1", "--discovery-timeout", "2", "--sidecar", srv.endpoint,
          "--sidecar", "127.0.0.1:1"],
         capture_output=True, text=True, env=child_env(), timeout=120,
@@ -306,7 +307,7 @@ def test_consume_whose_every_pull_is_refused_exits_1_with_the_reason(
     srv = SidecarServer(server_config(tmp_path / "spool", redis_server.url))
     sidecar_of.append(srv.start())
     final = tmp_path / "final.pt"
-    cmd = [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "c", "--model", "m",
+    cmd = [sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", "c", "--model", "m",
            "--pulls", "2", "--interval", "0.1", "--discovery-timeout", "5",
            "--sidecar", srv.endpoint, "--final-tables", str(final)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=120)

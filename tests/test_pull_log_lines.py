@@ -12,8 +12,8 @@ from serverkit import SpoolWriter, server_config, wait_for
 
 from deltad.config import ConsumerConfig
 from deltad.consume.client import DeltaConsumer
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -335,7 +335,7 @@ def test_consume_serve_dtype_flag_errors() -> None:
     base = [
         sys.executable,
         "-m",
-        "deltad.cli",
+        "deltad.commands.main",
         "consume",
         "--consumer",
         "p",

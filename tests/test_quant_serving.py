@@ -222,7 +222,7 @@ def test_killed_quantized_predictor_bootstraps_again(tmp_path: Path, redis_url: 
 
         def consume(*extra: str) -> subprocess.Popen[str]:
             return subprocess.Popen(
-                [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "q", "--model", "m",
+                [sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", "q", "--model", "m",
                  "--sidecar", servers[0].endpoint, "--serve-dtype", "int8", "--tables",
                  ",".join(f"{t}:{r}" for t, r in TABLES.items()), "--seq-rows", str(SEQ_ROWS),
                  "--dim", str(DIM), "--interval", "0.05", "--json-log", str(log), *extra],

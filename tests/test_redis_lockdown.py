@@ -24,8 +24,8 @@ from serverkit import Client, SpoolWriter, server_config, wait_for
 from spoolkit import child_env, read_serving_line, stop_process
 
 from deltad.errors import OffsetStoreError
-from deltad.redisutil import DISABLED_COMMANDS, EmbeddedRedis, answers, connect
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import DISABLED_COMMANDS, EmbeddedRedis, answers, connect
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -156,7 +156,7 @@ def test_health_is_not_serving_while_the_store_is_down(tmp_path: Path) -> None:
 
 def _serve(spool: Path, rank: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(spool), "--model", "m",
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(spool), "--model", "m",
          "--rank", str(rank), "--listen", "127.0.0.1:0", "--grace-period", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
     )  # fmt: skip

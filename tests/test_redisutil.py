@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from deltad.errors import OffsetStoreError
-from deltad.redisutil import EmbeddedRedis, connect
+from deltad.store import EmbeddedRedis, connect
 
 
 def test_data_survives_kill_and_restart(tmp_path: Path) -> None:
@@ -49,7 +49,7 @@ def test_embedded_server_dies_with_its_parent(tmp_path: Path) -> None:
 
     code = (
         "import sys, time\n"
-        "from deltad.redisutil import EmbeddedRedis, connect\n"
+        "from deltad.store import EmbeddedRedis, connect\n"
         f"s = EmbeddedRedis({str(tmp_path / 'r')!r}); url = s.start()\n"
         "connect(url).set('k', 'v')\n"
         "print(s.proc.pid, url, flush=True); time.sleep(60)\n"

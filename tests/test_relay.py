@@ -16,7 +16,7 @@ import pytest
 import torch
 from spoolkit import FakeTrainer, wait_for
 
-from deltad import status as status_cli
+from deltad.commands import status as status_cli
 from deltad.config import ConfigError, ConsumerConfig, PullOptions, RelayConfig, ServerConfig
 from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer
@@ -286,7 +286,7 @@ def test_an_upstream_of_another_rank_stops_the_relay(tmp_path: Path, redis_url: 
 def test_serve_with_a_bad_upstream_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     assert main(["serve", "--spool", str(tmp_path), "--upstream", "no-port"]) == 2
     err = capsys.readouterr().err
@@ -302,9 +302,9 @@ def test_fp16_tables_stay_fp16_and_bit_equal_through_a_relay(
     """fp32 on the upstream wire carries fp16 values exactly; the relay stores them as fp16."""
     import time
 
+    from deltad.commands.status import render
     from deltad.segment.format import ShardRows, write_segment
     from deltad.segment.spool import GenerationManifest, TableInfo
-    from deltad.status import render
 
     layout = SpoolLayout(tmp_path / "spool", "m")
     truth = torch.randn(300, 8).half()

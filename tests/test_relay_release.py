@@ -147,7 +147,7 @@ def test_a_relay_restarted_while_its_upstream_is_down_keeps_the_hold_it_followed
         with predictor("new-3", [relay.endpoint]) as c:
             r = c.pull()
             assert "not heard from the upstream yet" in r.missing.get(0, ""), r.missing
-        from deltad import status
+        from deltad.commands import status
 
         st, consumers = status.fetch(relay.endpoint)
         assert "not heard from the upstream yet" in "\n".join(status.rollout_lines(st))
@@ -172,7 +172,7 @@ def test_a_relay_that_lost_its_upstream_says_so_to_predictors_status_and_metrics
     Readiness stays SERVING (it still serves its log). The upstream back, all clears."""
     import urllib.request
 
-    from deltad import status
+    from deltad.commands import status
     from deltad.healthcheck import check
     from deltad.serve.relay import mirror
 

@@ -47,7 +47,7 @@ def test_reference_trainer_through_two_relay_levels_is_bit_equal(
     while it trains; the predictor ends with the trainer's final tables, bit for bit."""
     final = tmp_path / "final.pt"
     train = subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "train", "--spool", str(tmp_path / "spool"),
+        [sys.executable, "-m", "deltad.commands.main", "train", "--spool", str(tmp_path / "spool"),
          "--model", "m", "--world-size", "2", "--tables", "3", "--rows", "400", "--dim", "8",
          "--steps", "40", "--publish-every-steps", "2", "--generation", "3", "--no-progress",
          "--final-tables", str(final)],
@@ -86,7 +86,7 @@ def _free_port() -> int:
 def _relay_process(spool: Path, upstream: str, port: int) -> subprocess.Popen[str]:
     """`deltad serve --upstream` with its embedded Redis (append-only, fsync always)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(spool), "--model", "m",
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(spool), "--model", "m",
          "--rank", "0", "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
          "--upstream-consumer", "killed", "--poll-interval", "0.02", "--grace-period", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),

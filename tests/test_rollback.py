@@ -441,7 +441,7 @@ def test_retention_keeps_the_steps_the_release_state_serves_with_nobody_connecte
         assert restorable(snap, 20) == "", [(e.first_seq, e.seq, e.step) for e in snap.entries]
         assert [e.step for e in snap.entries] == [20, 40]  # merged on both sides of 20
         # and a rollback to it is taken, though no restore window is set (review 7 #6)
-        from deltad.cli import main
+        from deltad.commands.main import main
 
         assert main(["rollout", "rollback", "--to-step", "20", "--target", srv.endpoint]) == 0
         wait_for(lambda: srv.rollout.state().rollback is not None, 10, "the sidecar has the order")

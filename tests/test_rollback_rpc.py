@@ -57,7 +57,7 @@ def test_a_rollback_ordered_with_deltad_rollout_moves_two_ranks_back_bit_exact_t
     predictor's long poll on the relays wakes for it; one pull takes both ranks from step 40
     back to exactly the trainer's tables at 20 with only the rows that differ, in place; it
     stays there while the trainer moves on, until `deltad rollout release`."""
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     ft = FakeTrainer(tmp_path / "spool", world_size=2, tables=SHAPES)
     ft.start(0)
@@ -125,7 +125,7 @@ def test_a_rollback_to_a_step_the_log_cannot_restore_is_refused_with_the_reason(
     """A restore window of 25 steps, retention run: `deltad rollout status` shows the
     restorable steps; a rollback to step 5 (merged into the base) exits 2 with one line
     giving INVALID_ARGUMENT and the reason, and records nothing; step 10 is accepted."""
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     ft = FakeTrainer(tmp_path / "spool", world_size=1, tables=SHAPES)
     ft.start(0)
@@ -167,7 +167,7 @@ def test_a_rollback_to_an_unpublished_step_records_the_published_one_and_says_ho
     than "to step 25" while predictors land on 20; a pin at 35 is recorded at 30 likewise. Every
     answer naming a group says how many known consumers it matches, and a glob that matches
     none says so (a typo); a glob that can match no consumer name at all is refused."""
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     ft = trained(tmp_path)
     watch = Release(redis_url)
@@ -215,7 +215,7 @@ def test_answers_say_what_a_release_leaves_pinned_and_when_an_order_moves_a_grou
     """Review 7 (stop 34) #4 and #7: `release` to the head answered "released to the head"
     while every pinned group stayed where it was; a group's "rollback" to a step past its
     pin moved it forward without a word. Both answers now say so."""
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     trained(tmp_path)
     watch = Release(redis_url)
@@ -243,7 +243,7 @@ def test_a_pin_or_release_inside_a_merged_segment_is_refused(
     """Review 8 (stop 34) #8: a pin at a step inside a merged segment was recorded as asked,
     and new consumers were served the entry before it, silently. It is refused, naming the
     segment."""
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     with merging_rank(tmp_path, redis_url) as srv:
         assert (
@@ -271,7 +271,7 @@ def test_a_control_to_a_step_another_rank_merged_away_is_refused(
     every pull on rank 1 (UNAVAILABLE) until a release. Each rank keeps its restore points in
     its registry entry (again after every merge), and a rollback, pin or release to a step
     another rank no longer holds is refused with that rank's reason, recording nothing."""
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     ft = trained(tmp_path)  # 2 ranks, steps 10..40
     watch = Release(redis_url)
@@ -310,8 +310,8 @@ def test_a_control_while_redis_is_down_is_unavailable_not_a_refusal(
     """Review 12: with Redis down, the check of the other ranks' restore points answered
     FAILED_PRECONDITION, "keep the same restore window on every rank": an outage is
     UNAVAILABLE, which clients retry."""
-    from deltad.cli import main
-    from deltad.redisutil import EmbeddedRedis
+    from deltad.commands.main import main
+    from deltad.store import EmbeddedRedis
 
     ft = trained(tmp_path)
     redis = EmbeddedRedis(tmp_path / "redis")

@@ -27,7 +27,7 @@ from test_quant_serving import (
 )
 from test_rollback import Release
 
-from deltad.cli import main
+from deltad.commands.main import main
 from deltad.config import ConsumerConfig, PullOptions, ServerConfig
 from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer
@@ -118,7 +118,7 @@ def _serve(spool: Path, rank: int, redis_url: str, port: int) -> subprocess.Pope
     """`deltad serve` on a fixed port (a restarted sidecar is found where it was)."""
     return subprocess.Popen(
         [
-            sys.executable, "-m", "deltad.cli", "serve", "--spool", str(spool), "--model", "m",
+            sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(spool), "--model", "m",
             "--rank", str(rank), "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
             "--restore-window-steps", "100",
         ],
@@ -128,7 +128,7 @@ def _serve(spool: Path, rank: int, redis_url: str, port: int) -> subprocess.Pope
 
 
 def _consume(eps: list[str], saved: Path, log: Path, *extra: str) -> subprocess.Popen[str]:
-    args = [sys.executable, "-m", "deltad.cli", "consume", "--consumer", "p", "--model", "m",
+    args = [sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", "p", "--model", "m",
             "--interval", "0.05", "--final-tables", str(saved), "--json-log", str(log)]  # fmt: skip
     for e in eps:
         args += ["--sidecar", e]

@@ -403,7 +403,7 @@ def test_controls_and_the_gate_reach_predictors_through_relays(
 def test_the_rollout_cli_changes_and_shows_the_state_and_exits_2_on_bad_input(
     tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     with fleet(tmp_path, redis_url) as (_, [eps]):
 

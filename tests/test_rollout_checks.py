@@ -55,7 +55,7 @@ def refused(endpoint: str, action: int, **kw: object) -> grpc.RpcError:
 def cli(endpoint: str, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """``deltad rollout ARGV --target endpoint``: exit code, stdout, and the command's own
     stderr lines (the sidecar runs in this process: its log lines share stderr)."""
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     code = main(["rollout", *argv, "--target", endpoint])
     out = capsys.readouterr()

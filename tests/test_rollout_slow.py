@@ -55,7 +55,7 @@ def test_hold_canary_and_release_while_the_reference_trainer_trains(
 ) -> None:
     final = tmp_path / "final.pt"
     train = subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "train", "--spool", str(tmp_path / "spool"),
+        [sys.executable, "-m", "deltad.commands.main", "train", "--spool", str(tmp_path / "spool"),
          "--model", "m", "--world-size", "2", "--tables", "3", "--rows", "400", "--dim", "8",
          "--steps", "80", "--publish-every-steps", "2", "--no-progress",
          "--final-tables", str(final)],

@@ -14,13 +14,13 @@ from spoolkit import FakeTrainer
 
 from deltad.config import GateConfig
 from deltad.errors import ConfigError, RolloutError, RolloutRefused
-from deltad.redisutil import connect
 from deltad.segment.format import encode_dense, write_dense
 from deltad.serve import rollout as ro
 from deltad.serve.index.gate import SegmentGate, nonfinite
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.rollout import Pin, ReleaseState, Rollback, cap_for, order_for
 from deltad.serve.state.release import FollowedRollout, RolloutStore, RolloutView
+from deltad.store import connect
 
 pytestmark = pytest.mark.timeout(60)
 

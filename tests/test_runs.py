@@ -10,13 +10,13 @@ import torch
 from serverkit import Client, Replica, SpoolWriter, redis_server, server_config, wait_for
 from spoolkit import FakeTrainer
 
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.index.runs import RunCache, cover
 from deltad.serve.windows.plan import build_window
 from deltad.serve.windows.spec import WindowSpec
+from deltad.store import EmbeddedRedis
 from deltad.types import Form, WireDtype
 
 DELTAS = 21

@@ -20,9 +20,9 @@ from serverkit import Client, Replica, SpoolWriter, redis_server, server_config,
 from spoolkit import cli_sidecar
 
 from deltad.consume import decode, window
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.state.offsets import OffsetStore
+from deltad.store import EmbeddedRedis
 from deltad.types import Form
 from deltad.v1 import delta_pb2 as pb
 
@@ -31,7 +31,7 @@ __all__ = ["redis_server"]
 
 def _serve(spool: Path, redis_url: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(spool), "--model", "m",
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(spool), "--model", "m",
          "--listen", "127.0.0.1:0", "--redis-url", redis_url, "--poll-interval", "0.02",
          "--grace-period", "2", *extra],
         stdout=subprocess.PIPE,
@@ -100,7 +100,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
                 break
         assert _equal(top, spool)
         out = subprocess.run(
-            [sys.executable, "-m", "deltad.cli", "status", "--target", target, "--json"],
+            [sys.executable, "-m", "deltad.commands.main", "status", "--target", target, "--json"],
             capture_output=True, text=True, timeout=60, check=True,
         )  # fmt: skip
         st = json.loads(out.stdout)
@@ -117,7 +117,7 @@ def test_kill_9_loses_nothing(tmp_path: Path, redis_server: EmbeddedRedis) -> No
 @pytest.mark.slow
 def test_bad_flags_exit_2_with_a_message(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path), "--tls-cert", "x"],
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(tmp_path), "--tls-cert", "x"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "tls" in out.stderr and out.stdout == ""
@@ -126,21 +126,21 @@ def test_bad_flags_exit_2_with_a_message(tmp_path: Path) -> None:
         taken.listen()
         for port, why in ((70000, "in [0, 65535]"), (taken.getsockname()[1], "cannot serve")):
             out = subprocess.run(
-                [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path),
+                [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(tmp_path),
                  "--listen", "127.0.0.1:0", "--metrics-port", str(port)],
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
             assert out.returncode == 2 and why in out.stderr, out.stderr
     for flag in ("--poll-interval", "--retention-interval"):  # 0 would spin a core
         out = subprocess.run(
-            [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path), flag, "0"],
+            [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(tmp_path), flag, "0"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert out.returncode == 2 and f"{flag} must be a finite number in" in out.stderr, (
             out.stderr
         )
     out = subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "status", "--target", "127.0.0.1:1", "--timeout", "1"],
+        [sys.executable, "-m", "deltad.commands.main", "status", "--target", "127.0.0.1:1", "--timeout", "1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "UNAVAILABLE" in out.stderr
@@ -205,7 +205,10 @@ def test_env_vars_configure_serve(tmp_path: Path, redis_server: EmbeddedRedis) -
            "DELTAD_LISTEN": "127.0.0.1:0", "DELTAD_REDIS_URL": redis_server.url,
            "DELTAD_ADVERTISE": "sidecar-0.example:7000"}  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve"], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-m", "deltad.commands.main", "serve"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         assert proc.stdout is not None
@@ -226,7 +229,9 @@ def test_embedded_redis_keeps_cursors_across_a_sidecar_kill(tmp_path: Path) -> N
     args = ["--spool", str(tmp_path / "spool"), "--model", "m", "--listen", "127.0.0.1:0"]
     url_file = tmp_path / "spool" / "m" / "redis" / "embedded.url"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", *args], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "deltad.commands.main", "serve", *args],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     restarted: SidecarServer | None = None
     try:

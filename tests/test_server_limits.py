@@ -16,8 +16,8 @@ from serverkit import MODEL, Client, SpoolWriter, redis_server, server_config, w
 
 from deltad import wire
 from deltad.consume import decode
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import EmbeddedRedis
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc

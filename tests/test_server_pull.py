@@ -21,9 +21,9 @@ from serverkit import (
     wait_for,
 )
 
-from deltad import status
-from deltad.redisutil import EmbeddedRedis
+from deltad.commands import status
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import EmbeddedRedis
 from deltad.types import Form, WireDtype
 from deltad.v1 import delta_pb2 as pb
 

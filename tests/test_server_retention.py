@@ -8,11 +8,11 @@ import pytest
 import torch
 from serverkit import Client, Replica, SpoolWriter, redis_server, server_config, wait_for
 
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import read_header, write_segment
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.index.merge import merge_entries, merge_plan
+from deltad.store import EmbeddedRedis
 from deltad.types import SegmentKind
 from deltad.v1 import delta_pb2 as pb
 

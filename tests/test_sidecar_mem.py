@@ -17,7 +17,6 @@ import torch
 from serverkit import Client, Replica, SpoolWriter, redis_server, server_config, wait_for
 from spoolkit import FakeTrainer
 
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import LogSnapshot, SegmentLog
@@ -27,6 +26,7 @@ from deltad.serve.index.spill import SpillStore
 from deltad.serve.windows.cache import WindowCache
 from deltad.serve.windows.plan import build_window
 from deltad.serve.windows.spec import WindowSpec
+from deltad.store import EmbeddedRedis
 from deltad.types import Form, WireDtype
 
 DELTAS = 21

@@ -14,7 +14,6 @@ import pytest
 import torch
 from serverkit import MODEL, Client, Replica, SpoolWriter, redis_server, server_config, wait_for
 
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import (
     ALIGN,
     DENSE_END_MAGIC,
@@ -28,6 +27,7 @@ from deltad.segment.format import (
 )
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.index.log import SegmentLog
+from deltad.store import EmbeddedRedis
 from deltad.types import SegmentKind, Shard
 
 __all__ = ["redis_server"]

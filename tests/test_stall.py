@@ -207,7 +207,7 @@ def test_a_sidecar_that_stops_sending_is_given_up_within_the_stall_bound(
     StalledStream's code is DEADLINE_EXCEEDED: retried like one.)"""
     truth = _trainer_spool(tmp_path, 1_000_000)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltad.cli", "serve", "--spool", str(tmp_path), "--model", "m",
+        [sys.executable, "-m", "deltad.commands.main", "serve", "--spool", str(tmp_path), "--model", "m",
          "--listen", "127.0.0.1:0", "--redis-url", redis_url, "--chunk-bytes",
          str(256 * 1024)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),

@@ -180,7 +180,7 @@ def test_sparse_dist_pipeline_two_ranks_time_based_publishes_aligned_cuts(tmp_pa
 def _launch(tmp_path: Path, *flags: str) -> subprocess.Popen[bytes]:
     """`deltad train` (2 ranks, publishing every step, generation 7) as a subprocess."""
     cmd = [
-        sys.executable, "-m", "deltad.cli", "train", "--spool", str(tmp_path / "spool"),
+        sys.executable, "-m", "deltad.commands.main", "train", "--spool", str(tmp_path / "spool"),
         "--model", "k", "--world-size", "2", "--duration", "300", "--tables", "2",
         "--rows", "2000", "--publish-every-steps", "1", "--generation", "7", "--no-progress",
         *flags,
@@ -273,7 +273,7 @@ def test_bad_configs_raise_config_error(tmp_path: Path) -> None:
 
 
 def test_cli_reports_bad_flags_and_unwritable_spool(tmp_path: Path) -> None:
-    from deltad.cli import main
+    from deltad.commands.main import main
 
     blocked = tmp_path / "a-file"
     blocked.write_text("")

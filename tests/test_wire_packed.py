@@ -22,9 +22,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from deltad import wire
 from deltad.consume import decode, quant
 from deltad.consume.quant import QuantApplier, quant_tables, quantize_model
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.windows import encode
+from deltad.store import EmbeddedRedis
 from deltad.types import Form, ServeDtype, WireDtype
 from deltad.v1 import delta_pb2 as pb
 

@@ -22,7 +22,6 @@ from deltad import wire
 from deltad.consume import decode
 from deltad.consume.window import RankDelta
 from deltad.errors import StreamDecodeError
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import ALIGN, MAGICS, ShardRows, checksum, read_segment, write_segment
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.app import SidecarServer
@@ -33,6 +32,7 @@ from deltad.serve.index.spill import SpillStore
 from deltad.serve.windows.encode import encode_trailer
 from deltad.serve.windows.plan import build_window
 from deltad.serve.windows.spec import WindowSpec
+from deltad.store import EmbeddedRedis
 from deltad.types import EMPTY_RAW_ID, Form, SegmentKind, Shard, WireDtype
 from deltad.v1 import delta_pb2 as pb
 

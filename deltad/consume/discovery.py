@@ -39,7 +39,7 @@ class Discovery:
 
     def registry(self) -> dict[int, str]:
         """rank -> endpoint, as the sidecars registered themselves in Redis."""
-        from deltad.redisutil import connect
+        from deltad.store import connect
 
         assert self.config.redis_url is not None
         try:

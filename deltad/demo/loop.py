@@ -43,7 +43,7 @@ class Demo:
         return self.dir.discard(keep_logs=keep_logs)
 
     def run(self) -> int:
-        from deltad.redisutil import EmbeddedRedis
+        from deltad.store import EmbeddedRedis
 
         a = self.args
         t_start = time.monotonic()

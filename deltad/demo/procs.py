@@ -116,7 +116,7 @@ class Children:
         log = self.logs / f"{name}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "deltad.cli", *argv],
+                [sys.executable, "-m", "deltad.commands.main", *argv],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

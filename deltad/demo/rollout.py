@@ -84,7 +84,7 @@ class BadUpdateDemo(Demo):
     tables = ""
 
     def run(self) -> int:
-        from deltad.redisutil import EmbeddedRedis
+        from deltad.store import EmbeddedRedis
 
         a = self.args
         t0 = time.monotonic()
@@ -182,7 +182,15 @@ class BadUpdateDemo(Demo):
         """Run ``deltad rollout ARGV --target <rank 0's sidecar>`` as an operator would; its
         output, or (``ok`` False: a refusal is expected) its stderr if it exited 2 ("" if
         it did not refuse). DemoFailed if it fails otherwise."""
-        cmd = [sys.executable, "-m", "deltad.cli", "rollout", *argv, "--target", self.target]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deltad.commands.main",
+            "rollout",
+            *argv,
+            "--target",
+            self.target,
+        ]
         try:
             p = subprocess.run(
                 cmd, env=self.env, cwd=self.work, capture_output=True, text=True, timeout=60
@@ -203,7 +211,7 @@ class BadUpdateDemo(Demo):
         """The release state and the head step of rank 0's sidecar (the Rollout RPC's status,
         in-process: ``deltad rollout status --json`` answers the same)."""
         from deltad.clientauth import ClientAuth
-        from deltad.rollout_cli import call
+        from deltad.commands.rollout import call
         from deltad.v1 import delta_pb2 as pb
 
         resp = call(self.target, pb.RolloutRequest(action=pb.ROLLOUT_STATUS), auth=ClientAuth())

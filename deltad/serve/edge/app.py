@@ -28,7 +28,7 @@ Health (deltad.serve.edge.health): the server ("") and ``deltad.v1.DeltaService`
 readiness: SERVING unless a dependency fails (:meth:`SidecarServer.set_problem`: the offset
 store, the embedded Redis that cannot restart, a relay's upstream that refuses it); the reason
 is in Status (``health_reason``) and in one log line per change.
-:data:`~deltad.healthcheck.LIVENESS_SERVICE` answers liveness: SERVING while the process
+:data:`~deltad.commands.healthcheck.LIVENESS_SERVICE` answers liveness: SERVING while the process
 serves at all, whatever its dependencies do (restarting the sidecar cannot fix Redis, and
 would throw its caches away).
 """
@@ -50,7 +50,6 @@ from deltad import knobs, wire
 from deltad.channels import server_ping_options
 from deltad.config import ServerConfig
 from deltad.errors import ConfigError, DeltadError, OffsetStoreError
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.credentials import (
     CREDENTIALS_WATCH_S,
@@ -71,6 +70,7 @@ from deltad.serve.rollout import gate_failed
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.state.release import FollowedRollout, RolloutSource, RolloutStore, RolloutView
+from deltad.store import EmbeddedRedis
 
 __all__ = [
     "CREDENTIALS_WATCH_S",

@@ -8,11 +8,11 @@ import threading
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from deltad.commands.healthcheck import LIVENESS_SERVICE
 from deltad.errors import DeltadError
-from deltad.healthcheck import LIVENESS_SERVICE
-from deltad.redisutil import EmbeddedRedis, answers
 from deltad.serve.edge.service import SERVICE_NAME
 from deltad.serve.metrics import SidecarMetrics
+from deltad.store import EmbeddedRedis, answers
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 from deltad.config import SENTINEL_SCHEMES, SERVER_RANGES, clip, options_min_replicas
 from deltad.errors import StaleCursorError
 from deltad.keys import RedisKeys
-from deltad.redisutil import connect
 from deltad.serve.ratelog import RateLimitedLog
 from deltad.serve.state.members import ConsumerMembers
 from deltad.serve.state.redis_calls import RedisCalls
+from deltad.store import connect
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from deltad.errors import OffsetStoreError
-from deltad.redisutil import _redact
+from deltad.store import _redact
 
 T = TypeVar("T")
 

@@ -24,12 +24,12 @@ import json
 import grpc
 
 from deltad.clientauth import ClientAuth
+from deltad.commands.status import ENDPOINTS as STATUS_ENDPOINTS
+from deltad.commands.status import RANGES as STATUS_RANGES
+from deltad.commands.status import add_connection_arguments, connection_auth, printable
 from deltad.config import MAX_COUNT, Range
 from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.serve.rollout import ReleaseState, describe
-from deltad.status import ENDPOINTS as STATUS_ENDPOINTS
-from deltad.status import RANGES as STATUS_RANGES
-from deltad.status import add_connection_arguments, connection_auth, printable
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 

@@ -4,7 +4,7 @@
 wheel) with its data directory in the spool, append-only with ``appendfsync always`` so a
 restart (even kill -9) keeps every committed cursor; locked down (unix socket in a 0700
 directory, a random password, dangerous commands disabled, 0600 files: see
-:mod:`deltad.redisdir`) and restartable.
+:mod:`deltad.store.datadir`) and restartable.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 import redis
 
 from deltad.errors import ConfigError, OffsetStoreError
-from deltad.redisclient import answers
-from deltad.redisdir import RedisDataDir
+from deltad.store.client import answers
+from deltad.store.datadir import RedisDataDir
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class EmbeddedRedis:
 
     Locked down: it listens only on a unix socket in a 0700 directory (no TCP), requires a
     random password kept in 0600 files (``secret``, and ``embedded.url``, the URL with it),
-    has the commands in :data:`~deltad.redisdir.DISABLED_COMMANDS` renamed away (``admin_commands`` keeps them,
+    has the commands in :data:`~deltad.store.datadir.DISABLED_COMMANDS` renamed away (``admin_commands`` keeps them,
     for tests) and writes its data files 0600 (umask 077). The socket path and password stay
     the same across restarts, so every client's URL stays valid.
 

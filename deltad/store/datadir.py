@@ -1,6 +1,6 @@
 """The embedded Redis's data directory: its private files (config, secret, socket, URL, pid).
 
-Everything :class:`~deltad.redisembed.EmbeddedRedis` keeps on disk, written 0600 into a 0700
+Everything :class:`~deltad.store.embedded.EmbeddedRedis` keeps on disk, written 0600 into a 0700
 directory of this user: ``secret`` (the random password), ``embedded.url`` (the URL with it),
 ``redis.conf``, ``redis.pid``, ``socket.dir`` (where the socket lives when the directory's
 path is too long for one), and the server's own ``redis.log`` and append-only files.

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
 RANGES: dict[str, Range] = {"timeout": Range(0, 3600, lo_open=True)}
-#: endpoint flags (dests), checked as HOST:PORT (deltad.cli.check_flags)
+#: endpoint flags (dests), checked as HOST:PORT (deltad.commands.main.check_flags)
 ENDPOINTS = ("target",)
 
 

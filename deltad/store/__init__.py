@@ -2,21 +2,21 @@
 
 The code lives by concern:
 
-* :mod:`deltad.redisclient`: :func:`connect` / :func:`client_for` / :func:`answers` for any
+* :mod:`deltad.store.client`: :func:`connect` / :func:`client_for` / :func:`answers` for any
   offset-store URL (plain, TLS, unix, Sentinel, Cluster), and the error classification a
   retry needs (:func:`is_transient`, :func:`is_auth_error`);
-* :mod:`deltad.redisembed`: :class:`EmbeddedRedis`, the private ``redis-server`` process the
+* :mod:`deltad.store.embedded`: :class:`EmbeddedRedis`, the private ``redis-server`` process the
   sidecar runs by default (start or reuse, heal, stop);
-* :mod:`deltad.redisdir`: :class:`RedisDataDir`, that server's private files (config,
+* :mod:`deltad.store.datadir`: :class:`RedisDataDir`, that server's private files (config,
   secret, socket, URL, pid).
 """
 
 from __future__ import annotations
 
-from deltad.redisclient import answers, client_for, connect, is_auth_error, is_transient
-from deltad.redisclient import redact_url as _redact
-from deltad.redisdir import DISABLED_COMMANDS, RedisDataDir
-from deltad.redisembed import EmbeddedRedis, redis_server_binary
+from deltad.store.client import answers, client_for, connect, is_auth_error, is_transient
+from deltad.store.client import redact_url as _redact
+from deltad.store.datadir import DISABLED_COMMANDS, RedisDataDir
+from deltad.store.embedded import EmbeddedRedis, redis_server_binary
 
 __all__ = [
     "DISABLED_COMMANDS",

@@ -38,7 +38,9 @@ def _bench_commands() -> ModuleType | None:
 
 def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     """subcommand -> (module with ``add_arguments(parser)`` and ``run(args) -> int``, help)."""
-    from deltad import demo, rollout_cli, status
+    from deltad import demo
+    from deltad.commands import rollout as rollout_cli
+    from deltad.commands import status
     from deltad.reference.consumers import cli as consume_cli
     from deltad.reference.trainer import cli as train_cli
     from deltad.serve import cli as serve_cli
