@@ -173,7 +173,7 @@ def test_a_relay_that_lost_its_upstream_says_so_to_predictors_status_and_metrics
     import urllib.request
 
     from deltad.commands import status
-    from deltad.healthcheck import check
+    from deltad.commands.healthcheck import check
     from deltad.serve.relay import mirror
 
     monkeypatch.setattr(mirror, "LOST_AFTER_S", 0.5)
