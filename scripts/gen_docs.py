@@ -160,7 +160,11 @@ def collect_metrics() -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, An
     """The families of a real sidecar and of a real relay (its upstream: that sidecar),
     started on a temporary spool with one base segment, and stopped."""
     _clean_env()
+    import logging
+
     import torch
+
+    logging.getLogger("deltad").setLevel(logging.ERROR)  # (a relay waiting for its first pull)
 
     from deltad.config import RelayConfig, ServerConfig
     from deltad.segment.format import ShardRows, write_segment
