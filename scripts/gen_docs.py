@@ -1,7 +1,7 @@
 """Generate the reference docs from the code; ``--check`` fails on a stale copy.
 
 - ``docs/cli.md``: every subcommand of ``deltad`` and every flag with its help, from the
-  argument parsers ``deltad.cli.build_parser()`` builds.
+  argument parsers ``deltad.commands.main.build_parser()`` builds.
 - ``docs/metrics.md``: every metric family a sidecar and a relay export (name, type, help,
   labels), read from the registries of a real sidecar and a real relay started in-process
   on a temporary spool (with an embedded Redis), so a metric registered anywhere is listed.
@@ -102,10 +102,10 @@ def _parser_section(name: str, parser: argparse.ArgumentParser, level: int) -> l
 
 
 def cli_markdown() -> str:
-    """docs/cli.md from ``deltad.cli.build_parser()``."""
+    """docs/cli.md from ``deltad.commands.main.build_parser()``."""
     _clean_env()
     os.environ["COLUMNS"] = "100"
-    from deltad.cli import build_parser
+    from deltad.commands.main import build_parser
 
     parser = build_parser()
     lines = [
@@ -243,7 +243,29 @@ def metrics_markdown() -> str:
         shown = ", ".join(f"`{n}`" for n in exported_names(name, fam["type"]))
         labels = ", ".join(f"`{x}`" for x in fam["labels"]) or "-"
         lines.append(f"| {shown} | {fam['type']} | {labels} | {where} | {_cell(fam['help'])} |")
+    lines += [
+        "",
+        "## Predictor",
+        "",
+        "`deltad consume --metrics-port PORT` (bound to `--metrics-listen`, 127.0.0.1 by default)"
+        " exports these, updated once per pull; every series has the labels `model` and"
+        " `consumer`.",
+        "",
+        "| metric | type | labels | help |",
+        "|---|---|---|---|",
+    ]
+    for name, fam in sorted(predictor_metrics().items()):
+        shown = ", ".join(f"`{n}`" for n in exported_names(name, fam["type"]))
+        labels = ", ".join(f"`{x}`" for x in fam["labels"]) or "-"
+        lines.append(f"| {shown} | {fam['type']} | {labels} | {_cell(fam['help'])} |")
     return "\n".join(lines) + "\n"
+
+
+def predictor_metrics() -> dict[str, dict[str, Any]]:
+    """The families of a predictor's registry (``deltad consume --metrics-port``)."""
+    from consumers.metrics import PredictorMetrics
+
+    return _families(PredictorMetrics("m", "c").registry, {})
 
 
 # --- the alert rules ---------------------------------------------------------------------

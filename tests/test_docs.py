@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serverkit import SpoolWriter, server_config, wait_for
 
 from deltad.config import RelayConfig
-from deltad.redisutil import EmbeddedRedis
+from deltad.store import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.relay.server import RelayServer
 from deltad.v1 import delta_pb2 as pb
@@ -96,10 +96,17 @@ def test_every_metric_a_real_sidecar_and_relay_export_is_in_metrics_md(
         with grpc.insecure_channel(side.endpoint) as channel:
             stub = delta_pb2_grpc.DeltaServiceStub(channel)
             stub.ListConsumers(pb.ListConsumersRequest(), timeout=10)
-        scraped = {
-            "sidecar": _scrape(side.metrics_port),
-            "relay": _scrape(relay.server.metrics_port),
-        }
+        from consumers.metrics import PredictorMetrics
+
+        predictor = PredictorMetrics("m", "p")  # what `deltad consume --metrics-port` serves
+        try:
+            scraped = {
+                "sidecar": _scrape(side.metrics_port),
+                "relay": _scrape(relay.server.metrics_port),
+                "predictor": _scrape(predictor.serve_http(0)),
+            }
+        finally:
+            predictor.close()
         upstream = side.endpoint
     finally:
         if relay is not None:
@@ -114,7 +121,7 @@ def test_every_metric_a_real_sidecar_and_relay_export_is_in_metrics_md(
     listed = set(re.findall(r"`((?:deltad|process)_[a-z0-9_]+)`", doc))
     exported: set[str] = set()
     for who, families in scraped.items():
-        assert "deltad_head_age_seconds" in families, who
+        assert who == "predictor" or "deltad_head_age_seconds" in families, who
         for name, (mtype, help_text, samples) in families.items():
             for s in samples:
                 assert s in listed, f"{who} exports {s}, which docs/metrics.md lacks"
