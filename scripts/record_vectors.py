@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from spoolkit import FakeTrainer, ZchWriter  # noqa: E402
 
 from deltad import wire  # noqa: E402
+from deltad.config import ServerConfig  # noqa: E402
 from deltad.conformance import reference as ref  # noqa: E402
 from deltad.conformance import vectors as vf  # noqa: E402
-from deltad.config import ServerConfig  # noqa: E402
 from deltad.redisembed import EmbeddedRedis  # noqa: E402
 from deltad.segment.dense import encode_dense, write_dense  # noqa: E402
 from deltad.types import WireDtype  # noqa: E402
@@ -173,7 +172,9 @@ class Recorder:
 
     def register(self) -> None:
         for r, stub in enumerate(self.stubs):
-            resp = stub.Register(pb.RegisterRequest(consumer=self.name, lease_ttl_seconds=30.0), timeout=10)
+            resp = stub.Register(
+                pb.RegisterRequest(consumer=self.name, lease_ttl_seconds=30.0), timeout=10
+            )
             self._cursor(resp.cursor)
             rel = self._write(f"rank{r}/register.bin", resp.SerializeToString(deterministic=True))
             self.manifest["ranks"].append({"rank": r, "register": rel, "pulls": []})
@@ -202,7 +203,7 @@ class Recorder:
         caps = [st.cap_step for st in statuses if st.rollout_state and st.cap_step >= 0]
         target = min([target, *caps])
         windows, recs, real_cursors = [], [], []
-        for r, (stub, st) in enumerate(zip(self.stubs, statuses, strict=True)):
+        for r, st in enumerate(statuses):
             pre = f"rank{r}/pull{k}"
             req = pb.GetDeltaRequest(
                 consumer=self.name, form=self.options["form"], dtype=self.options["dtype"],
@@ -211,7 +212,9 @@ class Recorder:
             )  # fmt: skip
             rec = vf.PullRecord(
                 status=self._write(f"{pre}.status.bin", self._norm_status(st)),
-                request=self._write(f"{pre}.request.bin", req.SerializeToString(deterministic=True)),
+                request=self._write(
+                    f"{pre}.request.bin", req.SerializeToString(deterministic=True)
+                ),
                 stream="",
             )
             call = self.channels[r].unary_stream(
@@ -234,7 +237,9 @@ class Recorder:
                 hr = pb.GetDeltaResponse.FromString(resumed[0]).header
                 assert hr.resumed_messages == cut_after, "the sidecar did not resume"
                 assert len(resumed) == len(msgs) - cut_after
-                real_cursors[-1].CopyFrom(pb.GetDeltaResponse.FromString(resumed[-1]).trailer.cursor)
+                real_cursors[-1].CopyFrom(
+                    pb.GetDeltaResponse.FromString(resumed[-1]).trailer.cursor
+                )
                 rec.cut_after = cut_after
                 rec.resumed_request = self._write(
                     f"{pre}.resumed.request.bin", again.SerializeToString(deterministic=True)
@@ -296,16 +301,22 @@ class Recorder:
         exp: dict[str, Any] = {"tables": [], "slots": [], "dense": [], "cursors": []}
         for name in sorted(self.state.tables):
             exp["tables"].append(
-                vf.array_entry(self.dir, f"expected/tables/{name}.bin", self.state.tables[name], name=name)
+                vf.array_entry(
+                    self.dir, f"expected/tables/{name}.bin", self.state.tables[name], name=name
+                )
             )
         for name in sorted(self.state.slots):
             exp["slots"].append(
-                vf.array_entry(self.dir, f"expected/slots/{name}.bin", self.state.slots[name], name=name)
+                vf.array_entry(
+                    self.dir, f"expected/slots/{name}.bin", self.state.slots[name], name=name
+                )
             )
         for i, name in enumerate(sorted(self.state.dense)):
             dt, shape, data = self.state.dense[name]
             arr = np.frombuffer(data, dtype=np.dtype(ref.DENSE_DTYPES[dt]).newbyteorder("<"))
-            entry = vf.array_entry(self.dir, f"expected/dense/{i}.bin", arr.reshape(shape), name=name)
+            entry = vf.array_entry(
+                self.dir, f"expected/dense/{i}.bin", arr.reshape(shape), name=name
+            )
             entry["dtype"] = dt
             exp["dense"].append(entry)
         if self.state.dense_step is not None:
@@ -355,7 +366,9 @@ def _window_summary(w: ref.Window) -> dict[str, Any]:
 # ---- truth checks ------------------------------------------------------------------------------
 
 
-def truth_float(tables: dict[str, torch.Tensor], dtype: WireDtype = WireDtype.FP32) -> Callable[[ref.State], None]:
+def truth_float(
+    tables: dict[str, torch.Tensor], dtype: WireDtype = WireDtype.FP32
+) -> Callable[[ref.State], None]:
     def check(state: ref.State) -> None:
         for n, t in tables.items():
             got = torch.from_numpy(state.tables[n])
@@ -372,7 +385,9 @@ def truth_float(tables: dict[str, torch.Tensor], dtype: WireDtype = WireDtype.FP
 def truth_packed(tables: dict[str, torch.Tensor], dtype: WireDtype) -> Callable[[ref.State], None]:
     def check(state: ref.State) -> None:
         for n, t in tables.items():
-            want = torch.zeros(t.shape[0], wire.packed_row_bytes(t.shape[1], dtype, 16), dtype=torch.uint8)
+            want = torch.zeros(
+                t.shape[0], wire.packed_row_bytes(t.shape[1], dtype, 16), dtype=torch.uint8
+            )
             wire.pack_rows(t, dtype, want)
             assert torch.equal(torch.from_numpy(state.tables[n]), want), f"packed {n} differs"
 
@@ -494,7 +509,9 @@ SHAPES = {"t0": (64, 8), "t1": (40, 4)}
 PACKED_SHAPES = {"t0": (64, 8), "t1": (40, 16)}
 
 
-def _trainer(spool: Path, world: int, shapes: dict[str, tuple[int, int]] = SHAPES, seed: int = 0) -> FakeTrainer:
+def _trainer(
+    spool: Path, world: int, shapes: dict[str, tuple[int, int]] = SHAPES, seed: int = 0
+) -> FakeTrainer:
     ft = FakeTrainer(spool, model=MODEL, world_size=world, tables=shapes, seed=seed)
     ft.start(0)
     ft.step(10, touch=6)
@@ -504,7 +521,15 @@ def _trainer(spool: Path, world: int, shapes: dict[str, tuple[int, int]] = SHAPE
 def rows(out: Path, url: str, tmp: Path, name: str, dtype: int, world: int) -> None:
     wd = wire.dtype_from_pb(dtype)
     ft = _trainer(tmp / name, world)
-    rec = Recorder(out, url, tmp / name, name, f"FORM_ROWS in {pb.WireDtype.Name(dtype)}, {world} rank(s): a base then a delta", world, dtype=dtype)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        f"FORM_ROWS in {pb.WireDtype.Name(dtype)}, {world} rank(s): a base then a delta",
+        world,
+        dtype=dtype,
+    )
     try:
         rec.pull(10, note="base (resync)")
         ft.step(20, touch=5)
@@ -517,7 +542,15 @@ def rows(out: Path, url: str, tmp: Path, name: str, dtype: int, world: int) -> N
 def packed(out: Path, url: str, tmp: Path, name: str, dtype: int) -> None:
     wd = wire.dtype_from_pb(dtype)
     ft = _trainer(tmp / name, 1, PACKED_SHAPES)
-    rec = Recorder(out, url, tmp / name, name, f"FORM_ROWS in {pb.WireDtype.Name(dtype)} (row_alignment 16): a base then a delta", 1, dtype=dtype)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        f"FORM_ROWS in {pb.WireDtype.Name(dtype)} (row_alignment 16): a base then a delta",
+        1,
+        dtype=dtype,
+    )
     try:
         rec.pull(10, note="base (resync)")
         ft.step(20, touch=5)
@@ -530,7 +563,15 @@ def packed(out: Path, url: str, tmp: Path, name: str, dtype: int) -> None:
 def ids(out: Path, url: str, tmp: Path) -> None:
     name = "ids"
     ft = _trainer(tmp / name, 1)
-    rec = Recorder(out, url, tmp / name, name, "FORM_IDS: the base's ids, then a delta's ids (no values: nothing to apply)", 1, form=pb.FORM_IDS)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        "FORM_IDS: the base's ids, then a delta's ids (no values: nothing to apply)",
+        1,
+        form=pb.FORM_IDS,
+    )
     try:
         rec.pull(10, outcome="ids", note="base ids")
         ft.step(20, touch=5)
@@ -543,7 +584,16 @@ def ids(out: Path, url: str, tmp: Path) -> None:
 def topk(out: Path, url: str, tmp: Path) -> None:
     name = "topk"
     ft = _trainer(tmp / name, 1)
-    rec = Recorder(out, url, tmp / name, name, "FORM_TOPK k=3: a base (complete), a delta of 8 rows a table (3 sent, 5 owed), then owed + new rows", 1, form=pb.FORM_TOPK, k=3)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        "FORM_TOPK k=3: a base (complete), a delta of 8 rows a table (3 sent, 5 owed), then owed + new rows",
+        1,
+        form=pb.FORM_TOPK,
+        k=3,
+    )
     try:
         rec.pull(10, note="base (complete whatever k)")
         ft.step(20, touch=8)
@@ -557,7 +607,16 @@ def topk(out: Path, url: str, tmp: Path) -> None:
 
 def mc(out: Path, url: str, tmp: Path, name: str, form: int) -> None:
     z = ZchWriter(tmp / name, model=MODEL, mc={"zch": (64, 8)}, tables={"t0": (40, 4)}, seed=3)
-    rec = Recorder(out, url, tmp / name, name, f"managed-collision table zch (identities) beside t0, {pb.Form.Name(form)}: a base then two deltas with admissions, evictions and emptied slots", 1, form=form, strict_identities=True)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        f"managed-collision table zch (identities) beside t0, {pb.Form.Name(form)}: a base then two deltas with admissions, evictions and emptied slots",
+        1,
+        form=form,
+        strict_identities=True,
+    )
     outcome = "ids" if form == pb.FORM_IDS else "applied"
     try:
         rec.pull(0, outcome=outcome, note="base (resync) with every slot's raw id")
@@ -572,7 +631,15 @@ def mc(out: Path, url: str, tmp: Path, name: str, form: int) -> None:
 
 def hostile_mc(out: Path, url: str, tmp: Path, name: str, forge: Forge, why: str) -> None:
     z = ZchWriter(tmp / name, model=MODEL, mc={"zch": (64, 8)}, tables={"t0": (40, 4)}, seed=5)
-    rec = Recorder(out, url, tmp / name, name, f"hostile: {why}; must be refused, nothing of it applied", 1, strict_identities=True)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        f"hostile: {why}; must be refused, nothing of it applied",
+        1,
+        strict_identities=True,
+    )
     try:
         rec.pull(0, note="base (resync)")
         z.delta(n=4)
@@ -584,7 +651,9 @@ def hostile_mc(out: Path, url: str, tmp: Path, name: str, forge: Forge, why: str
 
 def hostile_rows(out: Path, url: str, tmp: Path, name: str, forge: Forge, why: str) -> None:
     ft = _trainer(tmp / name, 1)
-    rec = Recorder(out, url, tmp / name, name, f"hostile: {why}; must be refused, nothing of it applied", 1)
+    rec = Recorder(
+        out, url, tmp / name, name, f"hostile: {why}; must be refused, nothing of it applied", 1
+    )
     try:
         rec.pull(10, note="base (resync)")
         ft.step(20, touch=5)
@@ -597,10 +666,19 @@ def hostile_rows(out: Path, url: str, tmp: Path, name: str, forge: Forge, why: s
 def gendiff(out: Path, url: str, tmp: Path) -> None:
     name = "generation-diff"
     ft = _trainer(tmp / name, 2)
-    rec = Recorder(out, url, tmp / name, name, "2 ranks at generation 1 step 10; the trainer restarts as generation 2 (5% of rows changed, step 100, then 110): a generation diff applied in place", 2)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        "2 ranks at generation 1 step 10; the trainer restarts as generation 2 (5% of rows changed, step 100, then 110): a generation diff applied in place",
+        2,
+    )
     try:
         rec.pull(10, note="base (resync)")
-        new = FakeTrainer(tmp / name, model=MODEL, world_size=2, generation=2, tables=SHAPES, seed=11)
+        new = FakeTrainer(
+            tmp / name, model=MODEL, world_size=2, generation=2, tables=SHAPES, seed=11
+        )
         new.tables = {n: t.clone() for n, t in ft.tables.items()}
         for t in new.tables.values():
             t[torch.randperm(t.shape[0], generator=new.gen)[: max(1, t.shape[0] // 20)]] += 1.0
@@ -622,7 +700,15 @@ def rollback(out: Path, url: str, tmp: Path) -> None:
     ft = _trainer(tmp / name, 1)
     ft.step(20, touch=5)
     ft.step(30, touch=5)
-    rec = Recorder(out, url, tmp / name, name, "at step 30, an operator rolls back to step 10: a rollback window applied in place, the cursor moves back", 1, server={"restore_window_steps": 1000})
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        "at step 30, an operator rolls back to step 10: a rollback window applied in place, the cursor moves back",
+        1,
+        server={"restore_window_steps": 1000},
+    )
     try:
         rec.pull(30, note="base (resync) at step 30")
         client = redis_lib.Redis.from_url(url)
@@ -637,7 +723,14 @@ def rollback(out: Path, url: str, tmp: Path) -> None:
 def resumed(out: Path, url: str, tmp: Path) -> None:
     name = "resumed-stream"
     ft = _trainer(tmp / name, 1)
-    rec = Recorder(out, url, tmp / name, name, "the base's stream breaks (UNAVAILABLE) after 1 message after its header; the retry asks to resume and gets the rest", 1)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        "the base's stream breaks (UNAVAILABLE) after 1 message after its header; the retry asks to resume and gets the rest",
+        1,
+    )
     try:
         rec.pull(10, cut_after=1, note="base, cut and resumed")
         ft.step(20, touch=5)
@@ -650,7 +743,14 @@ def resumed(out: Path, url: str, tmp: Path) -> None:
 def overload(out: Path, url: str, tmp: Path) -> None:
     name = "overload-retry"
     ft = _trainer(tmp / name, 1)
-    rec = Recorder(out, url, tmp / name, name, "the first GetDelta is refused RESOURCE_EXHAUSTED with deltad-retry-after-ms 50; the retry is served", 1)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        "the first GetDelta is refused RESOURCE_EXHAUSTED with deltad-retry-after-ms 50; the retry is served",
+        1,
+    )
     try:
         rec.pull(10, refuse_first_ms=50, note="base, after one refusal")
         rec.finish(truth_float(ft.history[10]))
@@ -679,7 +779,15 @@ def dense(out: Path, url: str, tmp: Path) -> None:
     ft.start(0)
     publish(10)
     ft.step(10, touch=6)
-    rec = Recorder(out, url, tmp / name, name, "with_dense: rank 0's dense state (float32, float16, int64, bool tensors) with the base, then a newer one with a delta", 1, with_dense=True)
+    rec = Recorder(
+        out,
+        url,
+        tmp / name,
+        name,
+        "with_dense: rank 0's dense state (float32, float16, int64, bool tensors) with the base, then a newer one with a delta",
+        1,
+        with_dense=True,
+    )
     try:
         rec.pull(10, note="base + dense state of step 10")
         publish(20)
@@ -708,11 +816,36 @@ def scenarios() -> dict[str, Callable[[Path, str, Path], None]]:
         "resumed-stream": resumed,
         "overload-retry": overload,
         "dense": dense,
-        "hostile-mc-duplicate": lambda o, u, t: hostile_mc(o, u, t, "hostile-mc-duplicate", forge_dup, "one raw id held by two slots of the window"),
-        "hostile-mc-evicted-held": lambda o, u, t: hostile_mc(o, u, t, "hostile-mc-evicted-held", forge_evicted_held, "a raw id both evicted and held by a slot"),
-        "hostile-mc-negative": lambda o, u, t: hostile_mc(o, u, t, "hostile-mc-negative", forge_negative, "a negative raw id"),
-        "hostile-truncated": lambda o, u, t: hostile_rows(o, u, t, "hostile-truncated", forge_truncated, "a stream that ends (OK) without its trailer"),
-        "hostile-shape": lambda o, u, t: hostile_rows(o, u, t, "hostile-shape", forge_shape, "a delta whose table has another shape than the one held"),
+        "hostile-mc-duplicate": lambda o, u, t: hostile_mc(
+            o, u, t, "hostile-mc-duplicate", forge_dup, "one raw id held by two slots of the window"
+        ),
+        "hostile-mc-evicted-held": lambda o, u, t: hostile_mc(
+            o,
+            u,
+            t,
+            "hostile-mc-evicted-held",
+            forge_evicted_held,
+            "a raw id both evicted and held by a slot",
+        ),
+        "hostile-mc-negative": lambda o, u, t: hostile_mc(
+            o, u, t, "hostile-mc-negative", forge_negative, "a negative raw id"
+        ),
+        "hostile-truncated": lambda o, u, t: hostile_rows(
+            o,
+            u,
+            t,
+            "hostile-truncated",
+            forge_truncated,
+            "a stream that ends (OK) without its trailer",
+        ),
+        "hostile-shape": lambda o, u, t: hostile_rows(
+            o,
+            u,
+            t,
+            "hostile-shape",
+            forge_shape,
+            "a delta whose table has another shape than the one held",
+        ),
     }
     return out
 

@@ -21,7 +21,12 @@ from deltad.v1 import delta_pb2 as pb
 
 EMPTY_RAW_ID = (1 << 63) - 1
 PACKED = {pb.WIRE_DTYPE_PACKED_INT8, pb.WIRE_DTYPE_PACKED_INT4, pb.WIRE_DTYPE_PACKED_FP16}
-ITEMSIZE = {pb.WIRE_DTYPE_FP32: 4, pb.WIRE_DTYPE_FP16: 2, pb.WIRE_DTYPE_BF16: 2, pb.WIRE_DTYPE_INT8: 1}
+ITEMSIZE: dict[int, int] = {
+    pb.WIRE_DTYPE_FP32: 4,
+    pb.WIRE_DTYPE_FP16: 2,
+    pb.WIRE_DTYPE_BF16: 2,
+    pb.WIRE_DTYPE_INT8: 1,
+}
 DENSE_DTYPES = {
     "float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": np.uint16,
     "uint8": np.uint8, "int8": np.int8, "int16": np.int16, "int32": np.int32,
@@ -34,11 +39,12 @@ class Refused(Exception):
 
 
 def packed_row_bytes(dim: int, dtype: int, alignment: int) -> int:
-    data = {
+    sizes: dict[int, int] = {
         pb.WIRE_DTYPE_PACKED_INT8: dim + 4,
         pb.WIRE_DTYPE_PACKED_INT4: (dim + 1) // 2 + 4,
         pb.WIRE_DTYPE_PACKED_FP16: 2 * dim,
-    }[dtype]
+    }
+    data = sizes[dtype]
     a = alignment or 16
     return (data + a - 1) // a * a
 
@@ -113,25 +119,30 @@ def decode(messages: list[bytes]) -> Window:
             header = m.header
             form = header.form or pb.FORM_ROWS
             wire = header.dtype or pb.WIRE_DTYPE_FP32
-            for s in header.slices:
-                if not 0 <= s.col_start <= s.col_end <= s.dim or s.count > s.num_rows:
-                    raise Refused(f"slice {s.table}: not a slice of its table")
-                dt, rb = wire, 0
-                if s.dtype != pb.WIRE_DTYPE_UNSPECIFIED:
-                    if wire not in PACKED or s.dtype != pb.WIRE_DTYPE_FP32 or s.row_bytes:
-                        raise Refused(f"slice {s.table}: dtype {s.dtype} in a {wire} response")
-                    dt = pb.WIRE_DTYPE_FP32
+            for ts in header.slices:
+                if not 0 <= ts.col_start <= ts.col_end <= ts.dim or ts.count > ts.num_rows:
+                    raise Refused(f"slice {ts.table}: not a slice of its table")
+                wdt, rb = wire, 0
+                if ts.dtype != pb.WIRE_DTYPE_UNSPECIFIED:
+                    if wire not in PACKED or ts.dtype != pb.WIRE_DTYPE_FP32 or ts.row_bytes:
+                        raise Refused(f"slice {ts.table}: dtype {ts.dtype} in a {wire} response")
+                    wdt = pb.WIRE_DTYPE_FP32
                 elif wire in PACKED and form != pb.FORM_IDS:
-                    rb = packed_row_bytes(s.dim, wire, header.row_alignment)
-                    if s.row_bytes != rb or (s.col_start, s.col_end) != (0, s.dim):
-                        raise Refused(f"slice {s.table}: {s.row_bytes} bytes a row, expected {rb}")
-                slices.append(Slice(s, dt, rb))
+                    rb = packed_row_bytes(ts.dim, wire, header.row_alignment)
+                    if ts.row_bytes != rb or (ts.col_start, ts.col_end) != (0, ts.dim):
+                        raise Refused(
+                            f"slice {ts.table}: {ts.row_bytes} bytes a row, expected {rb}"
+                        )
+                slices.append(Slice(ts, wdt, rb))
             if header.HasField("dense"):
                 for t in header.dense.tensors:
                     if t.dtype not in DENSE_DTYPES:
                         raise Refused(f"dense {t.name}: dtype {t.dtype}")
                     shape = tuple(int(x) for x in t.shape)
-                    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(DENSE_DTYPES[t.dtype]).itemsize
+                    size = (
+                        int(np.prod(shape, dtype=np.int64))
+                        * np.dtype(DENSE_DTYPES[t.dtype]).itemsize
+                    )
                     if size != t.nbytes:
                         raise Refused(f"dense {t.name}: {t.nbytes} bytes for {shape}")
                     dense_meta.append((t.name, t.dtype, shape, t.nbytes))
@@ -142,8 +153,12 @@ def decode(messages: list[bytes]) -> Window:
             c = m.chunk
             if c.slice >= len(slices):
                 raise Refused(f"chunk for slice {c.slice}")
-            s = slices[c.slice]
-            if c.offset != s.filled or c.offset + c.count > s.meta.count or len(c.ids) != 8 * c.count:
+            s: Slice = slices[c.slice]
+            if (
+                c.offset != s.filled
+                or c.offset + c.count > s.meta.count
+                or len(c.ids) != 8 * c.count
+            ):
                 raise Refused(f"chunk rows {c.offset}+{c.count} of slice {c.slice}")
             s.ids.append(_le(c.ids, "<i8"))
             if (header.form or pb.FORM_ROWS) != pb.FORM_IDS:
@@ -180,16 +195,20 @@ def decode(messages: list[bytes]) -> Window:
             raise Refused("empty message")
     if header is None or trailer is None:
         raise Refused("stream ended before its trailer")
-    for s in slices:
-        ev = sum(len(x) for x in s.evicted)
-        ad = sum(len(x) for x in s.admitted)
-        if s.filled != s.meta.count or ev != s.meta.evicted_count or ad != s.meta.admitted_count:
-            raise Refused(f"slice {s.meta.table}: incomplete")
+    for sl in slices:
+        ev = sum(len(x) for x in sl.evicted)
+        ad = sum(len(x) for x in sl.admitted)
+        if (
+            sl.filled != sl.meta.count
+            or ev != sl.meta.evicted_count
+            or ad != sl.meta.admitted_count
+        ):
+            raise Refused(f"slice {sl.meta.table}: incomplete")
     dense = {}
-    for (name, dt, shape, nbytes), buf in zip(dense_meta, dense_buf, strict=True):
+    for (name, dname, shape, nbytes), buf in zip(dense_meta, dense_buf, strict=True):
         if len(buf) != nbytes:
             raise Refused(f"dense {name}: {len(buf)} of {nbytes} bytes")
-        dense[name] = (dt, shape, bytes(buf))
+        dense[name] = (dname, shape, bytes(buf))
     return Window(header, trailer, slices, dense)
 
 
@@ -219,7 +238,9 @@ def apply(state: State, windows: list[Window]) -> State:
             if t is None or (h.resync and (t.shape != (m.num_rows, width) or t.dtype != dtype)):
                 t = new.tables[m.table] = np.zeros((m.num_rows, width), dtype=dtype)
             if t.shape != (m.num_rows, width) or t.dtype != dtype:
-                raise Refused(f"table {m.table}: held {t.shape} {t.dtype}, sent {m.num_rows}x{width}")
+                raise Refused(
+                    f"table {m.table}: held {t.shape} {t.dtype}, sent {m.num_rows}x{width}"
+                )
             ids = s.cat(s.ids, np.int64)
             if ids.size and (ids.min() < 0 or ids.max() >= m.num_rows):
                 raise Refused(f"table {m.table}: row id out of range")

@@ -156,9 +156,7 @@ def load(root: Path) -> Vector:
     if m.get("format") != FORMAT_VERSION:
         raise ValueError(f"{root}: vector format {m.get('format')}, expected {FORMAT_VERSION}")
     ranks = [
-        RankRecord(
-            r["rank"], r["register"], [PullRecord(**p) for p in r["pulls"]]
-        )
+        RankRecord(r["rank"], r["register"], [PullRecord(**p) for p in r["pulls"]])
         for r in m["ranks"]
     ]
     return Vector(root, m["name"], m, ranks)
