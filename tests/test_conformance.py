@@ -299,3 +299,47 @@ def test_the_vectors_are_what_the_current_code_records(tmp_path: Path) -> None:
         f"{', new: ' + str(new) if new else ''}). If the change is intended, re-record them "
         f"(`{cmd}`), review the diff, and tell the C++ client's owners."
     )
+
+
+def test_the_replay_cli_prints_its_endpoints_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """What the C++ client's tests run: `python -m deltad.conformance.replay --vectors DIR
+    --port 0` prints one line with an endpoint per rank, answers as recorded, exits 0 on
+    SIGTERM; a directory without vectors is one stderr line and exit 2."""
+    import signal
+    import subprocess
+
+    import grpc
+
+    from deltad.v1 import delta_pb2_grpc
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "deltad.conformance.replay", "--vectors", str(VECTORS)]
+    proc = subprocess.Popen(
+        [*cmd, "--port", "0", "--log", str(tmp_path / "calls.jsonl")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line[:3] == ["replaying", str(len(ALL)), "vectors"] and line[3] == "on", line
+        endpoints = line[4].split(",")
+        assert len(endpoints) == max(v.world_size for v in ALL.values())
+        with grpc.insecure_channel(endpoints[1]) as ch:
+            st = delta_pb2_grpc.DeltaServiceStub(ch).Status(
+                pb.StatusRequest(consumer="rows-fp32"), timeout=10
+            )
+        assert (st.model, st.rank, st.world_size) == ("m", 1, 2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert '"method": "Status"' in (tmp_path / "calls.jsonl").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
+    bad = subprocess.run(
+        [*cmd[:-1], str(tmp_path / "none")], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
