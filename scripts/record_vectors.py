@@ -798,6 +798,27 @@ def dense(out: Path, url: str, tmp: Path) -> None:
         rec.close()
 
 
+def column_shards(out: Path, url: str, tmp: Path) -> None:
+    from serverkit import SpoolWriter
+
+    name = "packed-int8-column-shards"
+    sw = SpoolWriter(tmp / name, tables={"t0": (64, 8), "t1": (40, 16)}, col_split=2, seed=13)
+    rec = Recorder(
+        out, url, tmp / name, name,
+        "PACKED_INT8 asked of column-wise shards (two column halves of each table on one rank): "
+        "they cannot be packed and travel as fp32 slices (TableSlice.dtype = WIRE_DTYPE_FP32, "
+        "row_bytes 0); a base then a delta",
+        1, dtype=pb.WIRE_DTYPE_PACKED_INT8,
+    )  # fmt: skip
+    try:
+        rec.pull(0, note="base (resync), fp32 column slices")
+        sw.delta(n=5)
+        rec.pull(10, note="delta, fp32 column slices")
+        rec.finish(truth_float(sw.truth))
+    finally:
+        rec.close()
+
+
 def scenarios() -> dict[str, Callable[[Path, str, Path], None]]:
     out: dict[str, Callable[[Path, str, Path], None]] = {
         "rows-fp32": lambda o, u, t: rows(o, u, t, "rows-fp32", pb.WIRE_DTYPE_FP32, 2),
@@ -807,6 +828,7 @@ def scenarios() -> dict[str, Callable[[Path, str, Path], None]]:
         "packed-int8": lambda o, u, t: packed(o, u, t, "packed-int8", pb.WIRE_DTYPE_PACKED_INT8),
         "packed-int4": lambda o, u, t: packed(o, u, t, "packed-int4", pb.WIRE_DTYPE_PACKED_INT4),
         "packed-fp16": lambda o, u, t: packed(o, u, t, "packed-fp16", pb.WIRE_DTYPE_PACKED_FP16),
+        "packed-int8-column-shards": column_shards,
         "ids": ids,
         "topk": topk,
         "mc-rows": lambda o, u, t: mc(o, u, t, "mc-rows", pb.FORM_ROWS),

@@ -33,7 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "tests" / "vectors"
 ALL = vf.load_all(VECTORS)
 #: the vectors also replayed into a quantized TorchRec model (QuantApplier): serving dtype
-QUANT = {"rows-fp32": "int8", "packed-int8": "int8", "packed-int4": "int4", "packed-fp16": "fp16"}
+QUANT = {
+    "rows-fp32": "int8",
+    "packed-int8": "int8",
+    "packed-int4": "int4",
+    "packed-fp16": "fp16",
+    "packed-int8-column-shards": "int8",
+}
 
 
 @pytest.fixture(scope="module")
