@@ -48,7 +48,7 @@ def replay() -> Iterator[ReplayServer]:
         yield srv
 
 
-def consumer(v: vf.Vector, srv: ReplayServer) -> DeltaConsumer:
+def consumer(v: vf.Vector, srv: ReplayServer, **auth: Any) -> DeltaConsumer:
     req = v.manifest["request"]
     form = wire.form_from_pb(pb.Form.Value(req["form"]))
     dtype = wire.dtype_from_pb(pb.WireDtype.Value(req["dtype"]))
@@ -65,6 +65,7 @@ def consumer(v: vf.Vector, srv: ReplayServer) -> DeltaConsumer:
             backoff_max_s=0.05,
             heartbeat_interval_s=5.0,
             reuse_buffers_bytes=0,
+            **auth,
         )
     ).connect()
 
@@ -120,14 +121,14 @@ def expected(v: vf.Vector, kind: str) -> dict[str, np.ndarray]:
 
 
 def run(
-    v: vf.Vector, srv: ReplayServer, applier: Applier
+    v: vf.Vector, srv: ReplayServer, applier: Applier, **auth: Any
 ) -> tuple[list[Any], dict[str, torch.Tensor]]:
     """Replay ``v`` into ``applier`` as a predictor would; (pull results, dense state held)."""
     srv.replayer.reset(v.name)
     applier.strict_identities = bool(v.manifest["strict_identities"]) or applier.strict_identities
     results: list[Any] = []
     dense: dict[str, torch.Tensor] = {}
-    with consumer(v, srv) as c:
+    with consumer(v, srv, **auth) as c:
         for i, want in enumerate(v.manifest["pulls"]):
             if want["outcome"] == "refused":
                 before = (held_tables(applier), held_slots(applier))
@@ -349,3 +350,29 @@ def test_the_replay_cli_prints_its_endpoints_serves_and_stops_on_sigterm(tmp_pat
         [*cmd[:-1], str(tmp_path / "none")], capture_output=True, text=True, env=env, timeout=60
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_a_vector_replays_through_a_token_and_mtls_and_a_wrong_token_is_refused(
+    pki: Path,
+) -> None:
+    """The replay server with ``--token`` and mTLS (what the C++ client's credential tests
+    use): the Python client with the token, the CA and a client certificate reaches the
+    vector's state; a wrong token is UNAUTHENTICATED, which the client does not retry."""
+    v = ALL["rows-fp16"]
+    a = pki / "a"
+    srv = ReplayServer(
+        VECTORS, host="localhost", token="s3cret", tls_cert=a / "server.pem",
+        tls_key=a / "server.key", tls_client_ca=a / "ca.pem",
+    )  # fmt: skip
+    with srv:
+        creds = {
+            "token": "s3cret", "tls_ca": a / "ca.pem", "tls_cert": a / "client.pem",
+            "tls_key": a / "client.key",
+        }  # fmt: skip
+        applier = TensorDictApplier()
+        _, dense = run(v, srv, applier, **creds)
+        check_state(v, srv, applier, dense)
+        with pytest.raises(ConsumerError, match="UNAUTHENTICATED"):
+            consumer(v, srv, **{**creds, "token": "wrong"})
+        refused = srv.replayer.calls(v.name, "auth")
+        assert refused and not any(e["ok"] for e in refused)

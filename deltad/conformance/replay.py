@@ -14,6 +14,10 @@ rest; one with ``refuse_first_ms`` is first refused RESOURCE_EXHAUSTED with
 ``deltad-retry-after-ms``), Register and Commit answer as recorded. Past the last pull a
 refused (hostile) pull is served again, else an empty window at the last cursor. Forget (the
 vector's consumer) starts the vector over. Every call is logged (``--log``: JSON lines).
+
+Credentials, to test a client's: ``--token T`` refuses (UNAUTHENTICATED) every call without
+exactly one ``authorization: Bearer T``; ``--tls-cert/--tls-key`` serve TLS, and
+``--tls-client-ca`` requires a client certificate it signed (mTLS).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class Replayer:
     vectors: dict[str, vf.Vector]
     default: str | None = None
     log_path: Path | None = None
+    #: every call must carry exactly one ``authorization: Bearer <token>`` (None: no check)
+    token: str | None = None
     log: list[dict[str, Any]] = field(default_factory=list)
     _progress: dict[tuple[str, int], _Progress] = field(default_factory=dict)
     _peers: dict[str, str] = field(default_factory=dict)
@@ -93,9 +99,16 @@ class Replayer:
 
     def vector_of(self, context: grpc.ServicerContext, consumer: str, rank: int) -> vf.Vector:
         name = ""
+        auth = []
         for key, value in context.invocation_metadata() or ():
             if key == VECTOR_KEY:
                 name = str(value)
+            elif key == "authorization":
+                auth.append(str(value))
+        if self.token is not None and auth != [f"Bearer {self.token}"]:
+            why = "more than one authorization header" if len(auth) > 1 else "invalid bearer token"
+            self._note({"vector": name or consumer, "rank": rank, "method": "auth", "ok": False})
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"replay: {why}")
         peer = context.peer() or ""
         with self._lock:
             if not name and consumer in self.vectors:
@@ -306,13 +319,26 @@ class ReplayServer:
         ranks: int = 0,
         vector: str | None = None,
         log_path: Path | None = None,
+        token: str | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+        tls_client_ca: Path | None = None,
     ) -> None:
+        if (tls_cert is None) != (tls_key is None) or (tls_client_ca and not tls_cert):
+            raise ValueError("TLS needs --tls-cert and --tls-key (and them for --tls-client-ca)")
+        self.credentials = None
+        if tls_cert is not None and tls_key is not None:
+            self.credentials = grpc.ssl_server_credentials(
+                [(tls_key.read_bytes(), tls_cert.read_bytes())],
+                root_certificates=tls_client_ca.read_bytes() if tls_client_ca else None,
+                require_client_auth=tls_client_ca is not None,
+            )
         vecs = vf.load_all(vectors_dir)
         if not vecs:
             raise ValueError(f"no vectors (*/{vf.MANIFEST}) in {vectors_dir}")
         if vector is not None and vector not in vecs:
             raise ValueError(f"no vector {vector!r} in {vectors_dir}")
-        self.replayer = Replayer(vecs, vector, log_path)
+        self.replayer = Replayer(vecs, vector, log_path, token)
         self.ranks = ranks or max(v.world_size for v in vecs.values())
         self.host, self.port = host, port
         self.servers: list[grpc.Server] = []
@@ -322,7 +348,12 @@ class ReplayServer:
         for r in range(self.ranks):
             s = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
             s.add_generic_rpc_handlers((handler(self.replayer, r),))
-            bound = s.add_insecure_port(f"{self.host}:{self.port + r if self.port else 0}")
+            address = f"{self.host}:{self.port + r if self.port else 0}"
+            bound = (
+                s.add_secure_port(address, self.credentials)
+                if self.credentials is not None
+                else s.add_insecure_port(address)
+            )
             if not bound:
                 raise OSError(f"cannot listen on {self.host}:{self.port + r}")
             s.start()
@@ -354,11 +385,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--vector", default=None, help="vector of calls that name none")
     p.add_argument("--log", type=Path, default=None, help="append every call as a JSON line")
+    p.add_argument("--token", default=None, help="require `authorization: Bearer TOKEN`")
+    p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate")
+    p.add_argument("--tls-key", type=Path, default=None, help="and this key (PEM)")
+    p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certs (mTLS)")
     args = p.parse_args(argv)
     try:
         srv = ReplayServer(
             args.vectors, host=args.host, port=args.port, ranks=args.ranks, vector=args.vector,
-            log_path=args.log,
+            log_path=args.log, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
         ).start()  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"replay: {e}", file=sys.stderr)
