@@ -376,3 +376,27 @@ def test_a_vector_replays_through_a_token_and_mtls_and_a_wrong_token_is_refused(
             consumer(v, srv, **{**creds, "token": "wrong"})
         refused = srv.replayer.calls(v.name, "auth")
         assert refused and not any(e["ok"] for e in refused)
+
+
+def test_a_long_poll_answers_at_once_when_the_next_pull_is_newer_and_is_held_at_the_end(
+    replay: ReplayServer,
+) -> None:
+    """wait_for_new through the replay: after the base, the next recorded status is past what
+    the client saw (True at once); after the last pull nothing is new: the Status is held for
+    the wait and the answer is False."""
+    import time
+
+    v = ALL["rows-fp16"]
+    replay.replayer.reset(v.name)
+    applier = TensorDictApplier()
+    with consumer(v, replay) as c:
+        c.sync(applier)
+        started = time.monotonic()
+        assert c.wait_for_new(5.0)
+        assert time.monotonic() - started < 2.0
+        c.sync(applier)
+        started = time.monotonic()
+        assert not c.wait_for_new(0.6)
+        assert time.monotonic() - started >= 0.5
+    polls = [e for e in replay.replayer.calls(v.name, "Status") if e["wait_ms"]]
+    assert [e["wait_ms"] for e in polls] == [5000, 600]
