@@ -392,11 +392,11 @@ def test_a_long_poll_answers_at_once_when_the_next_pull_is_newer_and_is_held_at_
     with consumer(v, replay) as c:
         c.sync(applier)
         started = time.monotonic()
-        assert c.wait_for_new(5.0)
-        assert time.monotonic() - started < 2.0
+        assert c.wait_for_new(20.0)
+        assert time.monotonic() - started < 10.0
         c.sync(applier)
         started = time.monotonic()
         assert not c.wait_for_new(0.6)
         assert time.monotonic() - started >= 0.5
     polls = [e for e in replay.replayer.calls(v.name, "Status") if e["wait_ms"]]
-    assert [e["wait_ms"] for e in polls] == [5000, 600]
+    assert [e["wait_ms"] for e in polls] == [20000, 600]
