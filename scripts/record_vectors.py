@@ -203,6 +203,7 @@ class Recorder:
         caps = [st.cap_step for st in statuses if st.rollout_state and st.cap_step >= 0]
         target = min([target, *caps])
         windows, recs, real_cursors = [], [], []
+        undecodable = ""
         for r, st in enumerate(statuses):
             pre = f"rank{r}/pull{k}"
             req = pb.GetDeltaRequest(
@@ -256,15 +257,16 @@ class Recorder:
             recs.append(rec)
             try:
                 windows.append(ref.decode(msgs))
-            except ref.Refused:
+            except ref.Refused as e:
                 if outcome != "refused":
                     raise
+                undecodable = f"rank {r}: {e}"
         summary: dict[str, Any] = {"outcome": outcome, "note": note, "ranks": []}
         try:
             if outcome == "ids":
                 raise _Skip
             if len(windows) != self.world:
-                raise ref.Refused("a stream that does not decode")
+                raise ref.Refused(undecodable)
             new = ref.apply(self.state, windows)
         except _Skip:
             pass
@@ -503,6 +505,60 @@ def forge_shape(msgs: list[bytes]) -> list[bytes]:
     return _edit(msgs, fn)
 
 
+def _first_chunk(msgs: list[bytes], fn: Callable[[pb.RowChunk], None]) -> list[bytes]:
+    def edit(m: pb.GetDeltaResponse) -> bool:
+        if m.WhichOneof("msg") != "chunk" or not m.chunk.count:
+            return False
+        fn(m.chunk)
+        return True
+
+    return _edit(msgs, edit)
+
+
+def forge_short_values(msgs: list[bytes]) -> list[bytes]:
+    """A chunk's values are 4 bytes short of count x width."""
+
+    def fn(c: pb.RowChunk) -> None:
+        c.values = c.values[:-4]
+
+    return _first_chunk(msgs, fn)
+
+
+def forge_row_out_of_range(msgs: list[bytes]) -> list[bytes]:
+    """A chunk names a row past its table's num_rows."""
+    h = pb.GetDeltaResponse.FromString(msgs[0]).header
+
+    def fn(c: pb.RowChunk) -> None:
+        ids = np.frombuffer(c.ids, dtype="<i8").copy()
+        ids[0] = h.slices[c.slice].num_rows + 5
+        c.ids = ids.tobytes()
+
+    return _first_chunk(msgs, fn)
+
+
+def forge_row_bytes(msgs: list[bytes]) -> list[bytes]:
+    """A packed slice says its rows are 16 bytes longer than its dtype and dim make them (and
+    its chunks carry rows that long)."""
+
+    def header(m: pb.GetDeltaResponse) -> bool:
+        if m.WhichOneof("msg") != "header":
+            return False
+        m.header.slices[0].row_bytes += 16
+        return True
+
+    out = _edit(msgs, header)
+    h = pb.GetDeltaResponse.FromString(out[0]).header
+    rb = h.slices[0].row_bytes
+    for i, raw in enumerate(out):
+        m = pb.GetDeltaResponse.FromString(raw)
+        if m.WhichOneof("msg") == "chunk" and m.chunk.slice == 0 and m.chunk.count:
+            rows = np.frombuffer(m.chunk.values, dtype=np.uint8).reshape(m.chunk.count, -1)
+            pad = np.zeros((m.chunk.count, rb - rows.shape[1]), dtype=np.uint8)
+            m.chunk.values = np.concatenate([rows, pad], axis=1).tobytes()
+            out[i] = m.SerializeToString(deterministic=True)
+    return out
+
+
 # ---- the scenarios -----------------------------------------------------------------------------
 
 SHAPES = {"t0": (64, 8), "t1": (40, 4)}
@@ -649,16 +705,28 @@ def hostile_mc(out: Path, url: str, tmp: Path, name: str, forge: Forge, why: str
         rec.close()
 
 
-def hostile_rows(out: Path, url: str, tmp: Path, name: str, forge: Forge, why: str) -> None:
-    ft = _trainer(tmp / name, 1)
+def hostile_rows(
+    out: Path,
+    url: str,
+    tmp: Path,
+    name: str,
+    forge: Forge,
+    why: str,
+    dtype: int = pb.WIRE_DTYPE_FP32,
+) -> None:
+    ft = _trainer(tmp / name, 1, PACKED_SHAPES if dtype != pb.WIRE_DTYPE_FP32 else SHAPES)
     rec = Recorder(
-        out, url, tmp / name, name, f"hostile: {why}; must be refused, nothing of it applied", 1
-    )
+        out, url, tmp / name, name, f"hostile: {why}; must be refused, nothing of it applied", 1,
+        dtype=dtype,
+    )  # fmt: skip
     try:
         rec.pull(10, note="base (resync)")
         ft.step(20, touch=5)
         rec.pull(20, outcome="refused", forge=forge, note=why)
-        rec.finish(truth_float(ft.history[10]))
+        if dtype == pb.WIRE_DTYPE_FP32:
+            rec.finish(truth_float(ft.history[10]))
+        else:
+            rec.finish(truth_packed(ft.history[10], wire.dtype_from_pb(dtype)))
     finally:
         rec.close()
 
@@ -867,6 +935,31 @@ def scenarios() -> dict[str, Callable[[Path, str, Path], None]]:
             "hostile-shape",
             forge_shape,
             "a delta whose table has another shape than the one held",
+        ),
+        "hostile-short-values": lambda o, u, t: hostile_rows(
+            o,
+            u,
+            t,
+            "hostile-short-values",
+            forge_short_values,
+            "a row chunk whose values are 4 bytes short of count x width",
+        ),
+        "hostile-row-out-of-range": lambda o, u, t: hostile_rows(
+            o,
+            u,
+            t,
+            "hostile-row-out-of-range",
+            forge_row_out_of_range,
+            "a row id past its table's num_rows",
+        ),
+        "hostile-packed-row-bytes": lambda o, u, t: hostile_rows(
+            o,
+            u,
+            t,
+            "hostile-packed-row-bytes",
+            forge_row_bytes,
+            "a packed int8 slice whose row_bytes is not its dtype's and dim's",
+            pb.WIRE_DTYPE_PACKED_INT8,
         ),
     }
     return out

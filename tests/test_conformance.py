@@ -39,6 +39,7 @@ QUANT = {
     "packed-int4": "int4",
     "packed-fp16": "fp16",
     "packed-int8-column-shards": "int8",
+    "hostile-packed-row-bytes": "int8",
 }
 
 
