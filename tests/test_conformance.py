@@ -336,7 +336,16 @@ def test_the_replay_cli_prints_its_endpoints_serves_and_stops_on_sigterm(tmp_pat
             st = delta_pb2_grpc.DeltaServiceStub(ch).Status(
                 pb.StatusRequest(consumer="rows-fp32"), timeout=10
             )
-        assert (st.model, st.rank, st.world_size) == ("m", 1, 2)
+            assert (st.model, st.rank, st.world_size) == ("m", 1, 2)
+        with grpc.insecure_channel(endpoints[0]) as ch:
+            stub = delta_pb2_grpc.DeltaServiceStub(ch)
+            st = stub.Status(  # no consumer: the metadata names the vector
+                pb.StatusRequest(), timeout=10, metadata=(("deltad-vector", "rows-fp16"),)
+            )
+            assert st.world_size == 1
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Status(pb.StatusRequest(consumer="no-such-vector"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         assert '"method": "Status"' in (tmp_path / "calls.jsonl").read_text()

@@ -111,7 +111,7 @@ class Replayer:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"replay: {why}")
         peer = context.peer() or ""
         with self._lock:
-            if not name and consumer in self.vectors:
+            if not name and consumer:
                 name = consumer
             if not name:
                 name = self._peers.get(peer, "") or (self.default or "")
