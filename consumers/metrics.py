@@ -24,6 +24,7 @@ class PullLine(Protocol):
     caught_up: bool
     freshness_s: float | None
 
+
 #: freshness buckets (seconds): segment created -> rows applied
 FRESHNESS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 

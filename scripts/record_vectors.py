@@ -35,8 +35,8 @@ from deltad import wire  # noqa: E402
 from deltad.config import ServerConfig  # noqa: E402
 from deltad.conformance import reference as ref  # noqa: E402
 from deltad.conformance import vectors as vf  # noqa: E402
-from deltad.redisembed import EmbeddedRedis  # noqa: E402
 from deltad.segment.dense import encode_dense, write_dense  # noqa: E402
+from deltad.store.embedded import EmbeddedRedis  # noqa: E402
 from deltad.types import WireDtype  # noqa: E402
 from deltad.v1 import delta_pb2 as pb  # noqa: E402
 from deltad.v1 import delta_pb2_grpc as pb_grpc  # noqa: E402

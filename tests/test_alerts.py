@@ -27,10 +27,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from serverkit import server_config, wait_for
 
-from deltad.store import EmbeddedRedis
 from deltad.segment.format import ShardRows, write_segment
 from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import EmbeddedRedis
 from deltad.types import SegmentKind, Shard
 
 REPO = Path(__file__).resolve().parent.parent

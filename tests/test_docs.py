@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from serverkit import SpoolWriter, server_config, wait_for
 
 from deltad.config import RelayConfig
-from deltad.store import EmbeddedRedis
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.relay.server import RelayServer
+from deltad.store import EmbeddedRedis
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 

@@ -22,11 +22,11 @@ from serverkit import SpoolWriter, server_config
 from spoolkit import child_env, wait_for
 
 from deltad.clientauth import ClientAuth
+from deltad.commands.healthcheck import main as healthcheck_main
 from deltad.commands.main import main as deltad_main
 from deltad.config import ConfigError, ConsumerConfig, RelayConfig
 from deltad.consume.client import DeltaConsumer
 from deltad.errors import ConsumerError
-from deltad.commands.healthcheck import main as healthcheck_main
 from deltad.serve.edge import app
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.relay.server import RelayServer

@@ -21,9 +21,9 @@ from serverkit import SpoolWriter, server_config
 from spoolkit import FakeTrainer, child_env, wait_for
 
 from deltad.commands import status
+from deltad.commands.healthcheck import LIVENESS_SERVICE, check
 from deltad.config import ConsumerConfig, RelayConfig
 from deltad.consume.client import DeltaConsumer
-from deltad.commands.healthcheck import LIVENESS_SERVICE, check
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.relay.server import RelayServer
 from deltad.store import EmbeddedRedis

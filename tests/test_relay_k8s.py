@@ -8,8 +8,8 @@ from typing import Any
 import yaml
 from test_docker import DOCKER, _check_deltad_argv, _k8s_bytes, _subst
 
-from deltad.commands.main import build_parser
 from deltad.commands.healthcheck import LIVENESS_SERVICE
+from deltad.commands.main import build_parser
 from deltad.serve.cli import build_relay_config
 from deltad.serve.memory import RUNTIME_BYTES
 
