@@ -29,7 +29,7 @@ from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.serve.rollout import ReleaseState, describe
 from deltad.status import ENDPOINTS as STATUS_ENDPOINTS
 from deltad.status import RANGES as STATUS_RANGES
-from deltad.status import add_connection_arguments, connection_auth, printable
+from deltad.status import add_connection_arguments, connection_auth, printable, rpc_failure
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
@@ -137,7 +137,7 @@ def call(
             return resp
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise SidecarUnavailableError(f"{target}: {e.code().name}: {e.details()}") from e
+                raise SidecarUnavailableError(rpc_failure(target, e, timeout)) from e
             raise ConfigError(f"{e.code().name}: {e.details()}") from e
 
 
