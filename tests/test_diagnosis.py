@@ -2,12 +2,11 @@
 redis-server stopped with SIGSTOP, not dead) turns readiness NOT_SERVING within a bound, and
 every call that needs it answers UNAVAILABLE naming it before the caller's deadline; the CLI
 names what did not answer; /metrics exports no ``*_created`` series and ends the worst lag's
-name in its unit; quantize_model() without torchrec is the install hint; the installed stack
-is one tested trio. Real sidecars and Redis servers."""
+name in its unit; quantize_model() without torchrec is the install hint. Real sidecars and
+Redis servers."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import signal
@@ -27,7 +26,7 @@ from spoolkit import wait_for
 
 from deltad.errors import ConfigError
 from deltad.healthcheck import LIVENESS_SERVICE, check
-from deltad.needs import STACKS, install_hint, installed_stack
+from deltad.needs import install_hint
 from deltad.serve.edge.app import SidecarServer
 from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc as pb_grpc
@@ -175,20 +174,3 @@ def test_quantize_model_without_torchrec_is_the_install_hint(
         quantize_model(torch.nn.Linear(2, 2), "int8")
     assert "quantize_model() needs torchrec" in str(e.value)
     assert install_hint("torchrec") in str(e.value)
-
-
-def test_the_installed_stack_is_a_tested_trio() -> None:
-    """torch, fbgemm and torchrec as scripts/install.sh pins them (DELTAD_STACK), and the
-    install hints name the same versions."""
-    stack = installed_stack()
-    fbgemm, torchrec = STACKS[stack]
-    assert importlib.metadata.version("torch").startswith(stack + ".")
-    assert importlib.metadata.version("torchrec") == torchrec
-    fbgemms = {
-        d.metadata["Name"].lower().replace("_", "-"): d.version
-        for d in importlib.metadata.distributions()
-        if d.metadata["Name"].lower().replace("_", "-").startswith("fbgemm-gpu")
-    }
-    assert list(fbgemms.values()) == [fbgemm], fbgemms
-    assert f"torchrec=={torchrec}" in install_hint("torchrec")
-    assert f"=={fbgemm}" in install_hint("fbgemm_gpu")
