@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.request
@@ -22,7 +23,7 @@ import grpc
 import pytest
 import torch
 from serverkit import SpoolWriter, server_config
-from spoolkit import wait_for
+from spoolkit import child_env, wait_for
 
 from deltad.errors import ConfigError
 from deltad.healthcheck import LIVENESS_SERVICE, check
@@ -39,7 +40,8 @@ NOT_SERVING_BOUND_S = 5.0
 
 
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
-    """``deltad ARGV`` in this process: its exit code and its stderr lines."""
+    """``deltad ARGV`` in this process (no sidecar runs in it): its exit code and its stderr
+    lines."""
     from deltad.cli import main
 
     root = logging.getLogger()
@@ -50,6 +52,15 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list
         root.handlers[:] = handlers
         root.setLevel(level)
     return rc, capsys.readouterr().err.strip().splitlines()
+
+
+def _command(argv: list[str]) -> tuple[int, list[str]]:
+    """``deltad ARGV`` as a process of its own: its exit code and its stderr lines."""
+    p = subprocess.run(
+        [sys.executable, "-m", "deltad.cli", *argv],
+        capture_output=True, text=True, timeout=60, env=child_env(),
+    )  # fmt: skip
+    return p.returncode, p.stderr.strip().splitlines()
 
 
 @contextmanager
@@ -82,7 +93,7 @@ def _store_pid(srv: SidecarServer) -> int:
 
 
 def test_a_hung_offset_store_turns_readiness_not_serving_within_the_bound(
-    embedded_sidecar: SidecarServer, capsys: pytest.CaptureFixture[str]
+    embedded_sidecar: SidecarServer,
 ) -> None:
     srv = embedded_sidecar
     ep = srv.endpoint
@@ -106,16 +117,26 @@ def test_a_hung_offset_store_turns_readiness_not_serving_within_the_bound(
             assert "the offset store at unix://" in str(e.value.details())
             assert "did not answer in 2 s" in str(e.value.details())
             assert time.monotonic() - t1 < 10
-        # the commands name it too, in one line each
-        rc, err = _cli(["status", "--target", ep], capsys)
+    wait_for(lambda: check(ep, timeout_s=5.0) == "SERVING", 30, "SERVING again")
+    assert srv._embedded is not None and srv._embedded.restarts == 0  # hung is not dead
+
+
+@pytest.mark.slow  # (two commands as processes of their own: ~3 s each on a loaded machine)
+def test_the_commands_name_the_offset_store_that_did_not_answer(
+    embedded_sidecar: SidecarServer,
+) -> None:
+    """`deltad status` and `deltad rollout` with the store hung: one line each naming it, no
+    bare DEADLINE_EXCEEDED (as processes of their own, as an operator runs them)."""
+    ep = embedded_sidecar.endpoint
+    with _stopped(_store_pid(embedded_sidecar)):
+        wait_for(lambda: check(ep, timeout_s=5.0) == "NOT_SERVING", 30, "NOT_SERVING")
+        rc, err = _command(["status", "--target", ep])
         assert rc == 2 and len(err) == 1, err
         assert "UNAVAILABLE: the offset store at unix://" in err[0], err
         assert "did not answer in 2 s" in err[0] and "DEADLINE_EXCEEDED" not in err[0], err
-        rc, err = _cli(["rollout", "pin", "--group", "canary-*", "--step", "0", "--target", ep], capsys)  # fmt: skip
+        rc, err = _command(["rollout", "pin", "--group", "canary-*", "--step", "0", "--target", ep])  # fmt: skip
         assert rc == 2 and len(err) == 1, err
         assert "the offset store at unix://" in err[0] and "did not answer in 2 s" in err[0], err
-    wait_for(lambda: check(ep, timeout_s=5.0) == "SERVING", 30, "SERVING again")
-    assert srv._embedded is not None and srv._embedded.restarts == 0  # hung is not dead
 
 
 def test_a_call_made_as_the_store_hangs_answers_before_the_callers_deadline(
