@@ -1,10 +1,18 @@
 # The two first commands of the README: `make demo` and `make test`. Both set up .venv first.
+# STACK picks the tested torch/fbgemm/torchrec trio (scripts/install.sh): 2.13 (default, in
+# .venv) or 2.14 (torch 2.14.1 + fbgemm 1.9.0 + torchrec 1.9.2, in .venv-2.14):
+#   make setup STACK=2.14      make test-fast STACK=2.14      (or VENV=.venv-2.14)
+ifdef STACK
+VENV ?= $(if $(filter 2.13,$(STACK)),.venv,.venv-$(STACK))
+else
 VENV ?= .venv
+STACK := $(or $(patsubst .venv-%,%,$(filter .venv-%,$(notdir $(VENV)))),2.13)
+endif
 BIN := $(VENV)/bin
 
 .PHONY: setup demo test test-fast lint protos bench clean
 setup:
-	@DELTAD_VENV=$(VENV) bash scripts/install.sh
+	@DELTAD_VENV=$(VENV) DELTAD_STACK=$(STACK) bash scripts/install.sh
 
 demo: setup
 	$(BIN)/deltad demo

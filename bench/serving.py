@@ -198,7 +198,10 @@ def _latency_phase(
 
 
 def _inplace_op() -> Any:
-    """``torch.ops.fbgemm.emb_inplace_update`` (its library is not loaded by fbgemm_gpu)."""
+    """``torch.ops.fbgemm.emb_inplace_update`` as the installed fbgemm has it: fbgemm 1.9
+    registers it when fbgemm_gpu is imported; fbgemm 1.8 only in
+    ``fbgemm_gpu_embedding_inplace_ops.so``, which ``import fbgemm_gpu`` does not load, so it
+    is loaded here (only then: under 1.9 a second load would register the op twice)."""
     import fbgemm_gpu
     import torch
 

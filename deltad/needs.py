@@ -9,16 +9,43 @@ the reference trainer (`deltad train`) and quantized serving (``QuantApplier``,
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 
 from deltad.errors import ConfigError
 
-#: How to install each optional dependency (what scripts/install.sh does).
-INSTALL_HINTS = {
-    "torchrec": "pip install --no-deps torchrec==1.8.0 (after fbgemm-gpu-cpu==1.8.0; "
-    "scripts/install.sh does both)",
-    "fbgemm_gpu": "pip install fbgemm-gpu-cpu==1.8.0 (CUDA: fbgemm-gpu==1.8.0 from the torch "
-    "index; scripts/install.sh does it)",
-}
+#: The fbgemm and torchrec tested with each torch (scripts/install.sh's DELTAD_STACK trios).
+STACKS = {"2.13": ("1.8.0", "1.8.0"), "2.14": ("1.9.0", "1.9.2")}
+#: The trio ``make setup`` installs.
+DEFAULT_STACK = "2.13"
+
+
+def installed_stack() -> str:
+    """The :data:`STACKS` key of the installed torch (read from its metadata, torch is not
+    imported); :data:`DEFAULT_STACK` without torch or for a torch of no tested trio."""
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return DEFAULT_STACK
+    minor = ".".join(torch_version.split("+")[0].split(".")[:2])
+    return minor if minor in STACKS else DEFAULT_STACK
+
+
+def install_hint(name: str) -> str:
+    """How to install ``name`` next to the installed torch (what scripts/install.sh does)."""
+    stack = installed_stack()
+    fbgemm, torchrec = STACKS[stack]
+    where = "" if stack == DEFAULT_STACK else f" DELTAD_STACK={stack}"
+    if name == "torchrec":
+        return (
+            f"pip install --no-deps torchrec=={torchrec} (after fbgemm-gpu-cpu=={fbgemm};"
+            f"{where} scripts/install.sh does both)"
+        )
+    if name == "fbgemm_gpu":
+        return (
+            f"pip install fbgemm-gpu-cpu=={fbgemm} (CUDA: fbgemm-gpu=={fbgemm} from the torch "
+            f"index;{where} scripts/install.sh does it)"
+        )
+    return f"pip install {name}"
 
 
 def need(*modules: str, purpose: str) -> None:
@@ -27,7 +54,7 @@ def need(*modules: str, purpose: str) -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            hint = INSTALL_HINTS.get(name, f"pip install {name}")
+            hint = install_hint(name)
             missing = e.name or name
             raise ConfigError(
                 f"{purpose} needs {name} ({missing} cannot be imported); install it: {hint}"

@@ -47,7 +47,7 @@ METRICS_MD = REPO / "docs" / "metrics.md"
 
 #: Names the rules and dashboard use ahead of a rename another change makes (new -> old):
 #: accepted while the old name is the one exported. Drop an entry once the rename is merged.
-PENDING_RENAMES = {"deltad_consumer_lag_max_seconds": "deltad_consumer_lag_seconds_max"}
+PENDING_RENAMES: dict[str, str] = {}
 #: Series Prometheus makes itself, not a sidecar.
 PROMETHEUS_OWN = {"up"}
 

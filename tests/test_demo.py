@@ -4,6 +4,7 @@ rank, embedded Redis, two predictors, all as subprocesses."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -81,8 +82,30 @@ def test_the_bad_update_scenario_gates_canaries_and_rolls_back_with_deltad_rollo
         line = next(x for x in proc.stdout.splitlines() if x.startswith(f"check {check}:"))
         assert line.endswith(": ok"), line
     operator = (work / "logs" / "operator.log").read_text()
-    assert "$ deltad rollout rollback --to-step 18" in operator
+    assert "$ deltad rollout rollback --to-step 18 --target " in operator
     assert "failed the validation gate" in operator  # the release to the head, refused
+    # the report lists the operator's commands, as they were typed, with their exit codes
+    report = proc.stdout.splitlines()
+    at = report.index(next(x for x in report if x.startswith("operator commands (answers in")))
+    typed = [x.strip() for x in report[at + 1 :] if x.startswith("  $ deltad rollout ")]
+    assert [t.split(" --target ")[0] for t in typed] == [
+        "$ deltad rollout release --to-step 10",
+        "$ deltad rollout pin --group 'pred-canary-*' --step 24",
+        "$ deltad rollout release",
+        "$ deltad rollout unpin --group 'pred-canary-*'",
+        f"$ deltad rollout release --to-step {_gate_good(operator)}",
+        "$ deltad rollout rollback --to-step 18",
+    ], typed
+    assert typed[2].endswith("(exit 2)") and typed[-1].endswith("(exit 0)"), typed
+    assert str(work / "logs" / "operator.log") in report[at]
+    # and prints each as it runs
+    assert proc.stderr.count("$ deltad rollout ") == len(typed), proc.stderr[-2000:]
+
+
+def _gate_good(operator_log: str) -> int:
+    """The step the demo released to after the gate's refusal (the last good step)."""
+    releases = re.findall(r"^\$ deltad rollout release --to-step (\d+) ", operator_log, re.M)
+    return int(releases[-1])
 
 
 def test_demo_interrupted_leaves_no_children(tmp_path: Path) -> None:

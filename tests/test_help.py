@@ -9,6 +9,7 @@ import argparse
 import pytest
 
 from deltad.commands.main import HelpFormatter, build_parser
+from deltad.needs import STACKS, installed_stack
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -98,4 +99,5 @@ def test_a_missing_torchrec_is_an_install_hint_not_a_traceback(
         root.setLevel(level)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
-    assert "needs torchrec" in err[0] and "pip install --no-deps torchrec==1.8.0" in err[0]
+    torchrec = STACKS[installed_stack()][1]  # (the trio of the installed torch)
+    assert "needs torchrec" in err[0] and f"pip install --no-deps torchrec=={torchrec}" in err[0]

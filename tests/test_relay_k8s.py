@@ -61,8 +61,12 @@ def test_relay_tier_deployment_mirrors_the_sidecar_and_serves_predictors() -> No
     assert spool["emptyDir"]["medium"] == "Memory"
     need = _k8s_bytes(spool["emptyDir"]["sizeLimit"]) * 2.2 + sum(budgets)  # spool + 1.2 x log
     assert _k8s_bytes(c["resources"]["limits"]["memory"]) >= need
-    # owed rows share the tmpfs spool with the log: bounded well inside it
-    assert 0 < args.owed_max_bytes <= _k8s_bytes(spool["emptyDir"]["sizeLimit"]) // 4
+    # owed rows and the spill share the tmpfs spool with the log: bounded well inside it (on a
+    # tmpfs the "on disk" spill is memory: the default 8 GiB would not even fit)
+    volume = _k8s_bytes(spool["emptyDir"]["sizeLimit"])
+    assert 0 < args.owed_max_bytes <= volume // 4
+    assert 0 < args.spill_max_bytes <= volume // 4
+    assert args.owed_max_bytes + args.spill_max_bytes <= volume // 2
     # predictors keep their names (a StatefulSet behind a headless Service): no dead
     # consumer names after a rollout
     sts = by[("StatefulSet", "deltad-predictor")]

@@ -245,7 +245,7 @@ def test_lag_series_are_as_many_as_the_live_consumers_with_counts_and_the_worst_
         assert get("deltad_consumers", {**labels, "state": "live"}) == 2
         assert get("deltad_consumers", {**labels, "state": "expired"}) == 40
         assert get("deltad_consumer_lag_segments_max", labels) == 3  # (behind: nothing yet)
-        assert (get("deltad_consumer_lag_seconds_max", labels) or 0) > 0
+        assert (get("deltad_consumer_lag_max_seconds", labels) or 0) > 0
         c.close()
     finally:
         srv.stop(0)

@@ -26,7 +26,7 @@ import grpc
 from deltad.clientauth import ClientAuth
 from deltad.commands.status import ENDPOINTS as STATUS_ENDPOINTS
 from deltad.commands.status import RANGES as STATUS_RANGES
-from deltad.commands.status import add_connection_arguments, connection_auth, printable
+from deltad.commands.status import add_connection_arguments, connection_auth, printable, rpc_failure
 from deltad.config import MAX_COUNT, Range
 from deltad.errors import ConfigError, SidecarUnavailableError
 from deltad.serve.rollout import ReleaseState, describe
@@ -137,7 +137,7 @@ def call(
             return resp
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise SidecarUnavailableError(f"{target}: {e.code().name}: {e.details()}") from e
+                raise SidecarUnavailableError(rpc_failure(target, e, timeout)) from e
             raise ConfigError(f"{e.code().name}: {e.details()}") from e
 
 

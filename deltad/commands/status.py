@@ -110,9 +110,18 @@ def fetch(
         consumers = stub.ListConsumers(pb.ListConsumersRequest(), timeout=timeout, metadata=md)
         return status, consumers
     except grpc.RpcError as e:
-        raise SidecarUnavailableError(f"{target}: {e.code().name}: {e.details()}") from e
+        raise SidecarUnavailableError(rpc_failure(target, e, timeout)) from e
     finally:
         channel.close()
+
+
+def rpc_failure(target: str, e: grpc.RpcError, timeout: float) -> str:
+    """One line for a failed call to the sidecar at ``target``, naming what did not answer:
+    the sidecar itself (its deadline passed), or what it says (an offset store that did not
+    answer it is an UNAVAILABLE naming that store)."""
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the sidecar at {target} did not answer in {timeout:g} s (DEADLINE_EXCEEDED)"
+    return f"{target}: {e.code().name}: {e.details()}"
 
 
 def check_sidecars(
@@ -349,7 +358,7 @@ def forget(
             resp = stub.Forget(pb.ForgetRequest(consumer=consumer), timeout=timeout, metadata=md)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise SidecarUnavailableError(f"{target}: {e.code().name}: {e.details()}") from e
+                raise SidecarUnavailableError(rpc_failure(target, e, timeout)) from e
             raise ConfigError(f"forget {consumer!r}: {e.code().name}: {e.details()}") from e
     return bool(resp.forgotten)
 

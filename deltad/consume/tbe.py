@@ -9,6 +9,7 @@ import torch
 
 from deltad import wire
 from deltad.errors import ConfigError, ConsumerError, UnsupportedModelError
+from deltad.needs import need
 from deltad.types import ServeDtype, WireDtype
 
 #: fp16 scale + fp16 bias in front of an int8 / int4 row (fbgemm's default layout)
@@ -43,9 +44,11 @@ def quantize_model(
     raises ConfigError before torchrec is called. Managed-collision modules (MC-EC / MC-EBC)
     become torchrec's ``QuantManagedCollisionEmbedding(Bag)Collection``: quantized tables
     behind the float MCH remapper (see :mod:`deltad.consume.mc`). ``model`` must not *be* an
-    MC module itself (torchrec swaps children only): wrap it.
+    MC module itself (torchrec swaps children only): wrap it. Without torchrec or fbgemm,
+    ConfigError with the install hint.
     """
     torch_dtype = serve_torch_dtype(dtype)
+    need("fbgemm_gpu", "torchrec", purpose="quantize_model()")
     from torchrec import EmbeddingCollection
     from torchrec.inference.modules import quantize_embeddings
     from torchrec.modules.mc_embedding_modules import (

@@ -25,13 +25,16 @@ Exit 0 only if all three checks hold. Its shape is fixed (2 ranks, ``STEPS`` ste
 every 2 steps, no top-k predictor): `deltad demo` refuses ``--duration``, ``--world-size``
 (but 2), ``--publish-every`` and ``--topk-fraction`` with it (:func:`check_flags`), and
 honours ``--rows``, ``--dim``, ``--pull-interval``, ``--settle-timeout``, ``--workdir`` and
-``--keep`` (a temporary work directory is removed after a run whose checks held).
+``--keep`` (a temporary work directory is removed after a run whose checks held, but for its
+``logs/``). Each ``deltad rollout`` command is printed as it runs and listed again in the
+report; ``logs/operator.log`` keeps them with their answers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -82,6 +85,12 @@ class BadUpdateDemo(Demo):
     #: the report header's tables (:func:`deltad.demo.report.tables_line` of the trainer's
     #: dump: its pooled, sequence and managed-collision tables), set by the rollback check
     tables = ""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        #: the operator's commands as run (``$ deltad rollout ...``) with their exit codes:
+        #: printed as they run and again in the report (their answers: ``operator.log``)
+        self.operator: list[str] = []
 
     def run(self) -> int:
         from deltad.store import EmbeddedRedis
@@ -167,7 +176,7 @@ class BadUpdateDemo(Demo):
             f"deltad demo --scenario bad-update: {RANKS} ranks, {self.tables}, {STEPS} steps "
             f"(NaN injected at {BAD}); run time {time.monotonic() - t0:.0f}s"
         )
-        print("\n".join([head, *lines]))
+        print("\n".join([head, *lines, *self._operator_lines()]))
         if failures:
             output.line(
                 f"deltad demo: check failed: {'; '.join(failures)} (work directory kept for "
@@ -175,32 +184,33 @@ class BadUpdateDemo(Demo):
                 level="ERROR",
             )
             return 1
-        self.dir.remove_if_temporary()
+        # (a temporary work directory goes, but not its logs: operator.log is the lesson)
+        output.line(f"deltad demo: {self.dir.discard(keep_logs=True)}")
         return 0
+
+    def _operator_lines(self) -> list[str]:
+        """The report's list of the operator's commands (their answers: ``operator.log``)."""
+        if not self.operator:
+            return []
+        where = self.logs / "operator.log"
+        return [f"operator commands (answers in {where}):", *(f"  {c}" for c in self.operator)]
 
     def rollout(self, *argv: str, ok: bool = True) -> str:
         """Run ``deltad rollout ARGV --target <rank 0's sidecar>`` as an operator would; its
         output, or (``ok`` False: a refusal is expected) its stderr if it exited 2 ("" if
         it did not refuse). DemoFailed if it fails otherwise."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "deltad.commands.main",
-            "rollout",
-            *argv,
-            "--target",
-            self.target,
-        ]
+        cmd = [sys.executable, "-m", "deltad", "rollout", *argv, "--target", self.target]
+        typed = f"$ deltad rollout {shlex.join(argv)} --target {self.target}"
+        output.line(typed)
         try:
             p = subprocess.run(
                 cmd, env=self.env, cwd=self.work, capture_output=True, text=True, timeout=60
             )
         except subprocess.TimeoutExpired as e:
             raise DemoFailed(f"deltad rollout {' '.join(argv)}: no answer in 60 s") from e
+        self.operator.append(f"{typed}  (exit {p.returncode})")
         with open(self.logs / "operator.log", "a") as f:
-            f.write(
-                f"$ deltad rollout {' '.join(argv)}\n{p.stdout}{p.stderr}(exit {p.returncode})\n"
-            )
+            f.write(f"{typed}\n{p.stdout}{p.stderr}(exit {p.returncode})\n")
         if not ok:
             return p.stderr.strip() if p.returncode == 2 else ""
         if p.returncode != 0:

@@ -1,7 +1,8 @@
 """Prometheus metrics of one sidecar (own registry, so several servers can share a process).
 
 Names follow Prometheus conventions: the unit is the suffix (``_bytes``, ``_seconds``), and
-counters are exposed with ``_total`` (prometheus_client appends it). Every RPC is counted and
+counters are exposed with ``_total`` (prometheus_client appends it); no ``*_created`` series
+is exported (:class:`NoCreatedRegistry`). Every RPC is counted and
 timed by :class:`RpcMetricsInterceptor` (``deltad_rpc_requests_total{method,code}``,
 ``deltad_rpc_duration_seconds{method}``; a stream's duration runs until its last message).
 The process itself (``process_resident_memory_bytes``, ``process_cpu_seconds_total``,
@@ -10,6 +11,7 @@ The process itself (``process_resident_memory_bytes``, ``process_cpu_seconds_tot
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,13 +32,28 @@ from deltad import __version__, wire
 from deltad.serve import memory
 
 
+class NoCreatedRegistry(CollectorRegistry):
+    """A registry that exports no ``*_created`` series: the creation time prometheus_client
+    adds to every counter and histogram is the process's start for all of them (already
+    ``process_start_time_seconds``), one more series each for nothing."""
+
+    def collect(self) -> Iterator[Any]:
+        for m in super().collect():
+            if m.type in ("counter", "histogram", "summary"):
+                created = f"{m.name}_created"
+                if any(s.name == created for s in m.samples):
+                    m = copy.copy(m)
+                    m.samples = [s for s in m.samples if s.name != created]
+            yield m
+
+
 class SidecarMetrics:
     """The sidecar's counters and gauges; ``serve_http(port)`` exposes them."""
 
     def __init__(self, model: str, rank: int) -> None:
         #: the runtime's memory (deltad.serve.memory), taken in track_sidecar
         self.memory = memory.MemoryBaseline()
-        self.registry = CollectorRegistry()
+        self.registry = NoCreatedRegistry()
         labels = {"model": model, "rank": str(rank)}
         r = self.registry
         ProcessCollector(registry=r)  # RSS, CPU seconds, open fds, start time (Linux /proc)
@@ -154,8 +171,8 @@ class SidecarMetrics:
             list(labels),
             registry=r,
         ).labels(**labels)
-        self.lag_seconds_max = Gauge(
-            "deltad_consumer_lag_seconds_max",
+        self.lag_max_seconds = Gauge(
+            "deltad_consumer_lag_max_seconds",
             "The largest deltad_consumer_lag_seconds of a live consumer",
             list(labels),
             registry=r,
@@ -297,7 +314,7 @@ class SidecarMetrics:
         self.consumers.labels(**self._labels, state="live").set(live)
         self.consumers.labels(**self._labels, state="expired").set(expired)
         self.lag_segments_max.set(lag_segments)
-        self.lag_seconds_max.set(lag_seconds)
+        self.lag_max_seconds.set(lag_seconds)
 
     def keep_lag_of(self, consumers: set[str]) -> None:
         """Drop the lag series of consumers not in ``consumers`` (forgotten ones, expired

@@ -133,15 +133,14 @@ class EmbeddedRedis:
             return url
 
     def ensure(self) -> bool:
-        """Restart the server if it is gone (another user may have already); True if this
-        call started one. A server whose process still runs is never doubled: a slow answer
-        is not a death."""
-        if self.url and answers(self.url, timeout_s=2.0):
+        """Restart the server if its process is gone (another user may have already); True if
+        this call started one. A server whose process still runs is neither doubled nor
+        waited for: a hung one (stopped, swapping) is not a death, and its users' probes say
+        that it does not answer."""
+        if self._running():
             return False
         with self._start_lock():
-            if self.url and answers(self.url, timeout_s=2.0):
-                return False
-            if self._running():
+            if self._running() or (self.url and answers(self.url, timeout_s=2.0)):
                 return False
             url = self.files.url()
             self._spawn(url)
@@ -149,6 +148,10 @@ class EmbeddedRedis:
             self.restarts += 1
             log.warning("embedded redis restarted (data from its append-only file)")
             return True
+
+    def running(self) -> bool:
+        """Whether the server's process runs (answering or not)."""
+        return self._running()
 
     @contextlib.contextmanager
     def _start_lock(self) -> Iterator[None]:

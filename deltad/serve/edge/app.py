@@ -186,7 +186,7 @@ class SidecarServer:
         up.spawn("deltad-deadlines", self.servicer.cancel_overdue, 0.5)
         up.spawn("deltad-retention", self.retain, cfg.retention_interval_s)
         self.redis_probe = OffsetStoreProbe(
-            self.redis_url, self._embedded, self.health, self.metrics
+            self.redis_url, self._embedded, self.health, self.metrics, self.store.calls
         )
         up.spawn("deltad-redis-probe", self.probe_redis, REDIS_PROBE_S)
         if self.credentials.start_watch():
@@ -210,7 +210,7 @@ class SidecarServer:
                 self.layout.sidecar_dir / f"release-state-rank{cfg.rank}.json"
             )
         else:
-            self.rollout_store = RolloutStore(self.store.client, cfg.model)
+            self.rollout_store = RolloutStore(self.store.client, cfg.model, calls=self.store.calls)
             self.rollout = RolloutView(self.rollout_store)
         self.log = SegmentLog(
             self.layout,

@@ -10,9 +10,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltad.commands.healthcheck import LIVENESS_SERVICE
 from deltad.errors import DeltadError
+from deltad.serve.edge.grpcutil import public_details
 from deltad.serve.edge.service import SERVICE_NAME
 from deltad.serve.metrics import SidecarMetrics
-from deltad.store import EmbeddedRedis, answers
+from deltad.serve.state.redis_calls import RedisCalls
+from deltad.store import EmbeddedRedis, _redact, answers
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +110,16 @@ class SidecarHealth:
             self._gate_held = held
 
 
+#: How long one probe waits for the offset store's PING answer. A hung store (a stopped
+#: redis-server) is NOT_SERVING after two such misses in a row: within ~2.5 s of the hang.
+PROBE_TIMEOUT_S = 1.0
+
+
 class OffsetStoreProbe:
     """Whether the offset store answers, for readiness ("redis") and ``deltad_redis_up``;
-    an embedded Redis that died is restarted here (its restarts counted)."""
+    an embedded Redis that died is restarted here (its restarts counted). While it does not
+    answer, the store's calls (``calls``) make one attempt each, so RPCs that need it answer
+    UNAVAILABLE at once, naming it."""
 
     def __init__(
         self,
@@ -118,32 +127,42 @@ class OffsetStoreProbe:
         embedded: EmbeddedRedis | None,
         health: SidecarHealth,
         metrics: SidecarMetrics,
+        calls: RedisCalls | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.embedded = embedded
         self.health = health
         self.metrics = metrics
+        self.calls = calls
         self.up = True
-        self._fails = 0
         metrics.redis_up.set(1)
 
     def probe(self) -> bool:
-        """One probe of the offset store: restart a dead embedded server, set the gauge and
-        the health status; True if it answers."""
-        up = answers(self.redis_url, timeout_s=1.0)
-        why = "offset store unreachable"
-        if not up and self.embedded is not None:
+        """One probe of the offset store: restart a dead embedded server, set the gauge, the
+        health status and :attr:`RedisCalls.down`; True if it answers. A miss is asked again
+        at once (a loaded box may miss one answer): two in a row turn readiness NOT_SERVING."""
+        why = ""
+        up = False
+        for _ in range(2):
+            if answers(self.redis_url, timeout_s=PROBE_TIMEOUT_S):
+                up = True
+                break
+            why = public_details(  # (an embedded store's socket path cut to its name)
+                f"the offset store at {_redact(self.redis_url)} did not answer in "
+                f"{PROBE_TIMEOUT_S:g} s"
+            )
+            if self.embedded is None or self.embedded.running():
+                continue  # (hung, not dead: a second server on its files would corrupt them)
             try:
                 if self.embedded.ensure():
                     self.metrics.redis_restarts.inc()
-                up = answers(self.redis_url, timeout_s=1.0)
+                up = answers(self.redis_url, timeout_s=PROBE_TIMEOUT_S)
             except (DeltadError, OSError) as e:  # e.g. ENOSPC writing its config: a full spool
                 why = f"the embedded redis is down and cannot restart: {_no_paths(e)}"
-        # health flips only after two probes agree (a loaded box may miss one answer)
-        self._fails = 0 if up else self._fails + 1
-        if not up and self._fails < 2:
-            return False
+            break
         self.metrics.redis_up.set(1 if up else 0)
+        if self.calls is not None:
+            self.calls.down = None if up else why
         if not self.health.stopped:
             self.health.set_problem("redis", None if up else why)
         self.up = up

@@ -28,6 +28,7 @@ from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.rollout import cap_for
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, StoredCursor
 from deltad.serve.state.owed import OwedStore
+from deltad.serve.state.redis_calls import answer_by
 from deltad.serve.windows.getdelta import WindowServer
 from deltad.serve.windows.streams import StreamSlots
 from deltad.v1 import delta_pb2 as pb
@@ -323,8 +324,13 @@ def handlers(servicer: DeltaServicer) -> grpc.GenericRpcHandler:
     """The service's method handlers; GetDelta's responses are already serialized bytes."""
 
     def unary(fn: Any, req: Any, resp: Any) -> grpc.RpcMethodHandler:
+        def bounded(request: Any, context: grpc.ServicerContext) -> Any:
+            # (its calls to Redis give up in time to answer before the caller's deadline)
+            with answer_by(context.time_remaining()):
+                return fn(request, context)
+
         return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+            bounded, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
         )
 
     return grpc.method_handlers_generic_handler(

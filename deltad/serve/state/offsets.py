@@ -33,6 +33,8 @@ _R = TypeVar("_R")
 #: ranks past this are no sidecar's (the ``rank`` setting's bound)
 MAX_RANKS = int(SERVER_RANGES["rank"].hi) + 1
 
+#: How long one call waits for the offset store's answer (its client's socket timeout).
+STORE_TIMEOUT_S = 2.0
 #: Pull records of consumers that never commit disappear after this.
 PULL_TTL_MS = 7 * 24 * 3600 * 1000
 
@@ -218,6 +220,7 @@ class OffsetStore:
         backoff_s: float = 0.05,
         url: str = "",
         min_replicas: int = 0,
+        timeout_s: float = 2.0,
     ) -> None:
         self.client = client
         #: (consumer, rank, kind) of malformed records warned about (see _parsed)
@@ -225,8 +228,9 @@ class OffsetStore:
         self._bad_records = RateLimitedLog(logger=log)
         #: How every call reaches Redis: retries, errors, replica acknowledgement.
         self.calls = RedisCalls(
-            client, attempts=attempts, backoff_s=backoff_s, url=url, min_replicas=min_replicas
-        )
+            client, attempts=attempts, backoff_s=backoff_s, url=url, min_replicas=min_replicas,
+            timeout_s=timeout_s,
+        )  # fmt: skip
         self.keys = RedisKeys(model)
         self._commit = client.register_script(_COMMIT)
         #: Consumer membership and leases (who is known, who is live, forgetting).
@@ -240,7 +244,9 @@ class OffsetStore:
         if scheme in SENTINEL_SCHEMES:
             given = options_min_replicas(rest.partition("?")[2])
             kw.setdefault("min_replicas", 1 if given is None else given)
-        return cls(connect(url, socket_timeout_s=2.0), model, url=url, **kw)
+        timeout_s = kw.pop("timeout_s", STORE_TIMEOUT_S)
+        client = connect(url, socket_timeout_s=timeout_s)
+        return cls(client, model, url=url, timeout_s=timeout_s, **kw)
 
     @property
     def min_replicas(self) -> int:

@@ -1,10 +1,18 @@
-"""The offset store's calls to Redis: bounded retries, one error type, commits its replicas hold."""
+"""The offset store's calls to Redis: bounded retries, one error type, commits its replicas hold.
+
+A call made while answering an RPC (inside :func:`answer_by`) retries only while the answer
+can still reach the caller before its deadline, and a store the sidecar's probe found down
+(:attr:`RedisCalls.down`) gets one attempt: the caller hears UNAVAILABLE naming the store
+that did not answer, not its own DEADLINE_EXCEEDED.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import redis
@@ -16,6 +24,29 @@ from deltad.store import _redact
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+#: Time kept for the answer to reach the caller before its deadline.
+ANSWER_MARGIN_S = 0.5
+#: When the RPC being answered on this thread gives up (time.monotonic()); None: no deadline.
+_answer_by: ContextVar[float | None] = ContextVar("deltad_answer_by", default=None)
+
+
+@contextlib.contextmanager
+def answer_by(remaining_s: float | None) -> Iterator[None]:
+    """Calls to Redis inside the block stop retrying in time to answer within
+    ``remaining_s`` (an RPC's ``context.time_remaining()``; None: no deadline)."""
+    token = _answer_by.set(None if remaining_s is None else time.monotonic() + remaining_s)
+    try:
+        yield
+    finally:
+        _answer_by.reset(token)
+
+
+def time_left() -> float | None:
+    """Seconds until the RPC being answered gives up (None outside :func:`answer_by`)."""
+    end = _answer_by.get()
+    return None if end is None else end - time.monotonic()
+
 
 #: Errors a retry may outlive.
 _TRANSIENT = (
@@ -43,42 +74,70 @@ class RedisCalls:
         backoff_s: float = 0.05,
         url: str = "",
         min_replicas: int = 0,
+        timeout_s: float = 2.0,
     ) -> None:
         self.client = client
         self.attempts = max(1, attempts)
         self.backoff_s = backoff_s
         self.url = url
+        #: The client's socket timeout: how long one attempt waits for an answer.
+        self.timeout_s = timeout_s
+        #: Why the store is down, as the sidecar's probe last found it (None: it answers):
+        #: calls then make one attempt each instead of retrying into the callers' deadlines.
+        self.down: str | None = None
         #: Replicas that must hold a commit before it is acknowledged (Redis WAIT): a
         #: Sentinel failover promotes a replica, which then has every acknowledged cursor.
         self.min_replicas = min_replicas
         self._attached = True
 
-    def retry(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, retried while Redis is down or failing over; OffsetStoreError after
-        the last attempt, or at once for an answer no retry changes."""
+    def retry(self, what: str, fn: Callable[[], T], *, attempts: int | None = None) -> T:
+        """``fn()``, retried while Redis is down or failing over (``attempts`` times, default
+        :attr:`attempts`); OffsetStoreError after the last attempt, or at once for an answer
+        no retry changes. One attempt while :attr:`down`; inside :func:`answer_by`, no
+        attempt that would outlast the caller."""
         delay = self.backoff_s
         last: Exception | None = None
-        for attempt in range(self.attempts):
+        attempts = 1 if self.down else max(1, attempts or self.attempts)
+        tried = 0
+        for attempt in range(attempts):
             try:
+                tried += 1
                 return fn()
             except redis.AuthenticationError as e:  # a refused password is not transient
-                where = _redact(self.url) if self.url else "redis"
-                raise OffsetStoreError(f"offset store ({where}) refused authentication: {e}") from e
+                raise OffsetStoreError(
+                    f"offset store ({self.where}) refused authentication: {e}"
+                ) from e
             except _TRANSIENT as e:
                 # down, loading its data after a restart, a replica after a failover (Sentinel)
                 # or a cluster moving or electing a slot's master
                 last = e
-                if attempt + 1 < self.attempts:
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
+                # (the probe found the store down meanwhile: no more waits on it)
+                if attempt + 1 >= attempts or self.down or not self._time_for(delay):
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
             except redis.RedisError as e:  # an answer no retry changes (OOM, MISCONF, ...)
-                where = _redact(self.url) if self.url else "redis"
-                raise OffsetStoreError(f"offset store ({where}) refused {what}: {e}") from e
-        where = _redact(self.url) if self.url else "redis"
+                raise OffsetStoreError(f"offset store ({self.where}) refused {what}: {e}") from e
+        if isinstance(last, redis.TimeoutError):
+            raise OffsetStoreError(
+                f"the offset store at {self.where} did not answer in {self.timeout_s:g} s "
+                f"({what}, {tried} attempt{'s' if tried > 1 else ''})"
+            )
         raise OffsetStoreError(
-            f"offset store ({where}) unavailable during {what} after {self.attempts} attempts: "
-            f"{last}"
+            f"offset store ({self.where}) unavailable during {what} after {tried} "
+            f"attempt{'s' if tried > 1 else ''}: {last}"
         )
+
+    @property
+    def where(self) -> str:
+        """The store's URL without its password, for messages."""
+        return _redact(self.url) if self.url else "redis"
+
+    def _time_for(self, delay: float) -> bool:
+        """Whether another attempt after ``delay`` can still be answered before the deadline
+        of the RPC being answered (always, outside :func:`answer_by`)."""
+        left = time_left()
+        return left is None or left > delay + self.timeout_s + ANSWER_MARGIN_S
 
     def check_replicated(self, replicas: int, written_on: str) -> None:
         """OffsetStoreError (the caller retries) for a write that ``replicas`` replicas

@@ -23,6 +23,7 @@ from deltad.errors import OffsetStoreError
 from deltad.keys import RedisKeys
 from deltad.segment.spool import read_small_file, write_atomic
 from deltad.serve.rollout import ReleaseState
+from deltad.serve.state.redis_calls import RedisCalls
 
 log = logging.getLogger(__name__)
 
@@ -51,29 +52,19 @@ class RolloutSource(Protocol):
 class RolloutStore:
     """The release state of one model in Redis."""
 
-    def __init__(self, client: redis.Redis, model: str, *, attempts: int = 5) -> None:
+    def __init__(
+        self, client: redis.Redis, model: str, *, attempts: int = 5, calls: RedisCalls | None = None
+    ) -> None:
         self.client = client
         self.key = RedisKeys(model).rollout()
         self.attempts = max(1, attempts)
+        #: How calls reach Redis: the offset store's (its URL, deadlines, down flag) if given.
+        self.calls = calls or RedisCalls(client, attempts=attempts)
 
     def _retry(
         self, what: str, fn: Callable[[], ReleaseState], attempts: int | None = None
     ) -> ReleaseState:
-        delay, last = 0.05, None
-        attempts = self.attempts if attempts is None else max(1, attempts)
-        for attempt in range(attempts):
-            try:
-                return fn()
-            except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError) as e:
-                last = e
-                if attempt + 1 < attempts:
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-            except redis.RedisError as e:
-                raise OffsetStoreError(f"release state: redis refused {what}: {e}") from e
-        raise OffsetStoreError(
-            f"release state: redis unavailable during {what} after {attempts} attempts: {last}"
-        )
+        return self.calls.retry(f"release state {what}", fn, attempts=attempts or self.attempts)
 
     def get(self, *, attempts: int | None = None) -> ReleaseState:
         """The stored state (the default, everything released, if none is stored)."""
