@@ -26,7 +26,7 @@ from deltad.parent import die_with_parent
 def _bench_commands() -> ModuleType | None:
     """``bench/run.py`` of the source checkout this deltad runs from, or None when deltad was
     installed from a wheel: the benchmarks are a checkout tool and are not installed."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if not (root / "bench" / "run.py").is_file():
         return None
     if str(root) not in sys.path:

@@ -105,7 +105,7 @@ class Children:
         #: the children's environment (the caller may add to it before a spawn): this
         #: checkout's ``deltad`` first on PYTHONPATH, the allocator tuned for large tables
         self.env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH")) if p)
         self.env.setdefault("MALLOC_MMAP_MAX_", "0")
         self.env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
