@@ -243,14 +243,14 @@ def test_release_force_says_forced_past_the_gate_only_when_the_gate_held_a_step_
     with sidecar(ft, tmp_path, redis_url, 2) as ep:
         code, out, err = cli(ep, capsys, "release", "--force", "--to-step", "1")  # no gate failure
         assert code == 0, err
-        assert out.splitlines()[0] == "released to step 1"
+        assert out.splitlines()[0] == "released to step 1 (generation 1)"
         ft.step(3, poison=float("nan"))
         ft.step(4)
         wait_for(lambda: rollout(ep, A.ROLLOUT_STATUS).gate_bad_step == 3, 10, "the gate")
         # below the failed step: the gate holds nothing back from this release
         code, out, err = cli(ep, capsys, "release", "--force", "--to-step", "2")
         assert code == 0, err
-        assert out.splitlines()[0] == "released to step 2"
+        assert out.splitlines()[0] == "released to step 2 (generation 1)"
         code, out, err = cli(ep, capsys, "release", "--force")
         assert code == 0, err
         assert out.splitlines()[0] == "released to the head (forced past the gate)"
@@ -258,4 +258,4 @@ def test_release_force_says_forced_past_the_gate_only_when_the_gate_held_a_step_
         # accepted already: nothing is forced any more
         code, out, err = cli(ep, capsys, "release", "--force", "--to-step", "4")
         assert code == 0, err
-        assert out.splitlines()[0] == "released to step 4"
+        assert out.splitlines()[0] == "released to step 4 (generation 1)"

@@ -161,7 +161,11 @@ class RolloutControl:
                 below_base("release to", step, base, "release")
                 step, note = self._resolved(step)
                 self._peers("release to", step)
-            what = "released to the head" if step is None else f"released to step {step}{note}"
+            what = (
+                "released to the head"
+                if step is None
+                else f"released to step {step}{note} (generation {gen})"
+            )
             forced: list[bool] = [False]
 
             def release(state: ReleaseState) -> ReleaseState:
@@ -182,7 +186,7 @@ class RolloutControl:
             below_base(f"pin {group} at", step, base, "pin")
             step, note = self._resolved(step)
             self._peers(f"pin {group} at", step)
-            pinned = f"pinned {group} at step {step} of generation {gen}{note}"
+            pinned = f"pinned {group} at step {step}{note} (generation {gen})"
             change = partial(ro.pin, group=group, step=step, head_step=head_known, generation=gen)
             return change, lambda: pinned
         if action == A.ROLLOUT_UNPIN:
@@ -220,7 +224,7 @@ class RolloutControl:
                 raise RolloutError(f"cannot roll back to step {step}: {reason}")
             step, note = self._resolved(step)
             self._peers("roll back to", step)
-            ordered = f"rollback of {group} to step {step} of generation {gen} ordered{note}"
+            ordered = f"rollback of {group} to step {step} ordered{note} (generation {gen})"
             forward: list[str] = [""]
             to = step
 
