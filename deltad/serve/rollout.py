@@ -334,6 +334,15 @@ def served_steps(state: ReleaseState, generation: int) -> set[int]:
     return {s for s in steps if s >= 0}
 
 
+def unreleased(state: ReleaseState, generation: int) -> bool:
+    """Whether some consumer is held (a release step or a pin) at a state of another
+    generation than ``generation``: any step of ``generation`` may be released to it later,
+    so a relay mirrors each (deltad.serve.relay.mirror) as the upstream's log holds them."""
+    if state.release_step is not None and not of_generation(state.release_generation, generation):
+        return True
+    return any(not of_generation(p.generation, generation) for p in state.pins)
+
+
 @dataclass(frozen=True)
 class Cap:
     """How a window is bounded for one consumer: ``max_step`` (None: the head;
