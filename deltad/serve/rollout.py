@@ -801,6 +801,8 @@ def describe(
         rel = "release: head"
     else:
         rel = f"release: step {state.release_step}{of(state.release_generation)}"
+        if state.release_step < 0:  # (gate_failed on a base: no step of it is good)
+            rel = f"release: no step{of(state.release_generation)} (its base failed the gate)"
         rel += ", held" if state.held else ""
     lines = [f"{rel} (version {state.version})"]
     if state.release_step is not None and not of_generation(state.release_generation, g):
