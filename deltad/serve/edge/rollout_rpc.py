@@ -138,6 +138,8 @@ class RolloutControl:
         step = int(req.step) if req.HasField("step") else None
         group = req.group
         head_known = head if head >= 0 else None
+        # (the generation a step names: none known without a log)
+        known_gen = gen if head >= 0 else None
         if req.HasField("generation") and req.generation != gen:
             # (an evaluator that scored a step of one generation must not release the same
             # step number of the next: the trainer restarted in between)
@@ -187,7 +189,9 @@ class RolloutControl:
             step, note = self._resolved(step)
             self._peers(f"pin {group} at", step)
             pinned = f"pinned {group} at step {step}{note} (generation {gen})"
-            change = partial(ro.pin, group=group, step=step, head_step=head_known, generation=gen)
+            change = partial(
+                ro.pin, group=group, step=step, head_step=head_known, generation=known_gen
+            )
             return change, lambda: pinned
         if action == A.ROLLOUT_UNPIN:
             return partial(ro.unpin, group=group), lambda: f"unpinned {group}"
@@ -230,10 +234,10 @@ class RolloutControl:
 
             def rollback(state: ReleaseState) -> ReleaseState:
                 # (said when forced: decided on the state the change applies to)
-                forward[0] = ro.forward_of(state, to, group, gen)
+                forward[0] = ro.forward_of(state, to, group, known_gen)
                 return ro.rollback(
                     state, to_step=to, group=group, head_step=head_known,
-                    first_epoch=int(time.time()), generation=gen, force=req.force,
+                    first_epoch=int(time.time()), generation=known_gen, force=req.force,
                 )  # fmt: skip
 
             return rollback, lambda: ordered + (f" (forced: {forward[0]})" if forward[0] else "")
