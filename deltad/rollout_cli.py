@@ -42,7 +42,8 @@ from deltad.v1 import delta_pb2_grpc
 RANGES = {
     **STATUS_RANGES,
     "step": Range(0, MAX_COUNT, integer=True),
-    "generation": Range(0, MAX_COUNT, integer=True),
+    # (the reference trainer's generations are nanosecond times)
+    "generation": Range(0, float(1 << 63), integer=True),
 }
 #: Its endpoint flags (--target), checked as HOST:PORT by `deltad` before run().
 ENDPOINTS = STATUS_ENDPOINTS

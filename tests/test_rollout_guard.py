@@ -367,3 +367,9 @@ def test_a_stored_state_round_trips_with_generations_and_old_readers_still_read_
     assert ro.cap_for(legacy, "z", 7).max_step == 5  # (applied to whatever is served, as before)
     stamped = ro.stamped(legacy, 7)
     assert stamped.release_generation == 7 and stamped.pins[0].generation == 7
+    # the reference trainer's generations are nanosecond times (past 2^53): kept exactly
+    big = ro.gate_failed(
+        ro.hold(ReleaseState(), 9, generation=1795879637312637354),
+        generation=1795879637312637354, bad_step=10, good_step=9, reason="nan",
+    )  # fmt: skip
+    assert ReleaseState.from_json(big.to_json()) == big

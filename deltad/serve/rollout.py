@@ -25,6 +25,9 @@ NOTHING = -2
 #: The largest step (and generation, epoch, version) a stored state may hold: 2^53 - 1, an
 #: integer every JSON reader keeps exact; past it a value was not written by the controls.
 MAX_STEP = (1 << 53) - 1
+#: The largest generation a stored state may hold (StatusResponse.generation is a uint64; the
+#: reference trainer's are nanosecond times).
+MAX_GENERATION = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -184,9 +187,9 @@ class ReleaseState:
             last_rollback_epoch=max([last, *(r.epoch for r in orders)]),
             version=_step("version", d.get("version", 0)),
             gate_bad_step=_step("gate_bad_step", d.get("gate_bad_step"), none=True),
-            gate_generation=_step("gate_generation", d.get("gate_generation"), none=True),
+            gate_generation=_gen("gate_generation", d.get("gate_generation")),
             gate_accepted_step=_step("gate_accepted_step", d.get("gate_accepted_step"), none=True),
-            release_generation=_step("release_generation", d.get("release_generation"), none=True),
+            release_generation=_gen("release_generation", d.get("release_generation")),
         )
         missing = sorted(REQUIRED_FIELDS - d.keys())
         if missing:  # (every writer wrote them: "{}" is no state)
@@ -224,16 +227,22 @@ MAX_STATE_BYTES = 1 << 20
 MAX_GROUPS = 1024
 
 
-def _step(name: str, value: Any, *, none: bool = False, lo: int = 0) -> Any:
-    """``value`` if it is an integer in ``lo``..:data:`MAX_STEP` (or None where ``none``),
-    else ValueError."""
+def _step(name: str, value: Any, *, none: bool = False, lo: int = 0, hi: int = MAX_STEP) -> Any:
+    """``value`` if it is an integer in ``lo``..``hi`` (or None where ``none``), else
+    ValueError."""
     if value is None and none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_STEP:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ValueError(
-            f"release state: {name} must be an integer in {lo}..{MAX_STEP}, not {value!r:.32}"
+            f"release state: {name} must be an integer in {lo}..{hi}, not {value!r:.32}"
         )
     return value
+
+
+def _gen(name: str, value: Any) -> Any:
+    """A generation (or None): an integer in 0..:data:`MAX_GENERATION` (the reference
+    trainer's are nanosecond times, past 2^53)."""
+    return _step(name, value, none=True, hi=MAX_GENERATION)
 
 
 def _glob(name: str, value: Any) -> str:
@@ -258,7 +267,7 @@ def _gens(name: str, value: Any, n: int) -> list[int | None]:
     items = _items(name, value)
     if len(items) != n:
         raise ValueError(f"release state: {name} holds {len(items)} items for {n}")
-    return [_step(f"{name}[{i}]", g, none=True) for i, g in enumerate(items)]
+    return [_gen(f"{name}[{i}]", g) for i, g in enumerate(items)]
 
 
 def _text(name: str, value: Any) -> str:
