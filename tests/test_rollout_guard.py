@@ -373,3 +373,18 @@ def test_a_stored_state_round_trips_with_generations_and_old_readers_still_read_
         generation=1795879637312637354, bad_step=10, good_step=9, reason="nan",
     )  # fmt: skip
     assert ReleaseState.from_json(big.to_json()) == big
+
+
+def test_a_relay_passes_on_that_the_models_stored_state_is_refused() -> None:
+    from deltad.serve.state.release import FollowedRollout
+
+    state = ReleaseState(release_step=3, held=True, version=2)
+    d = json.loads(state.to_json())
+    d["refused"] = "the release state in Redis (k) is malformed: no held"
+    follow = FollowedRollout(None)
+    follow.follow(json.dumps(d))
+    assert follow.state() == state
+    shown = json.loads(follow.state_json())
+    assert shown["refused"].endswith("no held") and ReleaseState.from_json(follow.state_json())
+    follow.follow(state.to_json())  # (repaired upstream)
+    assert "refused" not in json.loads(follow.state_json())

@@ -278,6 +278,8 @@ class FollowedRollout:
         self.path = path
         self.fsync = fsync
         self.known = False
+        #: why the model's stored state is refused, as the upstream said ("" if it is not)
+        self.refused = ""
         if path is not None and path.exists():
             try:
                 self._state = ReleaseState.from_json(read_small_file(path))
@@ -296,8 +298,15 @@ class FollowedRollout:
     )
 
     def state_json(self) -> str:
-        """The state for this relay's own Status: :data:`UNKNOWN_JSON` while not known."""
-        return self._state.to_json() if self.known else UNKNOWN_JSON
+        """The state for this relay's own Status: :data:`UNKNOWN_JSON` while not known; with
+        the upstream's ``"refused"`` (the model's stored value is refused) passed on."""
+        if not self.known:
+            return UNKNOWN_JSON
+        if not self.refused:
+            return self._state.to_json()
+        d = json.loads(self._state.to_json())
+        d["refused"] = self.refused
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     def follow(self, raw: str) -> None:
         """Take the upstream's state (its JSON; "" from an upstream without rollout state:
@@ -309,6 +318,7 @@ class FollowedRollout:
                 return
             new = ReleaseState.from_json(raw) if raw else ReleaseState()
             redacted = bool(d.get("redacted", False))
+            self.refused = str(d.get("refused", ""))[:500]
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             log.warning("upstream sent a malformed release state (ignored): %s", e)
             return
