@@ -230,11 +230,19 @@ def test_answers_say_what_a_release_leaves_pinned_and_when_an_order_moves_a_grou
             "released to the head; still pinned (unpin --group G to release them): g-* at step 20"
             in out
         )
-        assert main(["rollout", "rollback", "--group", "g-*", "--to-step", "30", *target]) == 0
+        # (issue 37: a rollback that moves its group FORWARD is refused without --force)
+        rollback = ["rollout", "rollback", "--group", "g-*", "--to-step", "30", *target]
+        assert main(rollback) == 2
+        err = capsys.readouterr().err
+        assert "g-* is pinned at step 20: a rollback to step 30 would move it FORWARD" in err
+        assert "rollback --force" in err and len(err.strip().splitlines()) == 1
+        assert main([*rollback, "--force"]) == 0
         out = capsys.readouterr().out
-        assert "the group was pinned at step 20: this order moves it forward" in out
+        assert (
+            "(forced: g-* is pinned at step 20: a rollback to step 30 would move it FORWARD)" in out
+        )
         assert main(["rollout", "rollback", "--group", "h-*", "--to-step", "30", *target]) == 0
-        assert "moves it forward" not in capsys.readouterr().out
+        assert "FORWARD" not in capsys.readouterr().out
 
 
 def test_a_pin_or_release_inside_a_merged_segment_is_refused(

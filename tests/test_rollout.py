@@ -214,10 +214,22 @@ def test_pins_and_holds_survive_a_sidecar_restart_and_a_new_generation(
                 30,
                 "the new generation",
             )
-            r = sync_to(c, a, 2)  # the hold at step 2 holds in the new generation
+            # the hold names a state, (generation 1, step 2): nothing of generation 2 is
+            # served past it (issue 39: it was, as "step 2" of the new generation)
+            for cons, app, truth in ((c, a, ft.history[2]), (pc, pa, ft.history[1])):
+                r = cons.sync(app.apply)
+                assert not r.deltas and len(r.missing) == 2, r
+                assert all("generation 2 is not released" in w for w in r.missing.values())
+                assert equal(app, truth)
+            assert status(eps[0], "p-1").cap_step == -2  # (nothing of this generation)
+            # a release that names generation 2 (sent to a sidecar serving it) lets it through
+            rollout(eps[0], A.ROLLOUT_RELEASE, step=2, generation=2)
+            r = sync_to(c, a, 2)
             assert all(d.generation == 2 for d in r.deltas)
             assert equal(a, new.history[2])
-            r = sync_to(pc, pa, 1)
+            assert not pc.sync(pa.apply).deltas and equal(pa, ft.history[1])  # still pinned
+            rollout(eps[0], A.ROLLOUT_PIN, group="pinned-*", step=1)  # (of generation 2)
+            sync_to(pc, pa, 1)
             assert equal(pa, new.history[1])
             assert c.sync(a.apply).step == 2
     finally:
@@ -420,7 +432,7 @@ def test_the_rollout_cli_changes_and_shows_the_state_and_exits_2_on_bad_input(
         for bad, text in (
             (("pin", "--to-step", "1"), "needs --group"),
             (("release", "--to-step", "7"), "past the head step 2"),
-            (("canary", "--group", "x", "--force"), "--force goes with release only"),
+            (("canary", "--group", "x", "--force"), "--force goes with release, rollback only"),
             (("unpin", "--group", "nope"), "no pin of group"),
         ):
             code, _, err = cli(*bad)

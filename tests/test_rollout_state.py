@@ -118,24 +118,32 @@ def test_a_gate_failure_of_an_older_generation_does_not_refuse_a_release() -> No
 
 
 def test_a_hold_the_gate_set_in_an_earlier_generation_says_so() -> None:
-    """Review 10: after a NaN incident and a trainer restart, predictors stopped at the old
-    hold's step in the healthy new generation, and status still said "step 480 failed ...;
-    holding at step 470" as if of this one. Holds stay across generations (caps are trainer
-    steps), and status says which generation failed and how to let the new one through."""
+    """Review 10: after a NaN incident and a trainer restart, status still said "step 480
+    failed ...; holding at step 470" as if of this one. Issue 39: the hold names a state
+    (generation 1, step 495), so the new generation is served to nobody held (cap NOTHING)
+    until a release names it, and status says so."""
     s = ro.gate_failed(ReleaseState(), generation=1, bad_step=480, good_step=470, reason="nan")
     s = ro.release(s, None, head_step=490, generation=1, force=True)
     s = ro.gate_failed(s, generation=1, bad_step=500, good_step=495, reason="nan again")
+    assert (s.release_step, s.release_generation) == (495, 1)
     lines = ro.describe(s, generation=2)
+    assert lines[0] == "release: step 495 of generation 1, held (version 0)", lines
     assert any("failed in an earlier generation (1; 2 is served now)" in x for x in lines), lines
-    assert any("stays on this generation" in x and "step 495" in x for x in lines), lines
+    assert any(
+        "generation 2, served now, is not released" in x and "keep generation 1 step 495" in x
+        for x in lines
+    ), lines
     assert any("up to step 490 of generation 1" in x for x in lines), lines
-    assert cap_for(s, "p").max_step == 495  # still held: an operator lets it through
+    assert cap_for(s, "p", 1).max_step == 495
+    assert cap_for(s, "p", 2).max_step == ro.NOTHING  # nothing of generation 2 (issue 39)
+    assert "is held at generation 1 step 495" in cap_for(s, "p", 2).reasons[0]
     assert ro.gate_open(s, 2) is None
     released = ro.release(s, None, head_step=600, generation=2)  # no force needed
     assert released.release_step is None and not released.held
+    assert cap_for(released, "p", 2).max_step is None
     assert not [x for x in ro.describe(released, generation=2) if x.startswith("gate:")]
     # of the generation served, as before
-    assert any("holding at step 495" in x for x in ro.describe(s, generation=1))
+    assert any("holding the fleet at step 495" in x for x in ro.describe(s, generation=1))
 
 
 def test_the_state_round_trips_through_json() -> None:
@@ -208,7 +216,9 @@ def test_an_order_after_its_predecessors_ended_gets_a_new_epoch() -> None:
     s = ro.unpin(s, "g-*")
     assert ro.rollback(s, 10, "g-*", head_step=50).rollback == Rollback(10, "g-*", 4)
     # and through the stored form, from a state written before the counter
-    old = ReleaseState.from_json('{"rollback":[5,"*",7],"version":9}')
+    old = ReleaseState.from_json(
+        '{"release_step":null,"held":false,"rollback":[5,"*",7],"version":9}'
+    )
     assert ro.rollback(
         ro.release(old, None, head_step=9, generation=1), 5, head_step=9
     ).rollback == (Rollback(5, "*", 8))
@@ -228,13 +238,14 @@ def test_the_redacted_state_keeps_the_order_for_every_consumer_for_old_readers()
     """Review 6 (stop 34) #4: with orders [* to 20, can-* to 30], a reader that knows only
     "rollback" (a relay before "rollbacks") saw none in the redacted state."""
     s = ro.rollback(ReleaseState(), 20, head_step=50)
-    s = ro.rollback(s, 30, "can-*", head_step=50)
+    s = ro.rollback(s, 30, "can-*", head_step=50, force=True)  # (forward: forced)
     d = json.loads(ro.redacted_json(s.to_json()))
     assert d["rollback"] == [20, "*", 1] and d["rollbacks"] == [[20, "*", 1]]
     assert ReleaseState.from_json(ro.redacted_json(s.to_json())).rollbacks == (
         Rollback(20, "*", 1),
     )
-    old = '{"rollback":[4,"g-*",2],"version":3}'  # written before "rollbacks": as it was
+    # written before "rollbacks": as it was
+    old = '{"release_step":null,"held":false,"rollback":[4,"g-*",2],"version":3}'
     assert json.loads(ro.redacted_json(old))["rollback"] is None
 
 
@@ -563,7 +574,7 @@ def test_a_sidecar_that_cannot_read_the_release_state_serves_nothing(
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             why = e.value.details() or ""
             assert "nothing is served until the release state is read" in why
-            assert "pins[0] step must be an integer >= 0" in why
+            assert "pins[0] step must be an integer in 0.." in why
             client.delete(RolloutStore(client, "m").key)  # an operator removes it
             req = pb.GetDeltaRequest(consumer="c", form=pb.FORM_ROWS)
 

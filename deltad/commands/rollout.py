@@ -9,7 +9,12 @@
     deltad rollout pin --group 'pred-eu-*' --step S         # unpin --group 'pred-eu-*'
     deltad rollout rollback --to-step S [--group G]         # order G (default: all) back to S
 
-A release past a step the validation gate failed is refused unless ``--force``; a rollback to a
+A hold, pin, release or rollback names a state: a step of the answering sidecar's generation
+(``--generation G`` checks it is that one). A trainer restart's new generation reaches held,
+pinned or released consumers only when a release names it. A release past a step the
+validation gate failed is refused unless ``--force``, and so is a pin at or past it; a rollback
+that would move consumers FORWARD (held at an older step or generation) is refused unless
+``--force``; a rollback to a
 step the answering sidecar's log cannot restore is refused with the reason (see ``status``:
 ``restorable: steps A..B``), and so is a release or pin to a step older than that log's base;
 a flag the action does not take (:data:`FLAGS`), bad steps and globs, a missing admin role, a
@@ -34,7 +39,12 @@ from deltad.v1 import delta_pb2 as pb
 from deltad.v1 import delta_pb2_grpc
 
 #: Every numeric flag's range (by argparse dest), checked by `deltad` before run().
-RANGES = {**STATUS_RANGES, "step": Range(0, MAX_COUNT, integer=True)}
+RANGES = {
+    **STATUS_RANGES,
+    "step": Range(0, MAX_COUNT, integer=True),
+    # (the reference trainer's generations are nanosecond times)
+    "generation": Range(0, float(1 << 63), integer=True),
+}
 #: Its endpoint flags (--target), checked as HOST:PORT by `deltad` before run().
 ENDPOINTS = STATUS_ENDPOINTS
 
@@ -54,8 +64,9 @@ ACTIONS = {
 FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "group": ("--group", ("pin", "unpin", "canary", "rollback")),
     "step": ("--to-step/--step", ("release", "pin", "rollback")),
-    "force": ("--force", ("release",)),
+    "force": ("--force", ("release", "rollback")),
     "off": ("--off", ("canary",)),
+    "generation": ("--generation", ("release", "pin", "rollback")),
 }
 
 
@@ -100,7 +111,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="release: serve steps the validation gate failed (an operator's decision)",
+        help="release: serve steps the validation gate failed (an operator's decision); "
+        "rollback: also when it moves consumers forward (held at an older step or generation)",
+    )
+    p.add_argument(
+        "--generation",
+        type=int,
+        default=None,
+        help="release, pin, rollback: the generation --step is of; refused unless it is the "
+        "one the target sidecar serves (default: that one)",
     )
     p.add_argument("--off", action="store_true", help="canary: stop the group following the head")
     add_connection_arguments(p)
@@ -121,6 +140,8 @@ def request(args: argparse.Namespace) -> pb.RolloutRequest:
     req = pb.RolloutRequest(action=action, group=args.group or "", force=args.force)
     if args.step is not None:
         req.step = args.step
+    if args.generation is not None:
+        req.generation = args.generation
     return req
 
 
@@ -145,7 +166,6 @@ def run(args: argparse.Namespace) -> int:
     req = request(args)  # a usage error first, before any credential is looked at
     auth = connection_auth(args)
     resp = call(args.target, req, auth=auth, timeout=args.timeout)
-    state = ReleaseState.from_json(resp.state)
     if args.json:
         out = {
             "state": json.loads(resp.state),
@@ -165,10 +185,13 @@ def run(args: argparse.Namespace) -> int:
             "(this rank's log; rollback --to-step S within them, or to a step the release "
             "state holds)"
         )
-    unknown = json.loads(resp.state or "{}")
-    if unknown.get("unknown"):  # a relay not yet told by its upstream, Redis's unreadable
-        print(printable(f"release state: {unknown.get('why', 'not known')} (nothing is served)"))
+    d = json.loads(resp.state) if resp.state else {}
+    if d.get("unknown"):  # a relay not yet told by its upstream, Redis's unreadable
+        print(printable(f"release state: {d.get('why', 'not known')} (nothing is served)"))
         return 0
+    state = ReleaseState.from_json(resp.state) if resp.state else ReleaseState()
     for line in describe(state, generation=resp.generation if resp.head_step >= 0 else None):
         print(printable(line))
+    if d.get("refused"):
+        print(printable(f"release state: the value in Redis is REFUSED: {d['refused']}"))
     return 0

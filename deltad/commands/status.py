@@ -295,7 +295,9 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
     )
     unknown = bool(s.rollout_state) and bool(json.loads(s.rollout_state).get("unknown"))
     for c in consumers.consumers:
-        cap = "head" if c.cap_step < 0 or not s.rollout_state else str(c.cap_step)
+        cap = "head" if c.cap_step == -1 or not s.rollout_state else str(c.cap_step)
+        if c.cap_step == -2:  # (held at another generation's state: served nothing of this)
+            cap = "nothing"
         if unknown:  # (a relay that has not heard its upstream's state serves nobody)
             cap = "-"
         lag = "-" if c.lag_segments < 0 else str(c.lag_segments)  # (-: consumes other ranks)
@@ -332,10 +334,19 @@ def rollout_lines(s: pb.StatusResponse) -> list[str]:
     lines = ["rollout:"] + [
         f"  {line}" for line in describe(state, redacted=redacted, generation=served)
     ]
-    if s.gate_reason:
+    if d.get("refused"):
         lines.append(
-            f"  gate here: step {s.gate_bad_step} failed: {s.gate_reason} (serving at most step "
-            f"{s.gate_bad_step - 1})"
+            f"  release state: the value in Redis is REFUSED (the state above, the last valid "
+            f"one read, stays in force; the next control replaces it): {d['refused']}"
+        )
+    same = state.gate_bad_step == s.gate_bad_step and state.gate_generation == s.generation
+    if s.gate_reason and not same:
+        # (only published steps are named: the newest this rank holds before the failure)
+        before = [t for t in s.steps if t < s.gate_bad_step]
+        newest = f"; newest published before it: step {max(before)}" if before else ""
+        lines.append(
+            f"  gate here: step {s.gate_bad_step} failed: {s.gate_reason} (nothing at or past "
+            f"it is served{newest})"
         )
     return lines
 

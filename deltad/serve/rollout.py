@@ -17,14 +17,27 @@ from deltad.errors import RolloutError, RolloutRefused
 
 #: Serve every consumer up to the head: no hold, no pin, no canary, no rollback.
 HEAD: int | None = None
+#: A cap of "nothing of the generation served": the consumer's release names a state of
+#: another generation (a hold, pin or release recorded before the trainer restarted), so it
+#: keeps what it holds and is served nothing new until a release names this generation
+#: (ConsumerInfo.cap_step / StatusResponse.cap_step say -2).
+NOTHING = -2
+#: The largest step (and generation, epoch, version) a stored state may hold: 2^53 - 1, an
+#: integer every JSON reader keeps exact; past it a value was not written by the controls.
+MAX_STEP = (1 << 53) - 1
+#: The largest generation a stored state may hold (StatusResponse.generation is a uint64; the
+#: reference trainer's are nanosecond times).
+MAX_GENERATION = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
 class Pin:
-    """Consumers whose name matches ``group`` (an fnmatch glob) stay at ``step``."""
+    """Consumers whose name matches ``group`` (an fnmatch glob) stay at ``step`` of
+    ``generation`` (None: recorded before pins named one; of whatever generation is served)."""
 
     group: str
     step: int
+    generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -37,13 +50,19 @@ class Rollback:
     to_step: int
     group: str = "*"
     epoch: int = 0
+    #: the generation ``to_step`` is of (None: recorded before orders named one); an order
+    #: applies to cursors of that generation only
+    generation: int | None = None
 
 
 @dataclass(frozen=True)
 class ReleaseState:
     """Everything a sidecar or relay needs to decide how far a consumer may be served.
 
-    * ``release_step``: None, the head is released; else serve at most this step.
+    * ``release_step``: None, the head is released; else serve at most this step of
+      ``release_generation`` (None: recorded before releases named a generation, of whatever
+      generation is served); nothing of another generation is served past a release or a
+      hold: a restarted trainer's new generation waits for a release that names it.
     * ``held``: set by ``hold`` or by the validation gate (``gate_reason`` says why); while
       held, ``release_step`` is the last released (good) step.
     * ``pins``: groups kept at a step (the first matching pin wins).
@@ -78,6 +97,8 @@ class ReleaseState:
     #: an operator released past the gate (``release --force``): steps up to this one of
     #: ``gate_generation`` are served even if the gate failed them
     gate_accepted_step: int | None = None
+    #: the generation ``release_step`` is of (None: the head is released, or not recorded)
+    release_generation: int | None = None
 
     def to_json(self) -> str:
         """The stored form (one Redis string per model)."""
@@ -98,51 +119,86 @@ class ReleaseState:
             "gate_bad_step": self.gate_bad_step,
             "gate_generation": self.gate_generation,
             "gate_accepted_step": self.gate_accepted_step,
+            # (beside the older fields, not inside them: a reader that predates generations
+            # reads "pins" and "rollbacks" as it always did)
+            "release_generation": self.release_generation,
+            "pin_generations": [p.generation for p in self.pins],
+            "rollback_generations": [r.generation for r in self.rollbacks],
         }
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> ReleaseState:
-        """The state of its stored form; ValueError naming the field if it is not one (a
-        hand-edited or corrupt value: a step that is not a non-negative integer, a group
-        that is not a string, ...), so no reader takes a state the controls could not have
-        written."""
+        """The state of its stored form; ValueError naming the field if it is not one the
+        controls could have written (see :func:`check_stored`): not a JSON object, a field
+        missing or unknown, a step that is not an integer in 0..2^53-1, a group that is not
+        a glob, ..., so no reader takes a hand-edited or corrupt value (``{}``, a pin of
+        ``*`` at step 2^63-1) as a release."""
+        if len(raw) > MAX_STATE_BYTES:
+            raise ValueError(f"release state: {len(raw)} bytes, more than {MAX_STATE_BYTES}")
         d = json.loads(raw)
         if not isinstance(d, dict):
             raise ValueError("release state: not a JSON object")
+        unknown = sorted(set(d) - KNOWN_FIELDS)
+        if unknown:
+            raise ValueError(f"release state: unknown field {', '.join(unknown)[:64]!r}")
         rbs = d.get("rollbacks")
         if rbs is None:  # written before "rollbacks": the one order
             rbs = [] if d.get("rollback") is None else [d["rollback"]]
+        rbs = _items("rollbacks", rbs, 3)
+        if len(rbs) > MAX_ROLLBACKS + 1:
+            raise ValueError(
+                f"release state: {len(rbs)} rollback orders (at most {MAX_ROLLBACKS + 1})"
+            )
+        rb_gens = _gens("rollback_generations", d.get("rollback_generations"), len(rbs))
         orders = tuple(
-            Rollback(_step(f"rollbacks[{i}] step", r[0]), _text(f"rollbacks[{i}] group", r[1]),
-                     _step(f"rollbacks[{i}] epoch", r[2]))
-            for i, r in enumerate(_items("rollbacks", rbs, 3))
+            Rollback(_step(f"rollbacks[{i}] step", r[0]), _glob(f"rollbacks[{i}] group", r[1]),
+                     _step(f"rollbacks[{i}] epoch", r[2]), rb_gens[i])
+            for i, r in enumerate(rbs)
         )  # fmt: skip
+        if d.get("rollback") is not None:  # (the newest order, for older readers)
+            _items("rollback", [d["rollback"]], 3)
         last = _step("last_rollback_epoch", d.get("last_rollback_epoch", 0))
         held = d.get("held", False)
         if not isinstance(held, bool):
             raise ValueError(f"release state: held must be true or false, not {held!r:.32}")
-        return cls(
-            # (-1: a base failed the gate, no step is good: gate_failed)
-            release_step=_step("release_step", d.get("release_step"), none=True, lo=-1),
+        pins = _items("pins", d.get("pins", []), 2)
+        canaries = _items("canary", d.get("canary", []))
+        if len(pins) > MAX_GROUPS or len(canaries) > MAX_GROUPS:
+            raise ValueError(f"release state: more than {MAX_GROUPS} pins or canary groups")
+        pin_gens = _gens("pin_generations", d.get("pin_generations"), len(pins))
+        if not isinstance(d.get("redacted", False), bool):
+            raise ValueError("release state: redacted must be true or false")
+        # (-1: a base failed the gate, no step is good: gate_failed)
+        release_step = _step("release_step", d.get("release_step"), none=True, lo=-1)
+        if held and release_step is None:
+            raise ValueError("release state: held, but no release step to hold at")
+        state = cls(
+            release_step=release_step,
             held=held,
             gate_reason=_text("gate_reason", d.get("gate_reason", "")),
             gate_good_step=_step("gate_good_step", d.get("gate_good_step"), none=True, lo=-1),
             pins=tuple(
-                Pin(_text(f"pins[{i}] group", g), _step(f"pins[{i}] step", st))
-                for i, (g, st) in enumerate(_items("pins", d.get("pins", []), 2))
+                Pin(_glob(f"pins[{i}] group", g), _step(f"pins[{i}] step", st), pin_gens[i])
+                for i, (g, st) in enumerate(pins)
             ),
-            canary=tuple(
-                _text(f"canary[{i}]", g)
-                for i, g in enumerate(_items("canary", d.get("canary", [])))
-            ),
+            canary=tuple(_glob(f"canary[{i}]", g) for i, g in enumerate(canaries)),
             rollbacks=orders,
             last_rollback_epoch=max([last, *(r.epoch for r in orders)]),
             version=_step("version", d.get("version", 0)),
             gate_bad_step=_step("gate_bad_step", d.get("gate_bad_step"), none=True),
-            gate_generation=_step("gate_generation", d.get("gate_generation"), none=True),
+            gate_generation=_gen("gate_generation", d.get("gate_generation")),
             gate_accepted_step=_step("gate_accepted_step", d.get("gate_accepted_step"), none=True),
+            release_generation=_gen("release_generation", d.get("release_generation")),
         )
+        missing = sorted(REQUIRED_FIELDS - d.keys())
+        if missing:  # (every writer wrote them: "{}" is no state)
+            raise ValueError(
+                f"release state: no {', no '.join(missing)} (every writer writes them)"
+            )
+        if state.gate_bad_step is not None and state.gate_generation is None:
+            raise ValueError("release state: a gate failure (gate_bad_step) of no generation")
+        return state
 
     @property
     def rollback(self) -> Rollback | None:
@@ -154,13 +210,64 @@ class ReleaseState:
         return replace(self, version=self.version + 1, **changes)
 
 
-def _step(name: str, value: Any, *, none: bool = False, lo: int = 0) -> Any:
-    """``value`` if it is an integer >= ``lo`` (or None where ``none``), else ValueError."""
+#: The fields a stored state holds: those every writer wrote (since the first) and the others.
+REQUIRED_FIELDS = frozenset({"release_step", "held", "version"})
+KNOWN_FIELDS = REQUIRED_FIELDS | frozenset(
+    {
+        "gate_reason", "gate_good_step", "pins", "canary", "rollback", "rollbacks",
+        "last_rollback_epoch", "gate_bad_step", "gate_generation", "gate_accepted_step",
+        "release_generation", "pin_generations", "rollback_generations",
+        # (a relay's Status: see redacted_json; a sidecar's, while Redis holds a bad value)
+        "redacted", "refused",
+    }
+)  # fmt: skip
+#: A stored state larger than this is not one the controls wrote.
+MAX_STATE_BYTES = 1 << 20
+#: Pins, and canary groups, a stored state may hold.
+MAX_GROUPS = 1024
+
+
+def _step(name: str, value: Any, *, none: bool = False, lo: int = 0, hi: int = MAX_STEP) -> Any:
+    """``value`` if it is an integer in ``lo``..``hi`` (or None where ``none``), else
+    ValueError."""
     if value is None and none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"release state: {name} must be an integer >= {lo}, not {value!r:.32}")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(
+            f"release state: {name} must be an integer in {lo}..{hi}, not {value!r:.32}"
+        )
     return value
+
+
+def _gen(name: str, value: Any) -> Any:
+    """A generation (or None): an integer in 0..:data:`MAX_GENERATION` (the reference
+    trainer's are nanosecond times, past 2^53)."""
+    return _step(name, value, none=True, hi=MAX_GENERATION)
+
+
+def _glob(name: str, value: Any) -> str:
+    """``value`` if it is a group glob a control could have recorded (printable, no space,
+    at most :data:`MAX_STORED_GROUP` characters), else ValueError."""
+    group = _text(name, value)
+    if (
+        not group
+        or len(group) > MAX_STORED_GROUP
+        or not group.isprintable()
+        or any(c.isspace() for c in group)
+    ):
+        raise ValueError(f"release state: {name} is not a group glob: {group[:64]!r}")
+    return group
+
+
+def _gens(name: str, value: Any, n: int) -> list[int | None]:
+    """The generations of ``n`` pins or orders (None: a state written before they were
+    recorded: n Nones)."""
+    if value is None:
+        return [None] * n
+    items = _items(name, value)
+    if len(items) != n:
+        raise ValueError(f"release state: {name} holds {len(items)} items for {n}")
+    return [_gen(f"{name}[{i}]", g) for i, g in enumerate(items)]
 
 
 def _text(name: str, value: Any) -> str:
@@ -194,57 +301,120 @@ def matches(group: str, consumer: str) -> bool:
     return fnmatch.fnmatchcase(consumer, group)
 
 
-def target_step(state: ReleaseState, consumer: str) -> int | None:
-    """The newest step ``consumer`` may be served (None: the head), before any rollback.
+def of_generation(recorded: int | None, generation: int | None) -> bool:
+    """Whether a step recorded of generation ``recorded`` (None: not recorded, any) is a step
+    of ``generation`` (None: any)."""
+    return recorded is None or generation is None or recorded == generation
+
+
+def target_step(state: ReleaseState, consumer: str, generation: int | None = None) -> int | None:
+    """The newest step of ``generation`` (None: whatever is served; as before generations
+    were recorded) that ``consumer`` may be served (None: the head; :data:`NOTHING`: none,
+    its pin or release names a state of another generation), before any rollback.
 
     A pin wins over a canary, a canary over the release step; a canary never passes the
-    gate's last good step."""
+    gate's last good step of the generation the gate failed."""
     for pin in state.pins:
         if matches(pin.group, consumer):
-            return pin.step
+            return pin.step if of_generation(pin.generation, generation) else NOTHING
     if any(matches(g, consumer) for g in state.canary):
-        return state.gate_good_step if state.held else None
-    return state.release_step
+        if state.held and of_generation(state.gate_generation, generation):
+            return state.gate_good_step
+        return None
+    if state.release_step is None:
+        return None
+    return state.release_step if of_generation(state.release_generation, generation) else NOTHING
 
 
 def served_steps(state: ReleaseState, generation: int) -> set[int]:
     """The steps below the head whose state ``state`` serves to some consumer of
     ``generation``: the release step (a hold or a release to a step; the gate's last good
-    step is one then) and every pin's step. Retention keeps each in the log, and a relay's
-    mirror ends a segment at each (deltad.serve.relay.mirror)."""
-    steps = {p.step for p in state.pins}
-    if state.release_step is not None:
+    step is one then) and every pin's step, those of ``generation``. Retention keeps each in
+    the log, and a relay's mirror ends a segment at each (deltad.serve.relay.mirror)."""
+    steps = {p.step for p in state.pins if of_generation(p.generation, generation)}
+    if state.release_step is not None and of_generation(state.release_generation, generation):
         steps.add(state.release_step)
-    # (as target_step serves it to canaries while held, whatever generation the hold is of)
+    # (as target_step serves it to canaries while held)
     if (
-        state.held or gate_open(state, generation) is not None
+        (state.held and of_generation(state.gate_generation, generation))
+        or gate_open(state, generation) is not None
     ) and state.gate_good_step is not None:
         steps.add(state.gate_good_step)
-    return steps
+    return {s for s in steps if s >= 0}
+
+
+def unreleased(state: ReleaseState, generation: int) -> bool:
+    """Whether some consumer is held (a release step or a pin) at a state of another
+    generation than ``generation``: any step of ``generation`` may be released to it later,
+    so a relay mirrors each (deltad.serve.relay.mirror) as the upstream's log holds them."""
+    if state.release_step is not None and not of_generation(state.release_generation, generation):
+        return True
+    return any(not of_generation(p.generation, generation) for p in state.pins)
 
 
 @dataclass(frozen=True)
 class Cap:
-    """How a window is bounded for one consumer: ``max_step`` (None: the head) and a
-    rollback order it must follow first (None: none)."""
+    """How a window is bounded for one consumer: ``max_step`` (None: the head;
+    :data:`NOTHING`: nothing of the generation served) and a rollback order it must follow
+    first (None: none); ``reasons``: why it is bent (said in refusals and status)."""
 
     max_step: int | None
     rollback: Rollback | None = None
     reasons: tuple[str, ...] = field(default=())
 
 
-def order_for(state: ReleaseState, consumer: str) -> Rollback | None:
+def order_for(state: ReleaseState, consumer: str, generation: int | None = None) -> Rollback | None:
     """The rollback order ``consumer`` follows: the newest whose group matches it (a newer
-    order naming it replaces an older one; orders for other groups do not)."""
+    order naming it replaces an older one; orders for other groups do not), among those of
+    ``generation`` (None: any)."""
     for rb in reversed(state.rollbacks):
-        if matches(rb.group, consumer):
+        if matches(rb.group, consumer) and of_generation(rb.generation, generation):
             return rb
     return None
 
 
-def cap_for(state: ReleaseState, consumer: str) -> Cap:
-    """The cap :func:`target_step` and the rollback order put on ``consumer``'s window."""
-    return Cap(target_step(state, consumer), order_for(state, consumer))
+def cap_for(state: ReleaseState, consumer: str, generation: int | None = None) -> Cap:
+    """The cap :func:`target_step` and the rollback order put on ``consumer``'s window of
+    ``generation`` (None: whatever is served)."""
+    step = target_step(state, consumer, generation)
+    why: tuple[str, ...] = ()
+    if step == NOTHING:
+        why = (not_released(state, consumer, generation),)
+    return Cap(step, order_for(state, consumer, generation), why)
+
+
+def not_released(state: ReleaseState, consumer: str, generation: int | None) -> str:
+    """Why ``consumer`` is served nothing of ``generation``: the state it is held at."""
+    pin = next((p for p in state.pins if matches(p.group, consumer)), None)
+    if pin is not None:
+        at = f"pinned ({pin.group}) at generation {pin.generation} step {pin.step}"
+    else:
+        held = "held" if state.held else "released"
+        at = f"{held} at generation {state.release_generation} step {state.release_step}"
+    return (
+        f"consumer {consumer!r} is {at}; generation {generation} is not released to it: it "
+        f"keeps what it holds until a release names generation {generation} (deltad "
+        "rollout release, answered by a sidecar of that generation)"
+    )
+
+
+def stamped(state: ReleaseState, generation: int) -> ReleaseState:
+    """``state`` with the generation of every step recorded before steps named one set to
+    ``generation`` (the one served now: how the state was applied until now). A control
+    stamps the state it changes, so an old state names its generation from then on."""
+    if generation <= 0:
+        return state
+    rg = state.release_generation
+    if state.release_step is not None and rg is None:
+        rg = generation
+    pins = tuple(
+        p if p.generation is not None else replace(p, generation=generation) for p in state.pins
+    )
+    orders = tuple(
+        r if r.generation is not None else replace(r, generation=generation)
+        for r in state.rollbacks
+    )
+    return replace(state, release_generation=rg, pins=pins, rollbacks=orders)
 
 
 # ---- the controls, as pure changes of a state -----------------------------------------------
@@ -252,32 +422,40 @@ def cap_for(state: ReleaseState, consumer: str) -> Cap:
 # Each takes the current state and returns the next (the store bumps ``version`` and writes it
 # atomically); RolloutError for bad arguments, RolloutRefused when things stand in the way.
 
-#: A group glob: printable, no whitespace, at most this long.
-MAX_GROUP = 256
+#: A new group glob: at most as long as a consumer name (deltad.config.NAME_PATTERN).
+MAX_GROUP = 128
+#: A group a stored state may hold (and a control may remove): older controls took globs
+#: up to this long.
+MAX_STORED_GROUP = 256
 #: Rollback orders of distinct groups in force at once (a release to the head ends the
 #: model-wide ones, an unpin a group's).
 MAX_ROLLBACKS = 32
 #: What a consumer name is made of (deltad.config.check_name), and fnmatch's own characters.
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+_FIRST_CHARS = frozenset(c for c in _NAME_CHARS if c.isalnum())
 _GLOB_CHARS = frozenset("*?[]!")
 
 
 def check_group(group: str, *, new: bool = True) -> str:
     """``group`` if it is a usable consumer-name glob, else RolloutError. A ``new`` group (a
-    pin, a canary, a rollback order being created) must also be able to match a consumer
-    name: names are ``[A-Za-z0-9][A-Za-z0-9_.-]*``, so a glob with any other character, a
-    ``!`` outside ``[...]``, or a ``[`` that is never closed or holds nothing (fnmatch takes
-    those literally) would match nobody, silently. Removing a group takes any group the
-    state holds (one recorded before this check still goes)."""
+    pin, a canary, a rollback order being created) is bounded and checked as a consumer name
+    is (deltad.config.check_name: 1..128 characters of ``[A-Za-z0-9_.-]``, the first a letter
+    or digit), with fnmatch's ``*``, ``?`` and ``[...]`` besides: it must be able to match
+    some name. A glob with any other character, a ``!`` outside ``[...]``, a ``[`` never
+    closed or holding no name character, a first character no name starts with (``..``,
+    ``-x``) or longer than a name would match nobody, silently. Removing a group takes any
+    group the state holds (one recorded before this check still goes)."""
+    limit = MAX_GROUP if new else MAX_STORED_GROUP
     if (
         not group
-        or len(group) > MAX_GROUP
+        or len(group) > limit
         or not group.isprintable()
         or any(c.isspace() for c in group)
     ):
         raise RolloutError(
-            f"group must be a consumer-name glob of 1..{MAX_GROUP} printable characters "
-            f"without spaces, got {group[:64]!r}"
+            f"group must be a consumer-name glob of 1..{limit} printable characters "
+            f"without spaces (a consumer name is at most {MAX_GROUP}), got {len(group)} "
+            f"characters: {group[:64]!r}"
         )
     if new:
         _check_matchable(group)
@@ -285,12 +463,18 @@ def check_group(group: str, *, new: bool = True) -> str:
 
 
 def _check_matchable(group: str) -> None:
+    """RolloutError unless some consumer name (``[A-Za-z0-9][A-Za-z0-9_.-]{0,127}``) matches
+    ``group``: each of its parts holds a name character, and it can begin with a letter or
+    digit."""
     odd = sorted({c for c in group if c not in _NAME_CHARS and c not in _GLOB_CHARS})
     if odd:
         raise RolloutError(
             f"group {group[:64]!r} can match no consumer: names are made of letters, digits, "
             f"'_', '.' and '-' (and a glob of '*', '?', '[...]'), not {''.join(odd)!r}"
         )
+    # each part of the glob: None for "*" (any run of name characters), else the name
+    # characters the one character it matches may be
+    parts: list[frozenset[str] | None] = []
     i, n = 0, len(group)
     while i < n:
         c = group[i]
@@ -306,14 +490,23 @@ def _check_matchable(group: str) -> None:
                 raise RolloutError(f"group {group[:64]!r} opens a '[' it never closes")
             inner = group[j:k]
             members = _members(inner)
-            if not (_NAME_CHARS - members if negated else _NAME_CHARS & members):
+            chars = _NAME_CHARS - members if negated else _NAME_CHARS & members
+            if not chars:
                 raise RolloutError(
                     f"group {group[:64]!r} can match no consumer: '[{group[i + 1 : k]}]' "
                     "is not a set of name characters"
                 )
+            parts.append(frozenset(chars))
             i = k + 1
             continue
+        parts.append(None if c == "*" else _NAME_CHARS if c == "?" else frozenset(c))
         i += 1
+    first = parts[0]
+    if first is not None and not first & _FIRST_CHARS:
+        raise RolloutError(
+            f"group {group[:64]!r} can match no consumer: a consumer name starts with a letter "
+            "or a digit"
+        )
 
 
 def _members(inner: str) -> frozenset[str]:
@@ -352,11 +545,12 @@ def gate_open(state: ReleaseState, generation: int | None) -> int | None:
     return bad
 
 
-def hold(state: ReleaseState, head_step: int) -> ReleaseState:
-    """Serve nobody past the current release step (the head step now if the head is
-    released); canaries keep following the head (below a gate failure)."""
-    step = head_step if state.release_step is None else state.release_step
-    return replace(state, release_step=step, held=True)
+def hold(state: ReleaseState, head_step: int, generation: int | None = None) -> ReleaseState:
+    """Serve nobody past the current release step (the head step of ``generation`` now if
+    the head is released); canaries keep following the head (below a gate failure)."""
+    if state.release_step is None:
+        return replace(state, release_step=head_step, release_generation=generation, held=True)
+    return replace(state, held=True)
 
 
 def release(
@@ -367,7 +561,8 @@ def release(
     generation: int,
     force: bool = False,
 ) -> ReleaseState:
-    """Release to the head (``to_step`` None) or to ``to_step``.
+    """Release to the head (``to_step`` None: of every generation from now on) or to
+    ``to_step`` of ``generation``.
 
     A step the validation gate failed (in ``generation``) lies in the way of a release to
     or past it: refused unless ``force`` (the operator accepts every step up to the release
@@ -393,14 +588,34 @@ def release(
     orders = state.rollbacks
     if to_step is None:
         orders = tuple(r for r in orders if r.group != "*")
-    return replace(state, release_step=to_step, held=False, rollbacks=orders, **gate)
+    rg = None if to_step is None else generation
+    return replace(
+        state, release_step=to_step, release_generation=rg, held=False, rollbacks=orders, **gate
+    )
 
 
-def pin(state: ReleaseState, group: str, step: int, *, head_step: int | None) -> ReleaseState:
-    """Keep consumers matching ``group`` at ``step`` (replaces a pin of the same group)."""
+def pin(
+    state: ReleaseState,
+    group: str,
+    step: int,
+    *,
+    head_step: int | None,
+    generation: int | None = None,
+) -> ReleaseState:
+    """Keep consumers matching ``group`` at ``step`` of ``generation`` (replaces a pin of the
+    same group). A step at or past one the validation gate failed in ``generation`` is
+    refused, as a release to it is (release --force accepts the failure first)."""
     check_group(group)
     check_step(step, head_step)
-    pins = (*(p for p in state.pins if p.group != group), Pin(group, step))
+    bad = gate_open(state, generation) if generation is not None else None
+    if bad is not None and step >= bad:
+        raise RolloutRefused(
+            f"step {bad} failed the validation gate ({state.gate_reason or 'no reason'}): a pin "
+            f"at step {step} would be served at most step {state.gate_good_step} (the newest "
+            f"good step); pin at a step below {bad}, or accept the failure first (release "
+            "--force)"
+        )
+    pins = (*(p for p in state.pins if p.group != group), Pin(group, step, generation))
     return replace(state, pins=pins)
 
 
@@ -429,6 +644,34 @@ def canary(state: ReleaseState, group: str, *, on: bool = True) -> ReleaseState:
     return replace(state, canary=tuple(g for g in state.canary if g != group))
 
 
+def forward_of(state: ReleaseState, to_step: int, group: str, generation: int | None) -> str:
+    """Why a rollback of ``group`` to ``to_step`` of ``generation`` would move consumers
+    FORWARD ("" if it moves nobody forward): the group's pin, or the release step held (of
+    the whole fleet, for "*"), is older than ``to_step`` or of another generation."""
+    if group != "*":
+        p = next((p for p in state.pins if p.group == group), None)
+        if p is None:
+            if group in state.canary or state.release_step is None:
+                return ""
+            at, gen = state.release_step, state.release_generation
+            who = f"{group} follows the release (step {at})"
+        else:
+            at, gen, who = p.step, p.generation, f"{group} is pinned at step {p.step}"
+    else:
+        if state.release_step is None:
+            return ""
+        at, gen = state.release_step, state.release_generation
+        who = f"the fleet is {'held' if state.held else 'released'} at step {at}"
+    if not of_generation(gen, generation):
+        return (
+            f"{who} of generation {gen}: a rollback to step {to_step} of generation "
+            f"{generation} would move it FORWARD to a generation not released to it"
+        )
+    if at < to_step:
+        return f"{who}: a rollback to step {to_step} would move it FORWARD"
+    return ""
+
+
 def rollback(
     state: ReleaseState,
     to_step: int,
@@ -436,22 +679,33 @@ def rollback(
     *,
     head_step: int | None,
     first_epoch: int = 1,
+    generation: int | None = None,
+    force: bool = False,
 ) -> ReleaseState:
-    """Order consumers matching ``group`` back to ``to_step`` and cap them there, so none
-    rolls forward again until a release: for every consumer ("*"), the release step held
-    at ``to_step``, the canaries stopped and the pins past it dropped; for a group, a pin of
-    it at ``to_step``. The order replaces older orders of the same group (all of them for
-    "*") and stays beside those of other groups, so a consumer away now follows it when it
-    comes back (:func:`order_for`)."""
+    """Order consumers matching ``group`` back to ``to_step`` (of ``generation``) and cap
+    them there, so none rolls forward again until a release: for every consumer ("*"), the
+    release step held at ``to_step``, the canaries stopped and the pins past it dropped; for
+    a group, a pin of it at ``to_step``. The order replaces older orders of the same group
+    (all of them for "*") and stays beside those of other groups, so a consumer away now
+    follows it when it comes back (:func:`order_for`).
+
+    An order that would move its consumers FORWARD (held or pinned at an older step, or at
+    another generation: :func:`forward_of`) is refused unless ``force`` (a release moves a
+    fleet forward; a rollback that does so is likely a typo)."""
     check_group(group)
     check_step(to_step, head_step)
+    ahead = forward_of(state, to_step, group, generation)
+    if ahead and not force:
+        raise RolloutRefused(
+            f"{ahead}; release (--to-step {to_step}) or pin to move it forward, or rollback --force"
+        )
     # (``first_epoch``: where numbering starts in a state with no order in its history; the
     # Rollout RPC passes the time in seconds, so a state lost or deleted from Redis never gives
     # an epoch again that cursors recorded as followed)
     epoch = max([state.last_rollback_epoch, *(r.epoch for r in state.rollbacks)]) + 1
     if not state.last_rollback_epoch and not state.rollbacks:
         epoch = max(epoch, first_epoch)
-    order = Rollback(to_step, group, epoch)
+    order = Rollback(to_step, group, epoch, generation)
     # the orders it replaces: the same group's, or every order for "*" (a consumer follows
     # the newest order naming it, so they could never apply again)
     kept = () if group == "*" else tuple(r for r in state.rollbacks if r.group != group)
@@ -462,14 +716,18 @@ def rollback(
         )
     orders = (*kept, order)
     if group == "*":  # (a pin past the step would take its group forward again)
-        pins = tuple(p for p in state.pins if p.step <= to_step)
+        pins = tuple(
+            p
+            for p in state.pins
+            if p.step <= to_step or not of_generation(p.generation, generation)
+        )
         return replace(
-            state, rollbacks=orders, release_step=to_step, held=True, canary=(), pins=pins,
-            last_rollback_epoch=epoch,
+            state, rollbacks=orders, release_step=to_step, release_generation=generation,
+            held=True, canary=(), pins=pins, last_rollback_epoch=epoch,
         )  # fmt: skip
     # (first: a pin of a narrower group, e.g. pred-main-* under pred-*, would take its
     # consumers forward again past the order's step)
-    pins = (Pin(group, to_step), *(p for p in state.pins if p.group != group))
+    pins = (Pin(group, to_step, generation), *(p for p in state.pins if p.group != group))
     return replace(state, rollbacks=orders, pins=pins, last_rollback_epoch=epoch)
 
 
@@ -478,18 +736,24 @@ def gate_failed(
 ) -> ReleaseState:
     """The validation gate failed ``bad_step`` of ``generation``: hold the model at
     ``good_step`` (the newest step before it), unless the state knows already (an earlier
-    or equal failure of that generation) or an operator accepted the step."""
+    or equal failure of that generation) or an operator accepted the step. A release step
+    of another generation stays (its consumers are served nothing of this one anyway)."""
     if state.gate_generation == generation:
         if state.gate_accepted_step is not None and state.gate_accepted_step >= bad_step:
             return state
         known = state.gate_bad_step
         if gate_open(state, generation) is not None and known is not None and known <= bad_step:
             return state
-    release_step = good_step if state.release_step is None else min(state.release_step, good_step)
+    rs, rg = state.release_step, state.release_generation
+    if rs is None:
+        rs, rg = good_step, generation
+    elif of_generation(rg, generation):
+        rs, rg = min(rs, good_step), generation
     accepted = state.gate_accepted_step if state.gate_generation == generation else None
     return replace(
         state,
-        release_step=release_step,
+        release_step=rs,
+        release_generation=rg,
         held=True,
         gate_reason=reason[:500],
         gate_good_step=good_step,
@@ -508,11 +772,16 @@ def redacted_json(raw: str) -> str:
         return raw
     d = json.loads(raw)
     d["pins"], d["canary"] = [], []
+    if "pin_generations" in d:
+        d["pin_generations"] = []
     rb = d.get("rollback")
     if rb is not None and rb[1] not in ("", "*"):
         d["rollback"] = None
     if "rollbacks" in d:
-        d["rollbacks"] = [r for r in d["rollbacks"] if r[1] in ("", "*")]
+        kept = [i for i, r in enumerate(d["rollbacks"]) if r[1] in ("", "*")]
+        if isinstance(d.get("rollback_generations"), list):
+            d["rollback_generations"] = [d["rollback_generations"][i] for i in kept]
+        d["rollbacks"] = [d["rollbacks"][i] for i in kept]
         # (a reader that knows only "rollback" must still see an order for every consumer)
         d["rollback"] = d["rollbacks"][-1] if d["rollbacks"] else None
     d["redacted"] = True
@@ -523,42 +792,78 @@ def describe(
     state: ReleaseState, *, redacted: bool = False, generation: int | None = None
 ) -> list[str]:
     """The state as short human lines (``deltad rollout status``, ``deltad status``);
-    ``generation``: the one served, to tell a gate failure of an earlier one."""
-    rel = "head" if state.release_step is None else f"step {state.release_step}"
-    lines = [f"release: {rel}{' (held)' if state.held else ''} (version {state.version})"]
-    earlier = (
-        generation is not None
-        and state.gate_generation is not None
-        and state.gate_generation != generation
+    ``generation``: the one served, to tell a state of another generation. One release
+    step; a pin, canary or release the gate bends says the step it is served at most, and
+    every step named is one the state holds (a gate's good step is a published one)."""
+    g = generation
+
+    def of(recorded: int | None) -> str:  # (" of generation G" when not the one served)
+        return "" if recorded is None or recorded == g else f" of generation {recorded}"
+
+    gate_here = (
+        state.gate_bad_step is not None
+        and bool(state.gate_reason)
+        and of_generation(state.gate_generation, g)
     )
+    good = state.gate_good_step
+    if state.release_step is None:
+        rel = "release: head"
+    else:
+        rel = f"release: step {state.release_step}{of(state.release_generation)}"
+        if state.release_step < 0:  # (gate_failed on a base: no step of it is good)
+            rel = f"release: no step{of(state.release_generation)} (its base failed the gate)"
+        rel += ", held" if state.held else ""
+    lines = [f"{rel} (version {state.version})"]
+    if state.release_step is not None and not of_generation(state.release_generation, g):
+        lines.append(
+            f"release: generation {g}, served now, is not released: consumers outside canary "
+            f"groups keep generation {state.release_generation} step {state.release_step} "
+            f"and are served nothing of generation {g} until a release names it (deltad "
+            "rollout release, sent to a sidecar of that generation)"
+        )
     if state.gate_bad_step is not None and state.gate_reason:
-        if earlier:
+        if not gate_here:
             lines.append(
                 f"gate: step {state.gate_bad_step} failed in an earlier generation "
-                f"({state.gate_generation}; {generation} is served now): {state.gate_reason}"
+                f"({state.gate_generation}; {g} is served now): {state.gate_reason}"
             )
-            if state.held:
-                lines.append(
-                    f"gate: the hold it set stays on this generation: its consumers stop at "
-                    f"step {state.release_step} until an operator releases them (deltad "
-                    "rollout release)"
-                )
         else:
+            rs = state.release_step
+            if good is None or good < 0:
+                held = "no step before it is good: nothing is served"
+            elif rs is not None and of_generation(state.release_generation, g) and rs < good:
+                held = f"canaries held at step {good}; the fleet stays at its release step {rs}"
+            else:
+                held = f"holding the fleet{' and canaries' if state.canary else ''} at step {good}"
             lines.append(
                 f"gate: step {state.gate_bad_step} failed (generation {state.gate_generation}): "
-                f"{state.gate_reason}; holding at step {state.gate_good_step}"
+                f"{state.gate_reason}; {held}"
             )
-    if state.gate_accepted_step is not None and not (earlier and not state.held):
-        of = f" of generation {state.gate_generation}" if earlier else ""
+    if state.gate_accepted_step is not None and (
+        of_generation(state.gate_generation, g) or state.held
+    ):
         lines.append(
-            f"gate: released past by an operator up to step {state.gate_accepted_step}{of}"
+            f"gate: released past by an operator up to step {state.gate_accepted_step}"
+            f"{of(state.gate_generation)}"
         )
+    bad = gate_open(state, g)
     for p in state.pins:
-        lines.append(f"pin: {p.group} at step {p.step}")
-    for g in state.canary:
-        lines.append(f"canary: {g} follows the head")
+        bent = ""
+        if not of_generation(p.generation, g):
+            bent = f" (served nothing of generation {g}: it keeps its state)"
+        elif bad is not None and p.step >= bad:
+            at = "nothing" if good is None or good < 0 else f"at most step {good}"
+            bent = f" (served {at}: step {bad} failed the gate)"
+        lines.append(f"pin: {p.group} at step {p.step}{of(p.generation)}{bent}")
+    for c in state.canary:
+        bent = ""
+        if state.held and of_generation(state.gate_generation, g) and good is not None:
+            bent = f" (at most step {good} while the gate holds)" if good >= 0 else " (nothing)"
+        lines.append(f"canary: {c} follows the head{bent}")
     for rb in state.rollbacks:
-        lines.append(f"rollback: {rb.group} to step {rb.to_step} (order {rb.epoch})")
+        lines.append(
+            f"rollback: {rb.group} to step {rb.to_step}{of(rb.generation)} (order {rb.epoch})"
+        )
     if redacted:
         lines.append("pins, canary groups and group rollbacks: shown to admin credentials only")
     return lines

@@ -440,16 +440,18 @@ class StatusResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ..., health_reason: _Optional[str] = ..., upstream_lost: _Optional[str] = ..., rollout_state: _Optional[str] = ..., cap_step: _Optional[int] = ..., gate_reason: _Optional[str] = ..., gate_bad_step: _Optional[int] = ..., rollout_version: _Optional[int] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("action", "step", "group", "force")
+    __slots__ = ("action", "step", "group", "force", "generation")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     action: RolloutAction
     step: int
     group: str
     force: bool
-    def __init__(self, action: _Optional[_Union[RolloutAction, str]] = ..., step: _Optional[int] = ..., group: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, action: _Optional[_Union[RolloutAction, str]] = ..., step: _Optional[int] = ..., group: _Optional[str] = ..., force: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RolloutResponse(_message.Message):
     __slots__ = ("state", "message", "generation", "head_step", "restore_oldest_step", "restore_newest_step")

@@ -211,7 +211,18 @@ class SidecarServer:
             )
         else:
             self.rollout_store = RolloutStore(self.store.client, cfg.model, calls=self.store.calls)
-            self.rollout = RolloutView(self.rollout_store)
+            view = self.rollout = RolloutView(self.rollout_store)
+            self.metrics.track_counter(
+                "deltad_release_state_refused",
+                "Distinct values of the release state in Redis refused as invalid (never "
+                "applied: the last valid state stays in force; see the log, deltad status)",
+                lambda: view.store.refused_values,
+            )
+            self.metrics.track(
+                "deltad_release_state_refusing",
+                "1 while the release state in Redis is refused as invalid, else 0",
+                lambda: 1.0 if view.refused else 0.0,
+            )
         self.log = SegmentLog(
             self.layout,
             cfg.rank,

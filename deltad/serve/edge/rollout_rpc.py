@@ -28,7 +28,12 @@ from deltad.serve import rollout as ro
 from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.rollout import ReleaseState
-from deltad.serve.state.release import RolloutSource, RolloutStore, RolloutView
+from deltad.serve.state.release import (
+    InvalidReleaseState,
+    RolloutSource,
+    RolloutStore,
+    RolloutView,
+)
 from deltad.serve.windows.decide import LogView
 from deltad.v1 import delta_pb2 as pb
 
@@ -43,21 +48,23 @@ A = pb.RolloutAction
 #: The actions that name a consumer group ("*" for a rollback without one).
 _GROUP_ACTIONS = frozenset({A.ROLLOUT_PIN, A.ROLLOUT_CANARY, A.ROLLOUT_ROLLBACK})
 
-#: The request fields each changing action takes (besides ``action``); any other is refused.
+#: The request fields each action takes (besides ``action``); any other is refused.
 TAKES: dict[int, frozenset[str]] = {
+    A.ROLLOUT_STATUS: frozenset(),
     A.ROLLOUT_HOLD: frozenset(),
-    A.ROLLOUT_RELEASE: frozenset({"step", "force"}),
-    A.ROLLOUT_PIN: frozenset({"group", "step"}),
+    A.ROLLOUT_RELEASE: frozenset({"step", "force", "generation"}),
+    A.ROLLOUT_PIN: frozenset({"group", "step", "generation"}),
     A.ROLLOUT_UNPIN: frozenset({"group"}),
     A.ROLLOUT_CANARY: frozenset({"group"}),
     A.ROLLOUT_UNCANARY: frozenset({"group"}),
-    A.ROLLOUT_ROLLBACK: frozenset({"group", "step"}),
+    A.ROLLOUT_ROLLBACK: frozenset({"group", "step", "force", "generation"}),
 }
 
 
 def check_fields(action: int, req: pb.RolloutRequest) -> None:
     """RolloutError naming the fields of ``req`` that ``action`` does not take (none is
-    ignored: a hold with a group would hold everybody)."""
+    ignored: a hold with a group would hold everybody, a status with a step change
+    nothing the caller meant)."""
     takes = TAKES.get(action)
     if takes is None:
         return
@@ -65,6 +72,7 @@ def check_fields(action: int, req: pb.RolloutRequest) -> None:
         "step": req.HasField("step"),
         "group": bool(req.group),
         "force": req.force,
+        "generation": req.HasField("generation"),
     }
     stray = sorted(f for f, on in given.items() if on and f not in takes)
     if stray:
@@ -130,10 +138,22 @@ class RolloutControl:
         step = int(req.step) if req.HasField("step") else None
         group = req.group
         head_known = head if head >= 0 else None
+        # (the generation a step names: none known without a log)
+        known_gen = gen if head >= 0 else None
+        if req.HasField("generation") and req.generation != gen:
+            # (an evaluator that scored a step of one generation must not release the same
+            # step number of the next: the trainer restarted in between)
+            what = f"step {step} of " if step is not None else ""
+            raise RolloutRefused(
+                f"{what}generation {req.generation} asked, but this sidecar serves generation "
+                f"{gen}: nothing changed (ask again of a sidecar of that generation, or name "
+                f"generation {gen})"
+            )
         if action == A.ROLLOUT_HOLD:
             if head < 0:
                 raise RolloutRefused("nothing to hold: this sidecar has no log yet")
-            return partial(ro.hold, head_step=head), lambda: "held"
+            said = f"held (at step {head} of generation {gen} if the head was released)"
+            return partial(ro.hold, head_step=head, generation=gen), lambda: said
         if action == A.ROLLOUT_RELEASE:
             if head < 0:
                 raise RolloutRefused("nothing to release: this sidecar has no log yet")
@@ -143,7 +163,11 @@ class RolloutControl:
                 below_base("release to", step, base, "release")
                 step, note = self._resolved(step)
                 self._peers("release to", step)
-            what = "released to the head" if step is None else f"released to step {step}{note}"
+            what = (
+                "released to the head"
+                if step is None
+                else f"released to step {step}{note} (generation {gen})"
+            )
             forced: list[bool] = [False]
 
             def release(state: ReleaseState) -> ReleaseState:
@@ -164,8 +188,11 @@ class RolloutControl:
             below_base(f"pin {group} at", step, base, "pin")
             step, note = self._resolved(step)
             self._peers(f"pin {group} at", step)
-            pinned = f"pinned {group} at step {step}{note}"
-            return partial(ro.pin, group=group, step=step, head_step=head_known), lambda: pinned
+            pinned = f"pinned {group} at step {step}{note} (generation {gen})"
+            change = partial(
+                ro.pin, group=group, step=step, head_step=head_known, generation=known_gen
+            )
+            return change, lambda: pinned
         if action == A.ROLLOUT_UNPIN:
             return partial(ro.unpin, group=group), lambda: f"unpinned {group}"
         if action == A.ROLLOUT_CANARY:
@@ -201,12 +228,19 @@ class RolloutControl:
                 raise RolloutError(f"cannot roll back to step {step}: {reason}")
             step, note = self._resolved(step)
             self._peers("roll back to", step)
-            ordered = f"rollback of {group} to step {step} ordered{note}"
-            change = partial(
-                ro.rollback, to_step=step, group=group, head_step=head_known,
-                first_epoch=int(time.time()),
-            )  # fmt: skip
-            return change, lambda: ordered
+            ordered = f"rollback of {group} to step {step} ordered{note} (generation {gen})"
+            forward: list[str] = [""]
+            to = step
+
+            def rollback(state: ReleaseState) -> ReleaseState:
+                # (said when forced: decided on the state the change applies to)
+                forward[0] = ro.forward_of(state, to, group, known_gen)
+                return ro.rollback(
+                    state, to_step=to, group=group, head_step=head_known,
+                    first_epoch=int(time.time()), generation=known_gen, force=req.force,
+                )  # fmt: skip
+
+            return rollback, lambda: ordered + (f" (forced: {forward[0]})" if forward[0] else "")
         raise RolloutError(f"unknown rollout action {action}")
 
     def _restore_point(self, step: int) -> tuple[int, int] | str:
@@ -251,19 +285,27 @@ class RolloutControl:
         return f"; {group} matches {n} of {known}"
 
     @staticmethod
-    def _after(action: int, req: pb.RolloutRequest, old: ReleaseState, new: ReleaseState) -> str:
-        """What the answer must add about the new state: a release to the head leaves the
-        pinned groups where they are (unpin frees them); a group's rollback order to a step
-        past its pin moves the group forward."""
-        if action == A.ROLLOUT_RELEASE and not req.HasField("step") and new.pins:
-            pins = ", ".join(f"{p.group} at step {p.step}" for p in new.pins)
-            return f"; still pinned (unpin --group G to release them): {pins}"
-        if action == A.ROLLOUT_ROLLBACK and req.group and req.group != "*":
-            was = next((p.step for p in old.pins if p.group == req.group), None)
-            now = next((p.step for p in new.pins if p.group == req.group), None)
-            if was is not None and now is not None and was < now:
-                return f"; the group was pinned at step {was}: this order moves it forward"
-        return ""
+    def _after(
+        action: int, req: pb.RolloutRequest, old: ReleaseState, new: ReleaseState, gen: int
+    ) -> str:
+        """What the answer must add about the new state, where the gate, a pin or the
+        generation bends it: a release leaves the pinned groups where they are (unpin frees
+        them); a canary or a release of a generation whose gate failed stops before it."""
+        out = ""
+        if action == A.ROLLOUT_RELEASE and new.pins:
+            pins = ", ".join(
+                f"{p.group} at step {p.step}"
+                + ("" if ro.of_generation(p.generation, gen) else f" of generation {p.generation}")
+                for p in new.pins
+            )
+            out += f"; still pinned (unpin --group G to release them): {pins}"
+        bad = ro.gate_open(new, gen)
+        if bad is not None and action in (A.ROLLOUT_RELEASE, A.ROLLOUT_CANARY):
+            good = new.gate_good_step
+            at = "nothing" if good is None or good < 0 else f"at most step {good}"
+            if action == A.ROLLOUT_CANARY or new.release_step is None or new.release_step >= bad:
+                out += f"; step {bad} failed the validation gate: served {at} until it is accepted"
+        return out
 
     def Rollout(self, req: pb.RolloutRequest, context: grpc.ServicerContext) -> pb.RolloutResponse:
         snap = self.log.snapshot()
@@ -279,6 +321,10 @@ class RolloutControl:
         )
         action = req.action
         if action == pb.RolloutAction.ROLLOUT_STATUS:
+            try:
+                check_fields(action, req)
+            except RolloutError as e:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             resp.state = self.source.state_json()
             return resp
         if self.store is None:
@@ -294,12 +340,22 @@ class RolloutControl:
             before: list[ReleaseState] = []
 
             def recorded(st: ReleaseState) -> ReleaseState:
+                # (a state recorded before steps named their generation: the generation
+                # served now, as it was applied until now)
+                st = ro.stamped(st, gen) if head >= 0 else st
                 before[:] = [st]
                 return change(st)
 
             state = self.store.update(recorded)
-            what = describe() + self._after(action, req, before[0], state)
+            what = describe() + self._after(action, req, before[0], state, gen)
             what += self._matching(action, req.group)
+            if self.store.replaced:
+                what += (
+                    f"; the value in Redis was refused ({self.store.replaced}): replaced, "
+                    f"starting from the last valid state this sidecar read"
+                )
+        except InvalidReleaseState as e:
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except RolloutRefused as e:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except RolloutError as e:

@@ -59,7 +59,7 @@ from deltad.serve.index.log import LogSnapshot
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.relay.spool import MirrorSpool, status_manifest
 from deltad.serve.relay.upstream import Upstream, refuses
-from deltad.serve.rollout import served_steps
+from deltad.serve.rollout import served_steps, unreleased
 from deltad.serve.state.release import FollowedRollout
 from deltad.v1 import delta_pb2 as pb
 
@@ -288,9 +288,13 @@ class RelayMirror:
         predictors, and a rollback to it stays possible); None: up to the head."""
         follow = getattr(self.server, "rollout", None)
         steps: set[int] = set()
+        every = False
         if isinstance(follow, FollowedRollout) and follow.known:
             state = follow.state()
             steps = served_steps(state, st.generation) | {r.to_step for r in state.rollbacks}
+            # (a generation not released to every consumer: a release may name any of its
+            # steps, so each is mirrored, as the upstream's log holds it; issue 39)
+            every = unreleased(state, st.generation)
         # each onto the upstream's own entries (the state at a step never published is its
         # newest entry before it): a stop between two entries would end every pull at the
         # entry before it, and the mirror would never pass it
@@ -304,7 +308,8 @@ class RelayMirror:
             at = bisect.bisect_right(entries, s)
             if at and after < entries[at - 1] < st.head_step:
                 stops.add(entries[at - 1])
-        stops |= {e for e in self._restore_stops(st, entries) if after < e < st.head_step}
+        kept = set(entries) if every else self._restore_stops(st, entries)
+        stops |= {e for e in kept if after < e < st.head_step}
         return min(stops) if stops else None
 
     def _restore_stops(self, st: pb.StatusResponse, entries: list[int]) -> set[int]:

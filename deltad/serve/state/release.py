@@ -2,6 +2,13 @@
 model (``RedisKeys.rollout``), changed by an atomic read-modify-write (WATCH/MULTI), read by
 every sidecar through a short cache (:class:`RolloutView`: at most ``ttl_s`` stale).
 
+A stored value that is not a state the controls could have written (``{}``, a pin at step
+2^63-1, a field of the wrong type or unknown: ReleaseState.from_json) is refused as a bad
+segment is: never applied. Every sidecar keeps the last valid state it read (one that never
+read one serves nothing), logs it (rate-limited), counts it (``deltad_release_state_refused``)
+and says it in Status (``"refused"`` in the state's JSON, shown by ``deltad status``); the next
+control sent to a sidecar that holds a valid state writes that state back, changed.
+
 A relay follows its upstream instead (:class:`FollowedRollout`: the state the upstream's
 Status answered), so every level of a relay tree serves its consumers with the model's caps.
 """
@@ -22,6 +29,7 @@ import redis
 from deltad.errors import OffsetStoreError
 from deltad.keys import RedisKeys
 from deltad.segment.spool import read_small_file, write_atomic
+from deltad.serve.ratelog import RateLimitedLog
 from deltad.serve.rollout import ReleaseState
 from deltad.serve.state.redis_calls import RedisCalls
 
@@ -49,8 +57,16 @@ class RolloutSource(Protocol):
     def state_json(self) -> str: ...
 
 
+class InvalidReleaseState(OffsetStoreError):
+    """The value stored is not a release state the controls could have written."""
+
+
 class RolloutStore:
-    """The release state of one model in Redis."""
+    """The release state of one model in Redis.
+
+    ``last_valid``: the newest valid state read or written (None: none yet); ``refused``: why
+    the stored value is refused ("" if it is not), and ``refused_values`` how many distinct
+    bad values were read."""
 
     def __init__(
         self, client: redis.Redis, model: str, *, attempts: int = 5, calls: RedisCalls | None = None
@@ -60,6 +76,31 @@ class RolloutStore:
         self.attempts = max(1, attempts)
         #: How calls reach Redis: the offset store's (its URL, deadlines, down flag) if given.
         self.calls = calls or RedisCalls(client, attempts=attempts)
+        self.last_valid: ReleaseState | None = None
+        self.refused = ""
+        self.refused_values = 0
+        #: set by :meth:`update` when it replaced a refused value (the answer says so)
+        self.replaced = ""
+        self._bad_raw: bytes | str | None = None
+        self._lock = threading.Lock()
+
+    def _read(self, raw: str | bytes | None) -> ReleaseState:
+        """The state stored as ``raw``; InvalidReleaseState (recorded) if it is not one."""
+        if raw is None:
+            state = ReleaseState()
+        else:
+            try:
+                state = _parsed(self.key, raw)
+            except InvalidReleaseState as e:
+                with self._lock:
+                    if raw != self._bad_raw:
+                        self._bad_raw = raw
+                        self.refused_values += 1
+                    self.refused = str(e)
+                raise
+        with self._lock:
+            self.refused, self._bad_raw, self.last_valid = "", None, state
+        return state
 
     def _retry(
         self, what: str, fn: Callable[[], ReleaseState], attempts: int | None = None
@@ -70,8 +111,7 @@ class RolloutStore:
         """The stored state (the default, everything released, if none is stored)."""
 
         def run() -> ReleaseState:
-            raw = self.client.get(self.key)
-            return ReleaseState() if raw is None else _parsed(self.key, raw)  # type: ignore[arg-type]
+            return self._read(self.client.get(self.key))  # type: ignore[arg-type]
 
         return self._retry("get", run, attempts)
 
@@ -86,15 +126,28 @@ class RolloutStore:
                     try:
                         pipe.watch(self.key)
                         raw = pipe.get(self.key)
-                        old = ReleaseState() if raw is None else _parsed(self.key, raw)  # type: ignore[arg-type]
+                        self.replaced = ""
+                        try:
+                            old = self._read(raw)  # type: ignore[arg-type]
+                        except InvalidReleaseState as e:
+                            # a control repairs a refused value: from the last valid state
+                            # this process read (the one it serves); none: refused
+                            if self.last_valid is None:
+                                raise InvalidReleaseState(
+                                    f"{e}; this sidecar never read a valid one to start from: "
+                                    f"fix the value, or delete {self.key} (everything released)"
+                                ) from e
+                            old, self.replaced = self.last_valid, str(e)
                         new = change(old)
-                        if new == old:
+                        if new == old and not self.replaced:
                             pipe.unwatch()
                             return old
                         new = replace(new, version=old.version + 1)
                         pipe.multi()
                         pipe.set(self.key, new.to_json())
                         pipe.execute()
+                        with self._lock:
+                            self.last_valid, self.refused, self._bad_raw = new, "", None
                         return new
                     except redis.WatchError:
                         continue
@@ -111,14 +164,18 @@ def _parsed(key: str, raw: str | bytes) -> ReleaseState:
     try:
         return ReleaseState.from_json(raw)
     except (ValueError, TypeError, KeyError, IndexError) as e:
-        raise OffsetStoreError(f"the release state in Redis ({key}) is malformed: {e}") from e
+        raise InvalidReleaseState(
+            f"the release state in Redis ({key}) is malformed (refused, never applied): "
+            f"{str(e)[:300]}"
+        ) from e
 
 
 class RolloutView:
     """A sidecar's cached view of the stored state: re-read at most every ``ttl_s``; while
-    Redis does not answer, the last state read stays in force (logged once). Until one read
-    succeeded the state is not ``known`` (a malformed stored state at start: nothing is
-    served, rather than everything)."""
+    Redis does not answer, or holds a value that is not a valid state (refused: logged at
+    most once a minute, counted in :attr:`store` ``.refused_values``), the last valid state
+    read stays in force. Until one read succeeded the state is not ``known`` (a malformed
+    stored state at start: nothing is served, rather than everything)."""
 
     def __init__(self, store: RolloutStore, ttl_s: float = VIEW_TTL_S) -> None:
         self.store = store
@@ -129,6 +186,7 @@ class RolloutView:
         self._failing = False
         self._read_once = False
         self._problem = "not read yet"
+        self._refusals = RateLimitedLog(60.0, logger=log)
 
     @property
     def known(self) -> bool:
@@ -138,6 +196,12 @@ class RolloutView:
     @property
     def unknown_reason(self) -> str:
         return f"nothing is served until the release state is read: {self._problem}"[:512]
+
+    @property
+    def refused(self) -> str:
+        """Why the stored value is refused ("" if it is not)."""
+        self.state()
+        return self.store.refused
 
     def state(self) -> ReleaseState:
         now = time.monotonic()
@@ -152,6 +216,15 @@ class RolloutView:
                 if self._failing:
                     log.info("release state readable again (version %d)", self._state.version)
                 self._failing = False
+            except InvalidReleaseState as e:
+                self._problem = str(e)
+                self._failing = True
+                kept = (
+                    f"the last valid one (version {self._state.version}) stays in force"
+                    if self._read_once
+                    else "nothing is served until a valid one is stored"
+                )
+                self._refusals.warning("%s; %s", e, kept)
             except OffsetStoreError as e:
                 if not self._failing:
                     log.warning("release state unreadable, the last one read stays: %s", e)
@@ -163,15 +236,22 @@ class RolloutView:
     def state_json(self) -> str:
         """The state for Status; while not known (never read: a malformed value in Redis),
         "unknown" with why, so relays keep the state they have rather than take the default
-        "everything released" as the model's."""
+        "everything released" as the model's; while the stored value is refused, the state
+        in force with ``"refused"``: why."""
         if not self.known:
             return unknown_json(f"unreadable in Redis: {self._problem}")
-        return self.state().to_json()
+        state = self.state()
+        refused = self.store.refused
+        if not refused:
+            return state.to_json()
+        d = json.loads(state.to_json())
+        d["refused"] = refused[:500]
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     def set(self, state: ReleaseState) -> None:
         """Take a state this process just wrote (no wait for the next read)."""
         with self._lock:
-            if state.version >= self._state.version:
+            if state.version >= self._state.version or self._failing:
                 self._state, self._read_at = state, time.monotonic()
                 self._read_once = True
 
@@ -189,6 +269,8 @@ class FollowedRollout:
         self.path = path
         self.fsync = fsync
         self.known = False
+        #: why the model's stored state is refused, as the upstream said ("" if it is not)
+        self.refused = ""
         if path is not None and path.exists():
             try:
                 self._state = ReleaseState.from_json(read_small_file(path))
@@ -207,8 +289,15 @@ class FollowedRollout:
     )
 
     def state_json(self) -> str:
-        """The state for this relay's own Status: :data:`UNKNOWN_JSON` while not known."""
-        return self._state.to_json() if self.known else UNKNOWN_JSON
+        """The state for this relay's own Status: :data:`UNKNOWN_JSON` while not known; with
+        the upstream's ``"refused"`` (the model's stored value is refused) passed on."""
+        if not self.known:
+            return UNKNOWN_JSON
+        if not self.refused:
+            return self._state.to_json()
+        d = json.loads(self._state.to_json())
+        d["refused"] = self.refused
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     def follow(self, raw: str) -> None:
         """Take the upstream's state (its JSON; "" from an upstream without rollout state:
@@ -220,6 +309,7 @@ class FollowedRollout:
                 return
             new = ReleaseState.from_json(raw) if raw else ReleaseState()
             redacted = bool(d.get("redacted", False))
+            self.refused = str(d.get("refused", ""))[:500]
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             log.warning("upstream sent a malformed release state (ignored): %s", e)
             return

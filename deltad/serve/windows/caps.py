@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import replace
 
 from deltad.serve.index.log import SegmentLog
-from deltad.serve.rollout import Cap, ReleaseState, cap_for, gate_open, lower
+from deltad.serve.rollout import NOTHING, Cap, ReleaseState, cap_for, gate_open, lower
 from deltad.serve.state.offsets import StoredCursor
 from deltad.serve.state.release import RolloutSource
 from deltad.serve.windows.decide import LogView, WindowDecision
@@ -34,16 +35,35 @@ class ReleaseCaps:
         self, consumer: str, generation: int, *, mirror: bool = False
     ) -> tuple[Cap, int | None]:
         """The release state's cap of ``consumer`` (none for a relay's mirror) and the
-        newest step it may be served: that cap's step and the gate's, whichever is lower."""
+        newest step of ``generation`` it may be served: that cap's step and the gate's,
+        whichever is lower, as the newest step this log published at or before it (what a
+        window ends at, and what Status says), or :data:`NOTHING` (-2): nothing of
+        ``generation`` (its release names another generation, or no step is good)."""
         state = self.rollout.state()
         gate = self.gate_cap(state, generation)
         if mirror:
             return Cap(None), gate
-        cap = cap_for(state, consumer)
+        cap = cap_for(state, consumer, generation)
         # a step another rank's gate failed caps this rank too (every rank agrees)
         bad = gate_open(state, generation)
         model_gate = None if bad is None else bad - 1
-        return cap, lower(lower(cap.max_step, gate), model_gate)
+        step = lower(lower(cap.max_step, gate), model_gate)
+        if step is not None and step < 0:
+            return cap, NOTHING
+        return cap, self.published(step, generation)
+
+    def published(self, step: int | None, generation: int) -> int | None:
+        """The newest step this log published at or before ``step`` (``step`` itself if it
+        is not below the head, if the log is of another generation, or older than its
+        base: nothing to resolve)."""
+        snap = self.log.snapshot()
+        if step is None or snap is None or snap.generation != generation:
+            return step
+        entries = snap.entries
+        if step >= entries[-1].step or step < entries[0].step:
+            return step
+        i = bisect.bisect_right(entries, step, key=lambda e: e.step)
+        return entries[i - 1].step
 
 
 def within_cap(

@@ -29,7 +29,7 @@ from deltad.serve.edge.grpcutil import abort as _abort
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.ratelog import RateLimitedLog
-from deltad.serve.rollout import Cap, ReleaseState, lower
+from deltad.serve.rollout import NOTHING, Cap, ReleaseState, lower
 from deltad.serve.state.offsets import CommitRejected, OffsetStore, PendingPull, StoredCursor
 from deltad.serve.state.owed import OwedStore
 from deltad.serve.state.release import RolloutSource
@@ -201,6 +201,10 @@ class WindowServer:
         )
         decision = within_cap(decision, stored, view, max_step)
         if past_cap(decision, stored, view, max_step):
+            if max_step == NOTHING and cap.reasons:
+                # held (pinned, released) at a state of another generation: the consumer
+                # keeps what it holds; nothing of this one is released to it
+                self._refuse(context, consumer, grpc.StatusCode.FAILED_PRECONDITION, cap.reasons[0])
             # the oldest state the log holds (its base) is past the cap already
             gate = self.caps.gate_cap(self.caps.rollout.state(), gen)
             if gate is not None and gate < snap.base.step:
