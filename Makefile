@@ -10,9 +10,14 @@ STACK := $(or $(patsubst .venv-%,%,$(filter .venv-%,$(notdir $(VENV)))),2.13)
 endif
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast lint protos bench clean
+.PHONY: setup system-deps demo test test-fast lint protos docs vectors bench clean
 setup:
 	@DELTAD_VENV=$(VENV) DELTAD_STACK=$(STACK) bash scripts/install.sh
+
+# As root: the Debian packages of the C++ client (scripts/build_cpp.sh) and promtool
+# (tests/test_alerts.py); .ci/run runs it. Without them `make setup` skips the C++ client.
+system-deps:
+	@bash scripts/system_deps.sh
 
 demo: setup
 	$(BIN)/deltad demo
@@ -39,6 +44,14 @@ lint: setup
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py
+
+# Regenerate docs/cli.md, docs/metrics.md and the PrometheusRule (tests/test_docs.py fails on
+# a stale one), and the conformance vectors (tests/test_conformance.py fails on a changed wire).
+docs: setup
+	$(BIN)/python scripts/gen_docs.py
+
+vectors: setup
+	$(BIN)/python scripts/record_vectors.py
 
 bench: setup
 	$(BIN)/deltad bench
