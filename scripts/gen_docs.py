@@ -120,7 +120,8 @@ def cli_markdown() -> str:
         "",
     ]
     lines += _parser_section("deltad", parser, 2)
-    return "\n".join(lines).rstrip() + "\n"
+    # (a default under the checkout, e.g. `deltad bench --out`, is the same wherever it is)
+    return "\n".join(lines).rstrip().replace(str(ROOT), "<checkout>") + "\n"
 
 
 # --- the metrics -------------------------------------------------------------------------
