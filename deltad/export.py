@@ -29,6 +29,7 @@ batch object, as :class:`ReferenceServing` wraps the reference ClickModel.
 # annotations as types)
 import argparse
 import json
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,21 @@ def _key(t: torch.Tensor) -> tuple[int, str, tuple[int, ...]] | None:
     return (t.data_ptr(), str(t.dtype), tuple(t.shape))
 
 
+def _resolve_annotations(traced: Any, module: nn.Module) -> None:
+    """The forward's type annotations as types on the traced graph (a module written under
+    ``from __future__ import annotations`` has strings there, which TorchScript refuses)."""
+    try:
+        hints = typing.get_type_hints(type(module).forward)
+    except (NameError, TypeError):
+        return
+    for node in traced.graph.nodes:
+        if node.op == "placeholder" and node.target in hints:
+            node.type = hints[node.target]
+        elif node.op == "output" and "return" in hints:
+            node.type = hints["return"]
+    traced.recompile()
+
+
 def export_torchscript(
     module: nn.Module,
     path: Path | str,
@@ -106,6 +122,7 @@ def export_torchscript(
             if k is not None:
                 wanted[k] = f"deltad_tbe{i}_{name}"
     traced = torchrec.fx.symbolic_trace(module)
+    _resolve_annotations(traced, module)
     found: set[str] = set()
     for node in traced.graph.nodes:
         if node.op != "get_attr":
