@@ -325,3 +325,81 @@ def artifact_state_into(m: Any, man: dict[str, Any], state: dict[str, torch.Tens
             if key.startswith("attr."):
                 attr(key[5:]).copy_(value)
     return m
+
+
+# --- the reference trainer, its sidecars and the reference model exported -----------------------
+
+TABLES = {"t0": 120, "t1": 90}
+SEQ_ROWS = 80
+DIM = 16
+ZCH_REF_SLOTS = 48  # (raw ids 20x that: the trainer evicts all along)
+
+
+def serving_config() -> Any:
+    from deltad.reference.consumers.serving import ServingConfig
+
+    return ServingConfig(
+        dtype="int8", tables=TABLES, seq_rows=SEQ_ROWS, dim=DIM, zch_slots=ZCH_REF_SLOTS
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world_size", "sharding", "wire"),
+    [(1, {}, "fp32"), (2, {"t0": "tw", "t1": "rw", "seq": "rw"}, "packed-int8")],
+    ids=["ws1-fp32", "ws2-packed"],
+)
+def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
+    tmp_path: Path, redis_url: str, world_size: int, sharding: dict[str, str], wire: str
+) -> None:
+    """A C++ predictor started before the trainer's first segment follows a real multi-rank
+    trainer (its managed-collision table admitting and evicting all along) while answering
+    forwards, and ends bit-exact with the trainer's final model quantized by torchrec (int8):
+    every table's bytes, the MC lookup buffers, the dense weights and the forward."""
+    from deltad.export import export_reference, reference_serving
+    from deltad.reference.trainer.train import TrainConfig, run_training
+
+    cfg = serving_config()
+    art = tmp_path / "model.pt"
+    export_reference(cfg, art)  # the model code's weights: every one comes from deltad
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    state = tmp_path / "final-state.pt"
+    train = TrainConfig(
+        spool_dir=spool, model="m", world_size=world_size, tables=TABLES, seq_rows=SEQ_ROWS,
+        dim=DIM, sharding=sharding, steps=8, publish_every_steps=2, batch_size=32,
+        final_model=tmp_path / "final.pt", seed=3, progress=False, fsync=False,
+        zch_slots=ZCH_REF_SLOTS,
+    )  # fmt: skip
+    with sidecars(spool, redis_url, world_size) as eps:
+        p = Predictor(
+            *predictor_args(eps, art, "cpp-ref", "--final-state", str(state)),
+            "--wire-dtype", wire, "--chunk-rows", "64",
+        )  # fmt: skip
+        try:
+            steps = run_training(train).steps
+            wait_for(lambda: p.caught_up(steps), 120, f"the predictor at step {steps}")
+            assert p.proc.poll() is None
+        finally:
+            rc = p.stop() if p.proc.poll() is None else p.proc.returncode
+        assert rc == 0, p.errors
+    pulls = p.pulls()
+    assert any(x["resync"] for x in pulls) and sum(x["rows"] for x in pulls) > 0
+    assert sum(x["dense_bytes"] for x in pulls) > 0  # the dense state came from the publisher
+    assert sum(x["evicted"] for x in pulls) > 0  # the MC table evicted raw ids on the way
+    assert len([x for x in pulls if x["applied"]]) >= 2  # a bootstrap, then deltas
+    assert not [x for x in pulls if "error" in x], p.errors
+    summary = [x for x in p.lines if x["event"] == "summary"][-1]
+    assert summary["forwards"] > 0 and summary["forward_error"] is None
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    ref_art = tmp_path / "reference.pt"
+    export_reference(cfg, ref_art, final)
+    got, want = load_state(state), artifact_state(ref_art)
+    assert set(got) == set(want) | {"forward"}
+    assert any("_mch_sorted_raw_ids" in k for k in got) and any("over." in k for k in got)
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs"
+    model, inputs = reference_serving(cfg, final)  # torchrec's quantization, in Python
+    with torch.inference_mode():
+        expected = model(*inputs)
+    assert torch.equal(got["forward"], expected)

@@ -199,6 +199,7 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<deltad::ModelApplier> applier;
   std::unique_ptr<deltad::Consumer> consumer;
+  bool tables_checked = false;
   try {
     deltad::load_fbgemm(args.fbgemm_dir);
     if (!std::filesystem::is_regular_file(args.artifact))
@@ -224,7 +225,10 @@ int main(int argc, char** argv) {
     std::vector<deltad::TableInfo> served;
     for (const auto& st : consumer->status())
       served.insert(served.end(), st.tables.begin(), st.tables.end());
-    applier->check_tables(served);
+    if (!served.empty()) {  // (nothing published yet: checked before the first apply)
+      applier->check_tables(served);
+      tables_checked = true;
+    }
     applier->forward_example();  // the artifact answers before anything is applied
   } catch (const deltad::ConsumerError& e) {
     die(e.what());
@@ -286,15 +290,32 @@ int main(int argc, char** argv) {
     double apply_s = 0;
     std::string error;
     bool resync = false, gen_diff = false;
-    uint64_t owed = 0, dense_bytes = 0;
+    uint64_t owed = 0, dense_bytes = 0, evicted = 0;
     std::optional<int64_t> dense_step, rollback_to;
     for (const auto& d : result.deltas) {
       resync = resync || d.resync;
       gen_diff = gen_diff || d.generation_diff.has_value();
       owed += d.owed();
+      for (const auto& sl : d.slices) evicted += sl.evicted.size();
       dense_bytes += d.dense_bytes;
       if (d.dense_step) dense_step = d.dense_step;
       if (d.rollback_to) rollback_to = d.rollback_to;
+    }
+    if (!result.deltas.empty() && !tables_checked) {
+      try {
+        std::vector<deltad::TableInfo> served;
+        for (const auto& st : consumer->status())
+          served.insert(served.end(), st.tables.begin(), st.tables.end());
+        applier->check_tables(served);
+        tables_checked = true;
+      } catch (const deltad::ConfigError& e) {
+        std::fprintf(stderr, "deltad-predictor-cpp: error: %s\n", e.what());
+        exit_code = 2;
+        break;
+      } catch (const std::exception& e) {
+        nap(backoff);  // (the sidecars did not answer: the window comes again)
+        continue;
+      }
     }
     if (!result.deltas.empty()) {
       auto t1 = Clock::now();
@@ -327,6 +348,7 @@ int main(int argc, char** argv) {
          << ",\"step\":" << opt(error.empty() ? result.step : std::optional<int64_t>())
          << ",\"head_step\":" << opt(result.head_step) << ",\"rows\":" << result.rows()
          << ",\"bytes\":" << result.bytes() << ",\"owed\":" << owed
+         << ",\"evicted\":" << evicted
          << ",\"resync\":" << (resync ? "true" : "false")
          << ",\"generation_diff\":" << (gen_diff ? "true" : "false") << ",\"missing\":" << missing
          << ",\"pull_s\":" << pull_s << ",\"apply_s\":" << apply_s
