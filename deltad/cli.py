@@ -38,7 +38,7 @@ def _bench_commands() -> ModuleType | None:
 
 def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     """subcommand -> (module with ``add_arguments(parser)`` and ``run(args) -> int``, help)."""
-    from deltad import demo, rollout_cli, status
+    from deltad import demo, export_cli, rollout_cli, status
     from deltad.reference.consumers import cli as consume_cli
     from deltad.reference.trainer import cli as train_cli
     from deltad.serve import cli as serve_cli
@@ -57,6 +57,7 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
             "rollback",
         ),
         "demo": (demo, "trainer + sidecars + Redis + predictors on this machine, with a report"),
+        "export": (export_cli, "write the reference model's TorchScript artifact (C++ predictors)"),
         "bench": (
             _bench_commands(),
             "run the benchmark suite (JSON + PNG under bench/out; from a source checkout)",

@@ -22,12 +22,11 @@ predictor answers and checks.
 
 The module given must take tensors only (TorchScript): wrap a model whose forward takes a
 batch object, as :class:`ReferenceServing` wraps the reference ClickModel.
-:func:`export_reference` exports that one (``deltad export``).
+:func:`export_reference` exports that one (``deltad export``: :mod:`deltad.export_cli`).
 """
 
 # (no `from __future__ import annotations`: torchrec.fx and TorchScript read the forward's
 # annotations as types)
-import argparse
 import json
 import typing
 from collections.abc import Sequence
@@ -111,7 +110,7 @@ def export_torchscript(
     path = Path(path)
     tables = quant_tables(module)
     maps = remappers(module)
-    tbes: list[nn.Module] = []
+    tbes: list[Any] = []  # fbgemm IntNBitTableBatchedEmbeddingBagsCodegen modules
     for t in tables.values():
         if not any(t.tbe is x for x in tbes):
             tbes.append(t.tbe)
@@ -160,6 +159,7 @@ def export_torchscript(
         tbe_info.append({**names, "row_alignment": int(tbe.row_alignment)})
     out_tables = []
     for t in tables.values():
+        ti = next(i for i, x in enumerate(tbes) if x is t.tbe)
         entry: dict[str, Any] = {
             "name": t.name,
             "num_rows": t.num_rows,
@@ -168,9 +168,9 @@ def export_torchscript(
             "row_bytes": t.row_bytes,
             "data_bytes": t.data_bytes,
             "scale_bias_last": t.scale_bias_last,
-            "tbe": next(i for i, x in enumerate(tbes) if x is t.tbe),
+            "tbe": ti,
             "index": t.index,
-            "offset": int(t.tbe.weights_offsets[t.index]),
+            "offset": int(tbes[ti].weights_offsets[t.index]),
         }
         rm = maps.get(t.name)
         if rm is not None:
@@ -234,7 +234,7 @@ class ReferenceServing(nn.Module):
     ) -> torch.Tensor:
         from torchrec import KeyedJaggedTensor
 
-        m = self.model
+        m: Any = self.model
         sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths)
         seq = KeyedJaggedTensor(keys=[self.seq_key], values=seq_values, lengths=seq_lengths)
         d = m.bottom(dense)
@@ -287,7 +287,9 @@ def reference_serving(
     return wrapper.eval(), batch_inputs(batch)
 
 
-def export_reference(cfg: Any, path: Path | str, state: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+def export_reference(
+    cfg: Any, path: Path | str, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
     """:func:`export_torchscript` of :func:`reference_serving` (dense names: the model's)."""
     from deltad.consume.quant import dense_state
 
@@ -295,54 +297,3 @@ def export_reference(cfg: Any, path: Path | str, state: dict[str, torch.Tensor] 
     return export_torchscript(
         wrapper, path, example_inputs=inputs, dense=dense_state(wrapper.model)
     )
-
-
-# --- `deltad export` -------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, required=True, help="the artifact (and OUT.json)")
-    p.add_argument("--serve-dtype", choices=("int8", "int4", "fp16", "fp32"), default="int8")
-    p.add_argument(
-        "--tables",
-        default="4",
-        help="pooled tables: a count (t0..tN-1) or NAME[:ROWS],..., as given to the trainer",
-    )
-    p.add_argument("--rows", type=int, default=10_000, help="rows per pooled table")
-    p.add_argument("--seq-rows", type=int, help="rows of the sequence table (None: --rows)")
-    p.add_argument("--dim", type=int, default=16, help="embedding dim")
-    p.add_argument("--seed", type=int, default=0, help="model code / batch seed")
-    p.add_argument("--serve-batch-size", type=int, default=64, help="the example batch's size")
-    p.add_argument("--zch-slots", type=int, help="slots of the managed-collision table (0: none)")
-    p.add_argument("--zch-raw-ids", type=int, default=0, help="its raw-id space")
-    p.add_argument("--zch-policy", choices=("lru", "lfu"), default="lru")
-    p.add_argument(
-        "--state",
-        type=Path,
-        help="float weights to export (a trainer's --final-model; default: the model code's)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    from deltad.reference.consumers.serving import ServingConfig
-    from deltad.reference.trainer.cli import parse_tables
-
-    cfg = ServingConfig(
-        dtype=args.serve_dtype, tables=parse_tables(args.tables, args.rows),
-        seq_rows=args.seq_rows or args.rows, dim=args.dim, seed=args.seed,
-        batch_size=args.serve_batch_size, zch_slots=args.zch_slots,
-        zch_raw_ids=args.zch_raw_ids, zch_policy=args.zch_policy,
-    )  # fmt: skip
-    state = None
-    if args.state is not None:
-        try:
-            state = torch.load(args.state, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise ConfigError(f"cannot load --state {args.state}: {str(e).splitlines()[0]}") from e
-    manifest = export_reference(cfg, args.out, state)
-    print(
-        f"exported {args.out} ({len(manifest['tables'])} tables, "
-        f"{len(manifest['dense'])} dense tensors) and {manifest_path(args.out)}",
-        flush=True,
-    )
-    return 0

@@ -12,11 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import selectors
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,9 +127,8 @@ class SmallModel(nn.Module):
 
     def __init__(self, slots: int = ZCH_SLOTS) -> None:
         super().__init__()
-        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-
         from deltad.reference.trainer.zch import mc_module
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
         cfg = EmbeddingBagConfig(
             name="t0", embedding_dim=T0_DIM, num_embeddings=T0_ROWS, feature_names=["f_t0"]
@@ -201,7 +198,12 @@ def truth_state(w: ZchWriter) -> dict[str, torch.Tensor]:
         return pack_rows(w.truth[t], ServeDtype.INT8, 16 * ((w.truth[t].shape[1] + 4 + 15) // 16))
 
     sorted_raw, mapping = lookup_buffers(w.raw["zch"], 0)
-    return {"table.t0": rows("t0"), "table.zch": rows("zch"), "sorted": sorted_raw, "mapping": mapping}
+    return {
+        "table.t0": rows("t0"),
+        "table.zch": rows("zch"),
+        "sorted": sorted_raw,
+        "mapping": mapping,
+    }
 
 
 def predictor_args(endpoints: list[str], artifact: Path, name: str, *extra: str) -> list[str]:
@@ -213,7 +215,9 @@ def predictor_args(endpoints: list[str], artifact: Path, name: str, *extra: str)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, redis_url: str) -> None:
-    w = ZchWriter(tmp_path / "spool", mc={"zch": (ZCH_SLOTS, ZCH_DIM)}, tables={"t0": (T0_ROWS, T0_DIM)})
+    w = ZchWriter(
+        tmp_path / "spool", mc={"zch": (ZCH_SLOTS, ZCH_DIM)}, tables={"t0": (T0_ROWS, T0_DIM)}
+    )
     w.delta(n=3)
     good = small_artifact(tmp_path / "small.pt", w.raw["zch"][:8])
     other = small_artifact(tmp_path / "other.pt", w.raw["zch"][:8], slots=ZCH_SLOTS * 2)
@@ -221,12 +225,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, redis_url: str) -> Non
         cases = {
             "unreachable": (predictor_args(["127.0.0.1:1"], good, "c1"), "no answer"),
             "wrong model": (
-                predictor_args(eps, good, "c2")[:3] + ["other"] + predictor_args(eps, good, "c2")[4:],
+                [
+                    *predictor_args(eps, good, "c2")[:3],
+                    "other",
+                    *predictor_args(eps, good, "c2")[4:],
+                ],
                 "serves model 'm', not 'other'",
             ),
             "missing artifact": (predictor_args(eps, tmp_path / "none.pt", "c3"), "not found"),
             "mismatched artifact": (
-                predictor_args(eps, other, "c4"), "artifact does not match the sidecars' tables"
+                predictor_args(eps, other, "c4"),
+                "artifact does not match the sidecars' tables",
             ),
             "bad flag": (predictor_args(eps, good, "c5", "--pulls", "x"), "--pulls"),
         }
@@ -246,7 +255,9 @@ def test_follows_a_managed_collision_table_and_survives_a_hostile_window(
     impossible (a raw id held by two slots) is refused whole: the predictor keeps serving
     what it held, asks for a rebase with backoff, and once the trainer's log is sane again
     ends bit-exact with it."""
-    w = ZchWriter(tmp_path / "spool", mc={"zch": (ZCH_SLOTS, ZCH_DIM)}, tables={"t0": (T0_ROWS, T0_DIM)})
+    w = ZchWriter(
+        tmp_path / "spool", mc={"zch": (ZCH_SLOTS, ZCH_DIM)}, tables={"t0": (T0_ROWS, T0_DIM)}
+    )
     for _ in range(3):
         w.delta(n=4)
     art = small_artifact(tmp_path / "small.pt", torch.cat([w.raw["zch"][:16], torch.tensor([5])]))
@@ -263,7 +274,11 @@ def test_follows_a_managed_collision_table_and_survives_a_hostile_window(
             held = forwards(p)
             # hostile: slot 5 takes the raw id slot 3 holds (no slot gives it up)
             w.raw["zch"][5] = w.raw["zch"][3]
-            w._write({"zch": torch.tensor([5])}, {"zch": torch.empty(0, dtype=torch.int64)}, SegmentKind.DELTA)
+            w._write(
+                {"zch": torch.tensor([5])},
+                {"zch": torch.empty(0, dtype=torch.int64)},
+                SegmentKind.DELTA,
+            )
             wait_for(lambda: len([x for x in p.pulls() if "error" in x]) >= 2, 60, "refusals")
             assert p.proc.poll() is None
             refused = [x for x in p.pulls() if "error" in x]
@@ -356,8 +371,9 @@ def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
     trainer (its managed-collision table admitting and evicting all along) while answering
     forwards, and ends bit-exact with the trainer's final model quantized by torchrec (int8):
     every table's bytes, the MC lookup buffers, the dense weights and the forward."""
-    from deltad.export import export_reference, reference_serving
     from deltad.reference.trainer.train import TrainConfig, run_training
+
+    from deltad.export import export_reference, reference_serving
 
     cfg = serving_config()
     art = tmp_path / "model.pt"
