@@ -49,13 +49,16 @@ def _fbgemm_ops() -> None:
 
 
 @contextlib.contextmanager
-def sidecars(spool: Path, redis_url: str, world: int, model: str = "m") -> Iterator[list[str]]:
+def sidecars(
+    spool: Path, redis_url: str, world: int, model: str = "m", **kw: Any
+) -> Iterator[list[str]]:
     servers: list[SidecarServer] = []
+    kw.setdefault("listen", "127.0.0.1:0")
     try:
         for rank in range(world):
             cfg = ServerConfig(
-                spool_dir=spool, model=model, rank=rank, listen="127.0.0.1:0",
-                redis_url=redis_url, poll_interval_s=0.02, grace_period_s=0.5,
+                spool_dir=spool, model=model, rank=rank, redis_url=redis_url,
+                poll_interval_s=0.02, grace_period_s=0.5, **kw,
             )  # fmt: skip
             servers.append(SidecarServer(cfg).start())
         yield [s.endpoint for s in servers]
@@ -214,6 +217,7 @@ def predictor_args(endpoints: list[str], artifact: Path, name: str, *extra: str)
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, redis_url: str) -> None:
     w = ZchWriter(
         tmp_path / "spool", mc={"zch": (ZCH_SLOTS, ZCH_DIM)}, tables={"t0": (T0_ROWS, T0_DIM)}
@@ -246,7 +250,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, redis_url: str) -> Non
             assert err[0].startswith("deltad-predictor-cpp: error: "), err
 
 
-@pytest.mark.parametrize("wire", ["packed-int8", "fp32"])
+@pytest.mark.parametrize("wire", ["packed-int8", pytest.param("fp32", marks=pytest.mark.slow)])
 def test_follows_a_managed_collision_table_and_survives_a_hostile_window(
     tmp_path: Path, redis_url: str, wire: str
 ) -> None:
@@ -340,6 +344,47 @@ def artifact_state_into(m: Any, man: dict[str, Any], state: dict[str, torch.Tens
             if key.startswith("attr."):
                 attr(key[5:]).copy_(value)
     return m
+
+
+@pytest.mark.slow
+def test_mtls_and_a_token(tmp_path: Path, redis_url: str, pki: Path) -> None:
+    """Against a sidecar that requires a client certificate and a bearer token: with both the
+    predictor bootstraps bit-exact; without the token, or without the certificate, it says so
+    in one line and exits 2."""
+    w = ZchWriter(
+        tmp_path / "spool", mc={"zch": (ZCH_SLOTS, ZCH_DIM)}, tables={"t0": (T0_ROWS, T0_DIM)}
+    )
+    w.delta(n=3)
+    art = small_artifact(tmp_path / "small.pt", w.raw["zch"][:8])
+    a = pki / "a"
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    state = tmp_path / "final.pt"
+    tls = ["--tls-ca", str(a / "ca.pem"), "--tls-cert", str(a / "client.pem")]
+    tls += ["--tls-key", str(a / "client.key")]
+    with sidecars(
+        tmp_path / "spool", redis_url, 1, listen="localhost:0", tls_cert=a / "server.pem",
+        tls_key=a / "server.key", tls_client_ca=a / "ca.pem", tokens=("s3cret",),
+    ) as eps:  # fmt: skip
+        p = Predictor(
+            *predictor_args(eps, art, "cpp-tls", "--final-state", str(state)),
+            *tls, "--token-file", str(token),
+        )  # fmt: skip
+        try:
+            wait_for(lambda: p.caught_up(w.step), 60, "bootstrap over mTLS")
+        finally:
+            rc = p.stop() if p.proc.poll() is None else p.proc.returncode
+        assert rc == 0, p.errors
+        got, want = load_state(state), truth_state(w)
+        assert torch.equal(got["table.zch"], want["table.zch"])
+        assert torch.equal(got["table.t0"], want["table.t0"])
+        rc, err = run_bad(*predictor_args(eps, art, "cpp-tls2"), *tls)
+        assert rc == 2 and len(err) == 1 and "UNAUTHENTICATED" in err[0], err
+        rc, err = run_bad(
+            *predictor_args(eps, art, "cpp-tls3"), "--tls-ca", str(a / "ca.pem"),
+            "--token-file", str(token),
+        )  # fmt: skip
+        assert rc == 2 and len(err) == 1 and "no answer" in err[0], err
 
 
 # --- the reference trainer, its sidecars and the reference model exported -----------------------
