@@ -405,17 +405,24 @@ def serving_config() -> Any:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world_size", "sharding", "wire"),
-    [(1, {}, "fp32"), (2, {"t0": "tw", "t1": "rw", "seq": "rw"}, "packed-int8")],
-    ids=["ws1-fp32", "ws2-packed"],
+    ("world_size", "sharding", "wire", "seeds"),
+    [(1, {}, "fp32", (3, 4)), (2, {"t0": "tw", "t1": "rw", "seq": "rw"}, "packed-int8", (3,))],
+    ids=["ws1-fp32-restart", "ws2-packed"],
 )
 def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
-    tmp_path: Path, redis_url: str, world_size: int, sharding: dict[str, str], wire: str
+    tmp_path: Path,
+    redis_url: str,
+    world_size: int,
+    sharding: dict[str, str],
+    wire: str,
+    seeds: tuple[int, ...],
 ) -> None:
     """A C++ predictor started before the trainer's first segment follows a real multi-rank
     trainer (its managed-collision table admitting and evicting all along) while answering
     forwards, and ends bit-exact with the trainer's final model quantized by torchrec (int8):
-    every table's bytes, the MC lookup buffers, the dense weights and the forward."""
+    every table's bytes, the MC lookup buffers, the dense weights and the forward. With two
+    seeds the trainer restarts (a new generation, other weights) and the predictor follows it
+    there too."""
     from deltad.reference.trainer.train import TrainConfig, run_training
 
     from deltad.export import export_reference, reference_serving
@@ -426,21 +433,25 @@ def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
     spool = tmp_path / "spool"
     spool.mkdir()
     state = tmp_path / "final-state.pt"
-    train = TrainConfig(
-        spool_dir=spool, model="m", world_size=world_size, tables=TABLES, seq_rows=SEQ_ROWS,
-        dim=DIM, sharding=sharding, steps=8, publish_every_steps=2, batch_size=32,
-        final_model=tmp_path / "final.pt", seed=3, progress=False, fsync=False,
-        zch_slots=ZCH_REF_SLOTS,
-    )  # fmt: skip
+
+    def train(seed: int) -> Any:
+        return TrainConfig(
+            spool_dir=spool, model="m", world_size=world_size, tables=TABLES, seq_rows=SEQ_ROWS,
+            dim=DIM, sharding=sharding, steps=8, publish_every_steps=2, batch_size=32,
+            final_model=tmp_path / "final.pt", seed=seed, progress=False, fsync=False,
+            zch_slots=ZCH_REF_SLOTS,
+        )  # fmt: skip
+
     with sidecars(spool, redis_url, world_size) as eps:
         p = Predictor(
             *predictor_args(eps, art, "cpp-ref", "--final-state", str(state)),
             "--wire-dtype", wire, "--chunk-rows", "64",
         )  # fmt: skip
         try:
-            steps = run_training(train).steps
-            wait_for(lambda: p.caught_up(steps), 120, f"the predictor at step {steps}")
-            assert p.proc.poll() is None
+            for seed in seeds:
+                steps = run_training(train(seed)).steps
+                wait_for(lambda s=steps: p.caught_up(s), 120, f"the predictor at step {steps}")
+                assert p.proc.poll() is None
         finally:
             rc = p.stop() if p.proc.poll() is None else p.proc.returncode
         assert rc == 0, p.errors
@@ -450,6 +461,9 @@ def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
     assert sum(x["evicted"] for x in pulls) > 0  # the MC table evicted raw ids on the way
     assert len([x for x in pulls if x["applied"]]) >= 2  # a bootstrap, then deltas
     assert not [x for x in pulls if "error" in x], p.errors
+    if len(seeds) > 1:  # the restart: a new generation, as a generation diff or a resync
+        news = [x for x in pulls if x["applied"] and (x["resync"] or x["generation_diff"])]
+        assert len(news) >= 2, pulls
     summary = [x for x in p.lines if x["event"] == "summary"][-1]
     assert summary["forwards"] > 0 and summary["forward_error"] is None
     final = torch.load(tmp_path / "final.pt", weights_only=True)

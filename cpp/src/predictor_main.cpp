@@ -247,8 +247,10 @@ int main(int argc, char** argv) {
       while (!stop_forwards) {
         applier->forward_example();
         ++forwards;
-        if (args.serve_interval_s > 0)
-          std::this_thread::sleep_for(std::chrono::microseconds(int64_t(args.serve_interval_s * 1e6)));
+        auto until = Clock::now() + std::chrono::microseconds(int64_t(args.serve_interval_s * 1e6));
+        while (!stop_forwards && Clock::now() < until)  // (a long interval ends at exit)
+          std::this_thread::sleep_for(std::min<Clock::duration>(until - Clock::now(),
+                                                                std::chrono::milliseconds(20)));
       }
     } catch (const std::exception& e) {
       forward_error = e.what();
@@ -288,6 +290,7 @@ int main(int argc, char** argv) {
     }
     double pull_s = std::chrono::duration<double>(Clock::now() - t0).count();
     double apply_s = 0;
+    deltad::ApplyStats stats;
     std::string error;
     bool resync = false, gen_diff = false;
     uint64_t owed = 0, dense_bytes = 0, evicted = 0;
@@ -320,7 +323,7 @@ int main(int argc, char** argv) {
     if (!result.deltas.empty()) {
       auto t1 = Clock::now();
       try {
-        applier->apply(result.deltas);
+        stats = applier->apply(result.deltas);
         apply_s = std::chrono::duration<double>(Clock::now() - t1).count();
         consumer->commit(result);
         ++applied;
@@ -352,6 +355,8 @@ int main(int argc, char** argv) {
          << ",\"resync\":" << (resync ? "true" : "false")
          << ",\"generation_diff\":" << (gen_diff ? "true" : "false") << ",\"missing\":" << missing
          << ",\"pull_s\":" << pull_s << ",\"apply_s\":" << apply_s
+         << ",\"pack_s\":" << stats.pack_s << ",\"write_s\":" << stats.write_s
+         << ",\"chunks\":" << stats.chunks
          << ",\"dense_bytes\":" << dense_bytes << ",\"dense_step\":" << opt(dense_step)
          << ",\"rollback_to\":" << opt(rollback_to) << ",\"cap_step\":" << opt(result.cap_step)
          << ",\"applied\":" << (error.empty() && !result.deltas.empty() ? "true" : "false")
