@@ -149,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                 poll_interval_s=0.05,
             )
         ).start()
-        cpp, idle, py, bare = [], [], [], []
+        cpp: list[dict[str, Any]] = []
+        idle: list[dict[str, Any]] = []
+        py: list[dict[str, Any]] = []
+        bare: list[float] = []
         try:
             for i in range(args.repeat):
                 for into, serve in ((cpp, "0.002"), (idle, "60")):
