@@ -22,8 +22,15 @@ RANGES: dict[str, Range] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, required=True, help="the artifact (and OUT.json)")
-    p.add_argument("--serve-dtype", choices=("int8", "int4", "fp16", "fp32"), default="int8")
+    p.add_argument(
+        "--out", type=Path, default=Path("model.pt"), help="the artifact (its manifest: OUT.json)"
+    )
+    p.add_argument(
+        "--serve-dtype",
+        choices=("int8", "int4", "fp16", "fp32"),
+        default="int8",
+        help="the tables' dtype, as torchrec quantizes them",
+    )
     p.add_argument(
         "--tables",
         default="4",
@@ -36,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-batch-size", type=int, default=64, help="the example batch's size")
     p.add_argument("--zch-slots", type=int, help="slots of the managed-collision table (0: none)")
     p.add_argument("--zch-raw-ids", type=int, default=0, help="its raw-id space")
-    p.add_argument("--zch-policy", choices=("lru", "lfu"), default="lru")
+    p.add_argument(
+        "--zch-policy", choices=("lru", "lfu"), default="lru", help="its MCH eviction policy"
+    )
     p.add_argument(
         "--state",
         type=Path,
