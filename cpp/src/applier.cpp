@@ -201,12 +201,13 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
   torch::NoGradGuard no_grad;
   auto t0 = Clock::now();
   ApplyStats stats;
-  struct TbeWrites {
-    std::vector<int32_t> table;
-    std::vector<int64_t> row;
-    std::vector<at::Tensor> rows;
+  struct Part {  // one slice's rows: ids and rows are views of the window (it outlives apply)
+    size_t tbe;
+    int32_t index;
+    at::Tensor ids;   // int64 [n]
+    at::Tensor rows;  // uint8 [n, row_bytes], contiguous
   };
-  std::vector<TbeWrites> writes(tbe_tensors_.size());
+  std::vector<Part> writes;
   std::map<size_t, std::vector<std::pair<const SliceUpdate*, size_t>>> idents;
   std::vector<std::pair<at::Tensor, at::Tensor>> dense;
   for (const auto& d : deltas) {
@@ -251,9 +252,13 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
         if (int64_t(s.row_bytes) > spec.row_bytes &&
             wire.narrow(1, spec.row_bytes, s.row_bytes - spec.row_bytes).any().item<bool>())
           throw ApplyError("table " + s.table + ": packed rows with bytes past the row's padding");
-        rows = at::zeros({int64_t(n), spec.row_bytes}, at::kByte);
-        int64_t w = std::min<int64_t>(s.row_bytes, spec.row_bytes);
-        rows.narrow(1, 0, w).copy_(wire.narrow(1, 0, w));
+        if (int64_t(s.row_bytes) == spec.row_bytes) {
+          rows = wire;  // the table's own layout: written as it came
+        } else {
+          rows = at::zeros({int64_t(n), spec.row_bytes}, at::kByte);
+          int64_t w = std::min<int64_t>(s.row_bytes, spec.row_bytes);
+          rows.narrow(1, 0, w).copy_(wire.narrow(1, 0, w));
+        }
       } else {
         if (s.values.size() != n * s.width())
           throw ApplyError("table " + s.table + ": values not [rows, dim]");
@@ -261,12 +266,8 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
                                      {int64_t(n), int64_t(s.width())}, at::kFloat);
         rows = pack(t, v);
       }
-      auto& w = writes[size_t(spec.tbe)];
-      for (size_t i = 0; i < n; ++i) {
-        w.table.push_back(spec.index);
-        w.row.push_back(s.ids[i]);
-      }
-      w.rows.push_back(rows);
+      at::Tensor ids = at::from_blob(const_cast<int64_t*>(s.ids.data()), {int64_t(n)}, at::kLong);
+      writes.push_back({size_t(spec.tbe), int32_t(spec.index), ids, rows.contiguous()});
     }
     for (const auto& dt : d.dense) {
       std::string name = dt.name;
@@ -334,39 +335,22 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
   stats.pack_s = since(t0);
   // write: rows chunk by chunk, each under the exclusive serving lock
   auto t1 = Clock::now();
-  for (size_t b = 0; b < writes.size(); ++b) {
-    auto& w = writes[b];
-    if (w.row.empty()) continue;
-    std::vector<at::Tensor> parts;  // rows of each slice, flat (tables of a TBE may differ in width)
-    for (const auto& r : w.rows) parts.push_back(r.reshape({-1}));
-    at::Tensor bytes = at::cat(parts, 0).contiguous();
-    int64_t total = int64_t(w.row.size());
-    std::vector<int64_t> offsets(w.row.size());
-    {
-      // rows of one slice share a width; slices follow each other in `flat`
-      int64_t at_byte = 0;
-      size_t k = 0;
-      for (const auto& r : w.rows) {
-        for (int64_t i = 0; i < r.size(0); ++i, ++k) {
-          offsets[k] = at_byte;
-          at_byte += r.size(1);
-        }
-      }
-    }
-    at::Tensor tidx = at::from_blob(w.table.data(), {total}, at::kInt).clone();
-    at::Tensor ridx = at::from_blob(w.row.data(), {total}, at::kLong).clone();
-    at::Tensor offs = at::from_blob(offsets.data(), {total}, at::kLong).clone();
-    const auto& ts = tbe_tensors_[b];
-    for (int64_t a = 0; a < total; a += chunk_rows_) {
-      int64_t m = std::min(chunk_rows_, total - a);
+  for (const auto& w : writes) {
+    int64_t n = w.ids.numel(), rb = w.rows.size(1);
+    at::Tensor bytes = w.rows.view({-1});
+    at::Tensor tidx = at::full({std::min(n, chunk_rows_)}, w.index, at::kInt);
+    at::Tensor offs = at::arange(n, at::kLong).mul_(rb);
+    const auto& ts = tbe_tensors_[w.tbe];
+    for (int64_t a = 0; a < n; a += chunk_rows_) {
+      int64_t m = std::min(chunk_rows_, n - a);
       torch::jit::Stack stack{ts[0], ts[1], ts[2], ts[3], ts[4], ts[5], bytes,
-                              tidx.narrow(0, a, m), ridx.narrow(0, a, m), offs.narrow(0, a, m),
-                              manifest_.tbe_row_alignment[b], c10::IValue(), c10::IValue()};
+                              tidx.narrow(0, 0, m), w.ids.narrow(0, a, m), offs.narrow(0, a, m),
+                              manifest_.tbe_row_alignment[w.tbe], c10::IValue(), c10::IValue()};
       std::unique_lock<std::shared_mutex> g(lock_);
       op("fbgemm::emb_inplace_update").callBoxed(&stack);
       ++stats.chunks;
     }
-    stats.rows += uint64_t(total);
+    stats.rows += uint64_t(n);
   }
   if (!id_plans.empty() || !dense.empty()) {
     std::unique_lock<std::shared_mutex> g(lock_);

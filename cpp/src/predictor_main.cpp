@@ -229,7 +229,10 @@ int main(int argc, char** argv) {
       applier->check_tables(served);
       tables_checked = true;
     }
-    applier->forward_example();  // the artifact answers before anything is applied
+    // the artifact answers before anything is applied; and TorchScript's profiling executor
+    // optimizes a graph over its first runs (slow ones, holding the serving lock): warm up
+    // before the first window, not while a chunk waits for them
+    for (int i = 0; i < 3; ++i) applier->forward_example();
   } catch (const deltad::ConsumerError& e) {
     die(e.what());
   } catch (const c10::Error& e) {
