@@ -10,6 +10,7 @@ Skipped only where the binary was not built (``scripts/build_cpp.sh``) and
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -92,6 +93,10 @@ class Predictor:
 
     def pulls(self) -> list[dict[str, Any]]:
         return [x for x in self.lines if x.get("event") == "pull"]
+
+    def applied(self) -> bool:
+        """A window was applied."""
+        return any(x["applied"] for x in self.pulls())
 
     def caught_up(self, step: int) -> bool:
         """The last pull applied nothing new at ``step``, owing nothing."""
@@ -405,9 +410,13 @@ def serving_config() -> Any:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world_size", "sharding", "wire", "seeds"),
-    [(1, {}, "fp32", (3, 4)), (2, {"t0": "tw", "t1": "rw", "seq": "rw"}, "packed-int8", (3,))],
-    ids=["ws1-fp32-restart", "ws2-packed"],
+    ("world_size", "sharding", "wire", "seeds", "extra", "kill"),
+    [
+        (1, {}, "fp32", (3, 4), (), False),
+        (1, {}, "fp32", (5,), ("--form", "topk", "--k", "7"), False),
+        (2, {"t0": "tw", "t1": "rw", "seq": "rw"}, "packed-int8", (3,), (), True),
+    ],
+    ids=["ws1-fp32-restart", "ws1-topk", "ws2-packed-kill9"],
 )
 def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
     tmp_path: Path,
@@ -416,13 +425,16 @@ def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
     sharding: dict[str, str],
     wire: str,
     seeds: tuple[int, ...],
+    extra: tuple[str, ...],
+    kill: bool,
 ) -> None:
     """A C++ predictor started before the trainer's first segment follows a real multi-rank
     trainer (its managed-collision table admitting and evicting all along) while answering
     forwards, and ends bit-exact with the trainer's final model quantized by torchrec (int8):
     every table's bytes, the MC lookup buffers, the dense weights and the forward. With two
     seeds the trainer restarts (a new generation, other weights) and the predictor follows it
-    there too."""
+    there too. Top-k: rows are owed, then paid. ``kill``: the predictor is killed (-9) while the
+    trainer trains and a new one of the same name takes over (it bootstraps again)."""
     from deltad.reference.trainer.train import TrainConfig, run_training
 
     from deltad.export import export_reference, reference_serving
@@ -442,25 +454,43 @@ def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
             zch_slots=ZCH_REF_SLOTS,
         )  # fmt: skip
 
+    def start(eps: list[str]) -> Predictor:
+        args = predictor_args(eps, art, "cpp-ref", "--final-state", str(state))
+        return Predictor(*args, "--wire-dtype", wire, "--chunk-rows", "64", *extra)
+
+    killed: list[Predictor] = []
     with sidecars(spool, redis_url, world_size) as eps:
-        p = Predictor(
-            *predictor_args(eps, art, "cpp-ref", "--final-state", str(state)),
-            "--wire-dtype", wire, "--chunk-rows", "64",
-        )  # fmt: skip
+        p = start(eps)
         try:
             for seed in seeds:
-                steps = run_training(train(seed)).steps
-                wait_for(lambda s=steps: p.caught_up(s), 120, f"the predictor at step {steps}")
+                if kill:
+                    done: list[int] = []
+                    trainer = threading.Thread(
+                        target=lambda s=seed, d=done: d.append(run_training(train(s)).steps)
+                    )
+                    trainer.start()
+                    wait_for(p.applied, 120, "an apply")
+                    p.kill()  # kill -9 mid-training; a new predictor of the same name follows
+                    killed.append(p)
+                    p = start(eps)
+                    trainer.join(timeout=300)
+                    steps = done[0]
+                else:
+                    steps = run_training(train(seed)).steps
+                wait_for(functools.partial(p.caught_up, steps), 120, f"the step {steps}")
                 assert p.proc.poll() is None
         finally:
             rc = p.stop() if p.proc.poll() is None else p.proc.returncode
         assert rc == 0, p.errors
+    assert all(k.proc.returncode == -signal.SIGKILL for k in killed)
     pulls = p.pulls()
     assert any(x["resync"] for x in pulls) and sum(x["rows"] for x in pulls) > 0
     assert sum(x["dense_bytes"] for x in pulls) > 0  # the dense state came from the publisher
     assert sum(x["evicted"] for x in pulls) > 0  # the MC table evicted raw ids on the way
     assert len([x for x in pulls if x["applied"]]) >= 2  # a bootstrap, then deltas
     assert not [x for x in pulls if "error" in x], p.errors
+    if "topk" in extra:  # rows were owed, then paid
+        assert any(x["owed"] > 0 for x in pulls) and pulls[-1]["owed"] == 0
     if len(seeds) > 1:  # the restart: a new generation, as a generation diff or a resync
         news = [x for x in pulls if x["applied"] and (x["resync"] or x["generation_diff"])]
         assert len(news) >= 2, pulls
