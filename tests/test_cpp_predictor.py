@@ -133,13 +133,13 @@ ZCH_SLOTS, ZCH_DIM, T0_ROWS, T0_DIM = 64, 8, 40, 4
 class SmallModel(nn.Module):
     """ZchWriter's tables: ``t0`` (40 x 4, pooled) and the managed-collision ``zch`` (64 x 8)."""
 
-    def __init__(self, slots: int = ZCH_SLOTS) -> None:
+    def __init__(self, slots: int = ZCH_SLOTS, rows: int = T0_ROWS) -> None:
         super().__init__()
         from deltad.reference.trainer.zch import mc_module
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
         cfg = EmbeddingBagConfig(
-            name="t0", embedding_dim=T0_DIM, num_embeddings=T0_ROWS, feature_names=["f_t0"]
+            name="t0", embedding_dim=T0_DIM, num_embeddings=rows, feature_names=["f_t0"]
         )
         self.ebc = EmbeddingBagCollection(tables=[cfg])
         self.zch = mc_module("ebc", "zch", "f_zch", slots=slots, raw_ids=1 << 40, dim=ZCH_DIM)
@@ -157,12 +157,14 @@ class SmallModel(nn.Module):
         return torch.cat([a, b], dim=1) * self.scale
 
 
-def small_artifact(path: Path, raw: torch.Tensor, slots: int = ZCH_SLOTS) -> Path:
+def small_artifact(
+    path: Path, raw: torch.Tensor, slots: int = ZCH_SLOTS, rows: int = T0_ROWS
+) -> Path:
     """The small model quantized (int8), exported, with a batch of raw ids ``raw`` held."""
     from deltad.consume.quant import quantize_model
 
     torch.manual_seed(0)
-    q = quantize_model(SmallModel(slots).eval(), "int8")
+    q = quantize_model(SmallModel(slots, rows).eval(), "int8")
     n = raw.numel()
     inputs = (
         torch.arange(n, dtype=torch.int64) % T0_ROWS, torch.ones(n, dtype=torch.int64),
@@ -390,6 +392,36 @@ def test_mtls_and_a_token(tmp_path: Path, redis_url: str, pki: Path) -> None:
             "--token-file", str(token),
         )  # fmt: skip
         assert rc == 2 and len(err) == 1 and "no answer" in err[0], err
+
+
+@pytest.mark.slow
+def test_a_bootstrap_over_a_link_that_keeps_dropping_resumes(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The predictor reaches its sidecar through a link cut every 300 kB during a ~1.5 MB
+    bootstrap, with 2 retries: started over at each cut it would never finish; resuming each
+    broken stream where it broke (GetDeltaRequest.resume), it does, bit-exact."""
+    from bench.netproxy import DroppingProxy
+    from deltad.serve.windows.request import MIN_CHUNK_BYTES
+
+    slots, rows = 20_000, 40_000
+    w = ZchWriter(tmp_path / "spool", mc={"zch": (slots, ZCH_DIM)}, tables={"t0": (rows, T0_DIM)})
+    art = small_artifact(tmp_path / "big.pt", w.raw["zch"][:8], slots=slots, rows=rows)
+    state = tmp_path / "final.pt"
+    with (
+        sidecars(tmp_path / "spool", redis_url, 1, chunk_bytes=MIN_CHUNK_BYTES) as eps,
+        DroppingProxy(eps[0], drop_after=300_000, drops=1000) as link,
+    ):
+        p = Predictor(*predictor_args([link.endpoint], art, "cpp-far", "--final-state", str(state)))
+        try:
+            wait_for(functools.partial(p.caught_up, w.step), 120, "a bootstrap through cuts")
+        finally:
+            rc = p.stop() if p.proc.poll() is None else p.proc.returncode
+        assert rc == 0, p.errors
+        assert link.cut > 3, link.cut  # more cuts than 1 + max_retries attempts
+    got, want = load_state(state), truth_state(w)
+    for key in ("table.t0", "table.zch"):
+        assert torch.equal(got[key], want[key]), key
 
 
 # --- the reference trainer, its sidecars and the reference model exported -----------------------

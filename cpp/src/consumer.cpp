@@ -354,7 +354,8 @@ void Consumer::heartbeat_loop() {
 // ---- calls ---------------------------------------------------------------------------------
 
 template <class Call>
-auto Consumer::retry(Rank& r, const char* what, Call&& call) -> decltype(call(nullptr, 0.0)) {
+auto Consumer::retry(Rank& r, const char* what, Call&& call,
+                     const std::function<bool()>& progressed) -> decltype(call(nullptr, 0.0)) {
   double delay = config_.backoff_initial_s;
   std::optional<Clock::time_point> overloaded_until;
   grpc::Status last;
@@ -405,11 +406,14 @@ auto Consumer::retry(Rank& r, const char* what, Call&& call) -> decltype(call(nu
       }
       last = f.status;
     }
-    if (attempt < config_.max_retries) {
+    // an attempt that brought messages the next one goes on from counts as none
+    bool free = progressed && progressed();
+    if (free) delay = config_.backoff_initial_s;
+    if (free || attempt < config_.max_retries) {
       sleep(jitter(delay));
       delay = std::min(delay * 2, config_.backoff_max_s);
     }
-    ++attempt;
+    if (!free) ++attempt;
   }
   throw UnavailableError("rank " + std::to_string(r.rank) + " " + what + " at " + r.endpoint +
                          ": no answer after " + std::to_string(config_.max_retries + 1) +
@@ -519,7 +523,21 @@ RankDelta Consumer::get_delta(Rank& r, std::optional<int64_t> max_step) {
     req.set_from_base(r.needs_base);
   }
   if (max_step) req.set_max_step(*max_step);
+  // One window across the attempts that pull it: a broken stream is asked to go on where it
+  // broke (GetDeltaRequest.resume) unless the sidecar declined a resume once.
+  std::unique_ptr<WindowAssembler> last;
+  bool declined = false;
+  uint64_t began = 0;
+  auto resumes = [&] { return last && last->resumable() && !declined; };
+  auto progressed = [&] { return resumes() && last->messages() > began; };
   RankDelta d = retry(r, "GetDelta", [&](grpc::ClientContext* ctx, double timeout) {
+    v1::GetDeltaRequest ask = req;
+    if (resumes())
+      last->resume_request(ask);
+    else
+      last = std::make_unique<WindowAssembler>();
+    WindowAssembler& asm_ = *last;
+    began = asm_.messages();
     ctx->set_deadline(deadline_in(std::max(timeout, config_.stream_deadline_s)));
     // a stream that stalls for `timeout` (no message) is cancelled and retried
     std::atomic<int64_t> last_ns{Clock::now().time_since_epoch().count()};
@@ -536,16 +554,22 @@ RankDelta Consumer::get_delta(Rank& r, std::optional<int64_t> max_step) {
         }
       }
     });
-    WindowAssembler asm_;
     v1::GetDeltaResponse msg;
     grpc::Status st;
     try {
-      auto reader = r.stub->GetDelta(ctx, req);
+      auto reader = r.stub->GetDelta(ctx, ask);
       while (reader->Read(&msg)) {
         last_ns = Clock::now().time_since_epoch().count();
         asm_.add(msg);
       }
       st = reader->Finish();
+    } catch (const NotResumed& e) {  // served from its start: start over, no more resumes
+      ctx->TryCancel();
+      done = true;
+      watch.join();
+      declined = true;
+      last.reset();
+      throw RpcFailed{grpc::Status(grpc::StatusCode::ABORTED, e.what())};
     } catch (...) {
       ctx->TryCancel();
       done = true;
@@ -558,7 +582,7 @@ RankDelta Consumer::get_delta(Rank& r, std::optional<int64_t> max_step) {
       throw RpcFailed{grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the stream stalled")};
     if (!st.ok()) throw RpcFailed{st};
     return asm_.result();
-  });
+  }, progressed);
   std::lock_guard<std::mutex> g(r.mu);
   r.seen = std::max(r.seen, std::make_pair(d.generation, d.to_seq));
   return d;

@@ -156,8 +156,31 @@ void WindowAssembler::add(const v1::GetDeltaResponse& msg) {
   using v1::GetDeltaResponse;
   switch (msg.msg_case()) {
     case GetDeltaResponse::kHeader: {
-      if (delta_) throw DecodeError("second header in one stream");
       const auto& h = msg.header();
+      if (delta_ && resuming_) {
+        resuming_ = false;
+        if (h.resumed_messages() != messages_)
+          throw NotResumed(h.resumed_messages() == 0
+                               ? "the sidecar served seq " + std::to_string(h.to_seq()) +
+                                     " from its start, not after " + std::to_string(messages_) +
+                                     " messages"
+                               : "the sidecar resumed after " +
+                                     std::to_string(h.resumed_messages()) + " messages, not " +
+                                     std::to_string(messages_));
+        v1::DeltaHeader b = h;
+        b.clear_resync_reason();
+        b.clear_resumed_messages();
+        if (b.SerializeAsString() != header_bytes_)
+          throw NotResumed("the sidecar resumed another window (seq " + std::to_string(h.to_seq()) + ")");
+        return;
+      }
+      if (delta_) throw DecodeError("second header in one stream");
+      {
+        v1::DeltaHeader a = h;
+        a.clear_resync_reason();
+        a.clear_resumed_messages();
+        header_bytes_ = a.SerializeAsString();
+      }
       RankDelta d;
       d.rank = h.rank();
       d.generation = h.generation();
@@ -265,11 +288,12 @@ void WindowAssembler::add(const v1::GetDeltaResponse& msg) {
       d.upstream_lost = h.upstream_lost();
       if (h.has_diff_from_generation()) d.generation_diff = h.diff_from_generation();
       if (h.has_rollback_to_step()) d.rollback_to = h.rollback_to_step();
+      resumable_kind_ = h.resync() || !(d.form == Form::kTopk || d.generation_diff || d.rollback_to);
       delta_ = std::move(d);
       return;
     }
     case GetDeltaResponse::kChunk: {
-      if (!delta_ || trailer_) throw DecodeError("row chunk outside header..trailer");
+      if (!delta_ || trailer_ || resuming_) throw DecodeError("row chunk outside header..trailer");
       const auto& c = msg.chunk();
       if (c.slice() >= slots_.size())
         throw DecodeError("chunk for slice " + std::to_string(c.slice()) + " of " +
@@ -352,7 +376,7 @@ void WindowAssembler::add(const v1::GetDeltaResponse& msg) {
       return;
     }
     case GetDeltaResponse::kDense: {
-      if (!delta_ || trailer_) throw DecodeError("dense chunk outside header..trailer");
+      if (!delta_ || trailer_ || resuming_) throw DecodeError("dense chunk outside header..trailer");
       const auto& c = msg.dense();
       if (c.tensor() >= delta_->dense.size())
         throw DecodeError("dense chunk for tensor " + std::to_string(c.tensor()) + " of " +
@@ -377,7 +401,7 @@ void WindowAssembler::add(const v1::GetDeltaResponse& msg) {
       return;
     }
     case GetDeltaResponse::kTrailer: {
-      if (!delta_) throw DecodeError("trailer before header");
+      if (!delta_ || resuming_) throw DecodeError("trailer before header");
       if (trailer_) throw DecodeError("second trailer in one stream");
       trailer_ = true;
       const auto& t = msg.trailer();
@@ -389,6 +413,20 @@ void WindowAssembler::add(const v1::GetDeltaResponse& msg) {
     default:
       throw DecodeError("empty GetDeltaResponse");
   }
+}
+
+bool WindowAssembler::resumable() const {
+  return delta_ && !trailer_ && messages_ > 0 && resumable_kind_;
+}
+
+void WindowAssembler::resume_request(v1::GetDeltaRequest& req) {
+  req.set_max_step(delta_->to_step);
+  auto* r = req.mutable_resume();
+  r->set_generation(delta_->generation);
+  r->set_to_seq(delta_->to_seq);
+  r->set_from_seq(delta_->from_seq);
+  r->set_messages(messages_);
+  resuming_ = true;
 }
 
 RankDelta WindowAssembler::result() {

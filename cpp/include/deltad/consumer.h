@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -26,6 +27,7 @@ namespace deltad {
 
 namespace v1 {
 class GetDeltaResponse;
+class GetDeltaRequest;
 class StatusResponse;
 }  // namespace v1
 
@@ -42,6 +44,10 @@ struct UnavailableError : ConsumerError {
 };
 struct DecodeError : ConsumerError {
   using ConsumerError::ConsumerError;
+};
+// A stream asked to continue a broken one (GetDeltaRequest.resume) is not its continuation.
+struct NotResumed : DecodeError {
+  using DecodeError::DecodeError;
 };
 
 enum class Form : int { kIds = 1, kRows = 2, kTopk = 3 };
@@ -130,6 +136,13 @@ class WindowAssembler {
   void add(const v1::GetDeltaResponse& msg);
   RankDelta result();  // DecodeError if the stream was cut short
   uint64_t messages() const { return messages_; }
+  // A broken stream of this window may be continued where it broke: messages arrived, the
+  // trailer did not, and the window is one a server builds the same again (a resync; a rows /
+  // ids window that is no top-k, generation diff or rollback).
+  bool resumable() const;
+  // Make `req` ask to continue this window after messages() (pinned to its step); the next
+  // header fed to add() must be that continuation (else NotResumed).
+  void resume_request(v1::GetDeltaRequest& req);
 
  private:
   struct Slot;
@@ -137,6 +150,9 @@ class WindowAssembler {
   std::vector<Slot> slots_;
   std::vector<uint64_t> dense_filled_;
   bool trailer_ = false;
+  bool resuming_ = false;
+  bool resumable_kind_ = false;
+  std::string header_bytes_;  // the header without its per-pull marks (resume check)
   uint64_t messages_ = 0;
   uint32_t row_alignment_ = 0;
 };
@@ -230,7 +246,8 @@ class Consumer {
   void heartbeat_loop();
   void open(Rank& r);
   template <class Call>
-  auto retry(Rank& r, const char* what, Call&& call) -> decltype(call(nullptr, 0.0));
+  auto retry(Rank& r, const char* what, Call&& call, const std::function<bool()>& progressed = {})
+      -> decltype(call(nullptr, 0.0));
 
   ConsumerConfig config_;
   std::unique_ptr<Auth> auth_;
