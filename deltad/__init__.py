@@ -68,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "TorchRecApplier": "deltad.consume.appliers",
     "QuantApplier": "deltad.consume.quant",
     "quantize_model": "deltad.consume.quant",
+    "export_torchscript": "deltad.consume.export",
     "ServeDtype": "deltad.types",
     "ApplyConsistency": "deltad.types",
 }
@@ -113,6 +114,7 @@ __all__ = [
     "WindowRefused",
     "WireDtype",
     "__version__",
+    "export_torchscript",
     "quantize_model",
 ]
 
@@ -140,6 +142,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     )
     from deltad.consume.appliers import Applier, TensorDictApplier, TorchRecApplier
     from deltad.consume.client import DeltaConsumer
+    from deltad.consume.export import export_torchscript
     from deltad.consume.quant import QuantApplier, quantize_model
     from deltad.consume.result import PullResult
     from deltad.consume.window import RankDelta, ShardUpdate

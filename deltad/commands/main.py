@@ -39,6 +39,7 @@ def _bench_commands() -> ModuleType | None:
 def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     """subcommand -> (module with ``add_arguments(parser)`` and ``run(args) -> int``, help)."""
     from deltad import demo
+    from deltad.commands import export as export_cli
     from deltad.commands import rollout as rollout_cli
     from deltad.commands import status
     from deltad.reference.consumers import cli as consume_cli
@@ -59,6 +60,7 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
             "rollback",
         ),
         "demo": (demo, "trainer + sidecars + Redis + predictors on this machine, with a report"),
+        "export": (export_cli, "write the reference model's TorchScript artifact (C++ predictors)"),
         "bench": (
             _bench_commands(),
             "run the benchmark suite (JSON + PNG under bench/out; from a source checkout)",
