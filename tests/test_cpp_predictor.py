@@ -29,7 +29,7 @@ from deltad.config import ServerConfig
 from deltad.consume.export import export_torchscript, manifest_path
 from deltad.mch import lookup_buffers
 from deltad.serve.edge.app import SidecarServer
-from deltad.types import SegmentKind
+from deltad.types import EMPTY_RAW_ID, SegmentKind
 
 BIN = ROOT / "build" / "cpp" / "deltad-predictor-cpp"
 REQUIRED = os.environ.get("DELTAD_REQUIRE_CPP", "") not in ("", "0")
@@ -211,16 +211,26 @@ def artifact_state(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def truth_state(w: ZchWriter) -> dict[str, torch.Tensor]:
-    """The rows and lookup buffers a predictor of ``w``'s spool must hold: ``w``'s truth
-    packed as torchrec packs int8 rows (fbgemm), the MCH buffers of its slot map."""
+def truth_state(*ws: ZchWriter) -> dict[str, torch.Tensor]:
+    """The rows and lookup buffers a predictor of the spool of ``ws`` (one writer per rank)
+    must hold: their truth, each rank's rows from its writer, packed as torchrec packs int8
+    rows (fbgemm), and the MCH buffers of their slot map."""
     from deltad.consume.quant import pack_rows
     from deltad.types import ServeDtype
 
-    def rows(t: str) -> torch.Tensor:
-        return pack_rows(w.truth[t], ServeDtype.INT8, 16 * ((w.truth[t].shape[1] + 4 + 15) // 16))
+    truth = {t: v.clone() for t, v in ws[0].truth.items()}
+    raw = ws[0].raw["zch"].clone()
+    for w in ws[1:]:
+        for t in truth:
+            lo, hi = w.rows(t)
+            truth[t][lo:hi] = w.truth[t][lo:hi]
+        lo, hi = w.rows("zch")
+        raw[lo:hi] = w.raw["zch"][lo:hi]
 
-    sorted_raw, mapping = lookup_buffers(w.raw["zch"], 0)
+    def rows(t: str) -> torch.Tensor:
+        return pack_rows(truth[t], ServeDtype.INT8, 16 * ((truth[t].shape[1] + 4 + 15) // 16))
+
+    sorted_raw, mapping = lookup_buffers(raw, 0)
     return {
         "table.t0": rows("t0"),
         "table.zch": rows("zch"),
@@ -274,49 +284,59 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, redis_url: str) -> Non
 def test_follows_a_managed_collision_table_and_survives_a_hostile_window(
     tmp_path: Path, redis_url: str, wire: str
 ) -> None:
-    """Bootstrap and follow (rows packed in the table's layout, fp32 rows it packs as torchrec
-    does); a window whose identities are
-    impossible (a raw id held by two slots) is refused whole: the predictor keeps serving
-    what it held, asks for a rebase with backoff, and once the trainer's log is sane again
-    ends bit-exact with it."""
-    w = ZchWriter(
-        tmp_path / "spool", mc={"zch": (ZCH_SLOTS, ZCH_DIM)}, tables={"t0": (T0_ROWS, T0_DIM)}
-    )
+    """Bootstrap and follow two ranks (rows packed in the table's layout, fp32 rows it packs
+    as torchrec does); a window whose identities are impossible is refused whole: the
+    predictor keeps serving what it held, asks for a rebase with backoff, and once the
+    trainer's log is sane again ends bit-exact with it. The hostile case is the one no
+    sidecar can see (each rank's log is consistent; sidecars quarantine the rest): rank 1
+    gives one of its slots a raw id a slot of rank 0 holds."""
+    spool = tmp_path / "spool"
+    mc, plain = {"zch": (ZCH_SLOTS, ZCH_DIM)}, {"t0": (T0_ROWS, T0_DIM)}
+    w0 = ZchWriter(spool, mc=mc, tables=plain, rank=0, world_size=2, seed=0)
+    w1 = ZchWriter(spool, mc=mc, tables=plain, rank=1, world_size=2, seed=1)
+    w1.next_raw = 20_000_000  # (the ranks admit raw ids of their own)
+
+    def both(**kw: Any) -> None:
+        w0.delta(**kw)
+        w1.delta(**kw)
+
     for _ in range(3):
-        w.delta(n=4)
-    art = small_artifact(tmp_path / "small.pt", torch.cat([w.raw["zch"][:16], torch.tensor([5])]))
+        both(n=4)
+    art = small_artifact(tmp_path / "small.pt", torch.cat([w0.raw["zch"][:16], torch.tensor([5])]))
     state = tmp_path / "final.pt"
-    with sidecars(tmp_path / "spool", redis_url, 1) as eps:
+    with sidecars(spool, redis_url, 2) as eps:
         p = Predictor(
             *predictor_args(eps, art, "cpp-mc", "--final-state", str(state), "--wire-dtype", wire)
         )
         try:
-            wait_for(lambda: p.caught_up(w.step), 60, "bootstrap")
+            wait_for(lambda: p.caught_up(w0.step), 60, "bootstrap")
             for _ in range(3):
-                w.delta(n=4)
-            wait_for(lambda: p.caught_up(w.step), 60, "following")
+                both(n=4)
+            wait_for(lambda: p.caught_up(w0.step), 60, "following")
             held = forwards(p)
-            # hostile: slot 5 takes the raw id slot 3 holds (no slot gives it up)
-            w.raw["zch"][5] = w.raw["zch"][3]
-            w._write(
-                {"zch": torch.tensor([5])},
+            # hostile: rank 1's slot 40 takes a raw id a slot of rank 0 holds
+            stolen = next(int(r) for r in w0.raw["zch"][:32] if int(r) != EMPTY_RAW_ID)
+            w1.raw["zch"][40] = stolen
+            w1._write(
+                {"zch": torch.tensor([40])},
                 {"zch": torch.empty(0, dtype=torch.int64)},
                 SegmentKind.DELTA,
             )
             wait_for(lambda: len([x for x in p.pulls() if "error" in x]) >= 2, 60, "refusals")
             assert p.proc.poll() is None
             refused = [x for x in p.pulls() if "error" in x]
-            assert all("held by two slots" in x["error"] for x in refused)
+            assert all("held by two slots" in x["error"] for x in refused), refused
             assert any("window not applied" in e for e in p.errors)
             wait_for(lambda: forwards(p) > held, 30, "forwards while refusing")
-            # the trainer's log is sane again: slot 5 gets a raw id of its own
-            w.delta(admit={"zch": {5: 99_000_001}})
-            wait_for(lambda: p.caught_up(w.step), 60, "recovery")
+            # the trainer's log is sane again: slot 40 gets a raw id of its own
+            w0.delta()
+            w1.delta(admit={"zch": {40: 99_000_001}})
+            wait_for(lambda: p.caught_up(w0.step), 60, "recovery")
         finally:
             rc = p.stop() if p.proc.poll() is None else p.proc.returncode
         assert rc == 0, p.errors
     got = load_state(state)
-    want = truth_state(w)
+    want = truth_state(w0, w1)
     man = json.loads(manifest_path(art).read_text())
     zch = next(t for t in man["tables"] if t["name"] == "zch")
     assert torch.equal(got["table.t0"], want["table.t0"])
