@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from deltad.segment.format import ShardRows
+from deltad.serve.index import spill
 from deltad.serve.windows.encode import Skip
 from deltad.serve.windows.packed import Pins, pinning
 from deltad.types import ShardKey
@@ -132,6 +133,7 @@ class EncodedWindow:
             callbacks, self._on_done = self._on_done, []
             self._cond.notify_all()
         self.pins.release()
+        spill.after_chunk(0, done=True)  # (the spill's pages it read leave the RSS)
         for fn in callbacks:
             fn(self)
 
@@ -143,6 +145,7 @@ class EncodedWindow:
                 self.merge_seconds += seconds
                 if c is not None:
                     self.payload_bytes += len(c)
+                    spill.after_chunk(len(c))
                     return c
         return None
 
@@ -221,6 +224,7 @@ class EncodedWindow:
                 self.merge_seconds += seconds
                 if c is not None:
                     self.payload_bytes += len(c)
+                    spill.after_chunk(len(c))
                     yield c
         except GeneratorExit:
             raise
