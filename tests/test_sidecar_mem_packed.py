@@ -12,6 +12,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.datagen import write_spool
 from deltad import wire
@@ -147,3 +148,23 @@ def test_concurrent_windows_stay_within_the_budget(snap: LogSnapshot) -> None:
     assert not any(t.is_alive() for t in threads)
     assert store.peak_bytes <= store.max_bytes and store.nbytes <= store.max_bytes
     assert all(e.pins == 0 for e in store._lru.values())
+
+
+def test_the_parts_of_one_shard_are_kept_together_or_not_at_all(snap: LogSnapshot) -> None:
+    key = next(iter(snap.base.shards))
+    parts = [e.shards[key] for e in snap.entries if key in e.shards]
+    assert len(parts) > 1
+    row = wire.packed_row_bytes(DIM, DT, 16)
+    group = sum(p.ids.numel() * row for p in parts)
+    # room for the base part, not for the group: nothing packed, nothing kept
+    store = PackedStore(group - 1)
+    assert store.rows_of(parts, DT, 16) is None
+    assert store.nbytes == 0 and store.packed == 0
+    # room for the group: all of it, each part's rows as packed alone
+    store = PackedStore(group)
+    got = store.rows_of(parts, DT, 16)
+    assert got is not None and store.nbytes == group and store.packed == len(parts)
+    for p, rows in zip(parts, got, strict=True):
+        alone = PackedStore(group).rows(p, DT, 16)
+        assert alone is not None and torch.equal(rows, alone)
+    assert store.rows_of(parts, DT, 16) is not None and store.packed == len(parts)

@@ -43,7 +43,8 @@ import itertools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -62,10 +63,22 @@ MAX_COUNTS = 4096
 _serials = itertools.count(1)
 
 
-class _Packed:
-    __slots__ = ("alive", "nbytes", "pins", "rows", "serial", "source")
+class _Ask(NamedTuple):
+    key: PackKey
+    values: torch.Tensor
+    n: int
+    row_bytes: int
 
-    def __init__(self, source: weakref.ref[torch.Tensor], nbytes: int) -> None:
+    @property
+    def need(self) -> int:
+        return self.n * self.row_bytes
+
+
+class _Packed:
+    __slots__ = ("alive", "key", "nbytes", "pins", "rows", "serial", "source")
+
+    def __init__(self, key: PackKey, source: weakref.ref[torch.Tensor], nbytes: int) -> None:
+        self.key = key
         self.source = source
         self.rows: torch.Tensor | None = None  # None while it is being packed
         self.nbytes = nbytes
@@ -144,56 +157,104 @@ class PackedStore:
     def entries(self) -> int:
         return len(self._lru)
 
+    def _ask(self, part: ShardRows, dtype: WireDtype, alignment: int) -> _Ask | None:
+        """What keeping ``part`` packed takes; None if it is never kept (see :meth:`rows`)."""
+        s = part.shard
+        if not dtype.packed or wire.packed_refusal(dtype, s.dim, s.col_start, s.col_end):
+            return None
+        n = part.ids.numel()
+        row_bytes = wire.packed_row_bytes(s.dim, dtype, alignment)
+        if n * row_bytes > self.max_bytes or part.values.shape != (n, s.dim):
+            return None
+        return _Ask((id(part.values), dtype, alignment), part.values, n, row_bytes)
+
     def rows(self, part: ShardRows, dtype: WireDtype, alignment: int) -> torch.Tensor | None:
         """``part``'s rows packed in ``dtype`` (uint8 [n, row_bytes], read-only by contract):
         from the store, or packed now and kept; None when the caller packs per chunk instead
         (no room for them, see the module doc, or the part cannot be packed, e.g. a
         column-wise shard). Rows returned inside :func:`pinning` stay until its pins are
         released."""
-        s = part.shard
-        if not dtype.packed or wire.packed_refusal(dtype, s.dim, s.col_start, s.col_end):
+        got = self.rows_of([part], dtype, alignment)
+        return None if got is None else got[0]
+
+    def rows_of(
+        self, parts: Sequence[ShardRows], dtype: WireDtype, alignment: int
+    ) -> list[torch.Tensor] | None:
+        """Every one of ``parts``' rows packed (see :meth:`rows`), or None, with nothing packed
+        or evicted, unless all of them are kept or can be: the parts of one shard merged
+        from several are used only together, and keeping some of them would hold budget that
+        no pull uses."""
+        asks = []
+        for part in parts:
+            a = self._ask(part, dtype, alignment)
+            if a is None:
+                return None
+            asks.append(a)
+        if sum(a.need for a in asks) > self.max_bytes:
             return None
-        n = part.ids.numel()
-        row_bytes = wire.packed_row_bytes(s.dim, dtype, alignment)
-        need = n * row_bytes
-        if need > self.max_bytes or part.values.shape != (n, s.dim):
-            return None
-        values = part.values
-        key = (id(values), dtype, alignment)
-        pins = _current.get()
-        with self._lock:
-            self._count(key)
-            while True:
-                e = self._lookup(key, values)
-                if e is None:  # a miss: make room, or refuse
-                    e = self._admit(key, values, need)
-                    if e is None:
+        scope = _current.get()
+        pins = Pins() if scope is None else scope
+        mine: list[tuple[_Ask, _Packed]] = []
+        try:
+            with self._lock:
+                entries: dict[PackKey, _Packed] = {}
+                for a in asks:
+                    self._count(a.key)
+                    e = self._lookup(a.key, a.values)
+                    if e is not None:
+                        entries[a.key] = e
+                        pins._add(self, e)  # (not a victim of the missing ones' room)
+                missing = [a for a in asks if a.key not in entries]
+                if missing:
+                    need = sum(a.need for a in missing)
+                    least = min(self._counts.get(a.key, 0) for a in missing)
+                    if not self._room(need, least):
                         self.refused += 1
                         return None
-                    if pins is not None:
+                    for a in missing:
+                        e = self._admit(a.key, a.values, a.need)
+                        if e is None:  # (cannot happen after _room: refuse all the same)
+                            for _, m in mine:
+                                self._drop(m.key, m)
+                            self._built.notify_all()
+                            self.refused += 1
+                            return None
+                        entries[a.key] = e
                         pins._add(self, e)
-                    break  # this thread packs it
-                if e.rows is not None:
-                    self.hits += 1
-                    if pins is not None:
-                        pins._add(self, e)
-                    return e.rows
-                self._built.wait(1.0)  # another thread packs it (it ends or fails)
+                        mine.append((a, e))
+            for a, e in mine:
+                self._pack(a, e, dtype)
+            out = []
+            with self._lock:
+                for a in asks:
+                    e = entries[a.key]
+                    while e.rows is None and e.alive:  # another thread packs it
+                        self._built.wait(1.0)
+                    if e.rows is None:  # (its packing failed there: per chunk here)
+                        return None
+                    out.append(e.rows)
+                self.hits += len(asks) - len(mine)
+            return out
+        finally:
+            if scope is None:
+                pins.release()
+
+    def _pack(self, a: _Ask, e: _Packed, dtype: WireDtype) -> None:
+        """Pack ``a``'s rows into its reserved entry ``e`` (outside the lock)."""
         try:
-            out = torch.empty(n, row_bytes, dtype=torch.uint8)
-            wire.pack_rows(values, dtype, out)
+            out = torch.empty(a.n, a.row_bytes, dtype=torch.uint8)
+            wire.pack_rows(a.values, dtype, out)
         except BaseException:
             with self._lock:
-                self._drop(key, e)
+                self._drop(a.key, e)
                 self._built.notify_all()
             raise
         with self._lock:
             if e.alive:
                 e.rows = out
                 self.packed += 1
-                self.rows_packed += n
+                self.rows_packed += a.n
             self._built.notify_all()
-        return out
 
     # --- internals (lock held) ---
 
@@ -214,6 +275,25 @@ class PackedStore:
             self._asks = 0
             self._counts = {k: c >> 1 for k, c in self._counts.items() if c > 1}
 
+    def _evictable(self, k: PackKey, old: _Packed, mine: int) -> bool:
+        """Whether idle ``old`` may make room for a part asked for ``mine`` times."""
+        if old.pins or old.rows is None:
+            return False
+        theirs = self._counts.get(k, 0)
+        return theirs < mine or theirs == mine == 1  # (one-offs replace one-offs)
+
+    def _room(self, need: int, mine: int) -> bool:
+        """Whether ``need`` bytes can be reserved for parts asked for ``mine`` times."""
+        free = self.max_bytes - self._bytes
+        if free >= need:
+            return True
+        for k, old in self._lru.items():
+            if self._evictable(k, old, mine):
+                free += old.nbytes
+                if free >= need:
+                    return True
+        return False
+
     def _admit(self, key: PackKey, values: torch.Tensor, need: int) -> _Packed | None:
         """Reserve ``need`` bytes for ``key``'s rows, evicting idle entries asked for less
         often; None (nothing evicted) if that does not make room."""
@@ -222,10 +302,7 @@ class PackedStore:
         if free < need:
             mine = self._counts.get(key, 0)
             for k, old in self._lru.items():
-                if old.pins or old.rows is None:
-                    continue
-                theirs = self._counts.get(k, 0)
-                if theirs >= mine and not theirs == mine == 1:  # (one-offs replace one-offs)
+                if not self._evictable(k, old, mine):
                     continue
                 victims.append(k)
                 free += old.nbytes
@@ -235,7 +312,7 @@ class PackedStore:
                 return None
         for k in victims:
             self._drop(k, self._lru[k])
-        e = _Packed(weakref.ref(values), need)
+        e = _Packed(key, weakref.ref(values), need)
         self._lru[key] = e
         self._bytes += need
         self.peak_bytes = max(self.peak_bytes, self._bytes)
