@@ -11,7 +11,8 @@ configuration measured as if it were a setting). Rounds: a fresh consumer of eac
 bootstraps in packed-int8, in a shuffled order each round; the first round warms (it fills
 the stores) and is left out. Per setting: median seconds per pull over the repeats (range
 too) and the sidecar's CPU seconds per pull; ratio = baseline's median / the setting's
-median (> 1: faster than the store off); and the store's gauge after the last round
+median (> 1: faster than the store off), the same of the sidecar's CPU seconds (steadier on a
+shared machine than wall time); and the store's gauge after the last round
 (``deltad_packed_cache_bytes``, within its budget) and the sidecar's VmRSS.
 
 ``python -m bench.pack_budget [--rows N] [--repeats R] [--record]``: prints one JSON line
@@ -116,6 +117,7 @@ def measure(ctx: Context, *, rows: int, repeats: int) -> dict[str, Any]:
                     seconds[name].append(got["seconds"])
                     cpu[name].append(mon.seconds())
         base = summarize(seconds["off"])["median"]
+        base_cpu = summarize(cpu["off"])["median"]
         for name, side in sides.items():
             g = _gauges(side.metrics_port) if side.metrics_port else {}
             st = proc_status(side.proc.pid)
@@ -124,6 +126,7 @@ def measure(ctx: Context, *, rows: int, repeats: int) -> dict[str, Any]:
                 "budget_bytes": settings[name],
                 "seconds": s,
                 "sidecar_cpu_s": summarize(cpu[name]),
+                "cpu_vs_off": ratio(base_cpu, summarize(cpu[name])["median"]),
                 "speed_vs_off": ratio(base, s["median"]),
                 "speed_vs_off_range": [ratio(base, s["max"]), ratio(base, s["min"])],
                 "packed_cache_bytes": g.get("deltad_packed_cache_bytes"),
