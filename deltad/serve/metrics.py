@@ -229,8 +229,10 @@ class SidecarMetrics:
     def track_sidecar(self, servicer: Any, seglog: Any) -> None:
         """The memory and long polls of one sidecar, read at scrape time: the log it serves
         (private copies), the previous generation it holds for diffs, the window cache (cached
-        and live windows), the pre-merged runs, the spilled base, windows streamed unkept,
-        Status calls held."""
+        and live windows), the pre-merged runs, the pack-once store, the spilled base (disk and
+        resident pages), the spool's resident pages, windows streamed unkept, Status calls
+        held. Runtime + log + previous generation + window cache + runs + packed + spill
+        resident + spool resident + free heap is the RSS (tests/test_sidecar_mem_gauges.py)."""
         snap = lambda: seglog.snapshot()  # noqa: E731
         prev = lambda: seglog.previous()  # noqa: E731
         windows = servicer.windows
@@ -271,20 +273,37 @@ class SidecarMetrics:
         self.track(
             "deltad_run_cache_bytes", "Bytes of pre-merged runs", lambda: windows.runs.nbytes
         )
+        spill = windows.spill
         self.track(
-            "deltad_spill_bytes", "Disk bytes of the spilled merged base", lambda: windows.spill.nbytes
-        )  # fmt: skip
-        packed = getattr(windows, "packed", None)
+            "deltad_spill_bytes",
+            "Disk bytes of the spilled merged base (a file: its resident pages are"
+            " deltad_spill_resident_bytes)",
+            lambda: spill.nbytes,
+        )
+        # the pack-once store (deltad.serve.windows.packed), whichever object holds it
+        packed = getattr(windows, "packed", None) or getattr(
+            getattr(windows, "source", None), "packed", None
+        )
         self.track(
             "deltad_packed_cache_bytes",
-            "Bytes of rows kept packed for the packed wire dtypes (packed once per row version)",
+            "Bytes of rows kept packed for the packed wire dtypes (packed once per row version;"
+            " at most --packed-cache-bytes, idle too)",
             lambda: 0 if packed is None else packed.nbytes,
         )
+        if packed is not None:
+            self.track_counter(
+                "deltad_packed_cache_refused",
+                "Parts packed per chunk instead of kept packed (no room beside the rows pulls"
+                " are using, or asked for less often than the rows kept)",
+                lambda: packed.refused,
+            )
         # fbgemm's quantizers (~8 MB of code and heap: only the library that holds them) are
         # part of the runtime: loaded now, before the baseline is taken, not in the first pull
         # (the warm-up thread then has nothing left to do)
         wire.preload_quantizer()
-        base = self.memory = memory.MemoryBaseline()  # (the log indexed, nothing served)
+        spill_dir = getattr(spill, "directory", None)
+        mapped = memory.MappedFiles(seglog.layout.root, spill_dir)
+        base = self.memory = memory.MemoryBaseline(mapped)  # (the log indexed, nothing served)
         self.track(
             "deltad_rss_bytes", "Resident set of the sidecar process (VmRSS)", memory.rss_bytes
         )
@@ -293,6 +312,18 @@ class SidecarMetrics:
             "Runtime memory: anonymous memory once the log was indexed, before serving "
             "(interpreter, libraries' heaps) plus resident library pages",
             base.runtime,
+        )
+        self.track(
+            "deltad_spill_resident_bytes",
+            "Resident pages of the spilled merged base's file mapped by the sidecar (page cache"
+            " charged to its memory while resident)",
+            lambda: mapped.get("spill"),
+        )
+        self.track(
+            "deltad_spool_resident_bytes",
+            "Resident pages of spool files mapped by the sidecar (segments and dense states"
+            " read in place)",
+            lambda: mapped.get("spool"),
         )
         self.track(
             "deltad_heap_free_bytes",

@@ -24,6 +24,16 @@ creation time of each, as a run): a retention merge of those entries, a new base
 generation makes it stale (it is dropped at the next lookup). Its disk use is bounded by
 ``max_bytes`` (a larger merge is not spilled); one spill is kept, and a replaced one's bytes
 are freed when its last reader is done with it.
+
+Its pages are not left in the sidecar's resident set (issue 41 item 3): the merge writes it
+range by range (:data:`WRITE_RANGE_BYTES`), each range's pages unmapped once written
+(``madvise(MADV_DONTNEED)``), and while windows read it, every :data:`TRIM_EVERY_BYTES` of
+messages produced (:func:`after_chunk`, called by
+:class:`~deltad.serve.windows.encoded.EncodedWindow`) and when a window is done, the pages
+read are unmapped again. They stay in the page cache (a later read faults them back without
+I/O): file memory the kernel reclaims under pressure, charged to the pod's memory cgroup
+while it stays there (docs/sizing.md). With ``drop_page_cache`` they leave the page cache
+too (written back first; ``posix_fadvise(DONTNEED)``): the spill is then read from disk.
 """
 
 from __future__ import annotations
@@ -34,15 +44,16 @@ import os
 import stat
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from deltad.segment.format import ShardRows
 from deltad.serve.index.log import LogEntry
-from deltad.serve.index.merge import merge_rows
+from deltad.serve.index.merge import merge_identities, merge_rows
 from deltad.types import ShardKey
 
 log = logging.getLogger(__name__)
@@ -53,6 +64,63 @@ EntryId = tuple[int, int, str, int, float]
 #: a base window more than this many deltas past the spill spills anew at its head
 REFRESH_AFTER = 8
 _ALIGN = 64
+#: a spill is merged this many value bytes at a time, each range's pages unmapped once written
+WRITE_RANGE_BYTES = 32 << 20
+#: the spills' resident pages are unmapped after this many bytes of messages produced
+TRIM_EVERY_BYTES = 8 << 20
+_PAGE = mmap.PAGESIZE
+
+
+class SpillPages:
+    """A spill's mapping and its file: unmaps its resident pages (and, with
+    ``drop_page_cache``, drops them from the page cache)."""
+
+    def __init__(self, mm: mmap.mmap, fd: int, size: int, drop_page_cache: bool) -> None:
+        self.mm = mm
+        self.fd = fd
+        self.size = size
+        self.drop_page_cache = drop_page_cache
+        #: unmap calls made (tests)
+        self.trims = 0
+
+    def trim(self, start: int = 0, length: int | None = None, *, written: bool = False) -> None:
+        """Unmap ``[start, start + length)`` (page-aligned outward; default: all of it);
+        ``written``: its pages were just written (written back first if they leave the
+        page cache)."""
+        end = self.size if length is None else min(self.size, start + length)
+        start -= start % _PAGE
+        if end <= start:
+            return
+        try:
+            if self.drop_page_cache and written:
+                self.mm.flush(start, end - start)
+            self.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+            if self.drop_page_cache:
+                os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        except (OSError, ValueError):  # (a closed mapping: nothing resident)
+            return
+        self.trims += 1
+
+
+_live: weakref.WeakSet[SpillPages] = weakref.WeakSet()
+_trim_lock = threading.Lock()
+_since_trim = [0]
+
+
+def after_chunk(nbytes: int, *, done: bool = False) -> None:
+    """``nbytes`` of messages were produced (``done``: a window ended): unmap the live spills'
+    pages every :data:`TRIM_EVERY_BYTES` and at the end of a window (nothing to do, and no
+    lock taken, while no spill is mapped)."""
+    if not _live:
+        return
+    with _trim_lock:
+        _since_trim[0] += nbytes
+        if _since_trim[0] < TRIM_EVERY_BYTES and not (done and _since_trim[0]):
+            return
+        _since_trim[0] = 0
+        pages = list(_live)
+    for p in pages:
+        p.trim()
 
 
 def entry_id(e: LogEntry) -> EntryId:
@@ -69,6 +137,7 @@ class Spill:
     covers: tuple[EntryId, ...]  # the base and the ``count`` deltas it holds
     part: Part  # tensors are views of the mapping (alive as long as they are)
     nbytes: int  # file size
+    pages: SpillPages | None = None
 
     @property
     def count(self) -> int:
@@ -107,10 +176,13 @@ def open_unnamed(directory: Path) -> int:
         os.close(dfd)
 
 
-def write_spill(directory: Path, parts: Sequence[Part], max_bytes: int) -> tuple[Part, int] | None:
+def write_spill(
+    directory: Path, parts: Sequence[Part], max_bytes: int, *, drop_page_cache: bool = False
+) -> tuple[Part, int, SpillPages] | None:
     """Merge ``parts`` (oldest first) shard by shard straight into a new unnamed mapped file;
-    (its part, its size), or None if it would exceed ``max_bytes``. No shard-sized temporary:
-    each shard's rows are merged into the mapping itself."""
+    (its part, its size, its pages), or None if it would exceed ``max_bytes``. No shard-sized
+    temporary: each shard's rows are merged into the mapping itself, a range of
+    :data:`WRITE_RANGE_BYTES` at a time, each range's pages unmapped once written."""
     keys: list[ShardKey] = []
     for p in parts:
         keys += [k for k in p if k not in keys]
@@ -129,8 +201,11 @@ def write_spill(directory: Path, parts: Sequence[Part], max_bytes: int) -> tuple
     try:
         os.ftruncate(fd, max(size, 1))
         mm = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)  # the mapping keeps the file
+    except BaseException:
+        os.close(fd)
+        raise
+    pages = SpillPages(mm, fd, max(size, 1), drop_page_cache)
+    weakref.finalize(mm, os.close, fd)  # (the file lives while a view of the mapping does)
     out: Part = {}
     for key, cs, ids, off, width in layout:
         n = ids.numel()
@@ -142,17 +217,49 @@ def write_spill(directory: Path, parts: Sequence[Part], max_bytes: int) -> tuple
             else torch.empty(n, width, dtype=dtype)
         )
         at_ids.copy_(ids)
-        m = merge_rows(cs, out=vals)  # (identities, of a managed-collision shard, in memory)
-        out[key] = cs[-1].with_rows(at_ids, vals, m.raw_ids, m.evicted)
-    return out, size
+        raw_ids = evicted = None
+        if any(c.has_identities for c in cs):  # (a managed-collision shard: in memory)
+            raw_ids, evicted = merge_identities(cs, ids)
+        row_bytes = max(1, width * cs[-1].values.element_size())
+        step = max(1, WRITE_RANGE_BYTES // row_bytes)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            merge_rows(_rows_between(cs, ids, a, b), out=vals[a:b])
+            pages.trim(off + n * 8 + a * row_bytes, (b - a) * row_bytes, written=True)
+        pages.trim(off, n * 8, written=True)
+        out[key] = cs[-1].with_rows(at_ids, vals, raw_ids, evicted)
+    _live.add(pages)
+    return out, size, pages
+
+
+def _rows_between(cs: list[ShardRows], ids: torch.Tensor, a: int, b: int) -> list[ShardRows]:
+    """The parts' rows among ``ids[a:b]`` (the union's), as parts of the row range they span
+    (identities left out: merged apart)."""
+    lo_id, hi_id = int(ids[a]), int(ids[b - 1]) + 1
+    out = []
+    bounds = torch.tensor([lo_id, hi_id], dtype=torch.int64)
+    for c in cs:
+        lo, hi = torch.searchsorted(c.ids, bounds).tolist()
+        shard = replace(c.shard, row_start=lo_id, row_end=hi_id)
+        out.append(ShardRows(shard, c.ids[lo:hi], c.values[lo:hi]))
+    return out
 
 
 class SpillStore:
     """The one spill of a rank (see the module docstring); thread-safe, one build at a time."""
 
-    def __init__(self, directory: Path, max_bytes: int, *, only_when_merged: bool = True) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int,
+        *,
+        only_when_merged: bool = True,
+        drop_page_cache: bool = False,
+    ) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
+        #: the spill's pages leave the page cache too once read (see the module doc)
+        self.drop_page_cache = drop_page_cache
         #: used only for a base window that would otherwise merge whole shards (see
         #: :func:`deltad.serve.windows.parts.window_parts`); False: for every base window (tests)
         self.only_when_merged = only_when_merged
@@ -234,14 +341,16 @@ class SpillStore:
         else:
             parts = [entries[0].shards, *delta_parts(0, hi - 1)]
         try:
-            got = write_spill(self.directory, parts, self.max_bytes)
+            got = write_spill(
+                self.directory, parts, self.max_bytes, drop_page_cache=self.drop_page_cache
+            )
         except OSError as e:
             log.warning("spill of the base at seq %d failed: %s", entries[hi - 1].seq, e)
             return None
         if got is None:
             return None
-        part, size = got
-        s = Spill(generation, tuple(entry_id(e) for e in entries[:hi]), part, size)
+        part, size, pages = got
+        s = Spill(generation, tuple(entry_id(e) for e in entries[:hi]), part, size, pages)
         with self._lock:
             self._spill = s
             self.built += 1

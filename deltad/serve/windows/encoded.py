@@ -7,7 +7,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from deltad.segment.format import ShardRows
+from deltad.serve.index import spill
 from deltad.serve.windows.encode import Skip
+from deltad.serve.windows.packed import Pins, pinning
 from deltad.types import ShardKey
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,8 @@ class EncodedWindow:
     0.77x at 1 GB, 2 cores). A ``kept`` window keeps its chunks (shared by concurrent readers
     and the cache; the last reader to stop early produces the rest); otherwise the one
     reader streams them without keeping any. ``payload_bytes`` and ``merge_seconds``
-    are final once the last chunk is out.
+    are final once the last chunk is out. The packed rows its chunks are made from are pinned
+    to it (:attr:`pins`) until then: the pack-once store never evicts them under it.
     """
 
     def __init__(
@@ -65,6 +68,9 @@ class EncodedWindow:
         self._on_done: list[Callable[[EncodedWindow], None]] = []
         #: messages its producer leaves out unbuilt (see :meth:`skip_unbuilt`)
         self.skip = Skip()
+        #: packed rows its producer took (:mod:`deltad.serve.windows.packed`), released once
+        #: its last chunk is produced
+        self.pins = Pins()
 
     @property
     def owed_rows(self) -> int:
@@ -126,17 +132,21 @@ class EncodedWindow:
             self._produce = None
             callbacks, self._on_done = self._on_done, []
             self._cond.notify_all()
+        self.pins.release()
+        spill.after_chunk(0, done=True)  # (the spill's pages it read leave the RSS)
         for fn in callbacks:
             fn(self)
 
     def _next(self) -> bytes | None:
         """The next chunk from the producer (None: no more); the caller holds the turn."""
         assert self._produce is not None
-        for c, seconds in self._produce:
-            self.merge_seconds += seconds
-            if c is not None:
-                self.payload_bytes += len(c)
-                return c
+        with pinning(self.pins):
+            for c, seconds in self._produce:
+                self.merge_seconds += seconds
+                if c is not None:
+                    self.payload_bytes += len(c)
+                    spill.after_chunk(len(c))
+                    return c
         return None
 
     def iter_chunks(self) -> Iterator[bytes]:
@@ -205,10 +215,16 @@ class EncodedWindow:
             return
         error: BaseException | None = None
         try:
-            for c, seconds in produce:
+            while True:
+                with pinning(self.pins):  # (not across the yield: the reader's code)
+                    got = next(produce, None)
+                if got is None:
+                    break
+                c, seconds = got
                 self.merge_seconds += seconds
                 if c is not None:
                     self.payload_bytes += len(c)
+                    spill.after_chunk(len(c))
                     yield c
         except GeneratorExit:
             raise
