@@ -31,7 +31,8 @@ PARTS = (
     "deltad_window_cache_bytes",
     "deltad_run_cache_bytes",
     "deltad_packed_cache_bytes",
-    "deltad_spill_bytes",
+    "deltad_spill_resident_bytes",
+    "deltad_spool_resident_bytes",
     "deltad_heap_free_bytes",
 )
 

@@ -139,11 +139,11 @@ class MergedShard:
         columns are the packed row's bytes), or None if any of them is not in ``packed``."""
         if packed is None or not dtype.packed:
             return None
+        got = packed.rows_of(self.parts, dtype, alignment)  # all of the shard's parts, or none
+        if got is None:
+            return None
         out = []
-        for c in self.parts:
-            rows = packed.rows(c, dtype, alignment)
-            if rows is None:
-                return None
+        for c, rows in zip(self.parts, got, strict=True):
             shard = replace(c.shard, col_start=0, col_end=rows.shape[1])
             out.append(ShardRows(shard, c.ids, rows))
         return out
