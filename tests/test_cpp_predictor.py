@@ -26,7 +26,7 @@ from spoolkit import ROOT, ZchWriter, wait_for
 from torch import nn
 
 from deltad.config import ServerConfig
-from deltad.consume.export import export_torchscript, manifest_path
+from deltad.consume.export import artifact_state, export_torchscript, manifest_path
 from deltad.mch import lookup_buffers
 from deltad.serve.edge.app import SidecarServer
 from deltad.types import EMPTY_RAW_ID, SegmentKind
@@ -185,30 +185,6 @@ def small_artifact(
     )  # fmt: skip
     export_torchscript(q, path, example_inputs=inputs)
     return path
-
-
-def artifact_state(path: Path) -> dict[str, torch.Tensor]:
-    """An artifact's state as the binary's --final-state names it (without "forward")."""
-    m = torch.jit.load(str(path))
-    man = json.loads(manifest_path(path).read_text())
-
-    def attr(name: str) -> torch.Tensor:
-        obj: Any = m
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        return obj
-
-    out: dict[str, torch.Tensor] = {}
-    for t in man["tables"]:
-        host = attr(man["tbes"][t["tbe"]]["weights_host"])
-        n, rb = t["num_rows"], t["row_bytes"]
-        out[f"table.{t['name']}"] = host[t["offset"] : t["offset"] + n * rb].view(n, rb).clone()
-        if "mc" in t:
-            for a in (t["mc"]["sorted_raw_ids"], t["mc"]["mapping"]):
-                out[f"attr.{a}"] = attr(a).clone()
-    for a in man["dense"].values():
-        out[f"attr.{a}"] = attr(a).detach().clone()
-    return out
 
 
 def truth_state(*ws: ZchWriter) -> dict[str, torch.Tensor]:

@@ -297,3 +297,29 @@ def export_reference(
     return export_torchscript(
         wrapper, path, example_inputs=inputs, dense=dense_state(wrapper.model)
     )
+
+
+def artifact_state(path: Path) -> dict[str, torch.Tensor]:
+    """An artifact's state as ``deltad-predictor-cpp --final-state`` names it: ``table.<name>``
+    (each table's rows, uint8 as stored), ``attr.<attribute>`` (remapper buffers, dense
+    tensors); the expected state of a C++ predictor serving the artifact's weights."""
+    m = torch.jit.load(str(path))
+    man = json.loads(manifest_path(path).read_text())
+
+    def attr(name: str) -> torch.Tensor:
+        obj: Any = m
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    out: dict[str, torch.Tensor] = {}
+    for t in man["tables"]:
+        host = attr(man["tbes"][t["tbe"]]["weights_host"])
+        n, rb = t["num_rows"], t["row_bytes"]
+        out[f"table.{t['name']}"] = host[t["offset"] : t["offset"] + n * rb].view(n, rb).clone()
+        if "mc" in t:
+            for a in (t["mc"]["sorted_raw_ids"], t["mc"]["mapping"]):
+                out[f"attr.{a}"] = attr(a).clone()
+    for a in man["dense"].values():
+        out[f"attr.{a}"] = attr(a).detach().clone()
+    return out

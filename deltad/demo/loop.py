@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from deltad import output
+from deltad.demo import cpp
 from deltad.demo.checks import SERVING, TABLES, ZCH, run_checks
 from deltad.demo.procs import (
     Child,
@@ -93,6 +94,8 @@ class Demo:
             for name, extra in preds.items():
                 self.children.spawn(name, self.consume_argv(name, extra))
                 logs[name] = PredictorLog(self.logs / f"{name}.jsonl")
+            if self.start_cpp(endpoints):
+                logs[cpp.NAME] = PredictorLog(self.logs / f"{cpp.NAME}.jsonl")
             self.follow_training(trainer, endpoints, logs)
             final_step = self.final_head_step(endpoints)
             self.settle(logs, final_step)
@@ -113,6 +116,20 @@ class Demo:
             return 1
         self.dir.remove_if_temporary()
         return 0
+
+    def start_cpp(self, endpoints: list[str]) -> bool:
+        """The C++ predictor (:mod:`deltad.demo.cpp`), where it was built for this torch;
+        whether it started."""
+        exe, why = cpp.binary()
+        if exe is None:
+            output.line(f"deltad demo: no {cpp.NAME} predictor: {why}")
+            return False
+        artifact = cpp.export(self.work, self.args.rows, self.args.dim)
+        self.children.spawn(
+            cpp.NAME, cpp.argv(exe, endpoints, MODEL, artifact, self.work), executable=True
+        )
+        self.predictors.append(cpp.NAME)
+        return True
 
     def trainer_argv(self) -> list[str]:
         a = self.args
@@ -256,9 +273,23 @@ class Demo:
         packed_table_bytes = sum(  # packed-int8 rows: scale, bias, codes, 16-byte aligned
             t.shape[0] * ((t.shape[1] + 4 + 15) // 16 * 16) for t in truth.values()
         )
-        table_bytes = {"topk-int8": int8_table_bytes, SERVING: packed_table_bytes}
+        table_bytes = {
+            "topk-int8": int8_table_bytes,
+            SERVING: packed_table_bytes,
+            cpp.NAME: packed_table_bytes,
+        }
         out = traffic_lines(a, result, truth, logs, elapsed, table_bytes)
         lines, failures = run_checks(self.work, a.rows, a.dim, truth, logs[SERVING], final_step)
+        if cpp.NAME in logs:
+            final = torch.load(
+                self.work / "trainer-model.pt", map_location="cpu", weights_only=True
+            )
+            check = cpp.check(self.work, a.rows, a.dim, final)
+            lines.append(check.line)
+            if not check.ok:
+                failures.append(
+                    f"{cpp.NAME} weights or forward differ from torchrec's quantization"
+                )
         return Report("\n".join([*out, *lines]), failures)
 
 

@@ -111,15 +111,21 @@ class Children:
         self.env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
         self.running: list[Child] = []
 
-    def spawn(self, name: str, argv: Sequence[str]) -> Child:
-        """Start ``deltad ARGV`` in the work directory, its output in ``logs/<name>.log``."""
+    def spawn(self, name: str, argv: Sequence[str], *, executable: bool = False) -> Child:
+        """Start ``deltad ARGV`` in the work directory, its output in ``logs/<name>.log``;
+        ``executable``: ARGV is a program of its own (the C++ predictor), its standard output
+        (JSON lines) in ``logs/<name>.jsonl``, its standard error in ``logs/<name>.log``."""
         log = self.logs / f"{name}.log"
-        with open(log, "wb") as out:
+        cmd = list(argv) if executable else [sys.executable, "-m", "deltad", *argv]
+        with (
+            open(log, "wb") as err,
+            open(self.logs / f"{name}.jsonl" if executable else os.devnull, "wb") as lines,
+        ):
             proc = subprocess.Popen(
-                [sys.executable, "-m", "deltad.commands.main", *argv],
+                cmd,
                 stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
+                stdout=lines if executable else err,
+                stderr=err if executable else subprocess.STDOUT,
                 env={**self.env, PARENT_PID_ENV: str(os.getpid())},
                 cwd=self.work,
                 start_new_session=True,

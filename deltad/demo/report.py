@@ -51,7 +51,7 @@ class PredictorLog:
             if rec["step"] is not None and rec["step"] != self.step:
                 self.steps_served += 1
             self.step = rec["step"]
-            if rec["freshness_s"] is not None:
+            if rec.get("freshness_s") is not None:
                 self.freshness.append(float(rec["freshness_s"]))
 
 
