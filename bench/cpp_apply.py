@@ -8,6 +8,8 @@ dim 16 each, no managed-collision table), served by one sidecar. Measured:
   serving lock), with forwards running back to back (every 2 ms) and with no forward in
   flight, against one call of ``torch.ops.fbgemm.emb_inplace_update`` on the same rows in
   the same artifact, in Python (goal >= 0.9x);
+* **forward p99 under apply vs idle** of the C++ predictor following 20 deltas (a tenth of
+  every table each, fp32 wire: it packs them) with forwards back to back (goal <= 1.2x);
 * **C++ bootstrap vs the Python client**: pull + apply of the same base by the C++ predictor and
   by ``deltad consume --serve-dtype int8`` (same sidecar, packed-int8 wire): their ``pull_s +
   apply_s`` (ratio Python / C++).
@@ -35,6 +37,58 @@ BIN = ROOT / "build" / "cpp" / "deltad-predictor-cpp"
 DIM = 16
 
 
+NAMES = {"t0": ("ebc", "ebc"), "t1": ("ebc", "ebc"), "seq": ("ec", "ec")}
+
+
+def write_delta(spool: Path, rows: int, seq: int, touch: int, seed: int) -> None:
+    """A delta segment (seq, step = 10 * seq) moving ``touch`` random rows of every table."""
+    from deltad.segment.format import ShardRows, write_segment
+    from deltad.segment.spool import SpoolLayout
+    from deltad.types import SegmentKind, Shard
+
+    gen = torch.Generator().manual_seed(seed)
+    chunks = []
+    for n in NAMES:
+        ids = torch.randperm(rows, generator=gen)[:touch].sort().values
+        vals = torch.randn(touch, DIM, generator=gen)
+        chunks.append(ShardRows(Shard(n, rows, DIM, 0, rows, 0, DIM), ids, vals))
+    write_segment(
+        SpoolLayout(spool, "m").segment_path(1, 0, seq), model="m", generation=1, rank=0,
+        world_size=1, seq=seq, step=10 * seq, kind=SegmentKind.DELTA, shards=chunks, fsync=False,
+    )  # fmt: skip
+
+
+def forward_latency(endpoint: str, art: Path, spool: Path, rows: int) -> dict[str, Any]:
+    """The C++ predictor's forward p99 idle and during applies: it follows 20 deltas (a
+    tenth of every table each, one every 0.25 s, the demo's rate x2) with forwards back to
+    back; its summary line splits the latencies."""
+    import signal
+
+    proc = subprocess.Popen(
+        [str(BIN), "--sidecars", endpoint, "--model", "m", "--consumer", "bench-latency",
+         "--artifact", str(art), "--wire-dtype", "fp32", "--serve-interval", "0",
+         "--long-poll", "1"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(3.0)  # bootstrap, then idle forwards
+        for seq in range(1, 21):
+            write_delta(spool, rows, seq, rows // 10, seed=seq)
+            time.sleep(0.25)
+        time.sleep(2.0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    summary = [json.loads(x) for x in out.splitlines() if '"summary"' in x][-1]
+    idle, busy = summary["forward_p99_idle_ms"], summary["forward_p99_apply_ms"]
+    return {
+        "forward_p99_idle_ms": idle,
+        "forward_p99_apply_ms": busy,
+        "forwards_during_apply": summary["forwards_during_apply"],
+        "p99_apply_vs_idle": busy / idle if idle and busy else None,
+    }
+
+
 def write_base(spool: Path, rows: int) -> dict[str, torch.Tensor]:
     """One rank's base of t0, t1, seq (rows x DIM, random): the tables."""
     from deltad.segment.format import ShardRows, write_segment
@@ -42,7 +96,7 @@ def write_base(spool: Path, rows: int) -> dict[str, torch.Tensor]:
     from deltad.types import SegmentKind, Shard
 
     layout = SpoolLayout(spool, "m")
-    names = {"t0": ("ebc", "ebc"), "t1": ("ebc", "ebc"), "seq": ("ec", "ec")}
+    names = NAMES
     layout.write_manifest(
         GenerationManifest(
             model="m", generation=1, world_size=1, start_step=0, created_unix=time.time(),
@@ -175,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"deltad consume: {res.stderr.strip()[-500:]}")
                 py.append(first_pull(res.stdout.splitlines()))
                 bare.append(bare_update(art, tables))
+            out.update(forward_latency(srv.endpoint, art, tmp / "spool", args.rows))
         finally:
             srv.stop(0.5)
             redis.stop()

@@ -23,10 +23,22 @@ done
 pkg-config --exists grpc++ protobuf || skip "gRPC C++ / protobuf development packages (libgrpc++-dev libprotobuf-dev)"
 [ -f /usr/include/nlohmann/json.hpp ] || [ -f /usr/local/include/nlohmann/json.hpp ] || skip "nlohmann-json3-dev"
 [ -x "$PY" ] || skip "python venv ($PY; run make setup)"
-TORCH_PREFIX="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)" || skip "torch in $PY"
-ABI="$("$PY" -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')"
+# one interpreter (importing torch takes seconds): torch's CMake prefix, its C++ ABI, fbgemm's dir
+INFO="$("$PY" - <<'PYEOF' 2>/dev/null
+import importlib.util, os
+import torch
+spec = importlib.util.find_spec("fbgemm_gpu")
+print(torch.utils.cmake_prefix_path)
+print(int(torch._C._GLIBCXX_USE_CXX11_ABI))
+print(os.path.dirname(spec.origin) if spec is not None and spec.origin else "")
+PYEOF
+)" || skip "torch in $PY"
+TORCH_PREFIX="$(sed -n 1p <<<"$INFO")"
+ABI="$(sed -n 2p <<<"$INFO")"
+FBGEMM_DIR="$(sed -n 3p <<<"$INFO")"
+[ -n "$TORCH_PREFIX" ] || skip "torch in $PY"
 [ "$ABI" = "1" ] || skip "a torch built with the C++11 ABI (Debian's gRPC uses it; this torch has ABI $ABI)"
-FBGEMM_DIR="$("$PY" -c 'import importlib.util, os; s = importlib.util.find_spec("fbgemm_gpu"); print(os.path.dirname(s.origin))' 2>/dev/null)" || skip "fbgemm_gpu in $PY"
+[ -n "$FBGEMM_DIR" ] || skip "fbgemm_gpu in $PY"
 
 mkdir -p "$BUILD"
 if [ ! -f "$BUILD/CMakeCache.txt" ] || ! grep -q "FBGEMM_DIR:PATH=$FBGEMM_DIR\$" "$BUILD/CMakeCache.txt"; then

@@ -321,6 +321,7 @@ def test_follows_a_managed_collision_table_and_survives_a_hostile_window(
     assert torch.equal(got[f"attr.{zch['mc']['mapping']}"], want["mapping"])
     summary = [x for x in p.lines if x["event"] == "summary"][-1]
     assert summary["refused"] >= 2 and summary["forward_error"] is None
+    assert summary["forward_p99_idle_ms"] > 0  # (latencies are recorded; compared in bench/)
     # the forward it answered is the artifact's with those weights (loaded in Python)
     ref = torch.jit.load(str(art))
     ex = [getattr(ref, name) for name in man["examples"]]

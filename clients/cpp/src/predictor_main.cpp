@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -242,13 +243,22 @@ int main(int argc, char** argv) {
   }
 
   // forwards on a thread, all along
-  std::atomic<bool> stop_forwards{false};
+  std::atomic<bool> stop_forwards{false}, applying{false};
   std::atomic<uint64_t> forwards{0};
   std::string forward_error;
+  // forward latencies (seconds; the newest kMaxSamples), split by an apply in progress or not
+  constexpr size_t kMaxSamples = 200000;
+  std::vector<double> idle_s, apply_s_samples;
   std::thread fwd([&] {
     try {
       while (!stop_forwards) {
+        bool during = applying;
+        auto f0 = Clock::now();
         applier->forward_example();
+        double dt = std::chrono::duration<double>(Clock::now() - f0).count();
+        auto& into = (during || applying) ? apply_s_samples : idle_s;
+        if (into.size() >= kMaxSamples) into.erase(into.begin(), into.begin() + kMaxSamples / 2);
+        into.push_back(dt);
         ++forwards;
         auto until = Clock::now() + std::chrono::microseconds(int64_t(args.serve_interval_s * 1e6));
         while (!stop_forwards && Clock::now() < until)  // (a long interval ends at exit)
@@ -326,13 +336,16 @@ int main(int argc, char** argv) {
     if (!result.deltas.empty()) {
       auto t1 = Clock::now();
       try {
+        applying = true;
         stats = applier->apply(result.deltas);
+        applying = false;
         apply_s = std::chrono::duration<double>(Clock::now() - t1).count();
         consumer->commit(result);
         ++applied;
         last_step = result.step;
         backoff = 0.1;
       } catch (const std::exception& e) {
+        applying = false;
         // nothing of the window was applied: say so once, ask for the full tables, back off
         error = e.what();
         ++refused;
@@ -394,12 +407,20 @@ int main(int argc, char** argv) {
       exit_code = 2;
     }
   }
+  auto p99_ms = [](std::vector<double> v) -> std::string {
+    if (v.empty()) return "null";
+    size_t k = std::min(v.size() - 1, size_t(0.99 * double(v.size())));
+    std::nth_element(v.begin(), v.begin() + long(k), v.end());
+    return std::to_string(v[k] * 1000);
+  };
   std::ostringstream sum;
   sum << "{\"event\":\"summary\",\"consumer\":" << quote(args.consumer.consumer)
       << ",\"t\":" << std::to_string(unix_now()) << ",\"pulls\":" << n
       << ",\"applied\":" << applied << ",\"refused\":" << refused << ",\"rows\":" << rows_total
       << ",\"bytes\":" << bytes_total << ",\"step\":" << opt(last_step)
-      << ",\"forwards\":" << forwards.load()
+      << ",\"forwards\":" << forwards.load() << ",\"forwards_during_apply\":"
+      << apply_s_samples.size() << ",\"forward_p99_idle_ms\":" << p99_ms(idle_s)
+      << ",\"forward_p99_apply_ms\":" << p99_ms(apply_s_samples)
       << ",\"forward_error\":" << (forward_error.empty() ? "null" : quote(forward_error)) << "}";
   emit(sum.str());
   consumer->close();
