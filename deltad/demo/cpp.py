@@ -43,10 +43,14 @@ def serving_config(rows: int, dim: int) -> Any:
 
 def export(work: Path, rows: int, dim: int) -> Path:
     """The artifact the C++ predictor loads: the model code's weights (deltad sends every one)."""
+    import warnings
+
     from deltad.consume.export import export_reference
 
     path = work / f"{NAME}-model.pt"
-    export_reference(serving_config(rows, dim), path)
+    with warnings.catch_warnings():  # (TorchScript's notes on torchrec's annotations)
+        warnings.simplefilter("ignore")
+        export_reference(serving_config(rows, dim), path)
     return path
 
 
@@ -61,6 +65,8 @@ def argv(exe: Path, endpoints: list[str], model: str, artifact: Path, work: Path
 def check(work: Path, rows: int, dim: int, final: dict[str, Any]) -> Check:
     """The C++ predictor's final state and forward against the trainer's final model
     (``final``: its state_dict) quantized by torchrec and exported as its artifact was."""
+    import warnings
+
     import torch
     from torch.jit._pickle import restore_type_tag
 
@@ -68,7 +74,9 @@ def check(work: Path, rows: int, dim: int, final: dict[str, Any]) -> Check:
 
     cfg = serving_config(rows, dim)
     ref_path = work / f"{NAME}-reference.pt"
-    export_reference(cfg, ref_path, final)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_reference(cfg, ref_path, final)
     want = artifact_state(ref_path)
     with torch.serialization.safe_globals([restore_type_tag]):
         got = torch.load(work / f"{NAME}-state.pt", map_location="cpu", weights_only=True)
