@@ -39,6 +39,7 @@ def _bench_commands() -> ModuleType | None:
 def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     """subcommand -> (module with ``add_arguments(parser)`` and ``run(args) -> int``, help)."""
     from deltad import demo, rollout_cli, status
+    from deltad.evaluate import cli as evaluate_cli
     from deltad.reference.consumers import cli as consume_cli
     from deltad.reference.trainer import cli as train_cli
     from deltad.serve import cli as serve_cli
@@ -55,6 +56,10 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
             rollout_cli,
             "the model's release controls (admin): status, hold, release, pin, unpin, canary, "
             "rollback",
+        ),
+        "evaluate": (
+            evaluate_cli,
+            "the canary evaluator: score each step on labelled data; release, hold, roll back",
         ),
         "demo": (demo, "trainer + sidecars + Redis + predictors on this machine, with a report"),
         "bench": (
