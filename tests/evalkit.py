@@ -50,8 +50,9 @@ def trainer(tmp: Path, *extra: str, steps: int = 60, world: int = 2) -> subproce
 
 def golden(tmp: Path) -> Path:
     """The golden set the trainer's ``--golden-out`` writes (its function), 1024 examples."""
-    from deltad.evaluate.labelled import write_examples
     from deltad.reference.trainer.holdout import golden_examples
+
+    from deltad.evaluate.labelled import write_examples
 
     path = tmp / "golden.jsonl"
     write_examples(path, golden_examples(TABLES, 400, 1024))

@@ -184,9 +184,8 @@ def test_the_first_verdict_on_a_step_wins_and_replicas_adopt_it(redis_url: str) 
     assert not mine and got == a and store.get(3, 10) == a
     assert store.get(3, 11) is None
     assert [v.step for v in store.recent()] == [10]
-    with store.lock() as first:
-        with store.lock(wait_s=0.2) as second:
-            assert first and not second
+    with store.lock() as first, store.lock(wait_s=0.2) as second:
+        assert first and not second
     with store.lock() as again:
         assert again
     store.heartbeat("eval-a", 5.0, {"step": 10})

@@ -3,15 +3,27 @@ held-out examples, real sidecars with a norm gate, Redis, predictors and evaluat
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from evalkit import Follower, evaluator, golden, kill, sidecars, trainer
-from spoolkit import wait_for
+from evalkit import SHAPE, Follower, evaluator, golden, kill, sidecars, trainer
+from spoolkit import child_env, wait_for
 from test_relay import predictor
-from test_rollout import A, rollout
+from test_rollout import A, rollout, status
+
+from deltad.evaluate.record import VerdictStore
+from deltad.redisclient import connect
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -31,7 +43,7 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
             rollout(eps[0], A.ROLLOUT_CANARY, group="pred-canary-*")
             ev = evaluator(tmp_path, redis_url, eps)
             train = trainer(tmp_path, "--corrupt-labels-from-step", str(bad), steps=44)
-            wait_for(lambda: _head(eps) >= 1, 120, "the first published step")
+            wait_for(lambda: _head(eps) >= 5, 120, "the first steps (a trained model)")
             ev.start()
             held0 = rollout(eps[0], A.ROLLOUT_STATUS).release_step
             assert held0 is not None and held0 < bad  # held at the head it found
@@ -77,6 +89,85 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
 
 
 def _head(eps: list[str]) -> int:
-    from test_rollout import status
-
     return min(status(e).head_step for e in eps)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _evaluate_cli(tmp: Path, redis_url: str, eps: list[str], name: str, port: int) -> Any:
+    return subprocess.Popen(
+        [sys.executable, "-m", "deltad.cli", "evaluate", "--redis-url", redis_url, "--model",
+         "m", "--sidecar", eps[0], "--sidecar", eps[1], "--consumer", name,
+         "--golden", str(tmp / "golden.jsonl"), "--labelled-dir", str(tmp / "hold"), *SHAPE,
+         "--eps", "0.06", "--delta", "0.3", "--min-examples", "512",
+         "--progressive-examples", "512", "--poll-interval", "0.3",
+         "--metrics-port", str(port)],
+        env={**child_env(), "TMPDIR": str(tmp)}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"),
+    )  # fmt: skip
+
+
+def _judged(log: Path) -> dict[int, str]:
+    """step -> verdict, from an evaluator's log lines."""
+    out = {}
+    for m in re.finditer(r"evaluator: step (\d+) \(generation \d+\) vs release step \d+: (\w+)",
+                         log.read_text()):  # fmt: skip
+        out[int(m.group(1))] = m.group(2)
+    return out
+
+
+def test_two_evaluators_agree_a_feature_mixup_holds_and_dead_evaluators_release_nothing(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Two `deltad evaluate` replicas: one verdict per step, the same in both logs; the
+    first pooled table fed the second's ids from step 20 passes the norm gate and fails NE;
+    both killed, the release step stays where an operator put it while the trainer goes on."""
+    bad = 20
+    golden(tmp_path)
+    procs: list[Any] = []
+    train = None
+    try:
+        with sidecars(tmp_path, redis_url) as eps:
+            ports = [free_port(), free_port()]
+            procs = [_evaluate_cli(tmp_path, redis_url, eps, n, p)
+                     for n, p in zip(("eval-a", "eval-b"), ports, strict=True)]  # fmt: skip
+            train = trainer(tmp_path, "--corrupt-feature-from-step", str(bad), steps=70)
+            store = VerdictStore(connect(redis_url), "m")
+
+            def failed() -> bool:
+                return any(not v.passed and v.step >= bad for v in store.recent(50))
+
+            wait_for(failed, 200, "a failed verdict on the mixed-up feature")
+            time.sleep(1.0)  # (both act on it)
+            st = rollout(eps[0], A.ROLLOUT_STATUS)
+            assert st.held and st.release_step is not None and st.release_step < bad
+            assert st.gate_bad_step is None  # the norm gate let the mix-up through
+            assert set(st.canary) == {"eval-a", "eval-b"}
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            assert re.search(r'deltad_eval_ne\{copy="candidate",model="m",set="golden"\}', text)
+            assert "deltad_eval_verdict_seconds_count" in text
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+            a, b = _judged(tmp_path / "eval-a.log"), _judged(tmp_path / "eval-b.log")
+            both = set(a) & set(b)
+            assert both and all(a[s] == b[s] for s in both), (a, b)
+            recorded = {v.step: v.verdict for v in store.recent(200)}
+            assert all(recorded[s] == v for s, v in {**a, **b}.items())
+            assert any(v == "pass" for v in recorded.values())
+            # the evaluators are dead: an operator releases a step; nothing moves it after
+            head = min(status(e).head_step for e in eps)
+            s = rollout(eps[0], A.ROLLOUT_RELEASE, step=head)
+            wait_for(lambda: min(status(e).head_step for e in eps) >= head + 3, 60, "3 steps")
+            after = rollout(eps[0], A.ROLLOUT_STATUS)
+            assert after.release_step == s.release_step == head and not after.held
+    finally:
+        for p in procs:
+            kill(p)
+        if train is not None:
+            kill(train)

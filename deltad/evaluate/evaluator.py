@@ -22,10 +22,12 @@ adopts it. Then, one replica at a time (a lock in Redis), through the ``Rollout`
   last release; else S waits, and a later failure drops it), then ``unpin`` the canary groups
   an earlier failure rolled back;
 * **fail**: ``hold`` (the release step stays R) and ``rollback --group G --to-step R`` for
-  every canary group G but the evaluator's own (the canaries that followed the head past R).
+  every canary group G but the evaluators' own (their exact names) (the canaries that followed the head past R).
 
-At start a model released to the head (no release step) is held at the head: nothing is
-released unscored from then on, and if the evaluator stops, the fleet stays where it was.
+A model released to the head (no release step: at start, or an operator's ``release``) is
+held at the head it has then: nothing is released unscored from then on, and if the
+evaluator stops or lags, the fleet stays where it was. An operator overrides with the same
+verbs (``release --to-step S`` is kept: later steps are judged against S).
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class CanaryEvaluator:
         with self.store.lock() as ok:
             if not ok:
                 raise DeltadError("another evaluator holds the action lock; try again")
+            self.store.add_group(self.name)
             st = self.control.status()
             for g in self.check_groups(st.state):
                 self.control.canary(g)
@@ -197,7 +200,12 @@ class CanaryEvaluator:
             return got
         st = self.control.status().state
         rel = st.release_step
-        if rel is None or step <= rel:
+        if rel is None:  # released to the head (no head at start, or an operator): hold it
+            with self.store.lock() as ok:
+                if ok and self.control.status().state.release_step is None:
+                    self.control.hold()
+            return None
+        if step <= rel:
             return None
         if not self._release_copy_at(rel):
             log.warning("evaluator: release copy not at step %d yet; step %d waits", rel, step)
@@ -264,8 +272,9 @@ class CanaryEvaluator:
                 st = self.control.hold().state
             to = st.release_step
             assert to is not None
+            mine = self.store.groups() | {self.name}
             for g in st.canary:
-                if g == self.name:
+                if g in mine:  # (the evaluators' own: they must go on following the head)
                     continue
                 if ro.Pin(g, to) in st.pins:
                     continue

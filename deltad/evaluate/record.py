@@ -9,6 +9,7 @@ key (``deltad:{model}:eval:...``)   value
 ``released_unix``                   when an evaluator last released (the minimum interval)
 ``rolled_back``                     set: the canary groups an evaluator rolled back (unpinned
                                     at the next release)
+``groups``                          set: the evaluators' own canary groups (never rolled back)
 ``alive:<consumer>``                an evaluator's heartbeat (TTL): status says when none is
 ``lock``                            held (SET NX PX) while one replica reads the release state
                                     and acts on a verdict: replicas act one at a time
@@ -92,6 +93,14 @@ class VerdictStore:
 
     def clear_rolled_back(self, group: str) -> None:
         self._call(self.r.srem, self.key("rolled_back"), group)
+
+    def add_group(self, group: str) -> None:
+        self._call(self.r.sadd, self.key("groups"), group)
+
+    def groups(self) -> set[str]:
+        """The canary groups of evaluators (no failure rolls them back)."""
+        return {x.decode() if isinstance(x, bytes) else x
+                for x in self._call(self.r.smembers, self.key("groups"))}  # fmt: skip
 
     def heartbeat(self, consumer: str, ttl_s: float, info: dict[str, Any]) -> None:
         self._call(self.r.set, self.key("alive", consumer), json.dumps(info), px=int(ttl_s * 1000))
