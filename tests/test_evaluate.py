@@ -206,7 +206,7 @@ def test_the_cli_refuses_bad_input_in_one_line_and_shows_the_records(
         (["--redis-url", redis_url], "give --golden PATH and/or --labelled-dir DIR"),
         (["--eps", "nan"], "--eps"),
         (["--golden", str(tmp_path / "none.jsonl"), "--redis-url", redis_url], "No such file"),
-        (["--labelled-dir", str(tmp_path / "nodir"), "--redis-url", redis_url], "no such dir"),
+        (["--labelled-dir", str(tmp_path / "no" / "dir"), "--redis-url", redis_url], "nor its par"),
     ):
         p = _cli(*argv)
         assert p.returncode == 2, p.stderr

@@ -120,12 +120,12 @@ def _judged(log: Path) -> dict[int, str]:
     return out
 
 
-def test_two_evaluators_agree_a_feature_mixup_holds_and_dead_evaluators_release_nothing(
+def test_two_evaluators_agree_shuffled_labels_hold_and_dead_evaluators_release_nothing(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """Two `deltad evaluate` replicas: one verdict per step, the same in both logs; the
-    first pooled table fed the second's ids from step 20 passes the norm gate and fails NE;
-    both killed, the release step stays where an operator put it while the trainer goes on."""
+    """Two `deltad evaluate` replicas: one verdict per step, the same in both logs; labels
+    shuffled within each batch from step 20 pass the norm gate and fail NE; both killed, the
+    release step stays where an operator put it while the trainer goes on."""
     bad = 20
     golden(tmp_path)
     procs: list[Any] = []
@@ -135,17 +135,24 @@ def test_two_evaluators_agree_a_feature_mixup_holds_and_dead_evaluators_release_
             ports = [free_port(), free_port()]
             procs = [_evaluate_cli(tmp_path, redis_url, eps, n, p)
                      for n, p in zip(("eval-a", "eval-b"), ports, strict=True)]  # fmt: skip
-            train = trainer(tmp_path, "--corrupt-feature-from-step", str(bad), steps=70)
+            train = trainer(
+                tmp_path,
+                "--corrupt-labels-from-step",
+                str(bad),
+                "--corrupt-labels-mode",
+                "shuffle",
+                steps=70,
+            )
             store = VerdictStore(connect(redis_url), "m")
 
             def failed() -> bool:
                 return any(not v.passed and v.step >= bad for v in store.recent(50))
 
-            wait_for(failed, 200, "a failed verdict on the mixed-up feature")
+            wait_for(failed, 200, "a failed verdict on the shuffled labels")
             time.sleep(1.0)  # (both act on it)
             st = rollout(eps[0], A.ROLLOUT_STATUS)
             assert st.held and st.release_step is not None and st.release_step < bad
-            assert st.gate_bad_step is None  # the norm gate let the mix-up through
+            assert st.gate_bad_step is None  # the norm gate let the corruption through
             assert set(st.canary) == {"eval-a", "eval-b"}
             with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/metrics", timeout=5) as r:
                 text = r.read().decode()

@@ -182,8 +182,10 @@ def run(args: argparse.Namespace) -> int:
     if args.golden is None and args.labelled_dir is None:
         raise ConfigError("give --golden PATH and/or --labelled-dir DIR: nothing to score")
     golden = read_examples(args.golden) if args.golden is not None else []
-    if args.labelled_dir is not None and not args.labelled_dir.is_dir():
-        raise ConfigError(f"--labelled-dir {args.labelled_dir}: no such directory")
+    d = args.labelled_dir
+    if d is not None and not d.is_dir() and not d.absolute().parent.is_dir():
+        # (the trainer creates it: its parent must exist, so a typo makes nothing)
+        raise ConfigError(f"--labelled-dir {d}: no such directory, nor its parent")
     tables = parse_tables(args.tables, args.rows)
     client = _redis(args)
     targets = list(args.sidecar)
