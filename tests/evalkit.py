@@ -86,7 +86,7 @@ def evaluator(
         consumer=name, model="m", sidecars=tuple(eps), rpc_deadline_s=10.0, max_retries=3,
         backoff_initial_s=0.05, heartbeat_interval_s=0.5,
     )  # fmt: skip
-    th = Thresholds(eps=0.06, delta=0.3, min_examples=512)
+    th = Thresholds(eps=0.05, delta=0.3, min_examples=512)
     cfg = EvalConfig(
         consumer=consumer, thresholds=th, labelled_dir=tmp / "hold", progressive_examples=512,
         poll_s=0.3, **kw,  # type: ignore[arg-type]

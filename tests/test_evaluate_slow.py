@@ -151,7 +151,9 @@ def test_two_evaluators_agree_shuffled_labels_hold_and_dead_evaluators_release_n
             wait_for(failed, 200, "a failed verdict on the shuffled labels")
             time.sleep(1.0)  # (both act on it)
             st = rollout(eps[0], A.ROLLOUT_STATUS)
-            assert st.held and st.release_step is not None and st.release_step < bad
+            first_fail = min(v.step for v in store.recent(200) if not v.passed and v.step >= bad)
+            # (a shuffle hurts less at once than a flip: a step or two may pass first)
+            assert st.held and st.release_step is not None and st.release_step < first_fail
             assert st.gate_bad_step is None  # the norm gate let the corruption through
             assert set(st.canary) == {"eval-a", "eval-b"}
             with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/metrics", timeout=5) as r:

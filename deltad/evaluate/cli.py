@@ -95,7 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--dim", type=int, default=16, help="embedding dim")
     model.add_argument("--zch-slots", type=int, help="managed-collision slots (unset: default)")
     model.add_argument("--zch-raw-ids", type=int, default=0, help="its raw-id space")
-    model.add_argument("--zch-policy", choices=("lru", "lfu"), default="lru")
+    model.add_argument(
+        "--zch-policy", choices=("lru", "lfu"), default="lru", help="its MCH eviction policy"
+    )
     p.add_argument(
         "--token-file",
         type=Path,
