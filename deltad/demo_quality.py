@@ -71,15 +71,19 @@ class SilentBadUpdateDemo(Demo):
         self.env["DELTAD_REDIS_URL"] = redis.start()
         lines: list[str] = []
         try:
-            trainer = self.children.spawn("trainer", self.trainer_argv())
+            self.write_golden()
             sidecars = [
                 self.children.spawn(f"sidecar-{r}", self.serve_argv(r)) for r in range(RANKS)
             ]
             endpoints = [wait_serving(s) for s in sidecars]
             self.target = endpoints[0]
             self.rollout("canary", "--group", "pred-canary-*")
+            # the evaluator first: it holds the model at the first step it sees
+            evaluator = self.children.spawn(EVALUATOR, self.evaluate_argv(endpoints))
+            self._until(lambda: b"evaluating" in evaluator.log.read_bytes(), 300,
+                        "the evaluator")  # fmt: skip
+            trainer = self.children.spawn("trainer", self.trainer_argv())
             self._until(lambda: self.status()["head_step"] >= START, 600, "the first steps")
-            self.children.spawn(EVALUATOR, self.evaluate_argv(endpoints))
             self._until(lambda: self.status()["state"].get("release_step") is not None, 120,
                         "the evaluator's hold")  # fmt: skip
             preds = {n: ["--form", "rows", "--dtype", "fp32"] for n in (CANARY_PRED, MAIN_PRED)}
@@ -167,6 +171,16 @@ class SilentBadUpdateDemo(Demo):
             f"{released_by}: {'ok' if ok else 'FAILED'}",
         ]
 
+    def write_golden(self) -> None:
+        """The golden set ``deltad train --golden-out`` would write (1024 examples)."""
+        from deltad.evaluate.labelled import write_examples
+        from deltad.reference.trainer.cli import parse_tables
+        from deltad.reference.trainer.holdout import golden_examples
+
+        a = self.args
+        tables = parse_tables(str(TABLES_N), a.rows)
+        write_examples(self.work / "golden.jsonl", golden_examples(tables, a.rows, 1024))
+
     def _judged(self, head: int) -> bool:
         return head in self.verdicts() or self.status()["state"].get("release_step") == head
 
@@ -174,7 +188,7 @@ class SilentBadUpdateDemo(Demo):
         """step -> verdict, from ``deltad evaluate --status --json``."""
         p = subprocess.run(
             [sys.executable, "-m", "deltad.cli", "evaluate", "--status", "--json",
-             "--model", MODEL],
+             "--model", MODEL, "--last", "200"],
             env=self.env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         if p.returncode != 0:
@@ -216,7 +230,6 @@ class SilentBadUpdateDemo(Demo):
             "--tables", str(TABLES_N), "--rows", str(a.rows), "--dim", str(a.dim),
             "--zch-slots", "0", "--steps", str(STEPS), "--publish-every-steps", "1",
             "--holdout-dir", str(self.work / "holdout"),
-            "--golden-out", str(self.work / "golden.jsonl"), "--golden-examples", "1024",
             "--corrupt-labels-from-step", str(BAD), "--corrupt-steps", str(CORRUPT),
             "--no-progress",
         ]  # fmt: skip

@@ -42,7 +42,10 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
         with sidecars(tmp_path, redis_url) as eps:
             rollout(eps[0], A.ROLLOUT_CANARY, group="pred-canary-*")
             ev = evaluator(tmp_path, redis_url, eps)
-            train = trainer(tmp_path, "--corrupt-labels-from-step", str(bad), steps=44)
+            train = trainer(
+                tmp_path, "--corrupt-labels-from-step", str(bad), "--golden-out",
+                str(tmp_path / "golden-trainer.jsonl"), "--golden-examples", "1024", steps=44,
+            )  # fmt: skip
             wait_for(lambda: _head(eps) >= 5, 120, "the first steps (a trained model)")
             ev.start()
             held0 = rollout(eps[0], A.ROLLOUT_STATUS).release_step
@@ -76,6 +79,9 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
                 tables = ev.release.applier.tables()
                 got = fc.applier.tables()
                 assert all(torch.equal(got[n], tables[n]) for n in tables)
+                # the trainer's --golden-out is the golden set the test wrote
+                g = tmp_path / "golden.jsonl"
+                assert (tmp_path / "golden-trainer.jsonl").read_bytes() == g.read_bytes()
                 # nobody outside the canary group was ever served a corrupt step
                 assert fm.steps and max(fm.steps) < bad, sorted(fm.steps)
                 wait_for(lambda: fm.results[-1].step == rel, 30, "the fleet at the release")

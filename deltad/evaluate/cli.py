@@ -42,6 +42,7 @@ RANGES: dict[str, Range] = {
     "duration": Range(0, MAX_SECONDS, note="0 = until stopped"),
     "poll_interval": Range(0, 3600, lo_open=True),
     "timeout": Range(0, 3600, lo_open=True),
+    "last": Range(1, 200),
 }
 
 
@@ -88,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--status", action="store_true", help="print the evaluators alive and the newest verdicts"
     )
     p.add_argument("--json", action="store_true", help="--status: one JSON object")
+    p.add_argument("--last", type=int, default=20, help="--status: the newest N verdicts")
     model = p.add_argument_group("model", "the reference ClickModel's shape, as the trainer's")
     model.add_argument("--tables", default="4", help="a count (t0..tN-1) or NAME[:ROWS],...")
     model.add_argument("--rows", type=int, default=10_000, help="rows per pooled table")
@@ -123,7 +125,7 @@ def status(args: argparse.Namespace) -> int:
     from deltad.evaluate.record import VerdictStore
 
     store = VerdictStore(_redis(args), args.model)
-    alive, recent = store.alive(), store.recent(20)
+    alive, recent = store.alive(), store.recent(args.last)
     if args.json:
         out = {
             "alive": alive,
