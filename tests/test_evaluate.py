@@ -199,6 +199,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # (seven CLI processes: ~20 s)
 def test_the_cli_refuses_bad_input_in_one_line_and_shows_the_records(
     tmp_path: Path, redis_url: str
 ) -> None:

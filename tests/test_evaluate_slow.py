@@ -186,3 +186,23 @@ def test_two_evaluators_agree_shuffled_labels_hold_and_dead_evaluators_release_n
             kill(p)
         if train is not None:
             kill(train)
+
+
+def test_the_silent_bad_update_demo_checks_the_quality_gate(tmp_path: Path) -> None:
+    """`deltad demo --scenario silent-bad-update`: exit 0 and `check quality-gate: ... ok`
+    (checked by the demo from the predictors' logs, the verdicts and the release state); a
+    flag its fixed shape cannot honour is refused in one line."""
+    p = subprocess.run(
+        [sys.executable, "-m", "deltad.cli", "demo", "--scenario", "silent-bad-update",
+         "--rows", "2000", "--dim", "8", "--workdir", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=600, env=child_env(),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("check quality-gate:"))
+    assert line.endswith(": ok") and "none corrupt (yes)" in line, line
+    p = subprocess.run(
+        [sys.executable, "-m", "deltad.cli", "demo", "--scenario", "silent-bad-update",
+         "--duration", "5", "--workdir", str(tmp_path / "demo2")],
+        capture_output=True, text=True, timeout=120, env=child_env(),
+    )  # fmt: skip
+    assert p.returncode == 2 and "does not take --duration" in p.stderr, p.stderr
