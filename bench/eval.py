@@ -77,6 +77,24 @@ def run_once(
             servers.append(SidecarServer(cfg).start())
         eps = [s.endpoint for s in servers]
         shape = ["--tables", "3", "--rows", str(rows), "--dim", "8", "--zch-slots", "0"]
+        store = VerdictStore(connect(url), MODEL)
+        ev = subprocess.Popen(
+            [sys.executable, "-m", "deltad.cli", "evaluate", "--redis-url", url, "--model",
+             MODEL, *[x for e in eps for x in ("--sidecar", e)],
+             "--golden", str(work / "golden.jsonl"), "--labelled-dir", str(work / "hold"),
+             *shape, "--eps", "0.06", "--delta", "0.3", "--min-examples", "512",
+             "--progressive-examples", "512", "--poll-interval", "0.3"],
+            env=child_env(), stdout=open(work / "eval.out", "wb"),  # noqa: SIM115
+            stderr=open(work / "eval.log", "wb"),  # noqa: SIM115
+            start_new_session=True,
+        )  # fmt: skip
+        procs.append(ev)
+        # the evaluator first (it holds the model at the first step it sees), then the trainer
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and b"evaluating" not in (work / "eval.out").read_bytes():
+            if ev.poll() is not None:
+                raise RuntimeError(f"deltad evaluate exited: see {work / 'eval.log'}")
+            time.sleep(0.2)
         train = subprocess.Popen(
             [sys.executable, "-m", "deltad.cli", "train", "--spool", str(work / "spool"),
              "--model", MODEL, "--world-size", "2", *shape, "--duration", str(seconds),
@@ -86,20 +104,6 @@ def run_once(
             start_new_session=True,
         )  # fmt: skip
         procs.append(train)
-        store = VerdictStore(connect(url), MODEL)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (work / "hold").is_dir():
-            time.sleep(0.2)
-        ev = subprocess.Popen(
-            [sys.executable, "-m", "deltad.cli", "evaluate", "--redis-url", url, "--model",
-             MODEL, *[x for e in eps for x in ("--sidecar", e)],
-             "--golden", str(work / "golden.jsonl"), "--labelled-dir", str(work / "hold"),
-             *shape, "--eps", "0.06", "--delta", "0.3", "--min-examples", "512",
-             "--progressive-examples", "512", "--poll-interval", "0.3"],
-            env=child_env(), stdout=subprocess.DEVNULL, stderr=open(work / "eval.log", "wb"),  # noqa: SIM115
-            start_new_session=True,
-        )  # fmt: skip
-        procs.append(ev)
         train.wait(seconds + 600)
         time.sleep(3.0)  # (the last step's verdict)
         cpu = _cpu_s(ev.pid)
