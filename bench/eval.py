@@ -134,6 +134,17 @@ def run_once(
         "detected_step": first_bad.step if first_bad else None,
         "steps_to_detect": (first_bad.step - bad_step) if first_bad else None,
         "detect_s": (first_bad.decided_unix - first_bad.published_unix) if first_bad else None,
+        # from the publish of the first corrupt step judged (the canaries' exposure)
+        "corrupt_publish_to_hold_s": (
+            first_bad.decided_unix
+            - min(v.published_unix for v in judged if v.step >= bad_step and v.published_unix)
+        )
+        if first_bad
+        else None,
+        "judged": [
+            [v.step, v.verdict, round(v.published_unix, 3), round(v.decided_unix, 3)]
+            for v in verdicts
+        ],  # fmt: skip
         "release_lag_p50_s": statistics.median(lag) if lag else None,
         "release_lag_p99_s": percentile(lag, 99) if lag else None,
         "cpu_s_per_verdict": cpu / max(1, len(verdicts)),
