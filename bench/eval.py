@@ -144,7 +144,7 @@ def run_once(
         "judged": [
             [v.step, v.verdict, round(v.published_unix, 3), round(v.decided_unix, 3)]
             for v in verdicts
-        ],  # fmt: skip
+        ],
         "release_lag_p50_s": statistics.median(lag) if lag else None,
         "release_lag_p99_s": percentile(lag, 99) if lag else None,
         "cpu_s_per_verdict": cpu / max(1, len(verdicts)),
