@@ -248,7 +248,7 @@ class SilentBadUpdateDemo(Demo):
             "--labelled-dir", str(self.work / "holdout"), "--tables", str(TABLES_N),
             "--rows", str(a.rows), "--dim", str(a.dim), "--zch-slots", "0",
             "--eps", "0.06", "--delta", "0.3", "--min-examples", "512",
-            "--progressive-examples", "512", "--poll-interval", "0.3",
+            "--progressive-examples", "512", "--poll-interval", "0.3", "--release-delay", "1",
         ]  # fmt: skip
 
 

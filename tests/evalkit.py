@@ -89,7 +89,7 @@ def evaluator(
     th = Thresholds(eps=0.05, delta=0.3, min_examples=512)
     cfg = EvalConfig(
         consumer=consumer, thresholds=th, labelled_dir=tmp / "hold", progressive_examples=512,
-        poll_s=0.3, **kw,  # type: ignore[arg-type]
+        poll_s=0.3, release_delay_s=1.0, **kw,  # type: ignore[arg-type]
     )  # fmt: skip
     return CanaryEvaluator(
         cfg,

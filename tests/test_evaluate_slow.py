@@ -110,7 +110,7 @@ def _evaluate_cli(tmp: Path, redis_url: str, eps: list[str], name: str, port: in
          "m", "--sidecar", eps[0], "--sidecar", eps[1], "--consumer", name,
          "--golden", str(tmp / "golden.jsonl"), "--labelled-dir", str(tmp / "hold"), *SHAPE,
          "--eps", "0.06", "--delta", "0.3", "--min-examples", "512",
-         "--progressive-examples", "512", "--poll-interval", "0.3",
+         "--progressive-examples", "512", "--poll-interval", "0.3", "--release-delay", "1",
          "--metrics-port", str(port)],
         env={**child_env(), "TMPDIR": str(tmp)}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"),

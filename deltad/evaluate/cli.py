@@ -32,6 +32,7 @@ RANGES: dict[str, Range] = {
     "delta": Range(0, 10),
     "min_examples": Range(1, MAX_COUNT),
     "min_release_interval": Range(0, MAX_SECONDS),
+    "release_delay": Range(0, 3600),
     "progressive_examples": Range(0, 1 << 24),
     "metrics_port": Range(0, 65535, note="0 = off"),
     "rows": Range(1, MAX_COUNT),
@@ -81,6 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-examples", type=int, default=512, help="fewest examples per verdict")
     p.add_argument(
         "--min-release-interval", type=float, default=0.0, help="seconds between releases"
+    )
+    p.add_argument(
+        "--release-delay",
+        type=float,
+        default=0.0,
+        help="release a passed step only after it survived this many seconds of later "
+        "verdicts (a failure meanwhile drops it)",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds")
@@ -217,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
         progressive_examples=args.progressive_examples,
         labelled_dir=args.labelled_dir,
         min_release_interval_s=args.min_release_interval,
+        release_delay_s=args.release_delay,
         poll_s=args.poll_interval,
         duration_s=args.duration,
     )

@@ -18,9 +18,9 @@ step by step. The first verdict on a
 step is recorded in Redis (SET NX, :class:`VerdictStore`): a replica that comes second
 adopts it. Then, one replica at a time (a lock in Redis), through the ``Rollout`` RPC:
 
-* **pass**: ``release --to-step S`` (when ``min_release_interval_s`` has passed since the
-  last release; else S waits, and a later failure drops it), then ``unpin`` the canary groups
-  an earlier failure rolled back;
+* **pass**: ``release --to-step S`` once S has survived ``release_delay_s`` of later verdicts
+  and ``min_release_interval_s`` has passed since the last release (meanwhile S waits; a later
+  failure drops it), then ``unpin`` the canary groups an earlier failure rolled back;
 * **fail**: ``hold`` (the release step stays R) and ``rollback --group G --to-step R`` for
   every canary group G but the evaluators' own (their exact names) (the canaries that followed the head past R).
 
@@ -67,6 +67,10 @@ class EvalConfig:
     progressive_examples: int = 2048
     labelled_dir: Path | None = None
     min_release_interval_s: float = 0.0
+    #: a passed step is released only once it has survived this many seconds of later
+    #: verdicts (a failure meanwhile drops it): the first corrupt steps, whose harm is still
+    #: below eps, then stay off the fleet (0: release at once)
+    release_delay_s: float = 0.0
     #: the golden NE is compared with the best of the newest this many passed verdicts'
     #: (0: with the release step's alone; see CanaryEvaluator._anchor)
     anchor_verdicts: int = 20
@@ -131,8 +135,8 @@ class CanaryEvaluator:
         m1, m2 = make_model(), make_model()
         self.candidate = Copy(DeltaConsumer(c), m1, TorchRecApplier(m1))
         self.release = Copy(DeltaConsumer(rel), m2, TorchRecApplier(m2))
-        #: a passed step waiting for the minimum release interval
-        self.pending: int | None = None
+        #: passed steps waiting for the release delay or the minimum interval: step -> when
+        self.pending: dict[int, float] = {}
         self.last_judged: tuple[int, int] | None = None
         self.verdicts: list[Verdict] = []
         self.stop = threading.Event()
@@ -259,10 +263,10 @@ class CanaryEvaluator:
     def act(self, v: Verdict) -> None:
         """Release, or hold and roll back, as ``v`` says (one replica at a time)."""
         if v.verdict == PASS:
-            self.pending = max(self.pending or 0, v.step)
+            self.pending.setdefault(v.step, time.monotonic())
             self.maybe_release()
             return
-        self.pending = None
+        self.pending.clear()
         with self.store.lock() as ok:
             if not ok:
                 log.warning("evaluator: action lock not had; the failure of step %d", v.step)
@@ -282,8 +286,11 @@ class CanaryEvaluator:
                 self.store.add_rolled_back(g)
 
     def maybe_release(self) -> None:
-        """Release to the pending passed step if the minimum interval has passed."""
-        if self.pending is None:
+        """Release to the newest passed step that has waited the release delay, if the
+        minimum interval since the last release has passed."""
+        now = time.monotonic()
+        ripe = [s for s, t in self.pending.items() if now - t >= self.config.release_delay_s]
+        if not ripe:
             return
         wait = self.config.min_release_interval_s
         if wait and time.time() - self.store.released_unix() < wait:
@@ -292,7 +299,8 @@ class CanaryEvaluator:
             if not ok:
                 return
             st = self.control.status().state
-            step, self.pending = self.pending, None
+            step = max(ripe)
+            self.pending = {s: t for s, t in self.pending.items() if s > step}
             if st.release_step is not None and st.release_step >= step:
                 return
             self.control.release(step)
