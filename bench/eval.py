@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ def _cpu_s(pid: int) -> float:
 
 def run_once(
     work: Path, *, rows: int, seconds: float, publish_every: float, corrupt: list[str],
-    bad_step: int,
+    bad_step: int, release_delay: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """One trainer run judged by one evaluator; what the verdicts say."""
     from deltad.reference.trainer.holdout import golden_examples
@@ -83,7 +84,8 @@ def run_once(
              MODEL, *[x for e in eps for x in ("--sidecar", e)],
              "--golden", str(work / "golden.jsonl"), "--labelled-dir", str(work / "hold"),
              *shape, "--eps", "0.06", "--delta", "0.3", "--min-examples", "512",
-             "--progressive-examples", "512", "--poll-interval", "0.3"],
+             "--progressive-examples", "512", "--poll-interval", "0.3",
+             "--release-delay", str(release_delay)],
             env=child_env(), stdout=open(work / "eval.out", "wb"),  # noqa: SIM115
             stderr=open(work / "eval.log", "wb"),  # noqa: SIM115
             start_new_session=True,
@@ -104,8 +106,28 @@ def run_once(
             start_new_session=True,
         )  # fmt: skip
         procs.append(train)
+        # the release step as the sidecars have it, every 0.1 s: (unix time, release step)
+        releases: list[tuple[float, int | None]] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            from deltad.clientauth import ClientAuth
+            from deltad.errors import DeltadError
+            from deltad.evaluate.control import RolloutClient
+
+            rc = RolloutClient(eps, ClientAuth())
+            while not stop.wait(0.1):
+                try:
+                    releases.append((time.time(), rc.status().state.release_step))
+                except DeltadError:  # (a sidecar busy: the next poll)
+                    continue
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         train.wait(seconds + 600)
         time.sleep(3.0)  # (the last step's verdict)
+        stop.set()
+        watcher.join(10)
         cpu = _cpu_s(ev.pid)
         verdicts = sorted(store.recent(200), key=lambda v: v.step)
     finally:
@@ -123,7 +145,12 @@ def run_once(
     judged = [v for v in verdicts if v.step >= 5]
     good = [v for v in judged if v.passed and (not corrupt or v.step < bad_step)]
     failed = [v for v in judged if not v.passed]
-    lag = [v.decided_unix - v.published_unix for v in good if v.published_unix]
+    lag = []
+    for v in good:  # from its publish to the first time the release step reached it
+        at = next((t for t, r in releases if r is not None and r >= v.step), None)
+        if v.published_unix and at is not None:
+            lag.append(at - v.published_unix)
+    released = [r for _, r in releases if r is not None]
     first_bad = next((v for v in failed if v.step >= bad_step), None) if corrupt else None
     return {
         "corrupt": corrupt,
@@ -145,6 +172,8 @@ def run_once(
             [v.step, v.verdict, round(v.published_unix, 3), round(v.decided_unix, 3)]
             for v in verdicts
         ],
+        "released_corrupt_steps": bool(corrupt) and any(r >= bad_step for r in released),
+        "max_release_step": max(released) if released else None,
         "release_lag_p50_s": statistics.median(lag) if lag else None,
         "release_lag_p99_s": percentile(lag, 99) if lag else None,
         "cpu_s_per_verdict": cpu / max(1, len(verdicts)),
@@ -159,11 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--healthy-seconds", type=float, default=120.0, help="the healthy run")
     p.add_argument("--bad-step", type=int, default=30)
     p.add_argument("--fractions", default="0.1,0.25,0.5,1.0")
+    p.add_argument("--release-delay", type=float, default=0.0)
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
-        base = dict(rows=a.rows, publish_every=a.publish_every, bad_step=a.bad_step)
+        base = dict(
+            rows=a.rows, publish_every=a.publish_every, bad_step=a.bad_step,
+            release_delay=a.release_delay,
+        )  # fmt: skip
         runs["healthy"] = run_once(Path(tmp) / "healthy", seconds=a.healthy_seconds,
                                    corrupt=[], **base)  # type: ignore[arg-type]  # fmt: skip
         print(json.dumps({"healthy": runs["healthy"]}), flush=True)
@@ -197,6 +230,7 @@ class _Cfg:
     healthy_seconds: float
     bad_step: int
     fractions: str
+    release_delay: float
     json: Path | None
 
 
