@@ -259,7 +259,27 @@ def metrics_markdown() -> str:
         shown = ", ".join(f"`{n}`" for n in exported_names(name, fam["type"]))
         labels = ", ".join(f"`{x}`" for x in fam["labels"]) or "-"
         lines.append(f"| {shown} | {fam['type']} | {labels} | {_cell(fam['help'])} |")
+    lines += [
+        "",
+        "## Canary evaluator",
+        "",
+        "`deltad evaluate --metrics-port PORT` exports these ([evaluate.md](evaluate.md)).",
+        "",
+        "| metric | type | labels | help |",
+        "|---|---|---|---|",
+    ]
+    for name, fam in sorted(evaluator_metrics().items()):
+        shown = ", ".join(f"`{n}`" for n in exported_names(name, fam["type"]))
+        labels = ", ".join(f"`{x}`" for x in fam["labels"]) or "-"
+        lines.append(f"| {shown} | {fam['type']} | {labels} | {_cell(fam['help'])} |")
     return "\n".join(lines) + "\n"
+
+
+def evaluator_metrics() -> dict[str, dict[str, Any]]:
+    """The families of a canary evaluator's registry (``deltad evaluate --metrics-port``)."""
+    from deltad.evaluate.promex import EvalMetrics
+
+    return _families(EvalMetrics("m").registry, {})
 
 
 def predictor_metrics() -> dict[str, dict[str, Any]]:

@@ -96,17 +96,30 @@ def test_every_metric_a_real_sidecar_and_relay_export_is_in_metrics_md(
         with grpc.insecure_channel(side.endpoint) as channel:
             stub = delta_pb2_grpc.DeltaServiceStub(channel)
             stub.ListConsumers(pb.ListConsumersRequest(), timeout=10)
+        from prometheus_client import start_http_server
+
         from consumers.metrics import PredictorMetrics
+        from deltad.evaluate.promex import EvalMetrics
 
         predictor = PredictorMetrics("m", "p")  # what `deltad consume --metrics-port` serves
+        evaluator = EvalMetrics("m")  # and `deltad evaluate --metrics-port`, after a verdict
+        evaluator.ne.labels("m", "golden", "candidate").set(0.7)
+        evaluator.cal.labels("m", "golden", "candidate").set(1.0)
+        evaluator.step.labels("m").set(5)
+        evaluator.release_step.labels("m").set(4)
+        evaluator.seconds.labels("m").observe(0.4)
+        ev_http, _ = start_http_server(0, addr="127.0.0.1", registry=evaluator.registry)
         try:
             scraped = {
                 "sidecar": _scrape(side.metrics_port),
                 "relay": _scrape(relay.server.metrics_port),
                 "predictor": _scrape(predictor.serve_http(0)),
+                "evaluator": _scrape(int(ev_http.server_port)),
             }
         finally:
             predictor.close()
+            ev_http.shutdown()
+            ev_http.server_close()
         upstream = side.endpoint
     finally:
         if relay is not None:
@@ -121,7 +134,7 @@ def test_every_metric_a_real_sidecar_and_relay_export_is_in_metrics_md(
     listed = set(re.findall(r"`((?:deltad|process)_[a-z0-9_]+)`", doc))
     exported: set[str] = set()
     for who, families in scraped.items():
-        assert who == "predictor" or "deltad_head_age_seconds" in families, who
+        assert who in ("predictor", "evaluator") or "deltad_head_age_seconds" in families, who
         for name, (mtype, help_text, samples) in families.items():
             for s in samples:
                 assert s in listed, f"{who} exports {s}, which docs/metrics.md lacks"

@@ -107,6 +107,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="a bad update at this step: NaN gradients (rows and dense weights go NaN); 0 = none",
     )
+    parser.add_argument(
+        "--holdout-dir",
+        type=Path,
+        help="write held-out labelled examples (never trained on) of every step here, for "
+        "`deltad evaluate --labelled-dir` (docs/evaluate.md; plain loop, KJT input)",
+    )
+    parser.add_argument(
+        "--holdout-examples", type=int, default=16, help="held-out examples per rank per step"
+    )
+    parser.add_argument(
+        "--holdout-keep", type=int, default=64, help="holdout files kept per rank (oldest deleted)"
+    )
+    parser.add_argument(
+        "--golden-out", type=Path, help="write a fixed golden labelled set here at start"
+    )
+    parser.add_argument(
+        "--golden-examples", type=int, default=2048, help="examples of --golden-out"
+    )
+    parser.add_argument(
+        "--corrupt-labels-from-step",
+        type=int,
+        default=0,
+        help="a silent bad update: flip (or shuffle) the training labels from this step; 0 = off",
+    )
+    parser.add_argument(
+        "--corrupt-feature-from-step",
+        type=int,
+        default=0,
+        help="a silent bad update: the first pooled table gets the second's ids from this "
+        "step; 0 = off",
+    )
+    parser.add_argument(
+        "--corrupt-steps", type=int, default=0, help="steps each corruption lasts (0: to the end)"
+    )
+    parser.add_argument(
+        "--corrupt-labels-mode", choices=("flip", "shuffle"), default="flip",
+        help="how labels are corrupted",
+    )  # fmt: skip
+    parser.add_argument(
+        "--corrupt-fraction",
+        type=float,
+        default=1.0,
+        help="fraction of each batch's labels corrupted",
+    )
     parser.add_argument("--seed", type=int, default=0, help="data and model seed")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -130,6 +174,13 @@ RANGES: dict[str, Range] = {
     "seed": Range(0, (1 << 63) - 1),
     "lr": Range(0, 1e6, lo_open=True),
     "inject_nan_step": Range(0, MAX_COUNT, note="0 = none"),
+    "holdout_examples": Range(1, 1 << 20),
+    "holdout_keep": Range(1, 1 << 20),
+    "golden_examples": Range(1, 1 << 24),
+    "corrupt_labels_from_step": Range(0, MAX_COUNT, note="0 = off"),
+    "corrupt_feature_from_step": Range(0, MAX_COUNT, note="0 = off"),
+    "corrupt_steps": Range(0, MAX_COUNT, note="0 = to the end"),
+    "corrupt_fraction": Range(0, 1, lo_open=True),
 }
 
 
@@ -227,6 +278,16 @@ def run(args: argparse.Namespace) -> int:
         dump_steps=parse_steps(args.dump_steps),
         dump_dir=args.dump_dir,
         inject_nan_step=args.inject_nan_step,
+        holdout_dir=args.holdout_dir,
+        holdout_examples=args.holdout_examples,
+        holdout_keep=args.holdout_keep,
+        golden_out=args.golden_out,
+        golden_examples=args.golden_examples,
+        corrupt_labels_from_step=args.corrupt_labels_from_step,
+        corrupt_feature_from_step=args.corrupt_feature_from_step,
+        corrupt_steps=args.corrupt_steps,
+        corrupt_labels_mode=args.corrupt_labels_mode,
+        corrupt_fraction=args.corrupt_fraction,
     )
     result = run_training(cfg)
     text = json.dumps(asdict(result), indent=None if output.json_lines() else 2)

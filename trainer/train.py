@@ -122,6 +122,32 @@ class TrainConfig:
     #: step looks up and every dense parameter become NaN (and the following steps spread
     #: them); the validation gate must hold it. Plain loop only.
     inject_nan_step: int = 0
+    #: Held-out examples (plain loop, KJT input): each rank's batch gets ``holdout_examples``
+    #: more samples, never trained on, written to ``holdout_dir`` after the step
+    #: (deltad.evaluate.labelled; the newest ``holdout_keep`` files per rank are kept).
+    holdout_dir: Path | None = None
+    holdout_examples: int = 16
+    holdout_keep: int = 64
+    #: Write a golden set of ``golden_examples`` labelled examples here at start (rank 0).
+    golden_out: Path | None = None
+    golden_examples: int = 2048
+    #: Silent bad updates (plain loop; 0 = off), for ``corrupt_steps`` steps (0: to the end):
+    #: the training labels flipped or shuffled (``corrupt_labels_mode``, a
+    #: ``corrupt_fraction`` of each batch's samples), or the first pooled table fed the second
+    #: table's ids. Held-out and golden examples stay clean.
+    corrupt_labels_from_step: int = 0
+    corrupt_feature_from_step: int = 0
+    corrupt_steps: int = 0
+    corrupt_labels_mode: str = "flip"
+    corrupt_fraction: float = 1.0
+
+    def corrupt_at(self, start: int, step: int) -> bool:
+        """Whether a corruption starting at ``start`` (0: off) hits ``step``."""
+        return (
+            bool(start)
+            and step >= start
+            and (not self.corrupt_steps or step < start + self.corrupt_steps)
+        )
 
     def __post_init__(self) -> None:
         if self.spool_dir is not None:
@@ -139,6 +165,25 @@ class TrainConfig:
             raise ConfigError("inject_nan_step must be >= 0 (0 = none)")
         if self.inject_nan_step and self.loop is not TrainLoop.PLAIN:
             raise ConfigError("inject_nan_step needs the plain loop")
+        for p in ("holdout_dir", "golden_out"):
+            if getattr(self, p) is not None:
+                setattr(self, p, Path(getattr(self, p)))
+        corrupt = self.corrupt_labels_from_step or self.corrupt_feature_from_step
+        if min(self.corrupt_labels_from_step, self.corrupt_feature_from_step,
+               self.corrupt_steps) < 0:  # fmt: skip
+            raise ConfigError("corruption steps must be >= 0 (0 = off)")
+        if (corrupt or self.holdout_dir is not None) and (
+            self.loop is not TrainLoop.PLAIN or self.input_format != "kjt"
+        ):
+            raise ConfigError("held-out examples and corruptions need the plain loop, KJT input")
+        if self.corrupt_labels_mode not in ("flip", "shuffle"):
+            raise ConfigError("corrupt_labels_mode must be flip or shuffle")
+        if not 0 < self.corrupt_fraction <= 1:
+            raise ConfigError("corrupt_fraction must be in (0, 1]")
+        if self.corrupt_feature_from_step and len(self.tables) < 2:
+            raise ConfigError("corrupt_feature_from_step needs at least two pooled tables")
+        if self.holdout_examples < 1 or self.holdout_keep < 1 or self.golden_examples < 1:
+            raise ConfigError("holdout examples, holdout keep and golden examples must be >= 1")
         check_name("model", self.model)
         if self.world_size < 1:
             raise ConfigError("world_size must be >= 1")
@@ -449,14 +494,32 @@ def _optimizer(dmp: Any, lr: float) -> Any:
 
 
 def _step_fn(
-    cfg: TrainConfig, dmp: Any, optimizer: Any, batches: Iterator[Batch], at: list[int]
+    cfg: TrainConfig,
+    dmp: Any,
+    optimizer: Any,
+    batches: Iterator[Batch],
+    at: list[int],
+    holdout: Any = None,
 ) -> Any:
     """A callable running one training step (``at[0]``: the step it runs, counted by the
     caller); raises StopIteration when data runs out."""
     if cfg.loop is TrainLoop.PLAIN:
+        from .holdout import corrupt_feature, corrupt_labels, examples_of, split_batch
+
+        corrupt_gen = torch.Generator().manual_seed(cfg.seed + 4099)
 
         def plain() -> None:
             batch = next(batches)
+            if holdout is not None:
+                batch, held = split_batch(batch, cfg.batch_size)
+                holdout.write(at[0], examples_of(held, step=at[0], rank=holdout.rank))
+            if cfg.corrupt_at(cfg.corrupt_labels_from_step, at[0]):
+                batch = corrupt_labels(
+                    batch, corrupt_gen, mode=cfg.corrupt_labels_mode,
+                    fraction=cfg.corrupt_fraction,
+                )  # fmt: skip
+            if cfg.corrupt_at(cfg.corrupt_feature_from_step, at[0]):
+                batch = corrupt_feature(batch, cfg.tables)
             loss, _ = dmp(batch)
             if cfg.inject_nan_step and at[0] == cfg.inject_nan_step:
                 loss = loss * float("nan")  # a bad update: NaN gradients everywhere
@@ -479,7 +542,8 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     stream = ClickStream(
         cfg.tables,
         cfg.seq_rows,
-        batch_size=cfg.batch_size,
+        # (held-out samples come on top of the batch trained on)
+        batch_size=cfg.batch_size + (cfg.holdout_examples if cfg.holdout_dir else 0),
         input_format=cfg.input_format,
         seed=cfg.seed,
         rank=rank,
@@ -490,8 +554,26 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     if cfg.publish:
         publisher = SegmentPublisher(dmp, cfg.publisher_config())
         publisher.start(0)
+    holdout = None
+    if cfg.holdout_dir is not None:
+        from deltad.evaluate.labelled import HoldoutWriter
+
+        gen = publisher.generation if publisher is not None else 0
+        holdout = HoldoutWriter(
+            cfg.holdout_dir, rank=rank, generation=gen or 0, keep=cfg.holdout_keep
+        )
+    if cfg.golden_out is not None and rank == 0:
+        from deltad.evaluate.labelled import write_examples
+
+        from .holdout import golden_examples
+
+        write_examples(
+            cfg.golden_out,
+            golden_examples(cfg.tables, cfg.seq_rows, cfg.golden_examples, seed=cfg.seed,
+                            zch_raw_ids=cfg.zch_raw_space),
+        )  # fmt: skip
     at = [1]  # the step step_fn runs next
-    step_fn = _step_fn(cfg, dmp, optimizer, batches, at)
+    step_fn = _step_fn(cfg, dmp, optimizer, batches, at, holdout)
     deadline = time.monotonic() + cfg.duration_s if cfg.duration_s else math.inf
     times: list[float] = []
     step = 0

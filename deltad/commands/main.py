@@ -42,6 +42,7 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
     from deltad.commands import export as export_cli
     from deltad.commands import rollout as rollout_cli
     from deltad.commands import status
+    from deltad.evaluate import cli as evaluate_cli
     from deltad.reference.consumers import cli as consume_cli
     from deltad.reference.trainer import cli as train_cli
     from deltad.serve import cli as serve_cli
@@ -58,6 +59,10 @@ def _subcommands() -> dict[str, tuple[ModuleType | None, str]]:
             rollout_cli,
             "the model's release controls (admin): status, hold, release, pin, unpin, canary, "
             "rollback",
+        ),
+        "evaluate": (
+            evaluate_cli,
+            "the canary evaluator: score each step on labelled data; release, hold, roll back",
         ),
         "demo": (demo, "trainer + sidecars + Redis + predictors on this machine, with a report"),
         "export": (export_cli, "write the reference model's TorchScript artifact (C++ predictors)"),

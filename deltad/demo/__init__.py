@@ -95,13 +95,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--scenario",
-        choices=("default", "bad-update"),
+        choices=("default", "bad-update", "silent-bad-update"),
         default="default",
         help="bad-update: a NaN step, the validation gate, a canary and a rollback "
         "(deltad.demo.rollout), at a fixed shape (2 ranks, 40 steps, a segment every 2 steps, "
         "no top-k predictor): it takes --rows, --dim, --pull-interval, --settle-timeout, "
         "--workdir and --keep, and refuses --duration, --world-size, --publish-every and "
-        "--topk-fraction; default: the whole loop, with its report and checks",
+        "--topk-fraction; silent-bad-update: flipped labels, the canary evaluator holds and "
+        "rolls back (deltad.demo.quality; the same flags); default: the whole loop, with its "
+        "report and checks",
     )
 
 
@@ -112,6 +114,10 @@ def check_args(args: argparse.Namespace) -> None:
         from deltad.demo.rollout import check_flags
 
         check_flags(args)
+    if getattr(args, "scenario", "default") == "silent-bad-update":
+        from deltad.demo.quality import check_flags as check_quality_flags
+
+        check_quality_flags(args)
     for dest, value in DEFAULTS.items():
         if getattr(args, dest, None) is None:
             setattr(args, dest, value)
@@ -125,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
         from deltad.demo.rollout import BadUpdateDemo
 
         kind = BadUpdateDemo
+    if getattr(args, "scenario", "default") == "silent-bad-update":
+        from deltad.demo.quality import SilentBadUpdateDemo
+
+        kind = SilentBadUpdateDemo
     demo = kind(args)
     try:
         with terminate_as_interrupt():
