@@ -1,0 +1,275 @@
+"""The archive against a real SeaweedFS: a sidecar uploads its verified log; a sidecar on an
+empty spool restores it before it serves, and consumers go on from their cursors (no resync);
+a predictor cold-starts from the store bit-equal to a sidecar bootstrap; kill -9 of the store
+during uploads loses nothing."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from s3kit import Seaweed, archive_url, own_seaweed, s3_env, seaweed  # noqa: F401
+from serverkit import MODEL, Client, Replica, SpoolWriter, server_config, wait_for
+
+from deltad.config import ConsumerConfig, PullOptions
+from deltad.consume.appliers import TensorDictApplier
+from deltad.consume.client import DeltaConsumer
+from deltad.consume.coldstart import cold_start, read_archived_state, resumed
+from deltad.redisutil import EmbeddedRedis
+from deltad.serve.archive.fetch import read_manifest
+from deltad.serve.archive.sidecar import ARCHIVE_HEALTH
+from deltad.serve.archive.store import open_store
+from deltad.serve.edge.app import SidecarServer
+
+
+def _sidecar(root: Path, redis_url: str, url: str, endpoint: str, **kw: Any) -> SidecarServer:
+    cfg = server_config(root, redis_url, archive_url=url, archive_endpoint=endpoint, **kw)
+    return SidecarServer(cfg).start()
+
+
+def _archived_head(url: str, endpoint: str) -> tuple[int, int] | None:
+    s = open_store(url, endpoint=endpoint)
+    try:
+        m = read_manifest(s, MODEL, 0)
+    finally:
+        s.close()
+    return None if m is None else (m.generation, m.head.seq)
+
+
+def _wait_archived(url: str, endpoint: str, spool: SpoolWriter, timeout_s: float = 30) -> None:
+    wait_for(
+        lambda: _archived_head(url, endpoint) == (spool.generation, spool.seq),
+        timeout_s,
+        f"the archive to reach seq {spool.seq}",
+    )
+
+
+def _lag(srv: SidecarServer) -> tuple[float, float]:
+    labels = {"model": MODEL, "rank": "0"}
+    get = srv.metrics.registry.get_sample_value
+    return (
+        get("deltad_archive_lag_segments", labels) or 0.0,
+        get("deltad_archive_lag_seconds", labels) or 0.0,
+    )
+
+
+def _assert_tables(tables: dict[str, torch.Tensor], spool: SpoolWriter) -> None:
+    for t in spool.specs:
+        assert torch.equal(tables[t], spool.truth[t]), t
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_the_sidecar_archives_every_verified_segment_and_its_manifest(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    seaweed: Seaweed,  # noqa: F811
+) -> None:
+    spool = SpoolWriter(tmp_path / "spool")
+    url = archive_url()
+    srv = _sidecar(tmp_path / "spool", redis_server.url, url, seaweed.endpoint)
+    try:
+        for _ in range(5):
+            spool.delta()
+        _wait_archived(url, seaweed.endpoint, spool)
+        wait_for(lambda: _lag(srv) == (0.0, 0.0), 10, "the lag metric at 0")
+        # what the store holds rebuilds the trainer's tables exactly (verified on read)
+        state = read_archived_state(url, MODEL, endpoint=seaweed.endpoint)
+        assert state.heads == {0: (spool.seq, spool.step)}
+        r = Replica()
+        for d in state.deltas:
+            r.apply(d)
+        _assert_tables(r.tables, spool)
+        # objects are written once: a new sidecar on the same log uploads nothing again
+        uploads = srv.archive.uploader.uploads if srv.archive and srv.archive.uploader else 0
+        assert uploads == 7  # generation manifest, base, 5 deltas
+    finally:
+        srv.stop(0)
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_a_sidecar_on_an_empty_spool_restores_the_log_and_consumers_keep_their_cursors(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    seaweed: Seaweed,  # noqa: F811
+) -> None:
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root)
+    url = archive_url()
+    srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
+    replica = Replica()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        spool.delta()
+        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == 1, 10, "seq 1")
+        d = c.pull("p1")
+        assert d.resync
+        replica.apply(d)
+        c.commit(d)
+        for _ in range(3):
+            spool.delta()
+        _wait_archived(url, seaweed.endpoint, spool)
+    finally:
+        c.close()
+        srv.stop(0)
+    # the node is lost: its spool is gone; the trainer goes on publishing into a new one
+    shutil.rmtree(root)
+    root.mkdir()
+    srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        assert srv.archive is not None and srv.archive.restored is not None
+        assert srv.archive.restored.head_seq == spool.seq
+        snap = srv.log.snapshot()
+        assert snap is not None and snap.head.seq == spool.seq  # served at once, restored
+        d = c.pull("p1")
+        assert not d.resync and d.from_seq == 1 and d.to_seq == spool.seq
+        replica.apply(d)
+        c.commit(d)
+        _assert_tables(replica.tables, spool)
+        spool.delta()  # the trainer's next segment continues the restored log
+        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq, 10)
+        d = c.pull("p1")
+        assert not d.resync and d.from_seq == spool.seq - 1
+        replica.apply(d)
+        _assert_tables(replica.tables, spool)
+    finally:
+        c.close()
+        srv.stop(0)
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_a_corrupted_archived_segment_is_refused_and_only_the_verified_prefix_restored(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    seaweed: Seaweed,  # noqa: F811
+) -> None:
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root)
+    url = archive_url()
+    srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
+    try:
+        for _ in range(3):
+            spool.delta()
+        _wait_archived(url, seaweed.endpoint, spool)
+    finally:
+        srv.stop(0)
+    store = open_store(url, endpoint=seaweed.endpoint)
+    m = read_manifest(store, MODEL, 0)
+    assert m is not None
+    bad = m.entries[2]  # seq 2: flip a byte (a store that corrupted it), same size
+    data = bytearray(store.get(bad.key))
+    data[len(data) // 2] ^= 0xFF
+    store.delete(bad.key)
+    p = tmp_path / "bad"
+    p.write_bytes(bytes(data))
+    assert store.put_if_absent(bad.key, p)
+    store.close()
+    shutil.rmtree(root)
+    root.mkdir()
+    srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
+    try:
+        assert srv.archive is not None and srv.archive.restored is not None
+        assert srv.archive.restored.head_seq == 1
+        assert "checksum" in srv.archive.restored.stopped
+        snap = srv.log.snapshot()
+        assert snap is not None and snap.head.seq == 1  # nothing past the bad object
+    finally:
+        srv.stop(0)
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_a_cold_start_from_the_store_is_bit_equal_and_pulls_only_the_tail(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    seaweed: Seaweed,  # noqa: F811
+) -> None:
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root, tables={"t0": (2000, 64), "t1": (700, 32)})
+    url = archive_url()
+    srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
+    try:
+        for _ in range(4):
+            spool.delta()
+        _wait_archived(url, seaweed.endpoint, spool)
+        archived = spool.step
+        truth_then = {t: v.clone() for t, v in spool.truth.items()}
+        spool.delta()  # the tail: published after the archive was read
+        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq, 10)
+        endpoint = f"127.0.0.1:{srv.port}"
+        # a predictor bootstrapped by the sidecar, the reference
+        ref = TensorDictApplier()
+        ref_cfg = ConsumerConfig("ref", model=MODEL, sidecars=(endpoint,), pull=PullOptions(dense=False))
+        with DeltaConsumer(ref_cfg) as c:
+            c.sync(ref)
+        cfg = ConsumerConfig(
+            "cold",
+            model=MODEL,
+            sidecars=(endpoint,),
+            pull=PullOptions(dense=False, max_step=archived),
+            bootstrap_from=url,
+            bootstrap_endpoint=seaweed.endpoint,
+        )
+        cold = TensorDictApplier()
+        served_before = srv.metrics.bytes_served._value.get()
+        state = cold_start(cfg, cold)
+        assert state.step == archived
+        for t in spool.specs:
+            assert torch.equal(cold.tables()[t], truth_then[t])
+        handshake_bytes = srv.metrics.bytes_served._value.get() - served_before
+        table_bytes = sum(v.numel() * 4 for v in spool.truth.values())
+        rows = sum(n for n, _ in spool.specs.values())
+        # the sidecar sent the ids of the step (8 bytes a row), no row values
+        assert rows * 8 <= handshake_bytes < rows * 8 + 1024 < table_bytes / 20
+        after = resumed(cfg)
+        after.pull = PullOptions(dense=False)
+        with DeltaConsumer(after) as c:
+            got = c.sync(cold)
+            assert [d.resync for d in got.deltas] == [False]
+            assert got.deltas[0].from_seq == spool.seq - 1
+        for t in spool.specs:
+            assert torch.equal(cold.tables()[t], ref.tables()[t])  # bit-equal to a bootstrap
+        _assert_tables(cold.tables(), spool)
+    finally:
+        srv.stop(0)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("s3_env")
+def test_kill_9_of_the_store_during_uploads_loses_nothing(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    own_seaweed: Seaweed,  # noqa: F811
+) -> None:
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root, tables={"t0": (20000, 32), "t1": (5000, 16)})
+    url = archive_url()
+    srv = _sidecar(
+        root, redis_server.url, url, own_seaweed.endpoint, archive_lag_bound_s=1.0
+    )
+    try:
+        spool.delta(n=5000)
+        spool.delta(n=5000)
+        time.sleep(0.05)  # uploads under way
+        own_seaweed.kill()
+        for _ in range(4):  # the trainer and the sidecar go on without the store
+            spool.delta(n=2000)
+        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq, 10)
+        wait_for(lambda: _lag(srv)[0] > 0 and _lag(srv)[1] > 1.0, 20, "the lag to show")
+        wait_for(srv.check_archive, 10, "the archive health to say it is behind")
+        status = srv.health.servicer._server_status.get(ARCHIVE_HEALTH)  # noqa: SLF001
+        assert status is not None and status.name == "NOT_SERVING" or status == 2
+        assert srv.upkeep is not None  # serving never stopped
+        own_seaweed.start()
+        _wait_archived(url, own_seaweed.endpoint, spool, timeout_s=90)
+        wait_for(lambda: not srv.check_archive(), 10, "the archive health to recover")
+        state = read_archived_state(url, MODEL, endpoint=own_seaweed.endpoint)
+        r = Replica()
+        for d in state.deltas:
+            r.apply(d)
+        _assert_tables(r.tables, spool)
+    finally:
+        srv.stop(0)
