@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from s3kit import Seaweed, archive_url, own_seaweed, s3_env, seaweed  # noqa: F401
 from serverkit import MODEL, Client, Replica, SpoolWriter, server_config, wait_for
 
@@ -55,6 +57,14 @@ def _lag(srv: SidecarServer) -> tuple[float, float]:
         get("deltad_archive_lag_segments", labels) or 0.0,
         get("deltad_archive_lag_seconds", labels) or 0.0,
     )
+
+
+def _health(srv: SidecarServer, service: str) -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
 
 def _assert_tables(tables: dict[str, torch.Tensor], spool: SpoolWriter) -> None:
@@ -202,7 +212,9 @@ def test_a_cold_start_from_the_store_is_bit_equal_and_pulls_only_the_tail(
         endpoint = f"127.0.0.1:{srv.port}"
         # a predictor bootstrapped by the sidecar, the reference
         ref = TensorDictApplier()
-        ref_cfg = ConsumerConfig("ref", model=MODEL, sidecars=(endpoint,), pull=PullOptions(dense=False))
+        ref_cfg = ConsumerConfig(
+            "ref", model=MODEL, sidecars=(endpoint,), pull=PullOptions(dense=False)
+        )
         with DeltaConsumer(ref_cfg) as c:
             c.sync(ref)
         cfg = ConsumerConfig(
@@ -247,10 +259,9 @@ def test_kill_9_of_the_store_during_uploads_loses_nothing(
     root = tmp_path / "spool"
     spool = SpoolWriter(root, tables={"t0": (20000, 32), "t1": (5000, 16)})
     url = archive_url()
-    srv = _sidecar(
-        root, redis_server.url, url, own_seaweed.endpoint, archive_lag_bound_s=1.0
-    )
+    srv = _sidecar(root, redis_server.url, url, own_seaweed.endpoint, archive_lag_bound_s=1.0)
     try:
+        wait_for(lambda: _archived_head(url, own_seaweed.endpoint) is not None, 30, "a manifest")
         spool.delta(n=5000)
         spool.delta(n=5000)
         time.sleep(0.05)  # uploads under way
@@ -260,12 +271,12 @@ def test_kill_9_of_the_store_during_uploads_loses_nothing(
         wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq, 10)
         wait_for(lambda: _lag(srv)[0] > 0 and _lag(srv)[1] > 1.0, 20, "the lag to show")
         wait_for(srv.check_archive, 10, "the archive health to say it is behind")
-        status = srv.health.servicer._server_status.get(ARCHIVE_HEALTH)  # noqa: SLF001
-        assert status is not None and status.name == "NOT_SERVING" or status == 2
-        assert srv.upkeep is not None  # serving never stopped
+        assert _health(srv, ARCHIVE_HEALTH) == "NOT_SERVING"
+        assert _health(srv, "") == "SERVING"  # serving never stopped
         own_seaweed.start()
         _wait_archived(url, own_seaweed.endpoint, spool, timeout_s=90)
         wait_for(lambda: not srv.check_archive(), 10, "the archive health to recover")
+        assert _health(srv, ARCHIVE_HEALTH) == "SERVING"
         state = read_archived_state(url, MODEL, endpoint=own_seaweed.endpoint)
         r = Replica()
         for d in state.deltas:

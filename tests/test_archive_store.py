@@ -96,6 +96,8 @@ def test_wrong_credentials_are_refused_not_retried_forever(
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-the-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     s = open_store(archive_url(), endpoint=seaweed.endpoint)
-    with pytest.raises(ArchiveError, match="InvalidAccessKeyId|AccessDenied|SignatureDoesNotMatch"):
+    with pytest.raises(
+        ArchiveError, match=r"InvalidAccessKeyId|AccessDenied|SignatureDoesNotMatch"
+    ):
         s.put_if_absent("m/x", _file(tmp_path, b"x"))
     s.close()

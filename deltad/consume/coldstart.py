@@ -105,7 +105,9 @@ def _manifests(store: ObjectStore, model: str) -> list[ArchiveManifest]:
     return out
 
 
-def _target(manifests: list[ArchiveManifest], max_step: int | None) -> tuple[int, list[tuple[ArchivedObject, ...]]]:
+def _target(
+    manifests: list[ArchiveManifest], max_step: int | None
+) -> tuple[int, list[tuple[ArchivedObject, ...]]]:
     step = min(m.head.step for m in manifests)
     if max_step is not None:
         step = min(step, max_step)

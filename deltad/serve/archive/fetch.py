@@ -61,7 +61,9 @@ def read_generation(store: ObjectStore, m: ArchiveManifest) -> GenerationManifes
     return gm
 
 
-def _fetch_one(store: ObjectStore, obj: ArchivedObject, dest: Path, pool: ThreadPoolExecutor) -> None:
+def _fetch_one(
+    store: ObjectStore, obj: ArchivedObject, dest: Path, pool: ThreadPoolExecutor
+) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-fetch-", dir=dest.parent)
     try:
@@ -105,7 +107,10 @@ def _fetch_one(store: ObjectStore, obj: ArchivedObject, dest: Path, pool: Thread
 
 
 def fetch_objects(
-    store: ObjectStore, objects: Sequence[tuple[ArchivedObject, Path]], *, parallel: int = PARALLEL_READS
+    store: ObjectStore,
+    objects: Sequence[tuple[ArchivedObject, Path]],
+    *,
+    parallel: int = PARALLEL_READS,
 ) -> None:
     """Fetch each (object, destination) with parallel ranged reads, verified (size and
     checksum) before it is renamed to its destination; ArchiveError for the first that fails

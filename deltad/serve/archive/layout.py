@@ -149,9 +149,11 @@ class ArchiveManifest:
             for name in ("seq", "step", "size", "xxh3"):
                 if type(getattr(e, name)) is not int:
                     raise ArchiveError(f"archive manifest: {name} of {e.key!r:.80} is not an int")
-            if not isinstance(e.key, str) or not e.key.startswith(prefix) or "/" in e.key[
-                len(prefix) :
-            ]:
+            if (
+                not isinstance(e.key, str)
+                or not e.key.startswith(prefix)
+                or "/" in e.key[len(prefix) :]
+            ):
                 raise ArchiveError(f"archive manifest: key {e.key!r:.80} is not under {prefix}")
         for i, e in enumerate(self.entries):
             first = e.first_seq
@@ -226,7 +228,9 @@ def encode_dense_state(state: DenseState) -> bytes:
     out[PREFIX.size : PREFIX.size + len(raw)] = raw
     for m in state.header.tensors:
         if m.nbytes:
-            out[start + m.offset : start + m.offset + m.nbytes] = tensor_bytes(state.tensors[m.name])
+            out[start + m.offset : start + m.offset + m.nbytes] = tensor_bytes(
+                state.tensors[m.name]
+            )
     TRAILER.pack_into(out, start + end, checksum(memoryview(out)[: start + end]), DENSE_END_MAGIC)
     return bytes(out)
 

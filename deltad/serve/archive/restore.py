@@ -95,7 +95,9 @@ def restore_rank(store: ObjectStore, layout: SpoolLayout, rank: int) -> RestoreR
                 break
             ok.append((obj, path))
         if not ok:
-            raise ArchiveError(f"archive {store.url}: rank {rank}'s base cannot be restored: {stopped}")
+            raise ArchiveError(
+                f"archive {store.url}: rank {rank}'s base cannot be restored: {stopped}"
+            )
         head = ok[-1][0].seq
         good_dense = [
             (o, p) for o, p in dense
@@ -115,7 +117,9 @@ def restore_rank(store: ObjectStore, layout: SpoolLayout, rank: int) -> RestoreR
         except OSError:
             pass
     if stopped:
-        log.error("archive %s: rank %d restored only up to seq %d: %s", store.url, rank, head, stopped)
+        log.error(
+            "archive %s: rank %d restored only up to seq %d: %s", store.url, rank, head, stopped
+        )
     result = RestoreResult(
         m.generation, ok[0][0].seq, head, len(ok), len(good_dense), nbytes, stopped
     )
@@ -150,12 +154,16 @@ def _verify(
                 path, layout.model_dir, gm, generation=generation, rank=rank, seq=obj.seq
             )
             return ""
-        seg = load_verified(path, layout.model_dir, gm, generation=generation, rank=rank, seq=obj.seq)
+        seg = load_verified(
+            path, layout.model_dir, gm, generation=generation, rank=rank, seq=obj.seq
+        )
     except (SegmentCorruptError, DeltadError) as e:
         return f"{obj.key}: {e}"
     h = seg.header
     if (h.first_seq, h.step) != (obj.first_seq, obj.step):
-        return f"{obj.key}: holds seq {h.first_seq}..{h.seq} step {h.step}, not what the manifest says"
+        return (
+            f"{obj.key}: holds seq {h.first_seq}..{h.seq} step {h.step}, not what the manifest says"
+        )
     return ""
 
 

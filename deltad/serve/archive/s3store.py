@@ -34,7 +34,15 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0
 
-_UNAVAILABLE_CODES = {"500", "502", "503", "504", "SlowDown", "ServiceUnavailable", "RequestTimeout"}
+_UNAVAILABLE_CODES = {
+    "500",
+    "502",
+    "503",
+    "504",
+    "SlowDown",
+    "ServiceUnavailable",
+    "RequestTimeout",
+}
 
 
 class S3Store(ObjectStore):
@@ -42,8 +50,8 @@ class S3Store(ObjectStore):
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint: str | None = None) -> None:
         try:
-            import boto3
-            from botocore.config import Config
+            import boto3  # type: ignore[import-untyped]
+            from botocore.config import Config  # type: ignore[import-untyped]
         except ImportError as e:  # pragma: no cover - an install without the extra
             raise ArchiveError("s3:// archives need boto3 (pip install deltad[archive])") from e
         self.bucket = bucket
@@ -53,7 +61,8 @@ class S3Store(ObjectStore):
         self._client: Any = boto3.session.Session().client(
             "s3",
             endpoint_url=endpoint,
-            region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            region_name=os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
             or "us-east-1",
             config=Config(
                 connect_timeout=CONNECT_TIMEOUT_S,
@@ -73,7 +82,7 @@ class S3Store(ObjectStore):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _fail(self, what: str, key: str, e: Exception) -> ArchiveError:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
         where = f"{self.url} {what} {key}"
         if isinstance(e, ClientError):
@@ -97,7 +106,7 @@ class S3Store(ObjectStore):
         return code, status
 
     def put_if_absent(self, key: str, src: Path) -> bool:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
         k = self._key(key)
         try:
@@ -109,7 +118,10 @@ class S3Store(ObjectStore):
                     return True
                 except ClientError as e:
                     code, status = self._code(e)
-                    if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    if status == 412 or code in (
+                        "PreconditionFailed",
+                        "ConditionalRequestConflict",
+                    ):
                         return False
                     if status != 501 and code != "NotImplemented":
                         raise
@@ -126,7 +138,7 @@ class S3Store(ObjectStore):
             raise ArchiveError(f"cannot read {src} for {self.url} {key}: {e}") from e
 
     def _head(self, k: str) -> dict[str, Any] | None:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 
         try:
             resp: dict[str, Any] = self._client.head_object(Bucket=self.bucket, Key=k)
@@ -138,7 +150,7 @@ class S3Store(ObjectStore):
             raise
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
         k = self._key(key)
         kw: dict[str, Any] = {}
@@ -163,7 +175,7 @@ class S3Store(ObjectStore):
             raise self._fail("get", key, e) from e
 
     def size(self, key: str) -> int | None:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
         try:
             head = self._head(self._key(key))
@@ -172,10 +184,12 @@ class S3Store(ObjectStore):
         return None if head is None else int(head["ContentLength"])
 
     def list(self, prefix: str) -> Iterator[str]:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
-        full = self._key(prefix.rstrip("/")) + "/" if prefix else (
-            f"{self.prefix}/" if self.prefix else ""
+        full = (
+            self._key(prefix.rstrip("/")) + "/"
+            if prefix
+            else (f"{self.prefix}/" if self.prefix else "")
         )
         cut = len(self.prefix) + 1 if self.prefix else 0
         try:
@@ -189,7 +203,7 @@ class S3Store(ObjectStore):
             raise self._fail("list", prefix, e) from e
 
     def delete(self, key: str) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
         try:
             self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
@@ -197,7 +211,7 @@ class S3Store(ObjectStore):
             raise self._fail("delete", key, e) from e
 
     def read_versioned(self, key: str) -> Versioned | None:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
@@ -211,7 +225,7 @@ class S3Store(ObjectStore):
             raise self._fail("get", key, e) from e
 
     def compare_and_swap(self, key: str, data: bytes, expected: str | None) -> str | None:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
         cond = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
         try:

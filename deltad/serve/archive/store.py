@@ -100,7 +100,7 @@ class ObjectStore(abc.ABC):
         """Write ``data`` as ``key`` only if its tag is still ``expected`` (None: only if
         there is no such object); the new tag, or None if someone else moved it first."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (a store with nothing to let go of)
         """Let go of connections (the store may not be used after)."""
 
 

@@ -87,6 +87,9 @@ class ArchiveUploader:
         self.uploaded_bytes = 0
         self.failures = 0  # failed rounds
         self.last_error = ""
+        #: after a failed round: look whether the objects counted as uploaded are there (a
+        #: store killed right after it answered may not have kept the last ones)
+        self._recheck = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,12 +122,14 @@ class ArchiveUploader:
                 wait = self.interval_s
             except (DeltadError, OSError) as e:
                 self.failures += 1
+                self._recheck = True
                 if str(e) != self.last_error:
                     log.warning("archive %s: %s (retrying)", self.store.url, e)
                 self.last_error = str(e)
                 wait, backoff = backoff, min(backoff * 2, BACKOFF_MAX_S)
             except Exception as e:  # a bug: logged, retried, never kills the sidecar
                 self.failures += 1
+                self._recheck = True
                 self.last_error = f"{type(e).__name__}: {e}"
                 log.exception("archive upload round failed")
                 wait, backoff = backoff, min(backoff * 2, BACKOFF_MAX_S)
@@ -141,6 +146,8 @@ class ArchiveUploader:
             return False
         if not self._tag_known:
             self._read_manifest()
+        if self._recheck:
+            self._check_uploaded()
         if self.archived is not None and self._same_log(self.archived, snap):
             return False
         self._upload_generation(snap)
@@ -179,10 +186,30 @@ class ArchiveUploader:
         try:
             m = ArchiveManifest.from_json(got.data)
         except ArchiveError as e:
-            log.error("archive %s: the rank's manifest is unreadable (%s): replacing it", self.store.url, e)
+            log.error(
+                "archive %s: the rank's manifest is unreadable (%s): replacing it",
+                self.store.url,
+                e,
+            )
             return
         self.archived = m
         self._note(m)
+
+    def _check_uploaded(self) -> None:
+        """Forget the uploads the store does not hold (whole) any more: they go again, and a
+        manifest naming them is written again after them."""
+        gone = [k for k, o in self._uploaded.items() if self.store.size(o.key) != o.size]
+        for k in gone:
+            del self._uploaded[k]
+        if gone:
+            log.warning(
+                "archive %s: %d objects were lost by the store: uploading them again",
+                self.store.url,
+                len(gone),
+            )
+            self.archived = None  # the manifest is written again once they are back
+        self._generations.clear()  # (put again: a no-op where it is there)
+        self._recheck = False
 
     def _note(self, m: ArchiveManifest) -> None:
         self._generations.add(m.generation)
