@@ -22,7 +22,9 @@ from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer
 from deltad.consume.coldstart import cold_start, read_archived_state, resumed
 from deltad.redisutil import EmbeddedRedis
+from deltad.segment.format import encode_dense, write_dense
 from deltad.serve.archive.fetch import read_manifest
+from deltad.serve.archive.layout import ArchiveManifest
 from deltad.serve.archive.sidecar import ARCHIVE_HEALTH
 from deltad.serve.archive.store import open_store
 from deltad.serve.edge.app import SidecarServer
@@ -125,16 +127,19 @@ def test_a_sidecar_on_an_empty_spool_restores_the_log_and_consumers_keep_their_c
     finally:
         c.close()
         srv.stop(0)
-    # the node is lost: its spool is gone; the trainer goes on publishing into a new one
+    # the node is lost: its spool is gone; the trainer goes on publishing into a new one,
+    # before the new sidecar is up
     shutil.rmtree(root)
     root.mkdir()
+    archived = spool.seq
+    spool.delta()
     srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
     c = Client(f"127.0.0.1:{srv.port}")
     try:
         assert srv.archive is not None and srv.archive.restored is not None
-        assert srv.archive.restored.head_seq == spool.seq
+        assert srv.archive.restored.head_seq == archived
         snap = srv.log.snapshot()
-        assert snap is not None and snap.head.seq == spool.seq  # served at once, restored
+        assert snap is not None and snap.head.seq == spool.seq  # restored + the trainer's
         d = c.pull("p1")
         assert not d.resync and d.from_seq == 1 and d.to_seq == spool.seq
         replica.apply(d)
@@ -146,6 +151,111 @@ def test_a_sidecar_on_an_empty_spool_restores_the_log_and_consumers_keep_their_c
         assert not d.resync and d.from_seq == spool.seq - 1
         replica.apply(d)
         _assert_tables(replica.tables, spool)
+        # the restored log is archived on: the new sidecar's uploads continue the manifest
+        _wait_archived(url, seaweed.endpoint, spool)
+    finally:
+        c.close()
+        srv.stop(0)
+
+
+def _write_dense(spool: SpoolWriter, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        "mlp.weight": torch.randn(4, 3, generator=g),
+        "mlp.bias": torch.randn(4, generator=g).to(torch.bfloat16),
+        "steps": torch.tensor([seed], dtype=torch.int64),
+    }
+    data = encode_dense(
+        model=MODEL, generation=spool.generation, rank=0, seq=spool.seq + 1,
+        step=spool.step + 10, tensors=tensors,
+    )  # fmt: skip
+    write_dense(spool.layout.dense_path(spool.generation, 0, spool.seq + 1), data)
+    return tensors
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_dense_states_are_archived_restored_and_cold_started_exactly(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    seaweed: Seaweed,  # noqa: F811
+) -> None:
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root)
+    url = archive_url()
+    srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
+    try:
+        _write_dense(spool, 1)
+        spool.delta()
+        dense = _write_dense(spool, 2)  # dense state and segment of one drain point
+        spool.delta()
+        _wait_archived(url, seaweed.endpoint, spool)
+        wait_for(lambda: len(_manifest(url, seaweed.endpoint).dense) == 2, 10, "dense states")
+        before = sorted(p.name for p in spool.layout.rank_dir(1, 0).iterdir())
+    finally:
+        srv.stop(0)
+    state = read_archived_state(url, MODEL, endpoint=seaweed.endpoint)
+    got = state.deltas[0]
+    assert (got.dense_seq, got.dense_step) == (spool.seq, spool.step)
+    assert got.dense.keys() == dense.keys()
+    for k, v in dense.items():
+        assert got.dense[k].dtype == v.dtype and torch.equal(got.dense[k], v), k
+    shutil.rmtree(root)
+    root.mkdir()
+    srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
+    try:
+        assert srv.archive is not None and srv.archive.restored is not None
+        assert srv.archive.restored.dense == 2
+        after = sorted(p.name for p in spool.layout.rank_dir(1, 0).iterdir())
+        assert after == before
+        snap = srv.log.snapshot()
+        assert snap is not None and [d.seq for d in snap.dense] == [1, 2]
+        held = snap.dense[-1].state.tensors
+        for k, v in dense.items():
+            assert torch.equal(held[k], v), k
+    finally:
+        srv.stop(0)
+
+
+def _manifest(url: str, endpoint: str | None) -> ArchiveManifest:
+    s = open_store(url, endpoint=endpoint)
+    try:
+        m = read_manifest(s, MODEL, 0)
+    finally:
+        s.close()
+    assert m is not None
+    return m
+
+
+def test_a_shared_file_system_archive_restores_an_empty_spool(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root)
+    url = f"file://{tmp_path / 'mount'}"
+    srv = SidecarServer(server_config(root, redis_server.url, archive_url=url)).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    replica = Replica()
+    try:
+        spool.delta()
+        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == 1, 10, "seq 1")
+        d = c.pull("p1")
+        replica.apply(d)
+        c.commit(d)
+        spool.delta()
+        wait_for(lambda: _manifest(url, None).head.seq == spool.seq, 10, "the archive")
+    finally:
+        c.close()
+        srv.stop(0)
+    shutil.rmtree(root)
+    root.mkdir()
+    srv = SidecarServer(server_config(root, redis_server.url, archive_url=url)).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        d = c.pull("p1")
+        assert not d.resync and d.from_seq == 1
+        replica.apply(d)
+        _assert_tables(replica.tables, spool)
+        assert not list((tmp_path / "mount").rglob(".tmp-*"))  # nothing half written
     finally:
         c.close()
         srv.stop(0)
@@ -236,6 +346,12 @@ def test_a_cold_start_from_the_store_is_bit_equal_and_pulls_only_the_tail(
         rows = sum(n for n, _ in spool.specs.values())
         # the sidecar sent the ids of the step (8 bytes a row), no row values
         assert rows * 8 <= handshake_bytes < rows * 8 + 1024 < table_bytes / 20
+        # a predictor killed after its cold start (tables gone, cursors committed) starts
+        # again the same way
+        again = TensorDictApplier()
+        assert cold_start(cfg, again).heads == state.heads
+        for t in spool.specs:
+            assert torch.equal(again.tables()[t], truth_then[t])
         after = resumed(cfg)
         after.pull = PullOptions(dense=False)
         with DeltaConsumer(after) as c:
