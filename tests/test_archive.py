@@ -400,3 +400,62 @@ def test_kill_9_of_the_store_during_uploads_loses_nothing(
         _assert_tables(r.tables, spool)
     finally:
         srv.stop(0)
+
+
+@pytest.mark.usefixtures("s3_env")
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_quantized_predictor_cold_started_from_the_store_is_byte_equal_to_a_packed_bootstrap(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    seaweed: Seaweed,  # noqa: F811
+    dtype: str,
+) -> None:
+    from deltad.reference.trainer.model import ClickModel
+
+    from deltad.consume.quant import QuantApplier, packed_wire_dtype, quantize_model
+    from deltad.types import ServeDtype
+
+    serve = ServeDtype(dtype)
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root, tables={"t0": (50, 16), "t1": (37, 16), "seq": (29, 16)})
+    url = archive_url()
+    srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
+
+    def served() -> tuple[torch.nn.Module, QuantApplier]:
+        torch.manual_seed(0)
+        m = quantize_model(ClickModel({"t0": 50, "t1": 37}, 29, dim=16, zch_slots=0).eval(), serve)
+        return m, QuantApplier(m)
+
+    try:
+        for _ in range(3):
+            spool.delta(n=10)
+        _wait_archived(url, seaweed.endpoint, spool)
+        spool.delta(n=10)  # the tail
+        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq, 10)
+        endpoint = f"127.0.0.1:{srv.port}"
+        packed = PullOptions(dense=False, wire_dtype=packed_wire_dtype(serve))
+        ref_model, ref = served()
+        with DeltaConsumer(
+            ConsumerConfig("ref", model=MODEL, sidecars=(endpoint,), pull=packed)
+        ) as c:
+            c.sync(ref)
+        cold_model, cold = served()
+        cfg = ConsumerConfig(
+            "cold", model=MODEL, sidecars=(endpoint,), pull=packed, bootstrap_from=url,
+            bootstrap_endpoint=seaweed.endpoint,
+        )  # fmt: skip
+        cold_start(cfg, cold)
+        with DeltaConsumer(resumed(cfg)) as c:
+            got = c.sync(cold)
+            assert [d.resync for d in got.deltas] == [False]
+        a, b = cold_model.state_dict(), ref_model.state_dict()
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(getattr(a[k], "elem", a[k]), getattr(b[k], "elem", b[k])), k
+        untouched = served()[0].state_dict()  # (and the rows really arrived)
+        assert any(
+            not torch.equal(getattr(a[k], "elem", a[k]), getattr(v, "elem", v))
+            for k, v in untouched.items()
+        )
+    finally:
+        srv.stop(0)
