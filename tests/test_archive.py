@@ -95,9 +95,19 @@ def test_the_sidecar_archives_every_verified_segment_and_its_manifest(
         for d in state.deltas:
             r.apply(d)
         _assert_tables(r.tables, spool)
-        # objects are written once: a new sidecar on the same log uploads nothing again
+        # objects are written once: each of the log's objects was uploaded once
         uploads = srv.archive.uploader.uploads if srv.archive and srv.archive.uploader else 0
         assert uploads == 7  # generation manifest, base, 5 deltas
+        # a trainer restart: the archive follows the new generation
+        spool.start_generation(2, start_step=spool.step)
+        spool.delta()
+        _wait_archived(url, seaweed.endpoint, spool)
+        state = read_archived_state(url, MODEL, endpoint=seaweed.endpoint)
+        assert (state.generation, state.heads) == (2, {0: (1, spool.step)})
+        r = Replica()
+        for d in state.deltas:
+            r.apply(d)
+        _assert_tables(r.tables, spool)
     finally:
         srv.stop(0)
 
@@ -403,7 +413,7 @@ def test_kill_9_of_the_store_during_uploads_loses_nothing(
 
 
 @pytest.mark.usefixtures("s3_env")
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
 def test_a_quantized_predictor_cold_started_from_the_store_is_byte_equal_to_a_packed_bootstrap(
     tmp_path: Path,
     redis_server: EmbeddedRedis,
