@@ -139,6 +139,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "with --init-tables holding the state of those cursors (e.g. this consumer's own "
         "--final-tables from a clean stop)",
     )
+    p.add_argument(
+        "--bootstrap-from",
+        metavar="URL",
+        default=os.environ.get("DELTAD_BOOTSTRAP_FROM"),
+        help="cold start: read the newest archived base and segments from this object store "
+        "(s3://BUCKET/PREFIX, credentials from the AWS environment, or file:///mount), then pull "
+        "only the tail from the sidecars [DELTAD_BOOTSTRAP_FROM]",
+    )
+    p.add_argument(
+        "--bootstrap-endpoint",
+        metavar="URL",
+        default=os.environ.get("DELTAD_BOOTSTRAP_ENDPOINT"),
+        help="an S3-compatible server for an s3:// --bootstrap-from [DELTAD_BOOTSTRAP_ENDPOINT]",
+    )
     p.add_argument("--final-tables", type=Path, help="torch.save the tables here at the end")
     p.add_argument("--json-log", metavar="PATH", help='JSON line per pull ("-": stdout)')
     p.add_argument(
@@ -304,6 +318,8 @@ def build_consumer_config(args: argparse.Namespace) -> ConsumerConfig:
         tls_key=args.tls_key,
         reuse_buffers_bytes=args.reuse_buffers_mb * (1 << 20),
         resume=args.resume,
+        bootstrap_from=args.bootstrap_from or None,
+        bootstrap_endpoint=args.bootstrap_endpoint or None,
     )
 
 
@@ -328,6 +344,13 @@ def run(args: argparse.Namespace) -> int:
         args.redis_url = None  # explicit --sidecar wins over the environment's Redis
     if args.resume and args.init_tables is None:
         raise ConfigError("--resume needs --init-tables: the tables its committed cursors describe")
+    if args.bootstrap_from and (
+        args.init_tables or args.resume or args.serve_dtype or args.form == "ids"
+    ):
+        raise ConfigError(
+            "--bootstrap-from starts float tables from the archive: not with --init-tables, "
+            "--resume, --serve-dtype or --form ids"
+        )
     serving = None
     if args.serve_dtype is not None or (args.dtype or "").startswith("packed"):
         from deltad.needs import need
@@ -420,6 +443,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
 
+    if consumer.bootstrap_from is not None:
+        _cold_start(predictor)
     # Both finish the pull in flight, commit, write --final-tables, exit 0: tables saved by a
     # Ctrl-C are then the state of the committed cursors (what --resume relies on).
     with handle_signals(
@@ -448,6 +473,30 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _cold_start(predictor: Any) -> None:
+    """Apply the archived state (deltad.consume.coldstart) and go on from its cursors; a
+    state the archive and the sidecars do not agree on: bootstrap from the sidecars."""
+    import dataclasses
+
+    from deltad.consume.coldstart import ColdStartUnavailable, cold_start, resumed
+    from deltad.serve.archive.store import ArchiveError
+
+    consumer = predictor.config.consumer
+    try:
+        state = cold_start(consumer, predictor.applier)
+    except (ColdStartUnavailable, ArchiveError) as e:
+        output.line(f"deltad consume: no cold start ({e}): bootstrapping from the sidecars")
+        consumer = dataclasses.replace(consumer, bootstrap_from=None, bootstrap_endpoint=None)
+    else:
+        output.line(
+            f"deltad consume: cold start from {consumer.bootstrap_from}: generation "
+            f"{state.generation} step {state.step}, {state.nbytes} bytes in "
+            f"{state.seconds * 1000:.0f} ms"
+        )
+        consumer = resumed(consumer)
+    predictor.config = dataclasses.replace(predictor.config, consumer=consumer)
 
 
 class _Waited:

@@ -543,6 +543,15 @@ class ServerConfig:
     #: (RESOURCE_EXHAUSTED), nothing written. 0: no bound.
     owed_max_bytes: int = 4 << 30
     owed_max_consumer_bytes: int = 1 << 30
+    #: Object store the sidecar copies its verified log to, and restores an empty spool from
+    #: (deltad.serve.archive): ``s3://bucket/prefix`` or ``file:///shared/mount``; None: none.
+    #: S3 credentials come from the standard AWS environment or credentials file, never here.
+    archive_url: str | None = None
+    #: An S3-compatible server's URL (http(s)://host:port) for an ``s3://`` archive.
+    archive_endpoint: str | None = None
+    #: The archive's health service (deltad.v1.Archive) answers NOT_SERVING while the oldest
+    #: segment it lacks is older than this many seconds (serving goes on regardless).
+    archive_lag_bound_s: float = 300.0
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
@@ -567,6 +576,8 @@ class ServerConfig:
             raise ConfigError("restore_window_steps and restore_window_s must be >= 0 (0 = off)")
         if self.spill_max_bytes < 0:
             raise ConfigError("spill_max_bytes must be >= 0 (0 = no spill)")
+        if self.archive_endpoint is not None and self.archive_url is None:
+            raise ConfigError("--archive-endpoint needs --archive")
         if self.max_queued_streams < 0 or self.stream_queue_wait_s < 0:
             raise ConfigError("max_queued_streams and stream_queue_wait_s must be >= 0")
         if self.stream_deadline_s <= 0 or self.lease_ttl_s <= 0 or self.grace_period_s < 0:
@@ -621,6 +632,7 @@ SERVER_RANGES: dict[str, Range] = {
     "restore_window_s": Range(0, MAX_SECONDS, note="0 = off"),
     "owed_max_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
     "owed_max_consumer_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
+    "archive_lag_bound_s": Range(0, MAX_SECONDS, lo_open=True),
 }
 
 
@@ -817,6 +829,12 @@ class ConsumerConfig:
     #: a restarted predictor that kept its tables in memory must not get only the rows
     #: changed since its last commit.
     resume: bool = False
+    #: Cold start (deltad.consume.coldstart): read the newest archived base and segments from
+    #: this object store (``s3://bucket/prefix`` or ``file:///mount``), then pull only the
+    #: tail from the sidecars; None: bootstrap from the sidecars.
+    bootstrap_from: str | None = None
+    #: An S3-compatible server's URL for an ``s3://`` ``bootstrap_from``.
+    bootstrap_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         check_name("consumer", self.consumer)

@@ -223,6 +223,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "the same per consumer (0 = no bound)",
         ),
         (
+            "archive-lag-bound",
+            float,
+            300.0,
+            "the archive's health (deltad.v1.Archive) is NOT_SERVING while the oldest segment "
+            "it lacks is older than this many seconds",
+        ),
+        (
             "forget-after",
             float,
             7 * 24 * 3600.0,
@@ -298,6 +305,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _env_flag(
         p, "metrics-listen", "host /metrics binds to (default: the --listen host)", metavar="HOST"
     )
+    _env_flag(
+        p,
+        "archive",
+        "copy the verified log to this object store and restore an empty spool from it: "
+        "s3://BUCKET/PREFIX (credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or "
+        "AWS_SHARED_CREDENTIALS_FILE) or file:///shared/mount",
+        metavar="URL",
+    )
+    _env_flag(
+        p, "archive-endpoint", "an S3-compatible server for an s3:// --archive", metavar="URL"
+    )
 
 
 def _no_plain_tokens() -> None:
@@ -357,6 +375,9 @@ def build_config(args: argparse.Namespace) -> Any:
         forget_after_s=value(args.forget_after),
         owed_max_bytes=value(args.owed_max_bytes),
         owed_max_consumer_bytes=value(args.owed_max_consumer_bytes),
+        archive_url=args.archive or None,
+        archive_endpoint=args.archive_endpoint or None,
+        archive_lag_bound_s=value(args.archive_lag_bound),
         max_queued_streams=value(args.max_queued_streams),
         stream_queue_wait_s=value(args.stream_queue_wait),
         gate=GateConfig(

@@ -41,6 +41,7 @@ import socket
 import threading
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -65,6 +66,9 @@ from deltad.serve.index.gate import GateFailure, SegmentGate
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.index.restore import restorable, restorable_steps, unrestorable
 from deltad.serve.index.retention import Retention
+
+if TYPE_CHECKING:
+    from deltad.serve.archive.sidecar import SidecarArchive
 from deltad.serve.metrics import RpcMetricsInterceptor, SidecarMetrics
 from deltad.serve.rollout import gate_failed
 from deltad.serve.state.offsets import OffsetStore
@@ -132,6 +136,8 @@ class SidecarServer:
         self.gate: Gate
         self.upkeep: Upkeep
         self.redis_probe: OffsetStoreProbe
+        #: the object store archive (deltad.serve.archive; None without --archive)
+        self.archive: SidecarArchive | None = None
 
     def start(self) -> SidecarServer:
         """Index the spool, connect Redis, bind and start serving; raises DeltadError."""
@@ -145,6 +151,12 @@ class SidecarServer:
         self.layout.ensure_writable()
         self._rank_lock = self.layout.lock_rank(cfg.rank)  # (let go by stop)
         try:
+            if cfg.archive_url is not None:  # an empty spool is restored before anything
+                from deltad.serve.archive.sidecar import SidecarArchive
+
+                self.archive = SidecarArchive(cfg, self.layout)
+                if not self.relay:
+                    self.archive.restore()
             if cfg.redis_url is None:
                 self._embedded = EmbeddedRedis(self.layout.redis_dir, outlive_owner=True)
                 self.redis_url = self._embedded.start()
@@ -164,6 +176,9 @@ class SidecarServer:
             self.endpoint, self._stop,
         )  # fmt: skip
         self.upkeep.relay = self.relay
+        if self.archive is not None:
+            self.archive.start(self.log, self.metrics)
+            self.upkeep.spawn("deltad-archive-health", self.check_archive, 1.0)
         self._server = server
         server.start()
         self.health.serve()
@@ -482,6 +497,10 @@ class SidecarServer:
         """Refresh the gate's gauges and health; True while a gate failure holds."""
         return self.upkeep.gate_check()
 
+    def check_archive(self) -> bool:
+        """The archive's health from its lag; True while it is behind its bound."""
+        return self.archive is not None and self.archive.check_health(self.health)
+
     def forget_idle(self) -> list[str]:
         """One forget sweep; see Upkeep.forget_idle."""
         return self.upkeep.forget_idle()
@@ -499,6 +518,8 @@ class SidecarServer:
         upkeep = getattr(self, "upkeep", None)
         if upkeep is not None:
             upkeep.join()
+        if self.archive is not None:
+            self.archive.stop()
         self.metrics.close()
         store = getattr(self, "store", None)
         if store is not None:
