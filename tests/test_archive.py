@@ -21,13 +21,13 @@ from deltad.config import ConsumerConfig, PullOptions
 from deltad.consume.appliers import TensorDictApplier
 from deltad.consume.client import DeltaConsumer
 from deltad.consume.coldstart import cold_start, read_archived_state, resumed
-from deltad.redisutil import EmbeddedRedis
 from deltad.segment.format import encode_dense, write_dense
 from deltad.serve.archive.fetch import read_manifest
 from deltad.serve.archive.layout import ArchiveManifest
 from deltad.serve.archive.sidecar import ARCHIVE_HEALTH
 from deltad.serve.archive.store import open_store
 from deltad.serve.edge.app import SidecarServer
+from deltad.store import EmbeddedRedis
 
 
 def _sidecar(root: Path, redis_url: str, url: str, endpoint: str, **kw: Any) -> SidecarServer:

@@ -16,14 +16,14 @@ from serverkit import MODEL, SpoolWriter, wait_for
 from spoolkit import child_env, cli_sidecar
 
 from deltad.errors import ConfigError
-from deltad.redisutil import EmbeddedRedis
 from deltad.serve.archive.fetch import read_manifest
 from deltad.serve.archive.store import open_store
+from deltad.store import EmbeddedRedis
 
 
 def _serve(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deltad.cli", "serve", *argv],
+        [sys.executable, "-m", "deltad.commands.main", "serve", *argv],
         capture_output=True,
         text=True,
         env=child_env(),
@@ -66,7 +66,7 @@ def test_deltad_serve_with_a_bad_archive_url_says_one_line_and_exits_2(
 
 
 def test_the_archive_flags_reach_the_config(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
-    from deltad.cli import build_parser
+    from deltad.commands.main import build_parser
     from deltad.serve import cli as serve_cli
 
     args = build_parser().parse_args(
@@ -126,7 +126,7 @@ def test_deltad_consume_bootstrap_from_cold_starts_from_the_store_bit_equal(
         final = tmp_path / "final.pt"
         got = subprocess.run(
             [
-                sys.executable, "-m", "deltad.cli", "consume", "--consumer", "cold", "--model",
+                sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", "cold", "--model",
                 MODEL, "--sidecar", f"127.0.0.1:{srv.port}", "--pulls", "1", "--bootstrap-from",
                 url, "--bootstrap-endpoint", seaweed.endpoint, "--final-tables", str(final),
             ],
