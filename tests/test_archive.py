@@ -24,8 +24,8 @@ from deltad.consume.coldstart import cold_start, read_archived_state, resumed
 from deltad.segment.format import encode_dense, write_dense
 from deltad.serve.archive.fetch import read_manifest
 from deltad.serve.archive.layout import ArchiveManifest
+from deltad.serve.archive.opening import open_store
 from deltad.serve.archive.sidecar import ARCHIVE_HEALTH
-from deltad.serve.archive.store import open_store
 from deltad.serve.edge.app import SidecarServer
 from deltad.store import EmbeddedRedis
 

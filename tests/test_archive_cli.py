@@ -17,7 +17,7 @@ from spoolkit import child_env, cli_sidecar
 
 from deltad.errors import ConfigError
 from deltad.serve.archive.fetch import read_manifest
-from deltad.serve.archive.store import open_store
+from deltad.serve.archive.opening import open_store
 from deltad.store import EmbeddedRedis
 
 

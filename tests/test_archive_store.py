@@ -10,7 +10,8 @@ import pytest
 from s3kit import Seaweed, archive_url, own_seaweed, s3_env, seaweed  # noqa: F401
 
 from deltad.errors import ConfigError
-from deltad.serve.archive.store import ArchiveError, ObjectStore, open_store
+from deltad.serve.archive.opening import open_store
+from deltad.serve.archive.store import ArchiveError, ObjectStore
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -46,7 +46,8 @@ from deltad.segment.spool import GenerationManifest, SpoolLayout
 from deltad.segment.validate import load_verified, load_verified_dense
 from deltad.serve.archive.fetch import fetch_objects, read_generation, read_manifest
 from deltad.serve.archive.layout import ArchivedObject, ArchiveManifest
-from deltad.serve.archive.store import ArchiveError, ObjectStore, open_store
+from deltad.serve.archive.opening import open_store
+from deltad.serve.archive.store import ArchiveError, ObjectStore
 from deltad.types import Cursor, Form, ShardKey, WireDtype
 
 __all__ = [

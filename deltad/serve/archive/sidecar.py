@@ -11,8 +11,9 @@ from grpc_health.v1 import health_pb2
 
 from deltad.config import ServerConfig
 from deltad.segment.spool import SpoolLayout
+from deltad.serve.archive.opening import open_store
 from deltad.serve.archive.restore import RestoreResult, restore_rank
-from deltad.serve.archive.store import ArchiveError, ArchiveUnavailable, ObjectStore, open_store
+from deltad.serve.archive.store import ArchiveError, ArchiveUnavailable, ObjectStore
 from deltad.serve.archive.uploader import ArchiveUploader
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.metrics import SidecarMetrics

@@ -14,7 +14,6 @@ import abc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from deltad.errors import ConfigError, DeltadError
 
@@ -24,7 +23,6 @@ __all__ = [
     "ObjectStore",
     "Versioned",
     "check_key",
-    "open_store",
 ]
 
 #: Longest key the archive writes (S3 allows 1024 bytes).
@@ -102,30 +100,3 @@ class ObjectStore(abc.ABC):
 
     def close(self) -> None:  # noqa: B027  (a store with nothing to let go of)
         """Let go of connections (the store may not be used after)."""
-
-
-def open_store(url: str, *, endpoint: str | None = None) -> ObjectStore:
-    """The store at ``url``: ``file:///abs/path`` or ``s3://bucket[/prefix]`` (``endpoint``:
-    an S3-compatible server's URL; credentials come from the standard AWS environment or
-    shared credentials file, never from the URL). ConfigError for anything else."""
-    u = urlparse(url)
-    if u.scheme == "file":
-        if u.netloc not in ("", "localhost") or not u.path.startswith("/"):
-            raise ConfigError(f"--archive {url!r}: a file URL names an absolute path, file:///p")
-        if endpoint:
-            raise ConfigError("--archive-endpoint is for s3:// archives")
-        from deltad.serve.archive.filestore import FileStore
-
-        return FileStore(Path(u.path))
-    if u.scheme == "s3":
-        if not u.netloc or "@" in u.netloc or u.password or u.username:
-            raise ConfigError(
-                f"--archive {url!r}: s3://BUCKET[/PREFIX], no credentials in it (they come "
-                "from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_SHARED_CREDENTIALS_FILE)"
-            )
-        if endpoint is not None and urlparse(endpoint).scheme not in ("http", "https"):
-            raise ConfigError(f"--archive-endpoint {endpoint!r}: an http:// or https:// URL")
-        from deltad.serve.archive.s3store import S3Store
-
-        return S3Store(u.netloc, u.path.strip("/"), endpoint=endpoint)
-    raise ConfigError(f"--archive {url!r}: expected file:///path or s3://bucket/prefix")
