@@ -50,14 +50,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.sidecar_mem",
         "sidecar RSS vs log + cache; spilled bootstraps; encode-once",
     ),
-    "pack_budget": (
-        "bench.pack_budget",
-        "packed-int8 pulls at pack-once budgets 0-200 % of a window vs the store off",
-    ),
-    "spill_rss": (
-        "bench.spill_rss",
-        "sidecar peak / idle RSS vs the sizing bound, bootstraps from a spilled base",
-    ),
     "tracking": (
         "bench.tracking",
         "training-step overhead: deltad tracker+publisher vs none vs torchrec's tracker",
