@@ -4,6 +4,7 @@ rank, embedded Redis, two predictors, all as subprocesses."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -63,6 +64,15 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
     serving = [line for line in proc.stdout.splitlines() if line.startswith("serving-int8 ")]
     # name, pulls, rows, bytes (2 words), dense bytes (2 words): the dense state was received
     assert len(serving) == 1 and float(serving[0].split()[5]) > 0, serving
+    # the C++ predictor, where it is built for this torch (CI: always)
+    from deltad.demo import cpp
+
+    exe, why = cpp.binary()
+    if exe is None and os.environ.get("DELTAD_REQUIRE_CPP", "") in ("", "0"):
+        assert f"no serving-cpp predictor: {why}" in proc.stdout + proc.stderr
+    else:
+        (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("check serving-cpp:")]
+        assert "torchrec: ok (weights equal, forward equal)" in line, line
 
 
 @pytest.mark.timeout(900)
