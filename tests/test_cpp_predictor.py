@@ -457,8 +457,11 @@ def serving_config() -> Any:
         (1, {}, "fp32", (3, 4), (), False),
         (1, {}, "fp32", (5,), ("--form", "topk", "--k", "7"), False),
         (2, {"t0": "tw", "t1": "rw", "seq": "rw"}, "packed-int8", (3,), (), True),
+        # t1 column-wise over both ranks: its column slices travel as fp32 and are merged in
+        # the applier's float shadow, each row packed once every column of it is known
+        (2, {"t0": "rw", "t1": "cw", "seq": "rw"}, "packed-int8", (6,), (), False),
     ],
-    ids=["ws1-fp32-restart", "ws1-topk", "ws2-packed-kill9"],
+    ids=["ws1-fp32-restart", "ws1-topk", "ws2-packed-kill9", "ws2-cw-packed"],
 )
 def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
     tmp_path: Path,

@@ -210,6 +210,9 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
   std::vector<Part> writes;
   std::map<size_t, std::vector<std::pair<const SliceUpdate*, size_t>>> idents;
   std::vector<std::pair<at::Tensor, at::Tensor>> dense;
+  std::set<size_t> resynced;                                 // tables a base restarts
+  std::map<size_t, std::vector<const SliceUpdate*>> partial;  // column slices per table
+  std::vector<std::pair<size_t, const SliceUpdate*>> whole_float;  // keep shadows current
   for (const auto& d : deltas) {
     if (d.form == Form::kIds) throw ApplyError("a FORM_IDS window carries no values");
     for (const auto& s : d.slices) {
@@ -221,15 +224,31 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
         throw ApplyError("table " + s.table + ": served shape (" + std::to_string(spec.num_rows) +
                          ", " + std::to_string(spec.dim) + ") != sent (" +
                          std::to_string(s.num_rows) + ", " + std::to_string(s.dim) + ")");
-      if (s.col_start != 0 || s.col_end != s.dim)
-        throw ApplyError("table " + s.table + ": columns " + std::to_string(s.col_start) + ".." +
-                         std::to_string(s.col_end) +
-                         " (a column-wise shard): the C++ applier takes whole rows only");
+      if (!(s.col_start < s.col_end && s.col_end <= s.dim))
+        throw ApplyError("table " + s.table + ": bad column range " +
+                         std::to_string(s.col_start) + ":" + std::to_string(s.col_end));
+      bool whole = s.col_start == 0 && s.col_end == s.dim;
+      if (d.resync) resynced.insert(it->second);
       size_t n = s.ids.size();
       for (int64_t id : s.ids)
         if (id < 0 || id >= spec.num_rows)
           throw ApplyError("table " + s.table + ": row id " + std::to_string(id) +
                            " out of range [0, " + std::to_string(spec.num_rows) + ")");
+      if (!whole) {  // a column slice: merged below (the shadow), once the window is checked
+        if (spec.mc)
+          throw ApplyError("table " + s.table +
+                           " is managed-collision: column shards are not supported");
+        if (s.identities)
+          throw ApplyError("table " + s.table + ": raw ids sent for a table without a remapper");
+        if (s.row_bytes)
+          throw ApplyError("table " + s.table + ": packed rows must cover every column");
+        if (s.values.size() != n * s.width())
+          throw ApplyError("table " + s.table + ": values not [rows, " +
+                           std::to_string(s.width()) + "] (columns " +
+                           std::to_string(s.col_start) + ":" + std::to_string(s.col_end) + ")");
+        if (n) partial[it->second].push_back(&s);
+        continue;
+      }
       if (spec.mc) {
         if (!s.identities || s.raw_ids.size() != n)
           throw ApplyError("table " + s.table +
@@ -265,6 +284,7 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
         at::Tensor v = at::from_blob(const_cast<float*>(s.values.data()),
                                      {int64_t(n), int64_t(s.width())}, at::kFloat);
         rows = pack(t, v);
+        whole_float.push_back({it->second, &s});
       }
       at::Tensor ids = at::from_blob(const_cast<int64_t*>(s.ids.data()), {int64_t(n)}, at::kLong);
       writes.push_back({size_t(spec.tbe), int32_t(spec.index), ids, rows.contiguous()});
@@ -332,6 +352,60 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
     if (next == t.slot_raw) continue;
     id_plans.push_back({ti, std::move(next), sorted, order + spec.mc_offset});
   }
+  // column slices: everything is checked; a base restarts its tables' shadows, whole float
+  // rows keep a shadow current, then the column slices are merged (rows complete are written)
+  for (size_t ti : resynced) {
+    tables_[ti].shadow = at::Tensor();
+    tables_[ti].known = at::Tensor();
+  }
+  for (const auto& [ti, s] : whole_float) {
+    Table& t = tables_[ti];
+    if (!t.shadow.defined()) continue;
+    int64_t n = int64_t(s->ids.size());
+    at::Tensor ids = at::from_blob(const_cast<int64_t*>(s->ids.data()), {n}, at::kLong);
+    at::Tensor v = at::from_blob(const_cast<float*>(s->values.data()), {n, t.spec.dim}, at::kFloat);
+    t.shadow.index_copy_(0, ids, v);
+    t.known.index_fill_(0, ids, true);
+  }
+  for (const auto& [ti, slices] : partial) {
+    Table& t = tables_[ti];
+    const auto& spec = t.spec;
+    std::vector<at::Tensor> all;
+    for (const SliceUpdate* s : slices)
+      all.push_back(at::from_blob(const_cast<int64_t*>(s->ids.data()), {int64_t(s->ids.size())},
+                                  at::kLong));
+    at::Tensor ids = std::get<0>(at::_unique(at::cat(all), /*sorted=*/true));
+    at::Tensor values;
+    if (spec.dtype == "fp32" || spec.dtype == "fp16") {
+      // fp rows decode exactly: merge with the rows as served, written at once
+      at::Tensor served = t.rows.index_select(0, ids);
+      values = spec.dtype == "fp32"
+                   ? served.narrow(1, 0, 4 * spec.dim).contiguous().view(at::kFloat).clone()
+                   : served.narrow(1, 0, 2 * spec.dim).contiguous().view(at::kHalf).to(at::kFloat);
+      for (const SliceUpdate* s : slices) {
+        int64_t n = int64_t(s->ids.size()), w = int64_t(s->width());
+        at::Tensor rows = at::from_blob(const_cast<int64_t*>(s->ids.data()), {n}, at::kLong);
+        at::Tensor v = at::from_blob(const_cast<float*>(s->values.data()), {n, w}, at::kFloat);
+        values.narrow(1, s->col_start, w).index_copy_(0, at::searchsorted(ids, rows), v);
+      }
+    } else {
+      if (!t.shadow.defined()) {
+        t.shadow = at::zeros({spec.num_rows, spec.dim}, at::kFloat);
+        t.known = at::zeros({spec.num_rows, spec.dim}, at::kBool);
+      }
+      for (const SliceUpdate* s : slices) {
+        int64_t n = int64_t(s->ids.size()), w = int64_t(s->width());
+        at::Tensor rows = at::from_blob(const_cast<int64_t*>(s->ids.data()), {n}, at::kLong);
+        at::Tensor v = at::from_blob(const_cast<float*>(s->values.data()), {n, w}, at::kFloat);
+        t.shadow.narrow(1, s->col_start, w).index_copy_(0, rows, v);
+        t.known.narrow(1, s->col_start, w).index_fill_(0, rows, true);
+      }
+      ids = ids.masked_select(t.known.index_select(0, ids).all(1));
+      values = t.shadow.index_select(0, ids);
+    }
+    if (ids.numel())
+      writes.push_back({size_t(spec.tbe), int32_t(spec.index), ids, pack(t, values).contiguous()});
+  }
   stats.pack_s = since(t0);
   // write: rows chunk by chunk, each under the exclusive serving lock
   auto t1 = Clock::now();
@@ -366,6 +440,15 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
   }
   stats.write_s = since(t1);
   return stats;
+}
+
+uint64_t ModelApplier::pending_rows() {
+  std::lock_guard<std::mutex> serial(apply_mutex_);
+  uint64_t n = 0;
+  for (const auto& t : tables_)
+    if (t.known.defined())
+      n += uint64_t((t.known.any(1) & ~t.known.all(1)).sum().item<int64_t>());
+  return n;
 }
 
 at::Tensor ModelApplier::forward(const std::vector<c10::IValue>& inputs) {

@@ -16,8 +16,18 @@
 // the dense tensors together. A forward therefore never sees a torn row, but may see some rows
 // of a window and not others, or the new rows before the new identities / dense weights. A
 // window is checked whole before anything is written: one that cannot be applied (a table or
-// shape the model lacks, column slices, bad identities, a dense tensor of another shape)
+// shape the model lacks, a bad column range, bad identities, a dense tensor of another shape)
 // changes nothing and raises ApplyError.
+//
+// Column slices (column-wise sharded tables, one slice per rank; a packed pull sends them as
+// fp32 values), as deltad.consume.quant: an int8 / int4 row is quantized over the whole row, so
+// such a table keeps a float32 *shadow* (allocated on its first column slice: 4 bytes per
+// element plus a 1-byte "known" mask) holding the newest value of every column. A column slice
+// updates the shadow; each row it touches is packed from the shadow and written once every
+// column of it is known (until then the model serves the row's previous bytes: pending_rows()).
+// Whole-row float slices keep an existing shadow current; a resync (base) window restarts the
+// shadows of its tables. fp16 / fp32 rows decode exactly: a column slice is merged with the
+// row as served and written at once, no shadow.
 #pragma once
 
 #include <torch/script.h>
@@ -61,12 +71,16 @@ class ModelApplier {
   c10::Dict<std::string, at::Tensor> state();
   std::shared_mutex& serving_lock() { return lock_; }
   const Manifest& manifest() const { return manifest_; }
+  // Rows of shadowed tables with some columns known but not all (served with old bytes).
+  uint64_t pending_rows();
 
  private:
   struct Table {
     TableSpec spec;
     at::Tensor rows;  // uint8 [num_rows, row_bytes] view of weights_host
     std::vector<int64_t> slot_raw;  // MC: slot -> raw id held
+    at::Tensor shadow;  // int tables fed column slices: float32 [num_rows, dim] (or undefined)
+    at::Tensor known;   // bool [num_rows, dim]: columns of the shadow received
   };
   at::Tensor attr(const std::string& name) const;
   at::Tensor pack(const Table& t, const at::Tensor& values) const;
