@@ -178,7 +178,7 @@ def test_two_evaluators_agree_shuffled_labels_hold_and_dead_evaluators_release_n
             # the evaluators are dead: an operator releases a step; nothing moves it after
             head = min(status(e).head_step for e in eps)
             s = rollout(eps[0], A.ROLLOUT_RELEASE, step=head)
-            wait_for(lambda: min(status(e).head_step for e in eps) >= head + 3, 60, "3 steps")
+            wait_for(lambda: min(status(e).head_step for e in eps) >= head + 3, 180, "3 steps")
             after = rollout(eps[0], A.ROLLOUT_STATUS)
             assert after.release_step == s.release_step == head and not after.held
     finally:
