@@ -83,9 +83,6 @@ def test_streamed_window_equals_the_window_built_first(tmp_path: Path, kw: dict)
         assert bool((s.ids[1:] > s.ids[:-1]).all())
 
 
-@pytest.mark.skip(
-    reason="a CPU-time ratio (build > 3x read) that failed in this stop's final .ci/run on a quiet machine after the pack-once store's pins (stop 36): to re-measure in bench/, not assert here"
-)
 def test_build_cpu_is_the_building_not_the_reading(tmp_path: Path) -> None:
     """A window's ``build_cpu_seconds`` (the sidecar's ``deltad_window_build_cpu_seconds``) is
     the CPU that built its chunks: here the reader builds them, and the CPU it spends on its
@@ -103,13 +100,16 @@ def test_build_cpu_is_the_building_not_the_reading(tmp_path: Path) -> None:
     for _ in win.iter_chunks():
         chunks += 1
         t = time.thread_time()
-        while time.thread_time() - t < 0.003:  # the reader's own work between chunks
+        while time.thread_time() - t < 0.02:  # the reader's own work between chunks
             pass
         own += time.thread_time() - t
     building = time.thread_time() - start - own
     built = win.build_cpu_seconds - planned
-    assert chunks > 10 and own > 3 * building  # (the reader's own time would dominate)
-    assert 0.7 * building <= built <= building + 0.001
+    # The reader's own CPU (~0.4 s) dwarfs the building (~0.012 s quiet): counted, it would show.
+    # Thread CPU times, so another process's load does not enter; the bounds leave room for the
+    # generator's own overhead (built/building is 0.88-0.92 on a quiet machine).
+    assert chunks > 10 and own > 10 * building
+    assert 0.5 * building <= built <= building + 0.002
 
 
 def _trailer() -> bytes:
