@@ -13,6 +13,7 @@ and checked against the trainer's truth). Deterministic: the same code records t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -906,63 +907,47 @@ def scenarios() -> dict[str, Callable[[Path, str, Path], None]]:
         "resumed-stream": resumed,
         "overload-retry": overload,
         "dense": dense,
-        "hostile-mc-duplicate": lambda o, u, t: hostile_mc(
-            o, u, t, "hostile-mc-duplicate", forge_dup, "one raw id held by two slots of the window"
-        ),
-        "hostile-mc-evicted-held": lambda o, u, t: hostile_mc(
-            o,
-            u,
-            t,
-            "hostile-mc-evicted-held",
-            forge_evicted_held,
-            "a raw id both evicted and held by a slot",
-        ),
-        "hostile-mc-negative": lambda o, u, t: hostile_mc(
-            o, u, t, "hostile-mc-negative", forge_negative, "a negative raw id"
-        ),
-        "hostile-truncated": lambda o, u, t: hostile_rows(
-            o,
-            u,
-            t,
-            "hostile-truncated",
-            forge_truncated,
-            "a stream that ends (OK) without its trailer",
-        ),
-        "hostile-shape": lambda o, u, t: hostile_rows(
-            o,
-            u,
-            t,
-            "hostile-shape",
-            forge_shape,
-            "a delta whose table has another shape than the one held",
-        ),
-        "hostile-short-values": lambda o, u, t: hostile_rows(
-            o,
-            u,
-            t,
-            "hostile-short-values",
-            forge_short_values,
-            "a row chunk whose values are 4 bytes short of count x width",
-        ),
-        "hostile-row-out-of-range": lambda o, u, t: hostile_rows(
-            o,
-            u,
-            t,
-            "hostile-row-out-of-range",
-            forge_row_out_of_range,
-            "a row id past its table's num_rows",
-        ),
-        "hostile-packed-row-bytes": lambda o, u, t: hostile_rows(
-            o,
-            u,
-            t,
-            "hostile-packed-row-bytes",
-            forge_row_bytes,
-            "a packed int8 slice whose row_bytes is not its dtype's and dim's",
-            pb.WIRE_DTYPE_PACKED_INT8,
-        ),
     }
+    for name, (forge, why) in _HOSTILE_MC.items():
+        out[name] = functools.partial(hostile_mc, name=name, forge=forge, why=why)
+    for name, (forge, why, dtype) in _HOSTILE_ROWS.items():
+        out[name] = functools.partial(hostile_rows, name=name, forge=forge, why=why, dtype=dtype)
     return out
+
+
+# The hostile vectors: name -> (forge, why[, wire dtype]); each must be refused.
+_HOSTILE_MC: dict[str, tuple[Forge, str]] = {
+    "hostile-mc-duplicate": (forge_dup, "one raw id held by two slots of the window"),
+    "hostile-mc-evicted-held": (forge_evicted_held, "a raw id both evicted and held by a slot"),
+    "hostile-mc-negative": (forge_negative, "a negative raw id"),
+}
+_HOSTILE_ROWS: dict[str, tuple[Forge, str, int]] = {
+    "hostile-truncated": (
+        forge_truncated,
+        "a stream that ends (OK) without its trailer",
+        pb.WIRE_DTYPE_FP32,
+    ),
+    "hostile-shape": (
+        forge_shape,
+        "a delta whose table has another shape than the one held",
+        pb.WIRE_DTYPE_FP32,
+    ),
+    "hostile-short-values": (
+        forge_short_values,
+        "a row chunk whose values are 4 bytes short of count x width",
+        pb.WIRE_DTYPE_FP32,
+    ),
+    "hostile-row-out-of-range": (
+        forge_row_out_of_range,
+        "a row id past its table's num_rows",
+        pb.WIRE_DTYPE_FP32,
+    ),
+    "hostile-packed-row-bytes": (
+        forge_row_bytes,
+        "a packed int8 slice whose row_bytes is not its dtype's and dim's",
+        pb.WIRE_DTYPE_PACKED_INT8,
+    ),
+}
 
 
 def record(out: Path, only: list[str] | None = None) -> list[str]:
