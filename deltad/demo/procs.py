@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +167,19 @@ class Children:
         for c in self.running:
             if c.name != "trainer" and c.proc.poll() is not None:
                 raise DemoFailed(f"{c.name} exited with {c.proc.returncode}; see {c.log}")
+
+    def wait_until(
+        self, cond: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.1
+    ) -> None:
+        """Poll ``cond`` until it is true, for at most ``timeout_s``; every child must stay
+        alive meanwhile (:class:`DemoFailed` otherwise, or when the time runs out)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:  # bounded
+            if cond():
+                return
+            self.check_alive()
+            time.sleep(poll_s)
+        raise DemoFailed(f"timed out waiting for {what}")
 
 
 def wait_serving(child: Child, timeout_s: float = 120.0) -> str:

@@ -223,13 +223,7 @@ class SilentBadUpdateDemo(Demo):
         return {"state": json.loads(resp.state or "{}"), "head_step": resp.head_step}
 
     def _until(self, cond: Any, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:  # bounded
-            if cond():
-                return
-            self.children.check_alive()
-            time.sleep(0.2)
-        raise DemoFailed(f"timed out waiting for {what}")
+        self.children.wait_until(cond, timeout_s, what, poll_s=0.2)
 
     def trainer_argv(self) -> list[str]:
         a = self.args

@@ -261,13 +261,7 @@ class BadUpdateDemo(Demo):
         ]
 
     def _until(self, cond: Any, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:  # bounded
-            if cond():
-                return
-            self.children.check_alive()
-            time.sleep(0.1)
-        raise DemoFailed(f"timed out waiting for {what}")
+        self.children.wait_until(cond, timeout_s, what, poll_s=0.1)
 
     def trainer_argv(self) -> list[str]:
         a = self.args
