@@ -374,6 +374,21 @@ def save_panels(
     return save_figure(fig, out_dir, name)
 
 
+#: the sidecar's gauges that are parts of its RSS, each counted once (the spill and the spool:
+#: their resident pages; the free heap malloc keeps)
+RSS_PARTS = (
+    "deltad_runtime_bytes",
+    "deltad_log_bytes",
+    "deltad_previous_generation_bytes",
+    "deltad_window_cache_bytes",
+    "deltad_run_cache_bytes",
+    "deltad_packed_cache_bytes",
+    "deltad_spill_resident_bytes",
+    "deltad_spool_resident_bytes",
+    "deltad_heap_free_bytes",
+)
+
+
 def metric_sums(port: int, prefix: str = "deltad_", timeout_s: float = 10.0) -> dict[str, float]:
     """A Prometheus ``/metrics`` page on 127.0.0.1:``port``: each sample named ``prefix...``
     summed over its labels (``name -> value``; counters keep their ``_total``)."""

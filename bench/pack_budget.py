@@ -27,7 +27,6 @@ import random
 import shutil
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from bench.common import (
     Context,
     CpuMonitor,
     NotAvailable,
+    metric_sums,
     proc_status,
     ratio,
     record_standalone,
@@ -45,16 +45,6 @@ from bench.common import (
 #: budgets as shares of the window's packed rows (0: the store holds nothing, as off)
 SHARES = (0.0, 0.25, 0.5, 1.0, 2.0)
 TABLES, DIM = 4, 64
-
-
-def _gauges(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("deltad_") and "{" in line:
-            name, _, value = line.partition("{")
-            out[name] = float(value.rsplit(" ", 1)[1])
-    return out
 
 
 def measure(ctx: Context, *, rows: int, repeats: int) -> dict[str, Any]:
@@ -119,7 +109,7 @@ def measure(ctx: Context, *, rows: int, repeats: int) -> dict[str, Any]:
         base = summarize(seconds["off"])["median"]
         base_cpu = summarize(cpu["off"])["median"]
         for name, side in sides.items():
-            g = _gauges(side.metrics_port) if side.metrics_port else {}
+            g = metric_sums(side.metrics_port) if side.metrics_port else {}
             st = proc_status(side.proc.pid)
             s = summarize(seconds[name])
             out["settings"][name] = {

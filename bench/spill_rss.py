@@ -22,34 +22,12 @@ import os
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common import Children, Context, proc_status, record_standalone
+from bench.common import RSS_PARTS, Children, Context, metric_sums, proc_status, record_standalone
 
 TABLES, DIM = 4, 64
-PARTS = (
-    "deltad_runtime_bytes",
-    "deltad_log_bytes",
-    "deltad_previous_generation_bytes",
-    "deltad_window_cache_bytes",
-    "deltad_run_cache_bytes",
-    "deltad_packed_cache_bytes",
-    "deltad_spill_resident_bytes",
-    "deltad_spool_resident_bytes",
-    "deltad_heap_free_bytes",
-)
-
-
-def _gauges(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("deltad_") and "{" in line:
-            name, _, value = line.partition("{")
-            out[name] = float(value.rsplit(" ", 1)[1])
-    return out
 
 
 class _Peaks:
@@ -97,7 +75,7 @@ def measure(ctx: Context, *, rows: int) -> dict[str, Any]:
         assert side.metrics_port is not None
         pid = side.proc.pid
         time.sleep(2.0)
-        g = _gauges(side.metrics_port)
+        g = metric_sums(side.metrics_port)
         log_bytes = g["deltad_log_bytes"]
         bound = 1.2 * log_bytes + window_cache + run_cache + packed + RUNTIME_BYTES
         out.update(log_bytes=log_bytes, bound_bytes=bound, start_rss=proc_status(pid)["VmRSS"])
@@ -105,7 +83,7 @@ def measure(ctx: Context, *, rows: int) -> dict[str, Any]:
         for i, dtype in enumerate(("fp32", "fp32", "packed-int8", "packed-int8")):
             ctx.status(f"spill rss: bootstrap {i} {dtype}")
             got = client_pull({}, side.endpoint, side.model, f"b{i}", dtype)
-            g = _gauges(side.metrics_port)
+            g = metric_sums(side.metrics_port)
             rss = proc_status(pid)["VmRSS"]
             out["pulls"].append(
                 {
@@ -114,18 +92,18 @@ def measure(ctx: Context, *, rows: int) -> dict[str, Any]:
                     "rss": rss,
                     "spill_bytes": g["deltad_spill_bytes"],
                     "spill_resident_bytes": g["deltad_spill_resident_bytes"],
-                    "gauges_over_rss": sum(g[k] for k in PARTS) / rss,
+                    "gauges_over_rss": sum(g[k] for k in RSS_PARTS) / rss,
                 }
             )
         peak = peaks.stop()
         time.sleep(12.0)  # idle: the free heap handed back
-        g = _gauges(side.metrics_port)
+        g = metric_sums(side.metrics_port)
         idle = proc_status(pid)
         out.update(
             peak=peak,
             idle=idle,
-            idle_gauges={k: g[k] for k in (*PARTS, "deltad_spill_bytes")},
-            idle_gauges_over_rss=sum(g[k] for k in PARTS) / idle["VmRSS"],
+            idle_gauges={k: g[k] for k in (*RSS_PARTS, "deltad_spill_bytes")},
+            idle_gauges_over_rss=sum(g[k] for k in RSS_PARTS) / idle["VmRSS"],
             peak_over_bound=peak.get("VmRSS", 0) / bound,
             idle_over_bound=idle["VmRSS"] / bound,
         )

@@ -7,50 +7,21 @@ budget; the spill's pages are not left resident."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from bench.common import RSS_PARTS, free_port, metric_sums
 from bench.datagen import write_spool
 from deltad import wire
 from deltad.types import WireDtype
 
-#: the gauges that are parts of the RSS, each counted once
-PARTS = (
-    "deltad_runtime_bytes",
-    "deltad_log_bytes",
-    "deltad_previous_generation_bytes",
-    "deltad_window_cache_bytes",
-    "deltad_run_cache_bytes",
-    "deltad_packed_cache_bytes",
-    "deltad_spill_resident_bytes",
-    "deltad_spool_resident_bytes",
-    "deltad_heap_free_bytes",
-)
 TABLES, ROWS, DIM = 4, 40_000, 64
 LOG_BYTES = TABLES * ROWS * (8 + DIM * 4)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _gauges(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("deltad_") and "{" in line:
-            name, _, value = line.partition("{")
-            out[name] = float(value.rsplit(" ", 1)[1])
-    return out
 
 
 def _vmrss(pid: int) -> int:
@@ -79,9 +50,9 @@ def _check_sum(pid: int, metrics: int, what: str) -> dict[str, float]:
     """The gauges add up to VmRSS within 5 % (read twice: VmRSS beside one scrape)."""
     best: tuple[float, dict[str, float], int] | None = None
     for _ in range(3):  # (a scrape's own allocations move RSS by a few MB: take the closest)
-        g = _gauges(metrics)
+        g = metric_sums(metrics)
         rss = _vmrss(pid)
-        total = sum(g[k] for k in PARTS)
+        total = sum(g[k] for k in RSS_PARTS)
         off = abs(total - rss) / rss
         if best is None or off < best[0]:
             best = (off, g, rss)
@@ -90,8 +61,8 @@ def _check_sum(pid: int, metrics: int, what: str) -> dict[str, float]:
         time.sleep(0.3)
     assert best is not None
     off, g, rss = best
-    parts = {k.removeprefix("deltad_"): round(g[k] / 2**20, 1) for k in PARTS}
-    assert off <= 0.05, f"{what}: gauges sum {sum(g[k] for k in PARTS) / rss:.3f} of VmRSS " + (
+    parts = {k.removeprefix("deltad_"): round(g[k] / 2**20, 1) for k in RSS_PARTS}
+    assert off <= 0.05, f"{what}: gauges sum {sum(g[k] for k in RSS_PARTS) / rss:.3f} of VmRSS " + (
         f"{rss / 2**20:.0f} MiB: {parts}"
     )
     return g
@@ -111,7 +82,7 @@ def test_the_memory_gauges_add_up_to_the_rss(tmp_path: Path, retention: bool) ->
         delta_fraction=0.35,
     )  # fmt: skip
     rank_dir = next(spool.rglob("seg-*")).parent
-    metrics, listen = _port(), _port()
+    metrics, listen = free_port(), free_port()
     endpoint = f"127.0.0.1:{listen}"
     # a pack-once budget of the three alignments' base parts minus one shard's: the third
     # alignment must not push the store over it (nor keep what it evicts alive)
@@ -138,7 +109,7 @@ def test_the_memory_gauges_add_up_to_the_rss(tmp_path: Path, retention: bool) ->
         while time.monotonic() < deadline:  # bounded: indexing (and one retention merge)
             assert proc.poll() is None, "deltad serve exited"
             try:
-                g = _gauges(metrics)
+                g = metric_sums(metrics)
             except OSError:
                 g = {}
             merged = not retention or len(list(rank_dir.glob("seg-*"))) == 1

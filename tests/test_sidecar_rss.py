@@ -6,35 +6,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.common import RSS_PARTS, free_port, metric_sums
 from bench.datagen import write_spool
 from deltad.segment.format import read_segment
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.index.log import SegmentLog
 from deltad.serve.index.merge import merge_entries, merge_plan
 from deltad.serve.memory import MemoryBaseline, heap_free_bytes, rss_bytes
-
-#: the gauges that are parts of the RSS (spill: its resident pages at most)
-PARTS = (
-    "deltad_runtime_bytes",
-    "deltad_log_bytes",
-    "deltad_previous_generation_bytes",
-    "deltad_window_cache_bytes",
-    "deltad_run_cache_bytes",
-    "deltad_packed_cache_bytes",
-    "deltad_spill_resident_bytes",
-    "deltad_spool_resident_bytes",
-    "deltad_heap_free_bytes",
-)
 
 
 def test_a_merge_written_shard_by_shard_equals_the_merge_in_memory(tmp_path: Path) -> None:
@@ -70,22 +56,6 @@ def test_the_memory_baseline_reads_this_process() -> None:
     assert heap_free_bytes() >= 0 and base.heap_free_growth() >= 0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _gauges(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("deltad_") and "{" in line:
-            name, _, value = line.partition("{")
-            out[name] = float(value.rsplit(" ", 1)[1])
-    return out
-
-
 _HELD = (
     "deltad_log_bytes",
     "deltad_run_cache_bytes",
@@ -112,11 +82,11 @@ def test_after_a_base_forward_merge_the_sidecar_holds_its_log_and_the_gauges_add
     RSS within 10 %."""
     write_spool(tmp_path, model="m", tables=4, rows_per_table=150_000, dim=64, deltas=4)
     rank_dir = next(tmp_path.rglob("seg-*")).parent
-    metrics = _port()
+    metrics = free_port()
     env = {**os.environ, "DELTAD_SPOOL": ""}
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltad", "serve", "--spool", str(tmp_path), "--model", "m",
-         "--listen", f"127.0.0.1:{_port()}", "--metrics-port", str(metrics),
+         "--listen", f"127.0.0.1:{free_port()}", "--metrics-port", str(metrics),
          "--grace-period", "1"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -127,7 +97,7 @@ def test_after_a_base_forward_merge_the_sidecar_holds_its_log_and_the_gauges_add
             assert proc.poll() is None, "deltad serve exited"
             files = list(rank_dir.glob("seg-*"))
             try:
-                g = _gauges(metrics)
+                g = metric_sums(metrics)
             except OSError:
                 g = {}
             if len(files) == 1 and g.get("deltad_log_bytes", 0) > 0:
@@ -136,7 +106,7 @@ def test_after_a_base_forward_merge_the_sidecar_holds_its_log_and_the_gauges_add
         else:
             pytest.fail("retention did not merge the log into one base")
         time.sleep(1.0)
-        g = _gauges(metrics)
+        g = metric_sums(metrics)
         rss, log_bytes, runtime = (
             g["deltad_rss_bytes"],
             g["deltad_log_bytes"],
@@ -144,8 +114,8 @@ def test_after_a_base_forward_merge_the_sidecar_holds_its_log_and_the_gauges_add
         )
         assert log_bytes == 4 * 150_000 * (8 + 64 * 4)
         assert rss - runtime <= 1.2 * log_bytes, (rss, runtime, log_bytes)
-        total = sum(g[k] for k in PARTS)
-        assert abs(total - rss) <= 0.1 * rss, {k: g[k] for k in (*PARTS, "deltad_rss_bytes")}
+        total = sum(g[k] for k in RSS_PARTS)
+        assert abs(total - rss) <= 0.1 * rss, {k: g[k] for k in (*RSS_PARTS, "deltad_rss_bytes")}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -170,7 +140,7 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
     procs = []
 
     def serve(spool: Path, *extra: str) -> tuple[str, int]:
-        metrics, listen = _port(), _port()
+        metrics, listen = free_port(), free_port()
         flags = ["--model", "m", "--window-cache-entries", "0", "--retention-interval", "3600"]
         # messages built ahead (whatever the cores here): more heap for the trim to hand back
         flags += ["--prefetch-messages", "3"]
@@ -189,7 +159,7 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
         while time.monotonic() < deadline and have < nbytes:
             assert all(p.poll() is None for p in procs), "deltad serve exited"
             try:
-                have = _gauges(metrics).get("deltad_log_bytes", 0.0)
+                have = metric_sums(metrics).get("deltad_log_bytes", 0.0)
             except OSError:
                 pass
             time.sleep(0.2)
@@ -199,13 +169,13 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
     def pull_then_trim(endpoint: str, metrics: int, consumer: str) -> dict:
         first = client_pull({}, endpoint, "m", f"{consumer}-1", "fp32")
         assert first["rows"] == 2 * 200_000
-        g = _gauges(metrics)  # right after the pull: its temporaries are free heap
+        g = metric_sums(metrics)  # right after the pull: its temporaries are free heap
         assert g["deltad_heap_free_bytes"] >= 12 << 20, g
         peak_rest = g["deltad_rss_bytes"] - _held(g)
         trims, page_outs = g["deltad_idle_heap_trims_total"], g["deltad_idle_page_outs_total"]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # 2 s idle + a 2 s check interval
-            g = _gauges(metrics)
+            g = metric_sums(metrics)
             if g["deltad_heap_free_bytes"] < 4 << 20:
                 break
             time.sleep(0.5)
@@ -216,7 +186,7 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
         # once per idle spell: the heap handed back and the libraries' code paged out, and
         # not again while the spell lasts (the check runs every 2 s)
         time.sleep(4.5)
-        g = _gauges(metrics)
+        g = metric_sums(metrics)
         assert g["deltad_idle_heap_trims_total"] == trims + 1, g
         assert g["deltad_idle_page_outs_total"] == page_outs + 1, g
         again = client_pull({}, endpoint, "m", f"{consumer}-2", "fp32")
@@ -235,7 +205,7 @@ def test_an_idle_sidecar_and_relay_hand_their_free_heap_back(tmp_path: Path) -> 
         assert relayed["rows"] == direct["rows"] and relayed["bytes"] == direct["bytes"]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            g = _gauges(relay_metrics)
+            g = metric_sums(relay_metrics)
             if g["deltad_heap_free_bytes"] < 4 << 20:
                 break
             time.sleep(0.5)
