@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from deltad.metrics_endpoint import MetricsEndpoint
 
 
 class PullLine(Protocol):
@@ -29,11 +31,11 @@ class PullLine(Protocol):
 FRESHNESS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-class PredictorMetrics:
+class PredictorMetrics(MetricsEndpoint):
     """A predictor's counters and gauges; :meth:`serve_http` exposes them."""
 
     def __init__(self, model: str, consumer: str) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__(CollectorRegistry())
         labels = {"model": model, "consumer": consumer}
         r = self.registry
 
@@ -80,7 +82,6 @@ class PredictorMetrics:
             registry=r,
         ).labels(**labels)
         self._in_a_row = 0
-        self._http: Any = None
 
     def observe(self, rec: PullLine) -> None:
         """Count one pull (its log line)."""
@@ -106,14 +107,3 @@ class PredictorMetrics:
         self.refusals_in_a_row.set(self._in_a_row)
         if rec.freshness_s is not None:
             self.freshness.observe(rec.freshness_s)
-
-    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Expose /metrics on ``port`` (0: any free port); returns the port."""
-        self._http, _ = start_http_server(port, addr=addr.strip("[]"), registry=self.registry)
-        return int(self._http.server_port)
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None

@@ -23,12 +23,12 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from deltad import __version__, wire
+from deltad.metrics_endpoint import MetricsEndpoint
 from deltad.serve import memory
 
 
@@ -47,13 +47,13 @@ class NoCreatedRegistry(CollectorRegistry):
             yield m
 
 
-class SidecarMetrics:
+class SidecarMetrics(MetricsEndpoint):
     """The sidecar's counters and gauges; ``serve_http(port)`` exposes them."""
 
     def __init__(self, model: str, rank: int) -> None:
         #: the runtime's memory (deltad.serve.memory), taken in track_sidecar
         self.memory = memory.MemoryBaseline()
-        self.registry = NoCreatedRegistry()
+        super().__init__(NoCreatedRegistry())
         labels = {"model": model, "rank": str(rank)}
         r = self.registry
         ProcessCollector(registry=r)  # RSS, CPU seconds, open fds, start time (Linux /proc)
@@ -207,7 +207,6 @@ class SidecarMetrics:
         ).labels(**labels)
         self._labels = labels
         self._lagging: set[str] = set()
-        self._http: Any = None
 
     def track(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A gauge read at scrape time (``read()``; an exception reads as NaN)."""
@@ -363,18 +362,6 @@ class SidecarMetrics:
         """Count one finished RPC and its duration."""
         self.rpc_requests.labels(**self._labels, method=method, code=code.name).inc()
         self.rpc_seconds.labels(**self._labels, method=method).observe(seconds)
-
-    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Expose /metrics on ``port`` (0: any free port); returns the port."""
-        self._http, _ = start_http_server(port, addr=addr.strip("[]"), registry=self.registry)
-        return int(self._http.server_port)
-
-    def close(self) -> None:
-        """Stop the /metrics endpoint if one was started."""
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
 
 
 def _code_of(context: grpc.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
