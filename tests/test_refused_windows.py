@@ -45,19 +45,22 @@ class RefusingApplier(TensorDictApplier):
         return super().apply(deltas)
 
 
+@pytest.mark.parametrize("relays", [0, 1], ids=["sidecars", "through-relays"])
 def test_a_refused_window_is_never_committed_and_the_next_pulls_rebase_after_a_backoff(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, redis_url: str, relays: int
 ) -> None:
+    """Directly from the sidecars, and through a relay per rank (its full tables are the relay's
+    mirrored log, rebased the same way)."""
     ft = FakeTrainer(tmp_path / "spool", world_size=2)
     ft.start(0)
     ft.step(10)
-    with tree(tmp_path, redis_url, 2, 0) as levels, predictor("p", levels[0]) as c:
-        wait_for(lambda: at_step(levels[0], 10), 30, "sidecars at step 10")
+    with tree(tmp_path, redis_url, 2, relays) as levels, predictor("p", levels[-1]) as c:
+        wait_for(lambda: at_step(levels[-1], 10), 30, "servers at step 10")
         ok = TensorDictApplier()
         assert c.sync(ok.apply).step == 10  # bootstrapped
         cursors = list(c.cursors)
         ft.step(20)
-        wait_for(lambda: at_step(levels[0], 20), 30, "sidecars at step 20")
+        wait_for(lambda: at_step(levels[-1], 20), 30, "servers at step 20")
         applier = RefusingApplier(2, {n: t.clone() for n, t in ok.tables().items()})
         held = {n: t.clone() for n, t in applier.tables().items()}
         r = c.sync(applier)
