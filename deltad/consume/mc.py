@@ -82,7 +82,8 @@ class SlotMap:
 
         ``strict=False`` (a map that may lack identities, e.g. a plain slot map whose base was
         streamed without them): a slot the window does not list that holds a raw id the window
-        gives another slot, or says evicted, is emptied instead of refused.
+        gives another slot, or says evicted, is emptied instead of refused; a window that
+        contradicts itself (a raw id it evicts given to a slot it lists) is still refused.
 
         The lookup buffers are sorted whole (:func:`lookup_buffers`): a merge of the changed
         entries into the held buffers measured no faster here (500 k slots, 8 k changed: ~30
@@ -123,12 +124,15 @@ class SlotMap:
         if held.numel() > 1 and bool((held[1:] == held[:-1]).any()):
             dup = int(held[1:][held[1:] == held[:-1]][0])
             raise ConsumerError(f"table {self.table}: raw id {dup} held by two slots")
-        for ev in evicted if strict else ():
+        # an evicted raw id must be held by no slot; not strict, by no slot the window lists
+        # (the window contradicting itself is refused whatever the held map lacks)
+        checked = held if strict else torch.sort(new[listed & (new != EMPTY_RAW_ID)]).values
+        for ev in evicted:
             ev = ev.to(device="cpu", dtype=torch.int64)
-            if not ev.numel() or not held.numel():
+            if not ev.numel() or not checked.numel():
                 continue
-            pos = torch.searchsorted(held, ev).clamp(max=held.numel() - 1)
-            still = ev[held[pos] == ev]
+            pos = torch.searchsorted(checked, ev).clamp(max=checked.numel() - 1)
+            still = ev[checked[pos] == ev]
             if still.numel():
                 raise ConsumerError(
                     f"table {self.table}: raw id {int(still[0])} evicted but still held by a slot "
