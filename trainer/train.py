@@ -288,6 +288,9 @@ class RankStats:
     #: of ``loop_s``: what the publisher accounts as the loop's (``PublisherStats.stall_s``:
     #: the decision, drains, the publish's all-reduce, backward waits for copies)
     loop_publish_s: float = 0.0
+    #: of ``loop_s``: the tracker's hooks (recording lookups and folding them in the forward,
+    #: the update hooks in the backward), less the copy waits ``loop_publish_s`` counts
+    loop_hooks_s: float = 0.0
     #: off the loop, over the whole run: CPU seconds of the publisher's writer and copier
     #: threads and of the tracker's fold thread (the publisher's own accounting), less the
     #: base segment that ``start()`` writes before the loop
@@ -578,7 +581,7 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     times: list[float] = []
     step = 0
     cpu0 = time.process_time()
-    stall0 = 0.0
+    stall0 = hooks0 = 0.0
     with tqdm(total=cfg.steps or None, disable=rank != 0 or not cfg.progress, unit="step") as bar:
         while not cfg.steps or step < cfg.steps:
             t0 = time.perf_counter()
@@ -600,12 +603,14 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
             if step == _WARMUP_STEPS:
                 cpu0 = time.process_time()
                 stall0 = publisher.stats.stall_s if publisher is not None else 0.0
+                hooks0 = _tracker_own_s(publisher)
             bar.update()
             # Stop together: on a signal (any rank) or at the deadline (rank clocks differ).
             if _any_rank(_STOP.is_set() or time.monotonic() >= deadline):
                 break
     loop_cpu = time.process_time() - cpu0
     loop_publish = publisher.stats.stall_s - stall0 if publisher is not None else 0.0
+    loop_hooks = _tracker_own_s(publisher) - hooks0
     if publisher is not None:
         publisher.close(step)
     if cfg.final_tables is not None or cfg.final_model is not None:
@@ -623,7 +628,7 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
         )
     steady = times[_WARMUP_STEPS:]
     mine.loop_s, mine.loop_cpu_s, mine.loop_steps = sum(steady), loop_cpu, len(steady)
-    mine.loop_publish_s = loop_publish
+    mine.loop_publish_s, mine.loop_hooks_s = loop_publish, loop_hooks
     if publisher is not None:
         s = publisher.stats
         # the base written by start(), before the loop (a one-off, like loading a
@@ -650,6 +655,14 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
             final_tables=str(cfg.final_tables) if cfg.final_tables else None,
         )
         (work / "result.json").write_text(json.dumps(asdict(result)))
+
+
+def _tracker_own_s(publisher: Any) -> float:
+    """The training loop's time in the tracker's hooks so far that the publisher's own
+    accounting (``stall_s``: its barrier waits included) does not already count."""
+    if publisher is None:
+        return 0.0
+    return float(publisher.tracker.stats.hooks_s - publisher.stats.barrier_wait_s)
 
 
 def _any_rank(flag: bool) -> bool:

@@ -97,6 +97,9 @@ class TrackerStats:
     record_s: float = 0.0  # in the post-lookup hook (stashing ids)
     fold_s: float = 0.0  # in the post-odist hook (folding ids, or handing them to the thread)
     drain_s: float = 0.0  # in drain() (last fold, nonzero, reset, re-mark)
+    #: in the backward passes' update hooks, the barriers they run included (the publisher's
+    #: wait for a background copy is also its ``PublisherStats.barrier_wait_s``)
+    backward_s: float = 0.0
     #: CPU seconds of the fold thread (folds and swaps off the loop; 0 without one).
     background_s: float = 0.0
 
@@ -104,3 +107,9 @@ class TrackerStats:
     def forward_s(self) -> float:
         """What the hooks added to forward passes."""
         return self.record_s + self.fold_s
+
+    @property
+    def hooks_s(self) -> float:
+        """What the tracker's hooks added to the training loop (forward and backward; with the
+        barriers' waits, which the publisher also counts as its own)."""
+        return self.forward_s + self.backward_s

@@ -144,16 +144,18 @@ class DeltaTracker:
 
     def _make_lookup_hook(self, mod_id: int) -> Any:
         def record(features: Any, embs: Any, module: Any, extra: Any) -> None:
+            t0 = time.perf_counter()  # the hook's whole time is the loop's (update hook too)
             # Paused or not, publisher or not yet: whatever this lookup's backward updates
             # waits for the barriers registered by the time the backward runs.
             if isinstance(embs, torch.Tensor) and embs.requires_grad:
                 embs.register_hook(self._before_update)
                 self.stats.update_hooks += 1
             if self._paused:
+                self.stats.record_s += time.perf_counter() - t0
                 return
-            t0 = time.perf_counter()
             keys = tuple(features.keys())
             if not keys:
+                self.stats.record_s += time.perf_counter() - t0
                 return
             lookup = self._lookups.get((mod_id, keys))
             if lookup is None:
@@ -357,8 +359,10 @@ class DeltaTracker:
             self._barriers.remove(barrier)
 
     def _before_update(self, grad: torch.Tensor | None) -> None:
+        t0 = time.perf_counter()
         for barrier in list(self._barriers):
-            barrier()
+            barrier()  # the publisher accounts its barrier's waits (barrier_wait_s)
+        self.stats.backward_s += time.perf_counter() - t0
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
