@@ -56,6 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--steps", type=int, help="train this many steps (default 100)")
     limit.add_argument("--duration", type=float, help="train this many seconds")
+    parser.add_argument(
+        "--step-interval",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="at most one step every this many seconds, as an online trainer fed by a stream: "
+        "a step that ends early waits the rest (not counted in its step time) (default: 0, "
+        "as fast as it can)",
+    )
     parser.add_argument("--batch-size", type=int, default=128, help="samples per rank per step")
     parser.add_argument(
         "--publish-every-steps", type=int, help="publish every N steps (default 10 if no seconds)"
@@ -168,6 +177,7 @@ RANGES: dict[str, Range] = {
     "steps": Range(1, MAX_COUNT),
     "duration": Range(0, MAX_SECONDS, lo_open=True),
     "batch_size": Range(1, 1 << 24),
+    "step_interval": Range(0, 3600),
     "publish_every_steps": Range(0, MAX_COUNT),
     "publish_every_seconds": Range(0, MAX_SECONDS),
     "generation": Range(1, float(1 << 63) - 1),
@@ -258,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
         sharding=parse_sharding(args.sharding, list(tables)),
         steps=args.steps if args.steps is not None else (0 if args.duration else 100),
         duration_s=args.duration or 0.0,
+        step_interval_s=args.step_interval,
         batch_size=args.batch_size,
         publish_every_steps=(
             args.publish_every_steps

@@ -94,6 +94,9 @@ class TrainConfig:
     #: Stop after this many steps (0 = no step limit) or this many seconds (0 = none).
     steps: int = 100
     duration_s: float = 0.0
+    #: At most one step every this many seconds (0: as fast as it can): an online trainer's
+    #: pace is its stream's. The wait is not part of a step's measured time.
+    step_interval_s: float = 0.0
     batch_size: int = 128
     publish_every_steps: int = 0
     publish_every_seconds: float = 0.0
@@ -225,6 +228,8 @@ class TrainConfig:
             allowed = EC_SHARDINGS if name == SEQ_FEATURE else tuple(SHARDING_TYPES)
             if st not in allowed:
                 raise ConfigError(f"table {name}: sharding {st!r} not in {', '.join(allowed)}")
+        if self.step_interval_s < 0:
+            raise ConfigError("step_interval_s must be >= 0")
         if self.steps < 0 or self.duration_s < 0:
             raise ConfigError("steps and duration must be >= 0")
         if self.steps == 0 and self.duration_s == 0:
@@ -600,6 +605,8 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
                     _save_atomic(state, cfg.dump_dir / f"model-step-{step}.pt")
                     _save_atomic(tables, cfg.dump_dir / f"tables-step-{step}.pt")
             times.append(time.perf_counter() - t0)
+            if cfg.step_interval_s > 0:  # paced: the rest of the interval (bounded by it)
+                time.sleep(max(0.0, cfg.step_interval_s - times[-1]))
             if step == _WARMUP_STEPS:
                 cpu0 = time.process_time()
                 stall0 = publisher.stats.stall_s if publisher is not None else 0.0

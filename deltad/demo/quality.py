@@ -3,8 +3,9 @@ evaluator fails them, holds the fleet and rolls the canaries back; the fleet is 
 again once the model recovers (or by the operator at the end).
 
 The reference trainer (2 gloo ranks, a segment every step, held-out examples and a golden
-set for the evaluator) trains ``STEPS`` steps and flips the training labels from step ``BAD``
-for ``CORRUPT`` steps (``--corrupt-labels-from-step``). One ``deltad serve`` per rank runs a
+set for the evaluator) trains ``STEPS`` steps, one every ``STEP_INTERVAL_S`` (``--step-interval``:
+an online trainer's pace is its stream's), and flips the training labels from step ``BAD`` for
+``CORRUPT`` steps (``--corrupt-labels-from-step``). One ``deltad serve`` per rank runs a
 norm gate a healthy run passes; ``deltad evaluate`` (consumer ``eval-m``) judges every step;
 two predictors (``deltad consume``, fp32 rows, a long poll) follow: ``pred-canary-0`` in the
 canary group ``pred-canary-*`` (the operator's ``rollout canary``) and ``pred-main-0``.
@@ -32,6 +33,7 @@ from deltad.demo.rollout import _all_at, _StepLog
 from deltad.errors import ConfigError
 
 STEPS, BAD, CORRUPT, START = 70, 30, 6, 8
+STEP_INTERVAL_S = 0.5
 RANKS = 2
 TABLES_N = 3
 CANARY_PRED, MAIN_PRED, EVALUATOR = "pred-canary-0", "pred-main-0", "eval-m"
@@ -231,6 +233,9 @@ class SilentBadUpdateDemo(Demo):
             "train", "--world-size", str(RANKS), "--model", MODEL, "--spool", str(self.spool),
             "--tables", str(TABLES_N), "--rows", str(a.rows), "--dim", str(a.dim),
             "--zch-slots", "0", "--steps", str(STEPS), "--publish-every-steps", "1",
+            # an online trainer's pace (its stream's): the corrupt steps last seconds, as
+            # a bad hour of labels lasts, not the milliseconds this small model would take
+            "--step-interval", str(STEP_INTERVAL_S),
             "--holdout-dir", str(self.work / "holdout"),
             "--corrupt-labels-from-step", str(BAD), "--corrupt-steps", str(CORRUPT),
             "--no-progress",
