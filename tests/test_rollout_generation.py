@@ -24,11 +24,6 @@ pytestmark = pytest.mark.timeout(120)
 A = pb.RolloutAction
 
 
-@pytest.mark.skip(
-    reason="races on the merged tree (stop 36): a relay of rank 1 sometimes lacks generation "
-    "2's step 3 when it is released (its mirror of an unreleased generation vs retention), so "
-    "pred-relayed-1 never reaches it; the hold itself is tested below and in test_rollout.py"
-)
 def test_a_fleet_held_at_generation_1_is_served_nothing_of_generation_2_until_released(
     tmp_path, redis_url, capsys
 ) -> None:  # type: ignore[no-untyped-def]

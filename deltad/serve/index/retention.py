@@ -18,7 +18,10 @@ pinned like a cursor (no merge crosses it), even once it left the restore window
 steps the release state serves (deltad.serve.rollout.served_steps): the release step (a hold, a release
 to a step, the validation gate's last good step) and every pin's step, so that a consumer
 that is new or comes back without tables is still served that state, and a release or a
-rollback to it stays possible, whoever is connected.
+rollback to it stays possible, whoever is connected. While some consumer is held at a state
+of another generation (a fleet held across a trainer restart: deltad.serve.rollout.unreleased),
+nothing of the log's generation is merged: a release may name any of its steps. The log then
+grows with the new generation until the operator or the evaluator releases it.
 
 Neither kind of merge covers an entry of the restore window (``restore_steps`` /
 ``restore_seconds``, :func:`deltad.serve.index.restore.merge_limit`): every step in it stays
@@ -40,7 +43,7 @@ from deltad.segment.format import write_segment
 from deltad.serve.index.log import LogEntry, LogSnapshot, SegmentLog
 from deltad.serve.index.merge import merge_plan
 from deltad.serve.index.restore import merge_limit
-from deltad.serve.rollout import ReleaseState, order_for, served_steps
+from deltad.serve.rollout import ReleaseState, order_for, served_steps, unreleased
 from deltad.serve.state.offsets import OffsetStore
 from deltad.serve.windows.decide import LogView
 from deltad.serve.windows.gendiff import drop_unpinned
@@ -107,6 +110,10 @@ class Retention:
             return None
         if self.release is not None:  # (one read of the state, one view of the log)
             state, view = self.release(), LogView.of(snap)
+            if unreleased(state, snap.generation):
+                # consumers are held at another generation: a release may name any step of
+                # this one, so every step stays (issue 39; relays mirror each, the same)
+                return None
             held = self._rollback_pins(snap, view, state) | self._release_pins(view, state)
             pins = sorted({*pins, *held})
         base, deltas = snap.base, snap.entries[1:]
@@ -143,7 +150,7 @@ class Retention:
             log.warning("retention skipped: %s", e)
             return True
         snap = self.seglog.snapshot()
-        if snap is None:
+        if snap is None or unreleased(state, snap.generation):
             return True
         view = LogView.of(snap)  # (the pins the plan takes from it, from the fresh state)
         held = self._release_pins(view, state) | self._rollback_pins(snap, view, state)
