@@ -37,10 +37,18 @@ SHAPE = ["--tables", "3", "--rows", "400", "--dim", "8", "--zch-slots", "0"]
 GATE = GateConfig(max_norm_jump=(("*", 2.0),), max_changed_fraction=(("*", 1.0),))
 
 
+#: The trainer's pace (``--step-interval``): an online trainer's is its stream's. Unpaced, this
+#: small model runs tens of steps a second on a quiet machine, and the evaluator (a verdict
+#: every ~0.3-1 s on 2 loaded cores) may score none of the corrupt steps before the model
+#: trains past them.
+STEP_INTERVAL_S = 0.4
+
+
 def trainer(tmp: Path, *extra: str, steps: int = 60, world: int = 2) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "deltad.commands.main", "train", "--spool", str(tmp / "spool"),
          "--model", "m", "--world-size", str(world), *SHAPE, "--steps", str(steps),
+         "--step-interval", str(STEP_INTERVAL_S),
          "--publish-every-steps", "1", "--no-progress", "--holdout-dir", str(tmp / "hold"),
          *extra],
         env={**child_env(), "TMPDIR": str(tmp)}, start_new_session=True,

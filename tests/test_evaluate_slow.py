@@ -27,14 +27,6 @@ from deltad.store.client import connect
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(300),
-    # Each passes alone (and in the evaluator's branch); in the whole suite on 2 cores the
-    # evaluator scores too few steps of the short runs, and the checks' timing fails (stop 36:
-    # to make robust). DELTAD_EVAL_SLOW=1 runs them.
-    pytest.mark.skipif(
-        os.environ.get("DELTAD_EVAL_SLOW", "") in ("", "0"),
-        reason="end-to-end evaluator runs are timing-sensitive in the full suite: "
-        "DELTAD_EVAL_SLOW=1 runs them",
-    ),
 ]
 
 
