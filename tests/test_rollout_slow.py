@@ -8,46 +8,17 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from evalkit import Follower
 from spoolkit import child_env, wait_for
 from test_relay import equal, predictor, status, tree
 from test_rollout import A, rollout, settle
 
-from deltad.consume.appliers import TensorDictApplier
-from deltad.consume.client import DeltaConsumer, PullResult
-from deltad.errors import DeltadError
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-
-
-class Follower:
-    """A predictor loop: sync every 20 ms until stopped; keeps every pull's step."""
-
-    def __init__(self, c: DeltaConsumer) -> None:
-        self.c, self.applier = c, TensorDictApplier()
-        self.results: list[PullResult] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                r = self.c.sync(self.applier.apply)
-                if r.step is not None:
-                    self.results.append(r)
-            except DeltadError:
-                pass
-            self.stop.wait(0.02)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(30)
 
 
 def test_hold_canary_and_release_while_the_reference_trainer_trains(
