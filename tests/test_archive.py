@@ -469,3 +469,65 @@ def test_a_quantized_predictor_cold_started_from_the_store_is_byte_equal_to_a_pa
         )
     finally:
         srv.stop(0)
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_a_managed_collision_cold_start_holds_the_same_identities_as_a_bootstrap(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    seaweed: Seaweed,  # noqa: F811
+) -> None:
+    """A spool of a managed-collision table (segment format version 3: slots, raw ids,
+    evictions) and a plain one: a predictor cold-started from the store holds the rows and the
+    slot -> raw id map a sidecar bootstrap gives, and follows the tail from there."""
+    from spoolkit import ZchWriter
+
+    root = tmp_path / "spool"
+    z = ZchWriter(root, model=MODEL, mc={"zch": (64, 8)}, tables={"t0": (40, 4)}, seed=3)
+    url = archive_url()
+    srv = _sidecar(root, redis_server.url, url, seaweed.endpoint)
+    try:
+        for _ in range(4):
+            z.delta(n=6)
+        wait_for(
+            lambda: _archived_head(url, seaweed.endpoint) == (z.generation, z.seq),
+            30,
+            f"the archive to reach seq {z.seq}",
+        )
+        archived = z.step
+        truth_then = {t: v.clone() for t, v in z.truth.items()}
+        raw_then = z.raw["zch"].clone()
+        z.delta(n=6)  # the tail
+        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == z.seq, 10)
+        endpoint = f"127.0.0.1:{srv.port}"
+        cfg = ConsumerConfig(
+            "cold-mc",
+            model=MODEL,
+            sidecars=(endpoint,),
+            pull=PullOptions(dense=False, max_step=archived),
+            bootstrap_from=url,
+            bootstrap_endpoint=seaweed.endpoint,
+        )
+        cold = TensorDictApplier()
+        assert cold_start(cfg, cold).step == archived
+        for t in z.specs:
+            assert torch.equal(cold.tables()[t], truth_then[t]), t
+        assert torch.equal(cold.slot_maps()["zch"].slot_raw, raw_then)
+        after = resumed(cfg)
+        after.pull = PullOptions(dense=False)
+        with DeltaConsumer(after) as c:
+            got = c.sync(cold)
+            assert [d.resync for d in got.deltas] == [False]
+        ref = TensorDictApplier()
+        ref_cfg = ConsumerConfig(
+            "ref-mc", model=MODEL, sidecars=(endpoint,), pull=PullOptions(dense=False)
+        )
+        with DeltaConsumer(ref_cfg) as c:
+            c.sync(ref)
+        for t in z.specs:
+            assert torch.equal(cold.tables()[t], ref.tables()[t]), t
+            assert torch.equal(cold.tables()[t], z.truth[t]), t
+        assert torch.equal(cold.slot_maps()["zch"].slot_raw, z.raw["zch"])
+        assert torch.equal(ref.slot_maps()["zch"].slot_raw, z.raw["zch"])
+    finally:
+        srv.stop(0)
