@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from spoolkit import child_env
 from test_relay import server_config
@@ -112,8 +113,9 @@ def evaluator(
 class Follower:
     """A predictor loop: sync every 20 ms until stopped; keeps every pull's step."""
 
-    def __init__(self, c: DeltaConsumer) -> None:
-        self.c, self.applier = c, TensorDictApplier()
+    def __init__(self, c: DeltaConsumer, applier: Any = None) -> None:
+        self.c = c
+        self.applier = applier if applier is not None else TensorDictApplier()
         self.results: list[PullResult] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -122,7 +124,7 @@ class Follower:
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                r = self.c.sync(self.applier.apply)
+                r = self.c.sync(self.applier)
                 if r.step is not None:
                     self.results.append(r)
             except DeltadError:

@@ -16,12 +16,14 @@ from typing import Any
 
 import pytest
 import torch
-from evalkit import SHAPE, Follower, evaluator, golden, kill, sidecars, trainer
+from evalkit import SHAPE, TABLES, Follower, evaluator, golden, kill, sidecars, trainer
 from spoolkit import child_env, wait_for
 from test_relay import predictor
 from test_rollout import A, rollout, status
 
+from deltad.consume.quant import QuantApplier, quant_tables, quantize_model
 from deltad.evaluate.record import VerdictStore
+from deltad.evaluate.scoring import reference_model
 from deltad.store.client import connect
 
 pytestmark = [
@@ -53,9 +55,11 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
             held0 = rollout(eps[0], A.ROLLOUT_STATUS).release_step
             assert held0 is not None and held0 < bad  # held at the head it found
             main, canary = predictor("pred-1", eps), predictor("pred-canary-1", eps)
-            with main, canary:
+            canary_q = predictor("pred-canary-q", eps)  # int8 serving: a quantized model
+            with main, canary, canary_q:
                 fm, fc = Follower(main), Follower(canary)
-                followers += [fm, fc]
+                fq = Follower(canary_q, QuantApplier(quantize_model(reference(), "int8")))
+                followers += [fm, fc, fq]
                 t = threading.Thread(target=ev.run, daemon=True)
                 t.start()
                 assert train.wait(240) == 0, train.stderr.read().decode() if train.stderr else ""
@@ -81,6 +85,12 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
                 tables = ev.release.applier.tables()
                 got = fc.applier.tables()
                 assert all(torch.equal(got[n], tables[n]) for n in tables)
+                # and the int8 canary holds torchrec's quantization of the release copy
+                wait_for(lambda: fq.results[-1].step == rel, 30, "the int8 canary back")
+                assert max(fq.steps) >= bad
+                want = quantize_model(ev.release.model, "int8")
+                for n, q in quant_tables(want).items():
+                    assert torch.equal(fq.applier.quant_tables[n].rows, q.rows), n
                 # the trainer's --golden-out is the golden set the test wrote
                 g = tmp_path / "golden.jsonl"
                 assert (tmp_path / "golden-trainer.jsonl").read_bytes() == g.read_bytes()
@@ -94,6 +104,11 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
             ev.close()
         if train is not None:
             kill(train)
+
+
+def reference() -> Any:
+    """The evaluator's model (evalkit.evaluator's make_model), float."""
+    return reference_model(TABLES, 400, dim=8, zch_slots=0).eval()
 
 
 def _head(eps: list[str]) -> int:
