@@ -531,3 +531,58 @@ def test_a_managed_collision_cold_start_holds_the_same_identities_as_a_bootstrap
         assert torch.equal(ref.slot_maps()["zch"].slot_raw, z.raw["zch"])
     finally:
         srv.stop(0)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("s3_env")
+def test_a_store_that_hangs_for_20_s_under_load_loses_nothing(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    own_seaweed: Seaweed,  # noqa: F811
+) -> None:
+    """The store stops answering (SIGSTOP: connections accepted, nothing answered: the worst
+    kind of unreachable) for 20 s while the trainer publishes every 0.25 s and the sidecar
+    serves; then it answers again. Serving never waited on it, the uploader's calls timed out
+    instead of hanging, and the archive catches up to the head: restorable, bit-equal.
+    (A one-minute outage is the same with a longer wait; 20 s keeps the suite short.)"""
+    import os
+    import signal
+
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root, tables={"t0": (4000, 16), "t1": (1000, 8)})
+    url = archive_url()
+    srv = _sidecar(root, redis_server.url, url, own_seaweed.endpoint, archive_lag_bound_s=1.0)
+    assert own_seaweed.proc is not None
+    try:
+        _wait_archived(url, own_seaweed.endpoint, spool)
+        os.kill(own_seaweed.proc.pid, signal.SIGSTOP)
+        try:
+            end = time.monotonic() + 20
+            endpoint = f"127.0.0.1:{srv.port}"
+            cfg = ConsumerConfig(
+                "p", model=MODEL, sidecars=(endpoint,), pull=PullOptions(dense=False)
+            )
+            with DeltaConsumer(cfg) as c:
+                held = TensorDictApplier()
+                while time.monotonic() < end:  # bounded: the outage
+                    spool.delta(n=300)
+                    wait_for(
+                        lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq,
+                        10,
+                    )
+                    assert c.sync(held).step == spool.step  # serving goes on, fresh
+                    time.sleep(0.25)
+                _assert_tables(held.tables(), spool)
+            assert _lag(srv)[0] > 0 and srv.check_archive()  # behind, and said so
+            assert _health(srv, "") == "SERVING"
+        finally:
+            os.kill(own_seaweed.proc.pid, signal.SIGCONT)
+        _wait_archived(url, own_seaweed.endpoint, spool, timeout_s=120)
+        wait_for(lambda: not srv.check_archive(), 20, "the archive health to recover")
+        state = read_archived_state(url, MODEL, endpoint=own_seaweed.endpoint)
+        r = Replica()
+        for d in state.deltas:
+            r.apply(d)
+        _assert_tables(r.tables, spool)
+    finally:
+        srv.stop(0)
