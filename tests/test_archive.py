@@ -69,6 +69,19 @@ def _health(srv: SidecarServer, service: str) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
 
+def _status_archive_line(srv: SidecarServer) -> str:
+    """The archive line of `deltad status` against ``srv``."""
+    import contextlib
+    import io
+
+    from deltad.commands.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["status", "--target", f"127.0.0.1:{srv.port}"]) == 0
+    return next(ln for ln in out.getvalue().splitlines() if ln.startswith("archive: "))
+
+
 def _assert_tables(tables: dict[str, torch.Tensor], spool: SpoolWriter) -> None:
     for t in spool.specs:
         assert torch.equal(tables[t], spool.truth[t]), t
@@ -88,6 +101,8 @@ def test_the_sidecar_archives_every_verified_segment_and_its_manifest(
             spool.delta()
         _wait_archived(url, seaweed.endpoint, spool)
         wait_for(lambda: _lag(srv) == (0.0, 0.0), 10, "the lag metric at 0")
+        # `deltad status` says where the archive is and that it is caught up
+        assert _status_archive_line(srv) == f"archive: {url}: caught up"
         # what the store holds rebuilds the trainer's tables exactly (verified on read)
         state = read_archived_state(url, MODEL, endpoint=seaweed.endpoint)
         assert state.heads == {0: (spool.seq, spool.step)}
@@ -574,6 +589,8 @@ def test_a_store_that_hangs_for_20_s_under_load_loses_nothing(
                     time.sleep(0.25)
                 _assert_tables(held.tables(), spool)
             assert _lag(srv)[0] > 0 and srv.check_archive()  # behind, and said so
+            line = _status_archive_line(srv)
+            assert line.startswith(f"archive: {url}: ") and "segment(s) behind" in line, line
             assert _health(srv, "") == "SERVING"
         finally:
             os.kill(own_seaweed.proc.pid, signal.SIGCONT)

@@ -282,6 +282,8 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
     if s.upstream:
         lost = f" (LOST: {s.upstream_lost})" if s.upstream_lost else ""
         lines.insert(1, f"relay of {s.upstream}{lost}")
+    if s.archive:
+        lines.insert(lines.index("tables:"), archive_line(s))
     for t in s.tables:
         local = ", ".join(f"cols {c.col_start}:{c.col_end} rows {c.count}" for c in t.local_slices)
         lines.append(
@@ -308,6 +310,18 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
     # (what a server says comes partly from Redis, which others may write: no control
     # character reaches the terminal, so no line can be forged or overwritten)
     return "\n".join(printable(line) for line in lines)
+
+
+def archive_line(s: pb.StatusResponse) -> str:
+    """The archive (docs/archive.md): its store and how far it is behind the served log."""
+    if s.archive_lag_segments == 0:
+        behind = "caught up"
+    else:
+        behind = (
+            f"{s.archive_lag_segments} segment(s) behind, the oldest {s.archive_lag_seconds:.1f}s "
+            f"old"
+        )
+    return f"archive: {s.archive}: {behind}"
 
 
 def printable(text: str) -> str:

@@ -101,6 +101,15 @@ class SidecarArchive:
         up.start()
         return up
 
+    def lag(self) -> tuple[str, int, float]:
+        """(the store's URL, segments behind, seconds behind) for Status (0, 0 before the
+        uploader started)."""
+        up = self.uploader
+        if up is None:
+            return self.store.url, 0, 0.0
+        lag = up.lag()
+        return self.store.url, int(lag.segments), float(lag.seconds)
+
     def check_health(self, health: Any) -> bool:
         """Set :data:`ARCHIVE_HEALTH` from the lag (on a change only); True while behind."""
         up = self.uploader

@@ -178,6 +178,7 @@ class SidecarServer:
         self.upkeep.relay = self.relay
         if self.archive is not None:
             self.archive.start(self.log, self.metrics)
+            self.servicer.status.archive_lag = self.archive.lag
             self.upkeep.spawn("deltad-archive-health", self.check_archive, 1.0)
         self._server = server
         server.start()

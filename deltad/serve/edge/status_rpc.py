@@ -25,6 +25,8 @@ class StatusRpc:
         self.config = config
         self.log = seglog
         self.windows = windows
+        #: with an archive: () -> (its URL, segments behind, seconds behind) for Status
+        self.archive_lag: Callable[[], tuple[str, int, float]] | None = None
         self._waiters = 0
         self._waiters_lock = threading.Lock()
         #: set when the server stops: long polls answer at once (before its stores close)
@@ -64,6 +66,8 @@ class StatusRpc:
         )  # fmt: skip
         check = self.windows.upstream_check
         resp.upstream_lost = check() if check is not None else ""
+        if self.archive_lag is not None:
+            resp.archive, resp.archive_lag_segments, resp.archive_lag_seconds = self.archive_lag()
         self._rollout(req, resp, snap)
         if snap is None:  # (nothing served: the newest manifest still says what the model is)
             self._manifest_only(resp)
