@@ -56,3 +56,7 @@ class RedisKeys:
 
     def rollout(self) -> str:
         return f"{self.base}:rollout"
+
+    def evaluators(self) -> str:
+        """The prefix of the canary evaluators' records (deltad.evaluate.record)."""
+        return f"{self.base}:eval"

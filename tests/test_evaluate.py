@@ -192,6 +192,50 @@ def test_the_first_verdict_on_a_step_wins_and_replicas_adopt_it(redis_url: str) 
     assert store.alive() == {"eval-a": {"step": 10}}
 
 
+def test_a_sidecar_says_who_evaluates_and_the_newest_verdicts_in_status(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A real sidecar over the model's Redis: Status ``evaluator_state`` and `deltad status`
+    name the live evaluators and the newest verdicts; with none alive, they say the fleet
+    stays at the last release."""
+    import contextlib
+    import io
+    import time
+
+    from serverkit import SpoolWriter, server_config
+
+    from deltad.commands.main import main
+    from deltad.serve.edge.app import SidecarServer
+
+    spool = SpoolWriter(tmp_path / "spool")
+    spool.delta()
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_url)).start()
+    target = f"127.0.0.1:{srv.port}"
+
+    def status_text() -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["status", "--target", target]) == 0
+        return out.getvalue()
+
+    try:
+        assert "evaluator:" not in status_text()  # no evaluator ever ran: nothing said
+        store = VerdictStore(connect(redis_url), "m")
+        store.put_first(Verdict("m", 1, 7, 5, FAIL, reasons=("ne",), by="eval-a",
+                                decided_unix=time.time()))  # fmt: skip
+        store.heartbeat("eval-a", 30.0, {"step": 7})
+        time.sleep(1.1)  # (the sidecar's view is at most 1 s stale)
+        text = status_text()
+        assert "evaluator: eval-a alive" in text, text
+        assert "step 7 (generation 1) vs release step 5: fail by eval-a" in text, text
+        store.r.delete(store.key("alive", "eval-a"))  # the evaluator died
+        time.sleep(1.1)
+        text = status_text()
+        assert "evaluator: NONE alive: the fleet stays at the last release" in text, text
+    finally:
+        srv.stop(0)
+
+
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "deltad.commands.main", "evaluate", *argv],

@@ -291,6 +291,7 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
             f"[{local or 'none on this rank'}]"
         )
     lines += rollout_lines(s)
+    lines += evaluator_lines(s)
     lines.append("consumers:")
     lines.append(
         f"  {'name':<24} {'live':<5} {'seq':>8} {'lag seg':>8} {'lag s':>8} {'owed':>8} {'cap':>8}"
@@ -310,6 +311,35 @@ def render(status: pb.StatusResponse, consumers: pb.ListConsumersResponse) -> st
     # (what a server says comes partly from Redis, which others may write: no control
     # character reaches the terminal, so no line can be forged or overwritten)
     return "\n".join(printable(line) for line in lines)
+
+
+def evaluator_lines(s: pb.StatusResponse, now: float | None = None) -> list[str]:
+    """The canary evaluators (docs/evaluate.md): who is alive and the newest verdicts; none
+    alive but verdicts recorded: the fleet stays at the last release."""
+    if not s.evaluator_state:
+        return []
+    try:
+        d = json.loads(s.evaluator_state)
+        alive = [str(x) for x in d.get("alive", [])]
+        verdicts = list(d.get("verdicts", []))
+    except (ValueError, AttributeError, TypeError):
+        return ["evaluator: (unreadable state)"]
+    now = time.time() if now is None else now
+    head = (
+        f"evaluator: {', '.join(alive)} alive"
+        if alive
+        else "evaluator: NONE alive: the fleet stays at the last release (nothing is released "
+        "unscored)"
+    )
+    out = [head]
+    for v in verdicts:
+        age = now - float(v.get("decided_unix") or now)
+        out.append(
+            f"  step {v.get('step')} (generation {v.get('generation')}) vs release step "
+            f"{v.get('release_step')}: {v.get('verdict')} by {v.get('by') or '?'}, "
+            f"{max(0.0, age):.1f}s ago"
+        )
+    return out
 
 
 def archive_line(s: pb.StatusResponse) -> str:

@@ -42,7 +42,7 @@ class VerdictStore:
     def __init__(self, client: Any, model: str) -> None:
         self.r = client
         self.model = model
-        self.base = f"{RedisKeys(model).base}:eval"
+        self.base = RedisKeys(model).evaluators()
 
     def key(self, *parts: object) -> str:
         return ":".join([self.base, *(str(p) for p in parts)])

@@ -390,7 +390,7 @@ class TableStatus(_message.Message):
     def __init__(self, table: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., sharding_type: _Optional[str] = ..., local_slices: _Optional[_Iterable[_Union[TableSlice, _Mapping]]] = ..., managed_collision: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited", "health_reason", "upstream_lost", "archive", "archive_lag_segments", "archive_lag_seconds", "rollout_state", "cap_step", "gate_reason", "gate_bad_step", "rollout_version")
+    __slots__ = ("model", "generation", "rank", "world_size", "head_seq", "head_step", "base_seq", "segments", "log_bytes", "quarantined", "tables", "head_age_seconds", "dense_steps", "steps", "upstream", "waited", "health_reason", "upstream_lost", "archive", "archive_lag_segments", "archive_lag_seconds", "rollout_state", "cap_step", "gate_reason", "gate_bad_step", "rollout_version", "evaluator_state")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +417,7 @@ class StatusResponse(_message.Message):
     GATE_REASON_FIELD_NUMBER: _ClassVar[int]
     GATE_BAD_STEP_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     generation: int
     rank: int
@@ -443,7 +444,8 @@ class StatusResponse(_message.Message):
     gate_reason: str
     gate_bad_step: int
     rollout_version: int
-    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ..., health_reason: _Optional[str] = ..., upstream_lost: _Optional[str] = ..., archive: _Optional[str] = ..., archive_lag_segments: _Optional[int] = ..., archive_lag_seconds: _Optional[float] = ..., rollout_state: _Optional[str] = ..., cap_step: _Optional[int] = ..., gate_reason: _Optional[str] = ..., gate_bad_step: _Optional[int] = ..., rollout_version: _Optional[int] = ...) -> None: ...
+    evaluator_state: str
+    def __init__(self, model: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., head_seq: _Optional[int] = ..., head_step: _Optional[int] = ..., base_seq: _Optional[int] = ..., segments: _Optional[int] = ..., log_bytes: _Optional[int] = ..., quarantined: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., head_age_seconds: _Optional[float] = ..., dense_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., upstream: _Optional[str] = ..., waited: _Optional[bool] = ..., health_reason: _Optional[str] = ..., upstream_lost: _Optional[str] = ..., archive: _Optional[str] = ..., archive_lag_segments: _Optional[int] = ..., archive_lag_seconds: _Optional[float] = ..., rollout_state: _Optional[str] = ..., cap_step: _Optional[int] = ..., gate_reason: _Optional[str] = ..., gate_bad_step: _Optional[int] = ..., rollout_version: _Optional[int] = ..., evaluator_state: _Optional[str] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
     __slots__ = ("action", "step", "group", "force", "generation")

@@ -176,6 +176,10 @@ class SidecarServer:
             self.endpoint, self._stop,
         )  # fmt: skip
         self.upkeep.relay = self.relay
+        if self.rollout_store is not None:  # (a relay's Redis holds no evaluator records)
+            from deltad.serve.state.evaluators import EvaluatorView
+
+            self.servicer.status.evaluators = EvaluatorView(self.store.client, cfg.model).state_json
         if self.archive is not None:
             self.archive.start(self.log, self.metrics)
             self.servicer.status.archive_lag = self.archive.lag

@@ -27,6 +27,8 @@ class StatusRpc:
         self.windows = windows
         #: with an archive: () -> (its URL, segments behind, seconds behind) for Status
         self.archive_lag: Callable[[], tuple[str, int, float]] | None = None
+        #: a sidecar with the model's Redis: () -> the evaluators' state JSON for Status
+        self.evaluators: Callable[[], str] | None = None
         self._waiters = 0
         self._waiters_lock = threading.Lock()
         #: set when the server stops: long polls answer at once (before its stores close)
@@ -66,6 +68,8 @@ class StatusRpc:
         )  # fmt: skip
         check = self.windows.upstream_check
         resp.upstream_lost = check() if check is not None else ""
+        if self.evaluators is not None:
+            resp.evaluator_state = self.evaluators()
         if self.archive_lag is not None:
             resp.archive, resp.archive_lag_segments, resp.archive_lag_seconds = self.archive_lag()
         self._rollout(req, resp, snap)
