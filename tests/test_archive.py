@@ -26,6 +26,7 @@ from deltad.serve.archive.fetch import read_manifest
 from deltad.serve.archive.layout import ArchiveManifest
 from deltad.serve.archive.opening import open_store
 from deltad.serve.archive.sidecar import ARCHIVE_HEALTH
+from deltad.serve.archive.store import ArchiveUnavailable
 from deltad.serve.edge.app import SidecarServer
 from deltad.store import EmbeddedRedis
 
@@ -36,9 +37,13 @@ def _sidecar(root: Path, redis_url: str, url: str, endpoint: str, **kw: Any) -> 
 
 
 def _archived_head(url: str, endpoint: str) -> tuple[int, int] | None:
+    """The archived (generation, head seq); None while there is none or the store does not
+    answer yet (a SeaweedFS just restarted answers InternalError for a moment)."""
     s = open_store(url, endpoint=endpoint)
     try:
         m = read_manifest(s, MODEL, 0)
+    except ArchiveUnavailable:
+        return None
     finally:
         s.close()
     return None if m is None else (m.generation, m.head.seq)

@@ -100,15 +100,16 @@ def test_build_cpu_is_the_building_not_the_reading(tmp_path: Path) -> None:
     for _ in win.iter_chunks():
         chunks += 1
         t = time.thread_time()
-        while time.thread_time() - t < 0.02:  # the reader's own work between chunks
+        while time.thread_time() - t < 0.05:  # the reader's own work between chunks
             pass
         own += time.thread_time() - t
     building = time.thread_time() - start - own
     built = win.build_cpu_seconds - planned
-    # The reader's own CPU (~0.4 s) dwarfs the building (~0.012 s quiet): counted, it would show.
-    # Thread CPU times, so another process's load does not enter; the bounds leave room for the
-    # generator's own overhead (built/building is 0.88-0.92 on a quiet machine).
-    assert chunks > 10 and own > 10 * building
+    # The reader's own CPU (~1 s) dwarfs the building (~0.012 s quiet, 0.046 s seen in a loaded
+    # CI run: thread CPU time still grows with cache and core contention): counted, it would
+    # show. The bounds leave room for the generator's own overhead (built/building is
+    # 0.88-0.92 on a quiet machine).
+    assert chunks > 10 and own > 5 * building
     assert 0.5 * building <= built <= building + 0.002
 
 
