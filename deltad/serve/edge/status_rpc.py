@@ -29,6 +29,8 @@ class StatusRpc:
         self.archive_lag: Callable[[], tuple[str, int, float]] | None = None
         #: a sidecar with the model's Redis: () -> the evaluators' state JSON for Status
         self.evaluators: Callable[[], str] | None = None
+        #: the newest generation a Status reported with a release state read after it appeared
+        self._state_generation = -1
         self._waiters = 0
         self._waiters_lock = threading.Lock()
         #: set when the server stops: long polls answer at once (before its stores close)
@@ -117,6 +119,15 @@ class StatusRpc:
     ) -> None:
         """The release state, the asking consumer's cap and this server's gate in Status."""
         source = self.windows.rollout
+        if snap is not None and snap.generation != self._state_generation:
+            # a generation reported for the first time: the state in this answer is read after
+            # it appeared, so a hold written before the trainer restarted is in it. A relay
+            # takes both from one answer and mirrors the new generation as the hold needs
+            # (deltad.serve.relay.mirror), never from a cached state older than it.
+            refresh = getattr(source, "refresh", None)
+            if refresh is not None:
+                refresh()
+            self._state_generation = snap.generation
         state = source.state()
         # (a relay that has not heard its upstream's state yet says so: relays below wait)
         resp.rollout_state = source.state_json()

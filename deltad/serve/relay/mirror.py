@@ -60,15 +60,10 @@ from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.relay.spool import MirrorSpool, status_manifest
 from deltad.serve.relay.upstream import Upstream, refuses
 from deltad.serve.rollout import served_steps, unreleased
-from deltad.serve.state.release import VIEW_TTL_S, FollowedRollout
+from deltad.serve.state.release import FollowedRollout
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-#: After the upstream moves to a newer generation, every step of it is mirrored for this long
-#: (the sidecars' cached read of the release state lags a store write by up to VIEW_TTL_S; the
-#: relay follows it at its next Status): a hold of the old generation is then surely known.
-NEW_GENERATION_WARY_S = 8 * VIEW_TTL_S
 
 #: Seconds of failed mirror rounds after which a relay says it lost its upstream
 #: (:meth:`RelayMirror.lost`): past a restart of the upstream, not past a real outage.
@@ -108,8 +103,6 @@ class RelayMirror:
         self._thread: threading.Thread | None = None
         self._last_problem = ""
         self._rollout_version = 0
-        #: when this relay's log last saw its upstream move to a newer generation
-        self._new_generation_at = -float("inf")
         #: the upstream's dense steps (its last Status) and generation, and why its last
         #: window lacked a dense state ("" if it did not): what dense_missing compares with
         self._up_dense: tuple[int, tuple[int, ...]] = (-1, ())
@@ -302,19 +295,11 @@ class RelayMirror:
             # (a generation not released to every consumer: a release may name any of its
             # steps, so each is mirrored, as the upstream's log holds it; issue 39)
             every = unreleased(state, st.generation)
-        loc = self.spool.head
-        if loc is not None and loc.generation < st.generation:
-            self._new_generation_at = time.monotonic()
-        if loc is not None and time.monotonic() - self._new_generation_at < NEW_GENERATION_WARY_S:
-            # a new generation: the upstream's Status may carry it before the release state
-            # that holds the fleet at the old one (the sidecars' cached read of it lags a
-            # store write by up to VIEW_TTL_S): mirrored from its first step, each step kept,
-            # until the state has surely caught up and says whether a release may name one
-            every = True
         # each onto the upstream's own entries (the state at a step never published is its
         # newest entry before it): a stop between two entries would end every pull at the
         # entry before it, and the mirror would never pass it
         entries = sorted(int(t) for t in st.steps)
+        loc = self.spool.head
         after = -1
         if loc is not None and loc.generation == st.generation and not self._needs_base:
             after = loc.step

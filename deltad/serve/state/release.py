@@ -233,6 +233,13 @@ class RolloutView:
             self._read_at = time.monotonic()
             return self._state
 
+    def refresh(self) -> ReleaseState:
+        """The state read now, whatever the cache's age (a Status that reports a generation
+        for the first time: its state must be as new as that generation, see StatusRpc)."""
+        with self._lock:
+            self._read_at = -float("inf")
+        return self.state()
+
     def state_json(self) -> str:
         """The state for Status; while not known (never read: a malformed value in Redis),
         "unknown" with why, so relays keep the state they have rather than take the default
