@@ -1,5 +1,6 @@
-"""One Prometheus ``/metrics`` HTTP endpoint over a registry: the sidecar's, the predictor's and
-the evaluator's metrics each own one."""
+"""One Prometheus ``/metrics`` HTTP endpoint over a registry: the sidecar's
+(deltad.serve.metrics), the predictor's (consumers.metrics) and the evaluator's
+(deltad.evaluate.promex) metrics each own one."""
 
 from __future__ import annotations
 

@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         on_verdict=metrics.observe,
     )
     if args.metrics_port:
-        port = metrics.serve_http(args.metrics_port)
+        port = metrics.serve_http(args.metrics_port, "0.0.0.0")
         log.warning("evaluator: metrics on port %d", port)
     stop = {sig: (lambda _s: ev.stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     with handle_signals(stop):

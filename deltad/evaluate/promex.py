@@ -9,19 +9,18 @@ a step's publish to its verdict), ``deltad_eval_step{model}`` and
 
 from __future__ import annotations
 
-from typing import Any
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from deltad.evaluate.verdict import Verdict
+from deltad.metrics_endpoint import MetricsEndpoint
 
 
-class EvalMetrics:
+class EvalMetrics(MetricsEndpoint):
     """Counters and gauges of one evaluator; :meth:`observe` takes each verdict."""
 
     def __init__(self, model: str) -> None:
+        super().__init__(CollectorRegistry())
         self.model = model
-        self.registry = CollectorRegistry()
         r = self.registry
         self.ne = Gauge("deltad_eval_ne", "NE of the newest verdict", ["model", "set", "copy"],
                         registry=r)  # fmt: skip
@@ -45,7 +44,6 @@ class EvalMetrics:
             "deltad_eval_release_step", "Release step of the newest verdict", ["model"],
             registry=r,
         )  # fmt: skip
-        self._http: Any = None
 
     def observe(self, v: Verdict) -> None:
         m = self.model
@@ -60,13 +58,3 @@ class EvalMetrics:
                     self.ne.labels(m, s.name, copy).set(vals["ne"])
                 if "calibration" in vals:
                     self.cal.labels(m, s.name, copy).set(vals["calibration"])
-
-    def serve_http(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Expose /metrics on ``port`` (0: any free one); the port."""
-        self._http, _ = start_http_server(port, addr=addr, registry=self.registry)
-        return int(self._http.server_port)
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http = None
