@@ -87,6 +87,38 @@ def _status_archive_line(srv: SidecarServer) -> str:
     return next(ln for ln in out.getvalue().splitlines() if ln.startswith("archive: "))
 
 
+def _served(srv: SidecarServer, seq: int, timeout_s: float = 10) -> None:
+    """Wait until ``srv``'s log serves ``seq`` as its head."""
+    wait_for(
+        lambda: (s := srv.log.snapshot()) is not None and s.head.seq == seq,
+        timeout_s,
+        f"the sidecar serving seq {seq}",
+    )
+
+
+def _bootstrap(name: str, endpoint: str, applier: Any, pull: PullOptions | None = None) -> None:
+    """A predictor ``name`` bootstrapped by the sidecar at ``endpoint`` into ``applier``."""
+    cfg = ConsumerConfig(
+        name, model=MODEL, sidecars=(endpoint,), pull=pull or PullOptions(dense=False)
+    )
+    with DeltaConsumer(cfg) as c:
+        c.sync(applier)
+
+
+def _cold_config(
+    name: str, endpoint: str, url: str, store_endpoint: str, pull: PullOptions
+) -> ConsumerConfig:
+    """A consumer that cold-starts from the archive ``url`` and then follows ``endpoint``."""
+    return ConsumerConfig(
+        name,
+        model=MODEL,
+        sidecars=(endpoint,),
+        pull=pull,
+        bootstrap_from=url,
+        bootstrap_endpoint=store_endpoint,
+    )
+
+
 def _assert_tables(tables: dict[str, torch.Tensor], spool: SpoolWriter) -> None:
     for t in spool.specs:
         assert torch.equal(tables[t], spool.truth[t]), t
@@ -146,7 +178,7 @@ def test_a_sidecar_on_an_empty_spool_restores_the_log_and_consumers_keep_their_c
     c = Client(f"127.0.0.1:{srv.port}")
     try:
         spool.delta()
-        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == 1, 10, "seq 1")
+        _served(srv, 1)
         d = c.pull("p1")
         assert d.resync
         replica.apply(d)
@@ -176,7 +208,7 @@ def test_a_sidecar_on_an_empty_spool_restores_the_log_and_consumers_keep_their_c
         c.commit(d)
         _assert_tables(replica.tables, spool)
         spool.delta()  # the trainer's next segment continues the restored log
-        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq, 10)
+        _served(srv, spool.seq)
         d = c.pull("p1")
         assert not d.resync and d.from_seq == spool.seq - 1
         replica.apply(d)
@@ -267,7 +299,7 @@ def test_a_shared_file_system_archive_restores_an_empty_spool(
     replica = Replica()
     try:
         spool.delta()
-        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == 1, 10, "seq 1")
+        _served(srv, 1)
         d = c.pull("p1")
         replica.apply(d)
         c.commit(d)
@@ -348,23 +380,13 @@ def test_a_cold_start_from_the_store_is_bit_equal_and_pulls_only_the_tail(
         archived = spool.step
         truth_then = {t: v.clone() for t, v in spool.truth.items()}
         spool.delta()  # the tail: published after the archive was read
-        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq, 10)
+        _served(srv, spool.seq)
         endpoint = f"127.0.0.1:{srv.port}"
         # a predictor bootstrapped by the sidecar, the reference
         ref = TensorDictApplier()
-        ref_cfg = ConsumerConfig(
-            "ref", model=MODEL, sidecars=(endpoint,), pull=PullOptions(dense=False)
-        )
-        with DeltaConsumer(ref_cfg) as c:
-            c.sync(ref)
-        cfg = ConsumerConfig(
-            "cold",
-            model=MODEL,
-            sidecars=(endpoint,),
-            pull=PullOptions(dense=False, max_step=archived),
-            bootstrap_from=url,
-            bootstrap_endpoint=seaweed.endpoint,
-        )
+        _bootstrap("ref", endpoint, ref)
+        pull = PullOptions(dense=False, max_step=archived)
+        cfg = _cold_config("cold", endpoint, url, seaweed.endpoint, pull)
         cold = TensorDictApplier()
         served_before = srv.metrics.bytes_served._value.get()
         state = cold_start(cfg, cold)
@@ -414,7 +436,7 @@ def test_kill_9_of_the_store_during_uploads_loses_nothing(
         own_seaweed.kill()
         for _ in range(4):  # the trainer and the sidecar go on without the store
             spool.delta(n=2000)
-        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq, 10)
+        _served(srv, spool.seq)
         wait_for(lambda: _lag(srv)[0] > 0 and _lag(srv)[1] > 1.0, 20, "the lag to show")
         wait_for(srv.check_archive, 10, "the archive health to say it is behind")
         assert _health(srv, ARCHIVE_HEALTH) == "NOT_SERVING"
@@ -461,19 +483,13 @@ def test_a_quantized_predictor_cold_started_from_the_store_is_byte_equal_to_a_pa
             spool.delta(n=10)
         _wait_archived(url, seaweed.endpoint, spool)
         spool.delta(n=10)  # the tail
-        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == spool.seq, 10)
+        _served(srv, spool.seq)
         endpoint = f"127.0.0.1:{srv.port}"
         packed = PullOptions(dense=False, wire_dtype=packed_wire_dtype(serve))
         ref_model, ref = served()
-        with DeltaConsumer(
-            ConsumerConfig("ref", model=MODEL, sidecars=(endpoint,), pull=packed)
-        ) as c:
-            c.sync(ref)
+        _bootstrap("ref", endpoint, ref, packed)
         cold_model, cold = served()
-        cfg = ConsumerConfig(
-            "cold", model=MODEL, sidecars=(endpoint,), pull=packed, bootstrap_from=url,
-            bootstrap_endpoint=seaweed.endpoint,
-        )  # fmt: skip
+        cfg = _cold_config("cold", endpoint, url, seaweed.endpoint, packed)
         cold_start(cfg, cold)
         with DeltaConsumer(resumed(cfg)) as c:
             got = c.sync(cold)
@@ -518,16 +534,10 @@ def test_a_managed_collision_cold_start_holds_the_same_identities_as_a_bootstrap
         truth_then = {t: v.clone() for t, v in z.truth.items()}
         raw_then = z.raw["zch"].clone()
         z.delta(n=6)  # the tail
-        wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == z.seq, 10)
+        _served(srv, z.seq)
         endpoint = f"127.0.0.1:{srv.port}"
-        cfg = ConsumerConfig(
-            "cold-mc",
-            model=MODEL,
-            sidecars=(endpoint,),
-            pull=PullOptions(dense=False, max_step=archived),
-            bootstrap_from=url,
-            bootstrap_endpoint=seaweed.endpoint,
-        )
+        pull = PullOptions(dense=False, max_step=archived)
+        cfg = _cold_config("cold-mc", endpoint, url, seaweed.endpoint, pull)
         cold = TensorDictApplier()
         assert cold_start(cfg, cold).step == archived
         for t in z.specs:
@@ -539,11 +549,7 @@ def test_a_managed_collision_cold_start_holds_the_same_identities_as_a_bootstrap
             got = c.sync(cold)
             assert [d.resync for d in got.deltas] == [False]
         ref = TensorDictApplier()
-        ref_cfg = ConsumerConfig(
-            "ref-mc", model=MODEL, sidecars=(endpoint,), pull=PullOptions(dense=False)
-        )
-        with DeltaConsumer(ref_cfg) as c:
-            c.sync(ref)
+        _bootstrap("ref-mc", endpoint, ref)
         for t in z.specs:
             assert torch.equal(cold.tables()[t], ref.tables()[t]), t
             assert torch.equal(cold.tables()[t], z.truth[t]), t

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from test_conformance import ALL, VECTORS, _dim_of
 from test_cpp_predictor import BIN, SmallModel, load_state
 from test_cpp_predictor import pytestmark as cpp_marks
 from torch import nn
@@ -30,11 +30,7 @@ from deltad.conformance.replay import ReplayServer
 from deltad.consume.export import export_torchscript
 from deltad.mch import lookup_buffers
 from deltad.types import EMPTY_RAW_ID
-from deltad.v1 import delta_pb2 as pb
 
-ROOT = Path(__file__).resolve().parents[1]
-VECTORS = ROOT / "tests" / "vectors"
-ALL = vf.load_all(VECTORS)
 #: the serving dtype of each packed vector's model (the wire's layout)
 PACKED_SERVE = {
     "WIRE_DTYPE_PACKED_INT8": "int8",
@@ -71,34 +67,40 @@ class TablesModel(nn.Module):
 
 
 def _dims(v: vf.Vector) -> dict[str, tuple[int, int]]:
-    header = pb.GetDeltaResponse.FromString(v.stream(v.ranks[0].pulls[0].stream)[0]).header
-    dims = {s.table: int(s.dim) for s in header.slices}
-    return {e["name"]: (e["shape"][0], dims[e["name"]]) for e in v.manifest["expected"]["tables"]}
+    return {
+        e["name"]: (e["shape"][0], _dim_of(v, e["name"])) for e in v.manifest["expected"]["tables"]
+    }
 
 
 def _mc(v: vf.Vector) -> bool:
     return bool(v.manifest["strict_identities"])
 
 
-def artifact(v: vf.Vector, path: Path) -> Path:
-    """The vector's tables as a torchrec-quantized model, exported (seeded: deterministic)."""
+def quantized(v: vf.Vector) -> nn.Module:
+    """The vector's tables as a torchrec-quantized model (seeded: deterministic): the managed-
+    collision vectors' ZchWriter tables (t0 40 x 4, zch 64 x 8) in int8; the others in the
+    packed wire's dtype, or fp32 for a float wire."""
     from deltad.consume.quant import quantize_model
 
-    dtype = v.manifest["request"]["dtype"]
     torch.manual_seed(0)
-    if _mc(v):  # ZchWriter's tables: t0 (40 x 4) and the managed-collision zch (64 x 8)
+    if _mc(v):
+        return quantize_model(SmallModel().eval(), "int8")
+    dtype = PACKED_SERVE.get(v.manifest["request"]["dtype"], "fp32")
+    return quantize_model(TablesModel(_dims(v)).eval(), dtype)
+
+
+def artifact(v: vf.Vector, q: nn.Module, path: Path) -> Path:
+    """``q`` exported, with example inputs of its forward."""
+    if _mc(v):
         slots = expected(v, "slots")["zch"]
         raw = torch.from_numpy(slots[slots != EMPTY_RAW_ID][:8].astype(np.int64))
-        q = quantize_model(SmallModel().eval(), "int8")
         n = raw.numel()
         inputs: tuple[torch.Tensor, ...] = (
             torch.arange(n, dtype=torch.int64) % 40, torch.ones(n, dtype=torch.int64),
             raw, torch.ones(n, dtype=torch.int64),
         )  # fmt: skip
     else:
-        shapes = _dims(v)
-        q = quantize_model(TablesModel(shapes).eval(), PACKED_SERVE.get(dtype, "fp32"))
-        k = len(shapes)
+        k = len(v.manifest["expected"]["tables"])
         inputs = (torch.zeros(k, dtype=torch.int64), torch.ones(k, dtype=torch.int64))
     export_torchscript(q, path, example_inputs=inputs)
     return path
@@ -108,28 +110,17 @@ def expected(v: vf.Vector, kind: str) -> dict[str, np.ndarray]:
     return {e["name"]: vf.read_array(v.root, e) for e in v.manifest["expected"][kind]}
 
 
-def expected_rows(v: vf.Vector, path: Path) -> dict[str, torch.Tensor]:
-    """Each table's bytes as the artifact's TBE holds them: packed vectors' rows as carried;
-    float rows packed as torchrec packs them into the artifact's serving dtype."""
+def expected_rows(v: vf.Vector, q: nn.Module) -> dict[str, torch.Tensor]:
+    """Each table's bytes as ``q``'s TBE holds them: packed vectors' rows as carried; float
+    rows packed as torchrec packs them into its serving dtype."""
     from deltad.consume.quant import quant_tables
 
-    held = quant_tables(_loaded_quant(v, path))
+    held = quant_tables(q)
     out = {}
     for n, want in expected(v, "tables").items():
         t = torch.from_numpy(want)
         out[n] = t if want.dtype == np.uint8 else held[n].pack(t)
     return out
-
-
-def _loaded_quant(v: vf.Vector, path: Path) -> Any:
-    """The quantized model ``artifact`` exported (built again: the same seed, same bytes)."""
-    from deltad.consume.quant import quantize_model
-
-    torch.manual_seed(0)
-    if _mc(v):
-        return quantize_model(SmallModel().eval(), "int8")
-    dtype = v.manifest["request"]["dtype"]
-    return quantize_model(TablesModel(_dims(v)).eval(), PACKED_SERVE.get(dtype, "fp32"))
 
 
 def predictor_argv(v: vf.Vector, srv: ReplayServer, art: Path, state: Path) -> list[str]:
@@ -152,7 +143,8 @@ def predictor_argv(v: vf.Vector, srv: ReplayServer, art: Path, state: Path) -> l
 @pytest.mark.parametrize("name", NAMES)
 def test_the_cpp_client_reaches_each_vectors_state(name: str, tmp_path: Path) -> None:
     v = ALL[name]
-    art = artifact(v, tmp_path / "model.pt")
+    q = quantized(v)
+    art = artifact(v, q, tmp_path / "model.pt")
     state = tmp_path / "state.pt"
     with ReplayServer(VECTORS, vector=name) as srv:
         done = subprocess.run(
@@ -160,7 +152,7 @@ def test_the_cpp_client_reaches_each_vectors_state(name: str, tmp_path: Path) ->
         )
         assert done.returncode == 0, (name, done.returncode, done.stderr[-3000:])
         got = load_state(state)
-        for n, want in expected_rows(v, art).items():
+        for n, want in expected_rows(v, q).items():
             held = got[f"table.{n}"]
             assert held.shape == want.shape and torch.equal(held, want), (name, n)
         if _mc(v):
