@@ -119,6 +119,15 @@ def _cold_config(
     )
 
 
+def _assert_archive_rebuilds(url: str, endpoint: str, spool: SpoolWriter) -> None:
+    """What the store holds (read back and verified) rebuilds the trainer's tables exactly."""
+    state = read_archived_state(url, MODEL, endpoint=endpoint)
+    r = Replica()
+    for d in state.deltas:
+        r.apply(d)
+    _assert_tables(r.tables, spool)
+
+
 def _assert_tables(tables: dict[str, torch.Tensor], spool: SpoolWriter) -> None:
     for t in spool.specs:
         assert torch.equal(tables[t], spool.truth[t]), t
@@ -445,11 +454,7 @@ def test_kill_9_of_the_store_during_uploads_loses_nothing(
         _wait_archived(url, own_seaweed.endpoint, spool, timeout_s=90)
         wait_for(lambda: not srv.check_archive(), 10, "the archive health to recover")
         assert _health(srv, ARCHIVE_HEALTH) == "SERVING"
-        state = read_archived_state(url, MODEL, endpoint=own_seaweed.endpoint)
-        r = Replica()
-        for d in state.deltas:
-            r.apply(d)
-        _assert_tables(r.tables, spool)
+        _assert_archive_rebuilds(url, own_seaweed.endpoint, spool)
     finally:
         srv.stop(0)
 
@@ -607,10 +612,6 @@ def test_a_store_that_hangs_for_20_s_under_load_loses_nothing(
             os.kill(own_seaweed.proc.pid, signal.SIGCONT)
         _wait_archived(url, own_seaweed.endpoint, spool, timeout_s=120)
         wait_for(lambda: not srv.check_archive(), 20, "the archive health to recover")
-        state = read_archived_state(url, MODEL, endpoint=own_seaweed.endpoint)
-        r = Replica()
-        for d in state.deltas:
-            r.apply(d)
-        _assert_tables(r.tables, spool)
+        _assert_archive_rebuilds(url, own_seaweed.endpoint, spool)
     finally:
         srv.stop(0)
