@@ -63,9 +63,10 @@ def _fbgemm_ops() -> None:
 
 
 @contextlib.contextmanager
-def sidecars(
+def sidecar_servers(
     spool: Path, redis_url: str, world: int, model: str = "m", **kw: Any
-) -> Iterator[list[str]]:
+) -> Iterator[list[SidecarServer]]:
+    """One sidecar per rank of ``spool`` (``kw``: more :class:`ServerConfig` fields)."""
     servers: list[SidecarServer] = []
     kw.setdefault("listen", "127.0.0.1:0")
     try:
@@ -75,10 +76,19 @@ def sidecars(
                 poll_interval_s=0.02, grace_period_s=0.5, **kw,
             )  # fmt: skip
             servers.append(SidecarServer(cfg).start())
-        yield [s.endpoint for s in servers]
+        yield servers
     finally:
         for s in servers:
             s.stop(0.5)
+
+
+@contextlib.contextmanager
+def sidecars(
+    spool: Path, redis_url: str, world: int, model: str = "m", **kw: Any
+) -> Iterator[list[str]]:
+    """:func:`sidecar_servers`' endpoints."""
+    with sidecar_servers(spool, redis_url, world, model, **kw) as servers:
+        yield [s.endpoint for s in servers]
 
 
 class Predictor:
@@ -482,7 +492,7 @@ def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
     trainer trains and a new one of the same name takes over (it bootstraps again)."""
     from deltad.reference.trainer.train import TrainConfig, run_training
 
-    from deltad.consume.export import export_reference, reference_serving
+    from deltad.consume.export import export_reference
 
     cfg = serving_config()
     art = tmp_path / "model.pt"
@@ -541,15 +551,102 @@ def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
         assert len(news) >= 2, pulls
     summary = [x for x in p.lines if x["event"] == "summary"][-1]
     assert summary["forwards"] > 0 and summary["forward_error"] is None
-    final = torch.load(tmp_path / "final.pt", weights_only=True)
-    ref_art = tmp_path / "reference.pt"
-    export_reference(cfg, ref_art, final)
-    got, want = load_state(state), artifact_state(ref_art)
+    assert_serves(state, cfg, tmp_path / "final.pt", tmp_path / "reference.pt")
+
+
+def assert_serves(state: Path, cfg: Any, weights: Path, scratch: Path) -> None:
+    """The C++ predictor's state file ``state`` is bit-equal to torchrec's quantization of the
+    trainer's model ``weights`` (a ``--final-model`` or a ``--dump-steps`` dump): every table's
+    bytes, the MC lookup buffers, the dense weights and the forward on the fixed batch."""
+    from deltad.consume.export import export_reference, reference_serving
+
+    model_state = torch.load(weights, weights_only=True)
+    export_reference(cfg, scratch, model_state)
+    got, want = load_state(state), artifact_state(scratch)
     assert set(got) == set(want) | {"forward"}
     assert any("_mch_sorted_raw_ids" in k for k in got) and any("over." in k for k in got)
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key} differs"
-    model, inputs = reference_serving(cfg, final)  # torchrec's quantization, in Python
+    model, inputs = reference_serving(cfg, model_state)  # torchrec's quantization, in Python
     with torch.inference_mode():
         expected = model(*inputs)
     assert torch.equal(got["forward"], expected)
+
+
+@pytest.mark.slow
+def test_cpp_predictor_through_relays_rolls_back_and_is_released_bit_exact(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A C++ predictor behind relays (one per rank, each mirroring its sidecar) follows a
+    2-rank trainer (mixed sharding, MC table evicting, packed-int8 wire) to its last step; the
+    fleet is rolled back to step 8 and then released. At each point its state (SIGUSR1) is
+    bit-equal to torchrec's quantization of the trainer's model there: the final model, the
+    trainer's own dump at step 8, the final model again; in place (no resync after the first)."""
+    from deltad.reference.trainer.train import TrainConfig, run_training
+    from test_rollback import Release, relay_of
+
+    from deltad.consume.export import export_reference
+
+    cfg = serving_config()
+    art = tmp_path / "model.pt"
+    export_reference(cfg, art)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    state = tmp_path / "state.pt"
+    steps, dump = 12, 8
+    release = Release(redis_url)
+    relays: list[Any] = []
+    window = {"restore_window_steps": 100, "merge_min_segments": 2, "retention_interval_s": 0.05}
+    with sidecar_servers(spool, redis_url, 2, **window) as servers:
+        try:
+            for r, srv in enumerate(servers):
+                release.watch(srv)
+                relays.append(relay_of(srv.endpoint, tmp_path / f"relay{r}", r, redis_url, release))
+            eps = [x.endpoint for x in relays]
+            p = Predictor(
+                *predictor_args(eps, art, "cpp-relayed", "--final-state", str(state)),
+                "--wire-dtype", "packed-int8", "--chunk-rows", "64",
+            )  # fmt: skip
+            train = TrainConfig(
+                spool_dir=spool, model="m", world_size=2, tables=TABLES, seq_rows=SEQ_ROWS,
+                dim=DIM, sharding={"t0": "cw", "t1": "rw", "seq": "rw"}, steps=steps,
+                publish_every_steps=2, batch_size=32, final_model=tmp_path / "final.pt", seed=3,
+                progress=False, fsync=False, zch_slots=ZCH_REF_SLOTS, dump_steps=(dump,),
+                dump_dir=tmp_path / "dumps",
+            )  # fmt: skip
+            try:
+                assert run_training(train).steps == steps
+
+                def checked(step: int, weights: Path) -> None:
+                    wait_for(functools.partial(p.caught_up, step), 120, f"the step {step}")
+                    asked = len([x for x in p.lines if x["event"] == "state"])
+                    p.proc.send_signal(signal.SIGUSR1)
+                    wait_for(
+                        lambda: len([x for x in p.lines if x["event"] == "state"]) > asked,
+                        60, "the state written",
+                    )  # fmt: skip
+                    line = [x for x in p.lines if x["event"] == "state"][-1]
+                    assert line["step"] == step and "error" not in line, line
+                    assert_serves(state, cfg, weights, tmp_path / f"reference-{step}.pt")
+
+                checked(steps, tmp_path / "final.pt")
+                n = len(p.pulls())
+                release.rollback(dump)
+                checked(dump, tmp_path / "dumps" / f"model-step-{dump}.pt")
+                back = [x for x in p.pulls()[n:] if x["rollback_to"] == dump]
+                assert back and back[0]["applied"] and not back[0]["resync"], p.pulls()[n:]
+                assert back[0]["dense_step"] == dump  # the dense state at 8 came with it
+                n = len(p.pulls())
+                release.release()
+                checked(steps, tmp_path / "final.pt")
+                assert not [x for x in p.pulls()[n:] if x["resync"]]
+                assert p.proc.poll() is None
+            finally:
+                rc = p.stop() if p.proc.poll() is None else p.proc.returncode
+            assert rc == 0, p.errors
+        finally:
+            for x in relays:
+                x.stop(0.5)
+    pulls = p.pulls()
+    assert not [x for x in pulls if "error" in x], p.errors
+    assert sum(x["evicted"] for x in pulls) > 0  # the MC table evicted raw ids on the way

@@ -1,7 +1,8 @@
 // deltad-predictor-cpp: the reference C++ predictor. It loads a TorchScript artifact
 // (deltad export), bootstraps from deltad alone, follows the trainer, answers forwards on a
 // thread while it applies, logs one JSON line per pull (as `deltad consume`), and on SIGTERM
-// finishes its pull, commits and exits 0. Bad input: one line on stderr, exit 2.
+// finishes its pull, commits and exits 0. SIGUSR1 writes its state to --final-state between
+// pulls (a check of a running predictor). Bad input: one line on stderr, exit 2.
 #include <signal.h>
 #include <unistd.h>
 
@@ -27,8 +28,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 std::atomic<bool> g_stop{false};
+std::atomic<bool> g_state_asked{false};
 
 void on_signal(int) { g_stop = true; }
+void on_state_signal(int) { g_state_asked = true; }
 
 struct Args {
   deltad::ConsumerConfig consumer;
@@ -51,7 +54,9 @@ const char* kUsage =
     "         [--form rows|topk] [--k N] [--wire-dtype fp32|fp16|bf16|int8|packed-int8|...]\n"
     "         [--no-dense] [--duration S] [--pulls N] [--interval S] [--long-poll S]\n"
     "         [--chunk-rows N] [--serve-interval S] [--rpc-deadline S] [--max-retries N]\n"
-    "         [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F] [--final-state PATH]\n";
+    "         [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F] [--final-state PATH]\n"
+    "  SIGTERM/SIGINT: finish the pull, commit, write --final-state, exit 0.\n"
+    "  SIGUSR1: write --final-state between pulls, keep going.\n";
 
 double number(const std::string& flag, const std::string& v, double lo, double hi) {
   char* end = nullptr;
@@ -189,6 +194,26 @@ void write_final_state(deltad::ModelApplier& applier, const std::string& path) {
   std::filesystem::rename(tmp, path);
 }
 
+// SIGUSR1: the state as it is between pulls (tables, buffers, dense, forward), written where
+// --final-state says, then one line {"event":"state",...}; without --final-state, a line saying so
+void write_asked_state(deltad::ModelApplier& applier, const std::string& path,
+                       const std::string& consumer, std::optional<int64_t> step) {
+  if (!g_state_asked.exchange(false)) return;
+  std::string error;
+  if (path.empty()) {
+    error = "no --final-state to write to";
+  } else {
+    try {
+      write_final_state(applier, path);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  emit("{\"event\":\"state\",\"consumer\":" + quote(consumer) + ",\"t\":" +
+       std::to_string(unix_now()) + ",\"step\":" + opt(step) + ",\"path\":" + quote(path) +
+       (error.empty() ? "" : ",\"error\":" + quote(error)) + "}");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -197,6 +222,9 @@ int main(int argc, char** argv) {
   sa.sa_handler = on_signal;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
+  struct sigaction su {};
+  su.sa_handler = on_state_signal;
+  sigaction(SIGUSR1, &su, nullptr);
 
   std::unique_ptr<deltad::ModelApplier> applier;
   std::unique_ptr<deltad::Consumer> consumer;
@@ -281,6 +309,7 @@ int main(int argc, char** argv) {
     while (!g_stop && Clock::now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   };
   while (!g_stop) {
+    write_asked_state(*applier, args.final_state, args.consumer.consumer, last_step);
     if (args.pulls && n >= args.pulls) break;
     double elapsed = std::chrono::duration<double>(Clock::now() - started).count();
     if (args.duration_s > 0 && elapsed >= args.duration_s) break;
