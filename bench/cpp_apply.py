@@ -9,10 +9,15 @@ dim 16 each, no managed-collision table), served by one sidecar. Measured:
   flight, against one call of ``torch.ops.fbgemm.emb_inplace_update`` on the same rows in
   the same artifact, in Python (goal >= 0.9x);
 * **forward p99 under apply vs idle** of the C++ predictor following 20 deltas (a tenth of
-  every table each, fp32 wire: it packs them) with forwards back to back (goal <= 1.2x);
+  every table each, fp32 wire: it packs them) with forwards back to back (goal <= 1.2x), its
+  pull / apply thread at ``--apply-nice 10`` (the default) and at 0, alternating, ``--repeat``
+  predictors of each;
 * **C++ bootstrap vs the Python client**: pull + apply of the same base by the C++ predictor and
   by ``deltad consume --serve-dtype int8`` (same sidecar, packed-int8 wire): their ``pull_s +
-  apply_s`` (ratio Python / C++).
+  apply_s`` (ratio Python / C++);
+* **C++ pull vs a bare C++ gRPC stream of the same bytes** (``deltad-pull-bench``, alternating
+  in one process): a fresh ``deltad::Consumer``'s ``pull()`` of the base (Status, the stream,
+  the decode; no apply) against one GetDelta stream read and dropped (goal >= 0.9x).
 
 Run: ``python -m bench.cpp_apply [--rows N] [--repeat K]`` (needs ``scripts/build_cpp.sh`` and a
 Redis: an embedded one is started). Prints one JSON object.
@@ -58,21 +63,24 @@ def write_delta(spool: Path, rows: int, seq: int, touch: int, seed: int) -> None
     )  # fmt: skip
 
 
-def forward_latency(endpoint: str, art: Path, spool: Path, rows: int) -> dict[str, Any]:
-    """The C++ predictor's forward p99 idle and during applies: it follows 20 deltas (a
-    tenth of every table each, one every 0.25 s, the demo's rate x2) with forwards back to
-    back; its summary line splits the latencies."""
+def forward_latency(
+    endpoint: str, art: Path, spool: Path, rows: int, first_seq: int, nice: int
+) -> dict[str, Any]:
+    """The C++ predictor's forward p99 idle and during applies: it follows 20 deltas (seqs
+    ``first_seq``.., a tenth of every table each, one every 0.25 s, the demo's rate x2) with
+    forwards back to back, its pull / apply thread at ``--apply-nice nice``; its summary line
+    splits the latencies."""
     import signal
 
     proc = subprocess.Popen(
-        [str(BIN), "--sidecars", endpoint, "--model", "m", "--consumer", "bench-latency",
-         "--artifact", str(art), "--wire-dtype", "fp32", "--serve-interval", "0",
-         "--long-poll", "1"],
+        [str(BIN), "--sidecars", endpoint, "--model", "m", "--consumer",
+         f"bench-latency-{first_seq}", "--artifact", str(art), "--wire-dtype", "fp32",
+         "--serve-interval", "0", "--long-poll", "1", "--apply-nice", str(nice)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         time.sleep(3.0)  # bootstrap, then idle forwards
-        for seq in range(1, 21):
+        for seq in range(first_seq, first_seq + 20):
             write_delta(spool, rows, seq, rows // 10, seed=seq)
             time.sleep(0.25)
         time.sleep(2.0)
@@ -80,11 +88,13 @@ def forward_latency(endpoint: str, art: Path, spool: Path, rows: int) -> dict[st
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     summary = [json.loads(x) for x in out.splitlines() if '"summary"' in x][-1]
-    idle, busy = summary["forward_p99_idle_ms"], summary["forward_p99_apply_ms"]
+    # idle: forwards while the predictor neither pulls nor applies (its summary's "quiet")
+    idle, busy = summary["forward_p99_quiet_ms"], summary["forward_p99_apply_ms"]
     return {
         "forward_p99_idle_ms": idle,
         "forward_p99_apply_ms": busy,
         "forwards_during_apply": summary["forwards_during_apply"],
+        "forwards_idle": summary["forwards_quiet"],
         "p99_apply_vs_idle": busy / idle if idle and busy else None,
     }
 
@@ -229,7 +239,36 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"deltad consume: {res.stderr.strip()[-500:]}")
                 py.append(first_pull(res.stdout.splitlines()))
                 bare.append(bare_update(art, tables))
-            out.update(forward_latency(srv.endpoint, art, tmp / "spool", args.rows))
+            pulls = subprocess.run(
+                [str(BIN.parent / "deltad-pull-bench"), srv.endpoint, "m",
+                 str(max(5, 2 * args.repeat))],
+                capture_output=True, text=True, timeout=600, check=True,
+            )  # fmt: skip
+            pb = json.loads(pulls.stdout)
+            out.update(
+                cpp_pull_only_s=pb["client_pull_s"], bare_stream_s=pb["bare_stream_s"],
+                pull_vs_bare_stream=pb["client_vs_bare"], pull_bench_repeat=pb["repeat"],
+            )  # fmt: skip
+            # forward p99 under apply vs idle, the apply thread niced (the default) and not,
+            # alternating; a median over the repeats of each
+            lat: dict[int, list[dict[str, Any]]] = {10: [], 0: []}
+            for i in range(args.repeat):
+                for nice, into_lat in lat.items():
+                    first = 1 + 20 * (2 * i + (nice == 0))
+                    into_lat.append(
+                        forward_latency(srv.endpoint, art, tmp / "spool", args.rows, first, nice)
+                    )
+            for nice, runs in lat.items():
+                tag = "" if nice else "_not_niced"
+                ratios = [r["p99_apply_vs_idle"] for r in runs if r["p99_apply_vs_idle"]]
+                out[f"p99_apply_vs_idle{tag}"] = statistics.median(ratios) if ratios else None
+                out[f"p99_apply_vs_idle{tag}_all"] = ratios
+                out[f"forward_p99_idle_ms{tag}"] = statistics.median(
+                    r["forward_p99_idle_ms"] for r in runs
+                )
+                out[f"forward_p99_apply_ms{tag}"] = statistics.median(
+                    r["forward_p99_apply_ms"] for r in runs
+                )
         finally:
             srv.stop(0.5)
             redis.stop()
@@ -244,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         cpp_pull_apply_s=cpp_total, python_pull_apply_s=py_total,
         cpp_vs_python=py_total / cpp_total,
         cpp_pull_s=statistics.median(x["pull_s"] for x in cpp),
+        cpp_pull_no_forwards_s=statistics.median(x["pull_s"] for x in idle),
         cpp_pack_s=statistics.median(x["pack_s"] for x in cpp),
         cpp_write_s=statistics.median(x["write_s"] for x in cpp),
         cpp_chunks=cpp[0]["chunks"],

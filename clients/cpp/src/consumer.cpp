@@ -1,6 +1,9 @@
 // deltad::Consumer: the pull protocol of deltad/consume/client.py and sidecars.py over gRPC.
 #include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -540,13 +543,20 @@ RankDelta Consumer::get_delta(Rank& r, std::optional<int64_t> max_step) {
     began = asm_.messages();
     ctx->set_deadline(deadline_in(std::max(timeout, config_.stream_deadline_s)));
     // a stream that stalls for `timeout` (no message) is cancelled and retried
+    // (the watcher wakes every 20 ms to look, and at once when the stream ends: a pull never
+    // waits for its watcher's nap)
     std::atomic<int64_t> last_ns{Clock::now().time_since_epoch().count()};
-    std::atomic<bool> done{false}, stalled{false};
+    std::atomic<bool> stalled{false};
+    bool done = false;
+    std::mutex watch_mu;
+    std::condition_variable watch_cv;
     std::thread watch([&] {
       auto limit = std::chrono::duration_cast<Clock::duration>(
           std::chrono::microseconds(int64_t(timeout * 1e6)));
+      std::unique_lock<std::mutex> lk(watch_mu);
       while (!done) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        watch_cv.wait_for(lk, std::chrono::milliseconds(20));
+        if (done) return;
         if (Clock::now() - Clock::time_point(Clock::duration(last_ns.load())) > limit || closed_) {
           stalled = true;
           ctx->TryCancel();
@@ -554,6 +564,14 @@ RankDelta Consumer::get_delta(Rank& r, std::optional<int64_t> max_step) {
         }
       }
     });
+    auto end_watch = [&] {
+      {
+        std::lock_guard<std::mutex> lk(watch_mu);
+        done = true;
+      }
+      watch_cv.notify_all();
+      watch.join();
+    };
     v1::GetDeltaResponse msg;
     grpc::Status st;
     try {
@@ -565,19 +583,16 @@ RankDelta Consumer::get_delta(Rank& r, std::optional<int64_t> max_step) {
       st = reader->Finish();
     } catch (const NotResumed& e) {  // served from its start: start over, no more resumes
       ctx->TryCancel();
-      done = true;
-      watch.join();
+      end_watch();
       declined = true;
       last.reset();
       throw RpcFailed{grpc::Status(grpc::StatusCode::ABORTED, e.what())};
     } catch (...) {
       ctx->TryCancel();
-      done = true;
-      watch.join();
+      end_watch();
       throw;
     }
-    done = true;
-    watch.join();
+    end_watch();
     if (stalled && !st.ok())
       throw RpcFailed{grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the stream stalled")};
     if (!st.ok()) throw RpcFailed{st};
@@ -586,6 +601,17 @@ RankDelta Consumer::get_delta(Rank& r, std::optional<int64_t> max_step) {
   std::lock_guard<std::mutex> g(r.mu);
   r.seen = std::max(r.seen, std::make_pair(d.generation, d.to_seq));
   return d;
+}
+
+bool tune_allocator(size_t keep_bytes) {
+#ifdef __GLIBC__
+  if (keep_bytes == 0) return true;
+  int keep = int(std::min<size_t>(keep_bytes, size_t(1) << 30));
+  return mallopt(M_MMAP_THRESHOLD, keep) == 1 && mallopt(M_TRIM_THRESHOLD, keep) == 1;
+#else
+  (void)keep_bytes;
+  return false;
+#endif
 }
 
 // ---- the consumer API ----------------------------------------------------------------------

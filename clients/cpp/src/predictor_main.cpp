@@ -4,6 +4,8 @@
 // finishes its pull, commits and exits 0. SIGUSR1 writes its state to --final-state between
 // pulls (a check of a running predictor). Bad input: one line on stderr, exit 2.
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +41,8 @@ struct Args {
   std::string wire_dtype;
   double duration_s = 0, interval_s = 0.2, long_poll_s = 5.0, serve_interval_s = 0.002;
   int64_t pulls = 0, chunk_rows = 4096;
+  double malloc_keep_mb = 128;  // deltad::tune_allocator (0: glibc's defaults)
+  int apply_nice = 10;          // the pull / apply thread's nice (0: the process's)
 };
 
 [[noreturn]] void die(const std::string& msg) {
@@ -55,6 +59,7 @@ const char* kUsage =
     "         [--no-dense] [--duration S] [--pulls N] [--interval S] [--long-poll S]\n"
     "         [--chunk-rows N] [--serve-interval S] [--rpc-deadline S] [--max-retries N]\n"
     "         [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F] [--final-state PATH]\n"
+    "         [--malloc-keep-mb N (128; 0: glibc's defaults)] [--apply-nice N (10)]\n"
     "  SIGTERM/SIGINT: finish the pull, commit, write --final-state, exit 0.\n"
     "  SIGUSR1: write --final-state between pulls, keep going.\n";
 
@@ -136,6 +141,10 @@ Args parse(int argc, char** argv) {
       a.consumer.tls_key = v;
     } else if (f == "--final-state") {
       a.final_state = v;
+    } else if (f == "--apply-nice") {
+      a.apply_nice = int(number(f, v, 0, 19));
+    } else if (f == "--malloc-keep-mb") {
+      a.malloc_keep_mb = number(f, v, 0, 1024);
     } else {
       die("unknown flag " + f + " (see --help)");
     }
@@ -218,6 +227,7 @@ void write_asked_state(deltad::ModelApplier& applier, const std::string& path,
 
 int main(int argc, char** argv) {
   Args args = parse(argc, argv);
+  deltad::tune_allocator(size_t(args.malloc_keep_mb * (1 << 20)));
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGTERM, &sa, nullptr);
@@ -271,22 +281,28 @@ int main(int argc, char** argv) {
   }
 
   // forwards on a thread, all along
-  std::atomic<bool> stop_forwards{false}, applying{false};
+  std::atomic<bool> stop_forwards{false}, applying{false}, pulling{false};
   std::atomic<uint64_t> forwards{0};
   std::string forward_error;
   // forward latencies (seconds; the newest kMaxSamples), split by an apply in progress or not
   constexpr size_t kMaxSamples = 200000;
-  std::vector<double> idle_s, apply_s_samples;
+  // (idle: no apply in flight; quiet: neither a pull nor an apply in flight)
+  std::vector<double> idle_s, apply_s_samples, quiet_s;
   std::thread fwd([&] {
     try {
       while (!stop_forwards) {
-        bool during = applying;
+        bool during = applying, busy = pulling || during;
         auto f0 = Clock::now();
         applier->forward_example();
         double dt = std::chrono::duration<double>(Clock::now() - f0).count();
         auto& into = (during || applying) ? apply_s_samples : idle_s;
         if (into.size() >= kMaxSamples) into.erase(into.begin(), into.begin() + kMaxSamples / 2);
         into.push_back(dt);
+        if (!busy && !pulling && !applying) {
+          if (quiet_s.size() >= kMaxSamples)
+            quiet_s.erase(quiet_s.begin(), quiet_s.begin() + kMaxSamples / 2);
+          quiet_s.push_back(dt);
+        }
         ++forwards;
         auto until = Clock::now() + std::chrono::microseconds(int64_t(args.serve_interval_s * 1e6));
         while (!stop_forwards && Clock::now() < until)  // (a long interval ends at exit)
@@ -308,7 +324,13 @@ int main(int argc, char** argv) {
     auto end = Clock::now() + std::chrono::microseconds(int64_t(s * 1e6));
     while (!g_stop && Clock::now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   };
+  // pulls and applies on their own thread at a lower CPU priority (--apply-nice): a forward
+  // competes with them for the cores only when nothing else wants them (the thread and the
+  // intra-op threads its packing starts are created after the nice, so they share it)
+  std::thread updater([&] {
+  if (args.apply_nice > 0) setpriority(PRIO_PROCESS, pid_t(syscall(SYS_gettid)), args.apply_nice);
   while (!g_stop) {
+    pulling = false;
     write_asked_state(*applier, args.final_state, args.consumer.consumer, last_step);
     if (args.pulls && n >= args.pulls) break;
     double elapsed = std::chrono::duration<double>(Clock::now() - started).count();
@@ -316,6 +338,7 @@ int main(int argc, char** argv) {
     ++n;
     auto t0 = Clock::now();
     deltad::PullResult result;
+    pulling = true;  // until the window is applied or dropped (forwards: not quiet)
     try {
       result = consumer->pull();
     } catch (const deltad::ConfigError& e) {
@@ -384,6 +407,7 @@ int main(int argc, char** argv) {
         consumer->request_base();
       }
     }
+    pulling = false;
     rows_total += result.rows();
     bytes_total += result.bytes();
     std::string missing = "{";
@@ -426,6 +450,9 @@ int main(int argc, char** argv) {
       }
     }
   }
+  pulling = false;
+  });
+  updater.join();
   stop_forwards = true;
   fwd.join();
   if (!args.final_state.empty()) {
@@ -450,6 +477,8 @@ int main(int argc, char** argv) {
       << ",\"forwards\":" << forwards.load() << ",\"forwards_during_apply\":"
       << apply_s_samples.size() << ",\"forward_p99_idle_ms\":" << p99_ms(idle_s)
       << ",\"forward_p99_apply_ms\":" << p99_ms(apply_s_samples)
+      << ",\"forwards_quiet\":" << quiet_s.size()
+      << ",\"forward_p99_quiet_ms\":" << p99_ms(quiet_s)
       << ",\"forward_error\":" << (forward_error.empty() ? "null" : quote(forward_error)) << "}";
   emit(sum.str());
   consumer->close();

@@ -68,6 +68,14 @@ WireDtype wire_dtype_of(const std::string& name);
 uint32_t packed_data_bytes(uint32_t dim, WireDtype d);
 uint32_t packed_row_bytes(uint32_t dim, WireDtype d, uint32_t alignment);
 
+// Process-wide allocator tuning for a predictor (glibc; elsewhere it does nothing and returns
+// false). A window's buffers up to `keep_bytes` come from the heap, and up to `keep_bytes` of
+// freed heap stay mapped, so the next pull reuses resident pages instead of faulting in fresh
+// ones (a 12 MB packed window: a pull at 0.6x a bare gRPC stream of its bytes, 0.95x tuned;
+// bench/README.md). Bigger buffers are mapped and unmapped as before. Idle memory kept: at
+// most `keep_bytes`. Call once, at the start of main; 0: glibc's defaults.
+bool tune_allocator(size_t keep_bytes);
+
 // A slot that holds no raw id (managed-collision tables).
 constexpr int64_t kEmptyRawId = INT64_MAX;
 
