@@ -7,7 +7,9 @@ dim 16 each, no managed-collision table), served by one sidecar. Measured:
   packed-int8 rows (its ``apply_s``: checks, row copies, fbgemm's op chunk by chunk under the
   serving lock), with forwards running back to back (every 2 ms) and with no forward in
   flight, against one call of ``torch.ops.fbgemm.emb_inplace_update`` on the same rows in
-  the same artifact, in Python (goal >= 0.9x);
+  the same artifact, in Python (goal >= 0.9x); and, with no forwards, against the op on the
+  same rows where they lie in the predictor itself (``--bare-baseline``: one call per slice,
+  before the apply or after it, alternating);
 * **forward p99 under apply vs idle** of the C++ predictor following 20 deltas (a tenth of
   every table each, fp32 wire: it packs them) with forwards back to back (goal <= 1.2x), its
   pull / apply thread at ``--apply-nice 10`` (the default) and at 0, alternating, ``--repeat``
@@ -220,10 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for i in range(args.repeat):
                 for into, serve in ((cpp, "0.002"), (idle, "60")):
+                    # with no forwards, the same rows' bare op in the same process too: before
+                    # the apply (its rows cold) and after it (warm), alternating
+                    bare_in = ["--bare-baseline", "before" if i % 2 else "after"]
                     lines = subprocess.run(
                         [str(BIN), "--sidecars", srv.endpoint, "--model", "m", "--consumer",
                          f"bench-cpp-{i}-{serve}", "--artifact", str(art), "--pulls", "1",
-                         "--wire-dtype", "packed-int8", "--serve-interval", serve],
+                         "--wire-dtype", "packed-int8", "--serve-interval", serve,
+                         *(bare_in if into is idle else [])],
                         capture_output=True, text=True, timeout=600, check=True,
                     ).stdout.splitlines()  # fmt: skip
                     into.append(first_pull(lines))
@@ -280,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     out.update(
         cpp_apply_s=cpp_apply, bare_update_s=bare_s, apply_vs_bare=bare_s / cpp_apply,
         cpp_apply_no_forwards_s=idle_apply, apply_no_forwards_vs_bare=bare_s / idle_apply,
+        bare_in_process_s=statistics.median(x["bare_write_s"] for x in idle),
+        apply_no_forwards_vs_bare_in_process=statistics.median(
+            x["bare_write_s"] / x["apply_s"] for x in idle
+        ),
         cpp_pull_apply_s=cpp_total, python_pull_apply_s=py_total,
         cpp_vs_python=py_total / cpp_total,
         cpp_pull_s=statistics.median(x["pull_s"] for x in cpp),

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <map>
 #include <set>
 
 namespace deltad {
@@ -194,6 +195,33 @@ at::Tensor ModelApplier::pack(const Table& t, const at::Tensor& values) const {
     throw ApplyError("table " + s.name + ": " + s.dtype + " rows are not supported");
   }
   return out;
+}
+
+double ModelApplier::bare_write(const std::vector<RankDelta>& deltas) {
+  std::lock_guard<std::mutex> serial(apply_mutex_);
+  torch::NoGradGuard no_grad;
+  double total = 0;
+  for (const auto& d : deltas)
+    for (const auto& s : d.slices) {  // one op call per slice, on its rows where they are
+      auto it = by_name_.find(s.table);
+      if (it == by_name_.end() || s.ids.empty()) continue;
+      const auto& spec = tables_[it->second].spec;
+      if (int64_t(s.row_bytes) != spec.row_bytes) continue;
+      int64_t n = int64_t(s.ids.size());
+      at::Tensor rows = at::from_blob(const_cast<uint8_t*>(s.packed.data()),
+                                      {int64_t(s.packed.size())}, at::kByte);
+      at::Tensor ids = at::from_blob(const_cast<int64_t*>(s.ids.data()), {n}, at::kLong);
+      at::Tensor tidx = at::full({n}, spec.index, at::kInt);
+      at::Tensor offs = at::arange(n, at::kLong).mul_(spec.row_bytes);
+      const auto& ts = tbe_tensors_[size_t(spec.tbe)];
+      torch::jit::Stack stack{ts[0], ts[1], ts[2], ts[3], ts[4], ts[5], rows, tidx, ids, offs,
+                              manifest_.tbe_row_alignment[size_t(spec.tbe)], c10::IValue(),
+                              c10::IValue()};
+      auto t0 = Clock::now();
+      op("fbgemm::emb_inplace_update").callBoxed(&stack);
+      total += since(t0);
+    }
+  return total;
 }
 
 ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
@@ -412,13 +440,18 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
   for (const auto& w : writes) {
     int64_t n = w.ids.numel(), rb = w.rows.size(1);
     at::Tensor bytes = w.rows.view({-1});
-    at::Tensor tidx = at::full({std::min(n, chunk_rows_)}, w.index, at::kInt);
-    at::Tensor offs = at::arange(n, at::kLong).mul_(rb);
+    // a chunk's rows are passed as their own span of the window's bytes: one table index and
+    // one offsets tensor of a chunk's length serve every chunk (nothing of the window's length
+    // is allocated or filled here)
+    int64_t span = std::min(n, chunk_rows_);
+    at::Tensor tidx = at::full({span}, w.index, at::kInt);
+    at::Tensor offs = at::arange(span, at::kLong).mul_(rb);
     const auto& ts = tbe_tensors_[w.tbe];
     for (int64_t a = 0; a < n; a += chunk_rows_) {
       int64_t m = std::min(chunk_rows_, n - a);
-      torch::jit::Stack stack{ts[0], ts[1], ts[2], ts[3], ts[4], ts[5], bytes,
-                              tidx.narrow(0, 0, m), w.ids.narrow(0, a, m), offs.narrow(0, a, m),
+      torch::jit::Stack stack{ts[0], ts[1], ts[2], ts[3], ts[4], ts[5],
+                              bytes.narrow(0, a * rb, m * rb), tidx.narrow(0, 0, m),
+                              w.ids.narrow(0, a, m), offs.narrow(0, 0, m),
                               manifest_.tbe_row_alignment[w.tbe], c10::IValue(), c10::IValue()};
       std::unique_lock<std::shared_mutex> g(lock_);
       op("fbgemm::emb_inplace_update").callBoxed(&stack);

@@ -43,6 +43,7 @@ struct Args {
   int64_t pulls = 0, chunk_rows = 4096;
   double malloc_keep_mb = 128;  // deltad::tune_allocator (0: glibc's defaults)
   int apply_nice = 10;          // the pull / apply thread's nice (0: the process's)
+  std::string bare_baseline;    // bench: "before" / "after" each apply, ModelApplier::bare_write
 };
 
 [[noreturn]] void die(const std::string& msg) {
@@ -60,6 +61,7 @@ const char* kUsage =
     "         [--chunk-rows N] [--serve-interval S] [--rpc-deadline S] [--max-retries N]\n"
     "         [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F] [--final-state PATH]\n"
     "         [--malloc-keep-mb N (128; 0: glibc's defaults)] [--apply-nice N (10)]\n"
+    "         [--bare-baseline before|after (a benchmark's: unchecked writes)]\n"
     "  SIGTERM/SIGINT: finish the pull, commit, write --final-state, exit 0.\n"
     "  SIGUSR1: write --final-state between pulls, keep going.\n";
 
@@ -141,6 +143,9 @@ Args parse(int argc, char** argv) {
       a.consumer.tls_key = v;
     } else if (f == "--final-state") {
       a.final_state = v;
+    } else if (f == "--bare-baseline") {
+      if (v != "before" && v != "after") die("--bare-baseline: before or after, not '" + v + "'");
+      a.bare_baseline = v;
     } else if (f == "--apply-nice") {
       a.apply_nice = int(number(f, v, 0, 19));
     } else if (f == "--malloc-keep-mb") {
@@ -355,6 +360,7 @@ int main(int argc, char** argv) {
     }
     double pull_s = std::chrono::duration<double>(Clock::now() - t0).count();
     double apply_s = 0;
+    std::optional<double> bare_s;
     deltad::ApplyStats stats;
     std::string error;
     bool resync = false, gen_diff = false;
@@ -388,10 +394,13 @@ int main(int argc, char** argv) {
     if (!result.deltas.empty()) {
       auto t1 = Clock::now();
       try {
+        if (args.bare_baseline == "before") bare_s = applier->bare_write(result.deltas);
+        t1 = Clock::now();
         applying = true;
         stats = applier->apply(result.deltas);
         applying = false;
         apply_s = std::chrono::duration<double>(Clock::now() - t1).count();
+        if (args.bare_baseline == "after") bare_s = applier->bare_write(result.deltas);
         consumer->commit(result);
         ++applied;
         last_step = result.step;
@@ -426,6 +435,7 @@ int main(int argc, char** argv) {
          << ",\"pull_s\":" << pull_s << ",\"apply_s\":" << apply_s
          << ",\"pack_s\":" << stats.pack_s << ",\"write_s\":" << stats.write_s
          << ",\"chunks\":" << stats.chunks
+         << ",\"bare_write_s\":" << (bare_s ? std::to_string(*bare_s) : "null")
          << ",\"dense_bytes\":" << dense_bytes << ",\"dense_step\":" << opt(dense_step)
          << ",\"rollback_to\":" << opt(rollback_to) << ",\"cap_step\":" << opt(result.cap_step)
          << ",\"applied\":" << (error.empty() && !result.deltas.empty() ? "true" : "false")

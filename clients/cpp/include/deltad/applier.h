@@ -63,6 +63,11 @@ class ModelApplier {
   void check_tables(const std::vector<TableInfo>& served) const;
   // Check every window, then write it (see the header comment); ApplyError: nothing written.
   ApplyStats apply(const std::vector<RankDelta>& deltas);
+  // A benchmark's baseline, not an apply: the window's packed rows already in the tables'
+  // layout, written where they lie by one fbgemm::emb_inplace_update per slice (no checks, no
+  // serving lock, no chunks, no identities or dense); the op's seconds. bench/cpp_apply.py
+  // compares apply() with it.
+  double bare_write(const std::vector<RankDelta>& deltas);
   // One forward on the artifact's example inputs, under the serving lock.
   at::Tensor forward_example();
   at::Tensor forward(const std::vector<c10::IValue>& inputs);
