@@ -552,6 +552,10 @@ class ServerConfig:
     #: The archive's health service (deltad.v1.Archive) answers NOT_SERVING while the oldest
     #: segment it lacks is older than this many seconds (serving goes on regardless).
     archive_lag_bound_s: float = 300.0
+    #: Retention in the store: this rank's objects that no manifest has named for this many
+    #: seconds are deleted (merged away, an older generation); a cold start or restore that read
+    #: an older manifest less long ago still finds every object it names. 0: never delete.
+    archive_gc_grace_s: float = 600.0
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
@@ -633,6 +637,7 @@ SERVER_RANGES: dict[str, Range] = {
     "owed_max_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
     "owed_max_consumer_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
     "archive_lag_bound_s": Range(0, MAX_SECONDS, lo_open=True),
+    "archive_gc_grace_s": Range(0, MAX_SECONDS, note="0 = never delete"),
 }
 
 

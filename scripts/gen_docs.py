@@ -185,13 +185,15 @@ def collect_metrics() -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, An
             shards=[ShardRows(Shard("t0", 16, 4, 0, 16, 0, 4), torch.arange(16), torch.zeros(16, 4))],
         )  # fmt: skip
 
-        def config(root: Path, redis_url: str | None) -> ServerConfig:
+        def config(root: Path, redis_url: str | None, **kw: Any) -> ServerConfig:
             return ServerConfig(
                 spool_dir=root, model="m", listen="127.0.0.1:0", redis_url=redis_url,
-                poll_interval_s=0.05, retention_interval_s=3600.0, grace_period_s=0.5,
+                poll_interval_s=0.05, retention_interval_s=3600.0, grace_period_s=0.5, **kw,
             )  # fmt: skip
 
-        sidecar = SidecarServer(config(spool, None)).start()
+        # the sidecar with an archive (a shared-file-system one): its metrics too
+        archive = f"file://{Path(tmp) / 'archive'}"
+        sidecar = SidecarServer(config(spool, None, archive_url=archive)).start()
         relay = None
         try:
             url = sidecar.redis_url
@@ -239,6 +241,8 @@ def metrics_markdown() -> str:
             if name in side and name in rel
             else "relay"
             if name in rel
+            else "sidecar with `--archive`"
+            if name.startswith("deltad_archive_")
             else "sidecar"
         )
         shown = ", ".join(f"`{n}`" for n in exported_names(name, fam["type"]))

@@ -81,7 +81,10 @@ def test_every_metric_a_real_sidecar_and_relay_export_is_in_metrics_md(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
     SpoolWriter(tmp_path / "spool").delta()
-    side = SidecarServer(server_config(tmp_path / "spool", redis_server.url, metrics_port=0))
+    archive = f"file://{tmp_path / 'archive'}"  # (its metrics too)
+    side = SidecarServer(
+        server_config(tmp_path / "spool", redis_server.url, metrics_port=0, archive_url=archive)
+    )
     side.start()
     relay = None
     try:

@@ -230,6 +230,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "it lacks is older than this many seconds",
         ),
         (
+            "archive-gc-grace",
+            float,
+            600.0,
+            "retention in the archive: delete this rank's objects no manifest has named for "
+            "this many seconds (merged away, older generations; 0 = never delete)",
+        ),
+        (
             "forget-after",
             float,
             7 * 24 * 3600.0,
@@ -378,6 +385,7 @@ def build_config(args: argparse.Namespace) -> Any:
         archive_url=args.archive or None,
         archive_endpoint=args.archive_endpoint or None,
         archive_lag_bound_s=value(args.archive_lag_bound),
+        archive_gc_grace_s=value(args.archive_gc_grace),
         max_queued_streams=value(args.max_queued_streams),
         stream_queue_wait_s=value(args.stream_queue_wait),
         gate=GateConfig(

@@ -73,6 +73,7 @@ class SidecarArchive:
             self.config.model,
             scratch_dir=self.layout.sidecar_dir / f"archive-rank-{self.config.rank:05d}",
             interval_s=max(self.config.poll_interval_s, 0.05),
+            gc_grace_s=self.config.archive_gc_grace_s,
         )
         self.uploader = up
         metrics.track(
@@ -92,6 +93,11 @@ class SidecarArchive:
             "deltad_archive_uploaded_bytes",
             "Bytes of the objects the archive uploader created",
             lambda: up.uploaded_bytes,
+        )
+        metrics.track_counter(
+            "deltad_archive_deleted",
+            "Objects retention in the archive deleted (named by no manifest past the grace)",
+            lambda: up.deleted,
         )
         metrics.track_counter(
             "deltad_archive_failures",

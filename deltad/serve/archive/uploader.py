@@ -13,6 +13,15 @@ snapshots, which it reads without a lock).
 
 Entries merged away by retention while the store was down are uploaded as the merged entry
 (the state at its seq is the same); the restore points inside it are then not archived.
+
+Retention in the store (:meth:`ArchiveUploader.sweep`, every ``gc_interval_s``): the archive
+mirrors the served log, whose own retention already keeps what restore points, generation
+diffs and live consumers need, so an object of this rank that the rank's manifest in the store
+does not name is needed by nobody once every reader of an older manifest is done. Such an
+object is deleted after ``gc_grace_s`` seconds of being seen unnamed (a cold start or a restore
+reading an older manifest meanwhile still finds it); uploads not yet named by a manifest are
+never deleted. Rank 0 deletes an older generation's ``generation.json`` once no rank's object
+of that generation is left.
 """
 
 from __future__ import annotations
@@ -68,6 +77,8 @@ class ArchiveUploader:
         *,
         scratch_dir: Path,
         interval_s: float = 0.2,
+        gc_grace_s: float = 600.0,
+        gc_interval_s: float | None = None,
     ) -> None:
         self.store = store
         self.log = seglog
@@ -75,6 +86,16 @@ class ArchiveUploader:
         self.rank = seglog.rank
         self.scratch_dir = Path(scratch_dir)
         self.interval_s = interval_s
+        self.gc_grace_s = gc_grace_s
+        #: between sweeps (None: a tenth of the grace, within 1 .. 60 s)
+        self.gc_interval_s = (
+            min(60.0, max(1.0, gc_grace_s / 10)) if gc_interval_s is None else gc_interval_s
+        )
+        #: key -> when a sweep first saw it named by no manifest (reset by a restart: the
+        #: grace starts again, on the safe side)
+        self._unnamed_since: dict[str, float] = {}
+        self._next_sweep = 0.0
+        self.deleted = 0  # objects retention deleted from the store
         #: (generation, first_seq, seq) of a segment / (generation, -1, seq) of a dense state
         #: -> the object holding it
         self._uploaded: dict[tuple[int, int, int], ArchivedObject] = {}
@@ -118,6 +139,9 @@ class ArchiveUploader:
         while not self._stop.is_set():  # bounded by stop()
             try:
                 self.run_once()
+                if self.gc_grace_s > 0 and time.monotonic() >= self._next_sweep:
+                    self._next_sweep = time.monotonic() + self.gc_interval_s
+                    self.sweep()
                 backoff = BACKOFF_S
                 wait = self.interval_s
             except (DeltadError, OSError) as e:
@@ -313,6 +337,60 @@ class ArchiveUploader:
         for k in [k for k in self._uploaded if k not in keep]:
             del self._uploaded[k]
         self._generations &= {m.generation}
+
+    # --- retention in the store --------------------------------------------------------
+
+    def sweep(self, now: float | None = None) -> int:
+        """Delete this rank's objects that no manifest has named for ``gc_grace_s`` (see the
+        module docstring); the number deleted. Raises ArchiveError (the store): nothing is
+        deleted unless the rank's manifest in the store was read whole."""
+        if self.gc_grace_s <= 0:
+            return 0
+        now = time.time() if now is None else now
+        got = self.store.read_versioned(manifest_key(self.model, self.rank))
+        if got is None:
+            return 0  # nothing archived for this rank yet: nothing is unnamed
+        current = ArchiveManifest.from_json(got.data)
+        named = {o.key for o in (*current.entries, *current.dense)}
+        named |= {o.key for o in self._uploaded.values()}  # uploaded, not named yet
+        if self.archived is not None:
+            named |= {o.key for o in (*self.archived.entries, *self.archived.dense)}
+        generations: set[str] = set()  # "gen-N" holding an object of some rank
+        unnamed: list[str] = []
+        infos: list[str] = []
+        mine = f"/rank-{self.rank:05d}/"
+        head = f"{self.model}/gen-"
+        for key in self.store.list(f"{self.model}/"):  # bounded by the store's listing
+            if not key.startswith(head):
+                continue
+            gen = key[len(self.model) + 1 :].split("/", 1)[0]
+            if "/rank-" in key:
+                generations.add(gen)
+                if mine in key and key not in named:
+                    unnamed.append(key)
+            elif key.endswith("/generation.json"):
+                infos.append(key)
+        current_gen = f"gen-{current.generation:020d}"
+        if self.rank == 0:  # an older generation's manifest, once no rank's object is left
+            unnamed += [
+                k
+                for k in infos
+                if k.split("/")[-2] != current_gen and k.split("/")[-2] not in generations
+            ]
+        seen: dict[str, float] = {}
+        deleted = 0
+        for key in unnamed:
+            since = self._unnamed_since.get(key, now)
+            if now - since >= self.gc_grace_s:
+                self.store.delete(key)
+                deleted += 1
+            else:
+                seen[key] = since
+        self._unnamed_since = seen
+        self.deleted += deleted
+        if deleted:
+            log.info("archive %s: retention deleted %d objects", self.store.url, deleted)
+        return deleted
 
     # --- lag -------------------------------------------------------------------------------
 
