@@ -259,7 +259,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, redis_url: str) -> Non
             ),
             "bad flag": (predictor_args(eps, good, "c5", "--pulls", "x"), "--pulls"),
             "bad allocator bound": (
-                predictor_args(eps, good, "c6", "--malloc-keep-mb", "-1"), "--malloc-keep-mb"
+                predictor_args(eps, good, "c6", "--malloc-keep-mb", "-1"),
+                "--malloc-keep-mb",
             ),
         }
         for what, (argv, expect) in cases.items():
