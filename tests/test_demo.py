@@ -31,8 +31,9 @@ def demo_argv(work: Path, duration: float) -> list[str]:
 def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> None:
     work = tmp_path / "demo"
     proc = subprocess.run(
-        demo_argv(work, 6), capture_output=True, text=True, timeout=280, env=child_env()
-    )
+        [*demo_argv(work, 6), "--archive"],
+        capture_output=True, text=True, timeout=280, env=child_env(),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check rows-fp32: tables bit-equal to the trainer's final tables" in proc.stdout
     truth = torch.load(work / "trainer-final.pt", weights_only=True)
@@ -47,6 +48,16 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
             dim=1
         ) * 1e-5
         assert bool(((topk[name] - t).abs().amax(dim=1) <= bound).all()), name
+    # --archive: a predictor bootstrapped from the store (the work directory's), not the
+    # sidecars: its tables too are the trainer's
+    (cold,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("check cold-start:")]
+    assert f"file://{work / 'archive'}" in cold and cold.endswith(": ok"), cold
+    assert "0.00 MB of rows from the sidecars" in cold, cold
+    started = torch.load(work / "cold-start-final.pt", weights_only=True)
+    assert set(started) == set(truth)
+    for name, t in truth.items():
+        assert torch.equal(started[name], t), name
+    assert list((work / "archive" / "demo").glob("rank-*/manifest.json"))
     for line in ("rows-fp32", "topk-int8", "fresh p50"):
         assert line in proc.stdout
     # the serving predictor: packed-int8 rows and the dense state, bit-equal to the trainer's

@@ -146,3 +146,10 @@ def test_help_says_bad_update_has_a_fixed_shape_and_what_it_refuses() -> None:
     assert "refuses --duration, --world-size, --publish-every and --topk-" in text, text
     assert "seconds of training (default: 60;" in text, text
     assert "a new or an empty directory" in text, text
+
+
+def test_archive_flags_the_demo_cannot_honour_are_one_line_and_exit_2() -> None:
+    line = refused(demo("--scenario", "bad-update", "--archive"))
+    assert "--archive goes with the default scenario, not --scenario bad-update" in line, line
+    line = refused(demo("--duration", "5", "--archive-endpoint", "http://127.0.0.1:1"))
+    assert "--archive-endpoint needs --archive" in line, line

@@ -41,6 +41,7 @@ from deltad.demo.checks import SERVING, TABLES, ZCH
 from deltad.demo.loop import MODEL, Demo
 from deltad.demo.procs import DemoFailed, terminate_as_interrupt
 from deltad.demo.report import PredictorLog
+from deltad.errors import ConfigError
 
 __all__ = ["MODEL", "SERVING", "TABLES", "ZCH", "Demo", "DemoFailed", "PredictorLog", "run"]
 
@@ -94,6 +95,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
+        "--archive",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="the sidecars copy their logs to an object store, and after training a predictor "
+        "bootstraps from it alone (check cold-start): alone, a store in the work directory; "
+        "or s3://BUCKET/PREFIX (with --archive-endpoint) or file:///shared/mount; only with "
+        "the default scenario",
+    )
+    p.add_argument(
+        "--archive-endpoint", metavar="URL", help="an S3-compatible server for an s3:// --archive"
+    )
+    p.add_argument(
         "--scenario",
         choices=("default", "bad-update", "silent-bad-update"),
         default="default",
@@ -110,7 +124,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """ConfigError (one line, exit 2, before anything starts) for a flag the scenario cannot
     honour; then the defaults of the flags left out (:data:`DEFAULTS`)."""
-    if getattr(args, "scenario", "default") == "bad-update":
+    scenario = getattr(args, "scenario", "default")
+    if scenario != "default" and getattr(args, "archive", None) is not None:
+        raise ConfigError(f"--archive goes with the default scenario, not --scenario {scenario}")
+    if getattr(args, "archive_endpoint", None) and getattr(args, "archive", None) is None:
+        raise ConfigError("--archive-endpoint needs --archive")
+    if scenario == "bad-update":
         from deltad.demo.rollout import check_flags
 
         check_flags(args)

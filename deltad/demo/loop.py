@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from deltad import output
-from deltad.demo import cpp
+from deltad.demo import archive, cpp
 from deltad.demo.checks import SERVING, TABLES, ZCH, run_checks
 from deltad.demo.procs import (
     Child,
@@ -38,6 +38,9 @@ class Demo:
         self.children = Children(self.work, self.logs)
         #: the children's environment (see :class:`Children`)
         self.env = self.children.env
+        #: ``--archive``'s store (None: no archive)
+        self.archive_url = archive.store_url(getattr(args, "archive", None), self.work)
+        self.archive_endpoint: str | None = getattr(args, "archive_endpoint", None)
 
     def discard(self, *, keep_logs: bool = False) -> str:
         """Remove the temporary work directory after an early end (see :class:`WorkDir`)."""
@@ -99,6 +102,8 @@ class Demo:
             self.follow_training(trainer, endpoints, logs)
             final_step = self.final_head_step(endpoints)
             self.settle(logs, final_step)
+            if self.archive_url is not None:
+                self.cold_start(endpoints)
             self.stop_predictors()
             for lg in logs.values():
                 lg.refresh()
@@ -131,6 +136,14 @@ class Demo:
         self.predictors.append(cpp.NAME)
         return True
 
+    def cold_start(self, endpoints: list[str]) -> None:
+        """Once every rank's archive holds its log: a predictor bootstraps from the store
+        (:mod:`deltad.demo.archive`), then pulls the tail from the sidecars and exits."""
+        assert self.archive_url is not None
+        archive.wait_archived(self.children, endpoints, self.args.settle_timeout)
+        argv = archive.consume_argv(self.archive_url, self.archive_endpoint, self.work, self.logs)
+        archive.run(self.children, argv, self.args.settle_timeout + 120.0)
+
     def trainer_argv(self) -> list[str]:
         a = self.args
         return [
@@ -157,6 +170,8 @@ class Demo:
             "--model", MODEL,
             "--rank", str(rank),
             "--listen", "127.0.0.1:0",
+            *(archive.serve_flags(self.archive_url, self.archive_endpoint)
+              if self.archive_url is not None else []),
         ]  # fmt: skip
 
     def consume_argv(self, name: str, extra: list[str]) -> list[str]:
@@ -290,6 +305,11 @@ class Demo:
                 failures.append(
                     f"{cpp.NAME} weights or forward differ from torchrec's quantization"
                 )
+        if self.archive_url is not None:
+            check = archive.check(self.work, self.logs, truth, self.archive_url)
+            lines.append(check.line)
+            if not check.ok:
+                failures.append(f"{archive.NAME} did not bootstrap from the archive bit-equal")
         return Report("\n".join([*out, *lines]), failures)
 
 
