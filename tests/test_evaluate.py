@@ -218,8 +218,18 @@ def test_a_sidecar_says_who_evaluates_and_the_newest_verdicts_in_status(
             assert main(["status", "--target", target]) == 0
         return out.getvalue()
 
+    labels = {"model": "m", "rank": "0"}
+
+    def gauges() -> tuple[float | None, float | None]:
+        get = srv.metrics.registry.get_sample_value
+        return (
+            get("deltad_evaluators_alive", labels),
+            get("deltad_evaluator_verdict_age_seconds", labels),
+        )
+
     try:
         assert "evaluator:" not in status_text()  # no evaluator ever ran: nothing said
+        assert gauges() == (0.0, -1.0)  # (DeltadEvaluatorDown stays quiet)
         store = VerdictStore(connect(redis_url), "m")
         store.put_first(Verdict("m", 1, 7, 5, FAIL, reasons=("ne",), by="eval-a",
                                 decided_unix=time.time()))  # fmt: skip
@@ -228,10 +238,14 @@ def test_a_sidecar_says_who_evaluates_and_the_newest_verdicts_in_status(
         text = status_text()
         assert "evaluator: eval-a alive" in text, text
         assert "step 7 (generation 1) vs release step 5: fail by eval-a" in text, text
+        alive, age = gauges()
+        assert alive == 1.0 and age is not None and 1.0 <= age < 30, (alive, age)
         store.r.delete(store.key("alive", "eval-a"))  # the evaluator died
         time.sleep(1.1)
         text = status_text()
         assert "evaluator: NONE alive: the fleet stays at the last release" in text, text
+        alive, age = gauges()  # what DeltadEvaluatorDown fires on
+        assert alive == 0.0 and age is not None and age > 2.0, (alive, age)
     finally:
         srv.stop(0)
 

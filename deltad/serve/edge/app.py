@@ -179,7 +179,19 @@ class SidecarServer:
         if self.rollout_store is not None:  # (a relay's Redis holds no evaluator records)
             from deltad.serve.state.evaluators import EvaluatorView
 
-            self.servicer.status.evaluators = EvaluatorView(self.store.client, cfg.model).state_json
+            view = EvaluatorView(self.store.client, cfg.model)
+            self.servicer.status.evaluators = view.state_json
+            self.metrics.track(
+                "deltad_evaluators_alive",
+                "Canary evaluators of the model alive (deltad evaluate: records unexpired in Redis)",
+                view.alive,
+            )
+            self.metrics.track(
+                "deltad_evaluator_verdict_age_seconds",
+                "Seconds since an evaluator's newest verdict (-1: none ever recorded): while it "
+                "grows, nothing new is released",
+                view.verdict_age_s,
+            )
         if self.archive is not None:
             self.archive.start(self.log, self.metrics)
             self.servicer.status.archive_lag = self.archive.lag

@@ -35,6 +35,10 @@ class EvaluatorView:
         self._json = ""
         self._read_at = -float("inf")
         self._failing = False
+        #: of the last read: evaluators alive, and when the newest verdict was reached (None:
+        #: no verdict ever recorded)
+        self._alive = 0
+        self._newest: float | None = None
 
     def state_json(self) -> str:
         """The JSON of ``evaluator_state`` ("" when no evaluator ever recorded anything)."""
@@ -64,6 +68,21 @@ class EvaluatorView:
             (k.decode() if isinstance(k, bytes) else str(k))[len(prefix) :]
             for k in self.r.scan_iter(match=prefix + "*", count=100)
         )
+        self._alive = len(alive)
+        decided = [float(v["decided_unix"]) for v in verdicts if v.get("decided_unix")]
+        self._newest = max(decided) if decided else None
         if not verdicts and not alive:
             return ""
         return json.dumps({"alive": alive, "verdicts": verdicts}, separators=(",", ":"))
+
+    def alive(self) -> int:
+        """Evaluators alive now (their records in Redis unexpired), as last read."""
+        self.state_json()
+        return self._alive
+
+    def verdict_age_s(self, now: float | None = None) -> float:
+        """Seconds since the newest verdict was reached; -1 if none was ever recorded."""
+        self.state_json()
+        if self._newest is None:
+            return -1.0
+        return max(0.0, (time.time() if now is None else now) - self._newest)
