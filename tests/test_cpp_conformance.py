@@ -8,8 +8,10 @@ themselves; the packed wires' own layouts), managed-collision lookup buffers equ
 the expected slot map, and its last commit on every rank the expected cursor. A hostile pull is
 refused: nothing of it applied or committed, the predictor keeps going and exits 0 when told.
 
-The ids forms (`ids`, `mc-ids`: the C++ predictor serves rows) and `dense` (its dense names
-are a trainer's, not an artifact's) are replayed by tests/test_conformance.py only.
+`dense` is replayed into a model that holds the vector's dense tensors under its names, with
+their dtypes (float32, float16, int64, bool), read by its forward: the C++ predictor must end
+holding each one's bytes. The ids forms (`ids`, `mc-ids`: the C++ predictor serves rows) are
+replayed by tests/test_conformance.py only.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ PACKED_SERVE = {
     "WIRE_DTYPE_PACKED_INT4": "int4",
     "WIRE_DTYPE_PACKED_FP16": "fp16",
 }
-NOT_HERE = {"ids", "mc-ids", "dense"}
+NOT_HERE = {"ids", "mc-ids"}
 NAMES = sorted(n for n in ALL if n not in NOT_HERE)
 
 pytestmark = [*cpp_marks, pytest.mark.timeout(300)]
@@ -66,6 +68,37 @@ class TablesModel(nn.Module):
         return torch.cat([out[k] for k in self.keys], dim=1)
 
 
+class DenseHolder(nn.Module):
+    """``inner``'s forward, plus the vector's dense tensors (zeros of their dtypes and shapes)
+    under the names it publishes them by, each read by the forward (a C++ applier skips the
+    tensors a forward does not read)."""
+
+    def __init__(self, inner: nn.Module, dense: list[dict[str, object]]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.names = [str(e["name"]) for e in dense]
+        for e in dense:
+            *parents, leaf = str(e["name"]).split(".")
+            owner: nn.Module = self
+            for part in parents:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            dtype = getattr(torch, str(e["dtype"]))
+            # (the vector records every tensor flat; a BatchNorm's counter is 0-dim, as sent)
+            shape = [] if leaf == "num_batches_tracked" else list(e["shape"])  # type: ignore[call-overload]
+            zeros = torch.zeros(shape, dtype=dtype)
+            # (parameters, not buffers: torchrec's tracer folds buffers it reads into constants)
+            owner.register_parameter(leaf, nn.Parameter(zeros, requires_grad=False))
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = self.inner(values, lengths)
+        over = getattr(self.over, "0")
+        extra = over.weight.sum() + over.bias.float().sum()
+        extra = extra + self.bn.num_batches_tracked.float().sum() + self.mask.float().sum()
+        return out + extra * 0.0
+
+
 def _dims(v: vf.Vector) -> dict[str, tuple[int, int]]:
     return {
         e["name"]: (e["shape"][0], _dim_of(v, e["name"])) for e in v.manifest["expected"]["tables"]
@@ -86,7 +119,10 @@ def quantized(v: vf.Vector) -> nn.Module:
     if _mc(v):
         return quantize_model(SmallModel().eval(), "int8")
     dtype = PACKED_SERVE.get(v.manifest["request"]["dtype"], "fp32")
-    return quantize_model(TablesModel(_dims(v)).eval(), dtype)
+    q = quantize_model(TablesModel(_dims(v)).eval(), dtype)
+    if v.manifest["request"].get("with_dense"):
+        return DenseHolder(q, v.manifest["expected"]["dense"])
+    return q
 
 
 def artifact(v: vf.Vector, q: nn.Module, path: Path) -> Path:
@@ -131,7 +167,8 @@ def predictor_argv(v: vf.Vector, srv: ReplayServer, art: Path, state: Path) -> l
         v.manifest["model"], "--consumer", v.name, "--artifact", str(art),
         "--form", form, "--wire-dtype",
         req["dtype"].removeprefix("WIRE_DTYPE_").lower().replace("_", "-"),
-        "--no-dense", "--long-poll", "0", "--interval", "0.05", "--rpc-deadline", "10",
+        *([] if req.get("with_dense") else ["--no-dense"]),
+        "--long-poll", "0", "--interval", "0.05", "--rpc-deadline", "10",
         "--max-retries", "3", "--pulls", str(len(v.manifest["pulls"]) + 2),
         "--final-state", str(state),
     ]  # fmt: skip
@@ -155,6 +192,13 @@ def test_the_cpp_client_reaches_each_vectors_state(name: str, tmp_path: Path) ->
         for n, want in expected_rows(v, q).items():
             held = got[f"table.{n}"]
             assert held.shape == want.shape and torch.equal(held, want), (name, n)
+        moved = 0  # (the artifact holds zeros: what the vector sends must have moved some)
+        for e in v.manifest["expected"]["dense"]:  # every dense tensor's bytes and dtype
+            want = torch.from_numpy(vf.read_array(v.root, e).copy())
+            held = got[f"attr.{e['name']}"].reshape(want.shape)  # (its attribute: its name)
+            assert held.dtype == want.dtype and torch.equal(held, want), (name, e["name"])
+            moved += not torch.equal(want, torch.zeros_like(want))
+        assert moved or not v.manifest["expected"]["dense"], name
         if _mc(v):
             raw = torch.from_numpy(expected(v, "slots")["zch"].astype(np.int64))
             sorted_raw, mapping = lookup_buffers(raw, 0)
