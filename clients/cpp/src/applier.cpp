@@ -258,10 +258,15 @@ ApplyStats ModelApplier::apply(const std::vector<RankDelta>& deltas) {
       bool whole = s.col_start == 0 && s.col_end == s.dim;
       if (d.resync) resynced.insert(it->second);
       size_t n = s.ids.size();
-      for (int64_t id : s.ids)
-        if (id < 0 || id >= spec.num_rows)
-          throw ApplyError("table " + s.table + ": row id " + std::to_string(id) +
-                           " out of range [0, " + std::to_string(spec.num_rows) + ")");
+      // every id in [0, num_rows): one branch-free pass (the op writes where an id points),
+      // then the first offender named
+      uint64_t bad = 0;
+      for (int64_t id : s.ids) bad |= uint64_t(id < 0) | uint64_t(id >= spec.num_rows);
+      if (bad)
+        for (int64_t id : s.ids)
+          if (id < 0 || id >= spec.num_rows)
+            throw ApplyError("table " + s.table + ": row id " + std::to_string(id) +
+                             " out of range [0, " + std::to_string(spec.num_rows) + ")");
       if (!whole) {  // a column slice: merged below (the shadow), once the window is checked
         if (spec.mc)
           throw ApplyError("table " + s.table +
