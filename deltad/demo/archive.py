@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from deltad.demo.checks import Check
-from deltad.demo.procs import Children, DemoFailed
+from deltad.demo.procs import Children, DemoFailed, statuses
 
 __all__ = ["NAME", "check", "consume_argv", "serve_flags", "store_url", "wait_archived"]
 
@@ -38,21 +38,10 @@ def serve_flags(url: str, endpoint: str | None) -> list[str]:
 
 def wait_archived(children: Children, endpoints: list[str], timeout_s: float) -> None:
     """Wait (bounded) until every sidecar says its archive holds its whole served log."""
-    import grpc
-
-    from deltad.v1 import delta_pb2 as pb
-    from deltad.v1 import delta_pb2_grpc as pb_grpc
 
     def caught_up() -> bool:
-        for ep in endpoints:
-            with grpc.insecure_channel(ep) as ch:
-                try:
-                    s = pb_grpc.DeltaServiceStub(ch).Status(pb.StatusRequest(), timeout=5.0)
-                except grpc.RpcError:
-                    return False
-            if not s.archive or s.archive_lag_segments != 0:
-                return False
-        return True
+        got = statuses(endpoints)
+        return got is not None and all(s.archive and s.archive_lag_segments == 0 for s in got)
 
     children.wait_until(caught_up, timeout_s, "the archive to hold every rank's log")
 

@@ -17,6 +17,7 @@ from deltad.demo.procs import (
     Children,
     DemoFailed,
     WorkDir,
+    statuses,
     wait_serving,
 )
 from deltad.demo.report import PredictorLog, Report, traffic_lines
@@ -219,22 +220,10 @@ class Demo:
 
     def head_step(self, endpoints: list[str]) -> int | None:
         """The lowest head step over ranks (what an aligned consumer can serve), or None."""
-        import grpc
-
-        from deltad.v1 import delta_pb2 as pb
-        from deltad.v1 import delta_pb2_grpc as pb_grpc
-
-        steps = []
-        for ep in endpoints:
-            with grpc.insecure_channel(ep) as ch:
-                try:
-                    s = pb_grpc.DeltaServiceStub(ch).Status(pb.StatusRequest(), timeout=5.0)
-                except grpc.RpcError:
-                    return None
-                if s.head_seq < 0:
-                    return None
-                steps.append(int(s.head_step))
-        return min(steps) if steps else None
+        got = statuses(endpoints)
+        if not got or any(s.head_seq < 0 for s in got):
+            return None
+        return min(int(s.head_step) for s in got)
 
     def final_head_step(self, endpoints: list[str]) -> int:
         """The step of the trainer's final segment, once every sidecar has indexed it."""

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from deltad.errors import ConfigError
 from deltad.parent import PARENT_PID_ENV
@@ -218,3 +219,22 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def statuses(endpoints: Sequence[str], timeout_s: float = 5.0) -> list[Any] | None:
+    """Every sidecar's StatusResponse, in order; None if one does not answer."""
+    import grpc
+
+    from deltad.v1 import delta_pb2 as pb
+    from deltad.v1 import delta_pb2_grpc as pb_grpc
+
+    out = []
+    for ep in endpoints:
+        with grpc.insecure_channel(ep) as ch:
+            try:
+                out.append(
+                    pb_grpc.DeltaServiceStub(ch).Status(pb.StatusRequest(), timeout=timeout_s)
+                )
+            except grpc.RpcError:
+                return None
+    return out
