@@ -456,26 +456,28 @@ DIM = 16
 ZCH_REF_SLOTS = 48  # (raw ids 20x that: the trainer evicts all along)
 
 
-def serving_config() -> Any:
+def serving_config(dtype: str = "int8") -> Any:
     from deltad.reference.consumers.serving import ServingConfig
 
     return ServingConfig(
-        dtype="int8", tables=TABLES, seq_rows=SEQ_ROWS, dim=DIM, zch_slots=ZCH_REF_SLOTS
+        dtype=dtype, tables=TABLES, seq_rows=SEQ_ROWS, dim=DIM, zch_slots=ZCH_REF_SLOTS
     )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world_size", "sharding", "wire", "seeds", "extra", "kill"),
+    ("world_size", "sharding", "wire", "seeds", "extra", "kill", "serve"),
     [
-        (1, {}, "fp32", (3, 4), (), False),
-        (1, {}, "fp32", (5,), ("--form", "topk", "--k", "7"), False),
-        (2, {"t0": "tw", "t1": "rw", "seq": "rw"}, "packed-int8", (3,), (), True),
+        (1, {}, "fp32", (3, 4), (), False, "int8"),
+        (1, {}, "fp32", (5,), ("--form", "topk", "--k", "7"), False, "int8"),
+        (2, {"t0": "tw", "t1": "rw", "seq": "rw"}, "packed-int8", (3,), (), True, "int8"),
         # t1 column-wise over both ranks: its column slices travel as fp32 and are merged in
         # the applier's float shadow, each row packed once every column of it is known
-        (2, {"t0": "rw", "t1": "cw", "seq": "rw"}, "packed-int8", (6,), (), False),
+        (2, {"t0": "rw", "t1": "cw", "seq": "rw"}, "packed-int8", (6,), (), False, "int8"),
+        # an fp32 serving model (torchrec's fp32 TBE), column slices written as they come
+        (2, {"t0": "tw", "t1": "cw", "seq": "rw"}, "fp32", (7,), (), False, "fp32"),
     ],
-    ids=["ws1-fp32-restart", "ws1-topk", "ws2-packed-kill9", "ws2-cw-packed"],
+    ids=["ws1-fp32-restart", "ws1-topk", "ws2-packed-kill9", "ws2-cw-packed", "ws2-fp32-serving"],
 )
 def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
     tmp_path: Path,
@@ -486,10 +488,12 @@ def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
     seeds: tuple[int, ...],
     extra: tuple[str, ...],
     kill: bool,
+    serve: str,
 ) -> None:
     """A C++ predictor started before the trainer's first segment follows a real multi-rank
     trainer (its managed-collision table admitting and evicting all along) while answering
-    forwards, and ends bit-exact with the trainer's final model quantized by torchrec (int8):
+    forwards, and ends bit-exact with the trainer's final model quantized by torchrec (int8;
+    fp32 in one case):
     every table's bytes, the MC lookup buffers, the dense weights and the forward. With two
     seeds the trainer restarts (a new generation, other weights) and the predictor follows it
     there too. Top-k: rows are owed, then paid. ``kill``: the predictor is killed (-9) while the
@@ -498,7 +502,7 @@ def test_cpp_predictor_follows_the_reference_trainer_bit_exact(
 
     from deltad.consume.export import export_reference
 
-    cfg = serving_config()
+    cfg = serving_config(serve)
     art = tmp_path / "model.pt"
     export_reference(cfg, art)  # the model code's weights: every one comes from deltad
     spool = tmp_path / "spool"
