@@ -139,3 +139,83 @@ def test_deltad_consume_bootstrap_from_cold_starts_from_the_store_bit_equal(
             assert torch.equal(tables[t], spool.truth[t]), t
     finally:
         srv.stop(0)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("s3_env")
+def test_a_predictor_killed_during_its_cold_start_loses_nothing(
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    seaweed: Seaweed,  # noqa: F811
+) -> None:
+    """kill -9 of `deltad consume --bootstrap-from` inside its cold start (a first run times
+    it: the kills land at a quarter, half and three quarters of it, while it reads the store,
+    asks the sidecar for its ids or applies): the next one of the same name cold-starts again
+    or goes on from what was committed, and ends bit-equal with the trainer, who went on
+    publishing meanwhile."""
+    import time
+
+    root = tmp_path / "spool"
+    spool = SpoolWriter(root, tables={"t0": (300_000, 32), "t1": (100_000, 32)})  # ~50 MB
+    url = archive_url()
+    srv = cli_sidecar(
+        "--spool", str(root), "--model", MODEL, "--listen", "127.0.0.1:0",
+        "--redis-url", redis_server.url, "--archive", url, "--archive-endpoint", seaweed.endpoint,
+    )  # fmt: skip
+    env = child_env()
+    env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    final = tmp_path / "final.pt"
+
+    def consume(name: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                sys.executable, "-m", "deltad.commands.main", "consume", "--consumer", name,
+                "--model", MODEL, "--sidecar", f"127.0.0.1:{srv.port}", "--pulls", "2",
+                "--bootstrap-from", url, "--bootstrap-endpoint", seaweed.endpoint,
+                "--final-tables", str(final),
+            ],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+
+    def archived() -> None:
+        store = open_store(url, endpoint=seaweed.endpoint)
+        try:
+            wait_for(
+                lambda: (
+                    (m := read_manifest(store, MODEL, 0)) is not None and m.head.seq == spool.seq
+                ),
+                30,
+                "the archive",
+            )
+        finally:
+            store.close()
+
+    try:
+        spool.delta()
+        archived()
+        # a first run, timed: when its cold start ended (its line), and how long it took
+        t0 = time.monotonic()
+        p = consume("timing")
+        assert p.stdout is not None
+        ended = took = None
+        for line in p.stdout:
+            m = re.search(r"cold start from .* bytes in (\d+) ms", line)
+            if m:
+                ended, took = time.monotonic() - t0, int(m.group(1)) / 1000
+        assert p.wait(60) == 0 and ended is not None and took is not None
+        began = ended - took
+        for f in (0.25, 0.5, 0.75):
+            p = consume("cold")
+            time.sleep(began + f * took)
+            p.kill()
+            p.wait(30)
+            spool.delta()  # the trainer goes on
+            archived()
+        p = consume("cold")
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+        tables = torch.load(final, weights_only=True)
+        for t in spool.specs:
+            assert torch.equal(tables[t], spool.truth[t]), t
+    finally:
+        srv.stop(0)
