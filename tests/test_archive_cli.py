@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,14 @@ from deltad.errors import ConfigError
 from deltad.serve.archive.fetch import read_manifest
 from deltad.serve.archive.opening import open_store
 from deltad.store import EmbeddedRedis
+
+
+def _archiving(root: Path, redis: EmbeddedRedis, url: str, s3: Seaweed) -> Any:
+    """`deltad serve --archive URL --archive-endpoint` of ``root`` (in process, its CLI)."""
+    return cli_sidecar(
+        "--spool", str(root), "--model", MODEL, "--listen", "127.0.0.1:0",
+        "--redis-url", redis.url, "--archive", url, "--archive-endpoint", s3.endpoint,
+    )  # fmt: skip
 
 
 def _serve(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -104,10 +113,7 @@ def test_deltad_consume_bootstrap_from_cold_starts_from_the_store_bit_equal(
     root = tmp_path / "spool"
     spool = SpoolWriter(root, tables={"t0": (3000, 32), "t1": (800, 16)})
     url = archive_url()
-    srv = cli_sidecar(
-        "--spool", str(root), "--model", MODEL, "--listen", "127.0.0.1:0",
-        "--redis-url", redis_server.url, "--archive", url, "--archive-endpoint", seaweed.endpoint,
-    )  # fmt: skip
+    srv = _archiving(root, redis_server, url, seaweed)
     try:
         for _ in range(3):
             spool.delta()
@@ -158,10 +164,7 @@ def test_a_predictor_killed_during_its_cold_start_loses_nothing(
     root = tmp_path / "spool"
     spool = SpoolWriter(root, tables={"t0": (300_000, 32), "t1": (100_000, 32)})  # ~50 MB
     url = archive_url()
-    srv = cli_sidecar(
-        "--spool", str(root), "--model", MODEL, "--listen", "127.0.0.1:0",
-        "--redis-url", redis_server.url, "--archive", url, "--archive-endpoint", seaweed.endpoint,
-    )  # fmt: skip
+    srv = _archiving(root, redis_server, url, seaweed)
     env = child_env()
     env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     final = tmp_path / "final.pt"
