@@ -96,6 +96,8 @@ class DeltaConsumer:
         self.refusals = 0
         self.refusals_total = 0
         self._retry_at = 0.0
+        #: rank -> (generation, seq, step) this consumer holds (:meth:`hold`)
+        self._held: dict[int, tuple[int, int, int]] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -336,7 +338,12 @@ class DeltaConsumer:
             raise ConsumerError(f"a refused pull is never committed ({result.refused})")
         if result.deltas:
             self.refusals = 0
-        todo = {d.rank: d.cursor for d in result.deltas if not d.committed and _worth(d)}
+        # (a held state's window moves nothing, but its cursor is why it was pulled: hold())
+        todo = {
+            d.rank: d.cursor
+            for d in result.deltas
+            if not d.committed and (_worth(d) or d.rank in self._held)
+        }
         for d in result.deltas:
             if d.resync:  # applied: the caller's tables now hold this rank's full tables
                 self._ranks[d.rank].needs_base = False
@@ -461,9 +468,20 @@ class DeltaConsumer:
         result.source_unix = align.source_unix(heads, result.step)
         return result
 
+    def hold(self, generation: int, heads: dict[int, tuple[int, int]]) -> None:
+        """Pulls name the state each rank's tables hold (``heads``: rank -> (seq, step) of
+        ``generation``; GetDeltaRequest.holding): a cold start's, read from the archive. A
+        sidecar serves the window from it, with no rows when nothing is newer; one without
+        the field serves the request as if it were not named (deltad.consume.coldstart checks
+        the windows either way)."""
+        self._held = {rank: (generation, seq, step) for rank, (seq, step) in heads.items()}
+
     def _request(self, r: RankLink, max_step: int | None) -> pb.GetDeltaRequest:
         req = wire.request_from_options(self.config.consumer, self.config.pull)
         req.from_base = r.needs_base
+        if r.rank in self._held:
+            gen, seq, step = self._held[r.rank]
+            req.holding.generation, req.holding.seq, req.holding.step = gen, seq, step
         if self.config.align_steps:
             req.auto_commit = False  # committed by _pull_aligned once every rank agreed
         if max_step is not None:

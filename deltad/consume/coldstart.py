@@ -16,9 +16,11 @@ rank: what a sidecar bootstrap of that step delivers (fp32 values, a managed-col
 raw ids, rank 0's dense state at or before the step).
 
 Cursors: a sidecar moves a consumer's cursor only by a commit of a pull it issued. So
-:func:`cold_start` first asks each sidecar for the ids of the same step (``FORM_IDS``,
-``from_base``, ``max_step``: no row values, 8 bytes a row instead of the row) and checks that
-every rank's window ends exactly at the archived (generation, seq, step); only then does it
+:func:`cold_start` first pulls from each sidecar naming the archived state it holds
+(``GetDeltaRequest.holding``: the sidecar answers an empty window at it, no rows and no window
+built; a sidecar without the field answers the ids of that step instead: ``FORM_IDS``,
+``from_base``, ``max_step``, 8 bytes a row) and checks that every rank's window ends exactly at
+the archived (generation, seq, step); only then does it
 apply the archived state and commit those cursors. Any disagreement (the sidecar's log moved
 to another generation, a step merged away, a consumer committed past the archive) raises
 :class:`ColdStartUnavailable` before anything is applied: the caller bootstraps from the
@@ -289,6 +291,11 @@ def cold_start(config: ConsumerConfig, applier: object) -> ArchivedState:
         ),
     )
     with DeltaConsumer(ids_only) as handshake:
+        # the archived state named (GetDeltaRequest.holding): a sidecar that knows the field
+        # answers with an empty window at it (no rows, no window built); one that does not,
+        # with the ids of its base up to that step (8 bytes a row). Both end at the archived
+        # state, or the cold start is not taken.
+        handshake.hold(state.generation, state.heads)
         got = handshake.pull()
         if got.missing or len(got.deltas) != len(state.deltas):
             raise ColdStartUnavailable(f"ranks did not answer: {got.missing}")

@@ -73,8 +73,18 @@ class Cursor(_message.Message):
     pull_id: str
     def __init__(self, consumer: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., step: _Optional[int] = ..., pull_id: _Optional[str] = ...) -> None: ...
 
+class HeldState(_message.Message):
+    __slots__ = ("generation", "seq", "step")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    seq: int
+    step: int
+    def __init__(self, generation: _Optional[int] = ..., seq: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
 class GetDeltaRequest(_message.Message):
-    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment", "with_dense", "no_generation_diff", "resume", "mirror")
+    __slots__ = ("consumer", "form", "k", "fraction", "tables", "max_rows", "dtype", "auto_commit", "max_step", "chunk_bytes", "from_base", "row_alignment", "with_dense", "no_generation_diff", "resume", "holding", "mirror")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     FORM_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +100,7 @@ class GetDeltaRequest(_message.Message):
     WITH_DENSE_FIELD_NUMBER: _ClassVar[int]
     NO_GENERATION_DIFF_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_FIELD_NUMBER: _ClassVar[int]
     MIRROR_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     form: Form
@@ -106,8 +117,9 @@ class GetDeltaRequest(_message.Message):
     with_dense: bool
     no_generation_diff: bool
     resume: StreamResume
+    holding: HeldState
     mirror: bool
-    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ..., no_generation_diff: _Optional[bool] = ..., resume: _Optional[_Union[StreamResume, _Mapping]] = ..., mirror: _Optional[bool] = ...) -> None: ...
+    def __init__(self, consumer: _Optional[str] = ..., form: _Optional[_Union[Form, str]] = ..., k: _Optional[int] = ..., fraction: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., max_rows: _Optional[int] = ..., dtype: _Optional[_Union[WireDtype, str]] = ..., auto_commit: _Optional[bool] = ..., max_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., from_base: _Optional[bool] = ..., row_alignment: _Optional[int] = ..., with_dense: _Optional[bool] = ..., no_generation_diff: _Optional[bool] = ..., resume: _Optional[_Union[StreamResume, _Mapping]] = ..., holding: _Optional[_Union[HeldState, _Mapping]] = ..., mirror: _Optional[bool] = ...) -> None: ...
 
 class StreamResume(_message.Message):
     __slots__ = ("generation", "to_seq", "messages", "from_seq")

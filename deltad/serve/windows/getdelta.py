@@ -196,6 +196,9 @@ class WindowServer:
         ask = WindowAsk.of(req)
         ask = replace(ask, max_step=lower(ask.max_step, max_step))
         view = LogView.of(snap)
+        if req.HasField("holding"):  # a cold start: the window from the state it holds
+            stored = self._held(req, stored, view, max_step, context)
+            ask = replace(ask, from_base=False)
         decision = decide_window(
             ask, stored, view, *self.source.gendiff.previous(), rollback=cap.rollback
         )
@@ -222,6 +225,37 @@ class WindowServer:
         if decision.refusal:
             self._refuse(context, consumer, grpc.StatusCode.UNAVAILABLE, decision.refusal)
         return decision
+
+    def _held(
+        self,
+        req: pb.GetDeltaRequest,
+        stored: StoredCursor | None,
+        view: LogView,
+        max_step: int | None,
+        context: grpc.ServicerContext,
+    ) -> StoredCursor:
+        """The cursor a cold start's ``holding`` stands for (GetDeltaRequest.holding): the
+        state it names, if this log holds it, the consumer has not committed past it and its
+        release cap allows it; FAILED_PRECONDITION otherwise (nothing recorded)."""
+        h, consumer = req.holding, req.consumer
+        at = dict(view.entries)
+        why = ""
+        if h.generation != view.generation:
+            why = f"generation {h.generation} is not the served {view.generation}"
+        elif h.seq < view.base_seq or h.seq not in at:
+            why = f"seq {h.seq} is not a state this log holds (base {view.base_seq})"
+        elif at[h.seq] != h.step:
+            why = f"seq {h.seq} is step {at[h.seq]} here, not {h.step}"
+        elif stored is not None and stored.generation == h.generation and stored.seq > h.seq:
+            why = f"consumer {consumer!r} has committed past it (seq {stored.seq})"
+        elif max_step is not None and h.step > max_step:
+            why = f"step {h.step} is past the consumer's release cap (step {max_step})"
+        if why:
+            self._refuse(
+                context, consumer, grpc.StatusCode.FAILED_PRECONDITION, f"held state: {why}"
+            )
+        epoch = stored.rollback_epoch if stored is not None else 0
+        return StoredCursor(int(h.generation), int(h.seq), int(h.step), rollback_epoch=epoch)
 
     def _refuse(
         self, context: grpc.ServicerContext, consumer: str, code: grpc.StatusCode, why: str

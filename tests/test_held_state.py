@@ -1,0 +1,111 @@
+"""GetDeltaRequest.holding (a cold start's zero-byte handshake) against a real sidecar: a pull
+that names a state the log holds gets the window from it (no rows when nothing is newer; the
+rows after it otherwise), and its cursor commits; a state the log cannot serve from is refused
+with FAILED_PRECONDITION and nothing recorded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from serverkit import Client, SpoolWriter, client, sidecar, spool, wait_for  # noqa: F401
+from test_rollback import Release
+
+from deltad.serve.edge.app import SidecarServer
+from deltad.v1 import delta_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _held(sp: SpoolWriter, seq: int) -> pb.HeldState:
+    return pb.HeldState(generation=sp.generation, seq=seq, step=10 * seq)  # (its steps)
+
+
+def _served(srv: SidecarServer, seq: int) -> None:
+    wait_for(lambda: (s := srv.log.snapshot()) is not None and s.head.seq == seq, 10)
+
+
+def test_a_named_held_state_gets_an_empty_window_at_it_whose_cursor_commits(
+    spool: SpoolWriter,  # noqa: F811
+    sidecar: SidecarServer,  # noqa: F811
+    client: Client,  # noqa: F811
+) -> None:
+    for _ in range(3):
+        spool.delta()
+    head = spool.seq
+    _served(sidecar, head)
+    # the state at seq 2, pulled up to its own step: no rows, the cursor at it
+    d = client.pull("cold", holding=_held(spool, 2), max_step=20, from_base=True)
+    assert not d.resync and d.rows == 0 and (d.from_seq, d.to_seq) == (2, 2)
+    assert client.commit(d).committed
+    # the next pull is the tail after it: seq 3 only
+    nxt = client.pull("cold")
+    assert not nxt.resync and (nxt.from_seq, nxt.to_seq) == (2, head) and nxt.rows > 0
+    # held state named without max_step: the rows after it, up to the head
+    d2 = client.pull("other", holding=_held(spool, 1))
+    assert not d2.resync and (d2.from_seq, d2.to_seq) == (1, head) and d2.rows > 0
+
+
+@pytest.mark.parametrize(
+    ("what", "says"),
+    [
+        ("generation", "generation 7 is not the served 1"),
+        ("seq", "seq 9 is not a state this log holds"),
+        ("step", "not 12345"),
+        ("past", "has committed past it"),
+    ],
+)
+def test_a_held_state_the_log_cannot_serve_from_is_refused(
+    spool: SpoolWriter,  # noqa: F811
+    sidecar: SidecarServer,  # noqa: F811
+    client: Client,  # noqa: F811
+    what: str,
+    says: str,
+) -> None:
+    for _ in range(3):
+        spool.delta()
+    _served(sidecar, spool.seq)
+    held = _held(spool, 2)
+    if what == "generation":
+        held.generation = 7
+    elif what == "seq":
+        held.seq = 9
+    elif what == "step":
+        held.step = 12345
+    else:  # the consumer committed the head already
+        client.commit(client.pull("c-past"))
+    with pytest.raises(grpc.RpcError) as e:
+        client.pull("c-past" if what == "past" else f"c-{what}", holding=held)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert says in (e.value.details() or ""), e.value.details()
+
+
+def test_a_held_state_past_the_release_cap_is_refused(
+    tmp_path: Path,
+    redis_url: str,
+) -> None:
+    """A cold start must not serve a predictor a step the fleet is not released to."""
+    from serverkit import server_config
+
+    sp = SpoolWriter(tmp_path / "spool")
+    for _ in range(3):
+        sp.delta()
+    release = Release(redis_url)
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_url, grace_period_s=0.2)).start()
+    c = Client(f"127.0.0.1:{srv.port}")
+    try:
+        release.watch(srv)
+        _served(srv, sp.seq)
+        from dataclasses import replace
+
+        release.change(lambda st: replace(st, release_step=10, held=True))
+        with pytest.raises(grpc.RpcError) as e:
+            c.pull("cold", holding=_held(sp, 3))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "past the consumer's release cap" in (e.value.details() or "")
+        d = c.pull("cold", holding=_held(sp, 1))  # the released state itself is fine
+        assert not d.resync and d.to_seq == 1
+    finally:
+        c.close()
+        srv.stop(0)
