@@ -15,7 +15,8 @@ evaluator's CPU seconds (``/proc/<pid>/stat``) per verdict; failed verdicts on a
 (false holds). Corruptions: labels flipped at fractions ``--fractions``, and the first table
 fed the second's ids.
 
-    python -m bench.eval [--healthy-seconds 1800] [--json bench/results/eval.json]
+    python -m bench.eval [--healthy-seconds 1800] [--repeats 5] [--only healthy,labels,feature]
+        [--json bench/results/eval.json]
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK
+
+
+def every_verdict(store: Any) -> list[Any]:
+    """Every verdict the evaluators recorded, by step (the per-step keys, not the bounded list
+    of recent ones: a 30-minute run has thousands)."""
+    from deltad.evaluate.record import Verdict
+
+    keys = list(store.r.scan_iter(match=store.key("verdict", "*"), count=1000))
+    raw = [x for x in store.r.mget(keys) if x] if keys else []
+    return sorted((Verdict.from_json(x) for x in raw), key=lambda v: (v.generation, v.step))
 
 
 def run_once(
@@ -129,7 +140,7 @@ def run_once(
         stop.set()
         watcher.join(10)
         cpu = _cpu_s(ev.pid)
-        verdicts = sorted(store.recent(200), key=lambda v: v.step)
+        verdicts = every_verdict(store)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -180,6 +191,32 @@ def run_once(
     }
 
 
+def _spread(xs: list[float]) -> dict[str, Any]:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Item 7 over the repeats: medians with their range (the range is the noise line)."""
+    out: dict[str, Any] = {}
+    for name, reps in runs.items():
+        out[name] = {
+            "repeats": len(reps),
+            "false_holds": sum(r["false_holds"] for r in reps),
+            "verdicts": sum(r["verdicts"] for r in reps),
+            "caught": sum(r["detected_step"] is not None for r in reps),
+            "released_corrupt": sum(bool(r["released_corrupt_steps"]) for r in reps),
+            "corrupt_publish_to_hold_s": _spread([r["corrupt_publish_to_hold_s"] for r in reps]),
+            "steps_to_detect": _spread([r["steps_to_detect"] for r in reps]),
+            "release_lag_p50_s": _spread([r["release_lag_p50_s"] for r in reps]),
+            "release_lag_p99_s": _spread([r["release_lag_p99_s"] for r in reps]),
+            "cpu_s_per_verdict": _spread([r["cpu_s_per_verdict"] for r in reps]),
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=400)
@@ -189,36 +226,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bad-step", type=int, default=30)
     p.add_argument("--fractions", default="0.1,0.25,0.5,1.0")
     p.add_argument("--release-delay", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=1, help="runs of each corruption")
+    p.add_argument(
+        "--only", default="healthy,labels,feature",
+        help="which runs: healthy, labels (one per fraction), feature",
+    )  # fmt: skip
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    runs: dict[str, Any] = {}
+    only = set(a.only.split(","))
+    plan: list[tuple[str, float, list[str]]] = []
+    if "healthy" in only:
+        plan.append(("healthy", a.healthy_seconds, []))
+    for _ in range(a.repeats):
+        if "labels" in only:
+            for f in a.fractions.split(","):
+                plan.append(
+                    (
+                        f"labels-{f}",
+                        a.seconds,
+                        ["--corrupt-labels-from-step", str(a.bad_step), "--corrupt-fraction", f],
+                    )
+                )
+        if "feature" in only:
+            plan.append(("feature", a.seconds, ["--corrupt-feature-from-step", str(a.bad_step)]))
+    runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         base = dict(
             rows=a.rows, publish_every=a.publish_every, bad_step=a.bad_step,
             release_delay=a.release_delay,
         )  # fmt: skip
-        runs["healthy"] = run_once(Path(tmp) / "healthy", seconds=a.healthy_seconds,
-                                   corrupt=[], **base)  # type: ignore[arg-type]  # fmt: skip
-        print(json.dumps({"healthy": runs["healthy"]}), flush=True)
-        for f in a.fractions.split(","):
-            name = f"labels-{f}"
-            runs[name] = run_once(
-                Path(tmp) / name, seconds=a.seconds,
-                corrupt=["--corrupt-labels-from-step", str(a.bad_step), "--corrupt-fraction", f],
-                **base,  # type: ignore[arg-type]
-            )  # fmt: skip
-            print(json.dumps({name: runs[name]}), flush=True)
-        runs["feature"] = run_once(
-            Path(tmp) / "feature", seconds=a.seconds,
-            corrupt=["--corrupt-feature-from-step", str(a.bad_step)], **base,  # type: ignore[arg-type]
-        )  # fmt: skip
-        print(json.dumps({"feature": runs["feature"]}), flush=True)
-    caught = [k for k, r in runs.items() if k != "healthy" and r["detected_step"] is not None]
-    out = {"runs": runs, "caught": caught, "config": dataclasses.asdict(_Cfg(**vars(a)))}
+        for i, (name, seconds, corrupt) in enumerate(plan):
+            r = run_once(Path(tmp) / f"{name}-{i}", seconds=seconds, corrupt=corrupt,
+                         **base)  # type: ignore[arg-type]  # fmt: skip
+            runs.setdefault(name, []).append(r)
+            print(json.dumps({name: {k: v for k, v in r.items() if k != "judged"}}), flush=True)
+    caught = [k for k, reps in runs.items() if k != "healthy" and all(
+        r["detected_step"] is not None for r in reps)]  # fmt: skip
+    out = {
+        "summary": summarize(runs), "runs": runs, "caught": caught,
+        "config": dataclasses.asdict(_Cfg(**vars(a))),
+    }  # fmt: skip
     text = json.dumps(out, indent=2, default=str)
     if a.json:
         a.json.write_text(text)
-    print(text)
+    print(json.dumps(out["summary"], indent=2, default=str))
     return 0
 
 
@@ -231,6 +282,8 @@ class _Cfg:
     bad_step: int
     fractions: str
     release_delay: float
+    repeats: int
+    only: str
     json: Path | None
 
 

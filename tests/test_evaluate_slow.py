@@ -18,12 +18,13 @@ import pytest
 import torch
 from evalkit import SHAPE, TABLES, Follower, evaluator, golden, kill, sidecars, trainer
 from spoolkit import child_env, wait_for
-from test_relay import predictor
+from test_relay import db, predictor, start_relay
 from test_rollout import A, rollout, status
 
 from deltad.consume.quant import QuantApplier, quant_tables, quantize_model
 from deltad.evaluate.record import VerdictStore
 from deltad.evaluate.scoring import reference_model
+from deltad.serve.relay.server import RelayServer
 from deltad.store.client import connect
 
 pytestmark = [
@@ -37,13 +38,20 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
 ) -> None:
     """Passing steps are released; flipped labels from step 24 pass the norm gate but fail
     NE: the fleet holds at the last good step, the canary group rolls back to it (its tables
-    bit-equal to the evaluator's release copy), no other predictor ever gets a bad step."""
+    bit-equal to the evaluator's release copy), no other predictor ever gets a bad step. The
+    same holds for predictors behind a relay per rank (the evaluator acts at the sidecars; the
+    relays follow the release state): a main predictor there never gets a bad step, an int8
+    canary there rolls back bit-exact."""
     bad = 24
     golden(tmp_path)
     followers: list[Follower] = []
+    relays: list[RelayServer] = []
     ev = train = None
     try:
         with sidecars(tmp_path, redis_url) as eps:
+            relays = [start_relay(e, tmp_path / f"relay-{r}", r, db(redis_url, r + 1))
+                      for r, e in enumerate(eps)]  # fmt: skip
+            reps = [x.endpoint for x in relays]
             rollout(eps[0], A.ROLLOUT_CANARY, group="pred-canary-*")
             ev = evaluator(tmp_path, redis_url, eps)
             train = trainer(
@@ -55,11 +63,12 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
             held0 = rollout(eps[0], A.ROLLOUT_STATUS).release_step
             assert held0 is not None and held0 < bad  # held at the head it found
             main, canary = predictor("pred-1", eps), predictor("pred-canary-1", eps)
-            canary_q = predictor("pred-canary-q", eps)  # int8 serving: a quantized model
-            with main, canary, canary_q:
-                fm, fc = Follower(main), Follower(canary)
+            main_r = predictor("pred-2", reps)  # behind the relays
+            canary_q = predictor("pred-canary-q", reps)  # int8 serving, behind the relays
+            with main, canary, canary_q, main_r:
+                fm, fc, fr = Follower(main), Follower(canary), Follower(main_r)
                 fq = Follower(canary_q, QuantApplier(quantize_model(reference(), "int8")))
-                followers += [fm, fc, fq]
+                followers += [fm, fc, fq, fr]
                 t = threading.Thread(target=ev.run, daemon=True)
                 t.start()
                 assert train.wait(240) == 0, train.stderr.read().decode() if train.stderr else ""
@@ -95,11 +104,16 @@ def test_good_steps_are_released_and_corrupt_labels_hold_and_roll_the_canaries_b
                 g = tmp_path / "golden.jsonl"
                 assert (tmp_path / "golden-trainer.jsonl").read_bytes() == g.read_bytes()
                 # nobody outside the canary group was ever served a corrupt step
-                assert fm.steps and max(fm.steps) < bad, sorted(fm.steps)
-                wait_for(lambda: fm.results[-1].step == rel, 30, "the fleet at the release")
+                for f in (fm, fr):
+                    assert f.steps and max(f.steps) < bad, sorted(f.steps)
+                    wait_for(lambda f=f: f.results[-1].step == rel, 30, "the fleet at release")
+                # (the relays hold the corrupt steps: their canary was served them)
+                assert all(status(e).head_step >= bad for e in reps)
     finally:
         for f in followers:
             f.close()
+        for x in relays:
+            x.stop(0.2)
         if ev is not None:
             ev.close()
         if train is not None:
