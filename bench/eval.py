@@ -179,8 +179,11 @@ def run_once(
         )
         if first_bad
         else None,
+        # step, verdict, published, decided, then per scored set: its name, the candidate's NE
+        # and the release's NE (what the corruption did to the model, step by step)
         "judged": [
             [v.step, v.verdict, round(v.published_unix, 3), round(v.decided_unix, 3)]
+            + [x for s in v.sets for x in (s.name, s.candidate.get("ne"), s.release.get("ne"))]
             for v in verdicts
         ],
         "released_corrupt_steps": bool(corrupt) and any(r >= bad_step for r in released),

@@ -18,11 +18,11 @@ The knobs (default in brackets):
 * ``COPY_POOL_HEADROOM`` [0.125]: and made this fraction larger than the rows copied.
 * ``FOLD_IN_BACKGROUND`` [1]: CPU weights: the tracker folds each lookup's ids into its bitmaps
   on a background thread, not in the output dist's hook (device weights: always in the hook).
-* ``FOLD_INLINE_MAX_IDS`` [2048]: with that fold thread, a lookup of at most this many ids is
-  folded in the hook when the thread has nothing queued: handing it over costs the loop more
-  than folding it (>= 0; 0 = every lookup goes to the thread).
-* ``MAX_PENDING_FOLDS`` [16]: lookups waiting for that fold thread before the training loop's
-  hook blocks (>= 1).
+* ``FOLD_BATCH_IDS`` [65536]: with that fold thread, lookups are handed to it in batches of
+  this many ids (and at every drain): the hook only appends to a list, and the thread is
+  woken once per batch (>= 0; 0 = every lookup at once).
+* ``MAX_PENDING_FOLDS`` [16]: batches of lookups (or drains) waiting for that fold thread
+  before the training loop's hook blocks (>= 1).
 * ``MERGE_MAX_BYTES_PER_ROUND`` [1 GiB]: the sidecar's retention: most input bytes one
   background round may merge (bounded work per round, >= 1).
 * ``STATUS_WAITERS`` [64]: long-polling Status calls a sidecar holds at once (each holds an RPC
@@ -107,7 +107,7 @@ COPY_POOL_MAX_BYTES: int = _knob("COPY_POOL_MAX_BYTES", 64 << 30, int, lambda v:
 COPY_POOL_GRANULE: int = _knob("COPY_POOL_GRANULE", 4096, int, lambda v: v >= 1)
 COPY_POOL_HEADROOM: float = _knob("COPY_POOL_HEADROOM", 0.125, float, lambda v: v >= 0)
 FOLD_IN_BACKGROUND: bool = _knob("FOLD_IN_BACKGROUND", True, _parse_bool, lambda v: True)
-FOLD_INLINE_MAX_IDS: int = _knob("FOLD_INLINE_MAX_IDS", 2048, int, lambda v: v >= 0)
+FOLD_BATCH_IDS: int = _knob("FOLD_BATCH_IDS", 65536, int, lambda v: v >= 0)
 MAX_PENDING_FOLDS: int = _knob("MAX_PENDING_FOLDS", 16, int, lambda v: v >= 1)
 MERGE_MAX_BYTES_PER_ROUND: int = _knob("MERGE_MAX_BYTES_PER_ROUND", 1 << 30, int, lambda v: v >= 1)
 STATUS_WAITERS: int = _knob("STATUS_WAITERS", 64, int, lambda v: v >= 0)

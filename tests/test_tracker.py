@@ -108,13 +108,13 @@ def _tracker_worker(rank: int, world_size: int) -> None:
         assert mod.post_lookup_tracker_fn is None and mod.post_odist_tracker_fn is None
 
     # Lookahead 1: ids of the last lookup stay owed after a drain; folded by the fold thread
-    # (the default on CPU: small lookups in the hook while it has nothing queued, the others
-    # handed to it) or always in the output dist's hook, alike.
-    for background, inline_max in ((True, 0), (True, knobs.FOLD_INLINE_MAX_IDS), (False, 0)):
+    # (the default on CPU: lookups handed to it in batches, or one by one) or always in the
+    # output dist's hook, alike.
+    for background, batch_ids in ((True, 0), (True, knobs.FOLD_BATCH_IDS), (False, 0)):
         cfg = TrackerConfig(train_loop=TrainLoop.PIPELINE_FUSED_SPARSE_DIST)
-        with knobs.override(FOLD_IN_BACKGROUND=background, FOLD_INLINE_MAX_IDS=inline_max):
+        with knobs.override(FOLD_IN_BACKGROUND=background, FOLD_BATCH_IDS=batch_ids):
             ahead = DeltaTracker(dmp, cfg)
-            _lookahead_case(ahead, background, inline_max, rank, world_size, dmp)
+            _lookahead_case(ahead, background, batch_ids, rank, world_size, dmp)
 
     # fqns_to_skip leaves a module out.
 
@@ -131,7 +131,7 @@ def _tracker_worker(rank: int, world_size: int) -> None:
 
 
 def _lookahead_case(
-    ahead: DeltaTracker, background: bool, inline_max: int, rank: int, world_size: int, dmp: Any
+    ahead: DeltaTracker, background: bool, batch_ids: int, rank: int, world_size: int, dmp: Any
 ) -> None:
     assert ahead.lookahead == 1 and (ahead._folder is not None) == background
     ids_a = _expected(ahead, fed_ids([batch(r, 10) for r in range(world_size)]))
@@ -140,8 +140,9 @@ def _lookahead_case(
     with torch.no_grad():
         dmp(batch(rank, 10))  # lookup of A (its update would come in the next step)
         lookups = ahead.stats.lookups
-        if ahead._folder is not None:  # the toy's lookups are small: folded in the hook
-            assert ahead._folder._submitted == (lookups if inline_max == 0 else 0)
+        if ahead._folder is not None:  # the toy's lookups are small: batched until the drain
+            assert ahead._folder._submitted == (lookups if batch_ids == 0 else 0)
+            assert ahead._folder.deferred == (0 if batch_ids == 0 else lookups)
         assert _ids(ahead.drain()) == ids_a
         assert _ids(ahead.drain()) == ids_a  # still owed: no newer lookup yet
         dmp(batch(rank, 11))
@@ -156,8 +157,8 @@ def _fold_failure_worker(rank: int, world_size: int) -> None:
     later one), never turned into rows missing that lookup's; forwards go on (an error
     raised mid-forward on one rank would leave the others waiting in the output dist)."""
     dmp = toy_dmp(world_size)
-    for inline_max in (knobs.FOLD_INLINE_MAX_IDS, 0):  # folded in the hook, in the thread
-        with knobs.override(FOLD_INLINE_MAX_IDS=inline_max):
+    for batch_ids in (knobs.FOLD_BATCH_IDS, 0):  # handed over in a batch, one by one
+        with knobs.override(FOLD_BATCH_IDS=batch_ids):
             _fold_failure_case(dmp, rank)
 
 
@@ -214,14 +215,16 @@ def _fold_order_worker(rank: int, world_size: int) -> None:
         assert _ids(second.resolve()) == want(tracker, 11)  # resolved out of order
         assert _ids(first.resolve()) == want(tracker, 10)
         assert _ids(tracker.drain()) == want(tracker, 12)
-        # A lookup whose output dist never ran (its ids still stashed) is folded by the drain.
+        # Lookups still in the fold thread's batch (their output dist never ran, too): the drain
+        # folds them.
         hooks = [(m, m.post_odist_tracker_fn) for m in tracker._modules.values()]
         for m, _ in hooks:
             m.post_odist_tracker_fn = None
         dmp(batch(rank, 13))
         for m, fn in hooks:
             m.post_odist_tracker_fn = fn
-        assert tracker._pending and _ids(tracker.drain()) == want(tracker, 13)
+        assert tracker._folder is not None and tracker._folder.deferred  # (batched)
+        assert _ids(tracker.drain()) == want(tracker, 13)
     tracker.detach()
     assert tracker._folder is None and _ids(tracker.drain()) == want(tracker)  # inline now
 

@@ -296,6 +296,14 @@ class RankStats:
     #: of ``loop_s``: the tracker's hooks (recording lookups and folding them in the forward,
     #: the update hooks in the backward), less the copy waits ``loop_publish_s`` counts
     loop_hooks_s: float = 0.0
+    #: ``loop_hooks_s`` by part: ``record`` (the post-lookup hooks), ``fold`` (the post-odist
+    #: hooks), ``backward`` (the update hooks, less the copy waits), and the calls of each
+    loop_hook_parts: dict[str, float] = field(default_factory=dict)
+    #: ``loop_publish_s`` by part: ``decide`` (every step's call; waits for the last
+    #: publish's all-reduce included), ``publish`` (the publishes themselves, of which
+    #: ``dense`` cloned the dense state), ``barrier_wait`` (backward passes waiting for a
+    #: copy), and ``segments``
+    loop_publish_parts: dict[str, float] = field(default_factory=dict)
     #: off the loop, over the whole run: CPU seconds of the publisher's writer and copier
     #: threads and of the tracker's fold thread (the publisher's own accounting), less the
     #: base segment that ``start()`` writes before the loop
@@ -587,6 +595,8 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     step = 0
     cpu0 = time.process_time()
     stall0 = hooks0 = 0.0
+    parts0: dict[str, float] = {}
+    pub0: dict[str, float] = {}
     with tqdm(total=cfg.steps or None, disable=rank != 0 or not cfg.progress, unit="step") as bar:
         while not cfg.steps or step < cfg.steps:
             t0 = time.perf_counter()
@@ -611,6 +621,8 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
                 cpu0 = time.process_time()
                 stall0 = publisher.stats.stall_s if publisher is not None else 0.0
                 hooks0 = _tracker_own_s(publisher)
+                parts0 = _hook_parts(publisher)
+                pub0 = _publish_parts(publisher)
             bar.update()
             # Stop together: on a signal (any rank) or at the deadline (rank clocks differ).
             if _any_rank(_STOP.is_set() or time.monotonic() >= deadline):
@@ -618,6 +630,8 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     loop_cpu = time.process_time() - cpu0
     loop_publish = publisher.stats.stall_s - stall0 if publisher is not None else 0.0
     loop_hooks = _tracker_own_s(publisher) - hooks0
+    loop_parts = {k: v - parts0.get(k, 0.0) for k, v in _hook_parts(publisher).items()}
+    pub_parts = {k: v - pub0.get(k, 0.0) for k, v in _publish_parts(publisher).items()}
     if publisher is not None:
         publisher.close(step)
     if cfg.final_tables is not None or cfg.final_model is not None:
@@ -636,6 +650,7 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     steady = times[_WARMUP_STEPS:]
     mine.loop_s, mine.loop_cpu_s, mine.loop_steps = sum(steady), loop_cpu, len(steady)
     mine.loop_publish_s, mine.loop_hooks_s = loop_publish, loop_hooks
+    mine.loop_hook_parts, mine.loop_publish_parts = loop_parts, pub_parts
     if publisher is not None:
         s = publisher.stats
         # the base written by start(), before the loop (a one-off, like loading a
@@ -670,6 +685,30 @@ def _tracker_own_s(publisher: Any) -> float:
     if publisher is None:
         return 0.0
     return float(publisher.tracker.stats.hooks_s - publisher.stats.barrier_wait_s)
+
+
+def _hook_parts(publisher: Any) -> dict[str, float]:
+    """The tracker's hook time so far by part, and their calls (see ``loop_hook_parts``)."""
+    if publisher is None:
+        return {}
+    t, p = publisher.tracker.stats, publisher.stats
+    return {
+        "record_s": t.record_s, "fold_s": t.fold_s,
+        "backward_s": t.backward_s - p.barrier_wait_s,
+        "lookups": float(t.lookups), "update_hooks": float(t.update_hooks),
+    }  # fmt: skip
+
+
+def _publish_parts(publisher: Any) -> dict[str, float]:
+    """The publisher's loop time so far by part (see ``loop_publish_parts``)."""
+    if publisher is None:
+        return {}
+    p = publisher.stats
+    return {
+        "decide_s": p.decide_s, "publish_s": sum(s.stall_s for s in p.segments),
+        "dense_s": sum(s.dense_s for s in p.segments), "barrier_wait_s": p.barrier_wait_s,
+        "segments": float(len(p.segments)),
+    }  # fmt: skip
 
 
 def _any_rank(flag: bool) -> bool:

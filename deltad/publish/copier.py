@@ -167,6 +167,12 @@ class CopierThread:
             self._submitted += 1
         self._queue.put(request)
 
+    def copying(self) -> bool:
+        """Whether a copy submitted so far may still read the weights (then :meth:`wait`
+        blocks). Only :meth:`submit` makes it true, so on the thread that submits it stays
+        false until that thread's next submit."""
+        return self._done < self._submitted
+
     def wait(self) -> float:
         """Wait for every copy submitted so far; return the seconds waited (0: none)."""
         with self._copies:

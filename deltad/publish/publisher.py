@@ -177,8 +177,8 @@ class SegmentPublisher:
         self._schedule.started(step)
         self._writer.start()
         if self._copies_in_background():
-            self.tracker.add_update_barrier(self.wait_copied)
             self._copier = CopierThread(self._rows, self._writer)
+            self.tracker.add_update_barrier(self.wait_copied, armed=self._copier.copying)
         return gen
 
     def _copies_in_background(self) -> bool:
@@ -194,7 +194,8 @@ class SegmentPublisher:
     def wait_copied(self) -> None:
         """Block until every row copy started so far has read the weights.
 
-        The tracker calls it in each backward before any tracked row is updated. Call it
+        The tracker calls it in each backward before any tracked row is updated, when that
+        backward's forward found a copy in flight (``CopierThread.copying``). Call it
         yourself before writing embedding weights outside a backward pass (a checkpoint
         load, a manual edit) while the publisher runs; a no-op without background copies.
         """

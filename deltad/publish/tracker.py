@@ -11,11 +11,11 @@ hooks (``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``)
   it owns (``offset_per_key()``, cached by the input dist) goes ``mask.index_fill_(0, ids,
   True)`` (on CPU ~10x faster than ``mask[ids] = True``). A scatter per key instead of the
   per-step ``torch.unique`` of TorchRec's own tracker; memory is one byte per local row.
-  With CPU weights (``deltad.knobs.FOLD_IN_BACKGROUND``) the hook only hands the stash to a
-  **fold thread** that scatters while training goes on, in order, with drains queued behind
-  the lookups before them (bounded: the hook blocks when the thread is behind); a lookup of
-  at most ``knobs.FOLD_INLINE_MAX_IDS`` ids is folded in the hook when the thread has nothing
-  queued (waking it costs more than such a fold). A failed fold (either way)
+  With CPU weights (``deltad.knobs.FOLD_IN_BACKGROUND``) the post-lookup hook adds the ids
+  straight to a batch for a **fold thread** that scatters while training goes on, in order,
+  with drains queued behind the lookups before them; the thread is woken once per
+  ``knobs.FOLD_BATCH_IDS`` ids or at a drain (bounded: the hook blocks when the thread is
+  behind), and the post-odist hook has nothing to do. A failed fold (either way)
   is raised by the drain that follows it (never rows without that lookup's), which the
   publisher turns into an error on every rank at its next publish. Raising in the hook would
   stop one rank mid-forward and leave the others waiting in the output dist.
@@ -105,6 +105,8 @@ class DeltaTracker:
         self.stats = TrackerStats()
         self._pending: list[tuple[LookupBitmaps, torch.Tensor, list[int]]] = []
         self._barriers: list[Callable[[], None]] = []
+        #: barrier -> whether it may block now (None: always; see add_update_barrier)
+        self._armed: dict[Callable[[], None], Callable[[], bool] | None] = {}
         found = find_shards(model, self.config)
         self._modules: dict[str, Any] = found.modules  # fqn -> sharded EC / EBC
         self._tables: list[TableInfo] = found.tables
@@ -136,7 +138,7 @@ class DeltaTracker:
             mod.register_post_odist_tracker_fn(self._fold_hook)
         self._folder: FoldThread | None = None
         if knobs.FOLD_IN_BACKGROUND and all(s.weight.device.type == "cpu" for s in self.shards):
-            self._folder = FoldThread(knobs.MAX_PENDING_FOLDS, self.stats)
+            self._folder = FoldThread(knobs.MAX_PENDING_FOLDS, self.stats, knobs.FOLD_BATCH_IDS)
             # A tracker dropped without detach() does not leave its thread waiting forever.
             weakref.finalize(self, self._folder.stop)
 
@@ -145,9 +147,9 @@ class DeltaTracker:
     def _make_lookup_hook(self, mod_id: int) -> Any:
         def record(features: Any, embs: Any, module: Any, extra: Any) -> None:
             t0 = time.perf_counter()  # the hook's whole time is the loop's (update hook too)
-            # Paused or not, publisher or not yet: whatever this lookup's backward updates
-            # waits for the barriers registered by the time the backward runs.
-            if isinstance(embs, torch.Tensor) and embs.requires_grad:
+            # Paused or not: whatever this lookup's backward updates waits for the barriers
+            # that may block by then (see _barrier_needed).
+            if isinstance(embs, torch.Tensor) and embs.requires_grad and self._barrier_needed():
                 embs.register_hook(self._before_update)
                 self.stats.update_hooks += 1
             if self._paused:
@@ -162,8 +164,14 @@ class DeltaTracker:
                 raise UnsupportedModelError(
                     f"lookup features {list(keys)} match no local shard layout of the module"
                 )
-            # offset_per_key() is cached by the input dist (a host list: no device sync).
-            self._pending.append((lookup, features.values().detach(), features.offset_per_key()))
+            # offset_per_key() is cached by the input dist (a host list: no device sync). The
+            # values are ids (integers: never part of autograd, no detach needed).
+            values, offsets = features.values(), features.offset_per_key()
+            if self._folder is not None:  # straight into the fold thread's batch
+                call = functools.partial(self._mark, lookup, values, offsets)
+                self._folder.defer(call, values.numel())
+            else:  # folded in the output dist's hook
+                self._pending.append((lookup, values, offsets))
             self.stats.lookups += 1
             self.stats.record_s += time.perf_counter() - t0
 
@@ -214,6 +222,8 @@ class DeltaTracker:
         self._mc_undo.append(undo)
 
     def _fold_hook(self) -> None:
+        if not self._pending:  # (with the fold thread, always: lookups go to its batch)
+            return
         t0 = time.perf_counter()
         self._fold()
         self.stats.fold_s += time.perf_counter() - t0
@@ -225,9 +235,8 @@ class DeltaTracker:
         pending, self._pending = self._pending, []
         for lookup, values, offsets in pending:
             if self._folder is not None:
-                small = values.numel() <= knobs.FOLD_INLINE_MAX_IDS
                 call = functools.partial(self._mark, lookup, values, offsets)
-                self._folder.run_or_submit(call, small)
+                self._folder.defer(call, values.numel())
             else:
                 self._mark(lookup, values, offsets)
 
@@ -343,20 +352,38 @@ class DeltaTracker:
         self.stats.drain_s += time.perf_counter() - t0
         return rows
 
-    def add_update_barrier(self, barrier: Callable[[], None]) -> None:
+    def add_update_barrier(
+        self, barrier: Callable[[], None], armed: Callable[[], bool] | None = None
+    ) -> None:
         """Run ``barrier()`` in every backward pass before a tracked shard's weights change.
 
         It runs when the gradient of a lookup's output is ready, which is before the
         embedding kernel's backward (where fused optimizers update the rows) and before any
         optimizer step. The publisher uses it to copy rows off the training loop's clock.
         Weights written outside a backward (checkpoint loads, manual edits) get no barrier.
+
+        ``armed()``, if given, says whether the barrier may block: it is asked in each
+        lookup's forward (on the training loop's thread), and a backward whose forward found
+        no barrier armed runs none (a gradient hook costs ~50 us per lookup here). So it must
+        become true only on the training loop's thread, at a step boundary (the publisher
+        arms it when it hands a copy over, in ``maybe_publish``), and stay true until the
+        barrier would return at once. With lookahead (a pipeline that looks batch N+1 up
+        before step N's update) every backward runs the barriers.
         """
         self._barriers.append(barrier)
+        self._armed[barrier] = armed
 
     def remove_update_barrier(self, barrier: Callable[[], None]) -> None:
         """Stop running ``barrier`` (no error if it is not registered)."""
         if barrier in self._barriers:
             self._barriers.remove(barrier)
+            self._armed.pop(barrier, None)
+
+    def _barrier_needed(self) -> bool:
+        """Whether this forward's backward must run the barriers (see add_update_barrier)."""
+        if self._lookahead:
+            return bool(self._barriers)
+        return any(armed is None or armed() for armed in self._armed.values())
 
     def _before_update(self, grad: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
