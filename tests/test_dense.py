@@ -90,6 +90,10 @@ def _train_worker(rank: int, world_size: int, spool: str, every: int) -> None:
         0: {n: t.detach().clone() for n, t in pub.dense_tensors().items()}
     }
     for step in range(1, STEPS + 1):
+        if step == 2:  # a buffer replaced on its module: the new one is the dense state
+            bn = next(m for m in dmp.modules() if isinstance(m, nn.BatchNorm1d))
+            bn.running_mean = bn.running_mean.clone() + 1.0
+            assert pub.dense_tensors()["mlp.1.running_mean"] is bn.running_mean
         loss, _ = dmp(batch(rank, step))
         loss.backward()
         opt.step()

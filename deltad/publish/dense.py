@@ -58,31 +58,59 @@ class DenseCapture:
         self.rank = rank
         self._last_step: int | None = None
         self._last_time = 0.0
-        self._skip: tuple[str, ...] | None = None
+        self._slots: list[tuple[str, nn.Module, str, bool]] | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The model's dense parameters and buffers (live, not copies), named as in the
         unwrapped model's ``state_dict``: everything outside the tracked sharded EC / EBC
-        modules, and no ShardedTensor / DTensor (those are sharded, not replicated)."""
-        if self._skip is None:  # the sharded modules do not change: found once
-            # A sharded MC-EC / MC-EBC's own buffers (the MCH remapper, per rank) travel as
-            # identities in the segments, never as (replicated) dense state.
-            sharded_modules = _sharded_types() + (managed_collision_types() or ())
-            self._skip = tuple(
-                f"{clean_fqn(fqn)}."
-                for fqn, mod in self.model.named_modules()
-                if isinstance(mod, sharded_modules)
-            ) + tuple(f"{t.module}." for t in self.tracker.tables)
-        skip = self._skip
+        modules, and no ShardedTensor / DTensor (those are sharded, not replicated).
+
+        Where they live (owner module and attribute) is found once: walking a DMP model's
+        parameters and buffers took ~0.6 ms of the loop per dense publish (stop 45), against
+        ~20 us to copy the reference model's dense state. Each call reads the attributes
+        again, so a parameter or buffer replaced on its module is the one taken."""
+        if self._slots is None:
+            self._slots = self._find_slots()
         sharded = _sharded_tensor_types()
         out: dict[str, torch.Tensor] = {}
-        named = [*self.model.named_parameters(), *self.model.named_buffers()]
-        for raw, t in named:
-            name = clean_fqn(raw)
-            if name in out or name.startswith(skip) or isinstance(t, sharded):
+        for name, owner, attr, is_param in self._slots:
+            t = owner._parameters.get(attr) if is_param else owner._buffers.get(attr)
+            if t is None or isinstance(t, sharded):
                 continue
             out[name] = t
         return out
+
+    def _find_slots(self) -> list[tuple[str, nn.Module, str, bool]]:
+        """(name, owner module, attribute, is a parameter) of every dense tensor, once."""
+        # A sharded MC-EC / MC-EBC's own buffers (the MCH remapper, per rank) travel as
+        # identities in the segments, never as (replicated) dense state.
+        sharded_modules = _sharded_types() + (managed_collision_types() or ())
+        skip = tuple(
+            f"{clean_fqn(fqn)}."
+            for fqn, mod in self.model.named_modules()
+            if isinstance(mod, sharded_modules)
+        ) + tuple(f"{t.module}." for t in self.tracker.tables)
+        sharded = _sharded_tensor_types()
+        # the owner of each tensor (DMP names its parameters without its wrapper's prefix,
+        # so the names do not lead back to the modules: the tensors do)
+        owners: dict[int, tuple[nn.Module, str, bool]] = {}
+        for mod in nn.Module.modules(self.model):
+            for attr, param in mod._parameters.items():
+                owners.setdefault(id(param), (mod, attr, True))
+            for attr, buf in mod._buffers.items():
+                owners.setdefault(id(buf), (mod, attr, False))
+        slots: list[tuple[str, nn.Module, str, bool]] = []
+        seen: set[str] = set()
+        for raw, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            name = clean_fqn(raw)
+            if name in seen or name.startswith(skip) or isinstance(t, sharded):
+                continue
+            seen.add(name)
+            owner = owners.get(id(t))
+            if owner is None:
+                raise RuntimeError(f"dense state {name}: no module holds it")
+            slots.append((name, *owner))
+        return slots
 
     def take(self, stats: SegmentStats, *, force: bool) -> dict[str, torch.Tensor] | None:
         """Rank 0: a copy of the dense state now (segment ``stats``' cut) if one is due;

@@ -301,10 +301,12 @@ class SegmentPublisher:
         if self._rebase.due(self.generation, self._writer.write_failed):
             return self._publish_base(step, t0)
         if self._copier is not None:
-            deferred = self.tracker.drain_deferred()
             identities = self._identities()
             stats = self._reserve(step, SegmentKind.DELTA)
             dense = self._take_dense(stats, force=self._final)
+            # The drain last, at the same cut (nothing between changes the model): it wakes
+            # the fold thread, whose Python work would contend for the GIL with the loop's.
+            deferred = self.tracker.drain_deferred()
             # from here on, backward passes (and MC computes) wait for the copy
             self._copier.submit(CopyRequest(deferred, stats, dense, identities=identities))
             stats.stall_s = time.perf_counter() - t0
