@@ -31,7 +31,7 @@ test: setup
 	$(BIN)/ruff check deltad trainer consumers bench tests
 	$(BIN)/ruff format --check deltad trainer consumers bench tests
 	$(BIN)/mypy
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest --durations=30
 
 # Day-to-day lane: everything but the multi-process training, subprocess and long tests.
 # Budget: under 3 min on 2 cores; the slowest tests are listed so a new one that breaks the

@@ -73,6 +73,10 @@ def _one(spool: Path, size: dict[str, Any], publish: bool, every_s: float) -> di
             (r.loop_hooks_s / r.loop_s * 100.0 if r.loop_s else 0.0) for r in ranks
         ),
         "segments": max(r.segments for r in ranks),
+        # the on-loop parts (us per measured step; the larger rank): the tracker's hooks
+        # (record, fold, backward) and the publisher's (decide, publish, dense, barrier_wait)
+        "hook_parts_us": _parts(ranks, "loop_hook_parts"),
+        "publish_parts_us": _parts(ranks, "loop_publish_parts"),
         # of the publisher's loop time over the run: the per-publish all-reduce (waiting for
         # the other rank), the larger rank
         "agree_ms_per_segment": max(r.agree_s / max(1, r.segments - 1) * 1000.0 for r in ranks),
@@ -93,6 +97,16 @@ def _one(spool: Path, size: dict[str, Any], publish: bool, every_s: float) -> di
             (r.loop_publish_s / max(1, r.segments - 2) * 1000.0) for r in ranks
         ),
     }
+
+
+def _parts(ranks: list[Any], attr: str) -> dict[str, float]:
+    """Each part's time per measured step in us (counts: per step), the larger rank."""
+    out: dict[str, float] = {}
+    for r in ranks:
+        for k, v in getattr(r, attr, {}).items():
+            per = v / max(1, r.loop_steps) * (1e6 if k.endswith("_s") else 1.0)
+            out[k.removesuffix("_s")] = max(out.get(k.removesuffix("_s"), 0.0), per)
+    return out
 
 
 def run(ctx: Context) -> dict[str, Any]:

@@ -109,3 +109,39 @@ def test_a_held_state_past_the_release_cap_is_refused(
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_a_relay_answers_a_named_held_state_as_its_upstream_does(
+    tmp_path: Path,
+    redis_url: str,
+) -> None:
+    """Through a relay (the cold start of a predictor behind one): a pull naming a state the
+    relay's log holds gets an empty window at it, its commit holds and the next pull is the
+    tail; a state the relay's log does not hold is refused with FAILED_PRECONDITION."""
+    from serverkit import server_config
+    from test_relay import db, start_relay
+
+    sp = SpoolWriter(tmp_path / "spool")
+    srv = SidecarServer(server_config(tmp_path / "spool", redis_url, grace_period_s=0.2)).start()
+    relay = start_relay(srv.endpoint, tmp_path / "relay", 0, db(redis_url, 1))
+    c = Client(relay.endpoint)
+    try:
+        for _ in range(3):  # followed one by one: the relay's log holds each state
+            sp.delta()
+            _served(relay.server, sp.seq)
+        head = sp.seq
+        d = c.pull("cold", holding=_held(sp, 2), max_step=20, from_base=True)
+        assert not d.resync and d.rows == 0 and (d.from_seq, d.to_seq) == (2, 2)
+        assert c.commit(d).committed
+        nxt = c.pull("cold")
+        assert not nxt.resync and (nxt.from_seq, nxt.to_seq) == (2, head) and nxt.rows > 0
+        held = _held(sp, 2)
+        held.seq = 9
+        with pytest.raises(grpc.RpcError) as e:
+            c.pull("cold-2", holding=held)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "seq 9 is not a state this log holds" in (e.value.details() or "")
+    finally:
+        c.close()
+        relay.stop(0)
+        srv.stop(0)
