@@ -269,9 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(runs), "runs": runs, "caught": caught,
         "config": dataclasses.asdict(_Cfg(**vars(a))),
     }  # fmt: skip
-    text = json.dumps(out, indent=2, default=str)
-    if a.json:
-        a.json.write_text(text)
+    if a.json:  # the shape of bench/results/*.json: where it comes from, then the result
+        doc = {
+            "source": "python -m bench.eval " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "meta": {"recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+            "result": out,
+        }  # fmt: skip
+        a.json.write_text(json.dumps(doc, indent=1, default=str))
     print(json.dumps(out["summary"], indent=2, default=str))
     return 0
 

@@ -202,7 +202,8 @@ class DeltaTracker:
         compute, evict = mcc.compute, mcc.evict
 
         def mc_compute(ctx: Any, dist_input: Any) -> Any:
-            self._before_update(None)  # rows and the remapper change from here on
+            if self._barrier_needed():  # rows and the remapper change from here on
+                self._before_update(None)
             return compute(ctx, dist_input)
 
         def mc_evict() -> Any:
