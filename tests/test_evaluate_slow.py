@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -238,3 +239,71 @@ def test_the_silent_bad_update_demo_checks_the_quality_gate(tmp_path: Path) -> N
         capture_output=True, text=True, timeout=120, env=child_env(),
     )  # fmt: skip
     assert p.returncode == 2 and "does not take --duration" in p.stderr, p.stderr
+
+
+def test_a_trainer_restarted_while_held_reaches_the_fleet_only_once_the_evaluator_passes_it(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Issue 39 item 3 with a real trainer and evaluator: flipped labels hold the fleet at a
+    step of generation 1; the trainer then restarts from scratch (generation 2, clean labels).
+    While generation 2's steps pass the held step, a predictor outside the canary group is
+    served nothing of it (its cap is a state: generation 1's step); once generation 2's model
+    is as good as the release, the evaluator passes one of its steps, releases it, and the
+    predictor moves to generation 2."""
+    bad = 16
+    golden(tmp_path)
+    followers: list[Follower] = []
+    ev = train = None
+    try:
+        with sidecars(tmp_path, redis_url) as eps:
+            ev = evaluator(tmp_path, redis_url, eps)
+            train = trainer(tmp_path, "--corrupt-labels-from-step", str(bad), steps=30)
+            wait_for(lambda: _head(eps) >= 5, 120, "the first steps (a trained model)")
+            ev.start()
+            with predictor("pred-1", eps) as main:
+                fm = Follower(main)
+                followers.append(fm)
+                t = threading.Thread(target=ev.run, daemon=True)
+                t.start()
+                assert train.wait(240) == 0, train.stderr.read().decode() if train.stderr else ""
+                wait_for(lambda: rollout(eps[0], A.ROLLOUT_STATUS).held, 60, "the hold")
+                st = rollout(eps[0], A.ROLLOUT_STATUS)
+                held, gen1 = st.release_step, st.release_generation
+                assert held is not None and held < bad and gen1 is not None
+                wait_for(lambda: bool(fm.results) and fm.results[-1].step == held, 30, "at it")
+                train = trainer(tmp_path, steps=80)  # from scratch: a new generation
+                checked, gen2_past_held = 0, False
+                deadline = time.monotonic() + 240
+                while time.monotonic() < deadline:
+                    n = len(fm.results)
+                    st = rollout(eps[0], A.ROLLOUT_STATUS)
+                    if st.release_generation not in (None, gen1):
+                        break
+                    checked = n  # pulled while the release still named generation 1
+                    s0 = status(eps[0])
+                    gen2_past_held |= s0.generation != gen1 and s0.head_step > held
+                    time.sleep(0.2)
+                else:
+                    pytest.fail("the evaluator never released generation 2: "
+                                + "; ".join(v.line() for v in ev.verdicts[-5:]))  # fmt: skip
+                gen2 = st.release_generation
+                assert gen2_past_held, "generation 2 never passed the held step while held"
+                before = fm.results[:checked]
+                assert before and all(r.step is not None and r.step <= held for r in before)
+                assert all(d.generation == gen1 for r in before for d in r.deltas)
+                # the release came from a passed verdict on generation 2
+                assert any(v.passed and v.generation == gen2 for v in ev.verdicts)
+                wait_for(
+                    lambda: any(d.generation == gen2 for r in fm.results[checked:]
+                                for d in r.deltas),
+                    60, "the predictor on generation 2",
+                )  # fmt: skip
+                ev.stop.set()
+                t.join(60)
+    finally:
+        for f in followers:
+            f.close()
+        if ev is not None:
+            ev.close()
+        if train is not None:
+            kill(train)

@@ -182,8 +182,20 @@ class CanaryEvaluator:
 
     # ---- one round -----------------------------------------------------------------------
 
-    def _release_copy_at(self, want: int, deadline_s: float = 20.0) -> bool:
-        """Pull the release copy until it serves the release step ``want`` (bounded)."""
+    def _release_copy_at(
+        self, want: int, generation: int | None = None, deadline_s: float = 20.0
+    ) -> bool:
+        """Pull the release copy until it serves the release step ``want`` (bounded).
+
+        A copy that holds the release state already (``want`` of the release's
+        ``generation``) is there without a pull: after a trainer restart while held, the
+        sidecars refuse it the new generation (it keeps what it holds) until a release
+        names that generation, so a pull would only wait out the deadline."""
+        if generation is not None and (self.release.generation, self.release.step) == (
+            generation,
+            want,
+        ):
+            return True
         end = time.monotonic() + deadline_s
         while time.monotonic() < end and not self.stop.is_set():
             r = self.release.sync()
@@ -211,7 +223,7 @@ class CanaryEvaluator:
             return None
         if step <= rel:
             return None
-        if not self._release_copy_at(rel):
+        if not self._release_copy_at(rel, st.release_generation):
             log.warning("evaluator: release copy not at step %d yet; step %d waits", rel, step)
             return None
         assert self.release.step is not None
