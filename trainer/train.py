@@ -594,7 +594,6 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
     times: list[float] = []
     step = 0
     cpu0 = time.process_time()
-    stall0 = hooks0 = 0.0
     parts0: dict[str, float] = {}
     pub0: dict[str, float] = {}
     with tqdm(total=cfg.steps or None, disable=rank != 0 or not cfg.progress, unit="step") as bar:
@@ -619,8 +618,6 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
                 time.sleep(max(0.0, cfg.step_interval_s - times[-1]))
             if step == _WARMUP_STEPS:
                 cpu0 = time.process_time()
-                stall0 = publisher.stats.stall_s if publisher is not None else 0.0
-                hooks0 = _tracker_own_s(publisher)
                 parts0 = _hook_parts(publisher)
                 pub0 = _publish_parts(publisher)
             bar.update()
@@ -628,10 +625,12 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
             if _any_rank(_STOP.is_set() or time.monotonic() >= deadline):
                 break
     loop_cpu = time.process_time() - cpu0
-    loop_publish = publisher.stats.stall_s - stall0 if publisher is not None else 0.0
-    loop_hooks = _tracker_own_s(publisher) - hooks0
     loop_parts = {k: v - parts0.get(k, 0.0) for k, v in _hook_parts(publisher).items()}
     pub_parts = {k: v - pub0.get(k, 0.0) for k, v in _publish_parts(publisher).items()}
+    # (``PublisherStats.stall_s`` and ``TrackerStats.hooks_s`` less the copy waits, over the
+    # measured steps: the sums of their parts)
+    loop_publish = sum(pub_parts.get(k, 0.0) for k in ("decide_s", "publish_s", "barrier_wait_s"))
+    loop_hooks = sum(loop_parts.get(k, 0.0) for k in ("record_s", "fold_s", "backward_s"))
     if publisher is not None:
         publisher.close(step)
     if cfg.final_tables is not None or cfg.final_model is not None:
@@ -677,14 +676,6 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
             final_tables=str(cfg.final_tables) if cfg.final_tables else None,
         )
         (work / "result.json").write_text(json.dumps(asdict(result)))
-
-
-def _tracker_own_s(publisher: Any) -> float:
-    """The training loop's time in the tracker's hooks so far that the publisher's own
-    accounting (``stall_s``: its barrier waits included) does not already count."""
-    if publisher is None:
-        return 0.0
-    return float(publisher.tracker.stats.hooks_s - publisher.stats.barrier_wait_s)
 
 
 def _hook_parts(publisher: Any) -> dict[str, float]:

@@ -231,15 +231,11 @@ class DeltaTracker:
 
     @torch.no_grad()
     def _fold(self) -> None:
-        """Fold stashed ids into the bitmaps (in the output dist, and at drain), or hand
-        them to the fold thread, which folds them in the same order."""
+        """Fold stashed ids into the bitmaps (in the output dist, and at drain). Only without
+        a fold thread: with one, the lookup hook hands the ids to its batch instead."""
         pending, self._pending = self._pending, []
         for lookup, values, offsets in pending:
-            if self._folder is not None:
-                call = functools.partial(self._mark, lookup, values, offsets)
-                self._folder.defer(call, values.numel())
-            else:
-                self._mark(lookup, values, offsets)
+            self._mark(lookup, values, offsets)
 
     def _mark(self, lookup: LookupBitmaps, values: torch.Tensor, offsets: list[int]) -> None:
         lookup.mark(values, offsets)
