@@ -49,6 +49,16 @@ def _named(url: str, endpoint: str | None) -> set[str]:
     }
 
 
+def _settled(url: str, endpoint: str | None, seq: int, quiet_s: float = 1.0) -> bool:
+    """The manifest is at ``seq`` and names the same objects ``quiet_s`` later: retention has
+    stopped merging (it runs every 50 ms here), so a sweep meets no merge in flight."""
+    first = _manifest(url, endpoint)
+    if first.head.seq != seq:
+        return False
+    time.sleep(quiet_s)
+    return [o.key for o in _manifest(url, endpoint).entries] == [o.key for o in first.entries]
+
+
 def _merging(
     root: Path, redis_url: str, url: str, endpoint: str | None, **kw: Any
 ) -> SidecarServer:
@@ -140,6 +150,8 @@ def test_within_the_grace_an_older_manifest_finds_every_object_it_names(
             30,
             "the archive merged past the older manifest's head",
         )
+        # a merge still under way would upload (and name) a base after the sweep below
+        wait_for(lambda: _settled(url, None, spool.seq), 30, "retention done merging")
         store = open_store(url)
         try:
             old = {o.key for o in (*before.entries, *before.dense)}
