@@ -124,12 +124,21 @@ def test_a_relay_lacking_its_upstreams_dense_state_says_so_at_every_level(
         r1 = start_relay(side.endpoint, root / "relay-1", 0, db(redis_url, 1))
         servers.append(r1)
         wait_for(lambda: _at(r1.endpoint, 10, 10), 30, "relay 1 at step 10")
+        # the relay loses its dense state while it is down (a running one writes back what
+        # its spool loses): restarted, it never pulls it again
+        r1.stop(0.2)
+        servers.remove(r1)
         layout = SpoolLayout(root / "relay-1", "m")
         for _, p in layout.dense_files(1, 0):
-            p.unlink()  # the relay lost its dense state (it never pulls it again)
+            p.unlink()
+        r1 = start_relay(side.endpoint, root / "relay-1", 0, db(redis_url, 1))
+        servers.append(r1)
         wait_for(lambda: _at(r1.endpoint, 10, None), 30, "relay 1 without dense states")
         with predictor("p", [r1.endpoint]) as c:
-            r = c.pull()
+            pulls = [c.pull()]
+            # (the restarted relay learns its upstream's dense states at its first poll)
+            wait_for(lambda: pulls[-1].dense_missing or pulls.append(c.pull()), 30, "the lack said")
+            r = pulls[-1]
             assert r.step == 10 and r.step == r.head_step and r.missing == {}
             assert r.dense_step is None
             assert "holds no dense state of step 10" in r.dense_missing[0]

@@ -125,6 +125,11 @@ class SidecarMetrics(MetricsEndpoint):
         self.quarantined = counter(
             "deltad_quarantined_segments", "Segments that failed their checksum"
         )
+        self.spool_rewritten = counter(
+            "deltad_spool_files_rewritten",
+            "Served segment and dense state files the spool lost under the sidecar, written "
+            "back from their verified copies",
+        )
         self.merge_seconds = Histogram(
             "deltad_window_merge_seconds",
             "Time to merge and encode one window",

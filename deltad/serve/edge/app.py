@@ -50,7 +50,7 @@ from grpc_reflection.v1alpha import reflection
 from deltad import knobs, wire
 from deltad.channels import server_ping_options
 from deltad.config import ServerConfig
-from deltad.errors import ConfigError, DeltadError, OffsetStoreError
+from deltad.errors import ConfigError, DeltadError, OffsetStoreError, SpoolError
 from deltad.segment.spool import SpoolLayout
 from deltad.serve.edge.credentials import (
     CREDENTIALS_WATCH_S,
@@ -259,6 +259,7 @@ class SidecarServer:
             self.layout,
             cfg.rank,
             on_quarantine=lambda p, r: self.metrics.quarantined.inc(),
+            on_rewrite=self._spool_lost,
             keep_previous_s=cfg.generation_keep_s,
             keep_previous_bytes=cfg.generation_keep_bytes,
             gate=SegmentGate(cfg.gate, self._gate_failed),
@@ -547,6 +548,31 @@ class SidecarServer:
         lock, self._rank_lock = self._rank_lock, -1
         if lock >= 0:
             os.close(lock)
+
+    def _spool_lost(self, rewritten: int) -> None:
+        """The spool lost served files under this sidecar (the log wrote them back): count
+        them, and hold the rank's lock again if its file went with them (else a second
+        sidecar could start on this rank of the spool)."""
+        self.metrics.spool_rewritten.inc(rewritten)
+        lock = self._rank_lock
+        try:
+            same = (
+                lock >= 0
+                and os.fstat(lock).st_ino
+                == os.stat(self.layout.rank_lock_path(self.config.rank)).st_ino
+            )
+        except OSError:
+            same = False
+        if same:
+            return
+        try:
+            self._rank_lock = self.layout.lock_rank(self.config.rank)
+        except SpoolError as e:
+            log.error("the spool lost this sidecar's rank lock, and it cannot take it again: %s", e)
+            return
+        if lock >= 0:
+            os.close(lock)
+        log.warning("the spool lost this sidecar's rank lock: holding it again")
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (True) or ``timeout`` passes (False)."""

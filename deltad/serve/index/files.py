@@ -210,6 +210,10 @@ class RankFiles:
             return False
         return self._dir_stamp(generation) == self._stamp
 
+    def rescan(self) -> None:
+        """List the rank's directory again at the next poll, whatever its time says."""
+        self._stamp = None
+
     def scan_all(
         self, generation: int, known: dict[Path, LogEntry], dense: dict[Path, DenseEntry]
     ) -> bool:

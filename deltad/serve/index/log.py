@@ -15,6 +15,11 @@ trainer's publish interval + one base write + one poll.
 
 Readers take an immutable :class:`LogSnapshot`; retention swaps entries with :meth:`replace`.
 
+The served log is held in memory (verified private copies); the spool's files are how it
+outlives a restart. A served file the spool loses under a running sidecar (a deleted or
+remounted spool) is written back from its copy at the next poll, with the generation's manifest:
+the log never moves back, and the trainer's next segments continue it.
+
 At a switch the previous generation's snapshot stays in memory (its files leave the spool as
 before) for ``keep_previous_s`` seconds if its rows take at most ``keep_previous_bytes``:
 :meth:`SegmentLog.previous` hands it to generation diffs (deltad.serve.windows.gendiff). A restarted
@@ -112,6 +117,7 @@ class SegmentLog:
         rank: int,
         *,
         on_quarantine: Callable[[Path, str], None] | None = None,
+        on_rewrite: Callable[[int], None] | None = None,
         keep_previous_s: float = 0.0,
         keep_previous_bytes: int = 0,
         gate: SegmentGate | None = None,
@@ -125,6 +131,10 @@ class SegmentLog:
         #: Managed-collision identities along the served run (a segment inconsistent with
         #: the log before it is quarantined before it is served).
         self.identities = IdentityLedger()
+        #: Called with the number of served files written back after the spool lost them.
+        self.on_rewrite = on_rewrite
+        #: Served files written back after the spool lost them (see :meth:`refresh`).
+        self.rewritten = 0
         self._lock = threading.Lock()
         self._snapshot: LogSnapshot | None = None
         #: Notified whenever a new snapshot is published (long-polling Status waits on it).
@@ -201,6 +211,7 @@ class SegmentLog:
             # a gap being waited out is looked at every poll (its grace, a fresh base)
             if gen is not None and (self._gap_since is not None or not self.files.unchanged(gen)):
                 self.files.scan_all(gen, self._known, self._dense)
+                self._rewrite_lost(gen)
                 self._publish(gen)
             self.previous()  # drops a held previous generation once its time is up
             return self._snapshot is not before
@@ -217,6 +228,54 @@ class SegmentLog:
         if old is not None:
             log.info("rank %d: generation %d -> %d", self.rank, old, generation)
             self.files.drop_generation(old)
+
+    def _rewrite_lost(self, generation: int) -> None:
+        """Write back the served files the spool lost under this sidecar (a deleted or
+        remounted spool, an operator's ``rm -r``), from their verified private copies, and
+        keep serving them: the log never moves back, and a restart finds them again. A file
+        is lost when the served snapshot holds it, the scan did not find it, and no file it
+        found covers its seqs (retention's merges and a fresh base cover what they replace;
+        the sidecar deletes its own files under this lock, after the snapshot moved)."""
+        snap = self._snapshot
+        if snap is None or snap.generation != generation:
+            return
+        lost = [e for e in snap.entries if e.path not in self._known]
+        lost_dense = [d for d in snap.dense if d.path not in self._dense]
+        if not lost and not lost_dense:
+            return
+        spans = [(k.first_seq, k.seq) for k in self._known.values()]
+        lost = [e for e in lost if not any(a <= e.first_seq and e.seq <= b for a, b in spans)]
+        if not lost and not lost_dense:
+            return
+        from deltad.serve.index.persist import write_dense_entry, write_entry
+
+        try:
+            if not self.layout.manifest_path(generation).exists():
+                self.layout.write_manifest(snap.manifest)
+            for e in lost:
+                write_entry(e, e.path, fsync=True)
+                self._known[e.path] = e
+            for d in lost_dense:
+                write_dense_entry(d, d.path, fsync=True)
+                self._dense[d.path] = d
+        except OSError as e:  # served from memory all the same; tried again next poll
+            log.error("rank %d: cannot write back the spool's lost files: %s", self.rank, e)
+            for x in lost:
+                self._known.setdefault(x.path, x)
+            for y in lost_dense:
+                self._dense.setdefault(y.path, y)
+            self.files.rescan()
+            return
+        self.rewritten += len(lost) + len(lost_dense)
+        log.warning(
+            "rank %d: the spool lost %d served segments (seq %d..%d) and %d dense states under "
+            "this sidecar: written back from their verified copies",
+            self.rank, len(lost), lost[0].first_seq if lost else -1,
+            lost[-1].seq if lost else -1, len(lost_dense),
+        )  # fmt: skip
+        if self.on_rewrite is not None:
+            self.on_rewrite(len(lost) + len(lost_dense))
+        self.files.rescan()
 
     def _hold_previous(self, snap: LogSnapshot | None) -> None:
         """Keep ``snap`` (the log being switched away from) for generation diffs, within the
