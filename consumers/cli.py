@@ -413,6 +413,11 @@ def run(args: argparse.Namespace) -> int:
             metrics_addr=args.metrics_listen,
         )
     )
+    # A cold start needs no sidecar: the archived state is served at once, and the pull loop
+    # joins each rank's log when its sidecar answers (the trainer may be down).
+    if consumer.bootstrap_from is not None and _cold_start(predictor):
+        predictor.check_tables([])
+        return _run(predictor, serving)
     # Wait for the sidecars (every --sidecar answering, or every rank registered in Redis)
     # before the pull loop's signal handling: a signal here ends the wait at once and says so
     # (the loop's handlers only ask it to stop after the pull, which a wait never reached).
@@ -443,8 +448,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
 
-    if consumer.bootstrap_from is not None:
-        _cold_start(predictor)
+    return _run(predictor, serving)
+
+
+def _run(predictor: Any, serving: Any) -> int:
+    """The pull loop until its end; the summary lines; the exit code."""
     # Both finish the pull in flight, commit, write --final-tables, exit 0: tables saved by a
     # Ctrl-C are then the state of the committed cursors (what --resume relies on).
     with handle_signals(
@@ -475,9 +483,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cold_start(predictor: Any) -> None:
-    """Apply the archived state (deltad.consume.coldstart) and go on from its cursors; a
-    state the archive and the sidecars do not agree on: bootstrap from the sidecars."""
+def _cold_start(predictor: Any) -> bool:
+    """Apply the archived state (deltad.consume.coldstart) and go on from its cursors (ranks
+    whose sidecar did not answer are told the state by the loop's pulls); True if it was
+    applied. A state the archive and the sidecars do not agree on, or none in the archive:
+    False, and the loop bootstraps from the sidecars."""
     import dataclasses
 
     from deltad.consume.coldstart import ColdStartUnavailable, cold_start, resumed
@@ -489,14 +499,23 @@ def _cold_start(predictor: Any) -> None:
     except (ColdStartUnavailable, ArchiveError) as e:
         output.line(f"deltad consume: no cold start ({e}): bootstrapping from the sidecars")
         consumer = dataclasses.replace(consumer, bootstrap_from=None, bootstrap_endpoint=None)
-    else:
-        output.line(
-            f"deltad consume: cold start from {consumer.bootstrap_from}: generation "
-            f"{state.generation} step {state.step}, {state.nbytes} bytes in "
-            f"{state.seconds * 1000:.0f} ms"
+        predictor.config = dataclasses.replace(predictor.config, consumer=consumer)
+        return False
+    output.line(
+        f"deltad consume: cold start from {consumer.bootstrap_from}: generation "
+        f"{state.generation} step {state.step}, {state.nbytes} bytes in "
+        f"{state.seconds * 1000:.0f} ms"
+        + (
+            f"; the sidecars of ranks {list(state.pending)} do not answer: serving it, "
+            "following them once they do"
+            if state.pending
+            else ""
         )
-        consumer = resumed(consumer)
+    )
+    consumer = resumed(consumer, state)
     predictor.config = dataclasses.replace(predictor.config, consumer=consumer)
+    predictor.served_step = state.step  # (what the tables serve until a pull moves them)
+    return True
 
 
 class _Waited:

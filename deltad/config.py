@@ -840,6 +840,12 @@ class ConsumerConfig:
     bootstrap_from: str | None = None
     #: An S3-compatible server's URL for an ``s3://`` ``bootstrap_from``.
     bootstrap_endpoint: str | None = None
+    #: (rank, generation, seq, step) of each rank whose tables hold an archived state its
+    #: sidecar has not acknowledged yet (a cold start while it did not answer,
+    #: :func:`deltad.consume.coldstart.resumed`): that rank's pulls name the state
+    #: (GetDeltaRequest.holding) until a commit from it is acknowledged; a sidecar that
+    #: refuses it sends that rank's full tables instead.
+    holding: tuple[tuple[int, int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         check_name("consumer", self.consumer)
@@ -847,6 +853,15 @@ class ConsumerConfig:
         check_numbers(self, CONSUMER_RANGES)
         for flag in ("align_steps", "resume"):
             check_bool(flag, getattr(self, flag))
+        for held in self.holding:
+            if (
+                not isinstance(held, tuple)
+                or len(held) != 4
+                or any(type(x) is not int or x < 0 for x in held)
+            ):
+                raise ConfigError(
+                    f"holding: {held!r:.80} is not (rank, generation, seq, step) of counts"
+                )
         if not isinstance(self.pull, PullOptions):
             raise ConfigError(f"pull must be a PullOptions, not {type(self.pull).__name__}")
         if self.reuse_buffers_bytes < 0:

@@ -52,6 +52,12 @@ class OverloadedError(SidecarUnavailableError):
     ``overload_wait_s``: raised by the pull, never only reported as a missing rank."""
 
 
+class HeldStateRefused(ConsumerError):
+    """A sidecar refused the state a consumer said its tables hold (GetDeltaRequest.holding:
+    another generation served, a step merged away or past the consumer's release cap, a
+    commit past it): that rank's tables are to be taken whole from the sidecar instead."""
+
+
 class WindowRefused(ConsumerError):
     """An applier refused a window it cannot apply (identities inconsistent with what it
     holds, a shape or table it does not serve, values missing): nothing of the window was

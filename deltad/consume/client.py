@@ -60,6 +60,7 @@ from deltad.consume.window import Cursor, RankDelta
 from deltad.errors import (
     ConfigError,
     ConsumerError,
+    HeldStateRefused,
     OverloadedError,
     SidecarUnavailableError,
     WindowRefused,
@@ -96,8 +97,11 @@ class DeltaConsumer:
         self.refusals = 0
         self.refusals_total = 0
         self._retry_at = 0.0
-        #: rank -> (generation, seq, step) this consumer holds (:meth:`hold`)
-        self._held: dict[int, tuple[int, int, int]] = {}
+        #: rank -> (generation, seq, step) this consumer's tables hold and its pulls name,
+        #: until a commit from it is acknowledged (:meth:`hold`, ``config.holding``)
+        self._held: dict[int, tuple[int, int, int]] = {
+            rank: (gen, seq, step) for rank, gen, seq, step in config.holding
+        }
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -251,7 +255,9 @@ class DeltaConsumer:
         flushed = self._parallel(self._sidecars.flush_pending)
         for r, res in zip(self._ranks, flushed, strict=True):
             if isinstance(res, Exception):
-                result.missing[r.rank] = f"pending commit: {res}"
+                _miss(result, r.rank, res, "pending commit: ")
+            elif res is not None:  # a held state's window committed: its cursor is the state
+                self._held.pop(r.rank, None)
         if self.config.align_steps:
             return self._handed(self._pull_aligned(result, stage))
         # A rank whose commit is still pending is not pulled: a new pull would supersede it.
@@ -263,7 +269,7 @@ class DeltaConsumer:
             if isinstance(got, RankDelta):
                 result.deltas.append(got)
             else:
-                result.missing[r.rank] = str(got)
+                _miss(result, r.rank, got)
         # a window of a generation its sidecar was not checked at (the trainer restarted,
         # perhaps with another world size): checked before the caller gets it
         moved = [
@@ -286,7 +292,7 @@ class DeltaConsumer:
         todo = [r for r in ranks if r.checked_generation is None]
         for r, st in zip(todo, self._parallel(self._sidecars.status, todo), strict=True):
             if isinstance(st, Exception):
-                result.missing[r.rank] = str(st)
+                _miss(result, r.rank, st)
         return [r for r in ranks if r.rank not in result.missing]
 
     def _handed(self, result: PullResult) -> PullResult:
@@ -360,6 +366,7 @@ class DeltaConsumer:
                 log.warning("rank %d: commit pending (%s)", r.rank, res)
             else:
                 done.append(r.rank)
+                self._held.pop(r.rank, None)  # its cursor is the state now
         return done
 
     def sync(self, apply: Callable[[Sequence[RankDelta]], object] | Applier) -> PullResult:
@@ -433,7 +440,7 @@ class DeltaConsumer:
             if isinstance(st, RankStatus):
                 statuses[r.rank] = st
             else:
-                result.missing[r.rank] = str(st)
+                _miss(result, r.rank, st)
         if result.missing:
             return result
         heads = list(statuses.values())
@@ -450,7 +457,7 @@ class DeltaConsumer:
             if isinstance(got, RankDelta):
                 deltas.append(got)
             else:
-                result.missing[r.rank] = str(got)
+                _miss(result, r.rank, got)
         if result.missing:
             return result
         gens = {d.generation for d in deltas}
@@ -538,10 +545,18 @@ class DeltaConsumer:
                 log.info("pull %s rank %d: %s; starting over", self.config.consumer, r.rank, e)
                 return attempt(ch, timeout, md)
 
-        delta = self._sidecars.retry(r, "GetDelta", call, stream.progressed)
+        try:
+            delta = self._sidecars.retry(r, "GetDelta", call, stream.progressed)
+        except HeldStateRefused as e:
+            # the tables hold a state this sidecar does not serve from: its full tables next
+            self._held.pop(r.rank, None)
+            r.needs_base = True
+            log.warning("pull %s: %s: the rank's full tables next", self.config.consumer, e)
+            raise
         r.seen = max(r.seen, (delta.generation, delta.to_seq))
         if delta.committed:
             r.committed = delta.cursor
+            self._held.pop(r.rank, None)
         log.debug(
             "pull %s rank %d seq %d..%d step %d%s: %d rows, %d bytes, %.0f ms",
             self.config.consumer, r.rank, delta.from_seq, delta.to_seq, delta.to_step,
@@ -549,6 +564,14 @@ class DeltaConsumer:
             (time.monotonic() - started) * 1000,
         )  # fmt: skip
         return delta
+
+
+def _miss(result: PullResult, rank: int, why: object, prefix: str = "") -> None:
+    """``rank`` was not read this time, for ``why`` (an exception or a reason); one whose
+    sidecar did not answer is in ``result.unanswered`` too."""
+    result.missing[rank] = f"{prefix}{why}"
+    if isinstance(why, SidecarUnavailableError):
+        result.unanswered.add(rank)
 
 
 def _applier_of(apply: object) -> Applier | None:

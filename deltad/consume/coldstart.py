@@ -24,7 +24,14 @@ the archived (generation, seq, step); only then does it
 apply the archived state and commit those cursors. Any disagreement (the sidecar's log moved
 to another generation, a step merged away, a consumer committed past the archive) raises
 :class:`ColdStartUnavailable` before anything is applied: the caller bootstraps from the
-sidecars instead. A predictor killed during a cold start has applied nothing it keeps (its
+sidecars instead.
+
+Without the trainer: a rank whose sidecar does not answer (one retry, at most
+``HANDSHAKE_DEADLINE_S`` each) is listed in :attr:`ArchivedState.pending`; the state is applied
+all the same, and :func:`resumed` has that rank's pulls name it until a commit from it is
+acknowledged (a sidecar whose log no longer holds it refuses it: that rank's full tables
+come next). The step is capped by the release state the sidecars archive with every
+manifest, computed for this consumer as a sidecar would: a held fleet is held here too. A predictor killed during a cold start has applied nothing it keeps (its
 tables die with it) and, at worst, committed the archived cursors: its next cold start finds
 them and goes on.
 """
@@ -62,6 +69,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: Each handshake RPC's deadline (one retry): a sidecar that does not answer by then is told
+#: the archived state by the consumer's later pulls instead.
+HANDSHAKE_DEADLINE_S = 5.0
+
 
 class ColdStartUnavailable(ConsumerError):
     """The archive cannot start this consumer (nothing archived, ranks disagree, the sidecars'
@@ -80,12 +91,55 @@ class ArchivedState:
     #: bytes read from the store
     nbytes: int
     seconds: float
+    #: ranks whose sidecar did not answer the cold start (their tables hold the archived
+    #: state all the same; :func:`resumed` has their pulls name it until one answers)
+    pending: tuple[int, ...] = ()
+    #: the newest step the archived release state lets this consumer be served (None: no
+    #: cap recorded), which bounded :attr:`step`
+    release_cap: int | None = None
 
 
-def resumed(config: ConsumerConfig) -> ConsumerConfig:
+def resumed(config: ConsumerConfig, state: ArchivedState | None = None) -> ConsumerConfig:
     """``config`` for the consumer that goes on after a cold start: its tables hold the
-    committed cursors' state (``resume``), and it does not cold-start again."""
-    return dataclasses.replace(config, resume=True, bootstrap_from=None, bootstrap_endpoint=None)
+    committed cursors' state (``resume``), and it does not cold-start again. With ``state``,
+    the ranks whose sidecar did not answer the cold start (``state.pending``) name the
+    archived state in their pulls until one answers (``ConsumerConfig.holding``)."""
+    holding: tuple[tuple[int, int, int, int], ...] = ()
+    if state is not None:
+        holding = tuple((r, state.generation, *state.heads[r]) for r in state.pending)
+    return dataclasses.replace(
+        config, resume=True, bootstrap_from=None, bootstrap_endpoint=None, holding=holding
+    )
+
+
+def _release_cap(manifests: list[ArchiveManifest], consumer: str) -> int | None:
+    """The newest step of the archived generation the release state recorded with the
+    manifests (the newest version among the ranks') lets ``consumer`` be served: its cap
+    and a validation gate's failure, as a sidecar computes them (None: no cap, or no state
+    recorded); ColdStartUnavailable if nothing of the generation is released to it."""
+    from deltad.serve.rollout import NOTHING, ReleaseState, cap_for, gate_open, lower
+
+    states = []
+    for m in manifests:
+        raw = m.extra.get("release") if isinstance(m.extra, dict) else None
+        if not isinstance(raw, str):
+            continue
+        try:
+            states.append(ReleaseState.from_json(raw))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise ColdStartUnavailable(
+                f"rank {m.rank}'s archived release state is unreadable ({e}): not started "
+                "from the store (the fleet may be held)"
+            ) from None
+    if not states:
+        return None
+    state = max(states, key=lambda st: st.version)
+    generation = manifests[0].generation
+    cap = cap_for(state, consumer, generation)
+    if cap.max_step == NOTHING:
+        raise ColdStartUnavailable(f"the archived release state: {cap.reasons[0]}")
+    bad = gate_open(state, generation)
+    return lower(cap.max_step, None if bad is None else bad - 1)
 
 
 def _manifests(store: ObjectStore, model: str) -> list[ArchiveManifest]:
@@ -114,6 +168,12 @@ def _target(
     step = min(m.head.step for m in manifests)
     if max_step is not None:
         step = min(step, max_step)
+    oldest = max(m.entries[0].step for m in manifests)
+    if step < oldest:
+        raise ColdStartUnavailable(
+            f"step {step} (the release cap or max_step) is older than the archive's oldest "
+            f"state (step {oldest})"
+        )
     picked = [m.upto_step(step) for m in manifests]
     steps = {p[-1].step for p in picked}
     if len(steps) != 1:
@@ -141,6 +201,9 @@ def read_archived_state(
     store = open_store(url, endpoint=endpoint)
     try:
         manifests = _manifests(store, model)
+        release_cap = _release_cap(manifests, consumer)
+        if release_cap is not None:
+            max_step = release_cap if max_step is None else min(max_step, release_cap)
         step, picked = _target(manifests, max_step)
         gm = read_generation(store, manifests[0])
         with tempfile.TemporaryDirectory(prefix="deltad-coldstart-") as tmp:
@@ -170,6 +233,7 @@ def read_archived_state(
         deltas=deltas,
         nbytes=sum(o.size for o, _ in want),
         seconds=time.monotonic() - started,
+        release_cap=release_cap,
     )
     log.info(
         "cold start: read generation %d step %d from %s: %d objects, %d bytes, %.0f ms",
@@ -286,6 +350,10 @@ def cold_start(config: ConsumerConfig, applier: object) -> ArchivedState:
         resume=False,  # from_base: a window from the base whatever the stored cursor says
         bootstrap_from=None,
         bootstrap_endpoint=None,
+        holding=(),
+        # a sidecar that is down is not waited for: the state is served without it
+        max_retries=min(config.max_retries, 1),
+        rpc_deadline_s=min(config.rpc_deadline_s, HANDSHAKE_DEADLINE_S),
         pull=PullOptions(
             form=Form.IDS, tables=config.pull.tables, max_step=state.step, dense=False
         ),
@@ -294,10 +362,14 @@ def cold_start(config: ConsumerConfig, applier: object) -> ArchivedState:
         # the archived state named (GetDeltaRequest.holding): a sidecar that knows the field
         # answers with an empty window at it (no rows, no window built); one that does not,
         # with the ids of its base up to that step (8 bytes a row). Both end at the archived
-        # state, or the cold start is not taken.
+        # state, or the cold start is not taken. A sidecar that does not answer (the trainer
+        # is down) is told later: the consumer's pulls name the state (resumed(cfg, state)).
         handshake.hold(state.generation, state.heads)
         got = handshake.pull()
-        if got.missing or len(got.deltas) != len(state.deltas):
+        refused = {r: why for r, why in got.missing.items() if r not in got.unanswered}
+        if refused:
+            raise ColdStartUnavailable(f"ranks refused the archived state: {refused}")
+        if len(got.deltas) + len(got.unanswered) != len(state.deltas):
             raise ColdStartUnavailable(f"ranks did not answer: {got.missing}")
         for d in got.deltas:
             seq, step = state.heads[d.rank]
@@ -307,12 +379,19 @@ def cold_start(config: ConsumerConfig, applier: object) -> ArchivedState:
                     f"step {d.to_step} for step {state.step}, the archive generation "
                     f"{state.generation} seq {seq} step {step}"
                 )
-        done = handshake.commit(got)
+        done = handshake.commit(got) if got.deltas else []
         if sorted(done) != sorted(d.rank for d in got.deltas):
             raise ColdStartUnavailable(
                 "a rank refused the archived cursor (a commit past it: this consumer has "
                 "followed further than the archive)"
             )
+    if got.unanswered:
+        state = dataclasses.replace(state, pending=tuple(sorted(got.unanswered)))
+        log.warning(
+            "cold start %s: the sidecars of ranks %s do not answer: serving generation %d step "
+            "%d from the archive; they are told the state when they answer",
+            config.consumer, list(state.pending), state.generation, state.step,
+        )  # fmt: skip
     apply = getattr(applier, "apply", applier)
     assert callable(apply)
     apply(state.deltas)

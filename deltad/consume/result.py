@@ -30,6 +30,9 @@ class PullResult:
     source_unix: float | None = None
     #: Ranks not read this time, with the reason (the rows come next time).
     missing: dict[int, str] = field(default_factory=dict)
+    #: The ranks of ``missing`` whose sidecar did not answer (as opposed to one that
+    #: answered with a refusal, or another step or generation).
+    unanswered: set[int] = field(default_factory=set)
     pulled_unix: float = 0.0
     #: Why the applier refused these windows (None: not refused). A refused pull applied
     #: nothing and is never committed; its ranks are asked for their full tables at the next

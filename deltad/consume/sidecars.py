@@ -34,6 +34,7 @@ from deltad.errors import (
     ConfigError,
     ConsumerError,
     DeltadError,
+    HeldStateRefused,
     OverloadedError,
     SidecarUnavailableError,
 )
@@ -289,6 +290,14 @@ class Sidecars:
                 if code not in RETRYABLE:
                     if code in FINAL_COMMIT_CODES and what == "Commit":
                         raise Rejected(code, e.details()) from None
+                    if (
+                        code == grpc.StatusCode.FAILED_PRECONDITION
+                        and what == "GetDelta"
+                        and (e.details() or "").startswith("held state:")
+                    ):
+                        raise HeldStateRefused(
+                            f"rank {r.rank} GetDelta at {r.endpoint}: {e.details()}"
+                        ) from None
                     raise ConsumerError(
                         f"rank {r.rank} {what} at {r.endpoint}: {code.name}: {e.details()}"
                     ) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grpc_health.v1 import health_pb2
@@ -65,8 +66,14 @@ class SidecarArchive:
                 log.error("archive %s: not restored, serving without: %s", self.store.url, e)
                 return None
 
-    def start(self, seglog: SegmentLog, metrics: SidecarMetrics) -> ArchiveUploader:
-        """Start the uploader of ``seglog``; its lag and counters in ``metrics``."""
+    def start(
+        self,
+        seglog: SegmentLog,
+        metrics: SidecarMetrics,
+        release: Callable[[], str | None] | None = None,
+    ) -> ArchiveUploader:
+        """Start the uploader of ``seglog``; its lag and counters in ``metrics``; the release
+        state (``release``, its JSON) recorded with each manifest."""
         up = ArchiveUploader(
             self.store,
             seglog,
@@ -74,6 +81,7 @@ class SidecarArchive:
             scratch_dir=self.layout.sidecar_dir / f"archive-rank-{self.config.rank:05d}",
             interval_s=max(self.config.poll_interval_s, 0.05),
             gc_grace_s=self.config.archive_gc_grace_s,
+            release=release,
         )
         self.uploader = up
         metrics.track(

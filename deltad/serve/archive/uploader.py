@@ -30,6 +30,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +80,14 @@ class ArchiveUploader:
         interval_s: float = 0.2,
         gc_grace_s: float = 600.0,
         gc_interval_s: float | None = None,
+        release: Callable[[], str | None] | None = None,
     ) -> None:
         self.store = store
+        #: The release state the server applies, as JSON (None: not known, or no release
+        #: state): recorded in every manifest (``extra["release"]``), and the manifest moves
+        #: when it changes, so that a predictor starting from the store with no sidecar to
+        #: ask (deltad.consume.coldstart) is held where the fleet is.
+        self.release = release
         self.log = seglog
         self.model = model
         self.rank = seglog.rank
@@ -172,7 +179,12 @@ class ArchiveUploader:
             self._read_manifest()
         if self._recheck:
             self._check_uploaded()
-        if self.archived is not None and self._same_log(self.archived, snap):
+        release = self.release() if self.release is not None else None
+        if (
+            self.archived is not None
+            and self._same_log(self.archived, snap)
+            and self.archived.extra.get("release") == release
+        ):
             return False
         self._upload_generation(snap)
         entries = tuple(self._upload_entry(snap.generation, e) for e in snap.entries)
@@ -188,6 +200,7 @@ class ArchiveUploader:
                 entries=entries,
                 dense=dense,
                 updated_unix=time.time(),
+                extra={} if release is None else {"release": release},
             )
         )
 

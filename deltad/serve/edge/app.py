@@ -193,7 +193,7 @@ class SidecarServer:
                 view.verdict_age_s,
             )
         if self.archive is not None:
-            self.archive.start(self.log, self.metrics)
+            self.archive.start(self.log, self.metrics, self._release_json)
             self.servicer.status.archive_lag = self.archive.lag
             self.upkeep.spawn("deltad-archive-health", self.check_archive, 1.0)
         self._server = server
@@ -548,6 +548,14 @@ class SidecarServer:
         lock, self._rank_lock = self._rank_lock, -1
         if lock >= 0:
             os.close(lock)
+
+    def _release_json(self) -> str | None:
+        """The release state this server applies, as JSON; None while it is not known (a
+        relay that has not heard its upstream's) or refused (an invalid one in Redis)."""
+        source = self.rollout
+        if not source.known or (isinstance(source, RolloutView) and source.refused):
+            return None
+        return source.state().to_json()
 
     def _spool_lost(self, rewritten: int) -> None:
         """The spool lost served files under this sidecar (the log wrote them back): count
