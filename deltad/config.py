@@ -663,6 +663,29 @@ SERVER_FLAG_NAMES: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True)
+class ArchiveFollowConfig:
+    """`deltad serve --upstream-archive`: a relay that follows the rank's log in the archive
+    (deltad.serve.archive.follow) instead of an upstream sidecar."""
+
+    #: The archive: ``s3://bucket/prefix`` or ``file:///shared/mount``.
+    url: str
+    #: An S3-compatible server's URL for an ``s3://`` ``url``.
+    endpoint: str | None = None
+    #: Seconds between reads of the rank's archived manifest.
+    poll_interval_s: float = 0.2
+    #: fsync placed files (off only on tmpfs).
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.startswith(("s3://", "file://")):
+            raise ConfigError(
+                f"--upstream-archive {self.url!r:.80}: give s3://BUCKET/PREFIX or file:///PATH"
+            )
+        if not 0 < self.poll_interval_s <= 3600:
+            raise ConfigError("the archive's poll interval must be in (0, 3600] seconds")
+
+
 @dataclass
 class RelayConfig:
     """`deltad serve --upstream`: a relay mirrors one rank's log from an upstream sidecar (or

@@ -157,9 +157,13 @@ def exported_names(name: str, mtype: str) -> list[str]:
     return [name]
 
 
-def collect_metrics() -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """The families of a real sidecar and of a real relay (its upstream: that sidecar),
-    started on a temporary spool with one base segment, and stopped."""
+Families = dict[str, dict[str, Any]]
+
+
+def collect_metrics() -> tuple[Families, Families, Families]:
+    """The families of a real sidecar, of a real relay (its upstream: that sidecar) and of a
+    real relay following that sidecar's archive, started on a temporary spool with one base
+    segment, and stopped."""
     _clean_env()
     import logging
 
@@ -167,10 +171,11 @@ def collect_metrics() -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, An
 
     logging.getLogger("deltad").setLevel(logging.ERROR)  # (a relay waiting for its first pull)
 
-    from deltad.config import RelayConfig, ServerConfig
+    from deltad.config import ArchiveFollowConfig, RelayConfig, ServerConfig
     from deltad.segment.format import ShardRows, write_segment
     from deltad.segment.spool import GenerationManifest, SpoolLayout, TableInfo
     from deltad.serve.edge.app import SidecarServer
+    from deltad.serve.relay.archived import ArchiveRelayServer
     from deltad.serve.relay.server import RelayServer
     from deltad.types import SegmentKind, Shard
 
@@ -194,36 +199,48 @@ def collect_metrics() -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, An
         # the sidecar with an archive (a shared-file-system one): its metrics too
         archive = f"file://{Path(tmp) / 'archive'}"
         sidecar = SidecarServer(config(spool, None, archive_url=archive)).start()
-        relay = None
+        relay = follower = None
         try:
             url = sidecar.redis_url
-            relay_url = url.replace("db=0", "db=1") if "db=0" in url else url.rstrip("/0") + "/1"
+
+            def db(n: int) -> str:
+                return (
+                    url.replace("db=0", f"db={n}") if "db=0" in url else url.rstrip("/0") + f"/{n}"
+                )
+
             (Path(tmp) / "relay").mkdir()
             relay = RelayServer(
-                config(Path(tmp) / "relay", relay_url),
+                config(Path(tmp) / "relay", db(1)),
                 RelayConfig(upstream=sidecar.endpoint, consumer="gen-docs", fsync=False),
+            ).start()
+            (Path(tmp) / "follower").mkdir()
+            follower = ArchiveRelayServer(
+                config(Path(tmp) / "follower", db(2)), ArchiveFollowConfig(archive, fsync=False)
             ).start()
             side = _families(sidecar.metrics.registry, {})
             rel = _families(relay.server.metrics.registry, {sidecar.endpoint: "HOST:PORT"})
+            arel = _families(follower.server.metrics.registry, {})
         finally:
-            if relay is not None:
-                relay.stop(0)
+            for r in (relay, follower):
+                if r is not None:
+                    r.stop(0)
             sidecar.stop(0)
-    return side, rel
+    return side, rel, arel
 
 
 def metrics_markdown() -> str:
     """docs/metrics.md from the registries of a real sidecar and relay."""
-    side, rel = collect_metrics()
+    side, rel, arel = collect_metrics()
     every = dict(side)
-    for name, fam in rel.items():
+    for name, fam in (*rel.items(), *arel.items()):
         every.setdefault(name, fam)
     lines = [
         "# Metrics",
         "",
         GENERATED,
         "",
-        "Every metric a sidecar (`deltad serve`) and a relay (`deltad serve --upstream`) export on"
+        "Every metric a sidecar (`deltad serve`) and a relay (`deltad serve --upstream` or"
+        " `--upstream-archive`) export on"
         " `/metrics` (`--metrics-port`, bound to the `--listen` host unless `--metrics-listen`),"
         " read from the registries of a real sidecar and relay. Counters show as `<name>_total`,"
         " histograms as `_bucket`, `_sum` and `_count`. Every deltad series has the labels"
@@ -241,6 +258,8 @@ def metrics_markdown() -> str:
             if name in side and name in rel
             else "relay"
             if name in rel
+            else "relay with `--upstream-archive`"
+            if name in arel
             else "sidecar with `--archive`"
             if name.startswith("deltad_archive_")
             else "sidecar"

@@ -18,8 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serverkit import SpoolWriter, server_config, wait_for
 
-from deltad.config import RelayConfig
+from deltad.config import ArchiveFollowConfig, RelayConfig
 from deltad.serve.edge.app import SidecarServer
+from deltad.serve.relay.archived import ArchiveRelayServer
 from deltad.serve.relay.server import RelayServer
 from deltad.store import EmbeddedRedis
 from deltad.v1 import delta_pb2 as pb
@@ -86,14 +87,20 @@ def test_every_metric_a_real_sidecar_and_relay_export_is_in_metrics_md(
         server_config(tmp_path / "spool", redis_server.url, metrics_port=0, archive_url=archive)
     )
     side.start()
-    relay = None
+    relay = follower = None
     try:
         relay = RelayServer(
             server_config(tmp_path / "relay", _db(redis_server.url, 1), metrics_port=0),
             RelayConfig(upstream=side.endpoint, consumer="docs", poll_interval_s=0.02, fsync=False),
         ).start()
+        follower = ArchiveRelayServer(  # a relay following the sidecar's archive
+            server_config(tmp_path / "follower", _db(redis_server.url, 2), metrics_port=0),
+            ArchiveFollowConfig(archive, poll_interval_s=0.05, fsync=False),
+        ).start()
         assert side.metrics_port is not None and relay.server.metrics_port is not None
+        assert follower.server.metrics_port is not None
         wait_for(lambda: relay.server.log.snapshot() is not None)
+        wait_for(lambda: follower.server.log.snapshot() is not None)
         # the relay is a live consumer of the sidecar: a ListConsumers (what `deltad status`
         # asks) refreshes the per-consumer series
         with grpc.insecure_channel(side.endpoint) as channel:
@@ -116,6 +123,7 @@ def test_every_metric_a_real_sidecar_and_relay_export_is_in_metrics_md(
             scraped = {
                 "sidecar": _scrape(side.metrics_port),
                 "relay": _scrape(relay.server.metrics_port),
+                "archive relay": _scrape(follower.server.metrics_port),
                 "predictor": _scrape(predictor.serve_http(0)),
                 "evaluator": _scrape(int(ev_http.server_port)),
             }
@@ -125,8 +133,9 @@ def test_every_metric_a_real_sidecar_and_relay_export_is_in_metrics_md(
             ev_http.server_close()
         upstream = side.endpoint
     finally:
-        if relay is not None:
-            relay.stop(0)
+        for r in (relay, follower):
+            if r is not None:
+                r.stop(0)
         side.stop(0)
     doc = (REPO / "docs" / "metrics.md").read_text()
     rows = {

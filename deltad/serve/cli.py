@@ -321,7 +321,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="URL",
     )
     _env_flag(
-        p, "archive-endpoint", "an S3-compatible server for an s3:// --archive", metavar="URL"
+        p,
+        "archive-endpoint",
+        "an S3-compatible server for an s3:// --archive or --upstream-archive",
+        metavar="URL",
+    )
+    _env_flag(
+        p,
+        "upstream-archive",
+        "run as a relay that follows the rank's log in this object store instead of an "
+        "upstream sidecar (another region, a replicated bucket): s3://BUCKET/PREFIX or "
+        "file:///shared/mount; the release state archived with the log is applied",
+        metavar="URL",
     )
 
 
@@ -397,6 +408,22 @@ def build_config(args: argparse.Namespace) -> Any:
     )
 
 
+def build_follow_config(args: argparse.Namespace) -> Any:
+    """ArchiveFollowConfig from parsed flags, or None without --upstream-archive (ConfigError
+    on bad values or with --upstream / --archive)."""
+    if not args.upstream_archive:
+        return None
+    from deltad.config import ArchiveFollowConfig
+
+    if args.upstream:
+        raise ConfigError("--upstream-archive and --upstream: a relay follows one of them")
+    if args.archive:
+        raise ConfigError(
+            "--upstream-archive and --archive: a relay following the archive does not write it"
+        )
+    return ArchiveFollowConfig(args.upstream_archive, endpoint=args.archive_endpoint or None)
+
+
 def build_relay_config(args: argparse.Namespace) -> Any:
     """RelayConfig from parsed flags, or None without --upstream (ConfigError on bad values)."""
     if not args.upstream:
@@ -434,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     stop, reload = threading.Event(), threading.Event()
     relay = build_relay_config(args)
+    follow = build_follow_config(args)
 
     # SIGHUP: the loop below re-reads the tokens and TLS files within 0.5 s
     actions = {
@@ -447,6 +475,10 @@ def run(args: argparse.Namespace) -> int:
             from deltad.serve.relay.server import RelayServer
 
             server = RelayServer(config, relay)
+        elif follow is not None:
+            from deltad.serve.relay.archived import ArchiveRelayServer
+
+            server = ArchiveRelayServer(config, follow)
         else:
             server = SidecarServer(config)
         server.start()
