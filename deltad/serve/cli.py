@@ -394,7 +394,8 @@ def build_config(args: argparse.Namespace) -> Any:
         owed_max_bytes=value(args.owed_max_bytes),
         owed_max_consumer_bytes=value(args.owed_max_consumer_bytes),
         archive_url=args.archive or None,
-        archive_endpoint=args.archive_endpoint or None,
+        # (with --upstream-archive, the endpoint is that store's: ArchiveFollowConfig)
+        archive_endpoint=None if args.upstream_archive else (args.archive_endpoint or None),
         archive_lag_bound_s=value(args.archive_lag_bound),
         archive_gc_grace_s=value(args.archive_gc_grace),
         max_queued_streams=value(args.max_queued_streams),
