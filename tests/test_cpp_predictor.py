@@ -658,3 +658,76 @@ def test_cpp_predictor_through_relays_rolls_back_and_is_released_bit_exact(
     pulls = p.pulls()
     assert not [x for x in pulls if "error" in x], p.errors
     assert sum(x["evicted"] for x in pulls) > 0  # the MC table evicted raw ids on the way
+
+
+@pytest.mark.slow
+def test_cpp_predictor_starts_from_the_archive_through_relays_with_the_trainer_gone(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The C++ client's cold start from the store: a 2-rank trainer (mixed sharding, an MC
+    table evicting) ran with archiving sidecars, and its node is gone (sidecars stopped). A
+    relay per rank follows the archive (`deltad serve --upstream-archive`); a C++ predictor
+    behind them serves a state bit-equal to torchrec's quantization of the trainer's final
+    model, dense state included, having reached no trainer sidecar."""
+    from deltad.reference.trainer.train import TrainConfig, run_training
+    from test_relay import db
+
+    from deltad.config import ArchiveFollowConfig
+    from deltad.consume.export import export_reference
+    from deltad.serve.archive.fetch import read_manifest
+    from deltad.serve.archive.opening import open_store
+    from deltad.serve.relay.archived import ArchiveRelayServer
+
+    cfg = serving_config()
+    art = tmp_path / "model.pt"
+    export_reference(cfg, art)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    state = tmp_path / "state.pt"
+    url = f"file://{tmp_path / 'archive'}"
+    steps = 8
+    with sidecar_servers(spool, redis_url, 2, archive_url=url):
+        train = TrainConfig(
+            spool_dir=spool, model="m", world_size=2, tables=TABLES, seq_rows=SEQ_ROWS,
+            dim=DIM, sharding={"t0": "cw", "t1": "rw", "seq": "rw"}, steps=steps,
+            publish_every_steps=2, batch_size=32, final_model=tmp_path / "final.pt", seed=5,
+            progress=False, fsync=False, zch_slots=ZCH_REF_SLOTS,
+        )  # fmt: skip
+        assert run_training(train).steps == steps
+        store = open_store(url)
+        try:
+            wait_for(
+                lambda: all(
+                    (m := read_manifest(store, "m", r)) is not None and m.head.step == steps
+                    for r in range(2)
+                ),
+                60,
+                "both ranks archived at the last step",
+            )
+        finally:
+            store.close()
+    relays: list[ArchiveRelayServer] = []
+    try:
+        for r in range(2):
+            sc = ServerConfig(
+                spool_dir=tmp_path / f"relay{r}", model="m", rank=r,
+                redis_url=db(redis_url, 1 + r), listen="127.0.0.1:0", poll_interval_s=0.02,
+                grace_period_s=0.5,
+            )  # fmt: skip
+            follow = ArchiveFollowConfig(url, poll_interval_s=0.05, fsync=False)
+            relays.append(ArchiveRelayServer(sc, follow).start())
+        eps = [x.endpoint for x in relays]
+        p = Predictor(
+            *predictor_args(eps, art, "cpp-from-store", "--final-state", str(state)),
+            "--wire-dtype", "packed-int8",
+        )  # fmt: skip
+        try:
+            wait_for(functools.partial(p.caught_up, steps), 120, f"the step {steps}")
+        finally:
+            rc = p.stop() if p.proc.poll() is None else p.proc.returncode
+        assert rc == 0, p.errors
+        assert_serves(state, cfg, tmp_path / "final.pt", tmp_path / "reference.pt")
+    finally:
+        for x in relays:
+            x.stop(0.5)
+    assert not [x for x in p.pulls() if "error" in x], p.errors
