@@ -41,36 +41,8 @@ def _cpu(pid: int) -> float:
     return float(t.user + t.system)
 
 
-def _publish(spools: list[Path], args: argparse.Namespace, stop: threading.Event) -> None:
-    """The same delta segment into every spool every ``args.interval`` s until ``stop``."""
-    import torch
-
-    from deltad.segment.format import ShardRows
-    from deltad.segment.spool import SpoolLayout
-    from deltad.segment.writer import write_segment
-    from deltad.types import SegmentKind, Shard
-
-    layouts = [SpoolLayout(s, MODEL) for s in spools]
-    gen = torch.Generator().manual_seed(11)
-    seq, step = 2, 20
-    while not stop.wait(args.interval):  # bounded by stop
-        seq, step = seq + 1, step + 10
-        shards = []
-        for t in range(args.tables):
-            ids = torch.randperm(args.rows, generator=gen)[: args.changed].sort().values
-            values = torch.randn(ids.numel(), args.dim, generator=gen)
-            shard = Shard(f"t{t}", args.rows, args.dim, 0, args.rows, 0, args.dim)
-            shards.append(ShardRows(shard, ids, values))
-        for layout in layouts:
-            write_segment(
-                layout.segment_path(1, 0, seq), model=MODEL, generation=1, rank=0,
-                world_size=1, seq=seq, step=step, kind=SegmentKind.DELTA, shards=shards,
-                fsync=False,
-            )  # fmt: skip
-
-
 def _round(tmp: Path, s3: Any, args: argparse.Namespace, r: int) -> dict[str, float]:
-    from bench.datagen import write_spool
+    from bench.datagen import publish_deltas, write_spool
 
     kids = Children()
     stop = threading.Event()
@@ -88,7 +60,11 @@ def _round(tmp: Path, s3: Any, args: argparse.Namespace, r: int) -> dict[str, fl
             sides[name] = start_sidecar(kids, spool, ctx, extra=extra)
         before = {name: _cpu(s.proc.pid) for name, s in sides.items()}
         store0 = _cpu(s3.proc.pid)
-        writer = threading.Thread(target=_publish, args=(spools, args, stop), daemon=True)
+        writer = threading.Thread(
+            target=publish_deltas, args=(spools,), daemon=True,
+            kwargs=dict(model=MODEL, tables=args.tables, rows_per_table=args.rows, dim=args.dim,
+                        changed=args.changed, interval_s=args.interval, stop=stop),
+        )  # fmt: skip
         writer.start()
         stop.wait(args.duration)
         stop.set()

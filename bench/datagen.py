@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -165,3 +166,40 @@ def write_spool(
         "segments": deltas + 1,
         "generation": generation,
     }
+
+
+def publish_deltas(
+    spools: list[Path],
+    *,
+    model: str,
+    tables: int,
+    rows_per_table: int,
+    dim: int,
+    changed: int,
+    interval_s: float,
+    stop: Any,
+    first_seq: int = 3,
+    seed: int = 7,
+) -> int:
+    """Write the same delta segment (``changed`` random rows of each of ``tables`` float
+    tables, generation 1, rank 0) into every spool every ``interval_s`` seconds, as a
+    trainer publishes, until ``stop`` (a threading.Event) is set; the last seq written.
+    Seqs start at ``first_seq`` (after :func:`write_spool`'s base and two deltas)."""
+    layouts = [SpoolLayout(s, model) for s in spools]
+    gen = torch.Generator().manual_seed(seed)
+    seq = first_seq - 1
+    while not stop.wait(interval_s):  # bounded by stop
+        seq += 1
+        shards = []
+        for t in range(tables):
+            ids = torch.randperm(rows_per_table, generator=gen)[:changed].sort().values
+            values = torch.randn(ids.numel(), dim, generator=gen)
+            shard = Shard(f"t{t}", rows_per_table, dim, 0, rows_per_table, 0, dim)
+            shards.append(ShardRows(shard=shard, ids=ids, values=values))
+        for layout in layouts:
+            write_segment(
+                layout.segment_path(1, 0, seq), model=model, generation=1, rank=0,
+                world_size=1, seq=seq, step=seq * 10, kind=SegmentKind.DELTA, shards=shards,
+                fsync=False,
+            )  # fmt: skip
+    return seq

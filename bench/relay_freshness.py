@@ -38,33 +38,6 @@ from bench.deltad_procs import start_sidecar
 PREDICTORS = ("sidecar-1", "sidecar-2", "store")
 
 
-def _publish(spool: Path, args: argparse.Namespace, stop: threading.Event) -> int:
-    """Write a delta segment every ``args.interval`` seconds until ``stop``; the last seq."""
-    import torch
-
-    from deltad.segment.format import ShardRows
-    from deltad.segment.spool import SpoolLayout
-    from deltad.segment.writer import write_segment
-    from deltad.types import SegmentKind, Shard
-
-    layout = SpoolLayout(spool, MODEL)
-    gen = torch.Generator().manual_seed(7)
-    seq, step = 2, 20  # (write_spool wrote the base and deltas 1..2)
-    while not stop.wait(args.interval):  # bounded by stop
-        seq, step = seq + 1, step + 10
-        shards = []
-        for t in range(args.tables):
-            ids = torch.randperm(args.rows, generator=gen)[: args.changed].sort().values
-            values = torch.randn(ids.numel(), args.dim, generator=gen)
-            shards.append(ShardRows(Shard(f"t{t}", args.rows, args.dim, 0, args.rows, 0, args.dim),
-                                    ids, values))  # fmt: skip
-        write_segment(
-            layout.segment_path(1, 0, seq), model=MODEL, generation=1, rank=0, world_size=1,
-            seq=seq, step=step, kind=SegmentKind.DELTA, shards=shards, fsync=False,
-        )  # fmt: skip
-    return seq
-
-
 def _freshness(path: Path) -> list[float]:
     out = []
     for line in path.read_text().splitlines():
@@ -78,7 +51,7 @@ def _freshness(path: Path) -> list[float]:
 
 
 def _round(tmp: Path, s3: Any, args: argparse.Namespace, r: int) -> dict[str, Any]:
-    from bench.datagen import write_spool
+    from bench.datagen import publish_deltas, write_spool
 
     kids = Children()
     stop = threading.Event()
@@ -96,7 +69,11 @@ def _round(tmp: Path, s3: Any, args: argparse.Namespace, r: int) -> dict[str, An
                                  extra=["--upstream-archive", url, "--archive-endpoint", s3.endpoint])  # fmt: skip
         logs = {name: tmp / f"{name}-{r}.jsonl" for name in PREDICTORS}
         ends = {"sidecar-1": relay, "sidecar-2": relay, "store": follower}
-        writer = threading.Thread(target=_publish, args=(spool, args, stop), daemon=True)
+        writer = threading.Thread(
+            target=publish_deltas, args=([spool],), daemon=True,
+            kwargs=dict(model=MODEL, tables=args.tables, rows_per_table=args.rows, dim=args.dim,
+                        changed=args.changed, interval_s=args.interval, stop=stop),
+        )  # fmt: skip
         writer.start()
         procs = []
         for name in PREDICTORS:

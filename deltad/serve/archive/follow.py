@@ -33,7 +33,7 @@ from pathlib import Path
 from deltad.segment.spool import SpoolLayout, fsync_dir
 from deltad.serve.archive.fetch import fetch_objects, read_generation
 from deltad.serve.archive.layout import ArchivedObject, ArchiveManifest, manifest_key
-from deltad.serve.archive.restore import _place, _verify
+from deltad.serve.archive.restore import _place, _verify, clear_staging
 from deltad.serve.archive.store import ArchiveError, ObjectStore
 from deltad.serve.state.release import FollowedRollout
 
@@ -194,12 +194,7 @@ class ArchiveFollower:
             if self.fsync:
                 fsync_dir(rank_dir)
         finally:
-            for p in staging.iterdir() if staging.exists() else ():
-                p.unlink(missing_ok=True)
-            try:
-                staging.rmdir()
-            except OSError:
-                pass
+            clear_staging(staging)
         log.info(
             "archive %s: placed rank %d generation %d seq %d..%d (%d files)",
             self.store.url, self.rank, m.generation, local + 1, head, placed,

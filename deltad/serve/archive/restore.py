@@ -110,12 +110,7 @@ def restore_rank(store: ObjectStore, layout: SpoolLayout, rank: int) -> RestoreR
             nbytes += _place(path, layout.segment_path(m.generation, rank, obj.seq))
         fsync_dir(rank_dir)
     finally:
-        for p in staging.iterdir() if staging.exists() else ():
-            p.unlink(missing_ok=True)
-        try:
-            staging.rmdir()
-        except OSError:
-            pass
+        clear_staging(staging)
     if stopped:
         log.error(
             "archive %s: rank %d restored only up to seq %d: %s", store.url, rank, head, stopped
@@ -165,6 +160,16 @@ def _verify(
             f"{obj.key}: holds seq {h.first_seq}..{h.seq} step {h.step}, not what the manifest says"
         )
     return ""
+
+
+def clear_staging(staging: Path) -> None:
+    """Delete a fetch's staging directory and what is left in it (placed files are links)."""
+    for p in staging.iterdir() if staging.exists() else ():
+        p.unlink(missing_ok=True)
+    try:
+        staging.rmdir()
+    except OSError:
+        pass
 
 
 def _place(src: Path, dest: Path) -> int:
