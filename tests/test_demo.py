@@ -61,6 +61,13 @@ def test_demo_predictor_tables_equal_trainer_final_tables(tmp_path: Path) -> Non
     assert set(started) == set(truth)
     for name, t in truth.items():
         assert torch.equal(started[name], t), name
+    # then relays following the archive, the trainer's sidecars stopped: the same tables
+    (relayed,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("check store-relay:")]
+    assert relayed.endswith(": ok") and "2 relays following the archive" in relayed, relayed
+    behind = torch.load(work / "store-relay-final.pt", weights_only=True)
+    assert set(behind) == set(truth)
+    for name, t in truth.items():
+        assert torch.equal(behind[name], t), name
     assert not [
         p
         for p in psutil.process_iter(["cmdline"])

@@ -11,6 +11,10 @@ file system. The check, ``cold-start``: the
 predictor (``deltad consume --bootstrap-from``) read the base and segments from the store,
 pulled from the sidecars only the ids handshake and the tail (no row values of the base), and
 holds tables bit-equal to the trainer's final tables.
+
+The check ``store-relay``: then the trainer's sidecars stop (its node is gone), a relay per rank
+follows the archive (``deltad serve --upstream-archive``, each with its own embedded Redis),
+and a predictor behind those relays holds tables bit-equal to the trainer's final tables.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from deltad.demo.procs import Children, DemoFailed, statuses
 
 __all__ = [
     "NAME",
+    "RELAY_NAME",
     "DemoStore",
     "check",
     "consume_argv",
@@ -36,6 +41,7 @@ __all__ = [
 ]
 
 NAME = "cold-start"
+RELAY_NAME = "store-relay"
 
 
 @dataclass
@@ -106,17 +112,64 @@ def consume_argv(url: str, endpoint: str | None, work: Path, logs: Path) -> list
     ]  # fmt: skip
 
 
-def run(children: Children, argv: list[str], timeout_s: float) -> None:
-    """Run the cold-start predictor to its end (bounded); DemoFailed unless it exits 0."""
-    child = children.spawn(NAME, argv)
+def relay_argv(rank: int, url: str, endpoint: str | None, work: Path) -> list[str]:
+    """A relay of ``rank`` that follows the archive (no Redis URL: it embeds its own)."""
+    return [
+        "serve",
+        "--spool", str(work / f"{RELAY_NAME}-{rank}"),
+        "--model", "demo",
+        "--rank", str(rank),
+        "--listen", "127.0.0.1:0",
+        "--upstream-archive", url,
+        *(["--archive-endpoint", endpoint] if endpoint else []),
+    ]  # fmt: skip
+
+
+def relay_consume_argv(endpoints: list[str], work: Path, logs: Path) -> list[str]:
+    """The predictor behind the store relays (it exits after its pulls)."""
+    return [
+        "consume",
+        "--consumer", RELAY_NAME,
+        "--model", "demo",
+        *[x for e in endpoints for x in ("--sidecar", e)],
+        "--form", "rows",
+        "--dtype", "fp32",
+        "--pulls", "2",
+        "--interval", "0.1",
+        "--json-log", str(logs / f"{RELAY_NAME}.jsonl"),
+        "--final-tables", str(work / f"{RELAY_NAME}-final.pt"),
+    ]  # fmt: skip
+
+
+def run(children: Children, argv: list[str], timeout_s: float, name: str = NAME) -> None:
+    """Run a predictor ``name`` to its end (bounded); DemoFailed unless it exits 0."""
+    child = children.spawn(name, argv)
     deadline = time.monotonic() + timeout_s
     while child.proc.poll() is None:  # bounded by the deadline
         if time.monotonic() > deadline:
-            raise DemoFailed(f"{NAME} still running after {timeout_s:.0f}s; see {child.log}")
+            raise DemoFailed(f"{name} still running after {timeout_s:.0f}s; see {child.log}")
         time.sleep(0.1)
     children.running.remove(child)
     if child.proc.returncode != 0:
-        raise DemoFailed(f"{NAME} exited with {child.proc.returncode}; see {child.log}")
+        raise DemoFailed(f"{name} exited with {child.proc.returncode}; see {child.log}")
+
+
+def check_relay(work: Path, truth: dict[str, Any], url: str, world: int) -> Check:
+    """The predictor behind the store relays, with the trainer's sidecars gone, holds tables
+    bit-equal to the trainer's final tables."""
+    import torch
+
+    path = work / f"{RELAY_NAME}-final.pt"
+    tables = torch.load(path, map_location="cpu", weights_only=True) if path.exists() else {}
+    ok = set(tables) == set(truth) and all(
+        torch.equal(tables[n], truth[n].to(tables[n].dtype)) for n in truth
+    )
+    return Check(
+        f"check {RELAY_NAME}: the trainer's sidecars stopped, {world} relays following the "
+        f"archive ({url}), a predictor behind them holds tables bit-equal to the trainer's "
+        f"final tables: {'ok' if ok else 'FAILED'}",
+        ok,
+    )
 
 
 def check(work: Path, logs: Path, truth: dict[str, Any], url: str) -> Check:

@@ -109,6 +109,8 @@ class Demo:
             if self.store is not None:
                 self.cold_start(endpoints)
             self.stop_predictors()
+            if self.store is not None:
+                self.store_relays()
             for lg in logs.values():
                 lg.refresh()
             report = self.report(logs, time.monotonic() - t_start, final_step)
@@ -149,6 +151,24 @@ class Demo:
         archive.wait_archived(self.children, endpoints, self.args.settle_timeout)
         argv = archive.consume_argv(self.store.url, self.store.endpoint, self.work, self.logs)
         archive.run(self.children, argv, self.args.settle_timeout + 120.0)
+
+    def store_relays(self) -> None:
+        """The trainer's sidecars stop; a relay per rank follows the archive; a predictor
+        behind them pulls what they serve and exits (:mod:`deltad.demo.archive`)."""
+        assert self.store is not None
+        world = self.args.world_size
+        self.children.stop([f"sidecar-{r}" for r in range(world)], 30.0)
+        relays = [
+            self.children.spawn(
+                f"{archive.RELAY_NAME}-{r}",
+                archive.relay_argv(r, self.store.url, self.store.endpoint, self.work),
+                env={"DELTAD_REDIS_URL": ""},  # (each embeds its own Redis)
+            )
+            for r in range(world)
+        ]
+        endpoints = [wait_serving(r) for r in relays]
+        argv = archive.relay_consume_argv(endpoints, self.work, self.logs)
+        archive.run(self.children, argv, self.args.settle_timeout + 120.0, archive.RELAY_NAME)
 
     def trainer_argv(self) -> list[str]:
         a = self.args
@@ -304,6 +324,10 @@ class Demo:
             lines.append(check.line)
             if not check.ok:
                 failures.append(f"{archive.NAME} did not bootstrap from the archive bit-equal")
+            check = archive.check_relay(self.work, truth, self.store.url, a.world_size)
+            lines.append(check.line)
+            if not check.ok:
+                failures.append(f"{archive.RELAY_NAME} did not serve the archive bit-equal")
         return Report("\n".join([*out, *lines]), failures)
 
 

@@ -112,10 +112,18 @@ class Children:
         self.env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
         self.running: list[Child] = []
 
-    def spawn(self, name: str, argv: Sequence[str], *, executable: bool = False) -> Child:
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        executable: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> Child:
         """Start ``deltad ARGV`` in the work directory, its output in ``logs/<name>.log``;
         ``executable``: ARGV is a program of its own (the C++ predictor), its standard output
-        (JSON lines) in ``logs/<name>.jsonl``, its standard error in ``logs/<name>.log``."""
+        (JSON lines) in ``logs/<name>.jsonl``, its standard error in ``logs/<name>.log``;
+        ``env``: variables set (or, given "", emptied) for this child only."""
         log = self.logs / f"{name}.log"
         cmd = list(argv) if executable else [sys.executable, "-m", "deltad", *argv]
         with (
@@ -127,7 +135,7 @@ class Children:
                 stdin=subprocess.DEVNULL,
                 stdout=lines if executable else err,
                 stderr=err if executable else subprocess.STDOUT,
-                env={**self.env, PARENT_PID_ENV: str(os.getpid())},
+                env={**self.env, **(env or {}), PARENT_PID_ENV: str(os.getpid())},
                 cwd=self.work,
                 start_new_session=True,
             )
