@@ -38,6 +38,7 @@ def _one(spool: Path, size: dict[str, Any], publish: bool, every_s: float) -> di
         spool_dir=spool, model="bench", world_size=2,
         tables={f"t{i}": size["rows"] for i in range(size["tables"])}, seq_rows=size["rows"],
         dim=size["dim"], steps=size["steps"], batch_size=size["batch"],
+        sharding=dict(size.get("sharding", {})),
         publish=publish, publish_every_seconds=every_s if publish else 0.0,
         progress=False, fsync=True,
     )  # fmt: skip
@@ -109,7 +110,10 @@ def _parts(ranks: list[Any], attr: str) -> dict[str, float]:
     return out
 
 
-def run(ctx: Context) -> dict[str, Any]:
+def run(ctx: Context, *, batch: int | None = None, sharding: str = "tw") -> dict[str, Any]:
+    """The benchmark (see the module docstring); ``batch`` and ``sharding`` (the trainer's
+    ``--sharding``: tw, rw, cw, twrw or mixed) change the shape (defaults: the preset's batch,
+    table-wise)."""
     from bench.deltad_procs import module_unavailable
 
     why = module_unavailable("deltad.reference.trainer.train", "deltad.publish.publisher")
@@ -120,6 +124,15 @@ def run(ctx: Context) -> dict[str, Any]:
         {"tables": 4, "rows": 100_000, "dim": 64, "steps": 80, "batch": 128},
         {"tables": 2, "rows": 2_000, "dim": 16, "steps": 12, "batch": 32},
     )
+    if batch is not None:
+        size = {**size, "batch": batch}
+    if sharding != "tw":
+        from deltad.reference.trainer.cli import parse_sharding
+
+        size = {
+            **size,
+            "sharding": parse_sharding(sharding, [f"t{i}" for i in range(size["tables"])]),
+        }
     every = ctx.pick(EVERY_S, EVERY_S, 0.05)
     rounds = ctx.pick(max(2, ctx.repeats), 1, 1)
     per_round: list[dict[str, Any]] = []
@@ -224,3 +237,25 @@ def run(ctx: Context) -> dict[str, Any]:
         "noise_step_pct": noise_step,
         "headline": head,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.timed_publish [--batch N] [--sharding S] [--rounds K]``: one JSON
+    object (the shape of the bench's own run, or another)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: 128)")
+    p.add_argument("--sharding", default="tw", help="tw|rw|cw|twrw|mixed (default: tw)")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    out = run(Context(repeats=args.rounds), batch=args.batch, sharding=args.sharding)
+    print(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

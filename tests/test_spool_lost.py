@@ -3,7 +3,7 @@
 and the trainer's next segments continue it. Predictors following it get the rows they lack,
 never a resync; the archive goes on; a sidecar restarted on the spool finds the whole log.
 
-A real publisher (one CPU shard), real sidecars, Redis and a shared-file-system archive."""
+A real publisher (one CPU shard), real sidecars, Redis and a real SeaweedFS archive."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from s3kit import Seaweed, archive_url, s3_env, seaweed  # noqa: F401
 from serverkit import MODEL, Client, Replica, SpoolWriter, server_config, wait_for
 from test_archive import _write_dense
 from test_heal import _publisher, _sync, _Tracker, _written
@@ -31,8 +32,8 @@ def _head(srv: SidecarServer) -> int:
     return -1 if snap is None else snap.head.seq
 
 
-def _archived_head(url: str) -> int:
-    store = open_store(url)
+def _archived_head(url: str, endpoint: str) -> int:
+    store = open_store(url, endpoint=endpoint)
     try:
         m = read_manifest(store, "m", 0)
         return -1 if m is None else m.head.seq
@@ -40,15 +41,20 @@ def _archived_head(url: str) -> int:
         store.close()
 
 
+@pytest.mark.usefixtures("s3_env")
 def test_a_spool_deleted_under_a_running_sidecar_is_written_back_and_predictors_go_on(
-    tmp_path: Path, redis_server: EmbeddedRedis
+    tmp_path: Path,
+    redis_server: EmbeddedRedis,
+    seaweed: Seaweed,  # noqa: F811
 ) -> None:
     root = tmp_path / "spool"
-    url = f"file://{tmp_path / 'mount'}"
+    url = archive_url()
     tracker, rep = _Tracker(), Replica()
     pub = _publisher(root, tracker)
     pub.start(0)
-    srv = SidecarServer(server_config(root, redis_server.url, archive_url=url)).start()
+    srv = SidecarServer(
+        server_config(root, redis_server.url, archive_url=url, archive_endpoint=seaweed.endpoint)
+    ).start()
     c = Client(f"127.0.0.1:{srv.port}")
     try:
         for seq in range(1, 4):
@@ -89,13 +95,15 @@ def test_a_spool_deleted_under_a_running_sidecar_is_written_back_and_predictors_
         rep.apply(d)
         c.commit(d)
         assert torch.equal(rep.tables["t"], tracker.weight)
-        wait_for(lambda: _archived_head(url) == 5, 20, "the archive at seq 5")
+        wait_for(lambda: _archived_head(url, seaweed.endpoint) == 5, 20, "the archive at seq 5")
     finally:
         c.close()
         srv.stop(0)
 
     # a sidecar restarted on that spool finds the whole log: no restore, no resync
-    srv = SidecarServer(server_config(root, redis_server.url, archive_url=url)).start()
+    srv = SidecarServer(
+        server_config(root, redis_server.url, archive_url=url, archive_endpoint=seaweed.endpoint)
+    ).start()
     c = Client(f"127.0.0.1:{srv.port}")
     try:
         assert srv.archive is not None and srv.archive.restored is None
