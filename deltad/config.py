@@ -556,6 +556,13 @@ class ServerConfig:
     #: seconds are deleted (merged away, an older generation); a cold start or restore that read
     #: an older manifest less long ago still finds every object it names. 0: never delete.
     archive_gc_grace_s: float = 600.0
+    #: The archive's own base: the served log's base moves forward every few segments (its
+    #: retention), but the archive keeps its base and the deltas after it, and uploads a fresh
+    #: base only once those deltas reach this fraction of the base's bytes ...
+    archive_base_deltas: float = 1.0
+    #: ... or the archived base's state is this many seconds old (a cold start reads the
+    #: base and every delta after it: these two bound what it reads beyond the base).
+    archive_base_every_s: float = 3600.0
 
     def __post_init__(self) -> None:
         self.spool_dir = Path(self.spool_dir)
@@ -638,6 +645,8 @@ SERVER_RANGES: dict[str, Range] = {
     "owed_max_consumer_bytes": Range(0, MAX_BYTES, note="0 = no bound"),
     "archive_lag_bound_s": Range(0, MAX_SECONDS, lo_open=True),
     "archive_gc_grace_s": Range(0, MAX_SECONDS, note="0 = never delete"),
+    "archive_base_deltas": Range(0, 1000, note="0 = a fresh base whenever the served one moves"),
+    "archive_base_every_s": Range(0, MAX_SECONDS, lo_open=True),
 }
 
 

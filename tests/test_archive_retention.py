@@ -62,6 +62,7 @@ def _settled(url: str, endpoint: str | None, seq: int, quiet_s: float = 1.0) -> 
 def _merging(
     root: Path, redis_url: str, url: str, endpoint: str | None, **kw: Any
 ) -> SidecarServer:
+    kw.setdefault("archive_base_deltas", 0.0)  # (the archive takes each served base)
     cfg = server_config(
         root, redis_url, archive_url=url, archive_endpoint=endpoint, merge_min_segments=2,
         retention_interval_s=0.05, **kw,
@@ -166,6 +167,51 @@ def test_within_the_grace_an_older_manifest_finds_every_object_it_names(
             assert _keys(url, None) == _named(url, None)
         finally:
             store.close()
+        _assert_archive_rebuilds(url, None, spool)
+    finally:
+        srv.stop(0)
+
+
+@pytest.mark.parametrize("due", ["never", "deltas", "age"])
+def test_the_archive_keeps_its_own_base_and_uploads_a_fresh_one_only_when_due(
+    tmp_path: Path, redis_server: EmbeddedRedis, due: str
+) -> None:
+    """The served log's retention moves its base forward every two segments here; the
+    archive keeps its base and the deltas after it (the whole rank is not uploaded again each
+    time), and takes a fresh base (the served one) once its deltas reach the fraction of the
+    base's bytes, or its base's age, it is given. Either way it rebuilds the tables exactly."""
+    spool = SpoolWriter(tmp_path / "spool")
+    url = f"file://{tmp_path / 'mount'}"
+    knobs = {
+        "never": {"archive_base_deltas": 1000.0},
+        "deltas": {"archive_base_deltas": 0.5},
+        "age": {"archive_base_deltas": 1000.0, "archive_base_every_s": 0.5},
+    }[due]
+    srv = _merging(tmp_path / "spool", redis_server.url, url, None, **knobs)
+    try:
+        for _ in range(8):
+            spool.delta()
+            time.sleep(0.15)  # each one archived before retention merges it
+        if due == "age":
+            time.sleep(0.6)
+            spool.delta()
+        wait_for(lambda: _manifest(url, None).head.seq == spool.seq, 20, "the archive's head")
+        snap = srv.log.snapshot()
+        assert snap is not None and snap.base.seq > 0  # the served base moved forward
+        m = _manifest(url, None)
+        bases = [k for k in _keys(url, None) if "/seg-000000000000-" in k]
+        if due == "never":
+            # the first base and every delta after it, as published: one base uploaded
+            assert m.entries[0].seq == 0 and len(m.entries) == spool.seq + 1
+            assert len(bases) == 1
+        else:
+            # a fresh base was taken from the served log; the deltas after it are bounded
+            wait_for(lambda: _manifest(url, None).entries[0].seq > 0, 20, "a fresh base")
+            m = _manifest(url, None)
+            assert len(bases) >= 2 or m.entries[0].seq > 0
+            if due == "deltas":
+                after = sum(o.size for o in m.entries[1:])
+                assert after < 0.5 * m.entries[0].size + max(o.size for o in m.entries)
         _assert_archive_rebuilds(url, None, spool)
     finally:
         srv.stop(0)

@@ -237,6 +237,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "this many seconds (merged away, older generations; 0 = never delete)",
         ),
         (
+            "archive-base-deltas",
+            float,
+            1.0,
+            "the archive keeps its own base and the deltas after it, and uploads a fresh base "
+            "once those deltas reach this fraction of the base's bytes (0: whenever the served "
+            "base moves)",
+        ),
+        (
+            "archive-base-every",
+            float,
+            3600.0,
+            "... or once the archived base is this many seconds old",
+        ),
+        (
             "forget-after",
             float,
             7 * 24 * 3600.0,
@@ -398,6 +412,8 @@ def build_config(args: argparse.Namespace) -> Any:
         archive_endpoint=None if args.upstream_archive else (args.archive_endpoint or None),
         archive_lag_bound_s=value(args.archive_lag_bound),
         archive_gc_grace_s=value(args.archive_gc_grace),
+        archive_base_deltas=value(args.archive_base_deltas),
+        archive_base_every_s=value(args.archive_base_every),
         max_queued_streams=value(args.max_queued_streams),
         stream_queue_wait_s=value(args.stream_queue_wait),
         gate=GateConfig(

@@ -81,6 +81,8 @@ class SidecarArchive:
             scratch_dir=self.layout.sidecar_dir / f"archive-rank-{self.config.rank:05d}",
             interval_s=max(self.config.poll_interval_s, 0.05),
             gc_grace_s=self.config.archive_gc_grace_s,
+            base_deltas=self.config.archive_base_deltas,
+            base_every_s=self.config.archive_base_every_s,
             release=release,
         )
         self.uploader = up

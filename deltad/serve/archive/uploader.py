@@ -48,6 +48,7 @@ from deltad.serve.archive.layout import (
     write_entry,
 )
 from deltad.serve.archive.store import ArchiveError, ObjectStore
+from deltad.serve.index.files import LogEntry
 from deltad.serve.index.log import LogSnapshot, SegmentLog
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class ArchiveUploader:
         gc_grace_s: float = 600.0,
         gc_interval_s: float | None = None,
         release: Callable[[], str | None] | None = None,
+        base_deltas: float = 1.0,
+        base_every_s: float = 3600.0,
     ) -> None:
         self.store = store
         #: The release state the server applies, as JSON (None: not known, or no release
@@ -88,6 +91,9 @@ class ArchiveUploader:
         #: when it changes, so that a predictor starting from the store with no sidecar to
         #: ask (deltad.consume.coldstart) is held where the fleet is.
         self.release = release
+        #: when a fresh base is uploaded (see :meth:`plan`)
+        self.base_deltas = base_deltas
+        self.base_every_s = base_every_s
         self.log = seglog
         self.model = model
         self.rank = seglog.rank
@@ -180,14 +186,19 @@ class ArchiveUploader:
         if self._recheck:
             self._check_uploaded()
         release = self.release() if self.release is not None else None
+        planned = self.plan(snap)
         if (
             self.archived is not None
-            and self._same_log(self.archived, snap)
+            and self.archived.entries == tuple(planned)  # (all archived already)
+            and [d.seq for d in self.archived.dense] == [d.seq for d in snap.dense]
             and self.archived.extra.get("release") == release
         ):
             return False
         self._upload_generation(snap)
-        entries = tuple(self._upload_entry(snap.generation, e) for e in snap.entries)
+        entries = tuple(
+            e if isinstance(e, ArchivedObject) else self._upload_entry(snap.generation, e)
+            for e in planned
+        )
         dense = tuple(self._upload_dense(snap.generation, d) for d in snap.dense)
         self.last_error = ""
         return self._move_manifest(
@@ -204,14 +215,53 @@ class ArchiveUploader:
             )
         )
 
-    @staticmethod
-    def _same_log(m: ArchiveManifest, snap: LogSnapshot) -> bool:
-        return (
-            m.generation == snap.generation
-            and [(e.first_seq, e.seq) for e in m.entries]
-            == [(e.first_seq, e.seq) for e in snap.entries]
-            and [d.seq for d in m.dense] == [d.seq for d in snap.dense]
-        )
+    def plan(self, snap: LogSnapshot, now: float | None = None) -> list[ArchivedObject | LogEntry]:
+        """The entries the archive's manifest is to name: its own base and the deltas after it
+        (archived already), then the served entries past its head (to upload).
+
+        The served log's retention moves its base forward every few segments; uploading each
+        such base would copy the whole rank every few seconds. The archive keeps its base
+        instead, and takes the served log as it is (its base first) only when a fresh base is
+        due: the archived deltas reach ``base_deltas`` of the base's bytes, or the base's
+        state is ``base_every_s`` old, and the served base is past the archived one. A
+        served entry merged across the archive's head (merged before it was uploaded: the
+        store was down) replaces what it covers."""
+        served: list[ArchivedObject | LogEntry] = list(snap.entries)
+        m = self.archived
+        if m is None or m.generation != snap.generation:
+            return served
+        base = m.entries[0]
+        if served[0].seq > base.seq:
+            now = time.time() if now is None else now
+            deltas = sum(o.size for o in m.entries[1:])
+            if (
+                deltas >= self.base_deltas * base.size
+                or now - base.created_unix >= self.base_every_s
+            ):
+                return served  # a fresh base is due
+        out: list[ArchivedObject | LogEntry] = list(m.entries)
+        head = out[-1].seq
+        for e in snap.entries:
+            if e.seq <= head:
+                continue
+            if e.first_seq != head + 1:  # merged across the archive's head
+                out = [o for o in out if o.seq < e.first_seq]
+                if e.first_seq > 0 and (not out or out[-1].seq != e.first_seq - 1):
+                    return served
+            out.append(e)
+            head = e.seq
+        return out
+
+    def retention_pin(self, generation: int, bound_s: float) -> int | None:
+        """The newest seq of ``generation`` the archive holds (-1: none yet). The served
+        log's retention merges nothing past it, so every delta is uploaded as published
+        before it is merged (:meth:`plan` then keeps the archive's own base). None (no pin)
+        while the archive lags more than ``bound_s`` seconds: a store that is down does not
+        hold the log in memory for long."""
+        if self.lag().seconds > bound_s:
+            return None
+        m = self.archived
+        return m.head.seq if m is not None and m.generation == generation else -1
 
     def _read_manifest(self) -> None:
         """The rank's manifest as the store has it (a restarted or restored sidecar): its
@@ -273,8 +323,6 @@ class ArchiveUploader:
         self._generations.add(snap.generation)
 
     def _upload_entry(self, generation: int, entry: object) -> ArchivedObject:
-        from deltad.serve.index.files import LogEntry
-
         assert isinstance(entry, LogEntry)
         have = self._uploaded.get((generation, entry.first_seq, entry.seq))
         if have is not None:

@@ -193,7 +193,9 @@ class SidecarServer:
                 view.verdict_age_s,
             )
         if self.archive is not None:
-            self.archive.start(self.log, self.metrics, self._release_json)
+            uploader = self.archive.start(self.log, self.metrics, self._release_json)
+            bound = cfg.archive_lag_bound_s
+            self.retention.archive_pin = lambda gen: uploader.retention_pin(gen, bound)
             self.servicer.status.archive_lag = self.archive.lag
             self.upkeep.spawn("deltad-archive-health", self.check_archive, 1.0)
         self._server = server

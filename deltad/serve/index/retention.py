@@ -87,6 +87,10 @@ class Retention:
         #: order recorded since the plan that needs a state the merge would swallow stops it
         #: (one recorded after this read saw the merge told, and was refused)
         self.fresh_release: Callable[[], ReleaseState] | None = None
+        #: the archive's pin for a generation (deltad.serve.archive.uploader.retention_pin):
+        #: no merge crosses a seq it has not uploaded, so it keeps its own base and the deltas
+        #: as published; None: no pin (no archive, or one too far behind to wait for)
+        self.archive_pin: Callable[[int], int | None] | None = None
 
     def _bounded(self, run: Sequence[LogEntry], first: LogEntry | None = None) -> list[LogEntry]:
         out = [first] if first is not None else []
@@ -116,6 +120,10 @@ class Retention:
                 return None
             held = self._rollback_pins(snap, view, state) | self._release_pins(view, state)
             pins = sorted({*pins, *held})
+        if self.archive_pin is not None:
+            held_for_archive = self.archive_pin(snap.generation)
+            if held_for_archive is not None:
+                pins = sorted({*pins, held_for_archive})
         base, deltas = snap.base, snap.entries[1:]
         floor = pins[0] if pins else snap.head.seq
         limit = merge_limit(snap, steps=self.restore_steps, seconds=self.restore_seconds)
