@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.common import MODEL, Children, Context, deltad_command, free_port, wait_until
+
+T = TypeVar("T")
 
 
 def module_unavailable(*modules: str) -> str | None:
@@ -171,3 +174,30 @@ def head_seq(endpoint: str) -> int:
         return int(status(endpoint).head_seq)
     except Exception:
         return -2
+
+
+def rounds_with_s3(
+    prefix: str, repeat: int, one_round: Callable[[Path, Any, int], T]
+) -> list[T] | None:
+    """``one_round(tmp, s3, r)`` for r in 0..repeat-1, beside one embedded SeaweedFS
+    (:class:`deltad.store.seaweed.EmbeddedS3`; its credentials in this process's environment,
+    which the children inherit) in a temporary directory; None without the weed binary."""
+    import os
+    import tempfile
+
+    from deltad.store.seaweed import EmbeddedS3, weed_binary
+
+    binary = weed_binary()
+    if binary is None:
+        return None
+    out: list[T] = []
+    with tempfile.TemporaryDirectory(prefix=f"deltad-bench-{prefix}-") as tmp_s:
+        tmp = Path(tmp_s)
+        s3 = EmbeddedS3(binary, tmp / "seaweed").start()
+        os.environ.update(s3.env())
+        try:
+            for r in range(repeat):
+                out.append(one_round(tmp, s3, r))
+        finally:
+            s3.stop()
+    return out

