@@ -170,3 +170,43 @@ def test_deltad_serve_upstream_archive_refuses_bad_flags(tmp_path: Path) -> None
     assert got.returncode == 2 and "a relay follows one of them" in got.stderr
     got = serve("--upstream-archive", "s3://b/p", "--archive", "s3://b/q")
     assert got.returncode == 2 and "does not write it" in got.stderr
+
+
+def test_a_relay_whose_store_fails_says_it_lost_its_upstream_until_the_store_is_whole(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Rounds that fail (here the store serves a corrupted manifest: a shared file system
+    archive) for 10 s make the relay say it lost its upstream, in Status, in every window
+    (a predictor behind it is not caught up) and in `deltad_upstream_lost`; once the store
+    is whole again it says nothing."""
+    spool = SpoolWriter(tmp_path / "spool")
+    url = f"file://{tmp_path / 'mount'}"
+    side = SidecarServer(server_config(tmp_path / "spool", redis_url, archive_url=url)).start()
+    try:
+        spool.delta()
+        manifest = tmp_path / "mount" / MODEL / "rank-00000" / "manifest.json"
+        wait_for(lambda: b'"seq":1,' in (manifest.read_bytes() if manifest.exists() else b""),
+                 20, "seq 1 archived")  # fmt: skip
+    finally:
+        side.stop(0)  # (nothing moves the manifest any more)
+    cfg = server_config(tmp_path / "relay", db(redis_url, 1), metrics_port=0)
+    relay = ArchiveRelayServer(cfg, ArchiveFollowConfig(url, poll_interval_s=0.05, fsync=False))
+    relay.start()
+    try:
+        wait_for(lambda: _head(relay.endpoint)[1] == 1, 20, "the relay at seq 1")
+        labels = {"model": MODEL, "rank": "0"}
+        lost = relay.server.metrics.registry.get_sample_value
+        assert lost("deltad_upstream_lost", labels) == 0.0
+        good = manifest.read_bytes()
+        manifest.write_bytes(b"{not a manifest")
+        wait_for(lambda: status(relay.endpoint).upstream_lost, 30, "the relay lost")
+        assert lost("deltad_upstream_lost", labels) == 1.0
+        assert "relay lost its archive" in status(relay.endpoint).upstream_lost
+        with predictor("p", [relay.endpoint], dense=False) as c:
+            r = c.pull()
+            assert r.upstream_lost and not r.caught_up
+        manifest.write_bytes(good)
+        wait_for(lambda: not status(relay.endpoint).upstream_lost, 30, "the store whole again")
+        assert lost("deltad_upstream_lost", labels) == 0.0
+    finally:
+        relay.stop(0)

@@ -19,7 +19,7 @@ its manifest and base; the relay's log switches to it as a sidecar's does.
 
 A round that fails (the store unreachable, an object that fails verification) places nothing
 after the failure; the next round starts over from the local head. After
-:data:`LOST_AFTER_S` of failures the relay says it lost its upstream (``upstream_lost`` in
+:data:`LOST_AFTER_S` (10 s) of failures the relay says it lost its upstream (``upstream_lost`` in
 every window and in Status): a predictor behind it is then not caught up.
 """
 
@@ -35,14 +35,12 @@ from deltad.serve.archive.fetch import fetch_objects, read_generation
 from deltad.serve.archive.layout import ArchivedObject, ArchiveManifest, manifest_key
 from deltad.serve.archive.restore import _place, _verify, clear_staging
 from deltad.serve.archive.store import ArchiveError, ObjectStore
+from deltad.serve.relay.mirror import LOST_AFTER_S  # (as a mirroring relay says it)
 from deltad.serve.state.release import FollowedRollout
 
 __all__ = ["LOST_AFTER_S", "ArchiveFollower"]
 
 log = logging.getLogger(__name__)
-
-#: Failed rounds for this long make the relay say it lost its upstream.
-LOST_AFTER_S = 30.0
 
 
 class ArchiveFollower:

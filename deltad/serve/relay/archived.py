@@ -21,7 +21,7 @@ import time
 
 from deltad.config import ArchiveFollowConfig, ServerConfig
 from deltad.errors import DeltadError
-from deltad.serve.archive.follow import ArchiveFollower
+from deltad.serve.archive.follow import LOST_AFTER_S, ArchiveFollower
 from deltad.serve.archive.opening import open_store
 from deltad.serve.edge.app import SidecarServer
 from deltad.serve.state.release import FollowedRollout
@@ -97,11 +97,22 @@ class ArchiveRelayServer:
             "Seconds since the upstream last answered a mirror round (-1: never)",
             lambda: -1.0 if f.last_ok is None else time.monotonic() - f.last_ok,
         )
+        # (the names and help of a mirroring relay's series: its alerts and dashboard apply)
         m.track(
-            "deltad_archive_follow_lag_segments",
-            "Segments the relay's head is behind the archive's head as last read (-1: not known)",
+            "deltad_upstream_lost",
+            f"1 while mirroring has failed for over {LOST_AFTER_S:.0f}s (windows and Status "
+            "say the relay lost its upstream; predictors are not caught up), else 0",
+            lambda: 1.0 if f.lost() else 0.0,
+        )
+        m.track(
+            "deltad_mirror_lag_segments",
+            "Segments the relay's head is behind its upstream's (-1: not known)",
             lambda: float(f.lag(local_seq())),
         )
+        m.track_counter(
+            "deltad_mirror_errors", "Mirror rounds that failed (retried with backoff)",
+            lambda: f.rounds_failed,
+        )  # fmt: skip
         m.track_counter(
             "deltad_archive_follow_placed_bytes",
             "Bytes of the archived objects the relay placed in its spool",
