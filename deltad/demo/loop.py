@@ -110,7 +110,7 @@ class Demo:
                 self.cold_start(endpoints)
             self.stop_predictors()
             if self.store is not None:
-                self.store_relays()
+                self.store_relays(final_step)
             for lg in logs.values():
                 lg.refresh()
             report = self.report(logs, time.monotonic() - t_start, final_step)
@@ -152,9 +152,10 @@ class Demo:
         argv = archive.consume_argv(self.store.url, self.store.endpoint, self.work, self.logs)
         archive.run(self.children, argv, self.args.settle_timeout + 120.0)
 
-    def store_relays(self) -> None:
-        """The trainer's sidecars stop; a relay per rank follows the archive; a predictor
-        behind them pulls what they serve and exits (:mod:`deltad.demo.archive`)."""
+    def store_relays(self, final_step: int) -> None:
+        """The trainer's sidecars stop; a relay per rank follows the archive; once every relay
+        holds the trainer's final step (a big model's log takes a while to fetch), a
+        predictor behind them pulls what they serve and exits (:mod:`deltad.demo.archive`)."""
         assert self.store is not None
         world = self.args.world_size
         self.children.stop([f"sidecar-{r}" for r in range(world)], 30.0)
@@ -167,6 +168,17 @@ class Demo:
             for r in range(world)
         ]
         endpoints = [wait_serving(r) for r in relays]
+
+        def at_final_step() -> bool:
+            got = statuses(endpoints)
+            return got is not None and all(st.head_step == final_step for st in got)
+
+        # (not Children.wait_until: the stopped sidecars and predictors are exited children)
+        deadline = time.monotonic() + self.args.settle_timeout + 120.0
+        while not at_final_step():  # bounded by the deadline
+            if time.monotonic() > deadline or any(r.proc.poll() is not None for r in relays):
+                raise DemoFailed(f"the store relays did not reach step {final_step}")
+            time.sleep(0.2)
         argv = archive.relay_consume_argv(endpoints, self.work, self.logs)
         archive.run(self.children, argv, self.args.settle_timeout + 120.0, archive.RELAY_NAME)
 
