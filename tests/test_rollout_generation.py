@@ -11,11 +11,12 @@ from __future__ import annotations
 import grpc
 import pytest
 from spoolkit import FakeTrainer, wait_for
-from test_relay import equal, predictor, tree
+from test_relay import db, equal, predictor, server_config, start_relay, tree
 from test_rollout import rollout, status, sync_to
 
 from deltad.consume.appliers import TensorDictApplier
 from deltad.serve import rollout as ro
+from deltad.serve.edge.app import SidecarServer
 from deltad.serve.rollout import ReleaseState
 from deltad.v1 import delta_pb2 as pb
 
@@ -114,6 +115,57 @@ def test_a_fleet_held_at_generation_1_is_served_nothing_of_generation_2_until_re
                 assert equal(app, new.history[3])
             state = ReleaseState.from_json(rollout_json(sidecars[0]))
             assert (state.release_step, state.release_generation) == (3, 2)
+
+
+def test_a_relay_keeps_every_step_of_an_unreleased_generation_though_the_head_moves_mid_pull(
+    tmp_path, redis_url
+) -> None:  # type: ignore[no-untyped-def]
+    """Seen in CI: while the fleet was held at generation 1, a relay's mirror saw generation
+    2's head at step 1 in its Status, the trainer published steps 2..5 before the pull, and
+    the pull ("up to the head") took 1..5 as one segment: the relay's log lacked steps 2..4,
+    and a release to step 3 of generation 2 never reached the predictors behind it. Here the
+    trainer publishes steps 2 and 3 between the relay's Status and its pull."""
+    ft = FakeTrainer(tmp_path / "spool", world_size=1)
+    ft.start(0)
+    ft.step(1)
+    side = SidecarServer(server_config(tmp_path / "spool", 0, redis_url)).start()
+    relay = start_relay(side.endpoint, tmp_path / "relay", 0, db(redis_url, 1))
+    try:
+        wait_for(lambda: status(relay.endpoint).head_step == 1, 30, "relay at 1")
+        rollout(side.endpoint, A.ROLLOUT_HOLD)  # the fleet at (generation 1, step 1)
+        new = FakeTrainer(tmp_path / "spool", world_size=1, generation=2, seed=7)
+        new.start(0)
+        wait_for(
+            lambda: (status(relay.endpoint).generation, status(relay.endpoint).head_step) == (2, 0),
+            30,
+            "relay at generation 2 step 0",
+        )
+        assert relay.mirror is not None
+        up = relay.mirror.upstream
+        pull, moved = up.pull, []
+
+        def pull_after_the_trainer_moved(from_base: bool, max_step: int | None = None):  # type: ignore[no-untyped-def]
+            if not moved:  # between the Status (head: step 1) and the pull: steps 2 and 3
+                moved.append(True)
+                new.step(2)
+                new.step(3)
+                wait_for(lambda: status(side.endpoint).head_step == 3, 30, "sidecar at 3")
+            return pull(from_base, max_step)
+
+        up.pull = pull_after_the_trainer_moved  # type: ignore[method-assign]
+        new.step(1)
+        wait_for(lambda: status(relay.endpoint).head_step == 3, 30, "relay at 3")
+        assert moved
+        assert list(status(relay.endpoint).steps) == list(status(side.endpoint).steps)
+        assert list(status(relay.endpoint).steps)[-4:] == [0, 1, 2, 3]
+        rollout(side.endpoint, A.ROLLOUT_RELEASE, step=2, generation=2)
+        with predictor("pred-1", [relay.endpoint]) as c:
+            app = TensorDictApplier()
+            sync_to(c, app, 2)
+            assert equal(app, new.history[2])
+    finally:
+        relay.stop(0.2)
+        side.stop(0.2)
 
 
 def rollout_json(endpoint: str) -> str:

@@ -285,7 +285,8 @@ class RelayMirror:
         rollback order; deltad.serve.rollout.served_steps) or that the relay's restore window
         holds (:meth:`_restore_stops`), so that the relay's log holds its state as the
         upstream's does (a relay started during a hold serves the held step to new
-        predictors, and a rollback to it stays possible); None: up to the head."""
+        predictors, and a rollback to it stays possible); with such a policy and no stop
+        before it, the head the Status saw; None: up to the head."""
         follow = getattr(self.server, "rollout", None)
         steps: set[int] = set()
         every = False
@@ -310,7 +311,12 @@ class RelayMirror:
                 stops.add(entries[at - 1])
         kept = set(entries) if every else self._restore_stops(st, entries)
         stops |= {e for e in kept if after < e < st.head_step}
-        return min(stops) if stops else None
+        if stops:
+            return min(stops)
+        # a policy that keeps steps ends the pull at the head the Status saw: "up to the
+        # head" would take the entries published since in one segment, and the relay's log
+        # would lack the steps between (a release to one of them then never served)
+        return st.head_step if (steps or kept) and st.head_step >= 0 else None
 
     def _restore_stops(self, st: pb.StatusResponse, entries: list[int]) -> set[int]:
         """With a restore window (``--restore-window-steps`` / ``--restore-window-seconds``),
