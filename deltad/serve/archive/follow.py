@@ -35,10 +35,10 @@ from deltad.serve.archive.fetch import fetch_objects, read_generation
 from deltad.serve.archive.layout import ArchivedObject, ArchiveManifest, manifest_key
 from deltad.serve.archive.restore import _place, _verify, clear_staging
 from deltad.serve.archive.store import ArchiveError, ObjectStore
-from deltad.serve.relay.mirror import LOST_AFTER_S  # (as a mirroring relay says it)
+from deltad.serve.relay.upstream_health import LOST_AFTER_S  # (as a mirroring relay says it)
 from deltad.serve.state.release import FollowedRollout
 
-__all__ = ["LOST_AFTER_S", "ArchiveFollower"]
+__all__ = ["ArchiveFollower"]
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ replicated bucket loads only the store.
 from __future__ import annotations
 
 import logging
-import time
 
 from deltad.config import ArchiveFollowConfig, ServerConfig
 from deltad.errors import DeltadError
-from deltad.serve.archive.follow import LOST_AFTER_S, ArchiveFollower
+from deltad.serve.archive.follow import ArchiveFollower
 from deltad.serve.archive.opening import open_store
-from deltad.serve.edge.app import SidecarServer
+from deltad.serve.relay.base import RelayedSidecar
+from deltad.serve.relay.upstream_health import UpstreamHealth, track_upstream_series
 from deltad.serve.state.release import FollowedRollout
 
 __all__ = ["ArchiveRelayServer"]
@@ -31,25 +31,16 @@ __all__ = ["ArchiveRelayServer"]
 log = logging.getLogger(__name__)
 
 
-class ArchiveRelayServer:
+class ArchiveRelayServer(RelayedSidecar):
     """A sidecar whose spool an :class:`ArchiveFollower` fills from ``follow.url``.
 
     Same surface as :class:`~deltad.serve.relay.server.RelayServer` (``start``, ``port``,
     ``endpoint``, ``stop``, ``wait``, ``error``); Status says ``upstream`` (the store's URL)."""
 
     def __init__(self, config: ServerConfig, follow: ArchiveFollowConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.follow = follow
-        self.server = SidecarServer(config, relay=True)
         self.follower: ArchiveFollower | None = None
-
-    @property
-    def port(self) -> int:
-        return self.server.port
-
-    @property
-    def endpoint(self) -> str:
-        return self.server.endpoint
 
     @property
     def error(self) -> DeltadError | None:
@@ -87,32 +78,17 @@ class ArchiveRelayServer:
             snap = self.server.log.snapshot()
             return None if snap is None else snap.head.seq
 
-        m.track(
-            "deltad_upstream_up",
-            "1 while the relay's last round with its upstream succeeded, else 0",
-            lambda: 1.0 if f.last_ok is not None and f.failing_since is None else 0.0,
+        # (a mirroring relay's series: its alerts and dashboard apply)
+        track_upstream_series(
+            m,
+            UpstreamHealth(
+                last_ok=lambda: f.last_ok,
+                failing=lambda: f.failing_since is not None,
+                lost=f.lost,
+                lag_segments=lambda: f.lag(local_seq()),
+                errors=lambda: f.rounds_failed,
+            ),
         )
-        m.track(
-            "deltad_upstream_contact_age_seconds",
-            "Seconds since the upstream last answered a mirror round (-1: never)",
-            lambda: -1.0 if f.last_ok is None else time.monotonic() - f.last_ok,
-        )
-        # (the names and help of a mirroring relay's series: its alerts and dashboard apply)
-        m.track(
-            "deltad_upstream_lost",
-            f"1 while mirroring has failed for over {LOST_AFTER_S:.0f}s (windows and Status "
-            "say the relay lost its upstream; predictors are not caught up), else 0",
-            lambda: 1.0 if f.lost() else 0.0,
-        )
-        m.track(
-            "deltad_mirror_lag_segments",
-            "Segments the relay's head is behind its upstream's (-1: not known)",
-            lambda: float(f.lag(local_seq())),
-        )
-        m.track_counter(
-            "deltad_mirror_errors", "Mirror rounds that failed (retried with backoff)",
-            lambda: f.rounds_failed,
-        )  # fmt: skip
         m.track_counter(
             "deltad_archive_follow_placed_bytes",
             "Bytes of the archived objects the relay placed in its spool",
@@ -123,9 +99,3 @@ class ArchiveRelayServer:
         if self.follower is not None:
             self.follower.stop()
         self.server.stop(grace)
-
-    def reload_credentials(self) -> bool:
-        return self.server.reload_credentials()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.server.wait(timeout)

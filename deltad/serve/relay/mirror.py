@@ -59,15 +59,12 @@ from deltad.serve.index.log import LogSnapshot
 from deltad.serve.metrics import SidecarMetrics
 from deltad.serve.relay.spool import MirrorSpool, status_manifest
 from deltad.serve.relay.upstream import Upstream, refuses
+from deltad.serve.relay.upstream_health import LOST_AFTER_S, UpstreamHealth, track_upstream_series
 from deltad.serve.rollout import served_steps, unreleased
 from deltad.serve.state.release import FollowedRollout
 from deltad.v1 import delta_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-#: Seconds of failed mirror rounds after which a relay says it lost its upstream
-#: (:meth:`RelayMirror.lost`): past a restart of the upstream, not past a real outage.
-LOST_AFTER_S = 10.0
 
 
 def _worth_commit(d: RankDelta) -> bool:
@@ -435,26 +432,15 @@ class RelayMirror:
         """The relay's own series on its /metrics: the upstream's reachability, how far the
         relay is behind it, and what mirroring did."""
         c = self.config
-        metrics.track(
-            "deltad_upstream_up",
-            "1 while the relay's last round with its upstream succeeded, else 0",
-            lambda: 1.0 if self.last_answer is not None and self.failing_since is None else 0.0,
-        )
-        metrics.track(
-            "deltad_upstream_contact_age_seconds",
-            "Seconds since the upstream last answered a mirror round (-1: never)",
-            lambda: -1.0 if self.last_answer is None else time.monotonic() - self.last_answer,
-        )
-        metrics.track(
-            "deltad_upstream_lost",
-            f"1 while mirroring has failed for over {LOST_AFTER_S:.0f}s (windows and Status "
-            "say the relay lost its upstream; predictors are not caught up), else 0",
-            lambda: 1.0 if self.lost() else 0.0,
-        )
-        metrics.track(
-            "deltad_mirror_lag_segments",
-            "Segments the relay's head is behind its upstream's (-1: not known)",
-            lambda: float(self.lag()[0]),
+        track_upstream_series(
+            metrics,
+            UpstreamHealth(
+                last_ok=lambda: self.last_answer,
+                failing=lambda: self.failing_since is not None,
+                lost=self.lost,
+                lag_segments=lambda: self.lag()[0],
+                errors=lambda: self.errors,
+            ),
         )
         metrics.track(
             "deltad_mirror_lag_steps",
@@ -464,10 +450,6 @@ class RelayMirror:
         metrics.track_counter(
             "deltad_mirror_pulls", f"Windows pulled from the upstream {c.upstream}",
             lambda: self.pulls,
-        )  # fmt: skip
-        metrics.track_counter(
-            "deltad_mirror_errors", "Mirror rounds that failed (retried with backoff)",
-            lambda: self.errors,
         )  # fmt: skip
         metrics.track_counter(
             "deltad_mirror_bytes", "Bytes of windows pulled from the upstream",

@@ -24,7 +24,8 @@ import time
 from deltad.config import RelayConfig, ServerConfig
 from deltad.errors import ConfigError, DeltadError
 from deltad.segment.spool import SpoolLayout
-from deltad.serve.edge.app import LOOPBACK_HOSTS, SidecarServer
+from deltad.serve.edge.app import LOOPBACK_HOSTS
+from deltad.serve.relay.base import RelayedSidecar
 from deltad.serve.relay.mirror import RelayMirror
 from deltad.serve.relay.spool import clean_temp_files
 from deltad.serve.relay.upstream import refuses
@@ -34,7 +35,7 @@ __all__ = ["RelayMirror", "RelayServer", "clean_temp_files", "refuses"]
 log = logging.getLogger(__name__)
 
 
-class RelayServer:
+class RelayServer(RelayedSidecar):
     """A sidecar whose spool a :class:`RelayMirror` fills from ``relay.upstream``.
 
     Same surface as :class:`~deltad.serve.edge.app.SidecarServer` (``start``, ``port``,
@@ -43,19 +44,10 @@ class RelayServer:
     """
 
     def __init__(self, config: ServerConfig, relay: RelayConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.relay = relay
-        self.server = SidecarServer(config, relay=True)
         self.mirror: RelayMirror | None = None
         self._failed = threading.Event()
-
-    @property
-    def port(self) -> int:
-        return self.server.port
-
-    @property
-    def endpoint(self) -> str:
-        return self.server.endpoint
 
     @property
     def error(self) -> DeltadError | None:
@@ -99,10 +91,6 @@ class RelayServer:
         if self.mirror is not None:
             self.mirror.stop()
         self.server.stop(grace)
-
-    def reload_credentials(self) -> bool:
-        """Re-read the relay's own tokens file (SIGHUP), as a sidecar does."""
-        return self.server.reload_credentials()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops or the mirror failed (True), or ``timeout`` (False)."""
