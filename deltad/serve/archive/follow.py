@@ -33,7 +33,7 @@ from pathlib import Path
 from deltad.segment.spool import SpoolLayout, fsync_dir
 from deltad.serve.archive.fetch import fetch_objects, read_generation
 from deltad.serve.archive.layout import ArchivedObject, ArchiveManifest, manifest_key
-from deltad.serve.archive.restore import _place, _verify, clear_staging
+from deltad.serve.archive.restore import clear_staging, place_verified, verify_fetched
 from deltad.serve.archive.store import ArchiveError, ObjectStore
 from deltad.serve.relay.upstream_health import LOST_AFTER_S  # (as a mirroring relay says it)
 from deltad.serve.state.release import FollowedRollout
@@ -166,7 +166,9 @@ class ArchiveFollower:
             fetch_objects(self.store, [*wanted, *wanted_dense])
             ok: list[tuple[ArchivedObject, Path]] = []
             for obj, path in wanted:
-                why = _verify(self.layout, gm, m.generation, self.rank, obj, path, dense=False)
+                why = verify_fetched(
+                    self.layout, gm, m.generation, self.rank, obj, path, dense=False
+                )
                 if why:
                     if not ok:
                         raise ArchiveError(why)
@@ -179,13 +181,17 @@ class ArchiveFollower:
             for obj, path in wanted_dense:
                 if obj.seq > head:
                     continue
-                if _verify(self.layout, gm, m.generation, self.rank, obj, path, dense=True):
+                if verify_fetched(self.layout, gm, m.generation, self.rank, obj, path, dense=True):
                     continue  # a dense state that fails is not placed; its rows still are
-                size = _place(path, self.layout.dense_path(m.generation, self.rank, obj.seq))
+                size = place_verified(
+                    path, self.layout.dense_path(m.generation, self.rank, obj.seq)
+                )
                 self.placed_bytes += size
                 self.placed_dense += bool(size)
             for obj, path in ok:  # oldest first: the log never sees a gap
-                size = _place(path, self.layout.segment_path(m.generation, self.rank, obj.seq))
+                size = place_verified(
+                    path, self.layout.segment_path(m.generation, self.rank, obj.seq)
+                )
                 self.placed_bytes += size
                 self.placed += bool(size)
                 placed += bool(size)

@@ -30,7 +30,7 @@ from deltad.serve.archive.fetch import fetch_objects, read_generation, read_mani
 from deltad.serve.archive.layout import ArchivedObject
 from deltad.serve.archive.store import ArchiveError, ObjectStore
 
-__all__ = ["RestoreResult", "restore_rank"]
+__all__ = ["RestoreResult", "clear_staging", "place_verified", "restore_rank", "verify_fetched"]
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def restore_rank(store: ObjectStore, layout: SpoolLayout, rank: int) -> RestoreR
         except ArchiveError as e:
             stopped = str(e)
         for obj, path in wanted:
-            why = _verify(layout, gm, m.generation, rank, obj, path, dense=False)
+            why = verify_fetched(layout, gm, m.generation, rank, obj, path, dense=False)
             if why:
                 stopped = stopped or why
                 break
@@ -101,13 +101,13 @@ def restore_rank(store: ObjectStore, layout: SpoolLayout, rank: int) -> RestoreR
         head = ok[-1][0].seq
         good_dense = [
             (o, p) for o, p in dense
-            if o.seq <= head and not _verify(layout, gm, m.generation, rank, o, p, dense=True)
+            if o.seq <= head and not verify_fetched(layout, gm, m.generation, rank, o, p, dense=True)
         ]  # fmt: skip
         nbytes = 0
         for obj, path in good_dense:
-            nbytes += _place(path, layout.dense_path(m.generation, rank, obj.seq))
+            nbytes += place_verified(path, layout.dense_path(m.generation, rank, obj.seq))
         for obj, path in ok:
-            nbytes += _place(path, layout.segment_path(m.generation, rank, obj.seq))
+            nbytes += place_verified(path, layout.segment_path(m.generation, rank, obj.seq))
         fsync_dir(rank_dir)
     finally:
         clear_staging(staging)
@@ -126,7 +126,7 @@ def restore_rank(store: ObjectStore, layout: SpoolLayout, rank: int) -> RestoreR
     return result
 
 
-def _verify(
+def verify_fetched(
     layout: SpoolLayout,
     gm: object,
     generation: int,
@@ -172,7 +172,7 @@ def clear_staging(staging: Path) -> None:
         pass
 
 
-def _place(src: Path, dest: Path) -> int:
+def place_verified(src: Path, dest: Path) -> int:
     """Link the verified ``src`` to ``dest`` unless a file is there; its size (0: kept the
     file that was there)."""
     size = src.stat().st_size
