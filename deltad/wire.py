@@ -38,6 +38,11 @@ MAX_SLICE_ELEMENTS = 1 << 36
 #: Trailing metadata of a GetDelta refused with RESOURCE_EXHAUSTED (the sidecar's stream
 #: limit): milliseconds the sidecar suggests waiting before trying again.
 RETRY_AFTER_KEY = "deltad-retry-after-ms"
+#: Trailing metadata of a refused call: what kind of refusal it is, for a client to act on
+#: without parsing the message. :data:`REFUSED_HELD_STATE`: a GetDelta's ``holding`` names a
+#: state the server will not serve from (FAILED_PRECONDITION; the client pulls its full tables).
+REFUSAL_KEY = "deltad-refusal"
+REFUSED_HELD_STATE = "held-state"
 
 _FORM_TO_PB: dict[Form, pb.Form] = {
     Form.IDS: pb.FORM_IDS,

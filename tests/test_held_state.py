@@ -12,6 +12,8 @@ import pytest
 from serverkit import Client, SpoolWriter, client, sidecar, spool, wait_for  # noqa: F401
 from test_rollback import Release
 
+from deltad import wire
+from deltad.consume.sidecars import refusal
 from deltad.serve.edge.app import SidecarServer
 from deltad.v1 import delta_pb2 as pb
 
@@ -79,6 +81,8 @@ def test_a_held_state_the_log_cannot_serve_from_is_refused(
         client.pull("c-past" if what == "past" else f"c-{what}", holding=held)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert says in (e.value.details() or ""), e.value.details()
+    # (what a client acts on: the kind of refusal, not the message's words)
+    assert refusal(e.value) == wire.REFUSED_HELD_STATE
 
 
 def test_a_held_state_past_the_release_cap_is_refused(
@@ -104,6 +108,7 @@ def test_a_held_state_past_the_release_cap_is_refused(
             c.pull("cold", holding=_held(sp, 3))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "past the consumer's release cap" in (e.value.details() or "")
+        assert refusal(e.value) == wire.REFUSED_HELD_STATE
         d = c.pull("cold", holding=_held(sp, 1))  # the released state itself is fine
         assert not d.resync and d.to_seq == 1
     finally:

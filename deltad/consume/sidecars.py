@@ -293,7 +293,7 @@ class Sidecars:
                     if (
                         code == grpc.StatusCode.FAILED_PRECONDITION
                         and what == "GetDelta"
-                        and (e.details() or "").startswith("held state:")
+                        and refusal(e) == wire.REFUSED_HELD_STATE
                     ):
                         raise HeldStateRefused(
                             f"rank {r.rank} GetDelta at {r.endpoint}: {e.details()}"
@@ -481,6 +481,18 @@ class Sidecars:
             if r.channel is not None:
                 r.channel.close()
             self.open(r)
+
+
+def refusal(e: grpc.RpcError) -> str:
+    """The kind of refusal a sidecar named in the trailing metadata (``deltad.wire.REFUSAL_KEY``;
+    "" if none)."""
+    try:
+        for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
+            if key == wire.REFUSAL_KEY:
+                return str(value)
+    except (TypeError, AttributeError, ValueError):
+        pass
+    return ""
 
 
 def retry_after(e: grpc.RpcError) -> float | None:

@@ -23,6 +23,7 @@ from typing import NoReturn
 
 import grpc
 
+from deltad import wire
 from deltad.config import ServerConfig
 from deltad.errors import OffsetStoreError, OwedBudgetError, SpoolError
 from deltad.serve.edge.grpcutil import abort as _abort
@@ -251,6 +252,7 @@ class WindowServer:
         elif max_step is not None and h.step > max_step:
             why = f"step {h.step} is past the consumer's release cap (step {max_step})"
         if why:
+            context.set_trailing_metadata(((wire.REFUSAL_KEY, wire.REFUSED_HELD_STATE),))
             self._refuse(
                 context, consumer, grpc.StatusCode.FAILED_PRECONDITION, f"held state: {why}"
             )
