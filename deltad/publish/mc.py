@@ -43,6 +43,7 @@ the row re-initialized); evicted raw ids are the old map's ids no longer held by
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,19 +82,59 @@ def slot_raw_ids(mch: Any) -> torch.Tensor:
     return slot_raw_of(sorted_raw.cpu(), mapping.cpu(), int(mch._output_global_offset))
 
 
+class SlotMap:
+    """An MC shard's slot -> raw id map at one cut: copies of its MCH buffers, taken in the
+    training loop (two copies); the map itself (a scatter over every slot) is computed when
+    first read, by the publisher's copy or writer thread, off the step."""
+
+    def __init__(self, mch: Any) -> None:
+        sorted_raw: torch.Tensor = mch._mch_sorted_raw_ids
+        mapping: torch.Tensor = mch._mch_remapped_ids_mapping
+        # (copies: the next forward changes the buffers in place; on a device, one copy each)
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = (
+            sorted_raw.to("cpu", copy=True),
+            mapping.to("cpu", copy=True),
+        )
+        self._offset = int(mch._output_global_offset)
+        self._map: torch.Tensor | None = None
+        # (read by the copy and writer threads, at times at once: a map is one segment's
+        # "now" and the next one's "before")
+        self._lock = threading.Lock()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The raw id of every local slot (``EMPTY_RAW_ID``: empty)."""
+        with self._lock:
+            if self._map is None:
+                assert self._buffers is not None
+                self._map = slot_raw_of(*self._buffers, self._offset)
+                self._buffers = None  # (the map replaces them)
+            return self._map
+
+
 @dataclass(frozen=True)
 class SlotIdentities:
     """One shard's identities at a publish (all int64, on the CPU).
 
-    Taken in the training loop at the cut as copies only (``slots``, the map at the last
-    publish, the reset slots); the diff (``changed``, ``evicted``) is computed where it is
-    first read, by the publisher's copy or writer thread, off the step."""
+    Taken in the training loop at the cut as copies only (the map now and at the last
+    publish, as :class:`SlotMap` copies of the MCH buffers, and the reset slots); the maps
+    and the diff (``changed``, ``evicted``) are computed where first read, by the publisher's
+    copy or writer thread, off the step."""
 
-    #: The raw id of every local slot now (``EMPTY_RAW_ID``: empty).
-    slots: torch.Tensor
-    #: The map at the last publish, and the slots whose rows eviction reset since.
-    last: torch.Tensor
+    now: SlotMap
+    before: SlotMap
+    #: The slots whose rows eviction reset since the last publish.
     reset: torch.Tensor
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The raw id of every local slot now (``EMPTY_RAW_ID``: empty)."""
+        return self.now.tensor
+
+    @property
+    def last(self) -> torch.Tensor:
+        """The map at the last publish."""
+        return self.before.tensor
 
     @functools.cached_property
     def _diff(self) -> torch.Tensor:
@@ -119,12 +160,17 @@ class McShardState:
 
     mch: Any
     rows: int
-    last: torch.Tensor = field(init=False)
+    _last: SlotMap = field(init=False)
     reset: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.last = slot_raw_ids(self.mch)
+        self._last = SlotMap(self.mch)
         self.reset = torch.zeros(self.rows, dtype=torch.bool)
+
+    @property
+    def last(self) -> torch.Tensor:
+        """The map at the last publish."""
+        return self._last.tensor
 
     @torch.no_grad()
     def mark_reset(self, local: torch.Tensor) -> None:
@@ -134,11 +180,11 @@ class McShardState:
 
     @torch.no_grad()
     def take(self) -> SlotIdentities:
-        """The identities now against the last take (the diff is computed when first read);
-        this becomes the last."""
-        cur = slot_raw_ids(self.mch)
-        taken = SlotIdentities(cur, self.last, self.reset.clone())
-        self.last = cur
+        """The identities now against the last take (the maps and the diff are computed when
+        first read); this becomes the last."""
+        cur = SlotMap(self.mch)
+        taken = SlotIdentities(cur, self._last, self.reset.clone())
+        self._last = cur
         self.reset.zero_()
         return taken
 
