@@ -94,6 +94,13 @@ def _one(spool: Path, size: dict[str, Any], publish: bool, every_s: float) -> di
             )
             for r in ranks
         ),
+        # the same by thread (writer, copier, fold), us per measured step, the larger rank
+        "offloop_parts_us": {
+            k: max(r.offloop_parts.get(k + "_s", 0.0) / max(1, res.steps) * 1e6 for r in ranks)
+            for k in ("write", "copy", "fold")
+        },
+        # what the writer writes: MB per segment, the larger rank
+        "mb_per_segment": max(r.nbytes / max(1, r.segments) / 1e6 for r in ranks),
         "stall_per_segment_ms": max(
             (r.loop_publish_s / max(1, r.segments - 2) * 1000.0) for r in ranks
         ),

@@ -308,6 +308,8 @@ class RankStats:
     #: threads and of the tracker's fold thread (the publisher's own accounting), less the
     #: base segment that ``start()`` writes before the loop
     offloop_cpu_s: float = 0.0
+    #: ``offloop_cpu_s`` by thread: ``write_s``, ``copy_s``, ``fold_s``
+    offloop_parts: dict[str, float] = field(default_factory=dict)
     #: of the publisher's loop time, over the whole run: its per-publish all-reduce
     agree_s: float = 0.0
 
@@ -656,12 +658,12 @@ def _train(rank: int, cfg: TrainConfig, work: Path) -> None:
         # checkpoint), is not a cost of the steps: every later segment is counted, the
         # final one and any fresh base included
         start_base = s.segments[0].write_cpu_s if s.segments else 0.0
-        mine.offloop_cpu_s = (
-            s.write_cpu_s
-            - start_base
-            + sum(x.copy_cpu_s for x in s.segments)
-            + publisher.tracker.stats.background_s
-        )
+        mine.offloop_parts = {
+            "write_s": s.write_cpu_s - start_base,
+            "copy_s": sum(x.copy_cpu_s for x in s.segments),
+            "fold_s": publisher.tracker.stats.background_s,
+        }
+        mine.offloop_cpu_s = sum(mine.offloop_parts.values())
         mine.agree_s = sum(x.agree_s for x in s.segments)
     gathered: list[Any] = [None] * cfg.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
