@@ -27,6 +27,17 @@ from deltad.store import EmbeddedRedis
 pytestmark = pytest.mark.timeout(120)
 
 
+def _delete_under_writers(root: Path) -> None:
+    """``rm -rf root`` while the sidecar runs: it may write into the spool meanwhile (its
+    rewrite of what it finds lost), which fails one pass with "Directory not empty"; like an
+    operator's ``rm -rf`` run again, pass until the directory is gone (bounded)."""
+    for _ in range(100):
+        shutil.rmtree(root, ignore_errors=True)
+        if not root.exists():
+            return
+    raise AssertionError(f"{root} kept coming back")
+
+
 def _head(srv: SidecarServer) -> int:
     snap = srv.log.snapshot()
     return -1 if snap is None else snap.head.seq
@@ -69,7 +80,7 @@ def test_a_spool_deleted_under_a_running_sidecar_is_written_back_and_predictors_
         files = {p.name: p.read_bytes() for _, p in layout.segments(gen, 0)}
         assert sorted(files) == [f"seg-{s:012d}.dseg" for s in range(4)]
 
-        shutil.rmtree(root)  # the spool is gone under the running sidecar and trainer
+        _delete_under_writers(root)  # the spool is gone under the running sidecar and trainer
         for seq in range(4, 6):  # the trainer goes on publishing into the empty spool
             tracker.step()
             pub.publish(seq)
@@ -83,7 +94,8 @@ def test_a_spool_deleted_under_a_running_sidecar_is_written_back_and_predictors_
             assert (layout.rank_dir(gen, 0) / name).read_bytes() == data, name
         labels = {"model": MODEL, "rank": "0"}
         get = srv.metrics.registry.get_sample_value
-        assert get("deltad_spool_files_rewritten_total", labels) == 4
+        # (4: the segments seq 0..3; more when its rewrite raced the rm -rf and was deleted too)
+        assert get("deltad_spool_files_rewritten_total", labels) >= 4
         # the rank's lock went with the spool: the sidecar holds it again
         assert layout.rank_lock_path(0).exists()
         with pytest.raises(Exception, match="another sidecar serves rank 0"):
