@@ -483,27 +483,30 @@ class Sidecars:
             self.open(r)
 
 
+def _trailing(e: grpc.RpcError, key: str) -> str | None:
+    """The value of ``key`` in a failed call's trailing metadata (None: absent)."""
+    try:
+        for k, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
+            if k == key:
+                return str(value)
+    except (TypeError, AttributeError):
+        pass
+    return None
+
+
 def refusal(e: grpc.RpcError) -> str:
     """The kind of refusal a sidecar named in the trailing metadata (``deltad.wire.REFUSAL_KEY``;
     "" if none)."""
-    try:
-        for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
-            if key == wire.REFUSAL_KEY:
-                return str(value)
-    except (TypeError, AttributeError, ValueError):
-        pass
-    return ""
+    return _trailing(e, wire.REFUSAL_KEY) or ""
 
 
 def retry_after(e: grpc.RpcError) -> float | None:
     """The wait (seconds) a sidecar suggested in a refusal's trailing metadata, if any."""
+    value = _trailing(e, wire.RETRY_AFTER_KEY)
     try:
-        for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
-            if key == wire.RETRY_AFTER_KEY:
-                return min(60.0, max(0.0, int(value) / 1000))
-    except (ValueError, TypeError, AttributeError):
-        pass
-    return None
+        return None if value is None else min(60.0, max(0.0, int(value) / 1000))
+    except ValueError:
+        return None
 
 
 def _unknown(rollout_state: str) -> str:
