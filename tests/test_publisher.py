@@ -580,16 +580,23 @@ def test_the_train_loop_is_set_in_the_publisher_config(tmp_path: Path) -> None:
 def _timed_worker(rank: int, world_size: int, spool: str) -> None:
     """Time-based publishing with uneven step times (rank 1 sleeps): every rank publishes at
     the same steps, and a step that does not publish issues no collective of the publisher's
-    (counted by wrapping torch.distributed's all_reduce and broadcast, and by its own stats)."""
+    (counted by wrapping torch.distributed's all_reduce and broadcast, and by its own stats).
+    The publish's one all-reduce is issued by the copier thread (on the publisher's own
+    group), so the loop issues none at all."""
     dmp = toy_dmp(world_size)
     cfg = PublisherConfig(Path(spool), model="toy", every_seconds=0.6, fsync=False)
     pub = SegmentPublisher(dmp, cfg)
-    calls = [0]
+    calls = [0]  # issued by the training loop's thread
+    off_loop: list[str] = []  # the threads that issued the others
+    loop_thread = threading.current_thread()
     real = {n: getattr(dist, n) for n in ("all_reduce", "broadcast")}
 
     def counting(name: str) -> Any:
         def call(*a: Any, **kw: Any) -> Any:
-            calls[0] += 1
+            if threading.current_thread() is loop_thread:
+                calls[0] += 1
+            else:
+                off_loop.append(threading.current_thread().name)
             return real[name](*a, **kw)
 
         return call
@@ -612,11 +619,17 @@ def _timed_worker(rank: int, world_size: int, spool: str) -> None:
     finally:
         for n, f in real.items():
             setattr(dist, n, f)
+    issued_off_loop = len(off_loop)
     pub.close(step)
     assert len(published) == 4
     assert len(set(map(tuple, _gather(published, world_size)))) == 1
     for s, wrapped, own in per_step:
-        assert (wrapped, own) == ((1, 1) if s in published else (0, 0)), (s, wrapped, own)
+        assert (wrapped, own) == ((0, 1) if s in published else (0, 0)), (s, wrapped, own)
+    # each publish's all-reduce was issued by the copier before the next backward could
+    # update a row (it issues before it copies, and the backward waits for the copy); the
+    # last one may be issued by close()
+    assert issued_off_loop >= len(published) - 1
+    assert set(off_loop) == {"deltad-copier"}, off_loop
     # the first publish (step 1) measured the pace: later ones are several steps apart
     gaps = [b - a for a, b in itertools.pairwise(published)]
     assert published[0] == 1 and max(gaps) > 1, published

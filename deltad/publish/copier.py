@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -145,6 +146,8 @@ class CopyRequest:
     job: SegmentJob | None = None
     #: Managed-collision shards' identities, taken in the loop at the segment's cut.
     identities: dict[TrackedShard, SlotIdentities] = field(default_factory=dict)
+    #: Run first, off the loop: the publish's all-reduce issued (``PendingMax.issue``).
+    before: Callable[[], None] | None = None
 
 
 class CopierThread:
@@ -199,6 +202,8 @@ class CopierThread:
         """Read and copy each request's rows, then queue it for the writer."""
         while (req := self._queue.get()) is not None:
             job = None
+            if req.before is not None:
+                req.before()  # never raises (an issue's failure is raised on the loop)
             try:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 # resolving also returns the bitmaps to the tracker

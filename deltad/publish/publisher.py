@@ -176,7 +176,10 @@ class SegmentPublisher:
         self._ranks.agree(failed, "writing the base segment")
         self._schedule.started(step)
         self._writer.start()
-        if self._copies_in_background():
+        background = self._copies_in_background()
+        # with a side group, the copier issues each publish's all-reduce (see publish)
+        self._ranks.open_side_group(wanted=background)
+        if background:
             self._copier = CopierThread(self._rows, self._writer)
             self.tracker.add_update_barrier(self.wait_copied, armed=self._copier.copying)
         return gen
@@ -256,14 +259,15 @@ class SegmentPublisher:
             error.__cause__ = self._writer.error
         elif self._copier is not None and not self._copier.alive():
             error = SpoolError("the publisher's copier thread stopped")
-        # One all-reduce, issued now and waited for at the next call: any rank failed, and
-        # (time-based) rank 0's next publish step.
+        # One all-reduce, waited for at the next call: any rank failed, and (time-based)
+        # rank 0's next publish step. With a copier and a side group (gloo), the copier
+        # issues it, first thing for this segment, off the loop; else it is issued now.
         a0 = time.perf_counter()
-        pending = self._ranks.all_reduce_max_async(
+        pending = self._ranks.all_reduce_max_later(
             1 if error else 0, self._schedule.predict_next(step)
         )
         self._agree_s = time.perf_counter() - a0
-        stats = self._publish_now(step, t0)
+        stats = self._publish_now(step, t0, pending)
         self._agreement = _Agreement(pending, error, stats)
         return stats
 
@@ -295,11 +299,12 @@ class SegmentPublisher:
         self._schedule.agreed(nxt)
         return waited
 
-    def _publish_now(self, step: int, t0: float) -> SegmentStats:
-        """The publish itself: a fresh base if one is owed, else a delta of the drained rows."""
+    def _publish_now(self, step: int, t0: float, pending: PendingMax) -> SegmentStats:
+        """The publish itself: a fresh base if one is owed, else a delta of the drained rows.
+        ``pending`` (its all-reduce) is handed to the copier, which issues it."""
         assert self.generation is not None
         if self._rebase.due(self.generation, self._writer.write_failed):
-            return self._publish_base(step, t0)
+            return self._publish_base(step, t0, pending)
         if self._copier is not None:
             identities = self._identities()
             stats = self._reserve(step, SegmentKind.DELTA)
@@ -308,7 +313,9 @@ class SegmentPublisher:
             # the fold thread, whose Python work would contend for the GIL with the loop's.
             deferred = self.tracker.drain_deferred()
             # from here on, backward passes (and MC computes) wait for the copy
-            self._copier.submit(CopyRequest(deferred, stats, dense, identities=identities))
+            self._copier.submit(
+                CopyRequest(deferred, stats, dense, identities=identities, before=pending.issue)
+            )
             stats.stall_s = time.perf_counter() - t0
             return stats
         drained = self.tracker.drain()
@@ -322,7 +329,7 @@ class SegmentPublisher:
         stats.stall_s = time.perf_counter() - t0
         return stats
 
-    def _publish_base(self, step: int, t0: float) -> SegmentStats:
+    def _publish_base(self, step: int, t0: float, pending: PendingMax) -> SegmentStats:
         """A fresh base of this rank's shards now (rank-local: no collective). It covers every
         segment before it, so the sidecar serves from it and drops those."""
         self._rebase.taken()
@@ -340,7 +347,7 @@ class SegmentPublisher:
         job = pack(stats, shards, _all_rows(shards), values, identities, base=True)
         job.dense = self._take_dense(stats, force=True)  # a base carries the dense state too
         if self._copier is not None:
-            self._copier.submit(CopyRequest(deferred, stats, job=job))
+            self._copier.submit(CopyRequest(deferred, stats, job=job, before=pending.issue))
         else:
             self._writer.put(job)
         stats.stall_s = time.perf_counter() - t0
@@ -375,6 +382,7 @@ class SegmentPublisher:
                 self.tracker.remove_update_barrier(self.wait_copied)
             self._writer.stop()
             self._rows.clear()
+            self._ranks.close()  # its last all-reduce was waited for by _settle above
         if self._writer.error is not None:
             err = self._writer.error
             raise SpoolError(f"writing a segment failed: {err}") from err
