@@ -7,12 +7,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from deltad.publish.stats import TrackerStats
 
 log = logging.getLogger(__name__)
+
+#: a call the thread runs: a function and its arguments
+_Call = tuple[Callable[..., None], tuple[Any, ...]]
 
 
 class FoldThread:
@@ -32,24 +36,26 @@ class FoldThread:
     """
 
     def __init__(self, max_pending: int, stats: TrackerStats, batch_ids: int = 0) -> None:
-        self._queue: queue.Queue[list[Callable[[], None]] | None] = queue.Queue(maxsize=max_pending)
+        # each batch: calls as (function, its arguments)
+        self._queue: queue.Queue[list[_Call] | None] = queue.Queue(maxsize=max_pending)
         self.error: BaseException | None = None
         # calls handed to the thread, and of those the ones it has finished (each written by
         # one thread only; equal: the thread has nothing left, every effect is visible)
         self._submitted = 0
         self._finished = 0
         #: lookups deferred and not yet handed over (the training loop's thread only)
-        self._batch: list[Callable[[], None]] = []
+        self._batch: list[_Call] = []
         self._batch_ids = 0
         self._batch_max = batch_ids
         self._stats = stats  # background_s: this thread's CPU time
         self._thread = threading.Thread(target=self._run, name="deltad-fold", daemon=True)
         self._thread.start()
 
-    def defer(self, call: Callable[[], None], ids: int) -> None:
-        """Add a fold of ``ids`` ids to the batch; hand the batch over once it holds
-        ``batch_ids`` ids. It runs after every call deferred or submitted before it."""
-        self._batch.append(call)
+    def defer(self, ids: int, fn: Callable[..., None], *args: Any) -> None:
+        """Add ``fn(*args)``, a fold of ``ids`` ids, to the batch; hand the batch over once
+        it holds ``batch_ids`` ids. It runs after every call deferred or submitted before it.
+        (The lookup hook's one call per lookup: no closure is made on the loop.)"""
+        self._batch.append((fn, args))
         self._batch_ids += ids
         if self._batch_ids >= self._batch_max:
             self.flush()
@@ -71,12 +77,12 @@ class FoldThread:
         ``max_pending`` wait)."""
         self.flush()
         self._submitted += 1
-        self._queue.put([call])
+        self._queue.put([(call, ())])
 
-    def _call(self, call: Callable[[], None]) -> None:
+    def _call(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
         try:
             with torch.no_grad():  # grad mode is per thread
-                call()
+                fn(*args)
         except BaseException as e:
             log.error("folding tracked ids: %s", e)
             if self.error is None:
@@ -96,10 +102,10 @@ class FoldThread:
     def _run(self) -> None:
         while (calls := self._queue.get()) is not None:
             c0 = time.thread_time()
-            for call in calls:
-                self._call(call)
+            for fn, args in calls:
+                self._call(fn, args)
             n = len(calls)
             # a queued call holds the tracker: let it go before the next get()
-            calls = call = None  # type: ignore[assignment]
+            calls = fn = args = None  # type: ignore[assignment]
             self._stats.background_s += time.thread_time() - c0
             self._finished += n

@@ -91,6 +91,14 @@ __all__ = [
 ]
 
 
+def _always() -> bool:
+    return True
+
+
+def _never() -> bool:
+    return False
+
+
 class DeltaTracker:
     """Records, per local shard, the rows touched since the last :meth:`drain`.
 
@@ -107,6 +115,8 @@ class DeltaTracker:
         self._barriers: list[Callable[[], None]] = []
         #: barrier -> whether it may block now (None: always; see add_update_barrier)
         self._armed: dict[Callable[[], None], Callable[[], bool] | None] = {}
+        #: whether this forward's backward must run the barriers (see _barrier_predicate)
+        self._barrier_needed: Callable[[], bool] = _never
         found = find_shards(model, self.config)
         self._modules: dict[str, Any] = found.modules  # fqn -> sharded EC / EBC
         self._tables: list[TableInfo] = found.tables
@@ -149,7 +159,7 @@ class DeltaTracker:
             t0 = time.perf_counter()  # the hook's whole time is the loop's (update hook too)
             # Paused or not: whatever this lookup's backward updates waits for the barriers
             # that may block by then (see _barrier_needed).
-            if isinstance(embs, torch.Tensor) and embs.requires_grad and self._barrier_needed():
+            if self._barrier_needed() and isinstance(embs, torch.Tensor) and embs.requires_grad:
                 embs.register_hook(self._before_update)
                 self.stats.update_hooks += 1
             if self._paused:
@@ -168,8 +178,7 @@ class DeltaTracker:
             # values are ids (integers: never part of autograd, no detach needed).
             values, offsets = features.values(), features.offset_per_key()
             if self._folder is not None:  # straight into the fold thread's batch
-                call = functools.partial(self._mark, lookup, values, offsets)
-                self._folder.defer(call, values.numel())
+                self._folder.defer(offsets[-1], self._mark, lookup, values, offsets)
             else:  # folded in the output dist's hook
                 self._pending.append((lookup, values, offsets))
             self.stats.lookups += 1
@@ -369,18 +378,25 @@ class DeltaTracker:
         """
         self._barriers.append(barrier)
         self._armed[barrier] = armed
+        self._barrier_needed = self._barrier_predicate()
 
     def remove_update_barrier(self, barrier: Callable[[], None]) -> None:
         """Stop running ``barrier`` (no error if it is not registered)."""
         if barrier in self._barriers:
             self._barriers.remove(barrier)
             self._armed.pop(barrier, None)
+            self._barrier_needed = self._barrier_predicate()
 
-    def _barrier_needed(self) -> bool:
-        """Whether this forward's backward must run the barriers (see add_update_barrier)."""
-        if self._lookahead:
-            return bool(self._barriers)
-        return any(armed is None or armed() for armed in self._armed.values())
+    def _barrier_predicate(self) -> Callable[[], bool]:
+        """Whether a forward's backward must run the barriers (see add_update_barrier), as
+        one call for the lookup hook: the publisher's one armed barrier is its own
+        ``armed`` (the hook runs for every lookup of every step)."""
+        armed = list(self._armed.values())
+        if self._lookahead or any(a is None for a in armed):
+            return _always if self._barriers else _never
+        if len(armed) == 1 and armed[0] is not None:
+            return armed[0]
+        return lambda: any(a() for a in armed if a is not None)
 
     def _before_update(self, grad: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
