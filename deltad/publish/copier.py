@@ -144,8 +144,11 @@ class CopyRequest:
     dense: dict[str, torch.Tensor] | None = None
     #: A job already packed (a fresh base): forwarded to the writer in order.
     job: SegmentJob | None = None
-    #: Managed-collision shards' identities, taken in the loop at the segment's cut.
+    #: Managed-collision shards' identities, taken in the loop at the segment's cut ...
     identities: dict[TrackedShard, SlotIdentities] = field(default_factory=dict)
+    #: ... or taken by the copier, first (the MC computes wait for the copy, so the slot
+    #: maps are still those of the cut): the publisher's ``_identities``.
+    take_identities: Callable[[], dict[TrackedShard, SlotIdentities]] | None = None
     #: Run first, off the loop: the publish's all-reduce issued (``PendingMax.issue``).
     before: Callable[[], None] | None = None
 
@@ -206,12 +209,15 @@ class CopierThread:
                 req.before()  # never raises (an issue's failure is raised on the loop)
             try:
                 t0, c0 = time.perf_counter(), time.thread_time()
+                identities = req.identities
+                if req.take_identities is not None:  # every time: the next diffs from it
+                    identities = req.take_identities()
                 # resolving also returns the bitmaps to the tracker
                 drained = req.drained.resolve() if req.drained is not None else []
                 if req.job is not None:
                     job = req.job  # a fresh base: its rows are copied already
                 elif self.writer.error is None:  # after a failure nothing more is written
-                    job = self.rows.copy_job(drained, req.stats, req.identities)
+                    job = self.rows.copy_job(drained, req.stats, identities)
                     job.dense = req.dense
                 req.stats.copy_s = time.perf_counter() - t0
                 req.stats.copy_cpu_s = time.thread_time() - c0

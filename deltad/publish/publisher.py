@@ -11,9 +11,9 @@ publish's step). That all-reduce is issued at the publish and waited for at the 
 a training step later (:meth:`SegmentPublisher._settle`): the loop does not wait in it for a
 slower rank.
 
-The data path of one publish: drain the tracker (the cut), take the managed-collision
-identities and, on rank 0, the dense state (:mod:`deltad.publish.dense`) in the loop; copy the
-rows (:mod:`deltad.publish.copier`); write the segment (:mod:`deltad.publish.writer`).
+The data path of one publish: drain the tracker (the cut) and, on rank 0, take the dense
+state (:mod:`deltad.publish.dense`) in the loop; take the managed-collision identities and
+copy the rows (:mod:`deltad.publish.copier`); write the segment (:mod:`deltad.publish.writer`).
 
 What the training loop pays, per segment
 ----------------------------------------
@@ -31,11 +31,12 @@ What the training loop pays, per segment
   this publish: a lookup's hook is registered at lookup time and checks for a pending copy
   when its backward runs, so the barrier holds there too (those pipelines need a GPU, where
   the copy is asynchronous on the device stream anyway).
-* **Managed-collision tables** (see :mod:`deltad.publish.mc`): their slots' identities are
-  taken in the loop at the publish call (a copy of each MC shard's slot -> raw id map,
-  diffed against the last one); their rows are copied like any other, but eviction rewrites
-  rows in the *forward* (the MC module's compute), so the tracker runs the same barrier at
-  the start of each MC compute as well.
+* **Managed-collision tables** (see :mod:`deltad.publish.mc`): eviction rewrites rows in the
+  *forward* (the MC module's compute), and the slot -> raw id maps change there too, so the
+  tracker runs the same barrier at the start of each MC compute as well. Their rows are
+  copied like any other, and their slots' identities (a copy of each MC shard's slot -> raw
+  id map, diffed against the last one) are taken by the copier before it copies; without
+  background copies, in the loop at the publish call.
 * **Device weights**, or a tracker without update barriers: the drain and an
   ``index_select`` copy in the loop (on a GPU: a gather on the device and an asynchronous
   copy into pinned buffers).
@@ -306,15 +307,18 @@ class SegmentPublisher:
         if self._rebase.due(self.generation, self._writer.write_failed):
             return self._publish_base(step, t0, pending)
         if self._copier is not None:
-            identities = self._identities()
             stats = self._reserve(step, SegmentKind.DELTA)
             dense = self._take_dense(stats, force=self._final)
             # The drain last, at the same cut (nothing between changes the model): it wakes
             # the fold thread, whose Python work would contend for the GIL with the loop's.
             deferred = self.tracker.drain_deferred()
-            # from here on, backward passes (and MC computes) wait for the copy
+            # From here on, backward passes and MC computes wait for the copy: the MC
+            # shards' identities are taken by the copier too, at this same cut (an MC
+            # compute, where the slot maps change, waits for the copy first).
             self._copier.submit(
-                CopyRequest(deferred, stats, dense, identities=identities, before=pending.issue)
+                CopyRequest(
+                    deferred, stats, dense, take_identities=self._identities, before=pending.issue
+                )
             )
             stats.stall_s = time.perf_counter() - t0
             return stats

@@ -310,8 +310,8 @@ class DeltaTracker:
     def take_identities(self) -> dict[TrackedShard, SlotIdentities]:
         """Each managed-collision shard's identities now, diffed against the last call (see
         :class:`deltad.publish.mc.McShardState`); empty without MC tables. Call at the same
-        step boundary as the drain (the publisher does, in the loop: the MC state changes in
-        the next forward)."""
+        step boundary as the drain, or later but before the next MC compute (the publisher's
+        copier does, while the update barrier holds that compute back)."""
         return {s: s.mc.take() for s in self.shards if s.mc is not None}
 
     @torch.no_grad()
