@@ -7,9 +7,10 @@ publish decision is identical on all ranks and needs no collective on a step tha
 publish (:mod:`deltad.publish.schedule`, time-based publishing included); each publish
 all-reduces one small tensor (:mod:`deltad.publish.ranks`), so that a segment that failed to
 write on any rank raises on all of them together (and, time-based, to agree on the next
-publish's step). That all-reduce is issued at the publish and waited for at the next call,
-a training step later (:meth:`SegmentPublisher._settle`): the loop does not wait in it for a
-slower rank.
+publish's step). That all-reduce is waited for at the next call, a training step later
+(:meth:`SegmentPublisher._settle`): the loop does not wait in it for a slower rank. With
+background copies and gloo the copier issues it, on a process group of the publisher's own
+(:meth:`deltad.publish.ranks.RankGroup.open_side_group`); otherwise the publish does.
 
 The data path of one publish: drain the tracker (the cut) and, on rank 0, take the dense
 state (:mod:`deltad.publish.dense`) in the loop; take the managed-collision identities and
@@ -17,10 +18,10 @@ copy the rows (:mod:`deltad.publish.copier`); write the segment (:mod:`deltad.pu
 
 What the training loop pays, per segment
 ----------------------------------------
-* **CPU weights** (``PublisherConfig.copy_in_background``, the default): only issuing the
-  error all-reduce and the drain, a swap of the tracker's bitmaps (queued behind the tracker's fold
-  thread). A *copier* thread then reads the ids out of the drained bitmaps and copies the
-  rows while the next step's forward runs. The cut stays consistent because nothing may
+* **CPU weights** (``PublisherConfig.copy_in_background``, the default): only the drain, a
+  swap of the tracker's bitmaps (queued behind the tracker's fold thread). A *copier* thread
+  then issues the all-reduce, reads the ids out of the drained bitmaps and copies the rows
+  while the next step's forward runs. The cut stays consistent because nothing may
   update a tracked row before that copy is done: the tracker runs
   :meth:`SegmentPublisher.wait_copied` as an update barrier in every backward, when the
   gradient of a lookup's output is ready, which is before the embedding kernel's backward
