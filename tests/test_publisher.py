@@ -136,7 +136,7 @@ def _background_copy_worker(rank: int, world_size: int, spool: str, barrier: boo
     fired = [0]
     real_before_update = tracker._before_update
 
-    def count_barrier(grad: torch.Tensor) -> None:
+    def count_barrier(grad: torch.Tensor | None) -> None:
         fired[0] += 1
         real_before_update(grad)
 
@@ -663,6 +663,20 @@ def test_time_based_publishing_predicts_the_step_of_the_next_publish(tmp_path: P
     assert pub.stats.collectives == 0  # not distributed
 
 
+def _found_then_raised_together(
+    dmp: Any, pub: SegmentPublisher, rank: int, step: int, rank1_error: str
+) -> None:
+    """Rank 1's failure is found by the publish at ``step`` (nobody raises yet), the next
+    step trains on both ranks, and both raise at the call after it: rank 1 its own error,
+    rank 0 that another rank failed."""
+    assert pub.maybe_publish(step) is not None
+    dmp(batch(rank, step + 1))[0].backward()
+    with pytest.raises(SpoolError) as info:
+        pub.maybe_publish(step + 1)
+    expected = rank1_error if rank == 1 else "failed on another rank"
+    assert expected in str(info.value)
+
+
 def _agreement_worker(rank: int, world_size: int, spool: str, flag: str) -> None:
     """The publish's all-reduce is waited for at the next call: a rank's publish returns
     before a slower rank has reached its own; a fatal failure on one rank raises on both,
@@ -708,12 +722,7 @@ def _agreement_worker(rank: int, world_size: int, spool: str, flag: str) -> None
         assert isinstance(pub._writer.error, RuntimeError)
     dist.barrier()
     dmp(batch(rank, 3))[0].backward()
-    assert pub.maybe_publish(3) is not None  # found on rank 1 here; nobody raises yet
-    dmp(batch(rank, 4))[0].backward()  # the next step trains on both ranks
-    with pytest.raises(SpoolError) as info:  # ... and both raise at the call after it
-        pub.maybe_publish(4)
-    expected = "segment encoder bug" if rank == 1 else "failed on another rank"
-    assert expected in str(info.value)
+    _found_then_raised_together(dmp, pub, rank, 3, "segment encoder bug")
     with pytest.raises(SpoolError):  # close stops the threads; the failure stays reported
         pub.close(4)
     assert pub._writer.thread is not None and not pub._writer.thread.is_alive()
@@ -723,3 +732,29 @@ def test_the_publish_agreement_is_waited_for_a_step_later_and_a_failure_raises_o
     tmp_path: Path,
 ) -> None:
     spawn(_agreement_worker, 2, tmp_path, str(tmp_path / "spool"), str(tmp_path / "published"))
+
+
+def _dead_copier_worker(rank: int, world_size: int, spool: str) -> None:
+    """The copier issues each publish's all-reduce on the publisher's own group. When rank 1's
+    copier is gone, its publish finds it, the all-reduce it would have issued is issued by the
+    next call instead, and both ranks raise there together (nobody waits forever in it)."""
+    dmp = toy_dmp(world_size)
+    cfg = PublisherConfig(Path(spool), model="toy", every_steps=1, fsync=False)
+    pub = SegmentPublisher(dmp, cfg)
+    pub.start(0)
+    assert pub._copier is not None and pub._ranks._side is not None  # gloo, CPU weights
+    dmp(batch(rank, 1))[0].backward()
+    assert pub.maybe_publish(1) is not None
+    dmp(batch(rank, 2))[0].backward()
+    if rank == 1:  # the copier thread ends (as if it had died)
+        pub._copier._queue.put(None)
+        pub._copier.thread.join(30)
+        assert not pub._copier.alive()
+    _found_then_raised_together(dmp, pub, rank, 2, "copier thread stopped")
+
+
+@pytest.mark.slow
+def test_a_dead_copier_raises_on_every_rank_though_it_never_issued_its_all_reduce(
+    tmp_path: Path,
+) -> None:
+    spawn(_dead_copier_worker, 2, tmp_path, str(tmp_path / "spool"))
