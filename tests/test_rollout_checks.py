@@ -247,6 +247,9 @@ def test_release_force_says_forced_past_the_gate_only_when_the_gate_held_a_step_
         ft.step(3, poison=float("nan"))
         ft.step(4)
         wait_for(lambda: rollout(ep, A.ROLLOUT_STATUS).gate_bad_step == 3, 10, "the gate")
+        # "the head" below is step 4 only once the sidecar has indexed it (the gate fails
+        # step 3 first; CI once released to a head still at step 3)
+        wait_for(lambda: at_step([ep], 4), 10, "the head at step 4")
         # below the failed step: the gate holds nothing back from this release
         code, out, err = cli(ep, capsys, "release", "--force", "--to-step", "2")
         assert code == 0, err
