@@ -119,11 +119,6 @@ class PendingMax:
         self._issue_error: BaseException | None = None
         self._lock = threading.Lock()
 
-    @property
-    def issued(self) -> bool:
-        """Whether the all-reduce was issued (always, unless made with ``issue``)."""
-        return self._issue is None
-
     def issue(self) -> None:
         """Issue the all-reduce now if it is not yet (any thread; once). A failure is
         raised by :meth:`result`."""
