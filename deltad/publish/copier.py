@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -144,10 +144,9 @@ class CopyRequest:
     dense: dict[str, torch.Tensor] | None = None
     #: A job already packed (a fresh base): forwarded to the writer in order.
     job: SegmentJob | None = None
-    #: Managed-collision shards' identities, taken in the loop at the segment's cut ...
-    identities: dict[TrackedShard, SlotIdentities] = field(default_factory=dict)
-    #: ... or taken by the copier, first (the MC computes wait for the copy, so the slot
-    #: maps are still those of the cut): the publisher's ``_identities``.
+    #: Managed-collision shards' identities, taken by the copier first (the MC computes wait
+    #: for the copy, so the slot maps are still those of the cut): the publisher's
+    #: ``_identities``.
     take_identities: Callable[[], dict[TrackedShard, SlotIdentities]] | None = None
     #: Run first, off the loop: the publish's all-reduce issued (``PendingMax.issue``).
     before: Callable[[], None] | None = None
@@ -209,9 +208,8 @@ class CopierThread:
                 req.before()  # never raises (an issue's failure is raised on the loop)
             try:
                 t0, c0 = time.perf_counter(), time.thread_time()
-                identities = req.identities
-                if req.take_identities is not None:  # every time: the next diffs from it
-                    identities = req.take_identities()
+                # every time: the next take diffs from this one
+                identities = req.take_identities() if req.take_identities is not None else {}
                 # resolving also returns the bitmaps to the tracker
                 drained = req.drained.resolve() if req.drained is not None else []
                 if req.job is not None:
