@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -63,9 +64,7 @@ class RankGroup:
         if not self.distributed:
             return PendingMax(list(values))
         self._stats.collectives += 1
-        t = torch.tensor(values, dtype=torch.int64, device=self._device)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg, async_op=True)
-        return PendingMax(t, work)
+        return PendingMax(*_issue_max(values, self._device, self._pg))
 
     def all_reduce_max_later(self, *values: int) -> PendingMax:
         """The same all-reduce, on the side group if one is open, issued by the first of
@@ -75,13 +74,9 @@ class RankGroup:
         if not self.distributed or side is None:
             return self.all_reduce_max_async(*values)
         self._stats.collectives += 1
-        device = self._device
-
-        def issue() -> tuple[torch.Tensor, Any]:
-            t = torch.tensor(values, dtype=torch.int64, device=device)
-            return t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=side, async_op=True)
-
-        return PendingMax(list(values), issue=issue)
+        return PendingMax(
+            list(values), issue=functools.partial(_issue_max, values, self._device, side)
+        )
 
     def broadcast(self, value: int) -> int:
         """Rank 0's ``value`` on every rank."""
@@ -98,6 +93,14 @@ class RankGroup:
             if error is not None:
                 raise error
             raise SpoolError(f"{what} failed on another rank")
+
+
+def _issue_max(
+    values: tuple[int, ...], device: torch.device, group: Any
+) -> tuple[torch.Tensor, Any]:
+    """``values`` as a tensor and the asynchronous all-reduce MAX of it issued on ``group``."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    return t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
 
 class PendingMax:
