@@ -391,12 +391,14 @@ class DeltaTracker:
         """Whether a forward's backward must run the barriers (see add_update_barrier), as
         one call for the lookup hook: the publisher's one armed barrier is its own
         ``armed`` (the hook runs for every lookup of every step)."""
-        armed = list(self._armed.values())
-        if self._lookahead or any(a is None for a in armed):
-            return _always if self._barriers else _never
-        if len(armed) == 1 and armed[0] is not None:
-            return armed[0]
-        return lambda: any(a() for a in armed if a is not None)
+        if not self._armed:
+            return _never
+        checks = [a for a in self._armed.values() if a is not None]
+        if self._lookahead or len(checks) < len(self._armed):  # a barrier that always may
+            return _always
+        if len(checks) == 1:
+            return checks[0]
+        return lambda: any(a() for a in checks)
 
     def _before_update(self, grad: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
