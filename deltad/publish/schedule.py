@@ -99,16 +99,18 @@ class RebaseSchedule:
         self.rank = rank
         self.retry_s = retry_s
         self._last = -float("inf")
-        #: generation -> its request's path, as a str: building the Path each publish cost
+        #: (generation, its request's path as a str): building the Path each publish cost
         #: the loop ~150 us of a publish's ~1 ms here; one stat of a str costs a few
-        self._requests: dict[int, str] = {}
+        self._request: tuple[int, str] | None = None
 
     def due(self, generation: int, write_failed: bool) -> bool:
         """Whether this publish is a fresh base; consumes the sidecar's request if it is."""
-        path = self._requests.get(generation)
-        if path is None:
-            path = str(self.layout.rebase_request_path(generation, self.rank))
-            self._requests = {generation: path}
+        if self._request is None or self._request[0] != generation:
+            self._request = (
+                generation,
+                str(self.layout.rebase_request_path(generation, self.rank)),
+            )
+        path = self._request[1]
         asked = os.path.exists(path)
         if not (asked or write_failed):
             return False
